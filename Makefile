@@ -1,0 +1,51 @@
+# gradwatch developer commands. Everything a fresh clone needs is set up by these targets.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: help venv demo test test-fast lint bench deploy-assets system-deps clean
+
+help:
+	@echo "make demo   - run the gradwatch demo (torchrun, 2 ranks, live table, endpoint)"
+	@echo "make test   - install everything and run all tests (unit, distributed, e2e)"
+	@echo "make bench  - run the benchmarks and regenerate docs/performance.md"
+	@echo "make lint   - ruff"
+
+# The pinned CPU torch goes in first: an unpinned requirement could pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test,cli,plot]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Prometheus server and promtool (Debian package), used by e2e tests; needs root when missing.
+system-deps:
+	@bash scripts/install-system-deps.sh
+
+demo: venv
+	$(BIN)/gradwatch demo
+
+test: venv system-deps
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -x -m "not e2e and not distributed"
+
+lint: venv
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+bench: venv
+	$(BIN)/python benchmarks/run.py --out docs/performance.md
+
+deploy-assets: venv
+	$(BIN)/python scripts/gen_k8s_rules.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

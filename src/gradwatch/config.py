@@ -1,0 +1,195 @@
+"""Configuration of a :class:`~gradwatch.GradWatch`: one pydantic-settings model.
+
+Every field can be given in code or through a ``GRADWATCH_<FIELD>`` environment variable
+(JSON for dicts and lists, e.g. ``GRADWATCH_GROUPS='{"host": ["backbone.*"]}'``).
+Arguments given in code win over the environment, which wins over the defaults.
+
+Invalid values are refused at construction with a :class:`pydantic.ValidationError` whose
+location names the field, so a typo in a launcher script fails before the first step instead
+of in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import (
+    Field,
+    FilePath,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Name of the implicit group of parameters that match no pattern.
+OTHER_GROUP = "other"
+
+#: Default port of the endpoint used by examples and the demo (`gradwatch demo`). Chosen
+#: outside the well-known exporter range listed on the Prometheus wiki's port allocations page
+#: at the time of writing; any port can be configured.
+DEFAULT_DEMO_PORT = 9977
+
+GroupName = Annotated[StrictStr, Field(min_length=1)]
+Threshold = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+class WatchConfig(BaseSettings):
+    """What to watch and how.
+
+    Attributes:
+        groups: ordered mapping group name -> fnmatch globs on parameter names; the first group
+            with a matching pattern wins. Parameters that match nothing form the group ``"other"``.
+        ratios: pairs ``(numerator, denominator)`` of group names; each gives
+            ``ratios["num/den"] = (n_norm/sqrt(n_numel)) / (d_norm/sqrt(d_numel) + 1e-8)``.
+        isolated: groups expected to receive no gradient (``norm <= isolation_threshold``).
+        vanishing_threshold: a parameter whose gradient L2 norm is below this is "vanishing".
+        exploding_threshold: a parameter whose gradient L2 norm is above this is "exploding".
+        isolation_threshold: an isolated group whose norm exceeds this violates isolation.
+        every_n_steps: ``collect(step)`` does work only when ``step % every_n_steps == 0``.
+        divergence_every: replica divergence is measured every this many collected steps
+            (0 disables it).
+        collective_timeout_seconds: how long one gradwatch collective may wait for the other
+            ranks before it gives up with :class:`~gradwatch.errors.GradWatchTimeoutError`.
+        port: ``None`` = no endpoint; ``0`` = an ephemeral port; otherwise that TCP port.
+        bind_address: address the endpoint binds to (``0.0.0.0``, the exporter convention).
+        certfile, keyfile, client_cafile: TLS for the endpoint (``client_cafile`` = mutual TLS).
+        param_metrics_top_k: export ``gradwatch_param_grad_norm{param}`` for the k largest norms
+            plus every non-finite parameter (capped, see docs/metrics.md).
+        history_path: rank 0 appends one JSON line per snapshot to this file.
+        history_max_bytes: the history file is rotated (one ``.1`` backup) past this size.
+        enabled: ``False`` makes :func:`gradwatch.watch` return a no-op watcher.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="GRADWATCH_",
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+    )
+
+    groups: dict[GroupName, list[StrictStr]] = Field(default_factory=dict)
+    ratios: list[tuple[GroupName, GroupName]] = Field(default_factory=list)
+    isolated: list[GroupName] = Field(default_factory=list)
+
+    vanishing_threshold: Threshold = 1e-7
+    exploding_threshold: Threshold = 100.0
+    isolation_threshold: Threshold = 1e-6
+
+    every_n_steps: int = Field(default=1, ge=1)
+    divergence_every: int = Field(default=100, ge=0)
+    collective_timeout_seconds: float = Field(default=300.0, gt=0.0, allow_inf_nan=False)
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    bind_address: str = "0.0.0.0"
+    certfile: FilePath | None = None
+    keyfile: FilePath | None = None
+    client_cafile: FilePath | None = None
+    param_metrics_top_k: int = Field(default=0, ge=0)
+
+    history_path: Path | None = None
+    history_max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
+
+    enabled: bool = True
+
+    @field_validator("groups", mode="before")
+    @classmethod
+    def _groups_from_pairs(cls, value: Any) -> Any:
+        """Accept a list of ``(name, patterns)`` pairs too, so duplicates can be reported."""
+        if isinstance(value, list | tuple):
+            seen: dict[Any, Any] = {}
+            for item in value:
+                if not isinstance(item, list | tuple) or len(item) != 2:
+                    raise ValueError("groups must be a mapping or a list of (name, patterns) pairs")
+                name, patterns = item
+                if name in seen:
+                    raise ValueError(f"duplicate group name {name!r}")
+                seen[name] = patterns
+            return seen
+        return value
+
+    @field_validator("groups")
+    @classmethod
+    def _check_groups(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, patterns in value.items():
+            if name.strip() != name or not name.strip():
+                raise ValueError(f"group name {name!r} is empty or has surrounding blanks")
+            if name == OTHER_GROUP:
+                raise ValueError(
+                    f"group name {OTHER_GROUP!r} is reserved for parameters that match no pattern"
+                )
+            if "/" in name:
+                raise ValueError(f"group name {name!r} must not contain '/' (used in ratio keys)")
+            if not patterns:
+                raise ValueError(f"group {name!r} has no patterns")
+            if any(not p for p in patterns):
+                raise ValueError(f"group {name!r} has an empty pattern")
+        return value
+
+    @field_validator("bind_address")
+    @classmethod
+    def _check_bind_address(cls, value: str) -> str:
+        if value == "localhost":
+            return value
+        try:
+            ipaddress.ip_address(value)
+        except ValueError as exc:
+            raise ValueError(f"bind_address {value!r} is not an IP address") from exc
+        return value
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> WatchConfig:
+        known = set(self.groups) | {OTHER_GROUP}
+        for i, (num, den) in enumerate(self.ratios):
+            for name in (num, den):
+                if name not in known:
+                    raise ValueError(
+                        f"ratios[{i}] names unknown group {name!r}; known: {sorted(known)}"
+                    )
+            if num == den:
+                raise ValueError(f"ratios[{i}] divides group {num!r} by itself")
+        if len(set(self.ratios)) != len(self.ratios):
+            raise ValueError("ratios has duplicate pairs")
+        for name in self.isolated:
+            if name not in known:
+                raise ValueError(f"isolated names unknown group {name!r}; known: {sorted(known)}")
+        if len(set(self.isolated)) != len(self.isolated):
+            raise ValueError("isolated has duplicate group names")
+        if not self.vanishing_threshold < self.exploding_threshold:
+            raise ValueError(
+                "vanishing_threshold must be below exploding_threshold "
+                f"({self.vanishing_threshold} >= {self.exploding_threshold})"
+            )
+        if (self.certfile is None) != (self.keyfile is None):
+            raise ValueError("certfile and keyfile must be given together")
+        if self.client_cafile is not None and self.certfile is None:
+            raise ValueError("client_cafile (mutual TLS) needs certfile and keyfile")
+        return self
+
+    def layout_hash(self) -> str:
+        """Digest of the fields every rank must agree on (checked in the construction handshake).
+
+        Endpoint and history settings are rank-0 business and excluded; grouping, thresholds and
+        the schedule change what the collective carries or when it runs, so they are included.
+        """
+        keys = (
+            "groups",
+            "ratios",
+            "isolated",
+            "vanishing_threshold",
+            "exploding_threshold",
+            "isolation_threshold",
+            "every_n_steps",
+            "divergence_every",
+        )
+        payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def ratio_key(numerator: str, denominator: str) -> str:
+    """Key of a ratio in :attr:`Snapshot.ratios`: ``"numerator/denominator"``."""
+    return f"{numerator}/{denominator}"

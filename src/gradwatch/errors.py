@@ -1,0 +1,23 @@
+"""Exceptions raised by gradwatch. Every message starts with "gradwatch:" so it is findable."""
+
+from __future__ import annotations
+
+
+class GradWatchError(RuntimeError):
+    """Base class of gradwatch's own errors."""
+
+
+class PortInUseError(GradWatchError, OSError):
+    """The metrics port is taken (raised at construction, never during training)."""
+
+
+class GradWatchTimeoutError(GradWatchError, TimeoutError):
+    """A gradwatch collective did not complete in ``collective_timeout_seconds``."""
+
+
+class LayoutMismatchError(GradWatchError):
+    """Ranks disagree on the model, the configuration or the parallel layout."""
+
+
+class UnsupportedParallelismError(GradWatchError):
+    """A wrapper gradwatch cannot measure correctly (e.g. FSDP1)."""

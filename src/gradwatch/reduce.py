@@ -1,0 +1,344 @@
+"""Distributed combination: one agreed layout, one packed float64 all-reduce per collect.
+
+**Layout (construction, once).** Every rank describes the parameter *pieces* it holds: the
+parameter's name, its global shape, and a piece key. A plain tensor is one piece ("whole"); a
+DTensor's piece key is its coordinates on the mesh dimensions where its placement is a Shard
+(``_StridedShard`` included). Ranks holding the same key of the same name hold identical copies
+(DDP replicas, the replicate dim of HSDP, TP-replicated weights, copies on other coordinates of a
+larger world mesh that the tensor's own mesh does not cover). One handshake (an all-gather of
+JSON bytes, no numpy) shares the descriptions; every rank then derives the same global layout:
+
+* the global parameter list, in order of first appearance over ranks 0..W-1;
+* for each piece, its *contributor*: the lowest rank holding it. Only contributors add the piece's
+  squared norm, so replicas are counted once, exactly (masking, not weighting by 1/k);
+* consistency checks raised identically on every rank (:class:`LayoutMismatchError`): differing
+  configuration hashes or versions, a name with different global shapes, pieces that do not tile
+  the parameter (numel of distinct pieces != global numel), a name held by two ranks of the same
+  pipeline stage group.
+
+**Per collect.** Each rank fills one float64 vector of length ``3N + R + 1``:
+``[sq contributions (N) | non-finite flags (N) | has-gradient flags (N) | replica sums (R) | step]``
+and all-reduces it once with SUM over gradwatch's own process group (created at construction
+with ``collective_timeout_seconds``). Non-finite and has-gradient flags are *not* masked, so a
+NaN on any replica is seen even though its squared norm is not counted. The replica slots hold,
+for each piece with the maximal number of holders R, its squared norm at the slot of the holder's
+position: identical replicas give identical slot sums, and their relative spread is the replica
+divergence (filled on divergence steps only). The step slot detects ranks that collected
+different steps. Payload: O(parameters), never O(elements); never bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradwatch.errors import GradWatchTimeoutError, LayoutMismatchError
+
+log = logging.getLogger("gradwatch")
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """What one rank holds of one parameter."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    key: tuple[Any, ...]  # identifies the piece; equal keys on two ranks = identical copies
+    numel: int  # elements of the local piece (0 for an empty shard)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The agreed global layout, identical on every rank, plus this rank's view of it."""
+
+    names: tuple[str, ...]  # global parameter list
+    numels: tuple[int, ...]  # global numel of each parameter
+    local_to_global: tuple[int, ...]  # for each local parameter, its global index
+    contributes: tuple[bool, ...]  # for each local parameter: does this rank count its piece
+    replica_slot: tuple[int, ...]  # for each local parameter: replica slot or -1
+    replicas: int  # R: the largest number of identical copies of a piece
+    world_size: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+    @property
+    def packed_length(self) -> int:
+        return 3 * self.size + self.replicas + 1
+
+
+def piece_of(name: str, param: Tensor) -> LocalPiece:
+    """Describe the local piece of ``param`` (a plain tensor or a DTensor)."""
+    spec = getattr(param, "_spec", None)
+    if spec is None or not hasattr(param, "_local_tensor"):
+        return LocalPiece(name, tuple(param.shape), ("whole",), param.numel())
+    mesh = param.device_mesh
+    coords = mesh.get_coordinate()
+    key: list[Any] = []
+    for dim, placement in enumerate(param.placements):
+        if placement.is_partial():
+            raise LayoutMismatchError(
+                f"gradwatch: parameter {name!r} has a Partial placement on mesh dim {dim}; "
+                "squared norms of partial sums are meaningless before the reduction"
+            )
+        if placement.is_shard():
+            key.append((dim, coords[dim] if coords is not None else -1, repr(placement)))
+    return LocalPiece(name, tuple(param.shape), tuple(key), param._local_tensor.numel())
+
+
+def _all_gather_bytes(payload: bytes, group: Any, device: torch.device) -> list[bytes]:
+    """All-gather variable-length bytes with two tensor collectives (no pickle, no numpy)."""
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    max_len = max(int(x.item()) for x in lengths)
+    buf = torch.zeros(max_len, dtype=torch.uint8, device=device)
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    bufs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    return [
+        bytes(b[: int(n.item())].cpu().tolist()) for b, n in zip(bufs, lengths, strict=True)
+    ]
+
+
+def build_layout(
+    per_rank: Sequence[dict[str, Any]], rank: int
+) -> Layout:
+    """Derive the global layout from every rank's description (pure; identical on every rank).
+
+    ``per_rank[r]`` = ``{"version", "config", "pieces": [[name, shape, key, numel], ...],
+    "stage": [ranks of r's stage group] or None}``.
+    """
+    world = len(per_rank)
+    configs = {(d["version"], d["config"]) for d in per_rank}
+    if len(configs) > 1:
+        detail = ", ".join(
+            f"rank {r}: version {d['version']} config {d['config']}" for r, d in enumerate(per_rank)
+        )
+        raise LayoutMismatchError(
+            "gradwatch: ranks disagree on the gradwatch version or configuration "
+            f"(groups, thresholds, every_n_steps, divergence_every): {detail}"
+        )
+    names: list[str] = []
+    index: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    holders: dict[tuple[str, str], list[int]] = {}  # (name, key) -> ranks, ascending
+    piece_numel: dict[tuple[str, str], int] = {}
+    name_ranks: dict[str, list[int]] = {}
+    for r, d in enumerate(per_rank):
+        for name, shape, key, numel in d["pieces"]:
+            shape = tuple(shape)
+            if name not in index:
+                index[name] = len(names)
+                names.append(name)
+                shapes[name] = shape
+            elif shapes[name] != shape:
+                raise LayoutMismatchError(
+                    f"gradwatch: parameter {name!r} has global shape {shapes[name]} on one rank "
+                    f"and {shape} on rank {r}: the ranks hold different models"
+                )
+            name_ranks.setdefault(name, []).append(r)
+            if numel == 0:
+                continue  # empty shard: nothing to count
+            k = (name, json.dumps(key))
+            holders.setdefault(k, []).append(r)
+            piece_numel[k] = numel
+    # A stage group's ranks hold disjoint parameters: the same name twice within one stage
+    # group is a collision (tied weights must be named differently on each stage).
+    for name, ranks in name_ranks.items():
+        for r in ranks:
+            stage = per_rank[r].get("stage")
+            if not stage:
+                continue
+            others = [o for o in ranks if o != r and o in stage]
+            if others:
+                raise LayoutMismatchError(
+                    f"gradwatch: parameter name {name!r} is held by ranks {r} and {others[0]} of "
+                    "the same stage group; pipeline stages must hold disjoint parameter names"
+                )
+    # Distinct pieces must tile each parameter exactly once.
+    covered: dict[str, int] = {}
+    for (name, _key), numel in piece_numel.items():
+        covered[name] = covered.get(name, 0) + numel
+    numels = []
+    for name in names:
+        total = 1
+        for s in shapes[name]:
+            total *= s
+        numels.append(total)
+        if covered.get(name, 0) not in (0, total):
+            raise LayoutMismatchError(
+                f"gradwatch: the shards of {name!r} cover {covered.get(name, 0)} of {total} "
+                "elements; its placements are not understood (please report this layout)"
+            )
+    replicas = max((len(h) for h in holders.values()), default=1)
+    local_to_global, contributes, slots = [], [], []
+    for name, _shape, key, numel in per_rank[rank]["pieces"]:
+        local_to_global.append(index[name])
+        if numel == 0:
+            contributes.append(False)
+            slots.append(-1)
+            continue
+        h = holders[(name, json.dumps(key))]
+        contributes.append(h[0] == rank)
+        slots.append(h.index(rank) if replicas > 1 and len(h) == replicas else -1)
+    return Layout(
+        names=tuple(names),
+        numels=tuple(numels),
+        local_to_global=tuple(local_to_global),
+        contributes=tuple(contributes),
+        replica_slot=tuple(slots),
+        replicas=replicas,
+        world_size=world,
+        rank=rank,
+    )
+
+
+class Reducer:
+    """Packs local squared norms into the agreed vector and all-reduces it once.
+
+    Single-process (or no initialized process group): no collective, same packing.
+    Thread-safety: :meth:`pack_and_reduce` runs on the training thread (it issues the
+    collective); the returned :class:`ReducedVector` may be waited on from another thread.
+    """
+
+    def __init__(
+        self,
+        pieces: Sequence[LocalPiece],
+        *,
+        version: str,
+        config_hash: str,
+        timeout_seconds: float,
+        stage_group: Any = None,
+    ) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.timeout = timeout_seconds
+        self.group: Any = None
+        self.device = torch.device("cpu")
+        desc = {
+            "version": version,
+            "config": config_hash,
+            "pieces": [[p.name, list(p.global_shape), list(p.key), p.numel] for p in pieces],
+            "stage": None,
+        }
+        if self.distributed and dist.get_world_size() > 1:
+            backend = str(dist.get_backend())
+            if "nccl" in backend and torch.cuda.is_available():
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            # gradwatch's own group: its timeout bounds every wait, and its traffic never
+            # interleaves with the job's collectives on the default group.
+            self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
+            if stage_group is not None:
+                desc["stage"] = dist.get_process_group_ranks(stage_group)
+            raw = json.dumps(desc, sort_keys=True, default=_json_default).encode()
+            try:
+                gathered = _all_gather_bytes(raw, self.group, self.device)
+            except RuntimeError as exc:
+                raise GradWatchTimeoutError(
+                    f"gradwatch: construction handshake failed or timed out after "
+                    f"{timeout_seconds}s: every rank must construct GradWatch ({exc})"
+                ) from exc
+            per_rank = [json.loads(b) for b in gathered]
+            self.layout = build_layout(per_rank, dist.get_rank())
+        else:
+            self.layout = build_layout([json.loads(json.dumps(desc, default=_json_default))], 0)
+        lay = self.layout
+        local_idx = torch.arange(len(lay.local_to_global))
+        to_global = torch.tensor(lay.local_to_global, dtype=torch.long)
+        contrib = torch.tensor(lay.contributes, dtype=torch.bool)
+        slot = torch.tensor(lay.replica_slot, dtype=torch.long)
+        n = lay.size
+        dev = self.device
+        self._contrib_local = local_idx[contrib].to(dev)
+        self._contrib_global = to_global[contrib].to(dev)
+        self._flags_global = (to_global + n).to(dev)
+        self._has_global = (to_global + 2 * n).to(dev)
+        self._slot_local = local_idx[slot >= 0].to(dev)
+        self._slot_global = (slot[slot >= 0] + 3 * n).to(dev)
+
+    def pack_and_reduce(
+        self, sq_local: Tensor, has_grad: Tensor, step: int, with_replicas: bool
+    ) -> ReducedVector:
+        """Fill the packed vector from this rank's ``sq_local`` / ``has_grad`` and issue the
+        all-reduce (asynchronously where the backend allows). Never waits on gloo."""
+        lay = self.layout
+        n = lay.size
+        packed = torch.zeros(lay.packed_length, dtype=torch.float64, device=self.device)
+        sq_local = sq_local.to(self.device)
+        packed.index_copy_(0, self._contrib_global, sq_local.index_select(0, self._contrib_local))
+        packed.index_copy_(0, self._flags_global, (~torch.isfinite(sq_local)).to(torch.float64))
+        packed.index_copy_(0, self._has_global, has_grad.to(self.device, torch.float64))
+        if with_replicas and self._slot_local.numel():
+            packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
+        packed[3 * n + lay.replicas] = float(step)
+        work = None
+        if self.group is not None:
+            work = dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return ReducedVector(packed, work, self.timeout, step)
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+            self.group = None
+
+
+class ReducedVector:
+    """The packed vector of one collect, once the all-reduce completes."""
+
+    def __init__(self, packed: Tensor, work: Any, timeout: float, step: int) -> None:
+        self._packed = packed
+        self._work = work
+        self._timeout = timeout
+        self._step = step
+        self._host: list[float] | None = None
+        if packed.device.type != "cpu":
+            # NCCL: make the compute stream wait for the collective (no host wait), then start
+            # a non-blocking copy to pinned memory; result() waits on the event, once.
+            if work is not None:
+                work.wait()
+                self._work = None
+            self._pinned = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._pinned.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def host_values(self) -> list[float]:
+        """Wait (at most once) and return the reduced vector as Python floats."""
+        if self._host is None:
+            if self._packed.device.type != "cpu":
+                self._event.synchronize()
+                self._host = self._pinned.tolist()
+            else:
+                if self._work is not None:
+                    try:
+                        self._work.wait(timedelta(seconds=self._timeout))
+                    except RuntimeError as exc:
+                        raise GradWatchTimeoutError(
+                            f"gradwatch: the all-reduce of step {self._step} did not complete "
+                            f"within {self._timeout}s: another rank failed, skipped collect() "
+                            f"or is stuck ({exc})"
+                        ) from exc
+                    self._work = None
+                self._host = self._packed.tolist()
+        return self._host
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")

@@ -1,0 +1,128 @@
+"""The result types: immutable snapshots of one collected step.
+
+A :class:`Snapshot` holds plain Python numbers only (no tensors), so it can be handed to the
+exporter thread, pickled, logged as JSON and compared in tests without touching a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+
+def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Statistics of one group of parameters for one step.
+
+    Attributes:
+        norm: L2 norm of the concatenation of the group's gradients.
+        numel: number of gradient elements in the group (parameters with a gradient only).
+        tensors: number of parameters of the group that have a gradient.
+        vanishing: parameters whose own gradient norm is below ``vanishing_threshold``.
+        exploding: parameters whose own gradient norm is above ``exploding_threshold`` or
+            non-finite.
+        nonfinite: parameters whose gradient contains NaN or Inf.
+    """
+
+    norm: float = 0.0
+    numel: int = 0
+    tensors: int = 0
+    vanishing: int = 0
+    exploding: int = 0
+    nonfinite: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Gradient statistics of the whole model for one step, as one process would see them.
+
+    Attributes:
+        step: the training step passed to ``collect``.
+        global_norm: L2 norm over all parameters with a gradient (NaN/Inf if any is).
+        groups: group name -> :class:`GroupStats`; ``"other"`` only when a parameter matched
+            no pattern; configured groups always appear (zeros when they have no gradient).
+        param_norms: parameter name -> L2 norm of its gradient.
+        nonfinite_params: sorted names of parameters whose gradient holds NaN or Inf.
+        ratios: ``"num/den"`` -> normalized ratio
+            ``(n_norm/sqrt(n_numel)) / (d_norm/sqrt(d_numel) + 1e-8)``; 0.0 when either norm
+            is below 1e-8 or either numel is 0.
+        raw_ratios: ``"num/den"`` -> ``n_norm / d_norm`` (0.0 when ``d_norm`` is 0).
+        health: ``clamp(1 - 0.5*vanishing/n - 0.8*exploding/n, 0, 1)`` over the n parameters
+            with a gradient; 0.0 when ``global_norm`` is not finite; 1.0 with no gradient.
+        isolation_violated: isolated group -> its norm exceeds ``isolation_threshold``.
+        world_size: number of processes that contributed.
+        parallelism: short description of the detected parallelism, e.g. ``"fsdp2x2+tp2"``.
+        replica_divergence: relative spread ``(max - min) / max`` of the replicas' global norms
+            (0.0 when identical or not measured on this step).
+        clip_coef: the clip coefficient applied by ``GradWatch.clip_grad_norm_`` (None if the
+            step was not clipped through gradwatch).
+        amp_skipped: the AMP GradScaler found Inf/NaN and skips this optimizer step.
+        timestamp: wall-clock time (seconds since the epoch) of the ``collect`` call.
+    """
+
+    step: int
+    global_norm: float = 0.0
+    groups: Mapping[str, GroupStats] = field(default_factory=dict)
+    param_norms: Mapping[str, float] = field(default_factory=dict)
+    nonfinite_params: tuple[str, ...] = ()
+    ratios: Mapping[str, float] = field(default_factory=dict)
+    raw_ratios: Mapping[str, float] = field(default_factory=dict)
+    health: float = 1.0
+    isolation_violated: Mapping[str, bool] = field(default_factory=dict)
+    world_size: int = 1
+    parallelism: str = "single"
+    replica_divergence: float = 0.0
+    clip_coef: float | None = None
+    amp_skipped: bool = False
+    timestamp: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("groups", "param_norms", "ratios", "raw_ratios", "isolation_violated"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        object.__setattr__(self, "nonfinite_params", tuple(self.nonfinite_params))
+
+    @property
+    def is_finite(self) -> bool:
+        """True when no gradient held NaN or Inf."""
+        return math.isfinite(self.global_norm) and not self.nonfinite_params
+
+    @property
+    def exploding(self) -> int:
+        """Parameters counted as exploding (non-finite included), over all groups."""
+        return sum(g.exploding for g in self.groups.values())
+
+    @property
+    def vanishing(self) -> int:
+        return sum(g.vanishing for g in self.groups.values())
+
+    def replace(self, **changes: Any) -> Snapshot:
+        """A copy with some fields changed (snapshots are immutable)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (NaN/Inf stay floats; ``json.dumps`` writes them as NaN/Infinity)."""
+        out = dataclasses.asdict(self)
+        for name in ("groups", "param_norms", "ratios", "raw_ratios", "isolation_violated"):
+            value = getattr(self, name)
+            out[name] = {
+                k: dataclasses.asdict(v) if isinstance(v, GroupStats) else v
+                for k, v in value.items()
+            }
+        out["nonfinite_params"] = list(self.nonfinite_params)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Snapshot:
+        """Inverse of :meth:`to_dict`."""
+        kwargs = dict(data)
+        kwargs["groups"] = {k: GroupStats(**v) for k, v in data.get("groups", {}).items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in kwargs.items() if k in known})

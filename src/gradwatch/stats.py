@@ -1,0 +1,285 @@
+"""Local (per-rank) gradient math: exact squared L2 norms of many tensors, batched.
+
+Given the gradients a rank holds (plain tensors, or the local shards of DTensors), this module
+returns one float64 vector ``sq`` with ``sq[i] = ||g_i||_2^2``, computed without a float64 copy
+of any gradient and with a number of dispatched ops that does not grow with the number of
+tensors up to :data:`WHOLE_NUMEL` elements.
+
+The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` groups tensors:
+
+* **Accelerators** (CUDA and others): ``torch._foreach_norm(tensors, 2, dtype=torch.float64)``,
+  one fused kernel per bucket that accumulates in float64 (PyTorch's documented behaviour; not
+  tested on this project's CPU-only machines). No host read.
+* **CPU, tensors of at most** :data:`WHOLE_NUMEL` **elements**: the same single foreach op with
+  float64 accumulation. These tensors hold few bytes in real models, so the slower float64 loop
+  costs little, and the op count stays constant however many there are.
+* **CPU, larger contiguous tensors**: the flat view is split into rows of :data:`ROW_NUMEL`
+  elements (a ``view``, no copy) and ``linalg.vector_norm(..., dim=1)`` gives one float32 norm per
+  row (bf16/fp16 are converted on the fly, in cache). Row norms are squared and summed in float64.
+  A float32 partial sum over 256 elements keeps the relative error below 3e-7 even for constant
+  gradients (measured: 2.2e-7 worst case at 2^24 elements), where one float32 sum over the whole
+  tensor is off by up to 8e-4.
+* **Repair (CPU only)**: float32 squares overflow for |g| > 1.8e19 and underflow for
+  |g| < 1e-19. A tensor whose fast squared norm is non-finite or below :data:`TINY_NORM`^2 is
+  recomputed exactly in float64, in chunks of :data:`RECOMPUTE_CHUNK` elements (bounded
+  temporaries). Finding those tensors costs one host read of a boolean vector, which on CPU is
+  free; float64 gradients with norms outside float64's squared range are rescaled by their
+  max-abs before squaring.
+
+Non-finite detection comes from the norms themselves: a gradient holding NaN has a NaN norm, one
+holding Inf (and no NaN) has an Inf norm. No ``isnan`` masks of gradient size are built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+#: CPU tensors with at most this many elements are normed whole, with float64 accumulation.
+WHOLE_NUMEL = 65536
+#: Larger CPU tensors are normed in float32 over rows of this many elements.
+ROW_NUMEL = 256
+#: Exact recomputation walks a tensor in chunks of this many elements (bounds temporaries).
+RECOMPUTE_CHUNK = 65536
+#: A row-path tensor whose fast norm is below this is recomputed exactly: below it, float32
+#: squares of its elements may have flushed to zero or lost precision as subnormals.
+TINY_NORM = 1e-11
+#: Float64 tensors whose norm is below this (or non-finite) are recomputed with rescaling.
+TINY_NORM_FLOAT64 = 1e-140
+
+_LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def flat_view(t: Tensor) -> Tensor | None:
+    """A 1-D view of every element of ``t`` (order irrelevant to a norm), or None.
+
+    Contiguous tensors view directly; dense non-overlapping ones (channels_last, transposes)
+    are permuted to contiguous order first. Anything else returns None (it is normed whole).
+    """
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    permuted = t.permute(order)
+    if permuted.is_contiguous():
+        return permuted.view(-1)
+    return None
+
+
+def as_real_values(g: Tensor) -> Tensor:
+    """The tensor whose L2 norm is the gradient's: sparse -> coalesced values, complex -> real view."""
+    if g.layout != torch.strided:
+        g = g.coalesce().values() if g.layout == torch.sparse_coo else g.values()
+    if g.is_complex():
+        g = torch.view_as_real(g)
+    return g
+
+
+@dataclass
+class _Bucket:
+    """Tensors of one (device, dtype) and how each is normed. Built once per gradient layout."""
+
+    device: torch.device
+    dtype: torch.dtype
+    whole: list[int] = field(default_factory=list)  # positions normed by one foreach op
+    rows: list[int] = field(default_factory=list)  # positions normed by float32 rows
+    row_counts: list[int] = field(default_factory=list)  # rows (incl. a partial one) per tensor
+    whole_index: Tensor | None = None  # positions, on the output device
+    rows_index: Tensor | None = None
+    row_owner: Tensor | None = None  # for each row, index into ``rows`` (bucket device)
+
+
+@dataclass
+class NormPlan:
+    """How to norm one list of tensors; valid while shapes, dtypes, devices and strides hold."""
+
+    n: int
+    out_device: torch.device
+    buckets: list[_Bucket]
+    needs_repair: bool  # some bucket is on CPU: the fast path may need an exact repair
+    repair_floor: Tensor | None  # per position: squared norms below this are recomputed
+
+
+def _layout_key(tensors: Sequence[Tensor | None]) -> tuple:
+    return tuple(
+        None if t is None else (t.device, t.dtype, t.shape, t.stride(), t.is_contiguous())
+        for t in tensors
+    )
+
+
+def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> NormPlan:
+    """Sorts tensors into buckets and paths; O(len(tensors)) Python, no dispatched ops but
+    the index tensors, so it is cached and rebuilt only when the gradient layout changes."""
+    buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
+    floor = [0.0] * len(tensors)
+    needs_repair = False
+    for i, t in enumerate(tensors):
+        if t is None or t.numel() == 0:
+            continue
+        key = (t.device, t.dtype)
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = _Bucket(device=t.device, dtype=t.dtype)
+        on_cpu = t.device.type == "cpu"
+        if on_cpu and t.dtype in _LOW_PRECISION and t.numel() > WHOLE_NUMEL and (
+            flat_view(t) is not None
+        ):
+            bucket.rows.append(i)
+            bucket.row_counts.append(-(-t.numel() // ROW_NUMEL))
+            floor[i] = TINY_NORM * TINY_NORM
+            needs_repair = True
+        else:
+            bucket.whole.append(i)
+            if on_cpu and t.dtype == torch.float64:
+                floor[i] = TINY_NORM_FLOAT64 * TINY_NORM_FLOAT64
+                needs_repair = True
+            elif on_cpu and t.dtype not in _LOW_PRECISION:
+                needs_repair = True  # unknown float types: repair only non-finite results
+    for bucket in buckets.values():
+        if bucket.whole:
+            bucket.whole_index = torch.tensor(bucket.whole, dtype=torch.long, device=out_device)
+        if bucket.rows:
+            bucket.rows_index = torch.tensor(bucket.rows, dtype=torch.long, device=out_device)
+            owner = torch.repeat_interleave(
+                torch.arange(len(bucket.rows)), torch.tensor(bucket.row_counts)
+            )
+            bucket.row_owner = owner.to(bucket.device)
+    repair_floor = (
+        torch.tensor(floor, dtype=torch.float64, device=out_device) if needs_repair else None
+    )
+    return NormPlan(
+        n=len(tensors),
+        out_device=out_device,
+        buckets=list(buckets.values()),
+        needs_repair=needs_repair,
+        repair_floor=repair_floor,
+    )
+
+
+def _row_norms(t: Tensor) -> list[Tensor]:
+    """Float32 norms of consecutive ROW_NUMEL-element rows of ``t`` (1 or 2 vectors)."""
+    flat = flat_view(t)
+    assert flat is not None  # guaranteed by build_plan
+    n = flat.numel()
+    full = n // ROW_NUMEL
+    acc = None if t.dtype == torch.float32 else torch.float32
+    parts = []
+    if full:
+        block = flat[: full * ROW_NUMEL].view(full, ROW_NUMEL)
+        parts.append(torch.linalg.vector_norm(block, 2, dim=1, dtype=acc))
+    if n > full * ROW_NUMEL:
+        parts.append(torch.linalg.vector_norm(flat[full * ROW_NUMEL :], 2, dtype=acc).view(1))
+    return parts
+
+
+def exact_squared_norm(t: Tensor) -> float:
+    """``||t||^2`` computed in float64 chunk by chunk (rare path: repair and references).
+
+    Low-precision inputs accumulate in float64, which cannot overflow or underflow for them.
+    Float64 inputs are rescaled by each chunk's max-abs when their plain squares would.
+    Returns a Python float (NaN/Inf when ``t`` holds NaN/Inf).
+    """
+    flat = flat_view(t)
+    if flat is None:
+        flat = t.reshape(-1)  # copies; only for overlapping/exotic strides
+    chunks = list(flat.split(RECOMPUTE_CHUNK))
+    if not chunks:
+        return 0.0
+    norms = torch.stack(torch._foreach_norm(chunks, 2, dtype=torch.float64)).cpu().tolist()
+    total = 0.0
+    for chunk, norm in zip(chunks, norms, strict=True):
+        if t.dtype == torch.float64 and (
+            not math.isfinite(norm) or norm < TINY_NORM_FLOAT64
+        ):
+            amax = float(chunk.abs().max()) if chunk.numel() else 0.0
+            if amax == 0.0 or not math.isfinite(amax):
+                total += norm * norm if amax != 0.0 else 0.0
+                continue
+            scaled = float(torch.linalg.vector_norm(chunk / amax, 2))
+            total += (amax * scaled) ** 2
+        else:
+            total += norm * norm
+    return total
+
+
+class NormEngine:
+    """Computes per-tensor squared L2 norms into one float64 vector, caching the plan.
+
+    Sync behaviour: on accelerators no host read at all; on CPU at most one host read per call
+    (the repair mask), counted in :attr:`host_reads`. Not thread-safe: use from one thread.
+    """
+
+    def __init__(self) -> None:
+        self._plan: NormPlan | None = None
+        self._key: tuple | None = None
+        self.host_reads = 0
+        self.repaired = 0  # tensors recomputed exactly so far (diagnostics, benchmarks)
+
+    def plan_for(self, tensors: Sequence[Tensor | None], out_device: torch.device) -> NormPlan:
+        key = (out_device, _layout_key(tensors))
+        if self._plan is None or key != self._key:
+            self._plan = build_plan(tensors, out_device)
+            self._key = key
+        return self._plan
+
+    def squared_norms(
+        self, tensors: Sequence[Tensor | None], out_device: torch.device | None = None
+    ) -> Tensor:
+        """float64 vector ``sq`` with ``sq[i] = ||tensors[i]||^2`` (0 where None or empty).
+
+        ``tensors`` must be strided real tensors (see :func:`as_real_values`).
+        """
+        if out_device is None:
+            out_device = next(
+                (t.device for t in tensors if t is not None), torch.device("cpu")
+            )
+        plan = self.plan_for(tensors, out_device)
+        sq = torch.zeros(plan.n, dtype=torch.float64, device=out_device)
+        for bucket in plan.buckets:
+            if bucket.whole:
+                items = [tensors[i] for i in bucket.whole]
+                norms = torch.stack(torch._foreach_norm(items, 2, dtype=torch.float64))
+                assert bucket.whole_index is not None
+                sq.index_copy_(0, bucket.whole_index, norms.to(out_device).square())
+            if bucket.rows:
+                parts: list[Tensor] = []
+                for i in bucket.rows:
+                    parts.extend(_row_norms(tensors[i]))  # type: ignore[arg-type]
+                rows_sq = torch.cat(parts).to(torch.float64).square()
+                per_tensor = torch.zeros(len(bucket.rows), dtype=torch.float64, device=bucket.device)
+                per_tensor.index_add_(0, bucket.row_owner, rows_sq)  # type: ignore[arg-type]
+                assert bucket.rows_index is not None
+                sq.index_copy_(0, bucket.rows_index, per_tensor.to(out_device))
+        if plan.needs_repair:
+            assert plan.repair_floor is not None
+            suspicious = ~torch.isfinite(sq) | (sq < plan.repair_floor)
+            bad = torch.nonzero(suspicious).flatten().tolist()
+            self.host_reads += 1
+            if bad:
+                fixed = [exact_squared_norm(tensors[i]) for i in bad]  # type: ignore[arg-type]
+                self.repaired += len(bad)
+                sq.index_put_(
+                    (torch.tensor(bad, dtype=torch.long, device=out_device),),
+                    torch.tensor(fixed, dtype=torch.float64, device=out_device),
+                )
+        return sq
+
+
+def total_norm(tensors: Tensor | Sequence[Tensor]) -> Tensor:
+    """L2 norm of all ``tensors`` together, as a 0-dim float64 tensor.
+
+    A drop-in for ``torch.nn.utils.get_total_norm(tensors)`` (norm_type 2) that never overflows
+    or underflows for finite float32/bf16/fp16 inputs (and float64 inputs whose squared norm fits
+    float64, i.e. norms in about [1e-154, 1e154]) and is exact to about 3e-7 relative (see
+    the module docstring). Non-finite inputs give NaN/Inf like torch's. Sparse gradients use
+    their values; complex ones their absolute values. On CPU it reads the host once.
+    """
+    if isinstance(tensors, Tensor):
+        tensors = [tensors]
+    values = [as_real_values(t) for t in tensors]
+    if not values:
+        return torch.tensor(0.0, dtype=torch.float64)
+    return NormEngine().squared_norms(values).sum().sqrt()

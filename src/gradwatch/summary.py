@@ -1,0 +1,134 @@
+"""Host-side summary: from the reduced per-parameter vector to a :class:`Snapshot`.
+
+Runs off the training thread (in ``PendingSnapshot.result()``), on plain Python floats:
+group norms are ``sqrt(math.fsum(squares))``, so the combination itself adds no error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gradwatch.config import WatchConfig, ratio_key
+from gradwatch.snapshot import GroupStats, Snapshot
+
+#: Added to the denominator of normalized ratios, and the floor under which a norm counts as 0.
+RATIO_EPS = 1e-8
+
+
+def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:
+    """``(n/sqrt(n_numel)) / (d/sqrt(d_numel) + 1e-8)``; 0.0 when a norm < 1e-8 or a numel is 0."""
+    if n_numel == 0 or d_numel == 0 or n_norm < RATIO_EPS or d_norm < RATIO_EPS:
+        return 0.0
+    return (n_norm / math.sqrt(n_numel)) / (d_norm / math.sqrt(d_numel) + RATIO_EPS)
+
+
+def raw_ratio(n_norm: float, d_norm: float) -> float:
+    """``n / d``; 0.0 when ``d`` is 0."""
+    return 0.0 if d_norm == 0.0 else n_norm / d_norm
+
+
+def health_score(n: int, vanishing: int, exploding: int, global_norm: float) -> float:
+    """``clamp(1 - 0.5 v/n - 0.8 e/n, 0, 1)``; 0.0 if the global norm is not finite; 1.0 if n == 0."""
+    if not math.isfinite(global_norm):
+        return 0.0
+    if n == 0:
+        return 1.0
+    return min(1.0, max(0.0, 1.0 - 0.5 * vanishing / n - 0.8 * exploding / n))
+
+
+def summarize(
+    *,
+    step: int,
+    cfg: WatchConfig,
+    names: Sequence[str],
+    groups_of: Sequence[str],
+    numels: Sequence[int],
+    squares: Sequence[float],
+    nonfinite_flags: Sequence[float],
+    has_grad: Sequence[float],
+    group_order: Sequence[str],
+    **extra: object,
+) -> Snapshot:
+    """Build the snapshot of one step from per-parameter squared norms (global layout order).
+
+    ``group_order`` lists the groups that always appear: the configured ones, plus ``"other"``
+    when some parameter of the model matched no pattern.
+
+    A parameter counts (``tensors``, ``numel``, health's n) when some rank had a gradient for it.
+    It is non-finite when its squared norm is NaN/Inf or any rank flagged its piece.
+    """
+    members: dict[str, list[int]] = {g: [] for g in group_order}
+    for i, group in enumerate(groups_of):
+        if has_grad[i] > 0:
+            members.setdefault(group, []).append(i)
+    param_norms: dict[str, float] = {}
+    nonfinite_params: list[str] = []
+    group_stats: dict[str, GroupStats] = {}
+    all_squares: list[float] = []
+    vt, et = cfg.vanishing_threshold, cfg.exploding_threshold
+    total_v = total_e = total_n = 0
+    for group, idx in members.items():
+        sq = [squares[i] for i in idx]
+        all_squares.extend(sq)
+        vanishing = exploding = nonfinite = 0
+        for i, s in zip(idx, sq, strict=True):
+            norm = math.sqrt(s)
+            param_norms[names[i]] = norm
+            bad = nonfinite_flags[i] > 0 or not math.isfinite(norm)
+            if bad:
+                nonfinite += 1
+                nonfinite_params.append(names[i])
+            if bad or norm > et:
+                exploding += 1
+            elif norm < vt:
+                vanishing += 1
+        group_stats[group] = GroupStats(
+            norm=_sqrt_sum(sq),
+            numel=sum(numels[i] for i in idx),
+            tensors=len(idx),
+            vanishing=vanishing,
+            exploding=exploding,
+            nonfinite=nonfinite,
+        )
+        total_v += vanishing
+        total_e += exploding
+        total_n += len(idx)
+    global_norm = _sqrt_sum(all_squares)
+    if nonfinite_params and math.isfinite(global_norm):
+        global_norm = math.nan  # a replica flagged NaN that the counted copy did not show
+    ratios: dict[str, float] = {}
+    raw: dict[str, float] = {}
+    empty = GroupStats()
+    for num, den in cfg.ratios:
+        n, d = group_stats.get(num, empty), group_stats.get(den, empty)
+        key = ratio_key(num, den)
+        ratios[key] = normalized_ratio(n.norm, n.numel, d.norm, d.numel)
+        raw[key] = raw_ratio(n.norm, d.norm)
+    isolation = {
+        g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in cfg.isolated
+    }
+    return Snapshot(
+        step=step,
+        global_norm=global_norm,
+        groups=group_stats,
+        param_norms=param_norms,
+        nonfinite_params=tuple(sorted(nonfinite_params)),
+        ratios=ratios,
+        raw_ratios=raw,
+        health=health_score(total_n, total_v, total_e, global_norm),
+        isolation_violated=isolation,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def _sqrt_sum(squares: Sequence[float]) -> float:
+    if any(math.isnan(s) for s in squares):
+        return math.nan
+    return math.sqrt(math.fsum(squares))
+
+
+def _violates(norm: float, threshold: float) -> bool:
+    """An isolated group violates isolation when its norm exceeds the threshold; a NaN/Inf
+    gradient in it is a gradient too, so it violates as well."""
+    return not math.isfinite(norm) or norm > threshold
