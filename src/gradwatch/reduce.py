@@ -292,7 +292,7 @@ class Reducer:
         if self.group is not None:
             try:
                 dist.destroy_process_group(self.group)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
+            except Exception:  # best effort at shutdown
                 pass
             self.group = None
 
@@ -317,6 +317,27 @@ class ReducedVector:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    def _wait_collective(self) -> None:
+        if self._work is not None:
+            try:
+                self._work.wait(timedelta(seconds=self._timeout))
+            except RuntimeError as exc:
+                raise GradWatchTimeoutError(
+                    f"gradwatch: the all-reduce of step {self._step} did not complete "
+                    f"within {self._timeout}s: another rank failed, skipped collect() "
+                    f"or is stuck ({exc})"
+                ) from exc
+            self._work = None
+
+    def device_tensor(self) -> Tensor:
+        """The reduced vector on its device, for device-side use (clipping).
+
+        On accelerators the collective was already ordered before later kernels (no host wait);
+        on gloo this waits for the all-reduce, which CPU work would have to wait for anyway.
+        """
+        self._wait_collective()
+        return self._packed
+
     def host_values(self) -> list[float]:
         """Wait (at most once) and return the reduced vector as Python floats."""
         if self._host is None:
@@ -324,16 +345,7 @@ class ReducedVector:
                 self._event.synchronize()
                 self._host = self._pinned.tolist()
             else:
-                if self._work is not None:
-                    try:
-                        self._work.wait(timedelta(seconds=self._timeout))
-                    except RuntimeError as exc:
-                        raise GradWatchTimeoutError(
-                            f"gradwatch: the all-reduce of step {self._step} did not complete "
-                            f"within {self._timeout}s: another rank failed, skipped collect() "
-                            f"or is stuck ({exc})"
-                        ) from exc
-                    self._work = None
+                self._wait_collective()
                 self._host = self._packed.tolist()
         return self._host
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradwatch.amp import pending_scale
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError, UnsupportedParallelismError
-from gradwatch.reduce import Reducer, ReducedVector, piece_of
+from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
 from gradwatch.stats import NormEngine, as_real_values
 from gradwatch.summary import summarize
@@ -88,7 +90,7 @@ def describe_parallelism(
                     fsdp_dims.update(mesh.mesh_dim_names or ())
                     hsdp = hsdp or mesh.ndim == 2
                 break
-    except Exception:  # noqa: BLE001 - description only; never fail construction over it
+    except Exception:  # description only; never fail construction over it
         pass
     seen: dict[str, int] = {}
     for p in params:
@@ -164,8 +166,14 @@ class GradWatch:
             raise GradWatchError(f"gradwatch: duplicate parameter names after unwrapping: {dup}")
         self._process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if distributed else 0
+        self.rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
         self.world_size = dist.get_world_size() if distributed else 1
+        if not distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            log.warning(
+                "gradwatch: WORLD_SIZE=%s but no process group is initialized: statistics are "
+                "this rank's only; call torch.distributed.init_process_group before GradWatch",
+                os.environ["WORLD_SIZE"],
+            )
         pieces = [piece_of(n, p) for n, p in zip(names, self._params, strict=True)]
         self._reducer = Reducer(
             pieces,
@@ -187,6 +195,9 @@ class GradWatch:
         self._last_divergence = 0.0
         self._broken: str | None = None
         self._logged: set[str] = set()
+        self._anomaly_log = RateLimitedLog(period_seconds=60.0)
+        self._optimizer_steps = 0
+        self._hooks: list[Any] = []
         self._closed = False
         self._server: Any = None
         if self.rank == 0 and cfg.port is not None:
@@ -205,7 +216,16 @@ class GradWatch:
 
     @property
     def last(self) -> Snapshot | None:
-        """The last snapshot materialized by ``result()`` (None before the first)."""
+        """The snapshot of the last collected step (None before the first collect).
+
+        Materializes the newest pending result if nobody did (waits for it, once).
+        """
+        latest = self._latest
+        if latest is not None:
+            try:
+                return latest.result()
+            except Exception as exc:  # a timed-out collective must not escape a property
+                self._log_once("last", "gradwatch: the last collect failed: %s", exc)
         return self._last
 
     @property
@@ -213,21 +233,102 @@ class GradWatch:
         """Every parameter of the whole model (all ranks and stages), in layout order."""
         return self._layout.names
 
-    def collect(self, step: int, *, grad_scale: Tensor | float | None = None) -> PendingSnapshot:
+    def collect(
+        self, step: int, *, scaler: Any = None, optimizer: Any = None
+    ) -> PendingSnapshot:
         """Queue the statistics of the current gradients for ``step``; never waits on the device.
 
         A step the schedule skips (``step % every_n_steps != 0``) is a no-op returning the last
-        snapshot, identically on every rank. ``grad_scale``: gradients are divided by it (an AMP
-        loss scale; a device tensor keeps this sync-free). Errors are logged, never raised: a
-        failed collect returns the last snapshot, and the watcher stops collecting, so the ranks'
-        collective sequences cannot diverge.
+        snapshot, identically on every rank. ``scaler``: a ``torch.amp.GradScaler``; norms are
+        then of the unscaled gradients (divided by the scale on the device, unless
+        ``scaler.unscale_`` already ran), and a non-finite step is reported as AMP-skipped.
+        Errors are logged, never raised: a failed collect returns the last snapshot, and the
+        watcher stops collecting, so the ranks' collective sequences cannot diverge.
         """
+        return self._guarded(step, scaler, optimizer, None)[0]
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *,
+        step: int | None = None,
+        scaler: Any = None,
+    ) -> Tensor:
+        """Clip all gradients to a whole-model L2 norm of ``max_norm`` and collect, in one pass.
+
+        Equals ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on one process,
+        and the whole-model result under DDP, FSDP2, TP and pipeline stages (where torch's own
+        function returns a rank-local norm): the norm comes from the same all-reduce that
+        carries the statistics. Returns the pre-clip total norm, a 0-dim float64 tensor (no host
+        sync; on gloo the all-reduce is awaited, as clipping needs it). Gradients are multiplied
+        by ``clamp(max_norm / (total + 1e-6), max=1)`` with ``_foreach_mul_``, unconditionally,
+        like ``clip_grads_with_norm_``. ``step`` defaults to gradwatch's own optimizer-step
+        counter. The collected snapshot has pre-clip norms and ``clip_coef``. Steps the schedule
+        skips are still clipped, with torch's function (rank-local norm).
+        """
+        if norm_type != 2.0:
+            raise ValueError(f"gradwatch: clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}")
+        if step is None:
+            step = self._optimizer_steps
+        _, total = self._guarded(step, scaler, None, float(max_norm))
+        if total is None:  # skipped by the schedule, or collection disabled after an error
+            params = [p for p in self._params if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite
+            ).to(torch.float64)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"gradwatch: the total norm of gradients is non-finite ({float(total)}), so it "
+                "cannot be clipped; set error_if_nonfinite=False to clip anyway"
+            )
+        return total
+
+    def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
+        """Collect automatically before every ``every_n_steps``-th ``optimizer.step()``.
+
+        The step number is gradwatch's own counter of optimizer steps (identical on every rank).
+        A pre-step hook sees gradients *after* any clipping the loop did: to watch pre-clip norms
+        and clip in one pass, call :meth:`clip_grad_norm_` instead of torch's (it records the
+        step, so the hook does not collect twice). With a ``scaler``, collection happens in
+        ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
+        """
+        if scaler is not None and scaler.is_enabled():
+            original = scaler.step
+
+            def step_and_collect(opt: Any, *args: Any, **kwargs: Any) -> Any:
+                if opt is optimizer:
+                    self._hooked_collect(scaler, optimizer)
+                return original(opt, *args, **kwargs)
+
+            scaler.step = step_and_collect
+            self._hooks.append(_Restore(scaler, "step"))
+            return
+
+        def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
+            self._hooked_collect(None, optimizer)
+
+        self._hooks.append(optimizer.register_step_pre_hook(pre_hook))
+
+    def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
+        step = self._optimizer_steps
+        self._optimizer_steps += 1
+        if self._clipped_step == step:
+            return  # clip_grad_norm_ already collected this step (pre-clip)
+        self.collect(step, scaler=scaler, optimizer=optimizer)
+
+    def _guarded(
+        self, step: int, scaler: Any, optimizer: Any, max_norm: float | None
+    ) -> tuple[PendingSnapshot, Tensor | None]:
+        if max_norm is not None:
+            self._clipped_step = step
         if self._closed or self._broken or step % self.config.every_n_steps:
-            return self._pending_last(step)
+            return self._pending_last(step), None
         started = time.perf_counter()
         try:
-            pending = self._collect(step, grad_scale)
-        except Exception as exc:  # noqa: BLE001 - never let monitoring crash training
+            pending, total = self._collect(step, scaler, optimizer, max_norm)
+        except Exception as exc:  # never let monitoring crash training
             self._broken = f"{type(exc).__name__}: {exc}"
             log.error(
                 "gradwatch: collect(step=%d) failed on rank %d; collection is disabled for the "
@@ -236,17 +337,21 @@ class GradWatch:
                 self.rank,
                 self._broken,
             )
-            return self._pending_last(step)
+            return self._pending_last(step), None
+        self._latest = pending
         if self._server is not None:
             self._server.observe_collect_seconds(time.perf_counter() - started)
             self._server.submit(pending)
-        return pending
+        return pending, total
 
     def close(self) -> None:
         """Stop the endpoint and release gradwatch's process group. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         if self._server is not None:
             self._server.close()
         self._reducer.close()
@@ -278,21 +383,64 @@ class GradWatch:
                 g = as_real_values(g)
             yield g
 
-    def _collect(self, step: int, grad_scale: Tensor | float | None) -> PendingSnapshot:
+    def _collect(
+        self, step: int, scaler: Any, optimizer: Any, max_norm: float | None
+    ) -> tuple[PendingSnapshot, Tensor | None]:
         grads = list(self._local_grads())
         sq = self._engine.squared_norms(grads, self._reducer.device)
-        if grad_scale is not None:
-            scale = torch.as_tensor(grad_scale, dtype=torch.float64).to(sq.device)
-            sq = sq / (scale * scale)
+        scale = pending_scale(scaler, optimizer)
+        if scale is not None:
+            scale64 = scale.to(sq.device, torch.float64)
+            sq = sq / (scale64 * scale64)
         has_grad = torch.tensor([g is not None for g in grads], dtype=torch.float64)
         every = self.config.divergence_every
         measure = every > 0 and self._collections % every == 0 and self._layout.replicas > 1
         self._collections += 1
         reduced = self._reducer.pack_and_reduce(sq, has_grad, step, with_replicas=measure)
+        total = None
+        if max_norm is not None:
+            # Still-scaled gradients clip correctly too: coef is scale-free.
+            total = self._clip(reduced, max_norm)
+        amp = scaler is not None and scaler.is_enabled()
         timestamp = time.time()
-        return PendingSnapshot(step, lambda: self._build(reduced, step, measure, timestamp))
+        return (
+            PendingSnapshot(
+                step, lambda: self._build(reduced, step, measure, timestamp, max_norm, amp)
+            ),
+            total,
+        )
 
-    def _build(self, reduced: ReducedVector, step: int, measured: bool, ts: float) -> Snapshot:
+    def _clip(self, reduced: ReducedVector, max_norm: float) -> Tensor:
+        """Whole-model total norm from the reduced vector, then ``_foreach_mul_`` the gradients.
+
+        A replica that flagged NaN/Inf makes the total NaN, so every rank clips identically.
+        """
+        n = self._layout.size
+        packed = reduced.device_tensor()
+        total = packed[:n].sum().sqrt()
+        total = torch.where(packed[n : 2 * n].sum() > 0, torch.nan, total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [p.grad for p in self._params if p.grad is not None and p.requires_grad]
+        locals_ = [getattr(g, "_local_tensor", g) for g in grads]
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for g in locals_:
+            if g.layout == torch.strided:
+                groups.setdefault((g.device, g.dtype), []).append(g)
+            else:
+                g.mul_(coef.to(g.device, g.dtype))  # sparse: values scaled in place
+        for (device, dtype), tensors in groups.items():
+            torch._foreach_mul_(tensors, coef.to(device, dtype))
+        return total
+
+    def _build(
+        self,
+        reduced: ReducedVector,
+        step: int,
+        measured: bool,
+        ts: float,
+        max_norm: float | None,
+        amp: bool,
+    ) -> Snapshot:
         values = reduced.host_values()
         lay = self._layout
         n = lay.size
@@ -321,13 +469,53 @@ class GradWatch:
             replica_divergence=self._last_divergence,
             timestamp=ts,
         )
+        changes: dict[str, Any] = {}
+        if max_norm is not None:
+            # Same float64 formula as the device-side coefficient used for clipping.
+            changes["clip_coef"] = min(1.0, max_norm / (snap.global_norm + 1e-6))
+        if amp and not snap.is_finite:
+            changes["amp_skipped"] = True
+        if changes:
+            snap = snap.replace(**changes)
+        self._log_anomalies(snap)
         if self._last is None or snap.step >= self._last.step:
             self._last = snap
         return snap
 
+    def _log_anomalies(self, snap: Snapshot) -> None:
+        if snap.nonfinite_params and not snap.amp_skipped:
+            names = list(snap.nonfinite_params)
+            more = f" (+{len(names) - 20} more)" if len(names) > 20 else ""
+            shown = ", ".join(names[:20]) + more
+            self._anomaly_log.warning(
+                "nonfinite",
+                "gradwatch: step %d: non-finite gradients in %d parameter(s) (seen by rank %d "
+                "of %d): %s",
+                snap.step,
+                len(names),
+                self.rank,
+                snap.world_size,
+                shown,
+            )
+        for group, violated in snap.isolation_violated.items():
+            if violated:
+                self._anomaly_log.warning(
+                    f"isolation:{group}",
+                    "gradwatch: step %d: isolated group %r received gradient (norm %g > %g)",
+                    snap.step,
+                    group,
+                    snap.groups[group].norm if group in snap.groups else math.nan,
+                    self.config.isolation_threshold,
+                )
+
+    _clipped_step: int | None = None
+    _latest: PendingSnapshot | None = None
+
     def _pending_last(self, step: int) -> PendingSnapshot:
-        last = self._last if self._last is not None else Snapshot(step=step)
-        return PendingSnapshot(last.step, snapshot=last)
+        """What a skipped step returns: the last collected step's pending result."""
+        if self._latest is not None:
+            return self._latest
+        return PendingSnapshot(step, snapshot=self._last or Snapshot(step=step))
 
     def _log_once(self, kind: str, msg: str, *args: object) -> None:
         if kind not in self._logged:
@@ -343,3 +531,32 @@ def _relative_spread(squares: list[float]) -> float:
     if top == 0.0 or math.isinf(top):
         return 0.0 if top == 0.0 else math.nan
     return (top - min(norms)) / top
+
+
+class RateLimitedLog:
+    """``logging`` warnings of each kind at most once per ``period_seconds`` (thread-safe)."""
+
+    def __init__(self, period_seconds: float) -> None:
+        self.period = period_seconds
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args: object) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self.period:
+                return False
+            self._last[kind] = now
+        log.warning(msg, *args)
+        return True
+
+
+class _Restore:
+    """Undo an instance attribute override (``attach`` wraps ``scaler.step``)."""
+
+    def __init__(self, obj: Any, attr: str) -> None:
+        self.obj, self.attr = obj, attr
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.attr, None)
