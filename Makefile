@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test,cli,plot]"
+	$(BIN)/pip install -q -e ".[test,cli,plot,transformers,lightning]"
 	touch $(STAMP)
 
 venv: $(STAMP)

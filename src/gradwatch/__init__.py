@@ -3,6 +3,7 @@
 Public API::
 
     from gradwatch import GradWatch, WatchConfig, total_norm
+    watch = gradwatch.watch(model)   # configured from GRADWATCH_* (no-op when disabled)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from gradwatch.config import WatchConfig
+from gradwatch.enable import NoOpWatch, watch
 from gradwatch.errors import (
     GradWatchError,
     GradWatchTimeoutError,
@@ -19,7 +21,7 @@ from gradwatch.errors import (
 )
 from gradwatch.snapshot import GroupStats, Snapshot
 from gradwatch.stats import total_norm
-from gradwatch.watch import GradWatch, PendingSnapshot
+from gradwatch.watcher import GradWatch, PendingSnapshot
 
 __all__ = [
     "GradWatch",
@@ -27,6 +29,7 @@ __all__ = [
     "GradWatchTimeoutError",
     "GroupStats",
     "LayoutMismatchError",
+    "NoOpWatch",
     "PendingSnapshot",
     "PortInUseError",
     "Snapshot",
@@ -34,4 +37,5 @@ __all__ = [
     "WatchConfig",
     "__version__",
     "total_norm",
+    "watch",
 ]

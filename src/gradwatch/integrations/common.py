@@ -1,0 +1,24 @@
+"""What the framework callbacks add to the frameworks' own logs."""
+
+from __future__ import annotations
+
+from gradwatch.snapshot import Snapshot
+
+PREFIX = "gradwatch/"
+
+
+def log_figures(snap: Snapshot) -> dict[str, float]:
+    """Flat ``{name: float}`` for a framework's logger: global and group norms, ratios, health."""
+    out = {
+        f"{PREFIX}global_grad_norm": snap.global_norm,
+        f"{PREFIX}health": snap.health,
+        f"{PREFIX}nonfinite_tensors": float(len(snap.nonfinite_params)),
+        f"{PREFIX}exploding_tensors": float(snap.exploding),
+    }
+    for name, group in snap.groups.items():
+        out[f"{PREFIX}grad_norm/{name}"] = group.norm
+    for key, value in snap.ratios.items():
+        out[f"{PREFIX}ratio/{key}"] = value
+    if snap.clip_coef is not None:
+        out[f"{PREFIX}clip_coef"] = snap.clip_coef
+    return out
