@@ -75,7 +75,8 @@ def _pipeline_worker(rank: int, world: int, port: int, out: str) -> None:
 
         torch.manual_seed(rank)
         stage = nn.ModuleDict({f"stage{rank}": nn.Linear(6 + rank, 4)})  # disjoint names
-        (stage[f"stage{rank}"](torch.randn(3, 6 + rank)) * 1e18).sum().backward()  # fp32 sq overflow
+        # 1e18-scale gradients: their float32 squares overflow.
+        (stage[f"stage{rank}"](torch.randn(3, 6 + rank)) * 1e18).sum().backward()
         local_sq = _fsum_sq([p.grad for p in stage.parameters()])
         both = [None] * world
         dist.all_gather_object(both, local_sq)
@@ -90,14 +91,13 @@ def _pipeline_worker(rank: int, world: int, port: int, out: str) -> None:
             total = watch.clip_grad_norm_(1.0, step=0)
         coef = min(1.0, 1.0 / (pre + 1e-6))
         err = max(
-            float((p.grad.double() - b.double() * coef).abs().max() / (b.double().abs().max() * coef))
+            float((p.grad.double() - b.double() * coef).abs().max())
+            / float(b.double().abs().max() * coef)
             for p, b in zip(stage.parameters(), local_before, strict=True)
         )
-        Path(out, f"{rank}.json").write_text(
-            json.dumps(
-                {"total": float(total), "pre": pre, "torch_local": torch_local, "max_grad_rel_err": err}
-            )
-        )
+        result = {"total": float(total), "pre": pre, "torch_local": torch_local}
+        result["max_grad_rel_err"] = err
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 

@@ -70,9 +70,8 @@ def test_clip_nonfinite_error_and_nan_total() -> None:
     m = make_model()
     backward(m)
     m["seed"].weight.grad[0, 0] = float("nan")
-    with GradWatch(m, CFG) as watch:
-        with pytest.raises(RuntimeError, match="non-finite"):
-            watch.clip_grad_norm_(1.0, error_if_nonfinite=True, step=1)
+    with GradWatch(m, CFG) as watch, pytest.raises(RuntimeError, match="non-finite"):
+        watch.clip_grad_norm_(1.0, error_if_nonfinite=True, step=1)
     m2 = make_model()
     backward(m2)
     m2["seed"].weight.grad[0, 0] = float("inf")
@@ -244,6 +243,7 @@ class _HFModel(nn.Module):
 @pytest.mark.timeout(300)
 def test_huggingface_trainer_callback(tmp_path) -> None:
     import transformers
+
     from gradwatch.integrations.huggingface import GradWatchCallback
 
     callback = GradWatchCallback(
@@ -276,6 +276,7 @@ def test_huggingface_trainer_callback(tmp_path) -> None:
 @pytest.mark.timeout(300)
 def test_lightning_callback(tmp_path) -> None:
     import lightning.pytorch as pl
+
     from gradwatch.integrations.lightning import GradWatchCallback
 
     grads_seen: list[float] = []

@@ -10,9 +10,12 @@ The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` gro
 * **Accelerators** (CUDA and others): ``torch._foreach_norm(tensors, 2, dtype=torch.float64)``,
   one fused kernel per bucket that accumulates in float64 (PyTorch's documented behaviour; not
   tested on this project's CPU-only machines). No host read.
-* **CPU, tensors of at most** :data:`WHOLE_NUMEL` **elements**: the same single foreach op with
-  float64 accumulation. These tensors hold few bytes in real models, so the slower float64 loop
-  costs little, and the op count stays constant however many there are.
+* **CPU, tensors of at most** :data:`ROW_NUMEL` **elements** (biases, norms): one foreach op
+  with float32 accumulation, which over at most 256 elements is as exact as the row path below;
+  overflow and underflow are caught by the repair step.
+* **CPU, tensors of at most** :data:`WHOLE_NUMEL` **elements**: one foreach op with float64
+  accumulation. These tensors hold few bytes in real models, so the slower float64 loop costs
+  little, and the op count stays constant however many there are.
 * **CPU, larger contiguous tensors**: the flat view is split into rows of :data:`ROW_NUMEL`
   elements (a ``view``, no copy) and ``linalg.vector_norm(..., dim=1)`` gives one float32 norm per
   row (bf16/fp16 are converted on the fly, in cache). Row norms are squared and summed in float64.
@@ -84,10 +87,12 @@ class _Bucket:
 
     device: torch.device
     dtype: torch.dtype
-    whole: list[int] = field(default_factory=list)  # positions normed by one foreach op
+    small: list[int] = field(default_factory=list)  # positions normed by a float32 foreach op
+    whole: list[int] = field(default_factory=list)  # positions normed by a float64 foreach op
     rows: list[int] = field(default_factory=list)  # positions normed by float32 rows
     row_counts: list[int] = field(default_factory=list)  # rows (incl. a partial one) per tensor
-    whole_index: Tensor | None = None  # positions, on the output device
+    small_index: Tensor | None = None  # positions, on the output device
+    whole_index: Tensor | None = None
     rows_index: Tensor | None = None
     row_owner: Tensor | None = None  # for each row, index into ``rows`` (bucket device)
 
@@ -104,8 +109,12 @@ class NormPlan:
 
 
 def _layout_key(tensors: Sequence[Tensor | None]) -> tuple:
+    # What a plan depends on: presence, device, dtype, size, and (for large tensors) whether a
+    # flat view exists. Strides are read only for non-contiguous tensors (rare, and slower).
     return tuple(
-        None if t is None else (t.device, t.dtype, t.shape, t.stride(), t.is_contiguous())
+        None
+        if t is None
+        else (t.dtype, t.device, t.numel(), t.is_contiguous() or t.stride())
         for t in tensors
     )
 
@@ -124,7 +133,11 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
         if bucket is None:
             bucket = buckets[key] = _Bucket(device=t.device, dtype=t.dtype)
         on_cpu = t.device.type == "cpu"
-        if on_cpu and t.dtype in _LOW_PRECISION and t.numel() > WHOLE_NUMEL and (
+        if on_cpu and t.dtype in _LOW_PRECISION and t.numel() <= ROW_NUMEL:
+            bucket.small.append(i)
+            floor[i] = TINY_NORM * TINY_NORM
+            needs_repair = True
+        elif on_cpu and t.dtype in _LOW_PRECISION and t.numel() > WHOLE_NUMEL and (
             flat_view(t) is not None
         ):
             bucket.rows.append(i)
@@ -139,6 +152,8 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
             elif on_cpu and t.dtype not in _LOW_PRECISION:
                 needs_repair = True  # unknown float types: repair only non-finite results
     for bucket in buckets.values():
+        if bucket.small:
+            bucket.small_index = torch.tensor(bucket.small, dtype=torch.long, device=out_device)
         if bucket.whole:
             bucket.whole_index = torch.tensor(bucket.whole, dtype=torch.long, device=out_device)
         if bucket.rows:
@@ -239,6 +254,12 @@ class NormEngine:
         plan = self.plan_for(tensors, out_device)
         sq = torch.zeros(plan.n, dtype=torch.float64, device=out_device)
         for bucket in plan.buckets:
+            if bucket.small:
+                items = [tensors[i] for i in bucket.small]
+                acc = None if bucket.dtype == torch.float32 else torch.float32
+                norms = torch.stack(torch._foreach_norm(items, 2, dtype=acc))
+                assert bucket.small_index is not None
+                sq.index_copy_(0, bucket.small_index, norms.to(out_device, torch.float64).square())
             if bucket.whole:
                 items = [tensors[i] for i in bucket.whole]
                 norms = torch.stack(torch._foreach_norm(items, 2, dtype=torch.float64))
