@@ -63,7 +63,7 @@ def test_clip_matches_torch(max_norm: float) -> None:
         snap = watch.last
         assert snap is not None and snap.step == 3
         assert abs(snap.global_norm - pre) <= 1e-6 * pre  # the snapshot holds pre-clip norms
-        assert snap.clip_coef == pytest.approx(min(1.0, max_norm / (pre + 1e-6)), rel=1e-12)
+        assert snap.clip_coef == pytest.approx(min(1.0, max_norm / (pre + 1e-6)), rel=1e-6)
 
 
 def test_clip_nonfinite_error_and_nan_total() -> None:
