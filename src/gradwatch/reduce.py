@@ -29,6 +29,7 @@ different steps. Payload: O(parameters), never O(elements); never bf16/fp16.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -290,10 +291,8 @@ class Reducer:
 
     def close(self) -> None:
         if self.group is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort at shutdown
                 dist.destroy_process_group(self.group)
-            except Exception:  # best effort at shutdown
-                pass
             self.group = None
 
 

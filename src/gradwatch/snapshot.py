@@ -108,7 +108,7 @@ class Snapshot:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (NaN/Inf stay floats; ``json.dumps`` writes them as NaN/Infinity)."""
+        """Plain JSON-ready dict; NaN/Inf stay floats (``json.dumps`` writes NaN/Infinity)."""
         out = dataclasses.asdict(self)
         for name in ("groups", "param_norms", "ratios", "raw_ratios", "isolation_violated"):
             value = getattr(self, name)

@@ -73,7 +73,8 @@ def flat_view(t: Tensor) -> Tensor | None:
 
 
 def as_real_values(g: Tensor) -> Tensor:
-    """The tensor whose L2 norm is the gradient's: sparse -> coalesced values, complex -> real view."""
+    """The tensor whose L2 norm is the gradient's: sparse -> coalesced values, complex -> real
+    view."""
     if g.layout != torch.strided:
         g = g.coalesce().values() if g.layout == torch.sparse_coo else g.values()
     if g.is_complex():
@@ -270,7 +271,9 @@ class NormEngine:
                 for i in bucket.rows:
                     parts.extend(_row_norms(tensors[i]))  # type: ignore[arg-type]
                 rows_sq = torch.cat(parts).to(torch.float64).square()
-                per_tensor = torch.zeros(len(bucket.rows), dtype=torch.float64, device=bucket.device)
+                per_tensor = torch.zeros(
+                    len(bucket.rows), dtype=torch.float64, device=bucket.device
+                )
                 per_tensor.index_add_(0, bucket.row_owner, rows_sq)  # type: ignore[arg-type]
                 assert bucket.rows_index is not None
                 sq.index_copy_(0, bucket.rows_index, per_tensor.to(out_device))

@@ -29,7 +29,8 @@ def raw_ratio(n_norm: float, d_norm: float) -> float:
 
 
 def health_score(n: int, vanishing: int, exploding: int, global_norm: float) -> float:
-    """``clamp(1 - 0.5 v/n - 0.8 e/n, 0, 1)``; 0.0 if the global norm is not finite; 1.0 if n == 0."""
+    """``clamp(1 - 0.5 v/n - 0.8 e/n, 0, 1)``; 0.0 if the global norm is not finite; 1.0 if
+    n == 0."""
     if not math.isfinite(global_norm):
         return 0.0
     if n == 0:

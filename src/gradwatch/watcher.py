@@ -269,7 +269,9 @@ class GradWatch:
         skips are still clipped, with torch's function (rank-local norm).
         """
         if norm_type != 2.0:
-            raise ValueError(f"gradwatch: clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}")
+            raise ValueError(
+                f"gradwatch: clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}"
+            )
         if step is None:
             step = self._optimizer_steps
         _, total = self._guarded(step, scaler, None, float(max_norm))
