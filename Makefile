@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+LINT_PATHS := $(wildcard src tests benchmarks scripts examples)
 STAMP := $(VENV)/.installed
 
 .PHONY: help venv demo test test-fast lint bench deploy-assets system-deps clean
@@ -31,15 +32,14 @@ demo: venv
 	$(BIN)/gradwatch demo
 
 test: venv system-deps
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -x -m "not e2e and not distributed"
 
 lint: venv
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check $(LINT_PATHS)
 
 bench: venv
 	$(BIN)/python benchmarks/run.py --out docs/performance.md
