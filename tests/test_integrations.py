@@ -317,3 +317,18 @@ def test_lightning_callback(tmp_path) -> None:
     # Logged figures are those of the previous step's pre-clip gradients.
     logged = float(metrics["gradwatch/global_grad_norm"])
     assert any(abs(logged - g) <= 1e-5 * g for g in grads_seen[:-1])
+
+
+def test_clip_total_does_not_overflow_for_huge_float64_norms() -> None:
+    """Sum of float64 squares overflows at norms near 1e154; the clip total must not."""
+    model = nn.ParameterList(
+        [nn.Parameter(torch.zeros(100, dtype=torch.float64)) for _ in range(2)]
+    )
+    for p in model:
+        p.grad = torch.full((100,), 1e153, dtype=torch.float64)
+    expected = math.sqrt(200.0) * 1e153  # exact: 200 equal elements
+    with GradWatch(model, WatchConfig()) as watch:
+        total = float(watch.clip_grad_norm_(1.0, step=0))
+    assert abs(total - expected) <= 1e-12 * expected
+    for p in model:
+        assert float(p.grad[0]) == pytest.approx(1e153 / expected, rel=1e-12)

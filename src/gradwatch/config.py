@@ -24,7 +24,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 #: Name of the implicit group of parameters that match no pattern.
 OTHER_GROUP = "other"
@@ -36,6 +41,31 @@ DEFAULT_DEMO_PORT = 9977
 
 GroupName = Annotated[StrictStr, Field(min_length=1)]
 Threshold = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+def _pairs_if_duplicated(pairs: list[tuple[str, Any]]) -> Any:
+    """``json.loads`` hook: an object with a repeated key stays a list of pairs (instead of
+    silently keeping the last value), so the field validators can report the duplicate."""
+    keys = [k for k, _ in pairs]
+    return dict(pairs) if len(set(keys)) == len(keys) else list(pairs)
+
+
+class _EnvSource(EnvSettingsSource):
+    """``GRADWATCH_*`` variables; fields given in code are not read at all (pydantic-settings
+    would otherwise deep-merge an env dict into a dict given in code)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], shadowed: set[str]) -> None:
+        super().__init__(settings_cls)
+        self._shadowed = shadowed
+
+    def decode_complex_value(self, field_name: str, field: Any, value: Any) -> Any:
+        try:
+            return json.loads(value, object_pairs_hook=_pairs_if_duplicated)
+        except ValueError:
+            return value  # not JSON: validation reports it as a ValidationError on the field
+
+    def __call__(self) -> dict[str, Any]:
+        return {k: v for k, v in super().__call__().items() if k not in self._shadowed}
 
 
 class WatchConfig(BaseSettings):
@@ -95,6 +125,19 @@ class WatchConfig(BaseSettings):
     history_max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
 
     enabled: bool = True
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        given = set(getattr(init_settings, "init_kwargs", {}))
+        env = _EnvSource(settings_cls, given)
+        return (init_settings, env, dotenv_settings, file_secret_settings)
 
     @field_validator("groups", mode="before")
     @classmethod

@@ -41,7 +41,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradwatch.errors import GradWatchTimeoutError, LayoutMismatchError
+from gradwatch.errors import (
+    GradWatchTimeoutError,
+    LayoutMismatchError,
+    UnsupportedParallelismError,
+)
 
 log = logging.getLogger("gradwatch")
 
@@ -79,7 +83,15 @@ class Layout:
 
 
 def piece_of(name: str, param: Tensor) -> LocalPiece:
-    """Describe the local piece of ``param`` (a plain tensor or a DTensor)."""
+    """Describe the local piece of ``param`` (a plain tensor or a DTensor).
+
+    Every mesh dimension whose placement is not ``Replicate`` contributes the rank's coordinate
+    to the key: ``Shard`` and ``_StridedShard`` (FSDP2 over a tensor-parallel dim; it is *not*
+    a ``Shard`` subclass and its ``is_shard()`` is False) and any placement this version does
+    not know. Treating an unknown placement as a shard is the safe side: if it was a copy after
+    all, the tiling check of :func:`build_layout` refuses the layout on every rank instead of
+    double counting. ``Partial`` is refused (a squared norm of a partial sum is meaningless).
+    """
     spec = getattr(param, "_spec", None)
     if spec is None or not hasattr(param, "_local_tensor"):
         return LocalPiece(name, tuple(param.shape), ("whole",), param.numel())
@@ -88,12 +100,13 @@ def piece_of(name: str, param: Tensor) -> LocalPiece:
     key: list[Any] = []
     for dim, placement in enumerate(param.placements):
         if placement.is_partial():
-            raise LayoutMismatchError(
+            raise UnsupportedParallelismError(
                 f"gradwatch: parameter {name!r} has a Partial placement on mesh dim {dim}; "
                 "squared norms of partial sums are meaningless before the reduction"
             )
-        if placement.is_shard():
-            key.append((dim, coords[dim] if coords is not None else -1, repr(placement)))
+        if placement.is_replicate():
+            continue
+        key.append([dim, coords[dim] if coords is not None else -1, repr(placement)])
     return LocalPiece(name, tuple(param.shape), tuple(key), param._local_tensor.numel())
 
 
@@ -135,40 +148,40 @@ def build_layout(
     names: list[str] = []
     index: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    shape_rank: dict[str, int] = {}
     holders: dict[tuple[str, str], list[int]] = {}  # (name, key) -> ranks, ascending
     piece_numel: dict[tuple[str, str], int] = {}
-    name_ranks: dict[str, list[int]] = {}
+    name_sets: list[set[str]] = []
     for r, d in enumerate(per_rank):
+        held: set[str] = set()
         for name, shape, key, numel in d["pieces"]:
             shape = tuple(shape)
+            if name in held:
+                raise LayoutMismatchError(
+                    f"gradwatch: rank {r} holds parameter {name!r} twice: names must be unique"
+                )
+            held.add(name)
             if name not in index:
                 index[name] = len(names)
                 names.append(name)
                 shapes[name] = shape
+                shape_rank[name] = r
             elif shapes[name] != shape:
                 raise LayoutMismatchError(
-                    f"gradwatch: parameter {name!r} has global shape {shapes[name]} on one rank "
-                    f"and {shape} on rank {r}: the ranks hold different models"
+                    f"gradwatch: parameter {name!r} has global shape {shapes[name]} on rank "
+                    f"{shape_rank[name]} and {shape} on rank {r}: the ranks hold different models"
                 )
-            name_ranks.setdefault(name, []).append(r)
             if numel == 0:
                 continue  # empty shard: nothing to count
             k = (name, json.dumps(key))
             holders.setdefault(k, []).append(r)
-            piece_numel[k] = numel
-    # A stage group's ranks hold disjoint parameters: the same name twice within one stage
-    # group is a collision (tied weights must be named differently on each stage).
-    for name, ranks in name_ranks.items():
-        for r in ranks:
-            stage = per_rank[r].get("stage")
-            if not stage:
-                continue
-            others = [o for o in ranks if o != r and o in stage]
-            if others:
+            if piece_numel.setdefault(k, numel) != numel:
                 raise LayoutMismatchError(
-                    f"gradwatch: parameter name {name!r} is held by ranks {r} and {others[0]} of "
-                    "the same stage group; pipeline stages must hold disjoint parameter names"
+                    f"gradwatch: ranks {holders[k][0]} and {r} hold the same piece of {name!r} "
+                    f"with different sizes ({piece_numel[k]} and {numel} elements)"
                 )
+        name_sets.append(held)
+    _check_name_sets(per_rank, name_sets, set(names))
     # Distinct pieces must tile each parameter exactly once.
     covered: dict[str, int] = {}
     for (name, _key), numel in piece_numel.items():
@@ -207,6 +220,58 @@ def build_layout(
     )
 
 
+def _check_name_sets(
+    per_rank: Sequence[dict[str, Any]], name_sets: list[set[str]], every: set[str]
+) -> None:
+    """Which ranks hold which names: the same model everywhere, or disjoint stages.
+
+    Without stage groups every rank holds every name (replicas and shards of one model). With
+    stage groups (pipeline stages, hand-split model parallelism) the ranks of one stage group
+    hold disjoint names whose union is the whole model, for every stage group.
+    """
+    stages = [d.get("stage") for d in per_rank]
+    declared = [r for r, s in enumerate(stages) if s]
+    if declared and len(declared) != len(stages):
+        missing = [r for r, s in enumerate(stages) if not s]
+        raise LayoutMismatchError(
+            f"gradwatch: ranks {declared} passed a stage_group and ranks {missing} did not: "
+            "every rank must pass its stage group, or none"
+        )
+    if not declared:
+        for r, held in enumerate(name_sets):
+            if held != every:
+                missing_names = sorted(every - held)[:5]
+                raise LayoutMismatchError(
+                    f"gradwatch: rank {r} does not hold parameters {missing_names} that other "
+                    "ranks hold: the ranks hold different models (pipeline stages and hand-split "
+                    "models must pass stage_group=)"
+                )
+        return
+    for r, stage in enumerate(stages):
+        assert stage is not None
+        if r not in stage or any(stages[o] != stage for o in stage if o < len(stages)):
+            raise LayoutMismatchError(
+                f"gradwatch: the stage groups are inconsistent (rank {r} declares {stage}, "
+                f"its members declare {[stages[o] for o in stage if o < len(stages)]})"
+            )
+        seen: dict[str, int] = {}
+        for o in stage:
+            for name in sorted(name_sets[o]):
+                if name in seen:
+                    raise LayoutMismatchError(
+                        f"gradwatch: parameter name {name!r} is held by ranks {seen[name]} and "
+                        f"{o} of the same stage group {stage}; pipeline stages must hold "
+                        "disjoint parameter names"
+                    )
+                seen[name] = o
+        if set(seen) != every:
+            missing_names = sorted(every - set(seen))[:5]
+            raise LayoutMismatchError(
+                f"gradwatch: stage group {stage} does not hold parameters {missing_names} that "
+                "other stage groups hold: the ranks hold different models"
+            )
+
+
 class Reducer:
     """Packs local squared norms into the agreed vector and all-reduces it once.
 
@@ -238,21 +303,27 @@ class Reducer:
             backend = str(dist.get_backend())
             if "nccl" in backend and torch.cuda.is_available():
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            # gradwatch's own group: its timeout bounds every wait, and its traffic never
-            # interleaves with the job's collectives on the default group.
-            self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
             if stage_group is not None:
-                desc["stage"] = dist.get_process_group_ranks(stage_group)
+                desc["stage"] = sorted(dist.get_process_group_ranks(stage_group))
             raw = json.dumps(desc, sort_keys=True, default=_json_default).encode()
             try:
+                # gradwatch's own group: its timeout bounds every wait, and its traffic never
+                # interleaves with the job's collectives on the default group. Every rank of
+                # the world creates it here, in the same order relative to the job's groups.
+                self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
                 gathered = _all_gather_bytes(raw, self.group, self.device)
             except RuntimeError as exc:
+                self.close()
                 raise GradWatchTimeoutError(
                     f"gradwatch: construction handshake failed or timed out after "
                     f"{timeout_seconds}s: every rank must construct GradWatch ({exc})"
                 ) from exc
             per_rank = [json.loads(b) for b in gathered]
-            self.layout = build_layout(per_rank, dist.get_rank())
+            try:
+                self.layout = build_layout(per_rank, dist.get_rank())
+            except LayoutMismatchError:
+                self.close()  # every rank raises the same error: release the group everywhere
+                raise
         else:
             self.layout = build_layout([json.loads(json.dumps(desc, default=_json_default))], 0)
         lay = self.layout
@@ -322,9 +393,9 @@ class ReducedVector:
                 self._work.wait(timedelta(seconds=self._timeout))
             except RuntimeError as exc:
                 raise GradWatchTimeoutError(
-                    f"gradwatch: the all-reduce of step {self._step} did not complete "
-                    f"within {self._timeout}s: another rank failed, skipped collect() "
-                    f"or is stuck ({exc})"
+                    f"gradwatch: the all-reduce of step {self._step} failed or did not "
+                    f"complete within {self._timeout}s (collective_timeout_seconds): another "
+                    f"rank failed, skipped collect() or is stuck ({exc})"
                 ) from exc
             self._work = None
 

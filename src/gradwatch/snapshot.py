@@ -107,9 +107,21 @@ class Snapshot:
         """A copy with some fields changed (snapshots are immutable)."""
         return dataclasses.replace(self, **changes)
 
+    def _fields(self) -> dict[str, Any]:
+        """Field values with the read-only mappings as plain dicts (mappingproxy objects can
+        be neither pickled nor deep-copied, so ``dataclasses.asdict`` cannot be used)."""
+        return {
+            f.name: dict(v) if isinstance(v, MappingProxyType) else v
+            for f in dataclasses.fields(self)
+            for v in (getattr(self, f.name),)
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_snapshot, (self._fields(),))
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; NaN/Inf stay floats (``json.dumps`` writes NaN/Infinity)."""
-        out = dataclasses.asdict(self)
+        out = self._fields()
         for name in ("groups", "param_norms", "ratios", "raw_ratios", "isolation_violated"):
             value = getattr(self, name)
             out[name] = {
@@ -126,3 +138,8 @@ class Snapshot:
         kwargs["groups"] = {k: GroupStats(**v) for k, v in data.get("groups", {}).items()}
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in kwargs.items() if k in known})
+
+
+def _rebuild_snapshot(fields: dict[str, Any]) -> Snapshot:
+    """Unpickling helper of :class:`Snapshot`."""
+    return Snapshot(**fields)

@@ -306,4 +306,12 @@ def total_norm(tensors: Tensor | Sequence[Tensor]) -> Tensor:
     values = [as_real_values(t) for t in tensors]
     if not values:
         return torch.tensor(0.0, dtype=torch.float64)
-    return NormEngine().squared_norms(values).sum().sqrt()
+    sq = NormEngine().squared_norms(values)
+    # Each squared norm fits float64, but their sum may not (e.g. many float64 tensors near
+    # 1e150): factor out the largest one. Non-finite or zero maxima keep the plain sum (Inf
+    # stays Inf, NaN stays NaN, 0 stays 0).
+    top = sq.max()
+    plain = sq.sum().sqrt()
+    safe_top = torch.where(torch.isfinite(top) & (top > 0), top, torch.ones_like(top))
+    scaled = safe_top.sqrt() * (sq / safe_top).sum().sqrt()
+    return torch.where(torch.isfinite(top) & (top > 0), scaled, plain)

@@ -1,7 +1,8 @@
 """Host-side summary: from the reduced per-parameter vector to a :class:`Snapshot`.
 
 Runs off the training thread (in ``PendingSnapshot.result()``), on plain Python floats:
-group norms are ``sqrt(math.fsum(squares))``, so the combination itself adds no error.
+group norms are ``sqrt(max) * sqrt(math.fsum(squares / max))`` (an exact sum, scaled so a sum of
+squares beyond float64's range cannot overflow), so the combination adds no error beyond rounding.
 """
 
 from __future__ import annotations
@@ -126,7 +127,12 @@ def summarize(
 def _sqrt_sum(squares: Sequence[float]) -> float:
     if any(math.isnan(s) for s in squares):
         return math.nan
-    return math.sqrt(math.fsum(squares))
+    top = max(squares, default=0.0)
+    if top == 0.0 or math.isinf(top):
+        return math.sqrt(top)  # all zero, or an Inf gradient
+    # Each square fits float64 but their sum may not (fsum raises OverflowError then):
+    # factor out the largest square.
+    return math.sqrt(top) * math.sqrt(math.fsum(s / top for s in squares))
 
 
 def _violates(norm: float, threshold: float) -> bool:

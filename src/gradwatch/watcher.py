@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from gradwatch.amp import pending_scale
 from gradwatch.config import OTHER_GROUP, WatchConfig
-from gradwatch.errors import GradWatchError, UnsupportedParallelismError
+from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
 from gradwatch.stats import NormEngine, as_real_values
@@ -67,43 +67,87 @@ def _reject_fsdp1(model: nn.Module) -> None:
 
 
 def describe_parallelism(
-    model: nn.Module, params: list[Tensor], world_size: int, stage_group: Any
+    model: nn.Module,
+    params: list[Tensor],
+    world_size: int,
+    stage_group: Any,
+    process_group: Any = None,
 ) -> str:
-    """Short description such as ``ddp4``, ``fsdp2x2+tp2``, ``hsdp2x2``, ``pp2+ddp2``."""
+    """Short description of the detected parallelism, for the snapshot and ``run_info``.
+
+    Parts joined by ``+``, outermost first: ``pp{n}`` (``stage_group`` of n ranks), ``ddp{n}``
+    (a ``DistributedDataParallel`` wrapper), ``fsdp2x{n}`` (FSDP2 sharding over n ranks) or
+    ``hsdp{r}x{s}`` (FSDP2 with a replicate x shard mesh), then the other dims of the DTensor
+    meshes by name (``tp2``; unnamed dims are ``mesh{n}``), then ``dp{n}`` when a
+    ``process_group`` was given and no data-parallel wrapper was found. Examples: ``ddp4``,
+    ``fsdp2x4``, ``fsdp2x2+tp2``, ``hsdp2x2``, ``pp2+ddp2``. ``replicated{n}`` when nothing was
+    detected (plain replicas); ``single`` for one process. Description only: never raises.
+    """
     if world_size <= 1:
         return "single"
+    try:
+        return _describe(model, params, world_size, stage_group, process_group)
+    except Exception:  # description only; never fail construction over it
+        log.debug("gradwatch: could not describe the parallelism", exc_info=True)
+        return f"unknown{world_size}"
+
+
+def _describe(
+    model: nn.Module, params: list[Tensor], world_size: int, stage_group: Any, process_group: Any
+) -> str:
     parts: list[str] = []
     if stage_group is not None:
         parts.append(f"pp{dist.get_world_size(stage_group)}")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        parts.append(f"ddp{dist.get_world_size(model.process_group)}")
-    fsdp_dims: set[str] = set()
-    hsdp = False
-    try:
-        from torch.distributed.fsdp import FSDPModule
+    data_parallel = False
+    for module in model.modules():
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            parts.append(f"ddp{dist.get_world_size(module.process_group)}")
+            data_parallel = True
+            break
+    # FSDP2: the mesh of the first parameter group found (submodules before an empty root).
+    fsdp_mesh: Any = None
+    fsdp_part = ""
+    from torch.distributed.fsdp import FSDPModule
 
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group
-                if group is not None:
-                    mesh = group.mesh_info.mesh
-                    fsdp_dims.update(mesh.mesh_dim_names or ())
-                    hsdp = hsdp or mesh.ndim == 2
-                break
-    except Exception:  # description only; never fail construction over it
-        pass
-    seen: dict[str, int] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue  # e.g. a root whose parameters all belong to sharded children
+        info = group.mesh_info
+        fsdp_mesh = info.mesh
+        shard = getattr(info, "shard_mesh_dim", None)
+        replicate = getattr(info, "replicate_mesh_dim", None)
+        if shard is not None and replicate is not None:
+            fsdp_part = f"hsdp{fsdp_mesh.size(replicate)}x{fsdp_mesh.size(shard)}"
+        elif shard is not None:
+            fsdp_part = f"fsdp2x{fsdp_mesh.size(shard)}"
+        elif replicate is not None:
+            fsdp_part = f"ddp{fsdp_mesh.size(replicate)}"
+        break
+    if fsdp_part:
+        parts.append(fsdp_part)
+        data_parallel = True
+    fsdp_names = set(fsdp_mesh.mesh_dim_names or ()) if fsdp_mesh is not None else set()
+    others: dict[str, int] = {}
     for p in params:
         mesh = getattr(p, "device_mesh", None)
-        if mesh is None:
+        if mesh is None or not hasattr(p, "_local_tensor"):
             continue
+        if fsdp_mesh is not None and mesh == fsdp_mesh:
+            continue
+        dim_names = mesh.mesh_dim_names
         for i, size in enumerate(mesh.shape):
-            name = (mesh.mesh_dim_names or [f"dim{i}"] * mesh.ndim)[i]
-            seen.setdefault(name, size)
-    fsdp_sizes = [seen.pop(n) for n in list(seen) if n in fsdp_dims]
-    if fsdp_sizes:
-        parts.append(("hsdp" if hsdp else "fsdp2x") + "x".join(str(s) for s in fsdp_sizes))
-    parts.extend(f"{name}{size}" for name, size in seen.items())
+            name = dim_names[i] if dim_names else "mesh"
+            if name in fsdp_names:
+                continue
+            others.setdefault(name, size)
+    parts.extend(f"{name}{size}" for name, size in others.items())
+    if not data_parallel and process_group is not None:
+        size = dist.get_world_size(process_group)
+        if size > 1:
+            parts.append(f"dp{size}")
     return "+".join(parts) or f"replicated{world_size}"
 
 
@@ -188,7 +232,9 @@ class GradWatch:
         self._group_order = list(cfg.groups)
         if OTHER_GROUP in self._groups_of:
             self._group_order.append(OTHER_GROUP)
-        self.parallelism = describe_parallelism(model, self._params, self.world_size, stage_group)
+        self.parallelism = describe_parallelism(
+            model, self._params, self.world_size, stage_group, process_group
+        )
         self._engine = NormEngine()
         self._collections = 0
         self._last: Snapshot | None = None
@@ -380,6 +426,15 @@ class GradWatch:
                 continue
             local = getattr(g, "_local_tensor", None)
             if local is not None:
+                if g.placements != p.placements:
+                    # The layout (who counts which piece) was agreed from the parameter's
+                    # placements; a gradient placed otherwise (e.g. Partial) cannot be counted
+                    # exactly without a collective. Identical on every rank: all stop together.
+                    raise UnsupportedParallelismError(
+                        f"gradwatch: a gradient has placements {g.placements} but its parameter "
+                        f"{p.placements}; gradwatch measures gradients placed like their "
+                        "parameters (FSDP2, parallelize_module) only"
+                    )
                 g = local
             if g.layout != torch.strided or g.is_complex():
                 g = as_real_values(g)
@@ -419,7 +474,13 @@ class GradWatch:
         """
         n = self._layout.size
         packed = reduced.device_tensor()
-        total = packed[:n].sum().sqrt()
+        squares = packed[:n]
+        # sqrt(sum(s)) = sqrt(m) * sqrt(sum(s / m)): the sum of float64 squares of finite
+        # gradients may overflow even when the norm does not (e.g. norms near 1e154).
+        top = squares.max() if n else torch.zeros((), dtype=torch.float64, device=packed.device)
+        scale = top.clamp_min(torch.finfo(torch.float64).tiny)
+        scaled = (squares / scale).sum().sqrt() * scale.sqrt()
+        total = torch.where(torch.isfinite(top), scaled, squares.sum().sqrt())
         total = torch.where(packed[n : 2 * n].sum() > 0, torch.nan, total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         grads = [p.grad for p in self._params if p.grad is not None and p.requires_grad]
@@ -443,7 +504,12 @@ class GradWatch:
         max_norm: float | None,
         amp: bool,
     ) -> Snapshot:
-        values = reduced.host_values()
+        try:
+            values = reduced.host_values()
+        except GradWatchTimeoutError as exc:
+            # Another rank failed or skipped this collective: later ones would never match.
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
         lay = self._layout
         n = lay.size
         if values[3 * n + lay.replicas] != step * lay.world_size:

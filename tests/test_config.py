@@ -1,0 +1,253 @@
+"""WatchConfig: validation (errors name the field) and GRADWATCH_* environment handling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from gradwatch import WatchConfig
+
+FIELDS = (
+    "groups",
+    "ratios",
+    "isolated",
+    "vanishing_threshold",
+    "exploding_threshold",
+    "isolation_threshold",
+    "every_n_steps",
+    "divergence_every",
+    "collective_timeout_seconds",
+    "port",
+    "bind_address",
+    "certfile",
+    "keyfile",
+    "client_cafile",
+    "param_metrics_top_k",
+    "history_path",
+    "history_max_bytes",
+    "enabled",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in FIELDS:
+        monkeypatch.delenv(f"GRADWATCH_{name.upper()}", raising=False)
+
+
+def _error_text(excinfo: pytest.ExceptionInfo[ValidationError]) -> str:
+    """Locations and messages of every error, in one string."""
+    return " | ".join(
+        ".".join(str(p) for p in e["loc"]) + ": " + e["msg"] for e in excinfo.value.errors()
+    )
+
+
+def test_issue_example_is_accepted() -> None:
+    cfg = WatchConfig(
+        groups={"host": ["backbone.*"], "seed": ["seed.*"]},
+        ratios=[("seed", "host")],
+        isolated=["host"],
+        vanishing_threshold=1e-7,
+        exploding_threshold=100.0,
+        isolation_threshold=1e-6,
+        port=None,
+    )
+    assert dict(cfg.groups) == {"host": ["backbone.*"], "seed": ["seed.*"]}
+    assert list(cfg.groups) == ["host", "seed"]  # order kept: first matching group wins
+    assert cfg.ratios == [("seed", "host")]
+    assert cfg.isolated == ["host"]
+    assert (cfg.vanishing_threshold, cfg.exploding_threshold, cfg.isolation_threshold) == (
+        1e-7,
+        100.0,
+        1e-6,
+    )
+    assert cfg.port is None
+
+
+def test_defaults() -> None:
+    cfg = WatchConfig()
+    assert dict(cfg.groups) == {}
+    assert cfg.ratios == [] and cfg.isolated == []
+    assert cfg.vanishing_threshold == 1e-7
+    assert cfg.exploding_threshold == 100.0
+    assert cfg.isolation_threshold == 1e-6
+    assert cfg.every_n_steps == 1
+    assert cfg.port is None
+    assert cfg.enabled is True
+
+
+def test_ratio_may_name_other_group() -> None:
+    cfg = WatchConfig(groups={"a": ["x.*"]}, ratios=[("a", "other")], isolated=["other"])
+    assert cfg.ratios == [("a", "other")]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "fragment"),
+    [
+        ({"groups": {"a": ["x"]}, "ratios": [("a", "nope")]}, "", "nope"),
+        ({"groups": {"a": ["x"]}, "ratios": [("nope", "a")]}, "", "nope"),
+        ({"groups": {"a": ["x"]}, "isolated": ["nope"]}, "", "nope"),
+        ({"groups": {"": ["x"]}}, "groups", ""),
+        ({"groups": {"   ": ["x"]}}, "groups", ""),
+        ({"groups": {"a": []}}, "groups", "no patterns"),
+        ({"groups": {"a": [""]}}, "groups", "empty pattern"),
+        ({"groups": {"a": [1]}}, "groups", ""),
+        ({"groups": {"a": ["x", None]}}, "groups", ""),
+        ({"groups": {"a": "x.*"}}, "groups", ""),
+        ({"groups": {"other": ["x"]}}, "groups", "reserved"),
+        ({"groups": {"a/b": ["x"]}}, "groups", "/"),
+        ({"groups": [("a", ["x"]), ("a", ["y"])]}, "groups", "duplicate"),
+        ({"vanishing_threshold": -1e-9}, "vanishing_threshold", ""),
+        ({"exploding_threshold": -1.0}, "exploding_threshold", ""),
+        ({"isolation_threshold": -1e-6}, "isolation_threshold", ""),
+        ({"isolation_threshold": float("nan")}, "isolation_threshold", ""),
+        ({"exploding_threshold": float("inf")}, "exploding_threshold", ""),
+        ({"vanishing_threshold": 1.0, "exploding_threshold": 1.0}, "", "vanishing_threshold"),
+        ({"vanishing_threshold": 2.0, "exploding_threshold": 1.0}, "", "vanishing_threshold"),
+        ({"port": -1}, "port", ""),
+        ({"port": 65536}, "port", ""),
+        ({"bind_address": "not-an-ip"}, "bind_address", "not an IP"),
+        ({"bind_address": "999.1.1.1"}, "bind_address", ""),
+        ({"certfile": "/nonexistent/cert.pem", "keyfile": "/nonexistent/key.pem"}, "certfile", ""),
+        ({"every_n_steps": 0}, "every_n_steps", ""),
+        ({"unknown_field": 1}, "unknown_field", ""),
+    ],
+)
+def test_invalid_config_names_the_field(kwargs: dict, field: str, fragment: str) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig(**kwargs)
+    text = _error_text(excinfo)
+    if field:
+        assert any(field in [str(p) for p in e["loc"]] for e in excinfo.value.errors()), text
+    else:
+        # Cross-field errors: the message names the offending field.
+        assert "ratios" in text or "isolated" in text or "vanishing_threshold" in text, text
+    assert fragment in text, text
+
+
+def test_zero_thresholds_and_port_bounds_accepted(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert WatchConfig(vanishing_threshold=0.0, isolation_threshold=0.0).vanishing_threshold == 0
+    assert WatchConfig(port=0).port == 0
+    assert WatchConfig(port=65535).port == 65535
+    assert WatchConfig(bind_address="::1").bind_address == "::1"
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("y")
+    cfg = WatchConfig(certfile=cert, keyfile=key)
+    assert cfg.certfile == cert
+
+
+def test_certfile_missing_even_with_existing_keyfile(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    key = tmp_path / "k.pem"
+    key.write_text("y")
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig(certfile=tmp_path / "missing.pem", keyfile=key)
+    assert [e["loc"] for e in excinfo.value.errors()] == [("certfile",)]
+
+
+def test_config_is_frozen() -> None:
+    cfg = WatchConfig()
+    with pytest.raises(ValidationError):
+        cfg.port = 5  # type: ignore[misc]
+
+
+# -- environment ------------------------------------------------------------------------------
+
+
+def test_env_groups_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_GROUPS", '{"a":["x.*"]}')
+    assert dict(WatchConfig().groups) == {"a": ["x.*"]}
+
+
+def test_env_every_field_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_GROUPS", '{"a":["x.*"],"b":["y.*"]}')
+    monkeypatch.setenv("GRADWATCH_RATIOS", '[["a","b"]]')
+    monkeypatch.setenv("GRADWATCH_ISOLATED", '["b"]')
+    monkeypatch.setenv("GRADWATCH_VANISHING_THRESHOLD", "1e-9")
+    monkeypatch.setenv("GRADWATCH_EXPLODING_THRESHOLD", "50")
+    monkeypatch.setenv("GRADWATCH_ISOLATION_THRESHOLD", "0.5")
+    monkeypatch.setenv("GRADWATCH_EVERY_N_STEPS", "4")
+    monkeypatch.setenv("GRADWATCH_PORT", "9100")
+    monkeypatch.setenv("GRADWATCH_ENABLED", "false")
+    cfg = WatchConfig()
+    assert list(cfg.groups) == ["a", "b"]
+    assert cfg.ratios == [("a", "b")]
+    assert cfg.isolated == ["b"]
+    assert cfg.vanishing_threshold == 1e-9
+    assert cfg.exploding_threshold == 50.0
+    assert cfg.isolation_threshold == 0.5
+    assert cfg.every_n_steps == 4
+    assert cfg.port == 9100
+    assert cfg.enabled is False
+
+
+def test_code_argument_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_GROUPS", '{"a":["x.*"]}')
+    monkeypatch.setenv("GRADWATCH_EXPLODING_THRESHOLD", "5")
+    cfg = WatchConfig(groups={"b": ["y.*"]})
+    assert dict(cfg.groups) == {"b": ["y.*"]}
+    assert cfg.exploding_threshold == 5.0  # not given in code: env still applies
+    assert WatchConfig(exploding_threshold=7.0).exploding_threshold == 7.0
+
+
+def test_env_port_not_a_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_PORT", "abc")
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig()
+    assert [e["loc"] for e in excinfo.value.errors()] == [("port",)]
+
+
+def test_env_duplicate_group_names_in_json_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A JSON object with a repeated key would silently keep the last one; the pairs form lets
+    # the duplicate be reported.
+    monkeypatch.setenv("GRADWATCH_GROUPS", json.dumps([["a", ["x.*"]], ["a", ["y.*"]]]))
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig()
+    assert "groups" in _error_text(excinfo) and "duplicate" in _error_text(excinfo)
+
+
+def test_env_duplicate_keys_in_json_object_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_GROUPS", '{"a":["x.*"],"a":["y.*"]}')
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig()
+    assert "groups" in _error_text(excinfo)
+
+
+def test_env_invalid_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_ISOLATION_THRESHOLD", "-3")
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig()
+    assert [e["loc"] for e in excinfo.value.errors()] == [("isolation_threshold",)]
+
+
+def test_groups_pairs_form_accepted() -> None:
+    cfg = WatchConfig(groups=[("a", ["x.*"]), ("b", ["y.*"])])
+    assert dict(cfg.groups) == {"a": ["x.*"], "b": ["y.*"]}
+
+
+def test_layout_hash_depends_on_grouping_not_endpoint() -> None:
+    base = WatchConfig(groups={"a": ["x.*"]})
+    assert base.layout_hash() == WatchConfig(groups={"a": ["x.*"]}, port=1234).layout_hash()
+    assert base.layout_hash() != WatchConfig(groups={"a": ["y.*"]}).layout_hash()
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "field"),
+    [
+        ("GRADWATCH_GROUPS", "{bad", "groups"),
+        ("GRADWATCH_RATIOS", '[["a","b"]', "ratios"),
+        ("GRADWATCH_ISOLATED", "host", "isolated"),
+        ("GRADWATCH_GROUPS", '{"a": "x.*"}', "groups"),
+        ("GRADWATCH_BIND_ADDRESS", "example.com", "bind_address"),
+        ("GRADWATCH_CERTFILE", "/nonexistent/cert.pem", "certfile"),
+    ],
+)
+def test_env_invalid_values_are_validation_errors(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, field: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig()
+    assert field in [str(p) for e in excinfo.value.errors() for p in e["loc"]], _error_text(excinfo)

@@ -1,0 +1,357 @@
+"""The norm engine and ``total_norm``: exactness vs an independent float64 reference, range,
+non-contiguous layouts, op counts and temporaries."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import OpCounter, count_host_reads
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradwatch import total_norm
+from gradwatch.stats import NormEngine
+
+REL = 1e-6
+
+#: Exponent ranges (base 2) of finite values each dtype covers in the contract.
+EXP_RANGE = {
+    torch.float64: (-498, 498),  # [1e-150, 1e150]
+    torch.float32: (-149, 127),
+    torch.bfloat16: (-133, 127),
+    torch.float16: (-24, 15),
+}
+
+
+def ref_norm(tensors: list[torch.Tensor]) -> float:
+    """Independent float64 reference: exact values as float64 (numpy), scaled by the max-abs so
+    no square can overflow or underflow, pairwise-summed squares, fsum across tensors."""
+    arrays = []
+    for t in tensors:
+        t = t.detach()
+        if t.is_sparse:
+            t = t.to_dense()
+        a = t.to(torch.complex128).numpy() if t.is_complex() else t.double().numpy()
+        arrays.append(np.abs(a).ravel())
+    top = max((float(a.max()) for a in arrays if a.size), default=0.0)
+    if top == 0.0:
+        return 0.0
+    if not math.isfinite(top):
+        return top
+    return top * math.sqrt(math.fsum(float(np.sum(np.square(a / top))) for a in arrays))
+
+
+def rel_err(got: float, want: float) -> float:
+    if want == 0.0:
+        return abs(got)
+    return abs(got - want) / want
+
+
+def values(shape, dtype, lo, hi, gen) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Random signed values with base-2 exponents uniform in [lo, hi], exactly representable."""
+    e = torch.empty(shape, dtype=torch.float64).uniform_(lo, hi, generator=gen)
+    sign = torch.randint(0, 2, shape, generator=gen, dtype=torch.float64) * 2 - 1
+    return (sign * torch.exp2(e)).to(dtype)
+
+
+# -- exactness on fixed cases -------------------------------------------------------------------
+
+
+def test_returns_zero_dim_float64_and_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ts = [torch.randn(7, generator=gen), torch.randn(300, 200, generator=gen)]
+    got = total_norm(ts)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert rel_err(float(got), ref_norm(ts)) <= REL
+    assert rel_err(float(got), float(torch.nn.utils.get_total_norm(ts))) <= 1e-5
+    single = total_norm(ts[1])
+    assert rel_err(float(single), ref_norm([ts[1]])) <= REL
+
+
+def test_empty_inputs() -> None:
+    assert float(total_norm([])) == 0.0
+    assert float(total_norm([torch.zeros(0), torch.zeros(3, 0)])) == 0.0
+    assert float(total_norm([torch.zeros(100_000)])) == 0.0
+
+
+@pytest.mark.parametrize("value", [0.1, 1.0, 3.0e-3])
+def test_constant_2_pow_24_fp32(value: float) -> None:
+    t = torch.full((1 << 24,), value, dtype=torch.float32)
+    exact = abs(float(t[0])) * math.sqrt(1 << 24)  # exactly 4096 * the stored value
+    assert rel_err(float(total_norm(t)), exact) <= REL
+    sq = NormEngine().squared_norms([t])
+    assert rel_err(math.sqrt(float(sq[0])), exact) <= REL
+
+
+def test_random_2_pow_24_fp32() -> None:
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randn(1 << 24, generator=gen) * 3 + 0.5
+    assert rel_err(float(total_norm(t)), ref_norm([t])) <= REL
+
+
+def test_2_pow_24_bf16_constant() -> None:
+    t = torch.full((1 << 24,), 0.1, dtype=torch.bfloat16)
+    exact = float(t[0].double()) * 4096.0
+    assert rel_err(float(total_norm(t)), exact) <= REL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", [3, 1000, 70_000, 300_000])
+@pytest.mark.parametrize("magnitude", [1e30, 1e-30, 3e38, 1e-38, 1e-40])
+def test_no_overflow_no_underflow(dtype: torch.dtype, numel: int, magnitude: float) -> None:
+    t = torch.full((numel,), magnitude, dtype=torch.float32).to(dtype)
+    stored = float(t[0].double())
+    assert stored != 0.0 and math.isfinite(stored)
+    exact = stored * math.sqrt(numel)
+    assert rel_err(float(total_norm(t)), exact) <= REL
+
+
+@pytest.mark.parametrize("numel", [3, 1000, 70_000])
+@pytest.mark.parametrize("magnitude", [6.0e4, 1e-7, 6.1e-5])
+def test_fp16_extremes(numel: int, magnitude: float) -> None:
+    t = torch.full((numel,), magnitude, dtype=torch.float16)
+    stored = float(t[0].double())
+    assert stored != 0.0 and math.isfinite(stored)
+    assert rel_err(float(total_norm(t)), stored * math.sqrt(numel)) <= REL
+
+
+@pytest.mark.parametrize("magnitude", [1e150, 1e-150, 1.0])
+@pytest.mark.parametrize("numel", [1, 5000, 100_000])
+def test_fp64_range(magnitude: float, numel: int) -> None:
+    t = torch.full((numel,), magnitude, dtype=torch.float64)
+    assert rel_err(float(total_norm(t)), magnitude * math.sqrt(numel)) <= REL
+
+
+def test_fp64_sum_of_squares_beyond_float64() -> None:
+    # 11 tensors of 2^24 elements of 1e150: each squared norm (1.7e307) fits float64, their
+    # sum does not; the total norm (1.36e154) does.
+    ts = [torch.tensor(1e150, dtype=torch.float64).expand(1 << 24) for _ in range(11)]
+    exact = 1e150 * math.sqrt(11 * (1 << 24))
+    assert rel_err(float(total_norm(ts)), exact) <= REL
+
+
+def test_mixed_magnitudes_in_one_tensor() -> None:
+    t = torch.full((100_000,), 1e-30, dtype=torch.float32)
+    t[17] = 1e30
+    assert rel_err(float(total_norm(t)), ref_norm([t])) <= REL
+    u = torch.full((100_000,), 1e-20, dtype=torch.float32)  # squares underflow float32
+    assert rel_err(float(total_norm(u)), 1e-20 * math.sqrt(100_000) * (float(u[0]) / 1e-20)) <= REL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_norm_not_rounded_to_dtype(dtype: torch.dtype) -> None:
+    small = torch.ones(3, dtype=dtype)
+    assert rel_err(float(total_norm(small)), math.sqrt(3)) <= REL
+    mid = torch.full((1000,), 0.1, dtype=dtype)
+    assert rel_err(float(total_norm(mid)), float(mid[0].double()) * math.sqrt(1000)) <= REL
+    big = torch.full((70_001,), 0.1, dtype=dtype)
+    assert rel_err(float(total_norm(big)), float(big[0].double()) * math.sqrt(70_001)) <= REL
+    # the result is not representable in the gradient dtype, and we did not round to it
+    assert float(total_norm(small)) != float(torch.tensor(math.sqrt(3)).to(dtype))
+
+
+def test_mixed_dtypes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    ts = [
+        torch.randn(100, generator=gen),
+        torch.randn(100_000, generator=gen).to(torch.bfloat16),
+        torch.randn(70_000, generator=gen).to(torch.float16),
+        torch.randn(300, generator=gen, dtype=torch.float64) * 1e-100,
+        torch.randn(9, generator=gen, dtype=torch.float64),
+    ]
+    assert rel_err(float(total_norm(ts)), ref_norm(ts)) <= REL
+    sq = NormEngine().squared_norms(ts)
+    for i, t in enumerate(ts):
+        assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
+
+
+def test_sparse_and_complex() -> None:
+    i = torch.tensor([[0, 2, 2, 5]])
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+    sparse = torch.sparse_coo_tensor(i, v, (8, 2))  # uncoalesced: row 2 appears twice
+    exact = math.sqrt(1 + 4 + 8**2 + 10**2 + 49 + 64)
+    assert rel_err(float(total_norm(sparse)), exact) <= REL
+    z = torch.tensor([3 + 4j, 1 - 1j], dtype=torch.complex64)
+    assert rel_err(float(total_norm(z)), math.sqrt(25 + 2)) <= REL
+    zbig = torch.full((100_000,), 0.6 - 0.8j, dtype=torch.complex64)
+    assert rel_err(float(total_norm(zbig)), ref_norm([zbig])) <= REL
+
+
+def test_nonfinite_inputs_like_torch() -> None:
+    a = torch.ones(100_000)
+    a[5] = float("inf")
+    assert math.isinf(float(total_norm([a, torch.ones(3)])))
+    b = torch.ones(10)
+    b[2] = float("nan")
+    assert math.isnan(float(total_norm([a, b])))
+    assert math.isnan(float(total_norm([b])))
+
+
+# -- non-contiguous layouts -----------------------------------------------------------------------
+
+
+def test_transposed_large() -> None:
+    gen = torch.Generator().manual_seed(4)
+    t = torch.randn(600, 500, generator=gen).t()
+    assert not t.is_contiguous()
+    assert rel_err(float(total_norm(t)), ref_norm([t])) <= REL
+
+
+def test_channels_last_large() -> None:
+    gen = torch.Generator().manual_seed(5)
+    t = torch.randn(8, 64, 32, 32, generator=gen).to(memory_format=torch.channels_last)
+    t = t.to(torch.bfloat16)
+    assert not t.is_contiguous()
+    assert rel_err(float(total_norm(t)), ref_norm([t])) <= REL
+
+
+def test_non_dense_strided_view() -> None:
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(900, 700, generator=gen)
+    view = base[::2, 1::3]
+    expected = ref_norm([view.contiguous()])
+    assert rel_err(float(total_norm(view)), expected) <= REL
+    tiny = (torch.full((900, 700), 1e-30))[::3, ::2]  # strided and needing the repair path
+    assert rel_err(float(total_norm(tiny)), ref_norm([tiny.contiguous()])) <= REL
+
+
+def test_plan_rebuilt_when_layout_changes() -> None:
+    engine = NormEngine()
+    a = torch.randn(600, 500)
+    first = engine.squared_norms([a])
+    assert rel_err(math.sqrt(float(first[0])), ref_norm([a])) <= REL
+    b = torch.randn(600, 500).t()
+    second = engine.squared_norms([b])
+    assert rel_err(math.sqrt(float(second[0])), ref_norm([b])) <= REL
+    c = torch.randn(10, dtype=torch.float64)
+    third = engine.squared_norms([c, None, b])
+    assert float(third[1]) == 0.0
+    assert rel_err(math.sqrt(float(third[0])), ref_norm([c])) <= REL
+
+
+# -- cost ------------------------------------------------------------------------------------
+
+
+def _storages(obj) -> set[int]:  # type: ignore[no-untyped-def]
+    if isinstance(obj, torch.Tensor):
+        return {obj.untyped_storage().data_ptr()} if obj.layout == torch.strided else set()
+    if isinstance(obj, list | tuple):
+        return set().union(*(_storages(o) for o in obj)) if obj else set()
+    if isinstance(obj, dict):
+        return _storages(list(obj.values()))
+    return set()
+
+
+class OutputRecorder(TorchDispatchMode):
+    """Records (op, numel, dtype) of every tensor an op allocates (outputs that alias an
+    input's storage, i.e. views and in-place results, are not new memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[tuple[str, int, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = _storages(list(args)) | _storages(kwargs)
+        items = out if isinstance(out, list | tuple) else [out]
+        for o in items:
+            if isinstance(o, torch.Tensor) and (
+                o.layout != torch.strided or o.untyped_storage().data_ptr() not in inputs
+            ):
+                self.outputs.append((str(func.overloadpacket), o.numel(), o.dtype))
+        return out
+
+
+def test_engine_makes_no_gradient_sized_temporary() -> None:
+    gen = torch.Generator().manual_seed(7)
+    ts = [
+        torch.randn(1 << 20, generator=gen),
+        torch.randn(1200, 1000, generator=gen).to(torch.bfloat16),
+        torch.randn(1100, 1000, generator=gen).to(torch.float16).t(),
+    ]
+    with OutputRecorder() as rec:
+        total = total_norm(ts)
+    assert rel_err(float(total), ref_norm(ts)) <= REL
+    smallest = min(t.numel() for t in ts)
+    largest_out = max(n for _, n, _ in rec.outputs)
+    assert largest_out <= smallest // 64, sorted(rec.outputs, key=lambda x: -x[1])[:3]
+    assert not [o for o in rec.outputs if o[2] == torch.float64 and o[1] >= smallest]
+
+
+def test_engine_ops_constant_in_tensor_count() -> None:
+    def ops(n: int) -> tuple[int, int]:
+        gen = torch.Generator().manual_seed(n)
+        ts = [torch.randn(100 if i % 2 else 5000, generator=gen) for i in range(n)]
+        engine = NormEngine()
+        engine.squared_norms(ts)  # builds the plan
+        with OpCounter() as counter, count_host_reads() as reads:
+            sq = engine.squared_norms(ts)
+        for i in (0, 1, n - 1):
+            assert rel_err(math.sqrt(float(sq[i])), ref_norm([ts[i]])) <= REL
+        assert counter.scalar_reads == 0
+        return counter.total, sum(reads.values())
+
+    small, large = ops(20), ops(400)
+    assert small == large
+    assert small[1] <= 1
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+NUMELS = [1, 2, 255, 256, 257, 1000, 65536, 65537, 70_001, 150_000]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@st.composite
+def tensor_specs(draw):  # type: ignore[no-untyped-def]
+    dtype = draw(st.sampled_from(DTYPES))
+    numel = draw(st.sampled_from(NUMELS))
+    lo, hi = EXP_RANGE[dtype]
+    center = draw(st.integers(lo, hi))
+    spread = draw(st.integers(0, 12))
+    return dtype, numel, max(lo, center - spread), min(hi, center + 1), draw(st.booleans())
+
+
+@settings(max_examples=80, deadline=None)
+@given(specs=st.lists(tensor_specs(), min_size=1, max_size=5), seed=st.integers(0, 2**31 - 1))
+def test_property_total_norm_exact(specs, seed: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    ts = []
+    for dtype, numel, lo, hi, transpose in specs:
+        t = values((numel,), dtype, lo, hi, gen)
+        if transpose and numel % 2 == 0:
+            t = t.view(2, numel // 2).t()
+        ts.append(t)
+    want = ref_norm(ts)
+    got = float(total_norm(ts))
+    assert rel_err(got, want) <= REL, (got, want)
+    sq = NormEngine().squared_norms(ts)
+    for i, t in enumerate(ts):
+        want_i = ref_norm([t])
+        assert rel_err(math.sqrt(float(sq[i])), want_i) <= REL
+
+
+def test_output_recorder_sees_full_size_copies() -> None:
+    # The temporaries check above can fail: a float64 copy or a cat of gradients is recorded.
+    t = torch.randn(1 << 16)
+    with OutputRecorder() as rec:
+        t.double()
+        torch.cat([t, t])
+        t.view(-1)
+    assert (1 << 16, torch.float64) in [(n, d) for _, n, d in rec.outputs]
+    assert max(n for _, n, _ in rec.outputs) == 1 << 17
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [2, 255, 256, 257, 4097, 65536, 65537])
+@pytest.mark.parametrize("value", [0.1, 1 / 3, 0.7])
+def test_constant_tensors_at_path_boundaries(dtype: torch.dtype, numel: int, value: float) -> None:
+    # Constant values are the worst case of float32 accumulation.
+    t = torch.full((numel,), value, dtype=dtype)
+    exact = float(t[0].double()) * math.sqrt(numel)
+    assert rel_err(float(total_norm(t)), exact) <= REL

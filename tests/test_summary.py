@@ -1,0 +1,206 @@
+"""summarize(): group/global combination, health, ratios and isolation vs an independent
+re-implementation of the documented formulas (summary's helpers are not used as reference)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradwatch import WatchConfig
+from gradwatch.summary import summarize
+
+
+def ref_combine(norms: list[float]) -> float:
+    """L2 norm of per-parameter norms: NaN wins, then Inf, else math.hypot (no overflow)."""
+    if any(math.isnan(x) for x in norms):
+        return math.nan
+    if any(math.isinf(x) for x in norms):
+        return math.inf
+    return math.hypot(*norms) if norms else 0.0
+
+
+def ref_health(n: int, v: int, e: int, global_norm: float) -> float:
+    if not math.isfinite(global_norm):
+        return 0.0
+    if n == 0:
+        return 1.0
+    x = 1.0 - 0.5 * v / n - 0.8 * e / n
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
+
+
+def ref_ratio(nn: float, nnumel: int, dn: float, dnumel: int) -> float:
+    if nnumel == 0 or dnumel == 0 or nn < 1e-8 or dn < 1e-8:
+        return 0.0
+    return (nn / math.sqrt(nnumel)) / (dn / math.sqrt(dnumel) + 1e-8)
+
+
+def ref_raw(nn: float, dn: float) -> float:
+    return 0.0 if dn == 0.0 else nn / dn
+
+
+def same(a: float, b: float, rel: float = 1e-12) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return a == pytest.approx(b, rel=rel, abs=0.0)
+
+
+SQUARES = st.one_of(
+    st.floats(0.0, 1.7e307),
+    st.floats(0.0, 1e-290),
+    st.floats(0.0, 1e4),
+    st.sampled_from([0.0, 1e-14, 1e4, 1.6e307, math.inf, math.nan]),
+)
+
+
+@st.composite
+def cases(draw):  # type: ignore[no-untyped-def]
+    n = draw(st.integers(0, 12))
+    params = []
+    for i in range(n):
+        group = draw(st.sampled_from(["a", "b", "other"]))
+        has = draw(st.booleans() | st.just(True))
+        sq = draw(SQUARES) if has else 0.0
+        flag = (
+            draw(st.booleans())
+            if has and math.isfinite(sq) and draw(st.integers(0, 5)) == 0
+            else (1.0 if has and not math.isfinite(sq) else 0.0)
+        )
+        numel = draw(st.integers(1, 10_000))
+        params.append((f"{group}{i}", group, numel, sq, float(flag), float(has)))
+    vt = draw(st.sampled_from([0.0, 1e-7, 1e-3, 1.0]))
+    et = draw(st.sampled_from([2.0, 100.0, 1e100]))
+    iso = draw(st.sampled_from([0.0, 1e-6, 10.0]))
+    return params, vt, et, iso
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=cases(), step=st.integers(0, 10**9))
+def test_property_summary_vs_reference(case, step: int) -> None:  # type: ignore[no-untyped-def]
+    params, vt, et, iso = case
+    cfg = WatchConfig(
+        groups={"a": ["a*"], "b": ["b*"]},
+        ratios=[("a", "b"), ("b", "other"), ("other", "a")],
+        isolated=["a", "other"],
+        vanishing_threshold=vt,
+        exploding_threshold=et,
+        isolation_threshold=iso,
+    )
+    groups_of = [g for _, g, *_ in params]
+    order = ["a", "b"] + (["other"] if "other" in groups_of else [])
+    snap = summarize(
+        step=step,
+        cfg=cfg,
+        names=[p[0] for p in params],
+        groups_of=groups_of,
+        numels=[p[2] for p in params],
+        squares=[p[3] for p in params],
+        nonfinite_flags=[p[4] for p in params],
+        has_grad=[p[5] for p in params],
+        group_order=order,
+    )
+    assert snap.step == step
+    assert list(snap.groups) == order
+    counted = [p for p in params if p[5] > 0]
+    assert set(snap.param_norms) == {p[0] for p in counted}
+    bad_names = []
+    total_v = total_e = 0
+    all_norms = []
+    for g in order:
+        members = [p for p in counted if p[1] == g]
+        norms = [math.sqrt(p[3]) for p in members]
+        all_norms.extend(norms)
+        bad = [p for p, x in zip(members, norms, strict=True) if p[4] > 0 or not math.isfinite(x)]
+        bad_names.extend(p[0] for p in bad)
+        e = sum(1 for p, x in zip(members, norms, strict=True) if p in bad or x > et)
+        v = sum(
+            1 for p, x in zip(members, norms, strict=True) if p not in bad and x <= et and x < vt
+        )
+        stats = snap.groups[g]
+        assert same(stats.norm, ref_combine(norms)), (g, stats.norm, norms)
+        assert stats.numel == sum(p[2] for p in members)
+        assert stats.tensors == len(members)
+        assert (stats.vanishing, stats.exploding, stats.nonfinite) == (v, e, len(bad))
+        total_v += v
+        total_e += e
+        for p, x in zip(members, norms, strict=True):
+            assert same(snap.param_norms[p[0]], x)
+    want_global = ref_combine(all_norms)
+    if bad_names and math.isfinite(want_global):
+        want_global = math.nan  # a flagged replica makes the global norm NaN
+    assert same(snap.global_norm, want_global)
+    assert snap.nonfinite_params == tuple(sorted(bad_names))
+    assert snap.health == ref_health(len(counted), total_v, total_e, want_global)
+    zero = (0.0, 0)
+    stat = {g: (snap.groups[g].norm, snap.groups[g].numel) for g in snap.groups}
+    for num, den in cfg.ratios:
+        (nn, nnum), (dn, dnum) = stat.get(num, zero), stat.get(den, zero)
+        key = f"{num}/{den}"
+        assert same(snap.ratios[key], ref_ratio(nn, nnum, dn, dnum)), key
+        assert same(snap.raw_ratios[key], ref_raw(nn, dn)), key
+    for g in cfg.isolated:
+        norm = stat.get(g, zero)[0]
+        assert snap.isolation_violated[g] == (not math.isfinite(norm) or norm > iso)
+
+
+def _one(squares, groups, numels=None, **cfg_kwargs):  # type: ignore[no-untyped-def]
+    cfg = WatchConfig(groups={"a": ["a*"], "b": ["b*"]}, **cfg_kwargs)
+    n = len(squares)
+    return summarize(
+        step=1,
+        cfg=cfg,
+        names=[f"{g}{i}" for i, g in enumerate(groups)],
+        groups_of=groups,
+        numels=numels or [1] * n,
+        squares=squares,
+        nonfinite_flags=[0.0] * n,
+        has_grad=[1.0] * n,
+        group_order=["a", "b"],
+    )
+
+
+def test_ratio_formula_exact_values() -> None:
+    # a: norm 2 over 4 elements, b: norm 8 over 16 elements
+    snap = _one([4.0, 64.0], ["a", "b"], [4, 16], ratios=[("a", "b"), ("b", "a")])
+    assert snap.ratios["a/b"] == (2.0 / 2.0) / (8.0 / 4.0 + 1e-8)
+    assert snap.ratios["b/a"] == (8.0 / 4.0) / (2.0 / 2.0 + 1e-8)
+    assert snap.raw_ratios["a/b"] == 0.25 and snap.raw_ratios["b/a"] == 4.0
+
+
+def test_ratio_zero_below_eps_and_raw_zero_denominator() -> None:
+    snap = _one([1e-17, 1.0], ["a", "b"], ratios=[("a", "b"), ("b", "a")])  # a norm ~3e-9
+    assert snap.ratios["a/b"] == 0.0 and snap.ratios["b/a"] == 0.0
+    assert snap.raw_ratios["b/a"] == pytest.approx(1.0 / math.sqrt(1e-17))
+    snap = _one([0.0, 1.0], ["a", "b"], ratios=[("b", "a")])
+    assert snap.raw_ratios["b/a"] == 0.0 and snap.ratios["b/a"] == 0.0
+    snap = _one([1.0], ["b"], ratios=[("b", "a")])  # a has no gradient: numel 0
+    assert snap.ratios["b/a"] == 0.0 and snap.raw_ratios["b/a"] == 0.0
+
+
+def test_health_exact_values() -> None:
+    snap = _one([1e-20, 1.0, 1e6, 1.0], ["a", "a", "b", "b"])
+    assert snap.health == 1.0 - 0.5 * 1 / 4 - 0.8 * 1 / 4
+    snap = _one([1e6, 1e6], ["a", "b"])  # all exploding: the floor of finite health is 0.2
+    assert snap.health == pytest.approx(0.2, rel=1e-15)
+    snap = _one([1e-20, 1e-20], ["a", "b"])  # all vanishing
+    assert snap.health == 0.5
+    snap = _one([], [])
+    assert snap.health == 1.0 and snap.global_norm == 0.0
+
+
+def test_group_norm_does_not_overflow() -> None:
+    snap = _one([1.6e307] * 20, ["a"] * 20)
+    assert snap.groups["a"].norm == pytest.approx(math.sqrt(1.6e307) * math.sqrt(20), rel=1e-14)
+    assert snap.global_norm == pytest.approx(math.sqrt(1.6e307) * math.sqrt(20), rel=1e-14)
+    assert snap.health == pytest.approx(0.2, rel=1e-15)  # every norm (4e153) explodes
+
+
+def test_group_norm_is_exact_sum() -> None:
+    # 1 + 1e-16 * many: a naive float sum loses the small terms, fsum does not
+    squares = [1.0] + [1e-16] * 10_000
+    snap = _one(squares, ["a"] * len(squares))
+    assert snap.groups["a"].norm == pytest.approx(math.sqrt(1.0 + 1e-12), rel=1e-15)
