@@ -10,7 +10,9 @@ Only global rank 0 builds a :class:`MetricsServer` (the facade decides). Three t
   summary) and publishes them: it builds a new immutable :class:`_State` (every sample of every
   snapshot-derived gauge and counter) and swaps it in under a lock;
 * **scrapes** (one thread per HTTP request) read the current state once, so a scrape never
-  shows half of one step and half of another.
+  shows half of one step and half of another. Equal states render once (a cache keyed by the
+  state's version), and at most ``MAX_SCRAPES_PER_SECOND`` scrapes are served, so scrapers
+  cannot take more than a few percent of the training process's time (:class:`_ScrapeApp`).
 
 If publishing falls behind, the oldest pending result is dropped (``MAX_PENDING`` are kept) and
 counted in ``gradwatch_dropped_snapshots_total``. An exception while materializing or
@@ -78,6 +80,15 @@ COLLECT_SECONDS_BUCKETS: tuple[float, ...] = (
 #: How long interpreter exit waits for the publisher and the HTTP server of a server nobody
 #: closed (a collective stuck on a dead peer must not hold the exit for minutes).
 EXIT_CLOSE_TIMEOUT = 2.0
+
+#: The endpoint serves at most this many scrapes per second (bursts of ``SCRAPE_BURST``); more
+#: wait their turn. Prometheus scrapes every 15-60 s, so only a runaway client ever waits, and
+#: scrapes can take at most a few percent of the training process's time (see _ScrapeApp).
+MAX_SCRAPES_PER_SECOND = 50.0
+SCRAPE_BURST = 10
+# A request that would wait longer than this for its turn gets 503 at once instead of piling up
+# threads (at 50/s that is 250 requests queued).
+_MAX_SCRAPE_WAIT = 5.0
 
 # A request thread that cannot read its request (a stalled client, a half-done TLS handshake)
 # gives up after this long, so it cannot pile up threads forever.
@@ -358,6 +369,7 @@ class _State:
     counts: _Counts
     samples: Mapping[str, tuple[Sample, ...]]
     step: int | None = None
+    version: int = 0  # publishes so far: the key of the rendered-exposition cache
 
 
 def select_param_series(
@@ -440,6 +452,7 @@ class _SelfStats:
         self._dropped = 0
         self._buckets = [0] * (len(COLLECT_SECONDS_BUCKETS) + 1)
         self._sum = 0.0
+        self.version = 0  # bumped by every change; read without the lock (an int load)
 
     def observe(self, seconds: float) -> None:
         if not seconds >= 0.0:  # NaN or negative: a clock oddity, not a measurement
@@ -449,14 +462,17 @@ class _SelfStats:
         with self._lock:
             self._buckets[i] += 1
             self._sum += seconds
+            self.version += 1
 
     def add_error(self) -> None:
         with self._lock:
             self._publish_errors += 1
+            self.version += 1
 
     def add_dropped(self) -> None:
         with self._lock:
             self._dropped += 1
+            self.version += 1
 
     def view(self) -> _SelfView:
         with self._lock:
@@ -506,9 +522,19 @@ class SnapshotCollector:
             unknown = set(samples) - _SNAPSHOT_METRICS
             if unknown:  # a programming error; keeps the table the single source of names
                 raise AssertionError(f"metrics missing from METRICS: {sorted(unknown)}")
-            state = _State(counts=counts, samples=MappingProxyType(samples), step=snap.step)
+            state = _State(
+                counts=counts,
+                samples=MappingProxyType(samples),
+                step=snap.step,
+                version=self._state.version + 1,
+            )
             with self._lock:
                 self._state = state
+
+    def version(self) -> tuple[int, int]:
+        """Changes whenever a scrape would show something new (a publish, a counter, a
+        histogram observation); equal versions render the same exposition."""
+        return self._state.version, self.self_stats.version
 
     def describe(self) -> Iterator[Metric]:
         """Names only, so a registry can refuse a second collector exporting the same ones."""
@@ -691,6 +717,85 @@ class _Publisher:
 # -- the HTTP server ----------------------------------------------------------------------------
 
 
+class _RateLimit:
+    """At most ``rate`` grants per second on average, bursts of ``burst`` (GCRA).
+
+    Thread-safe. :meth:`reserve` books the next free slot and says how long to wait for it;
+    callers sleep outside the lock, so waiting requests cost no CPU and are served in order.
+    """
+
+    def __init__(self, rate: float, burst: int, max_wait: float) -> None:
+        self._interval = 1.0 / rate
+        self._tolerance = self._interval * max(burst - 1, 0)
+        self._max_wait = max_wait
+        self._lock = threading.Lock()
+        self._due = time.monotonic()
+
+    def reserve(self) -> float | None:
+        """Seconds to wait before serving, or None when that would exceed ``max_wait``."""
+        with self._lock:
+            now = time.monotonic()
+            due = max(self._due, now)  # theoretical time of this grant without bursts
+            wait = max(due - self._tolerance - now, 0.0)
+            if wait > self._max_wait:
+                return None
+            self._due = due + self._interval
+            return wait
+
+
+class _ScrapeApp:
+    """WSGI app: prometheus_client's, behind a rate bound and a rendered-exposition cache.
+
+    Thread-safe (one thread per request). Why both: a scrape costs the serving process about
+    1 ms of Python (half rendering, half HTTP), taken under the GIL from the training thread.
+    Equal collector versions render equal bytes, so between two steps any number of scrapes
+    render once; and at most ``MAX_SCRAPES_PER_SECOND`` are served, so even clients scraping
+    back to back cannot take more than a few percent of the training thread's time. Requests
+    with a query string (``name[]`` filters) bypass the cache.
+    """
+
+    def __init__(self, registry: CollectorRegistry, version: Callable[[], tuple[int, int]]) -> None:
+        self._inner = make_wsgi_app(registry)
+        self._version = version
+        self._limit = _RateLimit(MAX_SCRAPES_PER_SECOND, SCRAPE_BURST, _MAX_SCRAPE_WAIT)
+        self._lock = threading.Lock()
+        self._cache_version: tuple[int, int] | None = None
+        self._cache: dict[tuple[str, str], tuple[str, list[tuple[str, str]], bytes]] = {}
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        wait = self._limit.reserve()
+        if wait is None:
+            start_response("503 Service Unavailable", [("Retry-After", "1")])
+            return [b"gradwatch: too many scrapes, retry later\n"]
+        if wait > 0:
+            time.sleep(wait)
+        if environ.get("REQUEST_METHOD") != "GET" or environ.get("QUERY_STRING"):
+            return self._inner(environ, start_response)
+        # The version is read before rendering: a body rendered later is never older than its key.
+        version = self._version()
+        key = (environ.get("HTTP_ACCEPT", ""), environ.get("HTTP_ACCEPT_ENCODING", ""))
+        with self._lock:
+            hit = self._cache.get(key) if self._cache_version == version else None
+        if hit is None:
+            captured: list[Any] = []
+
+            def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+                captured[:] = [status, list(headers)]
+                return lambda data: None  # make_wsgi_app returns its body, never writes
+
+            body = b"".join(self._inner(environ, capture))
+            hit = (captured[0], captured[1], body)
+            if hit[0].startswith("200"):
+                with self._lock:
+                    if self._cache_version != version:
+                        self._cache_version, self._cache = version, {}
+                    if len(self._cache) < 16:  # distinct Accept headers: a handful in practice
+                        self._cache[key] = hit
+        status, headers, body = hit
+        start_response(status, [*headers, ("Content-Length", str(len(body)))])
+        return [body]
+
+
 class _QuietHandler(WSGIRequestHandler):
     """No access log on stderr (one line per scrape would flood the training log)."""
 
@@ -834,8 +939,13 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self._collector = SnapshotCollector(cfg, world_size=world_size, parallelism=parallelism)
         self.registry.register(self._collector)
-        self._httpd = _bind(cfg, make_wsgi_app(self.registry), tls)
-        self.url, self.port = _url(self._httpd, tls is not None)
+        self._httpd = _bind(cfg, _ScrapeApp(self.registry, self._collector.version), tls)
+        try:
+            self.url, self.port = _url(self._httpd, tls is not None)
+            self._publisher = _Publisher(self._collector)
+        except BaseException:
+            self._httpd.server_close()  # a failed construction holds no port
+            raise
         self._http_thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.25},  # bounds how long close() waits for the loop
@@ -843,7 +953,6 @@ class MetricsServer:
             daemon=True,
         )
         self._http_thread.start()
-        self._publisher = _Publisher(self._collector)
         self._finalizer = weakref.finalize(
             self, _shutdown, self._publisher, self._httpd, self._http_thread, EXIT_CLOSE_TIMEOUT
         )
@@ -933,6 +1042,10 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   0 with the job.
 * **Exploding includes non-finite**: a parameter whose gradient holds NaN/Inf counts in
   `gradwatch_exploding_tensors` and makes its step count in `gradwatch_exploding_steps_total`.
+* **Bounded cost.** The endpoint serves at most {max_scrapes:g} scrapes per second (bursts of
+  {burst}); more wait their turn, and one that would wait over {max_wait:g} s gets HTTP 503. Between
+  two changes any number of scrapes render the exposition once. So no client, however eager,
+  can take more than a few percent of the training process's time.
 * **Per-parameter series** (`gradwatch_param_grad_norm`) are off by default; with
   `param_metrics_top_k = k > 0` they are every non-finite parameter plus the k largest finite
   norms, capped at {max_series} series (`MAX_PARAM_SERIES`) in all.
@@ -942,7 +1055,13 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
 def metrics_reference_markdown() -> str:
     """docs/metrics.md, generated from :data:`METRICS` (the table the Collector uses)."""
     lines = [
-        _DOC_HEADER.format(max_pending=MAX_PENDING, max_series=MAX_PARAM_SERIES),
+        _DOC_HEADER.format(
+            max_pending=MAX_PENDING,
+            max_series=MAX_PARAM_SERIES,
+            max_scrapes=MAX_SCRAPES_PER_SECOND,
+            burst=SCRAPE_BURST,
+            max_wait=_MAX_SCRAPE_WAIT,
+        ),
         "| metric | type | labels | meaning |",
         "| --- | --- | --- | --- |",
     ]

@@ -1,0 +1,729 @@
+"""Static checks of the deploy assets (deploy/**, docs/runbook.md, examples/train_ddp.py).
+
+promtool checks and unit-tests the rules; the Grafana dashboard, the Compose stack and the
+Kubernetes manifests are parsed and cross-checked against each other and against the repository
+(no Docker engine or cluster runs here). The live checks against a real Prometheus scraping a
+real job are in tests/test_deploy_e2e.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+RULES = DEPLOY / "prometheus" / "gradwatch-rules.yml"
+RULES_TEST = DEPLOY / "prometheus" / "gradwatch-rules.test.yml"
+PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+DASHBOARD = DEPLOY / "grafana" / "gradwatch-dashboard.json"
+PROVISIONING = DEPLOY / "grafana" / "provisioning"
+COMPOSE_DIR = DEPLOY / "compose"
+COMPOSE = COMPOSE_DIR / "docker-compose.yml"
+K8S = DEPLOY / "kubernetes"
+ALERTMANAGER = DEPLOY / "alertmanager" / "alertmanager.yml"
+RUNBOOK = ROOT / "docs" / "runbook.md"
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+GEN_K8S = ROOT / "scripts" / "gen_k8s_rules.py"
+
+#: The exporter's metric names (the contract of the exporter issue), as PromQL sees them.
+CONTRACT_METRICS = frozenset(
+    {
+        # gauges
+        "gradwatch_global_grad_norm",
+        "gradwatch_grad_norm",
+        "gradwatch_grad_norm_ratio",
+        "gradwatch_group_parameters",
+        "gradwatch_vanishing_tensors",
+        "gradwatch_exploding_tensors",
+        "gradwatch_nonfinite_tensors",
+        "gradwatch_health_score",
+        "gradwatch_isolation_violated",
+        "gradwatch_replica_divergence",
+        "gradwatch_step",
+        "gradwatch_last_collect_timestamp_seconds",
+        "gradwatch_clip_coef",
+        # counters
+        "gradwatch_collections_total",
+        "gradwatch_nonfinite_steps_total",
+        "gradwatch_exploding_steps_total",
+        "gradwatch_isolation_violations_total",
+        "gradwatch_publish_errors_total",
+        "gradwatch_dropped_snapshots_total",
+        "gradwatch_amp_skipped_steps_total",
+        # histogram
+        "gradwatch_collect_seconds_bucket",
+        "gradwatch_collect_seconds_sum",
+        "gradwatch_collect_seconds_count",
+        # info
+        "gradwatch_build_info",
+        "gradwatch_run_info",
+    }
+)
+
+#: Alerts the issue requires (at least), with their severity and whether they need a `for`.
+REQUIRED_ALERTS = {
+    "GradwatchNonFiniteGradients": ("critical", False),
+    "GradwatchExplodingGradients": ("warning", True),
+    "GradwatchVanishingGradients": ("warning", True),
+    "GradwatchIsolationViolated": ("warning", False),
+    "GradwatchGradRatioDormant": ("warning", True),
+    "GradwatchReplicaDivergence": ("critical", False),
+    "GradwatchMetricsStale": ("warning", True),
+    "GradwatchTargetDown": ("warning", True),
+}
+
+GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}
+
+_NAME = re.compile(r"(?<![A-Za-z0-9_:])[A-Za-z_:][A-Za-z0-9_:]*")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def promtool() -> str:
+    """Path of promtool; missing is a failure under CI (REQUIRE_E2E=1), a skip elsewhere."""
+    path = shutil.which("promtool")
+    if path is None:
+        message = "promtool not found: run `make system-deps` (Debian package 'prometheus')"
+        if os.environ.get("REQUIRE_E2E") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [promtool(), *args], capture_output=True, text=True, timeout=120, cwd=cwd, check=False
+    )
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def load_yaml_all(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def rule_groups() -> list[dict[str, Any]]:
+    return load_yaml(RULES)["groups"]
+
+
+def alerts() -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for g in rule_groups() for r in g["rules"] if "alert" in r}
+
+
+def recorded_names() -> set[str]:
+    return {r["record"] for g in rule_groups() for r in g["rules"] if "record" in r}
+
+
+def gradwatch_names(text: str) -> set[str]:
+    """Metric names mentioning gradwatch_ in a PromQL expression or a template."""
+    return {m for m in _NAME.findall(text) if "gradwatch_" in m}
+
+
+def check_names(names: set[str], where: str) -> None:
+    """Plain names must be exporter metrics; names with ':' must be our recording rules."""
+    recorded = recorded_names()
+    unknown = {n for n in names if ":" not in n and n not in CONTRACT_METRICS}
+    unknown |= {n for n in names if ":" in n and n not in recorded}
+    assert not unknown, f"{where} uses names that are neither exported nor recorded: {unknown}"
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(where, expr) of every PromQL expression of the dashboard: panels and annotations."""
+    board = dashboard()
+    out = [
+        (f"panel {p['title']!r} {t['refId']}", t["expr"])
+        for p in board["panels"]
+        for t in p.get("targets", [])
+    ]
+    out += [
+        (f"annotation {a['name']!r}", a["expr"])
+        for a in board["annotations"]["list"]
+        if "expr" in a
+    ]
+    return out
+
+
+def dashboard_variable_queries() -> list[tuple[str, str]]:
+    out = []
+    for var in dashboard()["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        query = var["query"]
+        out.append((var["name"], query["query"] if isinstance(query, dict) else query))
+    return out
+
+
+def substitute_grafana_vars(expr: str, job: str = "train", instance: str = ".*") -> str:
+    """The expression Grafana sends for one choice of the variables."""
+    values = {
+        "job": job,
+        "instance": instance,
+        "__rate_interval": "1m",
+        "__interval": "15s",
+        "__range": "1h",
+        "__interval_ms": "15000",
+        "__range_s": "3600",
+    }
+
+    def repl(m: re.Match[str]) -> str:
+        return values[m.group(1) or m.group(2)]
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", repl, expr)
+
+
+def label_values_selector(query: str) -> tuple[str, str]:
+    """``label_values(selector, label)`` -> (selector, label)."""
+    m = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\s*\)\s*", query)
+    assert m, f"variable query {query!r} is not label_values(selector, label)"
+    return m.group(1), m.group(2)
+
+
+def compose() -> dict[str, Any]:
+    return load_yaml(COMPOSE)
+
+
+def compose_mounts(service: dict[str, Any]) -> Iterator[tuple[Path, str]]:
+    """(host path, container path) of the bind mounts of a Compose service."""
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith((".", "/")):
+            yield (COMPOSE_DIR / source).resolve(), target
+
+
+def k8s_docs() -> list[dict[str, Any]]:
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    docs: list[dict[str, Any]] = []
+    for resource in kustomization["resources"]:
+        docs += load_yaml_all(K8S / resource)
+    return docs
+
+
+def k8s_one(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [
+        d
+        for d in k8s_docs()
+        if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def env_config(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The WatchConfig a process would build from exactly these GRADWATCH_* variables."""
+    from gradwatch import WatchConfig
+
+    for key in list(os.environ):
+        if key.startswith("GRADWATCH_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        if key.startswith("GRADWATCH_"):
+            monkeypatch.setenv(key, value)
+    return WatchConfig()
+
+
+def github_anchor(heading: str) -> str:
+    slug = heading.strip().lower()
+    slug = re.sub(r"[^\w\- ]", "", slug)
+    return slug.replace(" ", "-")
+
+
+def runbook_sections() -> dict[str, str]:
+    """GitHub anchor of each heading of docs/runbook.md -> its text (up to the next heading)."""
+    sections: dict[str, str] = {}
+    current = None
+    for line in RUNBOOK.read_text().splitlines():
+        m = re.match(r"#{1,6}\s+(.*)", line)
+        if m:
+            current = github_anchor(m.group(1))
+            sections[current] = ""
+        elif current is not None:
+            sections[current] += line + "\n"
+    return sections
+
+
+# -- Prometheus rules ---------------------------------------------------------------------------
+
+
+def test_promtool_check_rules() -> None:
+    result = run_promtool("check", "rules", str(RULES))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+    # "clean": no lint warning either.
+    assert "WARNING" not in (result.stdout + result.stderr).upper()
+
+
+def test_promtool_test_rules() -> None:
+    result = run_promtool("test", "rules", RULES_TEST.name, cwd=RULES_TEST.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_rule_unit_tests_cover_every_alert_firing_and_not_firing() -> None:
+    tests = load_yaml(RULES_TEST)["tests"]
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in tests:
+        for check in case.get("alert_rule_test", []):
+            (firing if check.get("exp_alerts") else quiet).add(check["alertname"])
+    assert set(alerts()) <= firing, f"never shown firing: {set(alerts()) - firing}"
+    assert set(alerts()) <= quiet, f"never shown not firing: {set(alerts()) - quiet}"
+    text = RULES_TEST.read_text()
+    assert "NaN" in text and "stale" in text and "Inf" in text
+
+
+def test_promtool_check_standalone_prometheus_config() -> None:
+    result = run_promtool("check", "config", str(PROM_CONFIG))
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = load_yaml(PROM_CONFIG)
+    assert [(PROM_CONFIG.parent / f).resolve() for f in config["rule_files"]] == [RULES]
+    targets = [
+        t for sc in config["scrape_configs"] for s in sc["static_configs"] for t in s["targets"]
+    ]
+    assert targets == ["localhost:9977"]  # rank 0's port: the default demo port
+
+
+def test_required_alerts_severity_and_for() -> None:
+    found = alerts()
+    for name, (severity, needs_for) in REQUIRED_ALERTS.items():
+        assert name in found, f"missing alert {name}"
+        assert found[name]["labels"]["severity"] == severity, name
+        assert ("for" in found[name]) == needs_for, name
+    for name, rule in found.items():
+        assert rule["labels"]["severity"] in {"critical", "warning"}, name
+
+
+def test_alert_annotations_name_job_instance_group_and_runbook() -> None:
+    sections = runbook_sections()
+    for name, rule in alerts().items():
+        annotations = rule["annotations"]
+        assert set(annotations) >= {"summary", "description", "runbook_url"}, name
+        for key in ("summary", "description"):
+            text = annotations[key]
+            assert "$labels.job" in text and "$labels.instance" in text, (name, key)
+        both = annotations["summary"] + annotations["description"]
+        assert (
+            "$labels.group" in both
+            or "$labels.numerator" in both
+            or "all groups" in both
+            or "Labels.group" in both
+        ), f"{name}: annotations do not name the group"
+        anchor = name.lower()
+        assert annotations["runbook_url"] == f"docs/runbook.md#{anchor}", name
+        assert anchor in sections, f"docs/runbook.md has no section for {name}"
+
+
+def test_runbook_documents_thresholds_durations_and_actions() -> None:
+    sections = runbook_sections()
+    for name, rule in alerts().items():
+        text = sections[name.lower()]
+        assert rule["labels"]["severity"] in text, f"{name}: severity not documented"
+        if "for" in rule:
+            assert rule["for"] in text, f"{name}: duration {rule['for']} not documented"
+        assert re.search(r"(?i)what to do", text), f"{name}: no 'what to do'"
+
+
+def test_nonfinite_alert_built_on_the_counter_without_for() -> None:
+    rule = alerts()["GradwatchNonFiniteGradients"]
+    assert "for" not in rule
+    assert "gradwatch_nonfinite_steps_total" in rule["expr"]
+    assert "increase(" in rule["expr"]  # counter resets are handled
+
+
+def test_stale_alert_requires_target_up() -> None:
+    expr = alerts()["GradwatchMetricsStale"]["expr"]
+    assert "gradwatch_last_collect_timestamp_seconds" in expr and "time()" in expr
+    assert re.search(r"and on \(job, instance\)\s+up == 1", expr)
+
+
+def test_rule_metric_names_are_exported_or_recorded() -> None:
+    for group in rule_groups():
+        for rule in group["rules"]:
+            where = rule.get("alert") or rule.get("record")
+            texts = [rule["expr"], *rule.get("annotations", {}).values()]
+            check_names(gradwatch_names("\n".join(texts)), f"rule {where}")
+
+
+def test_generated_prometheusrule_matches_source() -> None:
+    spec = importlib.util.spec_from_file_location("gen_k8s_rules", GEN_K8S)
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    generated = K8S / "prometheusrule.yaml"
+    assert generated.read_text() == gen.render(RULES), (
+        "deploy/kubernetes/prometheusrule.yaml differs from deploy/prometheus/gradwatch-rules.yml:"
+        " run `make deploy-assets`"
+    )
+    manifest = load_yaml(generated)
+    assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+    assert manifest["kind"] == "PrometheusRule"
+    assert manifest["spec"]["groups"] == rule_groups()
+    # The --check mode agrees.
+    result = subprocess.run(
+        [sys.executable, str(GEN_K8S), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_generated_prometheusrule_spec_passes_promtool(tmp_path: Path) -> None:
+    manifest = load_yaml(K8S / "prometheusrule.yaml")
+    rules_file = tmp_path / "from-k8s.yml"
+    rules_file.write_text(yaml.safe_dump({"groups": manifest["spec"]["groups"]}))
+    result = run_promtool("check", "rules", str(rules_file))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- Grafana ------------------------------------------------------------------------------------
+
+
+def test_dashboard_identity_and_variables() -> None:
+    board = dashboard()
+    assert board["uid"] == "gradwatch"
+    assert board["schemaVersion"] >= 39
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    ds = variables["datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    for name in ("job", "instance"):
+        var = variables[name]
+        assert var["type"] == "query"
+        assert var["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    queries = dict(dashboard_variable_queries())
+    job_selector, job_label = label_values_selector(queries["job"])
+    inst_selector, inst_label = label_values_selector(queries["instance"])
+    assert job_label == "job" and inst_label == "instance"
+    assert job_selector.split("{")[0] in {"gradwatch_build_info", "gradwatch_step"}
+    assert inst_selector.startswith(job_selector.split("{")[0]) and "$job" in inst_selector
+
+
+def test_dashboard_panels_units_datasource_and_filters() -> None:
+    board = dashboard()
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in board["panels"]:
+        title = panel["title"]
+        assert panel["type"] != "row", "rows have no unit: the dashboard uses none"
+        unit = panel["fieldConfig"]["defaults"].get("unit")
+        assert unit and unit != "none", f"panel {title!r} has no unit"
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, title
+        assert panel["targets"], title
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", title
+            expr = target["expr"]
+            assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr, (title, expr)
+
+
+def test_dashboard_variables_used_are_defined() -> None:
+    defined = {v["name"] for v in dashboard()["templating"]["list"]} | GRAFANA_BUILTINS
+    for where, expr in dashboard_exprs():
+        used = {a or b for a, b in re.findall(r"\$\{(\w+)\}|\$(\w+)", expr)}
+        assert used <= defined, f"{where}: undefined variables {used - defined}"
+
+
+def test_dashboard_panels_do_not_overlap() -> None:
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard()["panels"]:
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = panel["title"]
+
+
+def test_dashboard_covers_the_issue() -> None:
+    board = dashboard()
+    by_metric: dict[str, list[dict[str, Any]]] = {}
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            for name in gradwatch_names(target["expr"]):
+                by_metric.setdefault(name, []).append(panel)
+    for metric in (
+        "gradwatch_global_grad_norm",
+        "gradwatch_grad_norm",
+        "gradwatch_grad_norm_ratio",
+        "gradwatch_health_score",
+        "gradwatch_vanishing_tensors",
+        "gradwatch_exploding_tensors",
+        "gradwatch_nonfinite_tensors",
+        "gradwatch_isolation_violated",
+        "gradwatch_replica_divergence",
+        "gradwatch_step",
+        "gradwatch_collections_total",
+        "gradwatch_collect_seconds_bucket",
+        "gradwatch_collect_seconds_sum",
+    ):
+        assert metric in by_metric, f"no panel shows {metric}"
+    # Norm panels on a log scale.
+    for metric in ("gradwatch_global_grad_norm", "gradwatch_grad_norm"):
+        for panel in by_metric[metric]:
+            if panel["type"] == "timeseries":
+                scale = panel["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
+                assert scale["type"] == "log", panel["title"]
+    # Ratio panel: the dormant/low/healthy/high bands are drawn.
+    (ratio,) = by_metric["gradwatch_grad_norm_ratio"]
+    defaults = ratio["fieldConfig"]["defaults"]
+    steps = [s["value"] for s in defaults["thresholds"]["steps"]]
+    assert steps == [None, 0.01, 0.05, 0.2]
+    assert defaults["custom"]["thresholdsStyle"]["mode"] in {"area", "line+area"}
+    # Annotations on non-finite steps.
+    exprs = [a.get("expr", "") for a in board["annotations"]["list"]]
+    assert any("gradwatch_nonfinite_steps_total" in e for e in exprs)
+
+
+def test_dashboard_metric_names_are_exported_or_recorded() -> None:
+    for where, expr in dashboard_exprs():
+        check_names(gradwatch_names(expr), f"dashboard {where}")
+    for name, query in dashboard_variable_queries():
+        check_names(gradwatch_names(query), f"dashboard variable {name}")
+
+
+def test_dashboard_exprs_parse(tmp_path: Path) -> None:
+    """promtool parses PromQL offline when it checks rules: one recording rule per expression."""
+    exprs = [substitute_grafana_vars(e) for _, e in dashboard_exprs()]
+    exprs += [
+        label_values_selector(substitute_grafana_vars(q))[0]
+        for _, q in dashboard_variable_queries()
+    ]
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:expr_{i}", "expr": e} for i, e in enumerate(exprs)
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "dashboard-exprs.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = run_promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_provisioning() -> None:
+    (datasource,) = load_yaml(PROVISIONING / "datasources" / "prometheus.yml")["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["isDefault"] is True
+    (provider,) = load_yaml(PROVISIONING / "dashboards" / "gradwatch.yml")["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
+
+
+# -- Compose ------------------------------------------------------------------------------------
+
+
+def test_compose_services_ports_and_mounts_exist() -> None:
+    services = compose()["services"]
+    assert set(services) >= {"trainer", "prometheus", "grafana"}
+    published = {
+        name: {p.split(":")[-1] for p in svc.get("ports", [])} for name, svc in services.items()
+    }
+    assert "9977" in published["trainer"]
+    assert "9090" in published["prometheus"]
+    assert "3000" in published["grafana"]
+    for name, service in services.items():
+        for host, _ in compose_mounts(service):
+            assert host.exists(), f"service {name} mounts {host}, which is not in the repository"
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if not source.startswith((".", "/")):
+                assert source in compose().get("volumes", {}), f"undeclared volume {source}"
+
+
+def test_compose_trainer_build_and_command() -> None:
+    trainer = compose()["services"]["trainer"]
+    context = (COMPOSE_DIR / trainer["build"]["context"]).resolve()
+    assert context == ROOT
+    dockerfile = context / trainer["build"]["dockerfile"]
+    assert dockerfile.exists()
+    copied = re.findall(r"^COPY\s+(.+?)\s+\S+$", dockerfile.read_text(), flags=re.M)
+    ignore = Path(f"{dockerfile}.dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    for sources in copied:
+        for source in sources.split():
+            assert (context / source).exists(), f"{dockerfile.name} copies missing {source}"
+            assert source.rstrip("/") in allowed, f"{source} is excluded by the .dockerignore"
+    command = trainer["command"]
+    assert command[0] == "torchrun" and "--nproc_per_node=2" in command
+    script = next(c for c in command if c.endswith(".py"))
+    assert (ROOT / script).exists()
+    assert script == "examples/train_ddp.py"
+
+
+def test_compose_trainer_env_is_a_valid_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = compose()["services"]
+    env = {k: str(v) for k, v in services["trainer"]["environment"].items()}
+    cfg = env_config(env, monkeypatch)
+    assert cfg.enabled and cfg.port == 9977 and cfg.bind_address == "0.0.0.0"
+    assert set(cfg.groups) == {"host", "seed", "stem"}
+    assert f"{cfg.port}:{cfg.port}" in services["trainer"]["ports"]
+    # The compose Prometheus scrapes that port on the trainer service.
+    prom = load_yaml(COMPOSE_DIR / "prometheus.yml")
+    targets = [
+        t for sc in prom["scrape_configs"] for s in sc["static_configs"] for t in s["targets"]
+    ]
+    assert targets == [f"trainer:{cfg.port}"]
+
+
+def test_compose_prometheus_config_and_rules_mount(tmp_path: Path) -> None:
+    prometheus = compose()["services"]["prometheus"]
+    mounts = {target: host for host, target in compose_mounts(prometheus)}
+    config_path = next(a.split("=", 1)[1] for a in prometheus["command"] if "--config.file" in a)
+    assert mounts[config_path] == COMPOSE_DIR / "prometheus.yml"
+    config = load_yaml(mounts[config_path])
+    assert [mounts[f] for f in config["rule_files"]] == [RULES]
+    alertmanagers = [
+        t
+        for am in config["alerting"]["alertmanagers"]
+        for s in am["static_configs"]
+        for t in s["targets"]
+    ]
+    assert alertmanagers == ["alertmanager:9093"]
+    # promtool on the config as the container sees it (container paths -> repository paths).
+    config["rule_files"] = [str(mounts[f]) for f in config["rule_files"]]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(config))
+    result = run_promtool("check", "config", str(local))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 rule files found" in result.stdout
+
+
+def test_compose_grafana_provisioning_mounts() -> None:
+    services = compose()["services"]
+    grafana = services["grafana"]
+    mounts = dict(compose_mounts(grafana))
+    assert mounts[PROVISIONING / "datasources"] == "/etc/grafana/provisioning/datasources"
+    assert mounts[PROVISIONING / "dashboards"] == "/etc/grafana/provisioning/dashboards"
+    (provider,) = load_yaml(PROVISIONING / "dashboards" / "gradwatch.yml")["providers"]
+    board_target = mounts[DASHBOARD]
+    assert board_target.rsplit("/", 1)[0] == provider["options"]["path"]
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == board_target
+    (datasource,) = load_yaml(PROVISIONING / "datasources" / "prometheus.yml")["datasources"]
+    assert datasource["url"] == "http://prometheus:9090"
+    assert "9090:9090" in services["prometheus"]["ports"]
+    interval = load_yaml(COMPOSE_DIR / "prometheus.yml")["global"]["scrape_interval"]
+    assert datasource["jsonData"]["timeInterval"] == interval
+
+
+def test_alertmanager_routes_critical_to_the_pager() -> None:
+    config = load_yaml(ALERTMANAGER)
+    receivers = {r["name"] for r in config["receivers"]}
+    route = config["route"]
+    assert route["receiver"] in receivers
+    critical = [r for r in route["routes"] if 'severity = "critical"' in r["matchers"]]
+    assert len(critical) == 1 and critical[0]["receiver"] == "pager" and "pager" in receivers
+    mounts = dict(compose_mounts(compose()["services"]["alertmanager"]))
+    assert mounts[ALERTMANAGER] == "/etc/alertmanager/alertmanager.yml"
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------
+
+
+def test_k8s_manifests_parse_and_kinds() -> None:
+    kinds = sorted(d["kind"] for d in k8s_docs())
+    assert kinds == ["Job", "PodMonitor", "PrometheusRule", "Service", "Service"]
+    for doc in k8s_docs():
+        assert doc["apiVersion"] and doc["metadata"]["name"]
+
+
+def test_k8s_job_runs_torchrun_with_gradwatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = k8s_one("Job")
+    pod = job["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    argv = container["command"] + container["args"]
+    assert argv[0] == "torchrun" and "examples/train_ddp.py" in argv
+    assert (ROOT / "examples" / "train_ddp.py").exists()
+    nnodes = int(next(a for a in argv if a.startswith("--nnodes=")).split("=")[1])
+    assert nnodes == job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert "--node_rank=$(JOB_COMPLETION_INDEX)" in argv
+    assert job["spec"]["completionMode"] == "Indexed"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "JOB_COMPLETION_INDEX" in env  # declared before its use in args
+    cfg = env_config({k: v for k, v in env.items() if v is not None}, monkeypatch)
+    assert cfg.enabled and cfg.port is not None
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == cfg.port
+    # Rendezvous: master_addr is pod 0's DNS name under the headless Service.
+    master = next(a for a in argv if a.startswith("--master_addr=")).split("=")[1]
+    headless = k8s_one("Service", pod["spec"]["subdomain"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert master == f"{job['metadata']['name']}-0.{headless['metadata']['name']}"
+    master_port = int(next(a for a in argv if a.startswith("--master_port=")).split("=")[1])
+    assert ports["rendezvous"] == master_port
+
+
+def test_k8s_service_and_podmonitor_select_rank_zero() -> None:
+    job = k8s_one("Job")
+    pod_labels = dict(job["spec"]["template"]["metadata"]["labels"])
+    # Added by the Job controller to each pod of an Indexed Job (Kubernetes >= 1.28).
+    index_label = "batch.kubernetes.io/job-completion-index"
+    service = k8s_one("Service", "gradwatch-example-metrics")
+    monitor = k8s_one("PodMonitor")
+    for selector in (service["spec"]["selector"], monitor["spec"]["selector"]["matchLabels"]):
+        assert selector[index_label] == "0"
+        rest = {k: v for k, v in selector.items() if k != index_label}
+        assert rest.items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "metrics" and port["port"] == 9977
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+
+
+def test_kustomize_build() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed (optional: the manifests are parsed above)")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(result.stdout) if d)
+    assert kinds == ["Job", "PodMonitor", "PrometheusRule", "Service", "Service"]
+
+
+# -- the example job ----------------------------------------------------------------------------
+
+
+def _example_module() -> Any:
+    spec = importlib.util.spec_from_file_location("train_ddp_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_step_specs() -> None:
+    spec = _example_module().StepSpec
+    assert 5 in spec("5") and 4 not in spec("5")
+    assert 7 in spec("3,7") and 5 not in spec("3,7")
+    assert 10 in spec("10-20") and 20 in spec("10-20") and 21 not in spec("10-20")
+    assert 10**9 in spec("150-") and 149 not in spec("150-")
+    assert not spec("") and not spec(None)
+
+
+@pytest.mark.timeout(120)
+def test_example_runs_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example against the public API, without torchrun or an endpoint (a few steps)."""
+    for key in list(os.environ):
+        if key.startswith(("GRADWATCH_", "INJECT_")) or key in {"WORLD_SIZE", "RANK"}:
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("GRADWATCH_GROUPS", '{"host": ["backbone.*"], "seed": ["seed.*"]}')
+    monkeypatch.setenv("INJECT_NAN_AT", "2")
+    monkeypatch.setenv("INJECT_EXPLODE_AT", "3-")
+    assert _example_module().main(["--steps", "5", "--sleep", "0", "--log-every", "1"]) == 0

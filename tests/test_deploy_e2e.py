@@ -1,0 +1,370 @@
+"""End to end: a real Prometheus loads gradwatch-rules.yml and scrapes a real gradwatch job.
+
+The job is examples/train_ddp.py under torchrun (2 ranks, gloo DDP on CPU), configured only
+through GRADWATCH_* variables, that injects NaN gradients at one step and exploding gradients
+from a later step on. Prometheus runs on loopback from a temporary directory with 1 s scrape and
+evaluation intervals. Checked:
+
+* no alert is pending or firing while training is healthy;
+* GradwatchNonFiniteGradients is firing within 10 s of the NaN step reaching the exporter;
+* GradwatchExplodingGradients goes pending once the gradients explode;
+* every rule evaluates without error; every PromQL expression of the Grafana dashboard
+  (variables substituted) is accepted and returns data for the job; every gradwatch_* name used
+  by the rules and the dashboard is in the live exposition.
+
+Both processes run under hard timeouts and are always stopped in teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_deploy import (
+    ROOT,
+    RULES,
+    dashboard_exprs,
+    dashboard_variable_queries,
+    gradwatch_names,
+    label_values_selector,
+    rule_groups,
+    substitute_grafana_vars,
+)
+
+pytestmark = pytest.mark.e2e
+
+JOB = "gradwatch-e2e"
+NAN_STEP = 120  # 12 s of healthy training at 0.1 s per step
+EXPLODE_FROM = 160  # 4 s later, until the end
+STEP_SLEEP = 0.1
+TOTAL_STEPS = 900  # far more than needed: the test stops the job when done
+FIRING_DEADLINE = 10.0
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception as exc:  # not ready yet: connection refused, missing series
+            last_error = exc
+            value = None
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} ({last_error!r})")
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """Stop a process started with start_new_session=True and everything it started."""
+    if proc.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the group, if any
+    proc.wait(timeout=grace)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Prometheus:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def api(self, path: str, **params: str) -> Any:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        try:
+            body = json.loads(http_get(f"{self.url}/api/v1/{path}{query}"))
+        except urllib.error.HTTPError as exc:  # 400/422: the error names the problem
+            raise AssertionError(f"{path} {params}: {exc} {exc.read().decode()}") from exc
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self.api("query", query=expr)
+        assert data["resultType"] == "vector", (expr, data["resultType"])
+        return data["result"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return self.api("alerts")["alerts"]
+
+    def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str = "") -> Any:
+        return wait_for(predicate, timeout, what or "a Prometheus condition")
+
+
+@contextmanager
+def run_prometheus(
+    scrape_targets: list[str], rule_files: tuple[Path, ...], workdir: Path, interval: str = "1s"
+) -> Iterator[Prometheus]:
+    binary = shutil.which("prometheus") or "/usr/bin/prometheus"
+    if not Path(binary).exists():
+        message = "prometheus not installed: run `make system-deps`"
+        if os.environ.get("REQUIRE_E2E") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [str(f) for f in rule_files],
+        "scrape_configs": [
+            {
+                "job_name": JOB,
+                "scrape_interval": interval,
+                "scrape_timeout": interval,
+                "static_configs": [{"targets": scrape_targets}],
+            }
+        ],
+    }
+    config_file = workdir / "prometheus.yml"
+    config_file.write_text(yaml.safe_dump(config))
+    log = workdir / "prometheus.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--web.enable-lifecycle",
+                "--log.level=warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: "Ready" in http_get(f"{url}/-/ready", 1.0), 30, "Prometheus ready")
+        yield Prometheus(url)
+    except BaseException:
+        print(f"--- prometheus log ---\n{tail(log)}")
+        raise
+    finally:
+        stop_group(proc)
+
+
+@contextmanager
+def run_training_job(port: int, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADWATCH_", "INJECT_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])),
+        GRADWATCH_PORT=str(port),
+        GRADWATCH_BIND_ADDRESS="127.0.0.1",
+        GRADWATCH_GROUPS='{"host": ["backbone.*"], "seed": ["seed.*"], "stem": ["stem.*"]}',
+        GRADWATCH_RATIOS='[["seed", "host"]]',
+        GRADWATCH_ISOLATED='["stem"]',
+        GRADWATCH_DIVERGENCE_EVERY="10",
+        INJECT_NAN_AT=str(NAN_STEP),
+        INJECT_EXPLODE_AT=f"{EXPLODE_FROM}-",
+        TRAIN_STEPS=str(TOTAL_STEPS),
+        STEP_SLEEP=str(STEP_SLEEP),
+        OMP_NUM_THREADS="1",
+    )
+    log = workdir / "train.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}",
+                str(ROOT / "examples" / "train_ddp.py"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    except BaseException:
+        print(f"--- training job log ---\n{tail(log)}")
+        raise
+    finally:
+        stop_group(proc)
+
+
+# -- the exposition -----------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def scrape(url: str) -> dict[str, list[tuple[str, float]]]:
+    """Metric name -> [(labels, value)] of a text exposition."""
+    samples: dict[str, list[tuple[str, float]]] = {}
+    for line in http_get(url).splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            samples.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
+    return samples
+
+
+def value(samples: dict[str, list[tuple[str, float]]], name: str) -> float:
+    (only,) = samples[name]
+    return only[1]
+
+
+def by_name(alerts: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [a for a in alerts if a["labels"]["alertname"] == name]
+
+
+# -- the test -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_rules_and_dashboard_against_a_live_job(tmp_path: Path) -> None:
+    started = time.monotonic()
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    metrics_url = f"http://{target}/metrics"
+    with (
+        run_prometheus([target], (RULES,), tmp_path) as prom,
+        run_training_job(port, tmp_path) as job,
+    ):
+
+        def exporter() -> dict[str, list[tuple[str, float]]]:
+            assert job.poll() is None, f"training job exited with {job.returncode}"
+            return scrape(metrics_url)
+
+        # The job is up and Prometheus has its series.
+        wait_for(lambda: "gradwatch_step" in exporter(), 60, "the first collect")
+        prom.wait_until(
+            lambda: prom.query(f'gradwatch_step{{job="{JOB}"}}'), 15, "gradwatch_step scraped"
+        )
+
+        # Healthy: no alert at all (not even pending), over evaluations that saw only
+        # healthy steps (the exporter's step, read after the alerts, is before the NaN step).
+        healthy_checks: list[float] = []
+        while True:
+            alerts = prom.alerts()
+            step = value(exporter(), "gradwatch_step")
+            if step >= NAN_STEP:
+                break
+            assert alerts == [], f"alerts while healthy (step {step}): {alerts}"
+            healthy_checks.append(time.monotonic())
+            time.sleep(0.5)
+        assert len(healthy_checks) >= 4 and healthy_checks[-1] - healthy_checks[0] >= 3, (
+            "too few healthy observations: the job ran faster than expected"
+        )
+
+        # NaN at NAN_STEP: the alert fires within FIRING_DEADLINE of the step's publication.
+        wait_for(
+            lambda: value(exporter(), "gradwatch_nonfinite_steps_total") >= 1,
+            30,
+            "the NaN step in the exposition",
+            every=0.1,
+        )
+        published = time.monotonic()
+        firing = prom.wait_until(
+            lambda: [
+                a
+                for a in by_name(prom.alerts(), "GradwatchNonFiniteGradients")
+                if a["state"] == "firing"
+            ],
+            FIRING_DEADLINE + 5,
+            "GradwatchNonFiniteGradients firing",
+        )
+        latency = time.monotonic() - published
+        assert latency <= FIRING_DEADLINE, f"non-finite alert fired after {latency:.1f} s"
+        (alert,) = firing
+        assert alert["labels"]["severity"] == "critical"
+        assert alert["labels"]["job"] == JOB and alert["labels"]["instance"] == target
+        assert alert["annotations"]["runbook_url"].endswith("#gradwatchnonfinitegradients")
+        others = [
+            a["labels"]["alertname"]
+            for a in prom.alerts()
+            if a["state"] == "firing" and a["labels"]["alertname"] != "GradwatchNonFiniteGradients"
+        ]
+        assert others == [], f"other alerts firing after one NaN step: {others}"
+
+        # Exploding gradients from EXPLODE_FROM on: the exploding alert goes pending (for: 5m).
+        wait_for(
+            lambda: value(exporter(), "gradwatch_step") >= EXPLODE_FROM,
+            30,
+            "the exploding steps",
+        )
+
+        def exploding_pending() -> list[dict[str, Any]]:
+            return [
+                a
+                for a in by_name(prom.alerts(), "GradwatchExplodingGradients")
+                if a["state"] == "pending"
+            ]
+
+        pending = prom.wait_until(exploding_pending, 10, "GradwatchExplodingGradients pending")
+        assert {a["labels"]["severity"] for a in pending} == {"warning"}
+        assert {a["labels"]["group"] for a in pending} >= {"host", "seed"}
+        time.sleep(2)
+        assert exploding_pending(), "the exploding alert did not stay pending while exploding"
+
+        # Every rule evaluates without error (templates, vector matching at run time).
+        for group in prom.api("rules")["groups"]:
+            for rule in group["rules"]:
+                assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
+
+        # Every dashboard expression is accepted and returns data for this job.
+        for where, expr in dashboard_exprs():
+            promql = substitute_grafana_vars(expr, job=JOB, instance=target)
+            assert prom.query(promql), f"dashboard {where}: no data for {promql}"
+        for name, query in dashboard_variable_queries():
+            selector, label = label_values_selector(substitute_grafana_vars(query, job=JOB))
+            found = {s["metric"].get(label) for s in prom.query(selector)}
+            assert {"job": JOB, "instance": target}[name] in found, (name, found)
+
+        # Every gradwatch_* metric name used by the rules and the dashboard is exported.
+        exported = set(exporter())
+        used: set[str] = set()
+        for group in rule_groups():
+            for rule in group["rules"]:
+                used |= gradwatch_names(
+                    "\n".join([rule["expr"], *rule.get("annotations", {}).values()])
+                )
+        for _, expr in dashboard_exprs():
+            used |= gradwatch_names(expr)
+        for _, query in dashboard_variable_queries():
+            used |= gradwatch_names(query)
+        missing = {n for n in used if ":" not in n} - exported
+        assert not missing, f"not in the live exposition: {sorted(missing)}"
+
+    assert time.monotonic() - started < 120

@@ -1,0 +1,210 @@
+"""Multi-process gloo tests of the distributed reduction (issue 3); workers in dist_cases.py.
+
+Each world (2 and 4 ranks) is spawned once per module and runs many cases; every test reads its
+case's per-rank results. A world that hangs is killed after WORLD_TIMEOUT seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import dist_cases
+import pytest
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.distributed]
+
+WORLD_TIMEOUT = 150.0
+FP32_TOL = 1e-6
+FP64_TOL = 1e-12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(suite: str, world: int, out: Path) -> list[dict[str, Any]]:
+    ctx = mp.start_processes(
+        dist_cases.worker,
+        args=(world, _free_port(), str(out), suite),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + WORLD_TIMEOUT
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"world {suite} did not finish in {WORLD_TIMEOUT}s (hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn("w2", 2, tmp_path_factory.mktemp("w2"))
+
+
+@pytest.fixture(scope="module")
+def w4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn("w4", 4, tmp_path_factory.mktemp("w4"))
+
+
+def _case(world: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    per_rank = [r[name] for r in world]
+    for rank, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {rank}: {res['error']}\n{res.get('traceback', '')}"
+    return per_rank
+
+
+def _check_exact(per_rank: list[dict[str, Any]], tol: float, parallelism: str, world: int) -> None:
+    r0 = per_rank[0]
+    assert r0["mismatches"] == []
+    assert r0["max_rel_err"] <= tol, r0
+    for res in per_rank:
+        assert res["collectives"] == 1, res["collective_ops"]  # exactly one c10d op per collect
+        assert res["collective_ops"] == ["c10d.allreduce_"]
+        assert res["collective_dtypes"] == ["torch.float64"]  # never bf16/fp16 on the wire
+        assert res["dtensor_ops"] == 0  # norms never dispatched through DTensor
+        assert res["world_size"] == world
+        assert res["parallelism"] == parallelism
+        assert res["global_norm"] == r0["global_norm"]  # every rank sees the same figures
+
+
+W2_EXACT = [
+    ("ddp_fp32", FP32_TOL, "ddp2"),
+    ("ddp_fp64", FP64_TOL, "ddp2"),
+    ("ddp_1e18", FP32_TOL, "ddp2"),
+    ("fsdp2_fp32_1e18", FP32_TOL, "fsdp2x2"),
+    ("fsdp2_fp64", FP64_TOL, "fsdp2x2"),
+    ("pipeline", FP32_TOL, "pp2"),
+    ("fp16_payload", FP32_TOL, "ddp2"),
+]
+W4_EXACT = [
+    ("ddp_fp32", FP32_TOL, "ddp4"),
+    ("fsdp2_fp64", FP64_TOL, "fsdp2x4"),
+    ("fsdp_tp", FP32_TOL, "fsdp2x2+tp2"),
+    ("hsdp", FP32_TOL, "hsdp2x2"),
+    ("hsdp_tp_3d", FP32_TOL, "hsdp2x1+tp2"),
+    ("pipeline_ddp", FP32_TOL, "pp2+ddp2"),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("case", "tol", "parallelism"), W2_EXACT)
+def test_two_ranks_match_unsharded(w2: list, case: str, tol: float, parallelism: str) -> None:
+    _check_exact(_case(w2, case), tol, parallelism, 2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("case", "tol", "parallelism"), W4_EXACT)
+def test_four_ranks_match_unsharded(w4: list, case: str, tol: float, parallelism: str) -> None:
+    _check_exact(_case(w4, case), tol, parallelism, 4)
+
+
+@pytest.mark.timeout(240)
+def test_handshake_only_at_construction(w2: list, w4: list) -> None:
+    for world, case in ((w2, "ddp_fp32"), (w2, "fsdp2_fp32_1e18"), (w4, "pipeline_ddp")):
+        for res in _case(world, case):
+            assert res["ctor_collectives"] == 2  # the two all-gathers of the handshake
+    for res in _case(w2, "ddp_fp32") + _case(w4, "ddp_fp32"):
+        assert res["per_collect"] == [1, 1, 1]
+
+
+@pytest.mark.timeout(240)
+def test_empty_shards_frozen_and_gradless(w2: list, w4: list) -> None:
+    fsdp2 = _case(w2, "fsdp2_fp32_1e18")
+    assert max(r["empty_local_shards"] for r in fsdp2) > 0
+    assert max(r["empty_local_shards"] for r in _case(w4, "fsdp2_fp64")) >= 4
+    assert fsdp2[0]["n_with_grad"] < fsdp2[0]["n_params"]  # frozen bias
+    ddp = _case(w2, "ddp_fp32")[0]
+    assert (ddp["n_params"], ddp["n_with_grad"]) == (8, 5)  # frozen weight, unused layer
+    big = _case(w2, "ddp_1e18")[0]
+    assert big["global_norm"] > 1e19  # float32 squares of 1e18-scale gradients overflow
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_rank0_covers_every_stage(w2: list, w4: list) -> None:
+    for world, case in ((w2, "pipeline"), (w4, "pipeline_ddp")):
+        per_rank = _case(world, case)
+        names = per_rank[0]["names"]
+        assert "layers.stage1.weight" in names and "layers.stage0.weight" in names
+        assert all(r["names"] == names for r in per_rank)
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_tp_placements_exercised(w4: list) -> None:
+    placements = _case(w4, "fsdp_tp")[0]["placements"]
+    assert placements["0.weight"][0].startswith("_StridedShard")
+    assert placements["2.bias"] == ["Shard(dim=0)", "Replicate()"]
+    assert len(placements["3.weight"]) == 1  # on the dp sub-mesh only: copies across tp
+
+
+@pytest.mark.timeout(240)
+def test_replica_divergence(w2: list, w4: list) -> None:
+    for res in _case(w2, "replicated_divergence"):
+        measured, expected = res["divergence"], res["expected"]
+        assert measured[0] == pytest.approx(expected[0], rel=1e-6) and measured[0] > 0.01
+        assert measured[1] == measured[0]  # not a measurement step: last value kept
+        assert measured[2] == pytest.approx(expected[2], rel=1e-6)
+        assert res["collectives"] == [1, 1, 1]  # packed into the same all-reduce
+        assert res["disabled"] == 0.0
+    for case in ("ddp_fp32", "hsdp", "pipeline_ddp"):
+        assert _case(w4, case)[0]["replica_divergence"] == 0.0
+
+
+@pytest.mark.timeout(240)
+def test_schedule_skip_is_a_noop(w2: list) -> None:
+    for res in _case(w2, "schedule_skip"):
+        assert res == {**res, "skipped_collectives": 0, "skipped_step": 0, "same_snapshot": True}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("case", "error", "words"),
+    [
+        ("stage_collision", "LayoutMismatchError", "same stage group"),
+        ("config_mismatch", "LayoutMismatchError", "configuration"),
+        ("shape_mismatch", "LayoutMismatchError", "different models"),
+        ("names_mismatch", "LayoutMismatchError", "different models"),
+        ("partial_param", "UnsupportedParallelismError", "Partial"),
+    ],
+)
+def test_bad_layouts_raise_on_every_rank(w2: list, case: str, error: str, words: str) -> None:
+    per_rank = _case(w2, case)
+    for res in per_rank:
+        assert res["error_type"] == error
+        assert res["message"].startswith("gradwatch:") and words in res["message"]
+        assert res["seconds"] < 10  # no hang
+    assert len({r["message"] for r in per_rank}) == 1  # the same error everywhere
+
+
+@pytest.mark.timeout(240)
+def test_mismatched_gradient_placement_refused_together(w2: list) -> None:
+    for res in _case(w2, "partial_grad"):
+        assert res["collectives"] == 0
+        assert "placements" in res["broken"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["timeout_raise", "timeout_absent"])
+def test_missing_rank_times_out_with_gradwatch_error(w2: list, case: str) -> None:
+    waiting, missing = _case(w2, case)
+    assert waiting["error_type"] == "GradWatchTimeoutError"
+    assert waiting["message"].startswith("gradwatch:")
+    assert 2.5 < waiting["seconds"] < 20
+    assert missing["error_type"] is None
+    for res in (waiting, missing):
+        assert res["close_seconds"] < 5
+    if case == "timeout_raise":
+        assert waiting["broken"] and missing["broken"]  # both stop collecting
+        assert waiting["later_collectives"] == missing["later_collectives"] == 0

@@ -1,0 +1,965 @@
+"""The Prometheus exporter (gradwatch.export): exposition, consistency, publisher, server, TLS.
+
+Values are compared to the snapshot exactly (NaN and infinities included) after parsing the
+exposition with prometheus_client's own parser. Every test that starts a server closes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import gzip
+import logging
+import math
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gradwatch import GradWatch, GradWatchError, PortInUseError, WatchConfig
+from gradwatch.export import (
+    COLLECT_SECONDS_BUCKETS,
+    MAX_PARAM_SERIES,
+    MAX_PENDING,
+    MAX_SCRAPES_PER_SECOND,
+    METRICS,
+    METRICS_BY_NAME,
+    SCRAPE_BURST,
+    MetricsServer,
+    _RateLimit,
+    metrics_reference_markdown,
+    select_param_series,
+)
+from gradwatch.snapshot import GroupStats, Snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+pytestmark = pytest.mark.timeout(120)
+
+Labels = tuple[tuple[str, str], ...]
+Samples = dict[str, dict[Labels, float]]
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def config(**overrides: Any) -> WatchConfig:
+    base: dict[str, Any] = {
+        "port": 0,
+        "bind_address": "127.0.0.1",
+        "groups": {"host": ["backbone.*"], "seed": ["seed.*"], "stem": ["stem.*"]},
+        "ratios": [("seed", "host"), ("host", "other")],
+        "isolated": ["stem"],
+    }
+    base.update(overrides)
+    return WatchConfig(**base)
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., MetricsServer]]:
+    """Factory of MetricsServers that are all closed at teardown."""
+    started: list[MetricsServer] = []
+
+    def make(cfg: WatchConfig | None = None, **kwargs: Any) -> MetricsServer:
+        server = MetricsServer(
+            cfg or config(),
+            world_size=kwargs.pop("world_size", 2),
+            parallelism=kwargs.pop("parallelism", "replicated2"),
+        )
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.close()
+
+
+def http_get(url: str, context: ssl.SSLContext | None = None, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def parse(text: str) -> Samples:
+    """Sample name -> {sorted label pairs: value}; asserts no timestamps and unique series."""
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert s.timestamp is None, f"{s.name} carries a timestamp"
+            key = tuple(sorted(s.labels.items()))
+            series = out.setdefault(s.name, {})
+            assert key not in series, f"duplicate series {s.name}{key}"
+            series[key] = s.value
+    return out
+
+
+def scrape(server: MetricsServer) -> Samples:
+    return parse(http_get(server.url))
+
+
+def same(a: float, b: float) -> bool:
+    """Exact equality, NaN equal to NaN."""
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+class Ready:
+    """A pending result that is already materialized."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.step = snap.step
+        self._snap = snap
+
+    def result(self) -> Snapshot:
+        return self._snap
+
+
+class Failing:
+    def __init__(self, step: int, exc: Exception) -> None:
+        self.step = step
+        self._exc = exc
+
+    def result(self) -> Snapshot:
+        raise self._exc
+
+
+class NotASnapshot:
+    step = 0
+
+    def result(self) -> Any:
+        return object()
+
+
+class Gated:
+    """A pending result whose result() blocks until released (a slow collective)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.step = snap.step
+        self._snap = snap
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def result(self) -> Snapshot:
+        self.entered.set()
+        assert self.release.wait(30), "never released"
+        return self._snap
+
+
+def rich_snapshot(step: int = 7) -> Snapshot:
+    """Every field set, with NaN, +Inf, -Inf and values whose decimal form is long."""
+    return Snapshot(
+        step=step,
+        global_norm=math.nan,
+        groups={
+            "host": GroupStats(norm=1.2345678901234567, numel=123457, tensors=4, vanishing=1),
+            "seed": GroupStats(norm=math.inf, numel=3, tensors=2, exploding=1, nonfinite=1),
+            "stem": GroupStats(norm=5e-324, numel=17, tensors=1, vanishing=1),
+            "other": GroupStats(norm=0.1 + 0.2, numel=9, tensors=1),
+        },
+        param_norms={
+            "backbone.0.weight": 1.0000000000000002,
+            "backbone.0.bias": 0.5,
+            "backbone.1.weight": 1e-300,
+            "seed.w": math.inf,
+            "seed.b": 0.25,
+            "stem.w": 5e-324,
+            "head.w": 0.1 + 0.2,
+        },
+        nonfinite_params=("seed.w",),
+        ratios={"seed/host": math.nan, "host/other": -math.inf},
+        raw_ratios={"seed/host": math.inf, "host/other": 0.0},
+        health=0.1234567890123456789,
+        isolation_violated={"stem": True},
+        world_size=2,
+        parallelism="replicated2",
+        replica_divergence=2.220446049250313e-16,
+        clip_coef=0.123456789,
+        amp_skipped=False,
+        timestamp=1_700_000_000.123456,
+    )
+
+
+def expected_gauges(snap: Snapshot, ratio_pairs: dict[str, tuple[str, str]]) -> Samples:
+    """What the exposition must show for ``snap``, written out independently of export.py."""
+
+    def per_group(attr: str) -> dict[Labels, float]:
+        return {(("group", g),): float(getattr(s, attr)) for g, s in snap.groups.items()}
+
+    out: Samples = {
+        "gradwatch_step": {(): float(snap.step)},
+        "gradwatch_last_collect_timestamp_seconds": {(): snap.timestamp},
+        "gradwatch_global_grad_norm": {(): snap.global_norm},
+        "gradwatch_grad_norm": per_group("norm"),
+        "gradwatch_group_parameters": per_group("numel"),
+        "gradwatch_vanishing_tensors": per_group("vanishing"),
+        "gradwatch_exploding_tensors": per_group("exploding"),
+        "gradwatch_nonfinite_tensors": per_group("nonfinite"),
+        "gradwatch_grad_norm_ratio": {
+            (("denominator", ratio_pairs[k][1]), ("numerator", ratio_pairs[k][0])): v
+            for k, v in snap.ratios.items()
+        },
+        "gradwatch_health_score": {(): snap.health},
+        "gradwatch_isolation_violated": {
+            (("group", g),): 1.0 if v else 0.0 for g, v in snap.isolation_violated.items()
+        },
+        "gradwatch_replica_divergence": {(): snap.replica_divergence},
+    }
+    if snap.clip_coef is not None:
+        out["gradwatch_clip_coef"] = {(): snap.clip_coef}
+    return {name: series for name, series in out.items() if series}  # empty: absent
+
+
+def assert_matches(actual: Samples, expected: Samples) -> None:
+    for name, series in expected.items():
+        assert name in actual, f"{name} missing"
+        assert set(actual[name]) == set(series), (name, actual[name], series)
+        for labels, value in series.items():
+            got = actual[name][labels]
+            assert same(got, value), f"{name}{dict(labels)}: exported {got!r}, snapshot {value!r}"
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[name][tuple(sorted(labels.items()))]
+
+
+RATIO_PAIRS = {"seed/host": ("seed", "host"), "host/other": ("host", "other")}
+
+
+# -- the exposition equals the snapshot -----------------------------------------------------------
+
+
+def test_scrape_after_result_equals_the_snapshot_exactly(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    server = servers(config(param_metrics_top_k=3))
+    snap = rich_snapshot(step=41)
+    server.submit(Ready(snap))
+    deadline = time.monotonic() + 10
+    samples = scrape(server)
+    while samples.get("gradwatch_step") != {(): 41.0}:  # poll until the step shows
+        assert time.monotonic() < deadline, "step 41 never published"
+        time.sleep(0.01)
+        samples = scrape(server)
+    assert_matches(samples, expected_gauges(snap, RATIO_PAIRS))
+    assert samples["gradwatch_param_grad_norm"] == {
+        (("param", "seed.w"),): math.inf,  # non-finite first
+        (("param", "backbone.0.weight"),): 1.0000000000000002,
+        (("param", "backbone.0.bias"),): 0.5,
+        (("param", "head.w"),): 0.1 + 0.2,
+    }
+
+
+def test_facade_scrape_after_result_equals_snapshot() -> None:
+    """The real GradWatch on one process: collect, result(), poll the endpoint, compare."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    cfg = WatchConfig(
+        port=0, bind_address="127.0.0.1", groups={"first": ["0.*"]}, ratios=[("first", "other")]
+    )
+    watch = GradWatch(model, cfg)
+    try:
+        url = watch.metrics_url
+        assert url is not None and url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        for step in range(3):
+            model.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            snap = watch.collect(step=step).result()
+            deadline = time.monotonic() + 10
+            samples = parse(http_get(url))
+            while samples.get("gradwatch_step") != {(): float(step)}:
+                assert time.monotonic() < deadline, f"step {step} never published"
+                time.sleep(0.01)
+                samples = parse(http_get(url))
+            assert_matches(samples, expected_gauges(snap, {"first/other": ("first", "other")}))
+            assert value(samples, "gradwatch_collections_total") == step + 1
+            assert value(samples, "gradwatch_collect_seconds_count") == step + 1
+    finally:
+        watch.close()
+    with pytest.raises(urllib.error.URLError):
+        http_get(url, timeout=2)
+
+
+def test_scrape_before_any_collection_shows_info_and_no_step(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    server = servers(world_size=4, parallelism="fsdp2x2+tp2")
+    samples = scrape(server)
+    assert "gradwatch_step" not in samples
+    gauges = {d.name for d in METRICS if d.type == "gauge"}
+    assert not gauges & set(samples), "gauges before any collection pretend to be data"
+    assert samples["gradwatch_build_info"] == {
+        (("torch_version", torch.__version__), ("version", _gradwatch_version())): 1.0
+    }
+    assert samples["gradwatch_run_info"] == {
+        (("parallelism", "fsdp2x2+tp2"), ("world_size", "4")): 1.0
+    }
+    # Counters start at 0 so that increase() sees the first event.
+    assert value(samples, "gradwatch_collections_total") == 0
+    assert value(samples, "gradwatch_isolation_violations_total", group="stem") == 0
+    assert server.published_step is None
+
+
+def _gradwatch_version() -> str:
+    import gradwatch
+
+    return gradwatch.__version__
+
+
+def test_every_metric_is_declared_typed_and_helped(servers: Callable[..., MetricsServer]) -> None:
+    """The exposition and METRICS agree on names, types and labels, both ways."""
+    server = servers(config(param_metrics_top_k=2))
+    server.publish(rich_snapshot())
+    server.observe_collect_seconds(0.001)
+    text = http_get(server.url)
+    families = list(text_string_to_metric_families(text))
+    exposed: dict[str, Any] = {}
+    for family in families:
+        exposed_name = {"counter": family.name + "_total", "info": family.name + "_info"}.get(
+            family.type, family.name
+        )
+        exposed[exposed_name] = family
+    assert set(exposed) == set(METRICS_BY_NAME), "exposition and METRICS differ"
+    for name, family in exposed.items():
+        d = METRICS_BY_NAME[name]
+        assert family.documentation == d.help and d.help, name
+        # The text format (0.0.4) has no info type: prometheus_client writes it as a gauge.
+        assert family.type == ("gauge" if d.type == "info" else d.type), name
+        for s in family.samples:
+            labels = set(s.labels) - ({"le"} if d.type == "histogram" else set())
+            assert labels == set(d.labels), (name, s.labels)
+    for line in text.splitlines():
+        if line.startswith("# HELP"):
+            assert len(line.split(" ", 3)) == 4, line
+
+
+def test_nonfinite_values_are_exported_not_dropped(servers: Callable[..., MetricsServer]) -> None:
+    server = servers()
+    server.publish(rich_snapshot())
+    text = http_get(server.url)
+    assert "gradwatch_global_grad_norm NaN" in text
+    assert 'gradwatch_grad_norm{group="seed"} +Inf' in text
+    assert 'gradwatch_grad_norm_ratio{denominator="other",numerator="host"} -Inf' in text
+
+
+def test_clip_coef_absent_when_not_clipped(servers: Callable[..., MetricsServer]) -> None:
+    server = servers()
+    server.publish(rich_snapshot(step=1))
+    assert value(scrape(server), "gradwatch_clip_coef") == 0.123456789
+    server.publish(rich_snapshot(step=2).replace(clip_coef=None))
+    samples = scrape(server)
+    assert "gradwatch_clip_coef" not in samples
+    assert value(samples, "gradwatch_step") == 2
+
+
+def test_counters_count_published_snapshots(servers: Callable[..., MetricsServer]) -> None:
+    server = servers()
+    healthy = Snapshot(
+        step=0,
+        global_norm=1.0,
+        groups={"stem": GroupStats(norm=0.0)},
+        isolation_violated={"stem": False},
+    )
+    nan_step = healthy.replace(
+        step=1, global_norm=math.nan, nonfinite_params=("a",), groups={"x": GroupStats(exploding=1)}
+    )
+    amp_step = nan_step.replace(step=2, amp_skipped=True)
+    exploding = healthy.replace(step=3, groups={"x": GroupStats(norm=1e9, exploding=2)})
+    violating = healthy.replace(step=4, isolation_violated={"stem": True})
+    inf_only = healthy.replace(step=5, global_norm=math.inf)  # is_finite is False
+    for snap in (healthy, nan_step, amp_step, exploding, violating, violating, inf_only):
+        server.publish(snap)
+    samples = scrape(server)
+    assert value(samples, "gradwatch_collections_total") == 7
+    assert value(samples, "gradwatch_nonfinite_steps_total") == 2  # nan_step, inf_only
+    assert value(samples, "gradwatch_amp_skipped_steps_total") == 1
+    # exploding includes non-finite: nan_step, amp_step (skipped by the scaler but exploding)
+    # and exploding
+    assert value(samples, "gradwatch_exploding_steps_total") == 3
+    assert value(samples, "gradwatch_isolation_violations_total", group="stem") == 2
+    assert value(samples, "gradwatch_isolation_violated", group="stem") == 0  # last step
+    assert value(samples, "gradwatch_publish_errors_total") == 0
+
+
+def test_collect_seconds_histogram(servers: Callable[..., MetricsServer]) -> None:
+    server = servers()
+    observed = [0.00005, 0.0001, 0.003, 0.003, 0.2, 7.0]
+    for seconds in observed:
+        server.observe_collect_seconds(seconds)
+    server.observe_collect_seconds(math.nan)  # ignored, never raises
+    samples = scrape(server)
+    buckets = samples["gradwatch_collect_seconds_bucket"]
+    for bound in (*COLLECT_SECONDS_BUCKETS, math.inf):
+        le = "+Inf" if bound == math.inf else repr(bound)
+        assert buckets[(("le", le),)] == sum(1 for s in observed if s <= bound), le
+    assert value(samples, "gradwatch_collect_seconds_count") == len(observed)
+    assert value(samples, "gradwatch_collect_seconds_sum") == pytest.approx(sum(observed))
+
+
+# -- per-parameter series -------------------------------------------------------------------------
+
+
+def test_top_k_is_largest_finite_plus_every_nonfinite() -> None:
+    snap = rich_snapshot()
+    assert select_param_series(snap, 0) == []
+    assert select_param_series(snap, 2) == [
+        ("seed.w", math.inf),
+        ("backbone.0.weight", 1.0000000000000002),
+        ("backbone.0.bias", 0.5),
+    ]
+    # A name flagged non-finite comes first even if its norm were finite, ties by name.
+    tie = Snapshot(
+        step=0, param_norms={"b": 2.0, "a": 2.0, "c": 1.0, "z": 3.0}, nonfinite_params=("z",)
+    )
+    assert select_param_series(tie, 2) == [("z", 3.0), ("a", 2.0), ("b", 2.0)]
+
+
+def test_top_k_is_capped_on_a_huge_model(servers: Callable[..., MetricsServer]) -> None:
+    n = 10_000
+    norms = {f"layer{i:05d}.weight": float(i) for i in range(n)}
+    bad = [f"layer{i:05d}.weight" for i in range(0, n, 2)]  # 5,000 non-finite parameters
+    for name in bad:
+        norms[name] = math.nan
+    snap = Snapshot(step=1, param_norms=norms, nonfinite_params=tuple(bad))
+    server = servers(config(param_metrics_top_k=n))
+    server.publish(snap)
+    series = scrape(server)["gradwatch_param_grad_norm"]
+    assert len(series) == MAX_PARAM_SERIES
+    exported = {dict(labels)["param"] for labels in series}
+    assert exported == set(sorted(bad)[:MAX_PARAM_SERIES])  # the non-finite ones win
+    assert all(math.isnan(v) for v in series.values())
+    # Few non-finite: the rest of the cap goes to the largest finite norms.
+    snap2 = Snapshot(step=2, param_norms={k: float(i) for i, k in enumerate(norms)})
+    server.publish(snap2)
+    series2 = scrape(server)["gradwatch_param_grad_norm"]
+    assert len(series2) == MAX_PARAM_SERIES
+    assert min(series2.values()) == n - MAX_PARAM_SERIES
+
+
+def test_no_param_series_by_default(servers: Callable[..., MetricsServer]) -> None:
+    server = servers()
+    server.publish(rich_snapshot())
+    assert "gradwatch_param_grad_norm" not in scrape(server)
+
+
+# -- consistency and the publisher ----------------------------------------------------------------
+
+
+def uniform_snapshot(step: int) -> Snapshot:
+    """Every gauge and every snapshot-derived counter equals ``step`` once published in order."""
+    x = float(step)
+    g = GroupStats(norm=x, numel=step, tensors=step, vanishing=step, exploding=step, nonfinite=step)
+    return Snapshot(
+        step=step,
+        global_norm=x,
+        groups={"host": g, "seed": g, "stem": g, "other": g},
+        param_norms={"p": x, "q": x},
+        ratios={"seed/host": x, "host/other": x},
+        health=x,
+        isolation_violated={"stem": True},
+        replica_divergence=x,
+        clip_coef=x,
+        timestamp=x,
+    )
+
+
+# Series whose value is not the step in uniform_snapshot(step): the exporter's own, the
+# constant info, the never-incremented counters and the 0/1 isolation flag.
+NOT_STEP_VALUED = {
+    "gradwatch_isolation_violated",
+    "gradwatch_publish_errors_total",
+    "gradwatch_dropped_snapshots_total",
+    "gradwatch_collect_seconds_bucket",
+    "gradwatch_collect_seconds_count",
+    "gradwatch_collect_seconds_sum",
+    "gradwatch_build_info",
+    "gradwatch_run_info",
+    "gradwatch_amp_skipped_steps_total",
+    "gradwatch_nonfinite_steps_total",
+}
+
+
+def _check_one_step(samples: Samples) -> float | None:
+    """The step every step-valued series of one scrape shows (None before any publish)."""
+    if "gradwatch_step" not in samples:
+        return None
+    values = {
+        (name, labels): v
+        for name, series in samples.items()
+        if name not in NOT_STEP_VALUED
+        for labels, v in series.items()
+    }
+    distinct = set(values.values())
+    assert len(distinct) == 1, f"one scrape mixes steps: {sorted(distinct)[:5]}"
+    assert len(values) == 33, sorted(values)  # every series, every time
+    return distinct.pop()
+
+
+def _hammer(
+    scrape_once: Callable[[], Samples], publish: Callable[[int], None], seconds: float
+) -> set[float]:
+    """Scrape from 4 threads while publishing uniform snapshots; the steps seen."""
+    stop = threading.Event()
+    seen: set[float] = set()
+    errors: list[BaseException] = []
+
+    def scraper() -> None:
+        try:
+            while not stop.is_set():
+                step = _check_one_step(scrape_once())
+                if step is not None:
+                    seen.add(step)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=scraper) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + seconds
+        step = 0
+        while time.monotonic() < deadline and not errors:
+            step += 1
+            publish(step)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors[0]
+    return seen
+
+
+def test_one_scrape_never_mixes_two_steps(servers: Callable[..., MetricsServer]) -> None:
+    """The Collector alone (no HTTP, no rate bound), with threads switching very often."""
+    server = servers(config(param_metrics_top_k=5))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up
+    try:
+        seen = _hammer(
+            lambda: parse(generate_latest(server.registry).decode()),
+            lambda step: server.publish(uniform_snapshot(step)),
+            seconds=3.0,
+        )
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(seen) > 50, "the scrapes did not overlap with publishing"
+
+
+def test_one_http_scrape_never_mixes_two_steps(servers: Callable[..., MetricsServer]) -> None:
+    """The same through the endpoint, fed by the publisher thread as in training."""
+    server = servers(config(param_metrics_top_k=5))
+    seen = _hammer(
+        lambda: scrape(server),
+        # flush after each submit: a dropped snapshot would (rightly) leave the counters
+        # behind the step, which this test reads as step-valued
+        lambda step: (server.submit(Ready(uniform_snapshot(step))), server.flush(10)),
+        seconds=2.0,
+    )
+    assert len(seen) > 10, "the scrapes did not overlap with publishing"
+
+
+def test_publishing_falls_behind_drops_the_oldest(servers: Callable[..., MetricsServer]) -> None:
+    server = servers()
+    first = Gated(uniform_snapshot(1))
+    server.submit(first)
+    assert first.entered.wait(10)  # the publisher is now stuck in result()
+    later = [Ready(uniform_snapshot(step)) for step in range(2, 12)]
+    started = time.perf_counter()
+    for pending in later:
+        server.submit(pending)
+    assert time.perf_counter() - started < 0.5, "submit blocked"
+    assert value(scrape(server), "gradwatch_dropped_snapshots_total") == len(later) - MAX_PENDING
+    assert not server.flush(timeout=0.2)  # still stuck
+    first.release.set()
+    assert server.flush(timeout=10)
+    samples = scrape(server)
+    assert value(samples, "gradwatch_step") == 11  # the newest survive
+    assert value(samples, "gradwatch_collections_total") == 1 + MAX_PENDING
+    assert value(samples, "gradwatch_dropped_snapshots_total") == len(later) - MAX_PENDING
+
+
+def test_publisher_errors_are_logged_once_per_kind_counted_and_survived(
+    servers: Callable[..., MetricsServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = servers()
+    caplog.set_level(logging.WARNING, logger="gradwatch.export")
+    failing: list[Any] = [
+        Failing(1, ValueError("boom")),
+        Failing(2, ValueError("boom again")),
+        Failing(3, TimeoutError("peer gone")),
+        NotASnapshot(),  # publish() fails on what result() returned
+        Failing(4, ValueError("third")),
+        NotASnapshot(),
+    ]
+    for pending in failing:
+        server.submit(pending)
+        assert server.flush(10)  # one at a time: nothing is dropped
+    server.submit(Ready(uniform_snapshot(5)))
+    assert server.flush(10)
+    samples = scrape(server)
+    assert value(samples, "gradwatch_publish_errors_total") == len(failing)
+    assert value(samples, "gradwatch_step") == 5
+    assert value(samples, "gradwatch_collections_total") == 1
+    records = [r for r in caplog.records if r.name == "gradwatch.export"]
+    assert len(records) == 3, [r.getMessage() for r in records]
+    messages = " ".join(r.getMessage() for r in records)
+    for kind in ("ValueError", "TimeoutError", "AttributeError"):
+        assert kind in messages
+
+
+def test_submit_never_raises_and_is_ignored_after_close(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    server = servers()
+    server.close()
+    server.submit(Ready(uniform_snapshot(1)))
+    server.observe_collect_seconds(0.1)
+    assert server.closed
+    assert not server.flush(0.1)
+
+
+# -- the server -----------------------------------------------------------------------------------
+
+
+def bind_probe(port: int) -> bool:
+    """True if ``127.0.0.1:port`` can be bound (and listened on) right now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True
+
+
+def test_ephemeral_port(servers: Callable[..., MetricsServer]) -> None:
+    a, b = servers(), servers()
+    assert a.port != 0 and b.port != 0 and a.port != b.port
+    assert a.url == f"http://127.0.0.1:{a.port}/metrics"
+    assert "gradwatch_build_info" in scrape(a)
+
+
+def test_port_in_use_names_the_port_and_the_variable(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    first = servers()
+    with pytest.raises(PortInUseError) as info:
+        servers(config(port=first.port))
+    message = str(info.value)
+    assert str(first.port) in message and "GRADWATCH_PORT" in message
+    assert isinstance(info.value, OSError) and info.value.errno == errno.EADDRINUSE
+    # Any listener counts, not only gradwatch's, and the wildcard address conflicts too.
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        with pytest.raises(PortInUseError, match=str(taken)):
+            servers(config(port=taken))
+
+
+def test_close_releases_the_port_and_is_idempotent(servers: Callable[..., MetricsServer]) -> None:
+    server = servers()
+    port, url = server.port, server.url
+    server.publish(uniform_snapshot(1))
+    publisher = server._publisher.thread
+    server.close()
+    server.close()
+    assert not publisher.is_alive()
+    with pytest.raises(urllib.error.URLError):
+        http_get(url, timeout=2)
+    again = servers(config(port=port))  # the same port, at once
+    assert again.port == port
+    assert "gradwatch_step" not in scrape(again)
+
+
+def test_unclosed_server_is_closed_when_collected(servers: Callable[..., MetricsServer]) -> None:
+    server = MetricsServer(config(), world_size=1, parallelism="single")
+    port, publisher = server.port, server._publisher.thread
+    assert not bind_probe(port)
+    del server
+    gc.collect()
+    publisher.join(10)
+    assert not publisher.is_alive()
+    assert bind_probe(port)
+
+
+EXIT_SCRIPT = """
+import socket, time, weakref
+from gradwatch.config import WatchConfig
+from gradwatch.export import MetricsServer
+
+def report():
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", server.port)); s.listen(); s.close()
+    print("closed", server.closed, "port-free", flush=True)
+
+class Anchor:
+    pass
+
+# Exit runs weakref finalizers newest first: this one, older than the server's, runs after it.
+anchor = Anchor()
+weakref.finalize(anchor, report)
+
+class Stuck:  # a collective whose peer died: result() would wait for minutes
+    step = 1
+    def result(self):
+        time.sleep(600)
+
+server = MetricsServer(WatchConfig(port=0, bind_address="127.0.0.1"), world_size=1,
+                       parallelism="single")
+server.submit(Stuck())
+time.sleep(0.2)
+print("started", server.port, flush=True)
+"""
+
+
+def test_interpreter_exit_closes_the_server_without_hanging() -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    assert "closed True port-free" in proc.stdout, (proc.stdout, proc.stderr)
+    assert elapsed < 30, f"exit took {elapsed:.1f}s"
+
+
+def test_port_none_is_refused() -> None:
+    with pytest.raises(ValueError, match="port"):
+        MetricsServer(WatchConfig(port=None), world_size=1, parallelism="single")
+
+
+def test_wildcard_bind_url_uses_loopback(servers: Callable[..., MetricsServer]) -> None:
+    server = servers(config(bind_address="0.0.0.0"))
+    assert server.url == f"http://127.0.0.1:{server.port}/metrics"
+    assert "gradwatch_build_info" in scrape(server)
+
+
+def get(url: str, headers: dict[str, str]) -> tuple[dict[str, str], bytes]:
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return dict(response.headers), response.read()
+
+
+def test_openmetrics_and_gzip_as_prometheus_asks(servers: Callable[..., MetricsServer]) -> None:
+    """Prometheus negotiates OpenMetrics and gzip: that exposition must equal the snapshot too."""
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    server = servers()
+    snap = rich_snapshot()
+    server.publish(snap)
+    accept = (
+        "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+        "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    )
+    headers, body = get(server.url, {"Accept": accept, "Accept-Encoding": "gzip"})
+    assert headers["Content-Encoding"] == "gzip"
+    assert headers["Content-Type"].startswith("application/openmetrics-text")
+    text = gzip.decompress(body).decode()
+    assert text.endswith("# EOF\n")
+    samples: Samples = {}
+    for family in parse_openmetrics(text):
+        for sample in family.samples:
+            assert sample.timestamp is None
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    assert_matches(samples, expected_gauges(snap, RATIO_PAIRS))
+    assert list(samples["gradwatch_build_info"].values()) == [1.0]
+
+
+def test_cached_exposition_is_never_stale(servers: Callable[..., MetricsServer]) -> None:
+    server = servers()
+    server.publish(uniform_snapshot(1))
+    first, again = http_get(server.url), http_get(server.url)
+    assert first == again
+    server.observe_collect_seconds(0.01)  # a self-metric change is a new exposition
+    assert value(scrape(server), "gradwatch_collect_seconds_count") == 1
+    server.publish(uniform_snapshot(2))
+    assert value(scrape(server), "gradwatch_step") == 2
+    # A filtered scrape bypasses the cache and still works.
+    filtered = parse(http_get(server.url + "?name[]=gradwatch_step"))
+    assert set(filtered) == {"gradwatch_step"}
+
+
+def test_rate_limit_grants_bursts_then_spaces_and_refuses_long_waits() -> None:
+    limit = _RateLimit(rate=10.0, burst=3, max_wait=0.45)
+    waits = [limit.reserve() for _ in range(9)]
+    assert waits[:3] == [0.0, 0.0, 0.0]
+    for i, expected in enumerate((0.1, 0.2, 0.3, 0.4), start=3):
+        assert waits[i] == pytest.approx(expected, abs=0.05)
+    assert waits[7:] == [None, None]  # 0.5 s and beyond: refused, not booked
+    time.sleep(0.25)
+    assert limit.reserve() == pytest.approx(0.25, abs=0.05)
+
+
+def test_back_to_back_scrapers_are_bounded_and_never_fail(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    """A runaway client cannot make the serving process scrape more than the bound."""
+    server = servers()
+    server.publish(uniform_snapshot(1))
+    seconds, ok, failures = 2.0, [0], []
+    stop_at = time.monotonic() + seconds
+
+    def scraper() -> None:
+        while time.monotonic() < stop_at:
+            try:
+                assert "gradwatch_step 1.0" in http_get(server.url)
+                ok[0] += 1
+            except Exception as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=scraper) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not failures, failures[:3]
+    # Requests still waiting at stop_at finish a little later: allow one more second's worth.
+    assert SCRAPE_BURST <= ok[0] <= MAX_SCRAPES_PER_SECOND * (seconds + 1) + SCRAPE_BURST
+
+
+# -- TLS ------------------------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    d = tmp_path_factory.mktemp("pki")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=gradwatch test CA", cwd=d)  # fmt: skip
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ):
+        (d / f"{name}.ext").write_text(ext)
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN=gradwatch test {name}", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
+                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    return {p.stem + p.suffix.replace(".", "_"): p for p in d.iterdir()}
+
+
+def test_tls_endpoint_serves_https(
+    pki: dict[str, Path], servers: Callable[..., MetricsServer]
+) -> None:
+    server = servers(config(certfile=pki["server_pem"], keyfile=pki["server_key"]))
+    assert server.url == f"https://127.0.0.1:{server.port}/metrics"
+    server.publish(rich_snapshot(step=3))
+    ctx = ssl.create_default_context(cafile=str(pki["ca_pem"]))
+    assert value(parse(http_get(server.url, ctx)), "gradwatch_step") == 3
+    with pytest.raises(urllib.error.URLError):  # an untrusted certificate is refused
+        http_get(server.url, ssl.create_default_context(), timeout=5)
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP gets nothing
+        http_get(server.url.replace("https://", "http://"), timeout=5)
+    # A client that connects and never speaks does not stall other scrapes.
+    with socket.create_connection(("127.0.0.1", server.port)):
+        assert value(parse(http_get(server.url, ctx)), "gradwatch_step") == 3
+
+
+def test_mutual_tls_requires_a_client_certificate(
+    pki: dict[str, Path], servers: Callable[..., MetricsServer]
+) -> None:
+    server = servers(
+        config(certfile=pki["server_pem"], keyfile=pki["server_key"], client_cafile=pki["ca_pem"])
+    )
+    anonymous = ssl.create_default_context(cafile=str(pki["ca_pem"]))
+    with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+        http_get(server.url, anonymous, timeout=5)
+    authenticated = ssl.create_default_context(cafile=str(pki["ca_pem"]))
+    authenticated.load_cert_chain(pki["client_pem"], pki["client_key"])
+    assert "gradwatch_build_info" in parse(http_get(server.url, authenticated))
+
+
+def test_unloadable_tls_files_fail_at_construction_without_taking_the_port(
+    tmp_path: Path, pki: dict[str, Path]
+) -> None:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(GradWatchError, match="TLS"):
+        MetricsServer(
+            config(port=port, certfile=garbage, keyfile=pki["server_key"]),
+            world_size=1,
+            parallelism="single",
+        )
+    assert bind_probe(port)
+
+
+# -- promtool and the generated reference ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("published", [False, True], ids=["before-collection", "full"])
+def test_promtool_check_metrics_reports_nothing(
+    published: bool, servers: Callable[..., MetricsServer]
+) -> None:
+    if not Path(PROMTOOL).exists():
+        pytest.skip("promtool not installed")
+    server = servers(config(param_metrics_top_k=3))
+    if published:
+        server.publish(rich_snapshot())
+        server.observe_collect_seconds(0.002)
+    text = generate_latest(server.registry).decode()
+    assert text == http_get(server.url)
+    proc = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == "" and proc.stderr == "", proc.stdout + proc.stderr
+
+
+def test_docs_metrics_md_is_generated_from_the_code() -> None:
+    doc = ROOT / "docs" / "metrics.md"
+    assert doc.read_text() == metrics_reference_markdown(), (
+        "docs/metrics.md is out of date: run `python -m gradwatch.export --markdown > "
+        "docs/metrics.md`"
+    )
+    for d in METRICS:  # every metric, type and label is in the table
+        labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
+        assert f"| `{d.name}` | {d.type} | {labels} |" in doc.read_text()
+
+
+def test_markdown_entry_point() -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradwatch.export", "--markdown"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == metrics_reference_markdown()

@@ -1,0 +1,290 @@
+"""End to end: a real Prometheus scrapes gradwatch's endpoint and stores the snapshots' values.
+
+* One process: snapshots published through MetricsServer; the value Prometheus's query API
+  returns for ``gradwatch_global_grad_norm`` (and a few others) equals the snapshot's, NaN too.
+* A 2-rank gloo DDP job (tests/jobs/ddp_serve_job.py under torchrun) with gradwatch serving
+  from rank 0: Prometheus's value equals the job's snapshot for that step; then 20 concurrent
+  scrapers hammer the endpoint for 10 s during training: no scrape may fail, and every sample
+  Prometheus stored during the run pairs a step with that step's norm. The step time with and
+  without the scrapers is printed (a benchmark, not asserted).
+
+Prometheus runs on loopback with a temporary config and storage, scrape and evaluation
+interval 1 s. Every process is started in its own session and killed in teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from promserver import PromServer, free_port, run_prometheus
+
+from gradwatch.config import WatchConfig
+from gradwatch.export import MetricsServer
+from gradwatch.snapshot import GroupStats, Snapshot
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_SCRIPT = ROOT / "tests" / "jobs" / "ddp_serve_job.py"
+SCRAPERS = 20
+LOAD_SECONDS = 10.0
+BASELINE_SECONDS = 5.0
+
+
+def same(a: float | None, b: float) -> bool:
+    return a is not None and (a == b or (math.isnan(a) and math.isnan(b)))
+
+
+# -- one process ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_prometheus_stores_exactly_the_published_values(tmp_path: Path) -> None:
+    cfg = WatchConfig(
+        port=0, bind_address="127.0.0.1", groups={"host": ["h.*"]}, ratios=[("host", "other")]
+    )
+    server = MetricsServer(cfg, world_size=1, parallelism="single")
+    try:
+        with run_prometheus([f"127.0.0.1:{server.port}"], workdir=tmp_path / "prom") as prom:
+            prom.wait_until(lambda: prom.value("gradwatch_build_info") == 1, 30, "first scrape")
+            assert prom.value('up{job="gradwatch"}') == 1
+            assert prom.value("gradwatch_step") is None  # nothing collected: no step
+            assert prom.value("gradwatch_collections_total") == 0
+            cases = [
+                (1, 1.2345678901234567, 0.1 + 0.2),
+                (2, 3.0000000000000004e-7, 5e-324),
+                (3, math.nan, math.inf),
+                (4, 1.7976931348623157e308, 0.0),
+            ]
+            for step, norm, ratio in cases:
+                snap = Snapshot(
+                    step=step,
+                    global_norm=norm,
+                    groups={"host": GroupStats(norm=norm, numel=step), "other": GroupStats()},
+                    ratios={"host/other": ratio},
+                    timestamp=time.time(),
+                )
+                server.publish(snap)
+                prom.wait_for_value("gradwatch_step", step, timeout=30)
+                assert same(prom.value("gradwatch_global_grad_norm"), norm)
+                assert same(prom.value('gradwatch_grad_norm{group="host"}'), norm)
+                assert same(
+                    prom.value('gradwatch_grad_norm_ratio{numerator="host",denominator="other"}'),
+                    ratio,
+                )
+                assert prom.value("gradwatch_last_collect_timestamp_seconds") == snap.timestamp
+                assert prom.value("gradwatch_collections_total") == step
+            assert prom.value("gradwatch_nonfinite_steps_total") == 1
+    finally:
+        server.close()
+
+
+# -- a 2-rank DDP job -----------------------------------------------------------------------------
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class Job:
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+    log: Path
+
+    def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float) -> Any:
+        """Poll ``predicate``; fail at once if the job died, or after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the job exited ({self.proc.returncode}) before {what}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+            time.sleep(0.05)
+
+    def flag(self, name: str) -> None:
+        (self.workdir / name).touch()
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    if proc.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    with suppress(ProcessLookupError):  # leftover workers of the group
+        os.killpg(proc.pid, signal.SIGKILL)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+
+
+@contextmanager
+def ddp_job(workdir: Path, steps: int = 20) -> Iterator[Job]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    log = workdir.parent / "job.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                "--max_restarts=0",
+                "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}",
+                str(JOB_SCRIPT),
+                str(workdir),
+                f"--steps={steps}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        yield Job(proc, workdir, log)
+    except BaseException:
+        print(f"--- job log ---\n{tail(log)}")
+        raise
+    finally:
+        _stop_group(proc)
+
+
+@dataclass
+class LoadResult:
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def scrape_load(url: str, scrapers: int, seconds: float) -> LoadResult:
+    """``scrapers`` threads scraping ``url`` back to back for ``seconds``."""
+    result = LoadResult()
+    stop_at = time.monotonic() + seconds
+
+    def scraper() -> None:
+        while time.monotonic() < stop_at:
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    body = response.read().decode()
+                    good = response.status == 200 and "\ngradwatch_step " in body
+                problem = None if good else f"status {response.status}, step missing"
+            except Exception as exc:  # every failure is a finding
+                problem = repr(exc)
+            with result.lock:
+                if problem is None:
+                    result.ok += 1
+                else:
+                    result.failures.append(problem)
+
+    threads = [threading.Thread(target=scraper) for _ in range(scrapers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 30)
+    return result
+
+
+def stored_pairs(prom: PromServer, window: str) -> list[tuple[int, float]]:
+    """(step, global norm) of every scrape Prometheus stored in ``window``, by timestamp."""
+    steps = prom.api("query", query=f"gradwatch_step[{window}]")["result"]
+    norms = prom.api("query", query=f"gradwatch_global_grad_norm[{window}]")["result"]
+    assert len(steps) == 1 and len(norms) == 1, (steps, norms)
+    norm_at = {t: float(v) for t, v in norms[0]["values"]}
+    pairs = [(int(float(v)), norm_at[t]) for t, v in steps[0]["values"]]
+    assert len(pairs) == len(norm_at)  # both series come from the same scrapes
+    return pairs
+
+
+def median_ms(step_times: list[list[float]], start: float, end: float) -> float:
+    inside = [d for t, d in step_times if start <= t and t + d <= end]
+    assert len(inside) >= 5, f"only {len(inside)} steps in the window"
+    return statistics.median(inside) * 1000.0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ddp_job_scraped_by_prometheus_and_under_load(tmp_path: Path) -> None:
+    work = tmp_path / "job"
+    work.mkdir()
+    with ddp_job(work) as job:
+        ranks = job.wait_for(
+            "both ranks to construct GradWatch",
+            lambda: all((work / f"rank{r}.json").exists() for r in (0, 1)),
+            180,
+        ) and [read_json(work / f"rank{r}.json") for r in (0, 1)]
+        url = ranks[0]["metrics_url"]
+        assert url and url.startswith("http://127.0.0.1:"), ranks
+        assert ranks[1]["metrics_url"] is None  # only global rank 0 serves
+        phase1 = job.wait_for("phase 1", lambda: read_json(work / "phase1.json"), 120)
+        target = urllib.parse.urlsplit(url).netloc
+        with run_prometheus([target], workdir=tmp_path / "prom") as prom:
+            last = phase1["last_step"]
+            prom.wait_for_value("gradwatch_step", last, timeout=30)
+            assert prom.value("gradwatch_global_grad_norm") == phase1["snapshots"][str(last)]
+            (run_info,) = prom.query("gradwatch_run_info")
+            assert run_info["metric"]["world_size"] == "2", run_info
+
+            job.flag("resume")
+            resumed = time.monotonic()
+            time.sleep(BASELINE_SECONDS)
+            load_start = time.monotonic()
+            load = scrape_load(url, SCRAPERS, LOAD_SECONDS)
+            load_end = time.monotonic()
+            time.sleep(1.0)
+            job.flag("stop")
+            phase2 = job.wait_for("phase 2", lambda: read_json(work / "phase2.json"), 60)
+
+            last2 = phase2["last_step"]
+            prom.wait_for_value("gradwatch_step", last2, timeout=30)
+            assert prom.value("gradwatch_global_grad_norm") == phase2["snapshots"][str(last2)]
+            # Every scrape Prometheus stored, under load included, is one step's norm.
+            snapshots = {int(k): v for k, v in phase1["snapshots"].items()}
+            snapshots.update({int(k): v for k, v in phase2["snapshots"].items()})
+            pairs = stored_pairs(prom, "5m")
+            assert len(pairs) >= LOAD_SECONDS, pairs
+            for step, norm in pairs:
+                assert norm == snapshots[step], (step, norm, snapshots.get(step))
+        job.flag("exit")
+        assert job.proc.wait(timeout=60) == 0, tail(job.log)
+
+    assert not load.failures, f"{len(load.failures)} failed scrapes, e.g. {load.failures[:3]}"
+    assert load.ok >= SCRAPERS, load.ok
+    # The benchmark (not a test): step time with and without the scrapers.
+    base = median_ms(phase2["step_times"], resumed, load_start)
+    loaded = median_ms(phase2["step_times"], load_start, load_end)
+    print(
+        f"\nbenchmark: {load.ok} scrapes in {LOAD_SECONDS:g} s by {SCRAPERS} scrapers "
+        f"({load.ok / LOAD_SECONDS:.0f}/s); median step {base:.2f} ms without, "
+        f"{loaded:.2f} ms with scrapers ({(loaded / base - 1) * 100:+.1f}%)"
+    )
