@@ -1,0 +1,9 @@
+"""`gradwatch demo` (placeholder: being written)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `demo` command to ``app``."""

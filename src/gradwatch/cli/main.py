@@ -1,0 +1,32 @@
+"""The ``gradwatch`` console script (typer): one subcommand per module of this package.
+
+``demo`` (:mod:`gradwatch.cli.demo`), ``top`` (:mod:`gradwatch.cli.top`), ``config``
+(:mod:`gradwatch.cli.config_cmd`) and ``plot`` (:mod:`gradwatch.cli.plot`). Each module exposes a
+``register(app)`` function; this module only assembles them, so the commands stay independent.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from gradwatch.cli import config_cmd, demo, plot, top
+
+app = typer.Typer(
+    name="gradwatch",
+    help="Gradient health for PyTorch training jobs: demo, live view, config check, plots.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+for module in (demo, top, config_cmd, plot):
+    module.register(app)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""`gradwatch top` (placeholder: being written)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `top` command to ``app``."""
