@@ -147,7 +147,7 @@ class PromServer:
             return ""
 
 
-def _stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
     """Stop a process started with start_new_session=True, and its group."""
     if proc.poll() is None:
         with suppress(ProcessLookupError):
@@ -248,4 +248,4 @@ def run_prometheus(
                 raise
         finally:
             if proc is not None:
-                _stop(proc)
+                stop_group(proc)

@@ -95,8 +95,20 @@ def _pipeline_worker(rank: int, world: int, port: int, out: str) -> None:
             / float(b.double().abs().max() * coef)
             for p, b in zip(stage.parameters(), local_before, strict=True)
         )
+        # A step the schedule skips is clipped by the whole-model norm too, without a snapshot.
+        for p, b in zip(stage.parameters(), local_before, strict=True):
+            p.grad.copy_(b)
+        with GradWatch(
+            stage,
+            WatchConfig(collective_timeout_seconds=60, every_n_steps=2),
+            stage_group=dist.group.WORLD,
+        ) as watch:
+            skipped_total = watch.clip_grad_norm_(1.0, step=1)
+            skipped_snapshot = watch.last
         result = {"total": float(total), "pre": pre, "torch_local": torch_local}
         result["max_grad_rel_err"] = err
+        result["skipped_total"] = float(skipped_total)
+        result["skipped_snapshot"] = skipped_snapshot is not None
         Path(out, f"{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -137,3 +149,5 @@ def test_clip_pipeline_stages_use_whole_model_norm(tmp_path: Path) -> None:
         # torch's function on one stage sees that stage only: strictly smaller than the whole.
         assert r["torch_local"] < r["pre"] * (1 - 1e-3)
         assert r["max_grad_rel_err"] <= 1e-6
+        assert abs(r["skipped_total"] - r["pre"]) <= 1e-6 * r["pre"]
+        assert not r["skipped_snapshot"]

@@ -17,25 +17,18 @@ Both processes run under hard timeouts and are always stopped in teardown.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from promserver import free_port, http_get, run_prometheus, stop_group, wait_for
 from test_deploy import (
     ROOT,
     RULES,
@@ -60,125 +53,11 @@ FIRING_DEADLINE = 10.0
 # -- processes ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read().decode()
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except Exception as exc:  # not ready yet: connection refused, missing series
-            last_error = exc
-            value = None
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} ({last_error!r})")
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """Stop a process started with start_new_session=True and everything it started."""
-    if proc.poll() is None:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the group, if any
-    proc.wait(timeout=grace)
-
-
 def tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-class Prometheus:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def api(self, path: str, **params: str) -> Any:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        try:
-            body = json.loads(http_get(f"{self.url}/api/v1/{path}{query}"))
-        except urllib.error.HTTPError as exc:  # 400/422: the error names the problem
-            raise AssertionError(f"{path} {params}: {exc} {exc.read().decode()}") from exc
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        data = self.api("query", query=expr)
-        assert data["resultType"] == "vector", (expr, data["resultType"])
-        return data["result"]
-
-    def alerts(self) -> list[dict[str, Any]]:
-        return self.api("alerts")["alerts"]
-
-    def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str = "") -> Any:
-        return wait_for(predicate, timeout, what or "a Prometheus condition")
-
-
-@contextmanager
-def run_prometheus(
-    scrape_targets: list[str], rule_files: tuple[Path, ...], workdir: Path, interval: str = "1s"
-) -> Iterator[Prometheus]:
-    binary = shutil.which("prometheus") or "/usr/bin/prometheus"
-    if not Path(binary).exists():
-        message = "prometheus not installed: run `make system-deps`"
-        if os.environ.get("REQUIRE_E2E") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    port = free_port()
-    config = {
-        "global": {"scrape_interval": interval, "evaluation_interval": interval},
-        "rule_files": [str(f) for f in rule_files],
-        "scrape_configs": [
-            {
-                "job_name": JOB,
-                "scrape_interval": interval,
-                "scrape_timeout": interval,
-                "static_configs": [{"targets": scrape_targets}],
-            }
-        ],
-    }
-    config_file = workdir / "prometheus.yml"
-    config_file.write_text(yaml.safe_dump(config))
-    log = workdir / "prometheus.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config_file}",
-                f"--storage.tsdb.path={workdir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--web.enable-lifecycle",
-                "--log.level=warn",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: "Ready" in http_get(f"{url}/-/ready", 1.0), 30, "Prometheus ready")
-        yield Prometheus(url)
-    except BaseException:
-        print(f"--- prometheus log ---\n{tail(log)}")
-        raise
-    finally:
-        stop_group(proc)
 
 
 @contextmanager
@@ -259,7 +138,7 @@ def test_rules_and_dashboard_against_a_live_job(tmp_path: Path) -> None:
     target = f"127.0.0.1:{port}"
     metrics_url = f"http://{target}/metrics"
     with (
-        run_prometheus([target], (RULES,), tmp_path) as prom,
+        run_prometheus([target], (RULES,), job=JOB, workdir=tmp_path) as prom,
         run_training_job(port, tmp_path) as job,
     ):
 

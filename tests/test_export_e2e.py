@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,13 +25,13 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from promserver import PromServer, free_port, run_prometheus
+from promserver import PromServer, free_port, run_prometheus, stop_group
 
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
@@ -132,18 +131,6 @@ class Job:
         (self.workdir / name).touch()
 
 
-def _stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    if proc.poll() is None:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
-    with suppress(ProcessLookupError):  # leftover workers of the group
-        os.killpg(proc.pid, signal.SIGKILL)
-    with suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace)
-
-
 @contextmanager
 def ddp_job(workdir: Path, steps: int = 20) -> Iterator[Job]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWATCH_")}
@@ -177,7 +164,7 @@ def ddp_job(workdir: Path, steps: int = 20) -> Iterator[Job]:
         print(f"--- job log ---\n{tail(log)}")
         raise
     finally:
-        _stop_group(proc)
+        stop_group(proc)
 
 
 @dataclass

@@ -611,3 +611,23 @@ def test_config_from_environment_when_none_given(monkeypatch: pytest.MonkeyPatch
     assert list(snap.groups) == ["s", "other"]
     assert snap.groups["s"].tensors == 2 and snap.isolation_violated == {"s": True}
     check_against_reference(snap, model, WatchConfig(groups={"s": ["seed.*"]}))
+
+
+def test_set_isolated_switches_the_expectation_per_stage() -> None:
+    """Isolation is a per-stage expectation: switched at run time, applied from the next collect
+    (a pending result keeps the expectation of its collect), unknown groups refused by name."""
+    torch.manual_seed(0)
+    model = Net()
+    model(torch.randn(4, 16)).pow(2).sum().backward()
+    with GradWatch(model, issue_config()) as watch:
+        assert watch.isolated == ("host",)
+        pending = watch.collect(step=0)
+        watch.set_isolated([])  # the host trains again: blending stage
+        assert pending.result().isolation_violated == {"host": True}
+        assert watch.collect(step=1).result().isolation_violated == {}
+        watch.set_isolated(["seed", "other"])
+        snap = watch.collect(step=2).result()
+        assert snap.isolation_violated == {"seed": True, "other": True}
+        with pytest.raises(ValueError, match=r"set_isolated.*'nope'"):
+            watch.set_isolated(["seed", "nope"])
+        assert watch.isolated == ("seed", "other")  # a refused change changes nothing

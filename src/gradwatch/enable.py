@@ -56,6 +56,13 @@ class NoOpWatch:
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         return None
 
+    @property
+    def isolated(self) -> tuple[str, ...]:
+        return tuple(self.config.isolated)
+
+    def set_isolated(self, groups: Any) -> None:
+        return None
+
     def clip_grad_norm_(
         self,
         max_norm: float,
@@ -65,6 +72,9 @@ class NoOpWatch:
     ) -> Tensor:
         params = [p for p in self._model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return True
 
     def close(self) -> None:
         return None

@@ -50,12 +50,14 @@ def summarize(
     nonfinite_flags: Sequence[float],
     has_grad: Sequence[float],
     group_order: Sequence[str],
+    isolated: Sequence[str] | None = None,
     **extra: object,
 ) -> Snapshot:
     """Build the snapshot of one step from per-parameter squared norms (global layout order).
 
     ``group_order`` lists the groups that always appear: the configured ones, plus ``"other"``
-    when some parameter of the model matched no pattern.
+    when some parameter of the model matched no pattern. ``isolated`` (default
+    ``cfg.isolated``) lists the groups checked for isolation.
 
     A parameter counts (``tensors``, ``numel``, health's n) when some rank had a gradient for it.
     It is non-finite when its squared norm is NaN/Inf or any rank flagged its piece.
@@ -107,8 +109,9 @@ def summarize(
         key = ratio_key(num, den)
         ratios[key] = normalized_ratio(n.norm, n.numel, d.norm, d.numel)
         raw[key] = raw_ratio(n.norm, d.norm)
+    checked = cfg.isolated if isolated is None else isolated
     isolation = {
-        g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in cfg.isolated
+        g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in checked
     }
     return Snapshot(
         step=step,
