@@ -8,7 +8,9 @@ Only global rank 0 builds a :class:`MetricsServer` (the facade decides). Three t
 * the **publisher thread** (``gradwatch-publisher``, a daemon) takes pending results in order,
   materializes them (``pending.result()``: the wait for the all-reduce and the host-side
   summary) and publishes them: it builds a new immutable :class:`_State` (every sample of every
-  snapshot-derived gauge and counter) and swaps it in under a lock;
+  snapshot-derived gauge and counter) and swaps it in under a lock; then it hands the snapshot
+  to the extra sinks (the history file of ``WatchConfig.history_path``). Without an endpoint
+  the same thread runs for the sinks alone (:class:`SnapshotPublisher`);
 * **scrapes** (one thread per HTTP request) read the current state once, so a scrape never
   shows half of one step and half of another. Equal states render once (a cache keyed by the
   state's version), and at most ``MAX_SCRAPES_PER_SECOND`` scrapes are served, so scrapers
@@ -265,8 +267,9 @@ METRICS: tuple[MetricDef, ...] = (
         "counter",
         (),
         "Collected steps that failed to materialize or publish (logged once per kind).",
-        "For example a `GradWatchTimeoutError` when another rank stopped calling collect(). "
-        "Publishing continues with the next step.",
+        "For example a `GradWatchTimeoutError` when another rank stopped calling collect(), "
+        "or a failed write to the history file (`history_path`). Publishing continues with the "
+        "next step.",
     ),
     MetricDef(
         "gradwatch_dropped_snapshots_total",
@@ -323,6 +326,12 @@ class PendingLike(Protocol):
     step: int
 
     def result(self) -> Snapshot: ...
+
+
+#: A consumer of materialized snapshots run by the publisher thread: ``(action, callable)``,
+#: where ``action`` completes "could not ... a collected step" in the log (e.g. ``"publish"``,
+#: ``"write the history of"``).
+Sink = tuple[str, Callable[[Snapshot], None]]
 
 
 # -- published state ------------------------------------------------------------------------
@@ -621,16 +630,18 @@ def _build_labels() -> dict[str, str]:
 
 
 class _Publisher:
-    """Bounded FIFO of pending results and the daemon thread that publishes them.
+    """Bounded FIFO of pending results and the daemon thread that hands them to the sinks.
 
     Thread-safe. ``submit`` and ``flush`` may be called from any thread; ``_run`` is the only
     consumer. Items carry a sequence number; ``_done`` is the highest one handled (published,
-    failed or dropped), which makes ``flush`` exact.
+    failed or dropped), which makes ``flush`` exact. Each materialized snapshot goes to every
+    sink in order; a sink that raises is counted in ``stats`` and logged once per kind, and the
+    other sinks still get the snapshot.
     """
 
-    def __init__(self, collector: SnapshotCollector) -> None:
-        self._collector = collector
-        self._stats = collector.self_stats
+    def __init__(self, sinks: Sequence[Sink], stats: _SelfStats) -> None:
+        self._sinks = tuple(sinks)
+        self._stats = stats
         self._cond = threading.Condition()
         self._queue: deque[tuple[int, PendingLike]] = deque()
         self._submitted = 0
@@ -692,22 +703,23 @@ class _Publisher:
         try:
             snap = pending.result()
         except Exception as exc:  # e.g. GradWatchTimeoutError: a peer stopped collecting
-            self._error("result", exc)
+            self._error("materialize", exc)
             return
-        try:
-            self._collector.publish(snap)
-        except Exception as exc:
-            self._error("publish", exc)
+        for action, sink in self._sinks:
+            try:
+                sink(snap)
+            except Exception as exc:
+                self._error(action, exc)
 
-    def _error(self, stage: str, exc: Exception) -> None:
+    def _error(self, action: str, exc: Exception) -> None:
         self._stats.add_error()
-        kind = f"{stage}:{type(exc).__name__}"
+        kind = f"{action}:{type(exc).__name__}"
         if kind not in self._logged_kinds:
             self._logged_kinds.add(kind)
             log.warning(
                 "gradwatch: could not %s a collected step (%s: %s); counted in "
                 "gradwatch_publish_errors_total, later errors of this kind are not logged",
-                "materialize" if stage == "result" else "publish",
+                action,
                 type(exc).__name__,
                 exc,
                 exc_info=exc,
@@ -884,6 +896,18 @@ def _url(httpd: _HTTPServer, tls: bool) -> tuple[str, int]:
     return f"{'https' if tls else 'http'}://{shown}:{port}/metrics", int(port)
 
 
+def _stop_publisher(publisher: _Publisher, timeout: float) -> None:
+    """Flush what was submitted, then stop the publisher thread, within ``timeout`` in all."""
+    deadline = time.monotonic() + max(timeout, 0.0)
+    publisher.flush(max(deadline - time.monotonic(), 0.0))
+    if not publisher.stop(max(deadline - time.monotonic(), 0.1)):
+        log.warning(
+            "gradwatch: the metrics publisher did not stop within %.1fs (a collective still "
+            "pending?); it is a daemon thread and is abandoned",
+            timeout,
+        )
+
+
 def _shutdown(
     publisher: _Publisher,
     httpd: _HTTPServer,
@@ -897,13 +921,7 @@ def _shutdown(
     """
     deadline = time.monotonic() + max(timeout, 0.0)
     try:
-        publisher.flush(max(deadline - time.monotonic(), 0.0))
-        if not publisher.stop(max(deadline - time.monotonic(), 0.1)):
-            log.warning(
-                "gradwatch: the metrics publisher did not stop within %.1fs (a collective still "
-                "pending?); it is a daemon thread and is abandoned",
-                timeout,
-            )
+        _stop_publisher(publisher, timeout)
     finally:
         # shutdown() waits for serve_forever() to notice; do it in a helper thread so a
         # wedged server cannot hold close() (or interpreter exit) longer than the deadline.
@@ -920,6 +938,9 @@ class MetricsServer:
     Construction binds the port in the caller's thread (``cfg.port``; 0 = ephemeral) and starts
     two daemon threads (HTTP and publisher). All public methods are thread-safe. ``submit`` and
     ``observe_collect_seconds`` never block on the network or the device and never raise.
+    ``sinks`` are extra consumers the publisher thread calls with every published snapshot
+    after the Collector (the history file); their errors count in
+    ``gradwatch_publish_errors_total``.
 
     Unclosed servers are closed when collected and at interpreter exit (``weakref.finalize``,
     which holds no reference to the server itself), within ``EXIT_CLOSE_TIMEOUT`` seconds.
@@ -932,7 +953,14 @@ class MetricsServer:
             Collector.
     """
 
-    def __init__(self, cfg: WatchConfig, *, world_size: int, parallelism: str) -> None:
+    def __init__(
+        self,
+        cfg: WatchConfig,
+        *,
+        world_size: int,
+        parallelism: str,
+        sinks: Sequence[Sink] = (),
+    ) -> None:
         if cfg.port is None:
             raise ValueError("gradwatch: MetricsServer needs a port (WatchConfig.port is None)")
         tls = _tls_context(cfg)
@@ -942,7 +970,9 @@ class MetricsServer:
         self._httpd = _bind(cfg, _ScrapeApp(self.registry, self._collector.version), tls)
         try:
             self.url, self.port = _url(self._httpd, tls is not None)
-            self._publisher = _Publisher(self._collector)
+            self._publisher = _Publisher(
+                [("publish", self._collector.publish), *sinks], self._collector.self_stats
+            )
         except BaseException:
             self._httpd.server_close()  # a failed construction holds no port
             raise
@@ -1013,6 +1043,54 @@ class MetricsServer:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "serving"
         return f"MetricsServer({self.url!r}, {state})"
+
+
+class SnapshotPublisher:
+    """The publisher thread without an endpoint: sinks only (``history_path`` with no ``port``).
+
+    Same contract as :meth:`MetricsServer.submit`/:meth:`~MetricsServer.flush`/
+    :meth:`~MetricsServer.close`: the training thread only queues pending results; the
+    ``gradwatch-publisher`` daemon thread materializes them and calls each sink; errors are
+    logged once per kind and counted in :attr:`errors` (there is no endpoint to export them).
+    Closed when collected or at interpreter exit, within ``EXIT_CLOSE_TIMEOUT`` seconds.
+    """
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self._stats = _SelfStats()
+        self._publisher = _Publisher(sinks, self._stats)
+        self._finalizer = weakref.finalize(
+            self, _stop_publisher, self._publisher, EXIT_CLOSE_TIMEOUT
+        )
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def errors(self) -> int:
+        """Steps that failed to materialize, plus sink calls that raised."""
+        return self._stats.view().publish_errors
+
+    @property
+    def dropped(self) -> int:
+        """Steps dropped because the publisher fell behind (``MAX_PENDING``)."""
+        return self._stats.view().dropped
+
+    def submit(self, pending: PendingLike) -> None:
+        """Queue a pending result. Never blocks on it, never raises; ignored after close."""
+        try:
+            self._publisher.submit(pending)
+        except Exception:  # pragma: no cover - defensive: monitoring must not break training
+            log.debug("gradwatch: submit failed", exc_info=True)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything submitted so far is handled; False on timeout or when closed."""
+        return self._publisher.flush(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush (bounded) and stop the thread. Idempotent."""
+        if self._finalizer.detach() is not None:
+            _stop_publisher(self._publisher, timeout)
 
 
 # -- generated reference ----------------------------------------------------------------------

@@ -4,17 +4,23 @@ Writer guarantees:
 
 * every line is written with a single ``write`` of the complete ``json + "\\n"`` and flushed, so
   a crash can at worst leave a *truncated last line*;
-* before appending to an existing file whose last byte is not a newline (a previous crash), a
-  newline is written first, so the torn line stays isolated and never swallows a good one;
-* past ``max_bytes`` the file is rotated: ``path`` -> ``path.1`` (one backup, replaced).
+* before appending to an existing file whose last byte is not a newline (a previous crash, or
+  a write that failed half-way), a newline is written first, so the torn line stays isolated and
+  never swallows a good one;
+* past ``max_bytes`` the file is rotated: ``path`` -> ``path.1`` (one backup, replaced), so the
+  two files together never hold much more than ``2 * max_bytes``.
 
 The reader (:func:`read_history`) skips any line that is not a complete JSON object (a torn last
 line, or a torn line left in the middle by a crash followed by a restart) and reads ``path.1``
 first when asked to, so a plot spans the rotation.
+
+Inside a training job the writer is driven by the publisher thread (``GradWatch`` with
+``WatchConfig.history_path``), never by the training thread: see :mod:`gradwatch.export`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -24,7 +30,13 @@ from typing import Any
 
 from gradwatch.snapshot import Snapshot
 
-__all__ = ["HistoryWriter", "iter_history", "read_history"]
+__all__ = ["HistoryWriter", "iter_history", "read_history", "rotated_path"]
+
+
+def rotated_path(path: str | os.PathLike[str]) -> Path:
+    """The one backup of a rotated history file: ``path`` + ``.1``."""
+    path = Path(path)
+    return path.with_name(path.name + ".1")
 
 
 def _line(snapshot: Snapshot | dict[str, Any]) -> bytes:
@@ -37,56 +49,103 @@ def _line(snapshot: Snapshot | dict[str, Any]) -> bytes:
 class HistoryWriter:
     """Appends snapshots as JSON lines to ``path``, rotating to ``path.1`` past ``max_bytes``.
 
-    Thread-safe; ``append`` never raises on I/O errors after the file was opened (it returns
-    False and the error is kept in :attr:`last_error`), so a full disk cannot kill training.
+    Thread-safe. Two ways to write:
+
+    * :meth:`write` raises the ``OSError`` of a failed write (the publisher thread uses it, so
+      the failure is logged once and counted like any other publishing error);
+    * :meth:`append` never raises on I/O errors: it returns False and keeps the error in
+      :attr:`last_error`, so a full disk cannot kill whoever calls it.
+
+    After a failed write the file is closed and reopened by the next write, which isolates a
+    half-written line with a newline (see the module docstring). With ``lazy=True`` nothing
+    touches the file system until the first write, so constructing the writer can neither block
+    on a slow file system nor fail; otherwise the file is opened (and its directory created)
+    here and errors raise at once.
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_bytes: int = 64 * 1024 * 1024,
+        *,
+        lazy: bool = False,
+    ) -> None:
         self.path = Path(path)
         self.max_bytes = int(max_bytes)
         self.last_error: OSError | None = None
+        self.lines_written = 0
         self._lock = threading.Lock()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self._open()
+        self._closed = False
+        self._fh: Any = None
+        if not lazy:
+            self._fh = self._open()
 
     def _open(self) -> Any:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(self.path, "ab")  # noqa: SIM115 - kept open for the writer's lifetime
-        size = fh.tell()
-        if size > 0:
-            with open(self.path, "rb") as rd:
-                rd.seek(size - 1)
-                if rd.read(1) != b"\n":
-                    fh.write(b"\n")  # isolate a torn line left by a crash
-                    fh.flush()
+        try:
+            size = fh.tell()
+            if size > 0:
+                with open(self.path, "rb") as rd:
+                    rd.seek(size - 1)
+                    if rd.read(1) != b"\n":
+                        fh.write(b"\n")  # isolate a torn line left by a crash
+                        fh.flush()
+        except BaseException:
+            fh.close()
+            raise
         return fh
 
-    def append(self, snapshot: Snapshot | dict[str, Any]) -> bool:
+    def write(self, snapshot: Snapshot | dict[str, Any]) -> None:
+        """Append one line (rotating first if it would pass ``max_bytes``); raise on I/O errors.
+
+        A no-op after :meth:`close`.
+        """
         line = _line(snapshot)
         with self._lock:
-            if self._fh is None:
-                return False
+            if self._closed:
+                return
             try:
+                if self._fh is None:
+                    self._fh = self._open()
                 if self._fh.tell() > 0 and self._fh.tell() + len(line) > self.max_bytes:
                     self._rotate()
                 self._fh.write(line)
                 self._fh.flush()
-                return True
+                self.lines_written += 1
             except OSError as exc:
                 self.last_error = exc
-                return False
+                self._discard_handle()  # reopen next time: isolates a half-written line
+                raise
+
+    def append(self, snapshot: Snapshot | dict[str, Any]) -> bool:
+        """Like :meth:`write`, but returns False instead of raising on I/O errors."""
+        try:
+            self.write(snapshot)
+        except OSError:
+            return False
+        with self._lock:
+            return not self._closed
+
+    def _discard_handle(self) -> None:
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            with contextlib.suppress(OSError):  # flushing the buffered rest may fail again
+                fh.close()
 
     def _rotate(self) -> None:
         self._fh.close()
-        os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+        self._fh = None
+        os.replace(self.path, rotated_path(self.path))
         self._fh = open(self.path, "ab")  # noqa: SIM115
 
     def close(self) -> None:
+        """Close the file; later writes are ignored. Idempotent."""
         with self._lock:
-            if self._fh is not None:
-                try:
-                    self._fh.close()
-                finally:
-                    self._fh = None
+            self._closed = True
+            fh, self._fh = self._fh, None
+            if fh is not None:
+                fh.close()
 
     def __enter__(self) -> HistoryWriter:
         return self
@@ -98,9 +157,14 @@ class HistoryWriter:
 def iter_history(
     path: str | os.PathLike[str], *, include_rotated: bool = True
 ) -> Iterator[dict[str, Any]]:
-    """Yield the records of a history file (and its ``.1`` backup first), skipping torn lines."""
+    """Yield the records of a history file (and its ``.1`` backup first), skipping torn lines.
+
+    A record is a JSON object with a ``step``; anything else (a truncated line, a torn line
+    followed by the newline a restart added, blank lines) is skipped silently, because the
+    writer's only failure mode is a line cut short.
+    """
     path = Path(path)
-    files = [path.with_name(path.name + ".1"), path] if include_rotated else [path]
+    files = [rotated_path(path), path] if include_rotated else [path]
     for file in files:
         if not file.exists():
             continue

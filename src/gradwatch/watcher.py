@@ -8,7 +8,8 @@ one handshake (:mod:`gradwatch.reduce`), and on global rank 0 open the metrics e
 tensor ops), compute all squared norms with a constant number of ops (:mod:`gradwatch.stats`),
 pack them and issue one all-reduce. It returns a :class:`PendingSnapshot` at once; the host read
 of the reduced vector and the host-side summary happen in ``result()``, which the exporter calls
-from its own thread.
+from its own thread (the publisher, which also appends to the history file when
+``history_path`` is set, with or without an endpoint).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -239,6 +240,7 @@ class GradWatch:
         self._collections = 0
         self._last: Snapshot | None = None
         self._last_divergence = 0.0
+        self._isolated: tuple[str, ...] = tuple(cfg.isolated)
         self._broken: str | None = None
         self._logged: set[str] = set()
         self._anomaly_log = RateLimitedLog(period_seconds=60.0)
@@ -246,12 +248,10 @@ class GradWatch:
         self._hooks: list[Any] = []
         self._closed = False
         self._server: Any = None
-        if self.rank == 0 and cfg.port is not None:
-            from gradwatch.export import MetricsServer
-
-            self._server = MetricsServer(
-                cfg, world_size=self.world_size, parallelism=self.parallelism
-            )
+        self._publisher: Any = None  # what _guarded submits to: the server or a bare publisher
+        self._history: Any = None
+        if self.rank == 0:
+            self._start_publishing(cfg)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -273,6 +273,29 @@ class GradWatch:
             except Exception as exc:  # a timed-out collective must not escape a property
                 self._log_once("last", "gradwatch: the last collect failed: %s", exc)
         return self._last
+
+    @property
+    def isolated(self) -> tuple[str, ...]:
+        """The groups currently expected to receive no gradient (see :meth:`set_isolated`)."""
+        return self._isolated
+
+    def set_isolated(self, groups: Iterable[str]) -> None:
+        """Change which groups are expected to receive no gradient, from the next collect on.
+
+        Isolation is a per-stage expectation, not a fixed rule: a host network is isolated
+        while a new seed module trains alone, then trains again when the seed blends in.
+        Host-side only (no collective, nothing re-agreed across ranks); it starts with
+        ``WatchConfig.isolated``. Unknown group names raise ``ValueError`` naming them.
+        """
+        wanted = tuple(dict.fromkeys(groups))
+        known = set(self.config.groups) | {OTHER_GROUP}
+        unknown = [g for g in wanted if g not in known]
+        if unknown:
+            raise ValueError(
+                f"gradwatch: set_isolated(groups=...) names unknown group(s) {unknown}; "
+                f"known: {sorted(known)}"
+            )
+        self._isolated = wanted
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -312,7 +335,8 @@ class GradWatch:
         by ``clamp(max_norm / (total + 1e-6), max=1)`` with ``_foreach_mul_``, unconditionally,
         like ``clip_grads_with_norm_``. ``step`` defaults to gradwatch's own optimizer-step
         counter. The collected snapshot has pre-clip norms and ``clip_coef``. Steps the schedule
-        skips are still clipped, with torch's function (rank-local norm).
+        skips are clipped by the whole-model norm too (same pass and all-reduce, no snapshot);
+        only after an error disabled collection does torch's function clip (rank-local norm).
         """
         if norm_type != 2.0:
             raise ValueError(
@@ -371,11 +395,14 @@ class GradWatch:
     ) -> tuple[PendingSnapshot, Tensor | None]:
         if max_norm is not None:
             self._clipped_step = step
-        if self._closed or self._broken or step % self.config.every_n_steps:
+        skipped = step % self.config.every_n_steps != 0
+        if self._closed or self._broken or (skipped and max_norm is None):
             return self._pending_last(step), None
         started = time.perf_counter()
         try:
-            pending, total = self._collect(step, scaler, optimizer, max_norm)
+            # A skipped step that clips still needs the whole-model norm (a rank-local one is
+            # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
+            pending, total = self._collect(step, scaler, optimizer, max_norm, record=not skipped)
         except Exception as exc:  # never let monitoring crash training
             self._broken = f"{type(exc).__name__}: {exc}"
             log.error(
@@ -386,23 +413,41 @@ class GradWatch:
                 self._broken,
             )
             return self._pending_last(step), None
+        if skipped:
+            return self._pending_last(step), total
         self._latest = pending
         if self._server is not None:
             self._server.observe_collect_seconds(time.perf_counter() - started)
-            self._server.submit(pending)
+        if self._publisher is not None:
+            self._publisher.submit(pending)
         return pending, total
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every step collected so far reached the endpoint and the history file.
+
+        Only global rank 0 publishes; elsewhere, and with neither ``port`` nor
+        ``history_path``, returns True at once. False on timeout or after :meth:`close`.
+        """
+        if self._publisher is None:
+            return not self._closed
+        return bool(self._publisher.flush(timeout))
+
     def close(self) -> None:
-        """Stop the endpoint and release gradwatch's process group. Idempotent."""
+        """Flush and stop the endpoint and the history (bounded wait), release gradwatch's
+        process group. Idempotent."""
         if self._closed:
             return
         self._closed = True
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self._server is not None:
-            self._server.close()
-        self._reducer.close()
+        try:
+            if self._publisher is not None:
+                self._publisher.close()  # flushes first: pending steps reach the history file
+        finally:
+            if self._history is not None:
+                self._history.close()
+            self._reducer.close()
 
     def __enter__(self) -> GradWatch:
         return self
@@ -411,6 +456,29 @@ class GradWatch:
         self.close()
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _start_publishing(self, cfg: WatchConfig) -> None:
+        """Global rank 0: the endpoint (``port``) and/or the history file (``history_path``).
+
+        Both are fed by one publisher thread, so the training thread only ever queues a pending
+        result. The history file is opened lazily by that thread: a slow or broken file system
+        can neither block construction nor raise into training (failed writes are logged once
+        and counted in ``gradwatch_publish_errors_total``).
+        """
+        from gradwatch.export import MetricsServer, Sink, SnapshotPublisher
+        from gradwatch.history import HistoryWriter
+
+        sinks: list[Sink] = []
+        if cfg.history_path is not None:
+            self._history = HistoryWriter(cfg.history_path, cfg.history_max_bytes, lazy=True)
+            sinks.append(("write the history of", self._history.write))
+        if cfg.port is not None:
+            self._server = MetricsServer(
+                cfg, world_size=self.world_size, parallelism=self.parallelism, sinks=sinks
+            )
+            self._publisher = self._server
+        elif sinks:
+            self._publisher = SnapshotPublisher(sinks)
 
     def _group_of(self, name: str) -> str:
         for group, patterns in self.config.groups.items():
@@ -441,8 +509,15 @@ class GradWatch:
             yield g
 
     def _collect(
-        self, step: int, scaler: Any, optimizer: Any, max_norm: float | None
+        self,
+        step: int,
+        scaler: Any,
+        optimizer: Any,
+        max_norm: float | None,
+        record: bool = True,
     ) -> tuple[PendingSnapshot, Tensor | None]:
+        """One statistics pass and all-reduce. ``record=False`` (a clip on a step the schedule
+        skips): no divergence measurement and no change to the collection count."""
         grads = list(self._local_grads())
         sq = self._engine.squared_norms(grads, self._reducer.device)
         scale = pending_scale(scaler, optimizer)
@@ -451,18 +526,24 @@ class GradWatch:
             sq = sq / (scale64 * scale64)
         has_grad = torch.tensor([g is not None for g in grads], dtype=torch.float64)
         every = self.config.divergence_every
-        measure = every > 0 and self._collections % every == 0 and self._layout.replicas > 1
-        self._collections += 1
+        measure = (
+            record and every > 0 and self._collections % every == 0 and self._layout.replicas > 1
+        )
+        self._collections += int(record)
         reduced = self._reducer.pack_and_reduce(sq, has_grad, step, with_replicas=measure)
         total = None
         if max_norm is not None:
             # Still-scaled gradients clip correctly too: coef is scale-free.
             total = self._clip(reduced, max_norm)
         amp = scaler is not None and scaler.is_enabled()
+        isolated = self._isolated  # the expectation at collect time, not at result() time
         timestamp = time.time()
         return (
             PendingSnapshot(
-                step, lambda: self._build(reduced, step, measure, timestamp, max_norm, amp)
+                step,
+                lambda: self._build(
+                    reduced, step, measure, timestamp, max_norm, amp, isolated
+                ),
             ),
             total,
         )
@@ -503,6 +584,7 @@ class GradWatch:
         ts: float,
         max_norm: float | None,
         amp: bool,
+        isolated: tuple[str, ...],
     ) -> Snapshot:
         try:
             values = reduced.host_values()
@@ -532,6 +614,7 @@ class GradWatch:
             nonfinite_flags=values[n : 2 * n],
             has_grad=values[2 * n : 3 * n],
             group_order=self._group_order,
+            isolated=isolated,
             world_size=lay.world_size,
             parallelism=self.parallelism,
             replica_divergence=self._last_divergence,

@@ -1,9 +1,313 @@
-"""`gradwatch plot` (placeholder: being written)."""
+"""``gradwatch plot HISTORY -o out.png``: a picture of a history file (``history_path``).
+
+Three panels sharing the step axis:
+
+1. gradient norms, global and per group, on a log scale (norms move by decades);
+2. the normalized group ratios with the healthy band 0.05-0.2 shaded and the dormant line at
+   0.01 (a ratio of exactly 0, i.e. a group without gradient, is drawn dotted on the floor of
+   the log axis, a marker where each such run starts, instead of vanishing);
+3. the health score in [0, 1].
+
+Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding steps (orange)
+are vertical lines across every panel, so a spike in one panel lines up with the others.
+Non-finite values are masked (a gap in the line), never plotted or allowed to break the
+scaling. The rotated backup ``HISTORY.1`` is read first, and torn lines are skipped
+(:func:`gradwatch.history.read_history`).
+
+matplotlib is an optional extra (``pip install 'gradwatch[plot]'``); it is imported lazily and
+drawn with the Agg canvas directly (no pyplot, no display, no global backend state). The PNG is
+exactly ``width*dpi`` x ``height*dpi`` pixels (no tight bounding box).
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
+
+from gradwatch.history import read_history, rotated_path
+
+#: Exit status for bad input (missing/empty history, missing matplotlib, bad options).
+EXIT_INVALID = 2
+
+#: The healthy band of a normalized ratio and the dormant threshold (see docs/runbook.md).
+HEALTHY_BAND = (0.05, 0.2)
+DORMANT_BELOW = 0.01
+
+HELP = "\n\n".join(
+    (
+        "Plot a gradwatch history file (WatchConfig.history_path) to a PNG.",
+        "Panels: global and group gradient norms (log scale), normalized ratios with the healthy "
+        "band 0.05-0.2 and the dormant line 0.01, and the health score. Non-finite (red), "
+        "AMP-skipped (grey) and exploding (orange) steps are marked on every panel. HISTORY.1 "
+        "(the rotated backup) is read first; torn lines are skipped.",
+        "Needs matplotlib: pip install 'gradwatch[plot]'. The image is width*dpi x height*dpi "
+        "pixels.",
+    )
+)
+
+
+class PlotError(Exception):
+    """A problem with the input (shown as one line, exit status 2)."""
+
+
+@dataclass(frozen=True)
+class PlotSummary:
+    """What was drawn: counts for the caller's one-line report."""
+
+    records: int
+    first_step: int
+    last_step: int
+    nonfinite_steps: int
+    exploding_steps: int
+    restarts: int
+    pixels: tuple[int, int]
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _positive(values: Sequence[float]) -> list[float]:
+    """Mask for a log axis: non-finite and non-positive values become NaN (a gap)."""
+    return [v if math.isfinite(v) and v > 0 else math.nan for v in values]
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """The records of ``path`` (and ``path.1`` first); :class:`PlotError` when there are none."""
+    if not path.exists() and not rotated_path(path).exists():
+        raise PlotError(f"no history file at {path} (nor {rotated_path(path).name})")
+    if path.is_dir():
+        raise PlotError(f"{path} is a directory, not a history file")
+    try:
+        records = read_history(path)
+    except OSError as exc:
+        raise PlotError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    # a line that parsed but whose step is no integer cannot be placed on the step axis
+    records = [r for r in records if isinstance(r["step"], int) and not isinstance(r["step"], bool)]
+    if not records:
+        raise PlotError(
+            f"{path} holds no history records (empty, or not a gradwatch history: one JSON "
+            "object with a 'step' per line)"
+        )
+    return records
+
+
+def render_history(
+    records: Sequence[dict[str, Any]],
+    output: Path,
+    *,
+    width: float = 12.0,
+    height: float = 8.0,
+    dpi: int = 100,
+    title: str | None = None,
+) -> PlotSummary:
+    """Draw ``records`` (history dicts) to the PNG ``output``; see the module docstring.
+
+    Records are ordered by step (stable); a history where steps go backward (a restarted job
+    appending to the same file) is still drawn, and counted in :attr:`PlotSummary.restarts`.
+    Raises ``ImportError`` without matplotlib and ``OSError`` when the file cannot be written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    restarts = sum(1 for a, b in itertools.pairwise(records) if int(b["step"]) < int(a["step"]))
+    recs = sorted(records, key=lambda r: int(r["step"]))
+    steps = [int(r["step"]) for r in recs]
+    global_norm = [_float(r.get("global_norm")) for r in recs]
+    groups: list[str] = []
+    ratios: list[str] = []
+    for r in recs:
+        groups.extend(g for g in (r.get("groups") or {}) if g not in groups)
+        ratios.extend(k for k in (r.get("ratios") or {}) if k not in ratios)
+
+    def group_field(r: dict[str, Any], g: str, key: str) -> float:
+        stats = (r.get("groups") or {}).get(g)
+        return _float(stats.get(key)) if isinstance(stats, dict) else math.nan
+
+    nonfinite, amp_skipped, exploding = [], [], []
+    for s, r, norm in zip(steps, recs, global_norm, strict=True):
+        bad = not math.isfinite(norm) or bool(r.get("nonfinite_params"))
+        if bad and r.get("amp_skipped"):
+            amp_skipped.append(s)
+        elif bad:
+            nonfinite.append(s)
+        elif sum(_nz(group_field(r, g, "exploding")) for g in groups) > 0:
+            exploding.append(s)
+
+    fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_norm, ax_ratio, ax_health = fig.subplots(
+        3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.2]}
+    )
+
+    # 1. norms
+    ax_norm.plot(steps, _positive(global_norm), color="black", lw=1.8, label="global")
+    for g in groups:
+        ax_norm.plot(steps, _positive([group_field(r, g, "norm") for r in recs]), lw=1.1, label=g)
+    ax_norm.set_yscale("log")
+    ax_norm.set_ylabel("gradient L2 norm")
+    ax_norm.legend(loc="upper left", fontsize="small", ncols=min(len(groups) + 1, 6))
+
+    # 2. ratios
+    ax_ratio.axhspan(*HEALTHY_BAND, color="tab:green", alpha=0.15, lw=0)
+    ax_ratio.axhline(DORMANT_BELOW, color="tab:red", ls="--", lw=1)
+    ax_ratio.set_yscale("log")
+    ax_ratio.set_ylabel("normalized ratio")
+    finite_ratios = [
+        v
+        for r in recs
+        for v in (_float(x) for x in (r.get("ratios") or {}).values())
+        if math.isfinite(v) and v > 0
+    ]
+    low = min([*finite_ratios, DORMANT_BELOW]) / 3
+    high = max([*finite_ratios, HEALTHY_BAND[1]]) * 3
+    ax_ratio.set_ylim(low, high)
+    any_zero = False
+    for i, key in enumerate(ratios):
+        color = f"C{i % 10}"
+        values = [_float((r.get("ratios") or {}).get(key)) for r in recs]
+        ax_ratio.plot(steps, _positive(values), lw=1.1, color=color, label=key)
+        if any(v == 0.0 for v in values):  # a group without gradient: on the floor, not gone
+            any_zero = True
+            floor = low * 1.15
+            ax_ratio.plot(steps, [floor if v == 0.0 else math.nan for v in values], ls=":",
+                          lw=2, color=color)  # fmt: skip
+            starts = [
+                s for i, (s, v) in enumerate(zip(steps, values, strict=True))
+                if v == 0.0 and (i == 0 or values[i - 1] != 0.0)
+            ]  # fmt: skip
+            ax_ratio.plot(starts, [floor] * len(starts), "v", ms=5, color=color)
+    if not ratios:
+        ax_ratio.text(
+            0.5, 0.5, "no ratios in this history (WatchConfig.ratios)",
+            transform=ax_ratio.transAxes, ha="center", va="center", color="grey",
+        )  # fmt: skip
+    handles = [
+        *ax_ratio.get_legend_handles_labels()[0],
+        Patch(color="tab:green", alpha=0.3, label="healthy 0.05-0.2"),
+        Line2D([], [], color="tab:red", ls="--", lw=1, label="dormant < 0.01"),
+    ]
+    if any_zero:
+        handles.append(
+            Line2D([], [], ls=":", lw=2, marker="v", color="grey", label="0 (no gradient)")
+        )
+    ax_ratio.legend(handles=handles, loc="upper left", fontsize="small", ncols=3)
+
+    # 3. health
+    ax_health.plot(steps, [_float(r.get("health")) for r in recs], color="tab:blue", lw=1.2)
+    ax_health.set_ylim(-0.05, 1.05)
+    ax_health.set_ylabel("health")
+    ax_health.set_xlabel("step")
+
+    # events, on every panel
+    events = (
+        (nonfinite, "tab:red", "-", f"non-finite ({len(nonfinite)})"),
+        (amp_skipped, "grey", "-", f"AMP-skipped ({len(amp_skipped)})"),
+        (exploding, "tab:orange", ":", f"exploding ({len(exploding)})"),
+    )
+    for ax in (ax_norm, ax_ratio, ax_health):
+        for at, color, style, _ in events:
+            if at:
+                ax.vlines(
+                    at, 0, 1, transform=ax.get_xaxis_transform(), colors=color, linestyles=style,
+                    lw=1.2, alpha=0.8, zorder=0,
+                )  # fmt: skip
+        ax.grid(True, which="major", alpha=0.3)
+    for at, color, _, _ in events[:2]:  # where the norm is missing, say why, at the top
+        if at:
+            ax_norm.plot(at, [1.0] * len(at), "x", color=color, ms=7, mew=2,
+                         transform=ax_norm.get_xaxis_transform(), clip_on=False)  # fmt: skip
+    legend_events = [
+        Line2D([], [], color=c, ls=ls, lw=1.5, label=label) for at, c, ls, label in events if at
+    ]
+    if legend_events:
+        fig.legend(handles=legend_events, loc="outside lower center", ncols=3, fontsize="small")
+
+    first, last = steps[0], steps[-1]
+    fig.suptitle(
+        title
+        or f"gradwatch history: {len(recs)} snapshots, steps {first}-{last}, "
+        f"{len(nonfinite)} non-finite, {len(exploding)} exploding"
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=dpi, format="png")
+    return PlotSummary(
+        records=len(recs),
+        first_step=first,
+        last_step=last,
+        nonfinite_steps=len(nonfinite) + len(amp_skipped),
+        exploding_steps=len(exploding),
+        restarts=restarts,
+        pixels=(round(width * dpi), round(height * dpi)),
+    )
+
+
+def _nz(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
+
+
+def _fail(message: str) -> typer.Exit:
+    sys.stderr.write(f"gradwatch plot: {message}\n")
+    return typer.Exit(EXIT_INVALID)
+
+
+def plot_command(
+    history: Annotated[
+        Path, typer.Argument(help="History file (JSON lines) written by history_path.")
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="PNG to write [default: HISTORY with .png suffix]"),
+    ] = None,
+    width: Annotated[
+        float, typer.Option(help="Width in inches.", min=1.0, max=100.0)
+    ] = 12.0,
+    height: Annotated[
+        float, typer.Option(help="Height in inches.", min=1.0, max=100.0)
+    ] = 8.0,
+    dpi: Annotated[int, typer.Option(help="Pixels per inch.", min=20, max=1200)] = 100,
+    title: Annotated[str | None, typer.Option(help="Title [default: a summary].")] = None,
+) -> None:
+    try:
+        import matplotlib  # noqa: F401 - only checks that the extra is installed
+    except ImportError:
+        raise _fail(
+            "needs matplotlib, which is not installed: pip install 'gradwatch[plot]'"
+        ) from None
+    try:
+        records = load_records(history)
+    except PlotError as exc:
+        raise _fail(str(exc)) from None
+    out = output if output is not None else history.with_suffix(".png")
+    try:
+        summary = render_history(records, out, width=width, height=height, dpi=dpi, title=title)
+    except OSError as exc:
+        sys.stderr.write(f"gradwatch plot: cannot write {out}: {exc.strerror or exc}\n")
+        raise typer.Exit(1) from None
+    if summary.restarts:
+        sys.stderr.write(
+            f"gradwatch plot: warning: steps go backward {summary.restarts} time(s) in {history} "
+            "(a restarted job appending to the same file); records are drawn by step\n"
+        )
+    sys.stdout.write(
+        f"wrote {out} ({summary.pixels[0]}x{summary.pixels[1]} px): {summary.records} snapshots, "
+        f"steps {summary.first_step}-{summary.last_step}, {summary.nonfinite_steps} non-finite, "
+        f"{summary.exploding_steps} exploding\n"
+    )
 
 
 def register(app: typer.Typer) -> None:
-    """Add the `plot` command to ``app``."""
+    """Add the ``plot`` command to ``app``."""
+    app.command("plot", help=HELP)(plot_command)

@@ -1,9 +1,128 @@
-"""`gradwatch top` (placeholder: being written)."""
+"""``gradwatch top URL``: a live terminal view of any gradwatch metrics endpoint.
+
+Every ``--interval`` seconds it scrapes the endpoint (:mod:`gradwatch.cli.scrape`, the code
+``gradwatch demo`` uses too) and shows the step, the global norm and health with trends, each
+group's norm with a sparkline of recent scrapes, the ratios, the non-finite/exploding step
+counters and the staleness (now minus ``gradwatch_last_collect_timestamp_seconds``: a job that
+stopped collecting shows it at once).
+
+Design choices:
+
+* **A dead endpoint is a state, not an error.** A failed scrape shows the status line
+  ``unreachable: <reason>, retrying in Ns`` (above the last good frame, if any) and is retried
+  at the next refresh; no traceback is ever printed for it. The per-scrape timeout is the
+  interval (at least 0.5 s, at most 5 s), so a hung endpoint cannot stall the view.
+* **Terminal or not.** On a terminal the view redraws in place (rich ``Live``). Otherwise
+  (pipes, CI, ``--count`` in scripts) each refresh prints one plain-text frame, headed by
+  ``--- refresh N ---``, without colors.
+* ``--count N`` stops after N refreshes (successful or not) with status 0; Ctrl-C stops quietly
+  with status 0 as well (it is the normal way to leave a live view).
+* A URL without a scheme or path is completed: ``localhost:9977`` means
+  ``http://localhost:9977/metrics``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from typing import Annotated
+
 import typer
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.text import Text
+
+from gradwatch.cli.scrape import (
+    EndpointView,
+    ScrapeError,
+    Trends,
+    normalize_url,
+    render_view,
+    scrape,
+)
+
+
+def scrape_timeout(interval: float) -> float:
+    """Per-scrape timeout for a refresh interval: the interval, clamped to [0.5, 5] s."""
+    return min(max(interval, 0.5), 5.0)
+
+
+def render_frame(
+    url: str,
+    view: EndpointView | None,
+    error: str | None,
+    trends: Trends,
+    *,
+    refresh: int,
+    interval: float,
+    now: float | None = None,
+) -> RenderableType:
+    """One frame of ``gradwatch top``: header, then the status line or the endpoint's state."""
+    now = time.time() if now is None else now
+    head = Text("gradwatch top ", style="bold")
+    head.append(url)
+    head.append(
+        f"   refresh {refresh} at {time.strftime('%H:%M:%S', time.localtime(now))}", style="dim"
+    )
+    parts: list[RenderableType] = [head]
+    if error is not None:
+        parts.append(Text(f"unreachable: {error}, retrying in {interval:g}s", style="bold red"))
+        if view is not None:
+            parts.append(Text("last successful scrape:", style="dim"))
+    if view is not None:
+        parts.append(render_view(view, trends, now=now))
+    elif error is None:
+        parts.append(Text("waiting for the first scrape ...", style="dim"))
+    return Group(*parts)
+
+
+def run_top(url: str, interval: float, count: int | None, console: Console) -> None:
+    """Scrape and display until ``count`` refreshes are done (forever when None)."""
+    url = normalize_url(url)
+    trends = Trends()
+    last: EndpointView | None = None
+    live: Live | None = None
+    if console.is_terminal:
+        live = Live(console=console, auto_refresh=False, transient=False)
+        live.start()
+    refresh = 0
+    try:
+        while True:
+            started = time.monotonic()
+            error: str | None = None
+            try:
+                last = scrape(url, timeout=scrape_timeout(interval))
+                trends.add(last)
+            except ScrapeError as exc:
+                error = str(exc)
+            refresh += 1
+            frame = render_frame(url, last, error, trends, refresh=refresh, interval=interval)
+            if live is not None:
+                live.update(frame, refresh=True)
+            else:
+                console.print(f"--- refresh {refresh} ---", highlight=False)
+                console.print(frame, highlight=False)
+            if count is not None and refresh >= count:
+                return
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def top(
+    url: Annotated[str, typer.Argument(help="Metrics URL, e.g. http://127.0.0.1:9977/metrics")],
+    interval: Annotated[float, typer.Option(min=0.05, help="Seconds between refreshes.")] = 1.0,
+    count: Annotated[
+        int | None, typer.Option(min=1, help="Stop after this many refreshes (default: never).")
+    ] = None,
+) -> None:
+    """Live view of a gradwatch endpoint: norms with trends, ratios, health, anomaly counters."""
+    console = Console(highlight=False, markup=False)
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+        run_top(url, interval, count, console)
 
 
 def register(app: typer.Typer) -> None:
-    """Add the `top` command to ``app``."""
+    """Add the ``top`` command to ``app``."""
+    app.command("top")(top)

@@ -1,0 +1,225 @@
+"""Configuration files and provenance: ``WatchConfig`` from a file, the environment and code.
+
+A file is optional and flat: the keys are :class:`~gradwatch.config.WatchConfig` field names,
+in TOML (``.toml``, read with the standard library's :mod:`tomllib`), YAML (``.yaml``/``.yml``,
+needs ``pyyaml``: ``pip install 'gradwatch[cli]'``) or JSON (``.json``).
+
+Precedence, lowest first: **defaults < file < GRADWATCH_* environment < arguments in code**.
+The file is the checked-in baseline; a launcher's environment (torchrun, a Kubernetes
+manifest) overrides it per run without editing it; and what the training script passes
+explicitly wins, as it does without a file (``WatchConfig(port=0)`` beats ``GRADWATCH_PORT``).
+
+:func:`resolve_config` also says where each value came from, which ``gradwatch config`` prints.
+Every problem is a :class:`ConfigError` naming the field, the key or the file: an unknown key in
+a file is an error (a typo must not silently fall back to a default), like an unknown keyword
+argument of ``WatchConfig``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from gradwatch.config import WatchConfig, _EnvSource
+from gradwatch.errors import GradWatchError
+
+__all__ = [
+    "ENV_PREFIX",
+    "ConfigError",
+    "ResolvedConfig",
+    "env_var",
+    "load_config",
+    "read_config_file",
+    "resolve_config",
+    "unknown_env_vars",
+]
+
+ENV_PREFIX = "GRADWATCH_"
+
+#: File suffix -> format.
+FORMATS = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
+
+
+class ConfigError(GradWatchError, ValueError):
+    """An invalid configuration: a bad value (naming the field and where it came from), an
+    unknown key in a file, or a file that cannot be read or parsed."""
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The effective configuration and, per field, where its value came from.
+
+    Attributes:
+        config: the validated :class:`WatchConfig`.
+        sources: field name -> ``"default"``, ``"env GRADWATCH_<FIELD>"``, ``"file <path>"`` or
+            ``"code"``; every field is present, in declaration order.
+    """
+
+    config: WatchConfig
+    sources: Mapping[str, str]
+
+
+def env_var(field: str) -> str:
+    """The environment variable of a field: ``port`` -> ``GRADWATCH_PORT``."""
+    return ENV_PREFIX + field.upper()
+
+
+def _fields() -> list[str]:
+    return list(WatchConfig.model_fields)
+
+
+def _unknown_key_message(key: str, where: str) -> str:
+    close = difflib.get_close_matches(key, _fields(), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{where}: unknown key {key!r}{hint}; known keys: {', '.join(_fields())}"
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The settings of a TOML, YAML or JSON file, checked against the field names.
+
+    Raises :class:`ConfigError` when the file is missing or unreadable, malformed, not a mapping
+    at the top level, has an unknown suffix or an unknown key. Values are not validated here
+    (see :func:`resolve_config`). An empty YAML file is an empty mapping.
+    """
+    path = Path(path)
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(
+            f"config file {path}: unknown format {path.suffix or '(no suffix)'!r}; "
+            "use .toml, .yaml, .yml or .json"
+        )
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read it: {exc.strerror or exc}") from exc
+    data: Any
+    try:
+        if fmt == "toml":
+            data = _toml_module(path).loads(raw.decode("utf-8"))
+        elif fmt == "yaml":
+            try:
+                import yaml
+            except ImportError as exc:
+                raise ConfigError(
+                    f"config file {path}: YAML needs pyyaml: pip install 'gradwatch[cli]'"
+                ) from exc
+            data = yaml.safe_load(raw)
+            if data is None:
+                data = {}
+        else:
+            data = json.loads(raw)
+    except ConfigError:
+        raise
+    except Exception as exc:  # tomllib/yaml/json errors, UnicodeDecodeError
+        detail = str(exc).strip().splitlines()
+        raise ConfigError(
+            f"config file {path}: malformed {fmt.upper()}: {' '.join(detail) or type(exc).__name__}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path}: the top level must be a mapping of settings, "
+            f"not {type(data).__name__}"
+        )
+    known = set(_fields())
+    for key in data:
+        if key not in known:
+            raise ConfigError(_unknown_key_message(str(key), f"config file {path}"))
+    return dict(data)
+
+
+def _toml_module(path: Path) -> Any:
+    """tomllib (Python 3.11+), or the tomli backport it came from on Python 3.10."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib
+    try:  # pragma: no cover - Python 3.10
+        import tomli
+    except ImportError as exc:  # pragma: no cover
+        raise ConfigError(
+            f"config file {path}: TOML needs Python 3.11+ or the tomli package (pip install tomli)"
+        ) from exc
+    return tomli  # pragma: no cover
+
+
+def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``GRADWATCH_*`` variables that are no setting (typos): pydantic-settings ignores them."""
+    environ = os.environ if environ is None else environ
+    known = {env_var(f) for f in _fields()}
+    return sorted(
+        k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known
+    )
+
+
+def resolve_config(
+    path: str | os.PathLike[str] | None = None, **overrides: Any
+) -> ResolvedConfig:
+    """The effective configuration of ``path`` (optional), ``GRADWATCH_*`` and ``overrides``.
+
+    Precedence: defaults < file < environment < ``overrides`` (see the module docstring).
+    Raises :class:`ConfigError`; a bad value's message names the field and its source, e.g.
+    ``port: Input should be a valid integer ... (from env GRADWATCH_PORT='abc')``.
+    """
+    file_values = read_config_file(path) if path is not None else {}
+    unknown = [k for k in overrides if k not in WatchConfig.model_fields]
+    if unknown:
+        raise ConfigError(_unknown_key_message(unknown[0], "arguments"))
+    env_values = _EnvSource(WatchConfig, set(overrides))()
+    merged = {**file_values, **env_values, **overrides}
+    sources: dict[str, str] = {}
+    for name in _fields():
+        if name in overrides:
+            sources[name] = "code"
+        elif name in env_values:
+            sources[name] = f"env {env_var(name)}"
+        elif name in file_values:
+            sources[name] = f"file {path}"
+        else:
+            sources[name] = "default"
+    try:
+        config = WatchConfig(**merged)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, sources)) from None
+    return ResolvedConfig(config=config, sources=sources)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> WatchConfig:
+    """:func:`resolve_config` without the provenance: ``load_config("gradwatch.toml", port=0)``."""
+    return resolve_config(path, **overrides).config
+
+
+def _explain(exc: ValidationError, sources: Mapping[str, str]) -> str:
+    """One line per validation error, naming the field, its source and the offending input."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = err.get("loc") or ()
+        msg = str(err.get("msg", "invalid value"))
+        if loc and isinstance(loc[0], str) and loc[0] in sources:
+            field = loc[0]
+            where = ".".join(str(p) for p in loc)
+            source = sources[field]
+            shown = _shown_input(source, field, err.get("input"))
+            lines.append(f"invalid value for {where}: {msg} (from {source}{shown})")
+        else:  # a check across fields: its message names them
+            lines.append(f"invalid configuration: {msg.removeprefix('Value error, ')}")
+    return "\n".join(lines)
+
+
+def _shown_input(source: str, field: str, value: Any) -> str:
+    if source.startswith("env "):
+        raw = os.environ.get(env_var(field))
+        if raw is None:  # set in another case: GRADWATCH_ variables are case-insensitive
+            raw = next((v for k, v in os.environ.items() if k.upper() == env_var(field)), None)
+        return f"={raw!r}" if raw is not None else ""
+    if source == "default":
+        return ""
+    text = repr(value)
+    return f", value {text if len(text) <= 80 else text[:77] + '...'}"
