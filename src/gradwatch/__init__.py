@@ -4,38 +4,61 @@ Public API::
 
     from gradwatch import GradWatch, WatchConfig, total_norm
     watch = gradwatch.watch(model)   # configured from GRADWATCH_* (no-op when disabled)
+
+Names are imported lazily (PEP 562): ``import gradwatch`` alone does not import torch, so the
+``gradwatch`` command's ``top``, ``config`` and ``plot`` start in a fraction of a second; the
+first use of a name that needs torch imports it.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from gradwatch.config import WatchConfig
-from gradwatch.enable import NoOpWatch, watch
-from gradwatch.errors import (
-    GradWatchError,
-    GradWatchTimeoutError,
-    LayoutMismatchError,
-    PortInUseError,
-    UnsupportedParallelismError,
-)
-from gradwatch.snapshot import GroupStats, Snapshot
-from gradwatch.stats import total_norm
-from gradwatch.watcher import GradWatch, PendingSnapshot
+#: public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "GradWatch": "gradwatch.watcher",
+    "PendingSnapshot": "gradwatch.watcher",
+    "WatchConfig": "gradwatch.config",
+    "NoOpWatch": "gradwatch.enable",
+    "watch": "gradwatch.enable",
+    "GradWatchError": "gradwatch.errors",
+    "GradWatchTimeoutError": "gradwatch.errors",
+    "LayoutMismatchError": "gradwatch.errors",
+    "PortInUseError": "gradwatch.errors",
+    "UnsupportedParallelismError": "gradwatch.errors",
+    "GroupStats": "gradwatch.snapshot",
+    "Snapshot": "gradwatch.snapshot",
+    "total_norm": "gradwatch.stats",
+}
 
-__all__ = [
-    "GradWatch",
-    "GradWatchError",
-    "GradWatchTimeoutError",
-    "GroupStats",
-    "LayoutMismatchError",
-    "NoOpWatch",
-    "PendingSnapshot",
-    "PortInUseError",
-    "Snapshot",
-    "UnsupportedParallelismError",
-    "WatchConfig",
-    "__version__",
-    "total_norm",
-    "watch",
-]
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from gradwatch.config import WatchConfig
+    from gradwatch.enable import NoOpWatch, watch
+    from gradwatch.errors import (
+        GradWatchError,
+        GradWatchTimeoutError,
+        LayoutMismatchError,
+        PortInUseError,
+        UnsupportedParallelismError,
+    )
+    from gradwatch.snapshot import GroupStats, Snapshot
+    from gradwatch.stats import total_norm
+    from gradwatch.watcher import GradWatch, PendingSnapshot
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradwatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

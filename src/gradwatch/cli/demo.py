@@ -66,7 +66,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from gradwatch.cli.demo_job import phase_of
+from gradwatch.cli.phases import phase_of
 from gradwatch.cli.scrape import (
     EndpointView,
     ScrapeError,

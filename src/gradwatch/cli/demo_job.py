@@ -65,6 +65,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradwatch.cli.phases import default_phases, phase_of
+
 #: How long rank 0 waits for the parent's ``ack`` after writing ``summary.json``.
 ACK_TIMEOUT = 10.0
 #: Group patterns of the demo model (see the module docstring).
@@ -79,21 +81,6 @@ ISOLATED: list[str] = ["stem"]
 NAN_FACTOR = float("nan")
 EXPLODE_FACTOR = 1e6
 SEED_GATE = 0.1
-
-
-def phase_of(step: int, seed_at: int, blend_at: int) -> str:
-    """``"host"``, ``"seed"`` (host frozen) or ``"blend"`` for ``step``."""
-    if step < seed_at:
-        return "host"
-    return "seed" if step < blend_at else "blend"
-
-
-def default_phases(steps: int, seed_at: int | None, blend_at: int | None) -> tuple[int, int]:
-    """Phase boundaries: the seed grows at a quarter of the run, blending starts midway
-    between that and the end, unless given."""
-    seed = steps // 4 if seed_at is None else seed_at
-    blend = (seed + steps + 1) // 2 if blend_at is None else blend_at
-    return seed, max(blend, seed)
 
 
 class DemoNet(nn.Module):
