@@ -2,8 +2,9 @@
 
 * :class:`OpCounter`: a ``TorchDispatchMode`` that counts every dispatched aten op, host scalar
   reads (``aten._local_scalar_dense``: ``.item()``, ``float(t)``, ``bool(t)``), c10d
-  collectives, and the largest *new* op output (bytes) seen: outputs that share storage with
-  an input (views, in-place ops) are not allocations and are ignored.
+  collectives and their sizes (largest tensor argument of each), and the largest *new* op
+  output (bytes) seen: outputs that share storage with an input (views, in-place ops) are not
+  allocations and are ignored.
 * :func:`count_host_reads`: counts bulk host reads a dispatch mode cannot see
   (``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.item``).
 """
@@ -35,12 +36,18 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self.largest_bytes = 0
         self.largest_op = ""
+        self.collective_bytes = 0  # bytes of the tensors passed to c10d ops (their payload)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = str(func.overloadpacket)
         self.ops[name] += 1
-        out = func(*args, **(kwargs or {}))
         flat_in, _ = tree_flatten((args, kwargs or {}))
+        if name.startswith("c10d") and flat_in:
+            # The size of the collective: its largest tensor argument (the all-reduced buffer,
+            # the full all-gathered output, the full reduce-scattered input).
+            sizes = [a.numel() * a.element_size() for a in flat_in if isinstance(a, torch.Tensor)]
+            self.collective_bytes += max(sizes, default=0)
+        out = func(*args, **(kwargs or {}))
         in_ptrs = {
             _storage_ptr(a)
             for a in flat_in
@@ -95,20 +102,35 @@ def count_host_reads() -> Iterator[Counter[str]]:
             setattr(torch.Tensor, name, original)
 
 
-def measure_counts(fn: Any) -> dict[str, Any]:
-    """Runs ``fn()`` once under both counters and returns host syncs, ops, largest temp.
+def largest_allocation(fn: Any) -> int:
+    """Largest memory (bytes) one op allocated while ``fn()`` ran, from ``torch.profiler`` with
+    ``profile_memory=True``. Unlike :class:`OpCounter` it also sees allocations made *inside*
+    an op's kernel (e.g. the float32 copy ``vector_norm(bf16, dtype=torch.float32)`` makes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((max(0, e.cpu_memory_usage) for e in prof.events()), default=0)
+
+
+def measure_counts(fn: Any, allocations: bool = True) -> dict[str, Any]:
+    """Runs ``fn()`` once under both counters (and once under the profiler) and returns host
+    syncs, ops, largest temporary.
 
     Host syncs = scalar reads seen by the dispatch mode (``item``/``float``/``bool``) plus
     ``tolist``/``numpy`` calls (``item`` is counted once: it dispatches
-    ``_local_scalar_dense``).
+    ``_local_scalar_dense``). ``largest_bytes``: the larger of the largest new op output seen
+    by the dispatch mode and the profiler's largest per-op allocation.
     """
     with count_host_reads() as reads, OpCounter() as ops:
         fn()
     syncs = ops.scalar_reads + reads["tolist"] + reads["numpy"]
+    inner = largest_allocation(fn) if allocations else 0
     return {
         "host_syncs": syncs,
         "ops": ops.total,
-        "largest_bytes": ops.largest_bytes,
+        "largest_bytes": max(ops.largest_bytes, inner),
         "largest_op": ops.largest_op,
         "collectives": ops.collectives,
+        "collective_bytes": ops.collective_bytes,
     }
