@@ -18,10 +18,11 @@ The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` gro
   little, and the op count stays constant however many there are.
 * **CPU, larger contiguous tensors**: the flat view is split into rows of :data:`ROW_NUMEL`
   elements (a ``view``, no copy) and ``linalg.vector_norm(..., dim=1)`` gives one float32 norm per
-  row (bf16/fp16: ``dtype=torch.float32``, which inside the op widens a float32 copy of the
-  whole tensor; see docs/performance.md). Each tensor's row norms, and its partial last row as
-  is, are then normed with float64 accumulation: one foreach op for all of them (no float64
-  copy of the rows).
+  row. bf16/fp16 tensors are first widened to float32 :data:`CONVERT_CHUNK` elements at a time
+  into one reused 4 MiB buffer (``vector_norm(..., dtype=torch.float32)`` would allocate a
+  float32 copy of the whole tensor). Each tensor's row norms, and its partial last row as is,
+  are then normed with float64 accumulation: one foreach op for all of them (no float64 copy of
+  the rows).
   A float32 partial sum over 256 elements keeps the relative error below 3e-7 even for constant
   gradients (measured: 2.2e-7 worst case at 2^24 elements), where one float32 sum over the whole
   tensor is off by up to 8e-4.
@@ -49,6 +50,10 @@ from torch import Tensor
 WHOLE_NUMEL = 65536
 #: Larger CPU tensors are normed in float32 over rows of this many elements.
 ROW_NUMEL = 256
+#: bf16/fp16 row-path tensors are widened to float32 this many elements at a time, into one
+#: reused scratch buffer (4 MiB). ``vector_norm(t, dtype=torch.float32)`` would allocate a float32
+#: copy of the whole tensor (twice its bytes, fresh memory each call). A multiple of ROW_NUMEL.
+CONVERT_CHUNK = 1 << 20
 #: Exact recomputation walks a tensor in chunks of this many elements (bounds temporaries).
 RECOMPUTE_CHUNK = 65536
 #: A row-path tensor whose fast norm is below this is recomputed exactly: below it, float32
@@ -94,7 +99,7 @@ class _Bucket:
     small: list[int] = field(default_factory=list)  # positions normed by a float32 foreach op
     whole: list[int] = field(default_factory=list)  # positions normed by a float64 foreach op
     rows: list[int] = field(default_factory=list)  # positions normed by float32 rows
-    row_parts: list[int] = field(default_factory=list)  # vectors normed per tensor (1 or 2)
+    row_parts: list[int] = field(default_factory=list)  # vectors normed per tensor (>= 1)
     small_index: Tensor | None = None  # positions, on the output device
     whole_index: Tensor | None = None
     rows_index: Tensor | None = None
@@ -146,7 +151,7 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
             flat_view(t) is not None
         ):
             bucket.rows.append(i)
-            bucket.row_parts.append(1 if t.numel() % ROW_NUMEL == 0 else 2)
+            bucket.row_parts.append(_row_part_count(t))
             floor[i] = TINY_NORM * TINY_NORM
             needs_repair = True
         else:
@@ -180,15 +185,31 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
     )
 
 
-def _row_norms(t: Tensor) -> list[Tensor]:
-    """Float32 norms of the full ROW_NUMEL-element rows of ``t``, then the raw partial last row
-    if there is one (fewer than ROW_NUMEL elements: the caller norms it in float64 directly)."""
+def _row_part_count(t: Tensor) -> int:
+    """How many vectors :func:`_row_norms` returns for ``t``."""
+    full = t.numel() // ROW_NUMEL * ROW_NUMEL
+    chunks = 1 if t.dtype == torch.float32 else -(-full // CONVERT_CHUNK)
+    return chunks + (1 if t.numel() > full else 0)
+
+
+def _row_norms(t: Tensor, scratch: Tensor | None) -> list[Tensor]:
+    """Float32 norms of the full ROW_NUMEL-element rows of ``t`` (one vector per conversion
+    chunk for bf16/fp16, widened into ``scratch``), then the raw partial last row if there is
+    one (fewer than ROW_NUMEL elements: the caller norms it in float64 directly)."""
     flat = flat_view(t)
     assert flat is not None  # guaranteed by build_plan
     n = flat.numel()
     full = n // ROW_NUMEL * ROW_NUMEL
-    acc = None if t.dtype == torch.float32 else torch.float32
-    parts = [torch.linalg.vector_norm(flat[:full].view(-1, ROW_NUMEL), 2, dim=1, dtype=acc)]
+    if t.dtype == torch.float32:
+        parts = [torch.linalg.vector_norm(flat[:full].view(-1, ROW_NUMEL), 2, dim=1)]
+    else:
+        assert scratch is not None
+        parts = []
+        for start in range(0, full, CONVERT_CHUNK):
+            m = min(CONVERT_CHUNK, full - start)
+            buf = scratch[:m]
+            buf.copy_(flat[start : start + m])
+            parts.append(torch.linalg.vector_norm(buf.view(-1, ROW_NUMEL), 2, dim=1))
     if n > full:
         parts.append(flat[full:])
     return parts
@@ -236,6 +257,15 @@ class NormEngine:
         self._key: tuple | None = None
         self.host_reads = 0
         self.repaired = 0  # tensors recomputed exactly so far (diagnostics, benchmarks)
+        self._scratch: Tensor | None = None  # float32, for widening bf16/fp16 rows (CPU)
+
+    def _scratch_for(self, bucket: _Bucket, tensors: Sequence[Tensor | None]) -> Tensor | None:
+        if bucket.dtype == torch.float32:
+            return None
+        need = min(CONVERT_CHUNK, max(tensors[i].numel() for i in bucket.rows))  # type: ignore[union-attr]
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32, device=bucket.device)
+        return self._scratch
 
     def plan_for(self, tensors: Sequence[Tensor | None], out_device: torch.device) -> NormPlan:
         key = (out_device, _layout_key(tensors))
@@ -271,8 +301,9 @@ class NormEngine:
                 sq.index_copy_(0, bucket.whole_index, norms.to(out_device).square())
             if bucket.rows:
                 parts: list[Tensor] = []
+                scratch = self._scratch_for(bucket, tensors)
                 for i in bucket.rows:
-                    parts.extend(_row_norms(tensors[i]))  # type: ignore[arg-type]
+                    parts.extend(_row_norms(tensors[i], scratch))  # type: ignore[arg-type]
                 # Each vector of float32 row norms (and each raw partial row) is normed with
                 # float64 accumulation in one foreach op: cheaper than converting every row norm
                 # to float64 and scattering them (~1.5 ms per 48M elements, 15% of the pass).
