@@ -35,3 +35,7 @@ def test_cli_and_config_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_all_lists_exactly_the_lazy_exports() -> None:
+    assert sorted(gradwatch.__all__) == sorted([*gradwatch._EXPORTS, "__version__"])

@@ -34,7 +34,22 @@ _EXPORTS: dict[str, str] = {
     "total_norm": "gradwatch.stats",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "GradWatch",
+    "GradWatchError",
+    "GradWatchTimeoutError",
+    "GroupStats",
+    "LayoutMismatchError",
+    "NoOpWatch",
+    "PendingSnapshot",
+    "PortInUseError",
+    "Snapshot",
+    "UnsupportedParallelismError",
+    "WatchConfig",
+    "__version__",
+    "total_norm",
+    "watch",
+]
 
 if TYPE_CHECKING:
     from gradwatch.config import WatchConfig

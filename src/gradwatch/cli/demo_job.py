@@ -83,10 +83,18 @@ EXPLODE_FACTOR = 1e6
 SEED_GATE = 0.1
 
 
+#: Width of the demo model and its batch: ~0.55M trainable parameters, steps of a few to tens of
+#: milliseconds on one CPU thread, so the run looks like training (and gradwatch's fixed cost per
+#: collect, a few hundred microseconds, is measured against a step of realistic length; see
+#: docs/performance.md), while 200 steps still take well under a minute.
+DEMO_WIDTH = 512
+DEMO_BATCH = 128
+
+
 class DemoNet(nn.Module):
     """stem (frozen) -> host backbone -> head, with a gated seed module on the host features."""
 
-    def __init__(self, d_in: int = 16, d: int = 32) -> None:
+    def __init__(self, d_in: int = 16, d: int = DEMO_WIDTH) -> None:
         super().__init__()
         self.stem = nn.Linear(d_in, d)
         self.stem.requires_grad_(False)
@@ -151,7 +159,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--linger", type=float, default=0.0)
     p.add_argument("--ack", action="store_true", help="wait for WORKDIR/ack before closing")
     p.add_argument("--parent-pid", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=DEMO_BATCH)
     p.add_argument("--log-every", type=int, default=20)
     return p.parse_args(argv)
 
