@@ -324,7 +324,7 @@ def test_engine_ops_constant_in_tensor_count() -> None:
 
 # -- properties -----------------------------------------------------------------------------------
 
-NUMELS = [1, 2, 255, 256, 257, 1000, 65536, 65537, 70_001, 150_000]
+NUMELS = [1, 2, 255, 256, 257, 511, 512, 513, 1000, 65536, 65537, 70_001, 150_000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -369,7 +369,7 @@ def test_output_recorder_sees_full_size_copies() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("numel", [2, 255, 256, 257, 4097, 65536, 65537])
+@pytest.mark.parametrize("numel", [2, 255, 256, 257, 511, 512, 513, 4097, 65536, 65537])
 @pytest.mark.parametrize("value", [0.1, 1 / 3, 0.7])
 def test_constant_tensors_at_path_boundaries(dtype: torch.dtype, numel: int, value: float) -> None:
     # Constant values are the worst case of float32 accumulation.
