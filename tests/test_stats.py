@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradwatch import total_norm
 from gradwatch.stats import NormEngine
+from gradwatch.testing import largest_allocation
 
 REL = 1e-6
 
@@ -267,16 +268,6 @@ class OutputRecorder(TorchDispatchMode):
         return out
 
 
-def _largest_allocation(fn) -> int:  # type: ignore[no-untyped-def]
-    """Largest memory (bytes) one op allocated during ``fn()``, seen by ``torch.profiler``
-    (unlike a dispatch mode, it also sees allocations made inside an op's kernel)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    return max((max(0, e.cpu_memory_usage) for e in prof.events()), default=0)
-
-
 def test_engine_makes_no_gradient_sized_temporary() -> None:
     """Per step, no op allocates anything near a gradient's size: not as an output (dispatch
     mode) and not inside a kernel (profiler; e.g. ``vector_norm(bf16, dtype=float32)`` widens a
@@ -301,7 +292,7 @@ def test_engine_makes_no_gradient_sized_temporary() -> None:
     assert largest_out <= smallest // 64, sorted(rec.outputs, key=lambda x: -x[1])[:3]
     assert not [o for o in rec.outputs if o[2] == torch.float64 and o[1] >= smallest]
     smallest_bytes = min(t.numel() * t.element_size() for t in ts)
-    assert _largest_allocation(lambda: engine.squared_norms(ts)) <= smallest_bytes // 64
+    assert largest_allocation(lambda: engine.squared_norms(ts)) <= smallest_bytes // 64
 
 
 def test_engine_ops_constant_in_tensor_count() -> None:

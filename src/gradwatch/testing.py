@@ -1,0 +1,121 @@
+"""Instruments that prove gradwatch's cost claims, in its own tests and benchmarks or in yours.
+
+* :class:`OpCounter`: a ``TorchDispatchMode`` that counts every dispatched aten op, host scalar
+  reads (``aten._local_scalar_dense``: ``.item()``, ``float(t)``, ``bool(t)``), c10d
+  collectives and their sizes (largest tensor argument of each), and the largest *new* op
+  output (bytes): outputs that share storage with an input (views, in-place ops) are not
+  allocations and are ignored.
+* :func:`count_host_reads`: counts bulk host reads a dispatch mode cannot see
+  (``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.item``).
+* :func:`largest_allocation`: the largest allocation one op made, from ``torch.profiler``,
+  which also sees memory allocated *inside* a kernel.
+
+Example: ``with OpCounter() as ops: watch.collect(step).result()`` then ``ops.scalar_reads``,
+``ops.collectives``, ``ops.total``. Test-time tools: they patch ``torch.Tensor`` methods
+(``count_host_reads``) or intercept every op, so never leave them on in training.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["OpCounter", "count_host_reads", "largest_allocation"]
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # sparse, meta, ...
+        return None
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts dispatched ops, scalar host reads, collectives and the largest new output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.largest_bytes = 0
+        self.largest_op = ""
+        self.collective_bytes = 0  # bytes of the tensors passed to c10d ops (their payload)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket)
+        self.ops[name] += 1
+        flat_in, _ = tree_flatten((args, kwargs or {}))
+        if name.startswith("c10d") and flat_in:
+            # The size of the collective: its largest tensor argument (the all-reduced buffer,
+            # the full all-gathered output, the full reduce-scattered input).
+            sizes = [a.numel() * a.element_size() for a in flat_in if isinstance(a, torch.Tensor)]
+            self.collective_bytes += max(sizes, default=0)
+        out = func(*args, **(kwargs or {}))
+        in_ptrs = {
+            _storage_ptr(a)
+            for a in flat_in
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided
+        }
+        flat_out, _ = tree_flatten(out)
+        for o in flat_out:
+            if not isinstance(o, torch.Tensor) or o.layout != torch.strided:
+                continue
+            if _storage_ptr(o) in in_ptrs:
+                continue  # view or in-place: no new memory
+            nbytes = o.untyped_storage().nbytes()
+            if nbytes > self.largest_bytes:
+                self.largest_bytes = nbytes
+                self.largest_op = name
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def scalar_reads(self) -> int:
+        return self.ops["aten._local_scalar_dense"]
+
+    @property
+    def collectives(self) -> int:
+        return sum(n for name, n in self.ops.items() if name.startswith("c10d"))
+
+
+@contextmanager
+def count_host_reads() -> Iterator[Counter[str]]:
+    """Counts ``tolist``/``numpy``/``item`` calls on tensors while active."""
+    counts: Counter[str] = Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "item")}
+
+    def wrap(name: str) -> Any:
+        original = originals[name]
+
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    for name in originals:
+        setattr(torch.Tensor, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def largest_allocation(fn: Any) -> int:
+    """Largest memory (bytes) one op allocated while ``fn()`` ran, from ``torch.profiler`` with
+    ``profile_memory=True``. Unlike :class:`OpCounter` it also sees allocations made *inside*
+    an op's kernel (e.g. the float32 copy ``vector_norm(bf16, dtype=torch.float32)`` makes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((max(0, e.cpu_memory_usage) for e in prof.events()), default=0)
