@@ -75,21 +75,23 @@ def summarize(
     for group, idx in members.items():
         sq = [squares[i] for i in idx]
         all_squares.extend(sq)
-        vanishing = exploding = nonfinite = 0
-        for i, s in zip(idx, sq, strict=True):
-            norm = math.sqrt(s)
-            param_norms[names[i]] = norm
-            bad = nonfinite_flags[i] > 0 or not math.isfinite(norm)
-            if bad:
-                nonfinite += 1
-                nonfinite_params.append(names[i])
-            if bad or norm > et:
-                exploding += 1
-            elif norm < vt:
-                vanishing += 1
+        group_names = [names[i] for i in idx]
+        norms = list(map(math.sqrt, sq))
+        param_norms.update(zip(group_names, norms, strict=True))
+        # ``not norm < inf`` is True for NaN and Inf; a replica's flag marks a finite copy too.
+        bad = [k for k, i in enumerate(idx) if not norms[k] < math.inf or nonfinite_flags[i] > 0]
+        nonfinite = len(bad)
+        nonfinite_params.extend(group_names[k] for k in bad)
+        if bad:
+            ok = set(range(len(idx))).difference(bad)
+            finite = [norms[k] for k in ok]
+        else:
+            finite = norms  # the common case: no per-parameter branch at all
+        exploding = nonfinite + sum(1 for norm in finite if norm > et)
+        vanishing = sum(1 for norm in finite if norm < vt)
         group_stats[group] = GroupStats(
             norm=_sqrt_sum(sq),
-            numel=sum(numels[i] for i in idx),
+            numel=sum(map(numels.__getitem__, idx)),
             tensors=len(idx),
             vanishing=vanishing,
             exploding=exploding,
@@ -128,13 +130,19 @@ def summarize(
 
 
 def _sqrt_sum(squares: Sequence[float]) -> float:
-    if any(math.isnan(s) for s in squares):
+    """``sqrt(sum(squares))`` with an exact sum (``math.fsum``); NaN if any square is NaN,
+    Inf if any is Inf (and none NaN)."""
+    try:
+        return math.sqrt(math.fsum(squares))
+    except OverflowError:
+        pass
+    # Each square fits float64 but their exact sum does not (fsum raises even when a NaN or an
+    # Inf is present too): settle the special values, then factor out the largest square.
+    if any(s != s for s in squares):
         return math.nan
-    top = max(squares, default=0.0)
-    if top == 0.0 or math.isinf(top):
-        return math.sqrt(top)  # all zero, or an Inf gradient
-    # Each square fits float64 but their sum may not (fsum raises OverflowError then):
-    # factor out the largest square.
+    top = max(squares)
+    if math.isinf(top):
+        return math.inf
     return math.sqrt(top) * math.sqrt(math.fsum(s / top for s in squares))
 
 

@@ -20,7 +20,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -220,6 +220,10 @@ class GradWatch:
                 os.environ["WORLD_SIZE"],
             )
         pieces = [piece_of(n, p) for n, p in zip(names, self._params, strict=True)]
+        #: positions of DTensor parameters (FSDP2, TP): their gradients are read as local shards
+        self._dtensor_positions = [
+            i for i, p in enumerate(self._params) if hasattr(p, "_local_tensor")
+        ]
         self._reducer = Reducer(
             pieces,
             version=_version(),
@@ -486,27 +490,35 @@ class GradWatch:
                 return group
         return OTHER_GROUP
 
-    def _local_grads(self) -> Iterator[Tensor | None]:
-        for p in self._params:
-            g = p.grad
-            if g is None or not p.requires_grad:
-                yield None
+    def _local_grads(self) -> list[Tensor | None]:
+        """This rank's gradients as real strided tensors (None: no gradient, or frozen).
+
+        One list comprehension for all parameters; DTensor positions (known from the
+        parameters at construction) become their local shards; sparse and complex gradients
+        (rare) become their values / real views. Per-parameter Python is kept to a few attribute
+        reads: this runs on the training thread every collected step.
+        """
+        grads = [p.grad if p.requires_grad else None for p in self._params]
+        for i in self._dtensor_positions:
+            g = grads[i]
+            if g is None:
                 continue
-            local = getattr(g, "_local_tensor", None)
-            if local is not None:
-                if g.placements != p.placements:
-                    # The layout (who counts which piece) was agreed from the parameter's
-                    # placements; a gradient placed otherwise (e.g. Partial) cannot be counted
-                    # exactly without a collective. Identical on every rank: all stop together.
-                    raise UnsupportedParallelismError(
-                        f"gradwatch: a gradient has placements {g.placements} but its parameter "
-                        f"{p.placements}; gradwatch measures gradients placed like their "
-                        "parameters (FSDP2, parallelize_module) only"
-                    )
-                g = local
-            if g.layout != torch.strided or g.is_complex():
-                g = as_real_values(g)
-            yield g
+            p = self._params[i]
+            if g.placements != p.placements:
+                # The layout (who counts which piece) was agreed from the parameter's
+                # placements; a gradient placed otherwise (e.g. Partial) cannot be counted
+                # exactly without a collective. Identical on every rank: all stop together.
+                raise UnsupportedParallelismError(
+                    f"gradwatch: a gradient has placements {g.placements} but its parameter "
+                    f"{p.placements}; gradwatch measures gradients placed like their "
+                    "parameters (FSDP2, parallelize_module) only"
+                )
+            grads[i] = g._local_tensor
+        strided = torch.strided
+        for i, g in enumerate(grads):
+            if g is not None and (g.layout is not strided or g.is_complex()):
+                grads[i] = as_real_values(g)
+        return grads
 
     def _collect(
         self,
@@ -518,7 +530,7 @@ class GradWatch:
     ) -> tuple[PendingSnapshot, Tensor | None]:
         """One statistics pass and all-reduce. ``record=False`` (a clip on a step the schedule
         skips): no divergence measurement and no change to the collection count."""
-        grads = list(self._local_grads())
+        grads = self._local_grads()
         sq = self._engine.squared_norms(grads, self._reducer.device)
         scale = pending_scale(scaler, optimizer)
         if scale is not None:
