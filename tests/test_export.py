@@ -6,6 +6,7 @@ exposition with prometheus_client's own parser. Every test that starts a server 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import gzip
@@ -38,6 +39,7 @@ from gradwatch.export import (
     MAX_SCRAPES_PER_SECOND,
     METRICS,
     METRICS_BY_NAME,
+    PROMETHEUS_USER_AGENT,
     SCRAPE_BURST,
     MetricsServer,
     _RateLimit,
@@ -837,6 +839,45 @@ def test_back_to_back_scrapers_are_bounded_and_never_fail(
     assert not failures, failures[:3]
     # Requests still waiting at stop_at finish a little later: allow one more second's worth.
     assert SCRAPE_BURST <= ok[0] <= MAX_SCRAPES_PER_SECOND * (seconds + 1) + SCRAPE_BURST
+
+
+def test_prometheus_is_never_queued_behind_runaway_clients(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    """With the bound saturated by back-to-back clients, Prometheus's own scrapes (its
+    User-Agent) are still served at once, so they never exceed their scrape_timeout."""
+    server = servers()
+    server.publish(uniform_snapshot(1))
+    stop = threading.Event()
+
+    def runaway() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                http_get(server.url)
+
+    threads = [threading.Thread(target=runaway) for _ in range(20)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)  # the queue is now ~20 requests deep: ~2 s of waiting at the bound
+        latencies = []
+        for _ in range(5):
+            request = urllib.request.Request(
+                server.url, headers={"User-Agent": f"{PROMETHEUS_USER_AGENT}2.45.3"}
+            )
+            started = time.monotonic()
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert response.status == 200 and b"gradwatch_step 1.0" in response.read()
+            latencies.append(time.monotonic() - started)
+        queued_started = time.monotonic()
+        http_get(server.url)  # an ordinary client waits its turn
+        queued = time.monotonic() - queued_started
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert max(latencies) < 0.5, latencies
+    assert queued > 1.0, queued  # the bound was saturated: the test measured something
 
 
 # -- TLS ------------------------------------------------------------------------------------------

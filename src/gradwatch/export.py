@@ -90,6 +90,8 @@ EXIT_CLOSE_TIMEOUT = 2.0
 #: 50/s, measured on 2 cores: 20 back-to-back scrapers slowed a 2-rank DDP step by ~15%).
 MAX_SCRAPES_PER_SECOND = 10.0
 SCRAPE_BURST = 5
+#: Requests whose User-Agent starts with this (Prometheus's own scrapes) bypass the bound.
+PROMETHEUS_USER_AGENT = "Prometheus/"
 # A request that would wait longer than this for its turn gets 503 at once instead of piling up
 # threads (at 10/s that is 50 requests queued).
 _MAX_SCRAPE_WAIT = 5.0
@@ -777,12 +779,16 @@ class _ScrapeApp:
         self._cache: dict[tuple[str, str], tuple[str, list[tuple[str, str]], bytes]] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        wait = self._limit.reserve()
-        if wait is None:
-            start_response("503 Service Unavailable", [("Retry-After", "1")])
-            return [b"gradwatch: too many scrapes, retry later\n"]
-        if wait > 0:
-            time.sleep(wait)
+        # Prometheus itself (its User-Agent) is never queued behind other clients: its scrapes
+        # are already paced by its scrape_interval, and a queue filled by a runaway client must
+        # not push them past their scrape_timeout (the series would go stale and page).
+        if not environ.get("HTTP_USER_AGENT", "").startswith(PROMETHEUS_USER_AGENT):
+            wait = self._limit.reserve()
+            if wait is None:
+                start_response("503 Service Unavailable", [("Retry-After", "1")])
+                return [b"gradwatch: too many scrapes, retry later\n"]
+            if wait > 0:
+                time.sleep(wait)
         if environ.get("REQUEST_METHOD") != "GET" or environ.get("QUERY_STRING"):
             return self._inner(environ, start_response)
         # The version is read before rendering: a body rendered later is never older than its key.
@@ -1123,7 +1129,9 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
 * **Exploding includes non-finite**: a parameter whose gradient holds NaN/Inf counts in
   `gradwatch_exploding_tensors` and makes its step count in `gradwatch_exploding_steps_total`.
 * **Bounded cost.** The endpoint serves at most {max_scrapes:g} scrapes per second (bursts of
-  {burst}); more wait their turn, and one that would wait over {max_wait:g} s gets HTTP 503. Between
+  {burst}); more wait their turn, and one that would wait over {max_wait:g} s gets HTTP 503.
+  Prometheus's own scrapes (User-Agent `Prometheus/...`) skip that queue: they are paced by
+  the scrape interval, and other clients must not push them past their scrape timeout. Between
   two changes any number of scrapes render the exposition once. So no client, however eager,
   can take more than a few percent of the training process's time.
 * **Per-parameter series** (`gradwatch_param_grad_norm`) are off by default; with
