@@ -66,6 +66,51 @@ def test_clip_matches_torch(max_norm: float) -> None:
         assert snap.clip_coef == pytest.approx(min(1.0, max_norm / (pre + 1e-6)), rel=1e-6)
 
 
+def test_clip_scales_sparse_complex_mixed_dtype_and_large_gradients_like_torch() -> None:
+    """Every kind of gradient is clipped in place, by the same factor as torch's function."""
+
+    def build() -> nn.ParameterDict:
+        torch.manual_seed(5)
+        return nn.ParameterDict(
+            {
+                "emb": nn.Parameter(torch.randn(50, 4)),
+                "cplx": nn.Parameter(torch.randn(6, dtype=torch.complex64)),
+                "f64": nn.Parameter(torch.randn(7, dtype=torch.float64)),
+                "big": nn.Parameter(torch.randn(70_000)),  # the row path
+                "bf": nn.Parameter(torch.randn(300).to(torch.bfloat16)),
+            }
+        )
+
+    def grads(m: nn.ParameterDict) -> None:
+        gen = torch.Generator().manual_seed(9)
+        idx = torch.tensor([[1, 3, 3, 7]])
+        m["emb"].grad = torch.sparse_coo_tensor(idx, torch.randn(4, 4, generator=gen), (50, 4))
+        for name in ("cplx", "f64", "big", "bf"):
+            p = m[name]
+            p.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * 30).to(p.dtype)
+            if p.is_complex():
+                p.grad = p.grad * (1 + 2j)
+
+    a, b = build(), build()
+    grads(a)
+    grads(b)
+    with GradWatch(a, WatchConfig()) as watch:
+        total = watch.clip_grad_norm_(1.0, step=0)
+    # torch's clip_grad_norm_ cannot norm sparse gradients at all: the float64 reference
+    # (over b's unclipped gradients) gives the total and the factor, like torch's formula.
+    dense = [torch.view_as_real(b["cplx"].grad)] + [b[n].grad for n in ("f64", "big", "bf")]
+    pre = ref_norm([*dense, b["emb"].grad.coalesce().values()])
+    coef = min(1.0, 1.0 / (pre + 1e-6))
+    assert abs(float(total) - pre) <= 1e-6 * pre
+    for name in ("cplx", "f64", "big", "bf"):
+        want = (b[name].grad.to(torch.complex128 if name == "cplx" else torch.float64) * coef)
+        tol = 1e-2 if name == "bf" else 1e-6  # bf16 holds 3 digits of the scaled value
+        torch.testing.assert_close(a[name].grad.to(want.dtype), want, rtol=tol, atol=0)
+    ga, gb = a["emb"].grad.coalesce(), b["emb"].grad.coalesce()
+    torch.testing.assert_close(ga.values(), gb.values() * coef, rtol=1e-6, atol=0)
+    assert float(total) > 1.0 and float(a["big"].grad.norm()) < 1.0  # it did clip
+
+
 def test_clip_nonfinite_error_and_nan_total() -> None:
     m = make_model()
     backward(m)

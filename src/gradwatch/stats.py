@@ -269,6 +269,12 @@ class NormEngine:
             self._scratch = torch.empty(need, dtype=torch.float32, device=bucket.device)
         return self._scratch
 
+    @property
+    def last_plan(self) -> NormPlan | None:
+        """The plan of the last :meth:`squared_norms` call (its buckets group the tensors by
+        (device, dtype), which clipping reuses)."""
+        return self._plan
+
     def plan_for(self, tensors: Sequence[Tensor | None], out_device: torch.device) -> NormPlan:
         key = (out_device, _layout_key(tensors))
         if self._plan is None or key != self._key:

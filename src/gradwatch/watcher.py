@@ -221,6 +221,7 @@ class GradWatch:
             )
         pieces = [piece_of(n, p) for n, p in zip(names, self._params, strict=True)]
         #: positions of DTensor parameters (FSDP2, TP): their gradients are read as local shards
+        self._sparse_positions: list[int] = []  # set by _local_grads on every collect
         self._dtensor_positions = [
             i for i, p in enumerate(self._params) if hasattr(p, "_local_tensor")
         ]
@@ -515,8 +516,11 @@ class GradWatch:
                 )
             grads[i] = g._local_tensor
         strided = torch.strided
+        self._sparse_positions = []
         for i, g in enumerate(grads):
             if g is not None and (g.layout is not strided or g.is_complex()):
+                if g.layout is not strided:
+                    self._sparse_positions.append(i)  # its values may be a coalesced copy
                 grads[i] = as_real_values(g)
         return grads
 
@@ -546,7 +550,7 @@ class GradWatch:
         total = None
         if max_norm is not None:
             # Still-scaled gradients clip correctly too: coef is scale-free.
-            total = self._clip(reduced, max_norm)
+            total = self._clip(reduced, max_norm, grads)
         amp = scaler is not None and scaler.is_enabled()
         isolated = self._isolated  # the expectation at collect time, not at result() time
         timestamp = time.time()
@@ -560,10 +564,15 @@ class GradWatch:
             total,
         )
 
-    def _clip(self, reduced: ReducedVector, max_norm: float) -> Tensor:
+    def _clip(
+        self, reduced: ReducedVector, max_norm: float, grads: list[Tensor | None]
+    ) -> Tensor:
         """Whole-model total norm from the reduced vector, then ``_foreach_mul_`` the gradients.
 
-        A replica that flagged NaN/Inf makes the total NaN, so every rank clips identically.
+        ``grads``: this collect's local gradients (:meth:`_local_grads`: local shards, real
+        views of complex gradients, which share their storage). Sparse gradients are scaled
+        in place themselves (their values may be a coalesced copy). A replica that flagged
+        NaN/Inf makes the total NaN, so every rank clips identically.
         """
         n = self._layout.size
         packed = reduced.device_tensor()
@@ -576,16 +585,21 @@ class GradWatch:
         total = torch.where(torch.isfinite(top), scaled, squares.sum().sqrt())
         total = torch.where(packed[n : 2 * n].sum() > 0, torch.nan, total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = [p.grad for p in self._params if p.grad is not None and p.requires_grad]
-        locals_ = [getattr(g, "_local_tensor", g) for g in grads]
-        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for g in locals_:
-            if g.layout == torch.strided:
-                groups.setdefault((g.device, g.dtype), []).append(g)
-            else:
-                g.mul_(coef.to(g.device, g.dtype))  # sparse: values scaled in place
-        for (device, dtype), tensors in groups.items():
-            torch._foreach_mul_(tensors, coef.to(device, dtype))
+        sparse = self._sparse_positions
+        for i in sparse:
+            g = self._params[i].grad
+            g = getattr(g, "_local_tensor", g)
+            g.mul_(coef.to(g.device, g.dtype))  # sparse: values scaled in place
+        # The engine's plan already groups the tensors by (device, dtype).
+        plan = self._engine.last_plan  # built for these very gradients in this collect
+        assert plan is not None
+        for bucket in plan.buckets:
+            tensors = [grads[i] for i in (*bucket.small, *bucket.whole, *bucket.rows)]
+            if sparse:
+                skip = {id(grads[i]) for i in sparse}
+                tensors = [t for t in tensors if id(t) not in skip]
+            if tensors:
+                torch._foreach_mul_(tensors, coef.to(bucket.device, bucket.dtype))
         return total
 
     def _build(
