@@ -843,9 +843,9 @@ def _miss_notes(results: dict[str, Any]) -> str:
         if misses:
             acc = results.get(f"clip accuracy {dt}", {})
             why = ("torch computes the bf16 norm with bf16 outputs (its error is in the "
-                   "accuracy table) while gradwatch widens to float32, and torch's "
-                   "`vector_norm(..., dtype=torch.float32)` makes a float32 copy of each whole "
-                   "tensor to do so" if dt == "bfloat16" else
+                   "accuracy table) while gradwatch widens every element to float32 (1M "
+                   "elements at a time, through a 4 MiB buffer) to norm it exactly: a write and "
+                   "a read more per element than torch's pass" if dt == "bfloat16" else
                    "the same exact-norm costs as issue 2, less diluted because the clipping "
                    "multiply is shared")
             extras = ", ".join(f"{r['extra_pct']:+.1f}%" for _, r in misses)
@@ -872,9 +872,9 @@ def _miss_notes(results: dict[str, Any]) -> str:
         out.append(
             f"* **Issue 8, {case}: (a) only {s:.1f}x faster than (d), target 3x: not met.** "
             "(d)'s cost is dominated by allocating and faulting in float64 copies, which varies "
-            "with the allocator's state from run to run (compare the two 200M cases); (a)'s bf16 "
-            "cost includes the float32 copy `vector_norm(..., dtype=torch.float32)` makes of "
-            "each whole tensor (largest temp column).")
+            "with the allocator's state from run to run (compare the two 200M cases and earlier "
+            "runs); (a)'s bf16 cost includes widening every element to float32, 1M elements at "
+            "a time through a 4 MiB buffer.")
     speedups = [r["times"][C] / r["times"][A] for r in results.values()
                 if isinstance(r, dict) and "times" in r and r["n"] == 1000]
     if speedups and min(speedups) < 10:
@@ -1006,8 +1006,9 @@ def _run(args: argparse.Namespace, command: str) -> int:
         "another untimed call under `torch.profiler` (`profile_memory=True`), which also sees "
         "allocations inside an op's kernel: `vector_norm(bf16, dtype=torch.float32)` and "
         "`_foreach_norm(bf16, dtype=torch.float32)` widen a float32 copy of each whole tensor "
-        "(gradwatch's bf16 row path included), `g.double()` is a float64 copy "
-        "(benchmarks/counting.py).\n",
+        "(gradwatch avoids it: it widens 1M elements at a time into a reused 4 MiB buffer, "
+        "allocated once and not counted per call), `g.double()` is a float64 copy "
+        "(gradwatch.testing, benchmarks/counting.py).\n",
         pc + "\n",
         "## Issue 2: 48 x 1M + 200 small tensors (16-4,096 elements), one thread\n",
         "fp32: (a) <= 1.25x (b); bf16: (a) <= 1.2x (b2). Same methods as above, "
