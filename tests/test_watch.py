@@ -372,8 +372,11 @@ def _param_model(n: int) -> nn.Module:
 
 
 def test_ops_do_not_grow_with_parameter_count() -> None:
+    """Dispatched ops are a constant: 400 and 800 parameters cost the same ops. 20 parameters
+    may cost a few fewer: their mid-size tensors all fit the pack buffer (PACK_NUMEL), while
+    at 400 some take the float64 path too, one more fixed set of ops."""
     totals = []
-    for n in (20, 400):
+    for n in (20, 400, 800):
         model = _param_model(n)
         cfg = WatchConfig(groups={"a": ["p1*"]})
         with GradWatch(model, cfg) as watch:
@@ -382,8 +385,9 @@ def test_ops_do_not_grow_with_parameter_count() -> None:
                 snap = watch.collect(1).result()
         check_against_reference(snap, model, cfg)
         totals.append((counter.total, counter.scalar_reads))
-    assert totals[0] == totals[1]
-    assert totals[0][1] == 0
+    assert totals[1] == totals[2]
+    assert totals[0][0] <= totals[1][0] <= totals[0][0] + 6
+    assert all(reads == 0 for _, reads in totals)
 
 
 def test_no_gradient_sized_temporaries() -> None:

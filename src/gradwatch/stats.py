@@ -56,6 +56,12 @@ ROW_NUMEL = 512
 #: reused scratch buffer (4 MiB). ``vector_norm(t, dtype=torch.float32)`` would allocate a float32
 #: copy of the whole tensor (twice its bytes, fresh memory each call). A multiple of ROW_NUMEL.
 CONVERT_CHUNK = 1 << 20
+#: CPU bf16/fp16/fp32 tensors of ROW_NUMEL+1 to WHOLE_NUMEL elements are copied (widened) by
+#: one foreach op into zero-padded, row-aligned slots of one persistent float32 buffer per
+#: (device, dtype), and normed there as rows: a float64-accumulating norm of them converts every
+#: element to float64 and costs ~5x more. The buffer holds at most this many elements (16 MiB);
+#: tensors that do not fit take the float64 path.
+PACK_NUMEL = 1 << 22
 #: Exact recomputation walks a tensor in chunks of this many elements (bounds temporaries).
 RECOMPUTE_CHUNK = 65536
 #: A row-path tensor whose fast norm is below this is recomputed exactly: below it, float32
@@ -107,6 +113,12 @@ class _Bucket:
     rows_index: Tensor | None = None
     part_owner: Tensor | None = None  # for each row-norm vector, index into ``rows``, or None
     # when every tensor has exactly one (no partial rows)
+    packed: list[int] = field(default_factory=list)  # positions normed in the pack buffer
+    pack_used: int = 0  # elements of the pack buffer in use (row-aligned slots)
+    pack_slots: list[Tensor] = field(default_factory=list)  # per packed tensor, its slot
+    pack_rows: Tensor | None = None  # the used buffer as (rows, ROW_NUMEL)
+    pack_owner: Tensor | None = None  # for each buffer row, index into ``packed``
+    packed_index: Tensor | None = None
 
 
 @dataclass
@@ -156,6 +168,16 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
             bucket.row_parts.append(_row_part_count(t))
             floor[i] = TINY_NORM * TINY_NORM
             needs_repair = True
+        elif (
+            on_cpu
+            and t.dtype in _LOW_PRECISION
+            and t.numel() <= WHOLE_NUMEL
+            and bucket.pack_used + _aligned(t.numel()) <= PACK_NUMEL
+        ):
+            bucket.packed.append(i)
+            bucket.pack_used += _aligned(t.numel())
+            floor[i] = TINY_NORM * TINY_NORM
+            needs_repair = True
         else:
             bucket.whole.append(i)
             if on_cpu and t.dtype == torch.float64:
@@ -175,6 +197,8 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
                     torch.arange(len(bucket.rows)), torch.tensor(bucket.row_parts)
                 )
                 bucket.part_owner = owner.to(bucket.device)
+        if bucket.packed:
+            _build_pack(bucket, tensors, out_device)
     repair_floor = (
         torch.tensor(floor, dtype=torch.float64, device=out_device) if needs_repair else None
     )
@@ -185,6 +209,32 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
         needs_repair=needs_repair,
         repair_floor=repair_floor,
     )
+
+
+def _aligned(numel: int) -> int:
+    """``numel`` rounded up to whole rows."""
+    return -(-numel // ROW_NUMEL) * ROW_NUMEL
+
+
+def _build_pack(
+    bucket: _Bucket, tensors: Sequence[Tensor | None], out_device: torch.device
+) -> None:
+    """The pack buffer of ``bucket`` (zeros: padding never changes a norm), one slot view per
+    packed tensor, shaped like it so one ``_foreach_copy_`` fills every slot, and the row
+    owners. Built with the plan, reused every step."""
+    buffer = torch.zeros(bucket.pack_used, dtype=torch.float32, device=bucket.device)
+    owner: list[int] = []
+    offset = 0
+    for k, i in enumerate(bucket.packed):
+        t = tensors[i]
+        assert t is not None
+        n = t.numel()
+        bucket.pack_slots.append(buffer[offset : offset + n].view(t.shape))
+        owner.extend([k] * (_aligned(n) // ROW_NUMEL))
+        offset += _aligned(n)
+    bucket.pack_rows = buffer.view(-1, ROW_NUMEL)
+    bucket.pack_owner = torch.tensor(owner, dtype=torch.long, device=bucket.device)
+    bucket.packed_index = torch.tensor(bucket.packed, dtype=torch.long, device=out_device)
 
 
 def _row_part_count(t: Tensor) -> int:
@@ -307,6 +357,15 @@ class NormEngine:
                 norms = torch.stack(torch._foreach_norm(items, 2, dtype=torch.float64))
                 assert bucket.whole_index is not None
                 sq.index_copy_(0, bucket.whole_index, norms.to(out_device).square())
+            if bucket.packed:
+                torch._foreach_copy_(bucket.pack_slots, [tensors[i] for i in bucket.packed])
+                row_norms = torch.linalg.vector_norm(bucket.pack_rows, 2, dim=1)
+                packed_sq = torch.zeros(
+                    len(bucket.packed), dtype=torch.float64, device=bucket.device
+                )
+                packed_sq.index_add_(0, bucket.pack_owner, row_norms.to(torch.float64).square())
+                assert bucket.packed_index is not None
+                sq.index_copy_(0, bucket.packed_index, packed_sq.to(out_device))
             if bucket.rows:
                 parts: list[Tensor] = []
                 scratch = self._scratch_for(bucket, tensors)

@@ -594,7 +594,9 @@ class GradWatch:
         plan = self._engine.last_plan  # built for these very gradients in this collect
         assert plan is not None
         for bucket in plan.buckets:
-            tensors = [grads[i] for i in (*bucket.small, *bucket.whole, *bucket.rows)]
+            tensors = [
+                grads[i] for i in (*bucket.small, *bucket.packed, *bucket.whole, *bucket.rows)
+            ]
             if sparse:
                 skip = {id(grads[i]) for i in sparse}
                 tensors = [t for t in tensors if id(t) not in skip]
