@@ -367,3 +367,14 @@ def test_constant_tensors_at_path_boundaries(dtype: torch.dtype, numel: int, val
     t = torch.full((numel,), value, dtype=dtype)
     exact = float(t[0].double()) * math.sqrt(numel)
     assert rel_err(float(total_norm(t)), exact) <= REL
+
+
+def test_plan_follows_shape_changes_at_equal_numel() -> None:
+    """Mid-size tensors are copied into slots shaped like them: a tensor at the same position
+    with another shape but the same numel gets a new plan, not a shape error."""
+    engine = NormEngine()
+    a = torch.randn(40, 50)
+    b = torch.randn(50, 40)
+    for t in (a, b, a.t(), b.reshape(-1)):
+        sq = engine.squared_norms([t])
+        assert rel_err(math.sqrt(float(sq[0])), ref_norm([t])) <= REL

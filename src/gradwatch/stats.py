@@ -133,12 +133,13 @@ class NormPlan:
 
 
 def _layout_key(tensors: Sequence[Tensor | None]) -> tuple:
-    # What a plan depends on: presence, device, dtype, size, and (for large tensors) whether a
-    # flat view exists. Strides are read only for non-contiguous tensors (rare, and slower).
+    # What a plan depends on: presence, device, dtype, shape (the pack slots are views of that
+    # shape), and (for large tensors) whether a flat view exists. Strides are read only for
+    # non-contiguous tensors (rare, and slower).
     return tuple(
         None
         if t is None
-        else (t.dtype, t.device, t.numel(), t.is_contiguous() or t.stride())
+        else (t.dtype, t.device, t.shape, t.is_contiguous() or t.stride())
         for t in tensors
     )
 
