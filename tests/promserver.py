@@ -141,10 +141,15 @@ class PromServer:
         return expected
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return tail(self.log_path, lines)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ("" when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:

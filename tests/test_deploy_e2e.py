@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from promserver import free_port, http_get, run_prometheus, stop_group, wait_for
+from promserver import free_port, http_get, run_prometheus, stop_group, tail, wait_for
 from test_deploy import (
     ROOT,
     RULES,
@@ -51,13 +51,6 @@ FIRING_DEADLINE = 10.0
 
 
 # -- processes ----------------------------------------------------------------------------------
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from promserver import PromServer, free_port, run_prometheus, stop_group
+from promserver import PromServer, free_port, run_prometheus, stop_group, tail
 
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
@@ -99,13 +99,6 @@ def test_prometheus_stores_exactly_the_published_values(tmp_path: Path) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 @dataclass
