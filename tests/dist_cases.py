@@ -318,6 +318,14 @@ def case_fsdp_tp(rank: int, world: int) -> dict:
     """FSDP2 on the dp dim x Colwise/Rowwise TP on the tp dim of a 2x2 mesh: _StridedShard,
     Shard x Shard, Shard x Replicate, and LayerNorm params on the dp sub-mesh only."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return _fsdp_over_tp(mesh, mesh["dp"])
+
+
+def _fsdp_over_tp(mesh: Any, fsdp_mesh: Any) -> dict:
+    """Colwise/Rowwise TP on ``mesh["tp"]``, then FSDP2 over ``fsdp_mesh``; one measured
+    collect. The same input on the ranks of a TP group, different across the data dims."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -325,14 +333,12 @@ def case_fsdp_tp(rank: int, world: int) -> dict:
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = _tp_model()
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
+    fully_shard(model, mesh=fsdp_mesh)
     placements = {clean(n): [repr(x) for x in p.placements] for n, p in model.named_parameters()}
     watch, _ = construct(model, config())
-    # Same input on the two ranks of a TP group, different across dp.
     model(inputs(mesh.get_coordinate()[0], 4, 5)).pow(2).sum().backward()
     ref = local_reference(model, clean)
     res = measure(watch, model, 0, ref)
@@ -343,25 +349,9 @@ def case_fsdp_tp(rank: int, world: int) -> dict:
 def case_tp_3d(rank: int, world: int) -> dict:
     """HSDP x TP on a 3-D (replicate=2, shard=1, tp=2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
-    torch.manual_seed(0)
-    model = _tp_model()
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["replicate", "shard"])
-    placements = {clean(n): [repr(x) for x in p.placements] for n, p in model.named_parameters()}
-    watch, _ = construct(model, config())
-    model(inputs(mesh.get_coordinate()[0], 4, 5)).pow(2).sum().backward()
-    ref = local_reference(model, clean)
-    res = measure(watch, model, 0, ref)
-    watch.close()
-    return {**res, "placements": placements}
+    return _fsdp_over_tp(mesh, mesh["replicate", "shard"])
 
 
 def case_hsdp(rank: int, world: int) -> dict:

@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -150,6 +151,32 @@ def tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def start_torchrun(
+    script_args: Sequence[str], env: dict[str, str], log: Path, cwd: Path, nproc: int = 2
+) -> subprocess.Popen[bytes]:
+    """``python -m torch.distributed.run`` on loopback (no restarts) in a new session, its
+    output in ``log``; stop it with :func:`stop_group`."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={nproc}",
+                "--max_restarts=0",
+                "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}",
+                *script_args,
+            ],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from promserver import free_port, http_get, run_prometheus, stop_group, tail, wait_for
+from promserver import (
+    free_port,
+    http_get,
+    run_prometheus,
+    start_torchrun,
+    stop_group,
+    tail,
+    wait_for,
+)
 from test_deploy import (
     ROOT,
     RULES,
@@ -71,23 +78,7 @@ def run_training_job(port: int, workdir: Path) -> Iterator[subprocess.Popen[byte
         OMP_NUM_THREADS="1",
     )
     log = workdir / "train.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node=2",
-                "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}",
-                str(ROOT / "examples" / "train_ddp.py"),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_torchrun([str(ROOT / "examples" / "train_ddp.py")], env, log, ROOT)
     try:
         yield proc
     except BaseException:

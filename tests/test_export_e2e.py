@@ -19,7 +19,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from promserver import PromServer, free_port, run_prometheus, stop_group, tail
+from promserver import PromServer, run_prometheus, start_torchrun, stop_group, tail
 
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
@@ -130,27 +129,7 @@ def ddp_job(workdir: Path, steps: int = 20) -> Iterator[Job]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     log = workdir.parent / "job.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node=2",
-                "--max_restarts=0",
-                "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}",
-                str(JOB_SCRIPT),
-                str(workdir),
-                f"--steps={steps}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    proc = start_torchrun([str(JOB_SCRIPT), str(workdir), f"--steps={steps}"], env, log, ROOT)
     try:
         yield Job(proc, workdir, log)
     except BaseException:
