@@ -42,6 +42,7 @@ holding Inf (and no NaN) has an Inf norm. No ``isnan`` masks of gradient size ar
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -99,26 +100,45 @@ def as_real_values(g: Tensor) -> Tensor:
 
 
 @dataclass
+class _RowChunk:
+    """One conversion chunk of a bf16/fp16 row-path tensor: ``numel`` elements from ``start``
+    are widened into ``scratch`` (a 1-D view of the plan's buffer) and normed as ``rows`` (the
+    same memory as rows of ROW_NUMEL) into ``out``."""
+
+    start: int
+    numel: int
+    scratch: Tensor
+    rows: Tensor
+    out: Tensor
+
+
+@dataclass
 class _Bucket:
     """Tensors of one (device, dtype) and how each is normed. Built once per gradient layout."""
 
     device: torch.device
     dtype: torch.dtype
-    small: list[int] = field(default_factory=list)  # positions normed by a float32 foreach op
     whole: list[int] = field(default_factory=list)  # positions normed by a float64 foreach op
-    rows: list[int] = field(default_factory=list)  # positions normed by float32 rows
-    row_parts: list[int] = field(default_factory=list)  # vectors normed per tensor (>= 1)
-    small_index: Tensor | None = None  # positions, on the output device
-    whole_index: Tensor | None = None
-    rows_index: Tensor | None = None
-    part_owner: Tensor | None = None  # for each row-norm vector, index into ``rows``, or None
-    # when every tensor has exactly one (no partial rows)
-    packed: list[int] = field(default_factory=list)  # positions normed in the pack buffer
+    whole_index: Tensor | None = None  # ``whole``, on the output device
+    rows: list[int] = field(default_factory=list)  # positions normed in place as float32 rows
+    row_counts: list[int] = field(default_factory=list)  # full rows of each, for as_strided
+    row_outs: list[Tensor] = field(default_factory=list)  # float32 tensors: its slice of norms
+    row_chunks: list[list[_RowChunk]] = field(default_factory=list)  # bf16/fp16 tensors
+    tails: list[int] = field(default_factory=list)  # rows positions with a partial last row
+    packed: list[int] = field(default_factory=list)  # positions copied whole into the pack
     pack_used: int = 0  # elements of the pack buffer in use (row-aligned slots)
-    pack_slots: list[Tensor] = field(default_factory=list)  # per packed tensor, its slot
-    pack_rows: Tensor | None = None  # the used buffer as (rows, ROW_NUMEL)
-    pack_owner: Tensor | None = None  # for each buffer row, index into ``packed``
-    packed_index: Tensor | None = None
+    pack_slots: list[Tensor] = field(default_factory=list)  # the slots of packed, then of tails
+    pack_rows: Tensor | None = None  # the pack buffer as (rows, ROW_NUMEL)
+    pack_out: Tensor | None = None  # pack_rows' slice of norms
+    norms: Tensor | None = None  # float32 norm of every row of this bucket
+    squares: Tensor | None = None  # float64, their squares (persistent: no per-step allocation)
+    sum_rows: Tensor | None = None  # sparse CSR (n x len(norms)) of ones: ``sum_rows @ squares``
+    # is, per position, the sum of its rows' squares
+
+    @property
+    def positions(self) -> list[int]:
+        """Every position of this bucket (any order)."""
+        return [*self.packed, *self.rows, *self.whole]
 
 
 @dataclass
@@ -130,6 +150,7 @@ class NormPlan:
     buckets: list[_Bucket]
     needs_repair: bool  # some bucket is on CPU: the fast path may need an exact repair
     repair_floor: Tensor | None  # per position: squared norms below this are recomputed
+    scratch: dict[torch.device, Tensor] = field(default_factory=dict)  # widening buffers
 
 
 def _layout_key(tensors: Sequence[Tensor | None]) -> tuple:
@@ -145,11 +166,16 @@ def _layout_key(tensors: Sequence[Tensor | None]) -> tuple:
 
 
 def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> NormPlan:
-    """Sorts tensors into buckets and paths; O(len(tensors)) Python, no dispatched ops but
-    the index tensors, so it is cached and rebuilt only when the gradient layout changes."""
+    """Sorts tensors into buckets and paths; O(len(tensors)) Python and a few index tensors,
+    so it is cached and rebuilt only when the gradient layout changes.
+
+    Row-path tensors are placed first, so their partial last rows get pack slots before the
+    mid-size tensors fill the buffer; whatever does not fit takes the float64 path.
+    """
     buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
     floor = [0.0] * len(tensors)
     needs_repair = False
+    mid_size: list[int] = []
     for i, t in enumerate(tensors):
         if t is None or t.numel() == 0:
             continue
@@ -158,58 +184,53 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
         if bucket is None:
             bucket = buckets[key] = _Bucket(device=t.device, dtype=t.dtype)
         on_cpu = t.device.type == "cpu"
-        if on_cpu and t.dtype in _LOW_PRECISION and t.numel() <= ROW_NUMEL:
-            bucket.small.append(i)
-            floor[i] = TINY_NORM * TINY_NORM
+        fast = on_cpu and t.dtype in _LOW_PRECISION
+        if fast and t.numel() > WHOLE_NUMEL and flat_view(t) is not None:
+            has_tail = t.numel() % ROW_NUMEL != 0
+            if not has_tail or bucket.pack_used + ROW_NUMEL <= PACK_NUMEL:
+                bucket.rows.append(i)
+                bucket.row_counts.append(t.numel() // ROW_NUMEL)
+                if has_tail:
+                    bucket.tails.append(i)
+                    bucket.pack_used += ROW_NUMEL
+                floor[i] = TINY_NORM * TINY_NORM
+                needs_repair = True
+                continue
+        elif fast and t.numel() <= WHOLE_NUMEL:
+            mid_size.append(i)
+            continue
+        bucket.whole.append(i)
+        if on_cpu and t.dtype == torch.float64:
+            floor[i] = TINY_NORM_FLOAT64 * TINY_NORM_FLOAT64
             needs_repair = True
-        elif on_cpu and t.dtype in _LOW_PRECISION and t.numel() > WHOLE_NUMEL and (
-            flat_view(t) is not None
-        ):
-            bucket.rows.append(i)
-            bucket.row_parts.append(_row_part_count(t))
-            floor[i] = TINY_NORM * TINY_NORM
-            needs_repair = True
-        elif (
-            on_cpu
-            and t.dtype in _LOW_PRECISION
-            and t.numel() <= WHOLE_NUMEL
-            and bucket.pack_used + _aligned(t.numel()) <= PACK_NUMEL
-        ):
+        elif on_cpu:
+            needs_repair = True  # other float types: repair only non-finite results
+    for i in mid_size:
+        t = tensors[i]
+        assert t is not None
+        bucket = buckets[(t.device, t.dtype)]
+        if bucket.pack_used + _aligned(t.numel()) <= PACK_NUMEL:
             bucket.packed.append(i)
             bucket.pack_used += _aligned(t.numel())
-            floor[i] = TINY_NORM * TINY_NORM
-            needs_repair = True
         else:
             bucket.whole.append(i)
-            if on_cpu and t.dtype == torch.float64:
-                floor[i] = TINY_NORM_FLOAT64 * TINY_NORM_FLOAT64
-                needs_repair = True
-            elif on_cpu and t.dtype not in _LOW_PRECISION:
-                needs_repair = True  # unknown float types: repair only non-finite results
-    for bucket in buckets.values():
-        if bucket.small:
-            bucket.small_index = torch.tensor(bucket.small, dtype=torch.long, device=out_device)
-        if bucket.whole:
-            bucket.whole_index = torch.tensor(bucket.whole, dtype=torch.long, device=out_device)
-        if bucket.rows:
-            bucket.rows_index = torch.tensor(bucket.rows, dtype=torch.long, device=out_device)
-            if any(k != 1 for k in bucket.row_parts):
-                owner = torch.repeat_interleave(
-                    torch.arange(len(bucket.rows)), torch.tensor(bucket.row_parts)
-                )
-                bucket.part_owner = owner.to(bucket.device)
-        if bucket.packed:
-            _build_pack(bucket, tensors, out_device)
-    repair_floor = (
-        torch.tensor(floor, dtype=torch.float64, device=out_device) if needs_repair else None
-    )
-    return NormPlan(
+        floor[i] = TINY_NORM * TINY_NORM
+        needs_repair = True
+    plan = NormPlan(
         n=len(tensors),
         out_device=out_device,
         buckets=list(buckets.values()),
         needs_repair=needs_repair,
-        repair_floor=repair_floor,
+        repair_floor=(
+            torch.tensor(floor, dtype=torch.float64, device=out_device) if needs_repair else None
+        ),
     )
+    for bucket in plan.buckets:
+        if bucket.whole:
+            bucket.whole_index = torch.tensor(bucket.whole, dtype=torch.long, device=out_device)
+        if bucket.rows or bucket.packed:
+            _build_rows(bucket, tensors, plan)
+    return plan
 
 
 def _aligned(numel: int) -> int:
@@ -217,55 +238,100 @@ def _aligned(numel: int) -> int:
     return -(-numel // ROW_NUMEL) * ROW_NUMEL
 
 
-def _build_pack(
-    bucket: _Bucket, tensors: Sequence[Tensor | None], out_device: torch.device
-) -> None:
-    """The pack buffer of ``bucket`` (zeros: padding never changes a norm), one slot view per
-    packed tensor, shaped like it so one ``_foreach_copy_`` fills every slot, and the row
-    owners. Built with the plan, reused every step."""
-    buffer = torch.zeros(bucket.pack_used, dtype=torch.float32, device=bucket.device)
+def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPlan) -> None:
+    """The float32 norms vector of ``bucket`` (row-path rows, then pack rows), each row's
+    owner, the output slice of every norm op, and the pack buffer (zeros: padding never changes
+    a norm) with one slot per packed tensor and per partial last row, shaped like its source so
+    one ``_foreach_copy_`` fills every slot. Built with the plan, reused every step."""
+    n_rows = sum(bucket.row_counts) + bucket.pack_used // ROW_NUMEL
+    bucket.norms = torch.empty(n_rows, dtype=torch.float32, device=bucket.device)
+    bucket.squares = torch.empty(n_rows, dtype=torch.float64, device=bucket.device)
     owner: list[int] = []
-    offset = 0
-    for k, i in enumerate(bucket.packed):
-        t = tensors[i]
-        assert t is not None
-        n = t.numel()
-        bucket.pack_slots.append(buffer[offset : offset + n].view(t.shape))
-        owner.extend([k] * (_aligned(n) // ROW_NUMEL))
-        offset += _aligned(n)
-    bucket.pack_rows = buffer.view(-1, ROW_NUMEL)
-    bucket.pack_owner = torch.tensor(owner, dtype=torch.long, device=bucket.device)
-    bucket.packed_index = torch.tensor(bucket.packed, dtype=torch.long, device=out_device)
-
-
-def _row_part_count(t: Tensor) -> int:
-    """How many vectors :func:`_row_norms` returns for ``t``."""
-    full = t.numel() // ROW_NUMEL * ROW_NUMEL
-    chunks = 1 if t.dtype == torch.float32 else -(-full // CONVERT_CHUNK)
-    return chunks + (1 if t.numel() > full else 0)
-
-
-def _row_norms(t: Tensor, scratch: Tensor | None) -> list[Tensor]:
-    """Float32 norms of the full ROW_NUMEL-element rows of ``t`` (one vector per conversion
-    chunk for bf16/fp16, widened into ``scratch``), then the raw partial last row if there is
-    one (fewer than ROW_NUMEL elements: the caller norms it in float64 directly)."""
-    flat = flat_view(t)
-    assert flat is not None  # guaranteed by build_plan
-    n = flat.numel()
-    full = n // ROW_NUMEL * ROW_NUMEL
-    if t.dtype == torch.float32:
-        parts = [torch.linalg.vector_norm(flat[:full].view(-1, ROW_NUMEL), 2, dim=1)]
-    else:
-        assert scratch is not None
-        parts = []
+    at = 0
+    widen = bucket.dtype != torch.float32
+    if widen and bucket.rows:
+        need = min(CONVERT_CHUNK, max(bucket.row_counts) * ROW_NUMEL)
+        scratch = plan.scratch.get(bucket.device)
+        if scratch is None or scratch.numel() < need:
+            scratch = plan.scratch[bucket.device] = torch.empty(
+                need, dtype=torch.float32, device=bucket.device
+            )
+    for i, count in zip(bucket.rows, bucket.row_counts, strict=True):
+        out = bucket.norms[at : at + count]
+        owner.extend([i] * count)
+        at += count
+        if not widen:
+            bucket.row_outs.append(out)
+            continue
+        chunks = []
+        full = count * ROW_NUMEL
         for start in range(0, full, CONVERT_CHUNK):
             m = min(CONVERT_CHUNK, full - start)
             buf = scratch[:m]
-            buf.copy_(flat[start : start + m])
-            parts.append(torch.linalg.vector_norm(buf.view(-1, ROW_NUMEL), 2, dim=1))
-    if n > full:
-        parts.append(flat[full:])
-    return parts
+            first = start // ROW_NUMEL
+            rows = out[first : first + m // ROW_NUMEL]
+            chunks.append(_RowChunk(start, m, buf, buf.view(-1, ROW_NUMEL), rows))
+        bucket.row_chunks.append(chunks)
+    if bucket.pack_used:
+        buffer = torch.zeros(bucket.pack_used, dtype=torch.float32, device=bucket.device)
+        offset = 0
+        sources = [(i, tensors[i].shape) for i in bucket.packed]  # type: ignore[union-attr]
+        sources += [(i, (tensors[i].numel() % ROW_NUMEL,)) for i in bucket.tails]  # type: ignore[union-attr]
+        for i, shape in sources:
+            numel = math.prod(shape)
+            bucket.pack_slots.append(buffer[offset : offset + numel].view(shape))
+            owner.extend([i] * (_aligned(numel) // ROW_NUMEL))
+            offset += _aligned(numel)
+        bucket.pack_rows = buffer.view(-1, ROW_NUMEL)
+        bucket.pack_out = bucket.norms[at:]
+    bucket.sum_rows = _segment_sum_matrix(owner, plan.n, bucket.device)
+
+
+def _segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor:
+    """Sparse CSR ``M`` (n x len(owner)) with ``M[owner[j], j] = 1``: ``M @ v`` sums ``v``'s
+    entries per owner in float64, one op. Measured here on 100K rows: 60 us, against 330 us
+    for ``index_add_`` and 170 us for ``segment_reduce``."""
+    owners = torch.tensor(owner, dtype=torch.long)
+    columns = torch.argsort(owners, stable=True)
+    crow = torch.zeros(n + 1, dtype=torch.long)
+    crow[1:] = torch.cumsum(torch.bincount(owners, minlength=n), 0)
+    ones = torch.ones(len(owner), dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta": we use mv only
+        matrix = torch.sparse_csr_tensor(crow, columns, ones, size=(n, len(owner)))
+    return matrix.to(device)
+
+
+def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
+    """Writes the float32 norm of every row of ``bucket`` into ``bucket.norms``: packed
+    tensors and partial last rows are copied (widened) into the pack buffer by one foreach op,
+    row-path tensors are read in place through ``as_strided`` views of their memory (dense, so
+    the first ``count * ROW_NUMEL`` elements in memory order are whole rows), bf16/fp16 ones
+    widened chunk by chunk into the plan's scratch. Every norm writes into its slice of
+    ``bucket.norms`` (``out=``): no per-step allocation but the views."""
+    if bucket.pack_slots:
+        sources: list[Tensor] = [tensors[i] for i in bucket.packed]  # type: ignore[misc]
+        for i in bucket.tails:
+            t = tensors[i]
+            assert t is not None
+            full = t.numel() // ROW_NUMEL * ROW_NUMEL
+            sources.append(t.as_strided((t.numel() - full,), (1,), t.storage_offset() + full))
+        torch._foreach_copy_(bucket.pack_slots, sources)
+        torch.linalg.vector_norm(bucket.pack_rows, 2, dim=1, out=bucket.pack_out)
+    if bucket.row_chunks:
+        for i, chunks in zip(bucket.rows, bucket.row_chunks, strict=True):
+            t = tensors[i]
+            assert t is not None
+            offset = t.storage_offset()
+            for c in chunks:
+                c.scratch.copy_(t.as_strided((c.numel,), (1,), offset + c.start))
+                torch.linalg.vector_norm(c.rows, 2, dim=1, out=c.out)
+    else:
+        for i, count, out in zip(bucket.rows, bucket.row_counts, bucket.row_outs, strict=True):
+            t = tensors[i]
+            assert t is not None
+            rows = t.as_strided((count, ROW_NUMEL), (ROW_NUMEL, 1))
+            torch.linalg.vector_norm(rows, 2, dim=1, out=out)
 
 
 def exact_squared_norm(t: Tensor) -> float:
@@ -310,15 +376,6 @@ class NormEngine:
         self._key: tuple | None = None
         self.host_reads = 0
         self.repaired = 0  # tensors recomputed exactly so far (diagnostics, benchmarks)
-        self._scratch: Tensor | None = None  # float32, for widening bf16/fp16 rows (CPU)
-
-    def _scratch_for(self, bucket: _Bucket, tensors: Sequence[Tensor | None]) -> Tensor | None:
-        if bucket.dtype == torch.float32:
-            return None
-        need = min(CONVERT_CHUNK, max(tensors[i].numel() for i in bucket.rows))  # type: ignore[union-attr]
-        if self._scratch is None or self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32, device=bucket.device)
-        return self._scratch
 
     @property
     def last_plan(self) -> NormPlan | None:
@@ -329,10 +386,12 @@ class NormEngine:
     def plan_for(self, tensors: Sequence[Tensor | None], out_device: torch.device) -> NormPlan:
         key = (out_device, _layout_key(tensors))
         if self._plan is None or key != self._key:
+            self._plan = None  # free the old plan's buffers before allocating the new ones
             self._plan = build_plan(tensors, out_device)
             self._key = key
         return self._plan
 
+    @torch.no_grad()
     def squared_norms(
         self, tensors: Sequence[Tensor | None], out_device: torch.device | None = None
     ) -> Tensor:
@@ -345,46 +404,26 @@ class NormEngine:
                 (t.device for t in tensors if t is not None), torch.device("cpu")
             )
         plan = self.plan_for(tensors, out_device)
-        sq = torch.zeros(plan.n, dtype=torch.float64, device=out_device)
+        sq: Tensor | None = None
         for bucket in plan.buckets:
-            if bucket.small:
-                items = [tensors[i] for i in bucket.small]
-                acc = None if bucket.dtype == torch.float32 else torch.float32
-                norms = torch.stack(torch._foreach_norm(items, 2, dtype=acc))
-                assert bucket.small_index is not None
-                sq.index_copy_(0, bucket.small_index, norms.to(out_device, torch.float64).square())
+            if bucket.norms is not None:
+                _fill_row_norms(bucket, tensors)
+                # Float32 row norms, squared and summed per tensor in float64: 3 ops for all
+                # the rows of the bucket, whatever the number of tensors, into buffers of the
+                # plan. n scalars cross devices (if at all), never gradient data.
+                assert bucket.sum_rows is not None and bucket.squares is not None
+                row_sq = bucket.squares.copy_(bucket.norms).square_()
+                summed = (bucket.sum_rows @ row_sq).to(out_device)
+                sq = summed if sq is None else sq.add_(summed)
             if bucket.whole:
                 items = [tensors[i] for i in bucket.whole]
                 norms = torch.stack(torch._foreach_norm(items, 2, dtype=torch.float64))
+                if sq is None:
+                    sq = torch.zeros(plan.n, dtype=torch.float64, device=out_device)
                 assert bucket.whole_index is not None
                 sq.index_copy_(0, bucket.whole_index, norms.to(out_device).square())
-            if bucket.packed:
-                torch._foreach_copy_(bucket.pack_slots, [tensors[i] for i in bucket.packed])
-                row_norms = torch.linalg.vector_norm(bucket.pack_rows, 2, dim=1)
-                packed_sq = torch.zeros(
-                    len(bucket.packed), dtype=torch.float64, device=bucket.device
-                )
-                packed_sq.index_add_(0, bucket.pack_owner, row_norms.to(torch.float64).square())
-                assert bucket.packed_index is not None
-                sq.index_copy_(0, bucket.packed_index, packed_sq.to(out_device))
-            if bucket.rows:
-                parts: list[Tensor] = []
-                scratch = self._scratch_for(bucket, tensors)
-                for i in bucket.rows:
-                    parts.extend(_row_norms(tensors[i], scratch))  # type: ignore[arg-type]
-                # Each vector of float32 row norms (and each raw partial row) is normed with
-                # float64 accumulation in one foreach op: cheaper than converting every row norm
-                # to float64 and scattering them (~1.5 ms per 48M elements, 15% of the pass).
-                part_sq = torch.stack(torch._foreach_norm(parts, 2, dtype=torch.float64)).square()
-                if bucket.part_owner is None:
-                    per_tensor = part_sq
-                else:
-                    per_tensor = torch.zeros(
-                        len(bucket.rows), dtype=torch.float64, device=bucket.device
-                    )
-                    per_tensor.index_add_(0, bucket.part_owner, part_sq)
-                assert bucket.rows_index is not None
-                sq.index_copy_(0, bucket.rows_index, per_tensor.to(out_device))
+        if sq is None:
+            sq = torch.zeros(plan.n, dtype=torch.float64, device=out_device)
         if plan.needs_repair:
             assert plan.repair_floor is not None
             # NaN and +Inf become -1, below every floor: 3 ops instead of isfinite's 5 + 2.

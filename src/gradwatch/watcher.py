@@ -540,7 +540,7 @@ class GradWatch:
         if scale is not None:
             scale64 = scale.to(sq.device, torch.float64)
             sq = sq / (scale64 * scale64)
-        has_grad = torch.tensor([g is not None for g in grads], dtype=torch.float64)
+        has_grad = [g is not None for g in grads]
         every = self.config.divergence_every
         measure = (
             record and every > 0 and self._collections % every == 0 and self._layout.replicas > 1
@@ -594,9 +594,7 @@ class GradWatch:
         plan = self._engine.last_plan  # built for these very gradients in this collect
         assert plan is not None
         for bucket in plan.buckets:
-            tensors = [
-                grads[i] for i in (*bucket.small, *bucket.packed, *bucket.whole, *bucket.rows)
-            ]
+            tensors = [grads[i] for i in bucket.positions]
             if sparse:
                 skip = {id(grads[i]) for i in sparse}
                 tensors = [t for t in tensors if id(t) not in skip]
