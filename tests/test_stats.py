@@ -380,3 +380,18 @@ def test_plan_follows_shape_changes_at_equal_numel() -> None:
     for t in (a, b, a.t(), b.reshape(-1)):
         sq = engine.squared_norms([t])
         assert rel_err(math.sqrt(float(sq[0])), ref_norm([t])) <= REL
+
+
+def test_plan_follows_stride_changes_at_equal_shape() -> None:
+    """The per-step layout key reads only dtype and shape; a large tensor read in place whose
+    strides change under the same shape (transposed, or not dense at all) is replanned, not
+    read through stale strides."""
+    engine = NormEngine()
+    gen = torch.Generator().manual_seed(21)
+    contiguous = torch.randn(600, 500, generator=gen)
+    transposed = torch.randn(500, 600, generator=gen).t()
+    strided = torch.randn(600, 1000, generator=gen)[:, ::2]
+    for t in (contiguous, transposed, strided, contiguous, strided, transposed):
+        assert t.shape == (600, 500)
+        sq = engine.squared_norms([t, torch.randn(300, generator=gen)])
+        assert rel_err(math.sqrt(float(sq[0])), ref_norm([t])) <= REL

@@ -7,6 +7,7 @@ squares beyond float64's range cannot overflow), so the combination adds no erro
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -62,10 +63,7 @@ def summarize(
     A parameter counts (``tensors``, ``numel``, health's n) when some rank had a gradient for it.
     It is non-finite when its squared norm is NaN/Inf or any rank flagged its piece.
     """
-    members: dict[str, list[int]] = {g: [] for g in group_order}
-    for i, group in enumerate(groups_of):
-        if has_grad[i] > 0:
-            members.setdefault(group, []).append(i)
+    members = _members(tuple(groups_of), tuple(group_order), tuple(has_grad))
     param_norms: dict[str, float] = {}
     nonfinite_params: list[str] = []
     group_stats: dict[str, GroupStats] = {}
@@ -73,22 +71,27 @@ def summarize(
     vt, et = cfg.vanishing_threshold, cfg.exploding_threshold
     total_v = total_e = total_n = 0
     for group, idx in members.items():
-        sq = [squares[i] for i in idx]
+        sq = list(map(squares.__getitem__, idx))
         all_squares.extend(sq)
-        group_names = [names[i] for i in idx]
+        group_names = list(map(names.__getitem__, idx))
         norms = list(map(math.sqrt, sq))
         param_norms.update(zip(group_names, norms, strict=True))
+        flags = list(map(nonfinite_flags.__getitem__, idx))
+        # The common case, all finite and unflagged, is settled by two C-level passes: a NaN
+        # or Inf square makes the plain sum NaN or Inf (a finite sum that overflows only sends
+        # us to the exact per-parameter check). Only otherwise is each parameter looked at:
         # ``not norm < inf`` is True for NaN and Inf; a replica's flag marks a finite copy too.
-        bad = [k for k, i in enumerate(idx) if not norms[k] < math.inf or nonfinite_flags[i] > 0]
+        if sum(sq) < math.inf and not any(flags):
+            bad: list[int] = []
+            finite = norms
+        else:
+            bad = [k for k in range(len(idx)) if not norms[k] < math.inf or flags[k] > 0]
+            ok = set(range(len(idx))).difference(bad)
+            finite = [norms[k] for k in sorted(ok)]
         nonfinite = len(bad)
         nonfinite_params.extend(group_names[k] for k in bad)
-        if bad:
-            ok = set(range(len(idx))).difference(bad)
-            finite = [norms[k] for k in ok]
-        else:
-            finite = norms  # the common case: no per-parameter branch at all
-        exploding = nonfinite + sum(1 for norm in finite if norm > et)
-        vanishing = sum(1 for norm in finite if norm < vt)
+        exploding = nonfinite + sum(map(et.__lt__, finite))
+        vanishing = sum(map(vt.__gt__, finite))
         group_stats[group] = GroupStats(
             norm=_sqrt_sum(sq),
             numel=sum(map(numels.__getitem__, idx)),
@@ -127,6 +130,20 @@ def summarize(
         isolation_violated=isolation,
         **extra,  # type: ignore[arg-type]
     )
+
+
+@functools.lru_cache(maxsize=4)
+def _members(
+    groups_of: tuple[str, ...], group_order: tuple[str, ...], has_grad: tuple[float, ...]
+) -> dict[str, list[int]]:
+    """Per group, the positions that had a gradient (the always-shown groups first). The
+    same from step to step in most jobs, so cached on the exact inputs (tuples: hashed and
+    compared in C)."""
+    members: dict[str, list[int]] = {g: [] for g in group_order}
+    for i, group in enumerate(groups_of):
+        if has_grad[i] > 0:
+            members.setdefault(group, []).append(i)
+    return members
 
 
 def _sqrt_sum(squares: Sequence[float]) -> float:
