@@ -225,6 +225,7 @@ class GradWatch:
         self._dtensor_positions = [
             i for i, p in enumerate(self._params) if hasattr(p, "_local_tensor")
         ]
+        self._complex_positions = [i for i, p in enumerate(self._params) if p.is_complex()]
         self._reducer = Reducer(
             pieces,
             version=_version(),
@@ -516,11 +517,14 @@ class GradWatch:
                 )
             grads[i] = g._local_tensor
         strided = torch.strided
-        self._sparse_positions = []
-        for i, g in enumerate(grads):
-            if g is not None and (g.layout is not strided or g.is_complex()):
-                if g.layout is not strided:
-                    self._sparse_positions.append(i)  # its values may be a coalesced copy
+        self._sparse_positions = [
+            i for i, g in enumerate(grads) if g is not None and g.layout is not strided
+        ]  # their values may be coalesced copies
+        # A gradient has its parameter's dtype (autograd and the .grad setter enforce it), so
+        # complex positions are known from the parameters, at construction.
+        for i in sorted({*self._sparse_positions, *self._complex_positions}):
+            g = grads[i]
+            if g is not None:
                 grads[i] = as_real_values(g)
         return grads
 
