@@ -427,9 +427,12 @@ def _wrap(model: nn.Module, kind: str) -> nn.Module:
     return model
 
 
-MODES = ("plain", "collect", "collect+result")
+#: "all-reduce" and "read" are floors, not gradwatch: the cost of one async all-reduce of
+#: gradwatch's packed vector on a group of its own (what issue 3's one collective per collect
+#: costs by itself), and of one read of every gradient (``get_total_norm``, no host read).
+MODES = ("plain", "collect", "collect+result", "all-reduce", "read")
 #: One block: each mode twice, palindromic, so a linear drift cancels within a block.
-BLOCK = ("plain", "collect", "collect+result", "collect+result", "collect", "plain")
+BLOCK = (*MODES, *MODES[::-1])
 
 
 def _dist_measure(spec: dict[str, Any], kind: str, steps: int) -> dict[str, Any]:
@@ -447,16 +450,26 @@ def _dist_measure(spec: dict[str, Any], kind: str, steps: int) -> dict[str, Any]
     cfg = WatchConfig(port=0 if rank == 0 else None, bind_address="127.0.0.1",
                       collective_timeout_seconds=120)
     watch = GradWatch(model, cfg)
+    floor_group = dist.new_group()
+    floor_buffer = torch.zeros(watch._reducer.layout.packed_length, dtype=torch.float64)
     gen = torch.Generator().manual_seed(10 + rank)
     x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 1, generator=gen)
 
     def step(i: int, mode: str) -> None:
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
-        pending = watch.collect(i) if mode != "plain" else None
+        pending = watch.collect(i) if mode in ("collect", "collect+result") else None
+        work = None
+        if mode == "all-reduce":
+            work = dist.all_reduce(floor_buffer.clone(), group=floor_group, async_op=True)
+        elif mode == "read":
+            torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None])
         opt.step()
         if pending is not None and mode == "collect+result":
             pending.result()  # all of gradwatch's work on the training thread
+        if work is not None:
+            work.wait()
 
     for i in range(2 * len(BLOCK)):
         step(i, BLOCK[i % len(BLOCK)])
@@ -522,7 +535,7 @@ def distributed(specs: list[dict[str, Any]], steps: dict[str, int], results: dic
                          nprocs=2, join=True)
                 report = json.loads(Path(out).read_text())
             except Exception as exc:  # report, don't lose the other sections
-                rows.append([kind, f"failed: {type(exc).__name__}: {exc}"] + [""] * 9)
+                rows.append([kind, f"failed: {type(exc).__name__}: {exc}"] + [""] * 11)
                 continue
         for r in report:
             t = r["times"]
@@ -535,12 +548,14 @@ def distributed(specs: list[dict[str, Any]], steps: dict[str, int], results: dic
                     ov = med(paired) * 100
                     plo, phi = (x * 100 for x in quartiles(paired))
                     cell += f"; **{ov:+.1f}%** ({plo:+.1f}% to {phi:+.1f}%)"
-                    results[f"{kind} {r['model']} {mode}"] = {
+                    entry = {
                         "overhead_pct": ov, "spread": (plo, phi), "model": r["model"],
                         "plain_ms": med(t["plain"]) * 1e3,
                         "extra_ms": (med(t[mode]) - med(t["plain"])) * 1e3,
                         "mode": "`collect` only" if mode == "collect" else
                         "`collect`+`result()` on the training thread"}
+                    floor = mode in ("all-reduce", "read")
+                    results[f"{'floor ' if floor else ''}{kind} {r['model']} {mode}"] = entry
                 cells.append(cell)
             cp, cw, gw = r["counts_plain"], r["counts_watched"], r["gradwatch_counts"]
             rows.append([
@@ -554,6 +569,8 @@ def distributed(specs: list[dict[str, Any]], steps: dict[str, int], results: dic
                   "with `collect` every step (result built by rank 0's exporter thread); "
                   "overhead (p25 to p75)",
                   "with `collect` + `result()` on the training thread; overhead (p25 to p75)",
+                  "floor 1: one async all-reduce of the packed vector, nothing else",
+                  "floor 2: one read of every gradient (`get_total_norm`), nothing else",
                   "steps", "collectives / bytes per step without", "... with gradwatch",
                   "gradwatch's own (collect+result)"], rows)
 
@@ -809,6 +826,22 @@ def _targets(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _floor_note(results: dict[str, Any], key: str) -> str:
+    """What the two floors of a DDP case cost by themselves, for the notes."""
+    kind, rest = key.split(" ", 1)
+    model = rest.rsplit(" ", 1)[0]  # model labels may hold spaces, modes do not
+    ar = results.get(f"floor {kind} {model} all-reduce")
+    rd = results.get(f"floor {kind} {model} read")
+    if not ar or not rd:
+        return ""
+    return (
+        f" The floors measured in the same run: one async gloo all-reduce of the packed "
+        f"vector alone {ar['overhead_pct']:+.1f}% (issue 3 asks for exactly one collective "
+        f"per collect), one read of every gradient alone {rd['overhead_pct']:+.1f}% "
+        "(no norm can skip it): together "
+        f"{ar['overhead_pct'] + rd['overhead_pct']:+.1f}% before any of gradwatch's own work.")
+
+
 def _miss_notes(results: dict[str, Any]) -> str:
     """Plain explanations for the targets this run did not meet (measured causes)."""
     out = []
@@ -836,7 +869,7 @@ def _miss_notes(results: dict[str, Any]) -> str:
                 "all-reduce, and the snapshot built on rank 0, by its exporter thread under the "
                 f"GIL or on the training thread): about {r['extra_ms']:.1f} ms in medians, on a "
                 f"{r['plain_ms']:.1f} ms step. The interquartile range shows how much of it is "
-                "this shared 2-core machine's noise.")
+                f"this shared 2-core machine's noise.{_floor_note(results, key)}")
     for dt in ("float32", "bfloat16"):
         misses = [(k, r) for k, r in results.items()
                   if k.startswith(f"clip {dt} ") and "extra_pct" in r and not r["ok"]]
@@ -1037,13 +1070,17 @@ def _run(args: argparse.Namespace, command: str) -> int:
         "of 4 x "
         "`Linear(1024, 1024)` + ReLU + `Linear(1024, 1)` (batch 32); SGD, MSE loss; DDP, and "
         "FSDP2 with every trainable `Linear` and the root `fully_shard`ed; rank 0 serves the "
-        "endpoint (`port=0`), as deployed. Three kinds of step, in blocks of six (without, "
-        "`collect`, `collect`+`result`, then the same backwards, so a linear drift cancels "
-        "within a block), a barrier before each timed step; rank 0's times: without gradwatch; "
+        "endpoint (`port=0`), as deployed. Five kinds of step, in blocks of ten (each kind, "
+        "then the same backwards, so a linear drift cancels within a block), a barrier before "
+        "each timed step; rank 0's times: without gradwatch; "
         "with `watch.collect(step)` after backward (the documented loop: the snapshot is "
         "built by rank 0's exporter thread, nobody waits on rank 1); with `collect` and "
         "`result()` after `optimizer.step()` on the training thread (all of gradwatch's work "
-        "in the step, the worst case). Overhead = median over blocks of (with / without - 1); "
+        "in the step, the worst case); and two floors without gradwatch, which any monitor "
+        "meeting issue 3 pays: one async all-reduce of a vector as long as gradwatch's packed "
+        "one, on a group of its own, awaited after `optimizer.step()`, and one read of every "
+        "gradient (`torch.nn.utils.get_total_norm`, no host read). Overhead = median over "
+        "blocks of (with / without - 1); "
         "its spread is the interquartile range over blocks. Collectives and bytes per step "
         "counted in one untimed step under a `TorchDispatchMode` (bytes = largest tensor "
         "argument of each c10d op: the all-reduced bucket, the full all-gathered / "

@@ -95,7 +95,9 @@ def test_quick_distributed_sections() -> None:
     for r in rows:
         assert not r[1].startswith("failed"), r
         assert float(r[3].split()[0]) > 0 and float(r[4].split()[0]) > 0, r
-        assert r[9].startswith("1 / ")  # one gradwatch collective per collect
+        assert float(r[6].split()[0]) > 0 and float(r[7].split()[0]) > 0, r  # the floors
+        assert r[11].startswith("1 / ")  # one gradwatch collective per collect
+    assert {"floor ddp demo all-reduce", "floor ddp demo read"} <= set(results)
     table = harness.scrapers_during_training(2, 0.3, 1, results)
     header, rows = _rows(table, "| scrapers |")
     assert rows[0][0] == "2" and int(rows[0][7].split()[0]) > 0  # scrapes were served

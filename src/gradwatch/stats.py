@@ -3,31 +3,31 @@
 Given the gradients a rank holds (plain tensors, or the local shards of DTensors), this module
 returns one float64 vector ``sq`` with ``sq[i] = ||g_i||_2^2``, computed without a float64 copy
 of any gradient and with a number of dispatched ops that does not grow with the number of
-tensors up to :data:`WHOLE_NUMEL` elements.
+tensors of up to :data:`WHOLE_NUMEL` elements (each larger one costs two ops: a view and a norm).
 
 The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` groups tensors:
 
 * **Accelerators** (CUDA and others): ``torch._foreach_norm(tensors, 2, dtype=torch.float64)``,
   one fused kernel per bucket that accumulates in float64 (PyTorch's documented behaviour; not
   tested on this project's CPU-only machines). No host read.
-* **CPU, tensors of at most** :data:`ROW_NUMEL` **elements** (biases, norms): one foreach op
-  with float32 accumulation, which over at most 512 elements is as exact as the row path below;
-  overflow and underflow are caught by the repair step.
-* **CPU, tensors of at most** :data:`WHOLE_NUMEL` **elements**: one foreach op with float64
-  accumulation. These tensors hold few bytes in real models, so the slower float64 loop costs
-  little, and the op count stays constant however many there are.
-* **CPU, larger contiguous tensors**: the flat view is split into rows of :data:`ROW_NUMEL`
-  elements (a ``view``, no copy) and ``linalg.vector_norm(..., dim=1)`` gives one float32 norm per
-  row. bf16/fp16 tensors are first widened to float32 :data:`CONVERT_CHUNK` elements at a time
-  into one reused 4 MiB buffer (``vector_norm(..., dtype=torch.float32)`` would allocate a
-  float32 copy of the whole tensor). Each tensor's row norms, and its partial last row as is,
-  are then normed with float64 accumulation: one foreach op for all of them (no float64 copy of
-  the rows).
+* **CPU float32/bf16/fp16, tensors of at most** :data:`WHOLE_NUMEL` **elements**: copied
+  (widened) by one ``_foreach_copy_`` into zero-padded, row-aligned slots of one persistent
+  float32 pack buffer (at most :data:`PACK_NUMEL` elements; beyond it, one float64-accumulating
+  foreach op), normed there as rows of :data:`ROW_NUMEL`.
+* **CPU float32/bf16/fp16, larger dense tensors**: read in place as rows of :data:`ROW_NUMEL`
+  elements through one ``as_strided`` view (no copy); ``linalg.vector_norm(..., dim=1, out=)``
+  writes one float32 norm per row into the plan's norms vector. The partial last row gets a
+  pack slot. bf16/fp16 tensors are first widened to float32 :data:`CONVERT_CHUNK` elements at
+  a time into one reused 4 MiB buffer (``vector_norm(..., dtype=torch.float32)`` would allocate
+  a float32 copy of the whole tensor).
   A float32 partial sum over 512 elements keeps the relative error below 5e-7 even for
   constant gradients (measured: 4.7e-7 worst case over 47 constants at 2^24 elements; PyTorch's
   vectorized reduction keeps many partial sums per row), where one float32 sum over the whole
   tensor is off by up to 8e-4. Rows of 256 are slightly more exact (2.6e-7) but on this CPU the
   reduction over 256-element rows runs 1.3x slower than over 512 (10.2 vs 7.7 ms per 48M).
+* **Per-tensor sums**: all row norms of a bucket are squared in float64 and summed per tensor
+  by one sparse-CSR matrix-vector product built with the plan: three ops per bucket, whatever
+  the number of tensors.
 * **Repair (CPU only)**: float32 squares overflow for |g| > 1.8e19 and underflow for
   |g| < 1e-19. A tensor whose fast squared norm is non-finite or below :data:`TINY_NORM`^2 is
   recomputed exactly in float64, in chunks of :data:`RECOMPUTE_CHUNK` elements (bounded
