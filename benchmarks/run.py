@@ -10,6 +10,7 @@ machine) hits all of them alike.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -451,6 +452,7 @@ def _dist_measure(spec: dict[str, Any], kind: str, steps: int) -> dict[str, Any]
                       collective_timeout_seconds=120)
     watch = GradWatch(model, cfg)
     floor_group = dist.new_group()
+    waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-waiter")
     floor_buffer = torch.zeros(watch._reducer.layout.packed_length, dtype=torch.float64)
     gen = torch.Generator().manual_seed(10 + rank)
     x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 1, generator=gen)
@@ -469,7 +471,7 @@ def _dist_measure(spec: dict[str, Any], kind: str, steps: int) -> dict[str, Any]
         if pending is not None and mode == "collect+result":
             pending.result()  # all of gradwatch's work on the training thread
         if work is not None:
-            work.wait()
+            waiter.submit(work.wait)  # awaited off the training thread, like `collect`'s
 
     for i in range(2 * len(BLOCK)):
         step(i, BLOCK[i % len(BLOCK)])
@@ -490,6 +492,7 @@ def _dist_measure(spec: dict[str, Any], kind: str, steps: int) -> dict[str, Any]
     with OpCounter() as ops:
         watch.collect(10_001).result()
     watch.close()
+    waiter.shutdown()
     return {
         "model": spec["label"], "n_params": n_params, "kind": kind,
         "n_tensors": len(watch.parameter_names), "parallelism": watch.parallelism,
@@ -1078,7 +1081,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         "`result()` after `optimizer.step()` on the training thread (all of gradwatch's work "
         "in the step, the worst case); and two floors without gradwatch, which any monitor "
         "meeting issue 3 pays: one async all-reduce of a vector as long as gradwatch's packed "
-        "one, on a group of its own, awaited after `optimizer.step()`, and one read of every "
+        "one, on a group of its own, awaited by another thread (as `collect`'s is by the "
+        "exporter thread), and one read of every "
         "gradient (`torch.nn.utils.get_total_norm`, no host read). Overhead = median over "
         "blocks of (with / without - 1); "
         "its spread is the interquartile range over blocks. Collectives and bytes per step "

@@ -395,3 +395,28 @@ def test_plan_follows_stride_changes_at_equal_shape() -> None:
         assert t.shape == (600, 500)
         sq = engine.squared_norms([t, torch.randn(300, generator=gen)])
         assert rel_err(math.sqrt(float(sq[0])), ref_norm([t])) <= REL
+
+
+@pytest.mark.parametrize("csr_min_rows", [1, 1 << 30])
+def test_row_sums_by_csr_and_by_index_add(
+    monkeypatch: pytest.MonkeyPatch, csr_min_rows: int
+) -> None:
+    """Both ways of summing row norms per tensor (sparse CSR matvec for many rows, index_add_
+    for few) give the exact norms, across buckets and with partial rows."""
+    import gradwatch.stats as stats
+
+    monkeypatch.setattr(stats, "CSR_MIN_ROWS", csr_min_rows)
+    gen = torch.Generator().manual_seed(22)
+    ts = [
+        torch.randn(300_001, generator=gen),
+        torch.randn(70, generator=gen),
+        torch.randn(700, 300, generator=gen).to(torch.bfloat16),
+        torch.randn(5000, generator=gen).to(torch.float16),
+    ]
+    engine = NormEngine()
+    sq = engine.squared_norms(ts)
+    plan = engine.last_plan
+    assert plan is not None
+    assert all((b.sum_rows is not None) == (csr_min_rows == 1) for b in plan.buckets)
+    for i, t in enumerate(ts):
+        assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
