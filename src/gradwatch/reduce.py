@@ -342,6 +342,8 @@ class Reducer:
         self._staged_tail = self._staging[2 * n_local :]
         self._contributes = contrib.to(dev)
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
+        self._allreduce_options = dist.AllreduceOptions()
+        self._allreduce_options.reduceOp = dist.ReduceOp.SUM
         step_at = torch.tensor([3 * n + lay.replicas])
         self._scatter = torch.cat([to_global, to_global + n, to_global + 2 * n, step_at]).to(dev)
         self._slot_local = local_idx[slot >= 0].to(dev)
@@ -370,7 +372,10 @@ class Reducer:
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
         work = None
         if self.group is not None:
-            work = dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            # The process group's own method: the same c10d op as dist.all_reduce without its
+            # Python checks (61 vs 105 us per call measured here on gloo), all of which hold
+            # by construction (one dense float64 tensor, a group this rank belongs to).
+            work = self.group.allreduce([packed], self._allreduce_options)
         return ReducedVector(packed, work, self.timeout, step)
 
     def close(self) -> None:
