@@ -420,3 +420,16 @@ def test_row_sums_by_csr_and_by_index_add(
     assert all((b.sum_rows is not None) == (csr_min_rows == 1) for b in plan.buckets)
     for i, t in enumerate(ts):
         assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
+
+
+def test_views_with_storage_offsets() -> None:
+    """Large tensors are read in place through ``as_strided`` from their own storage offset
+    (e.g. DDP's ``gradient_as_bucket_view`` gradients are slices of one flat bucket)."""
+    gen = torch.Generator().manual_seed(23)
+    flat = torch.randn(2_000_003, generator=gen)
+    ts = [flat[100_001:900_000], flat[900_000:900_100], flat[900_100:1_700_333].view(-1, 7)]
+    engine = NormEngine()
+    for _ in range(2):
+        sq = engine.squared_norms(ts)
+        for i, t in enumerate(ts):
+            assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
