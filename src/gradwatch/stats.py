@@ -300,13 +300,16 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
 
 def _segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor:
     """Sparse CSR ``M`` (n x len(owner)) with ``M[owner[j], j] = 1``: ``M @ v`` sums ``v``'s
-    entries per owner in float64, one op. Measured here on 100K rows: 75 us, against 340 us
+    entries per owner in float64, one op. Measured here on 100K rows: 59 us, against 340 us
     for ``index_add_`` and 200 us for ``segment_reduce``; but its fixed cost, about 100 us
     inside a DDP step (cold caches), makes ``index_add_`` the faster under
     :data:`CSR_MIN_ROWS` rows."""
     owners = torch.tensor(owner, dtype=torch.long)
-    columns = torch.argsort(owners, stable=True)
-    crow = torch.zeros(n + 1, dtype=torch.long)
+    # 32-bit indices when they fit: half the index memory (the matrix is persistent, one entry
+    # per row of 512 elements) and faster (59 vs 75 us on 100K rows here).
+    index = torch.int32 if len(owner) < 2**31 else torch.long
+    columns = torch.argsort(owners, stable=True).to(index)
+    crow = torch.zeros(n + 1, dtype=index)
     crow[1:] = torch.cumsum(torch.bincount(owners, minlength=n), 0)
     ones = torch.ones(len(owner), dtype=torch.float64)
     with warnings.catch_warnings():
