@@ -2,6 +2,16 @@
 
 A :class:`Snapshot` holds plain Python numbers only (no tensors), so it can be handed to the
 exporter thread, pickled, logged as JSON and compared in tests without touching a device.
+
+It also owns the *classification of a step*, the one definition every consumer uses (the
+Prometheus counters, the demo's summary, ``gradwatch top`` and ``gradwatch plot``):
+
+* :attr:`Snapshot.nonfinite_step`: some gradient held NaN/Inf, and AMP did not skip the step;
+* :attr:`Snapshot.amp_skipped`: the GradScaler found NaN/Inf and skips the optimizer step;
+* :attr:`Snapshot.exploding_step`: some parameter is exploding (non-finite ones included).
+
+History records are ``Snapshot.to_dict()`` lines: classify them with ``Snapshot.from_dict``.
+This module imports no torch.
 """
 
 from __future__ import annotations
@@ -93,6 +103,18 @@ class Snapshot:
     def is_finite(self) -> bool:
         """True when no gradient held NaN or Inf."""
         return math.isfinite(self.global_norm) and not self.nonfinite_params
+
+    @property
+    def nonfinite_step(self) -> bool:
+        """A *non-finite step*: some gradient held NaN or Inf and the step was not AMP-skipped
+        (an AMP-skipped step is the scaler working as designed, counted apart)."""
+        return not self.is_finite and not self.amp_skipped
+
+    @property
+    def exploding_step(self) -> bool:
+        """An *exploding step*: some parameter's gradient norm exceeded
+        ``exploding_threshold`` or was non-finite (so every non-finite step is exploding too)."""
+        return self.exploding > 0
 
     @property
     def exploding(self) -> int:
