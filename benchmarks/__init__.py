@@ -1,0 +1,11 @@
+"""gradwatch's benchmarks: ``python benchmarks/run.py --out docs/performance.md`` (``make bench``).
+
+* :mod:`benchmarks.cases`: what is measured: the gradient and model workloads, the compared
+  ways to get a total norm, the kinds of distributed step, the targets, the run plans.
+* :mod:`benchmarks.results`: what a run found, as typed values (no torch).
+* :mod:`benchmarks.measure`: timing (interleaved rounds, medians, quartiles), op counts, and the
+  single-process measurements.
+* :mod:`benchmarks.distributed`: the multi-process measurements and their spawned workers.
+* :mod:`benchmarks.report`: the markdown of docs/performance.md, from the results alone.
+* :mod:`benchmarks.run`: the command line.
+"""

@@ -1,0 +1,317 @@
+"""The multi-process measurements: 2 ranks, gloo, CPU, spawned, one thread per rank.
+
+* :func:`overhead`: the step time of DDP and FSDP2 jobs without gradwatch, with it, and with
+  two floors that any monitor pays (one all-reduce of gradwatch's payload, one read of every
+  gradient), in palindromic blocks so a linear drift cancels within a block.
+* :func:`scrapers_during_training`: the step time of a DDP job while scrapers hammer rank 0's
+  endpoint, in alternating windows with and without them.
+
+The workers run in spawned processes, which import this module by name (``benchmarks`` must be
+on ``sys.path``, which spawn passes on); rank 0 hands its results back through a file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pickle
+import socket
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.cases import (
+    SCRAPERS_TARGET,
+    WRAPPERS,
+    ModelSpec,
+    ScrapersPlan,
+    build_model,
+    demo_net,
+    wrap,
+)
+from benchmarks.results import (
+    CollectiveCount,
+    DistributedCase,
+    DistributedFailure,
+    ScrapersResult,
+    StepMode,
+    Timing,
+)
+from gradwatch.testing import OpCounter
+
+WORLD = 2
+#: One block: each mode twice, palindromic, so a linear drift cancels within a block.
+BLOCK = (*StepMode, *reversed(StepMode))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+
+
+# -- step overhead ----------------------------------------------------------------------------
+
+
+def _measure(spec: ModelSpec, wrapper: str, steps: int) -> DistributedCase:
+    """One model under one wrapper, on this rank (the caller keeps rank 0's)."""
+    import torch.distributed as dist
+
+    from gradwatch import GradWatch, WatchConfig
+
+    torch.manual_seed(0)
+    model, width, batch = build_model(spec)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model = wrap(model, wrapper)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    rank = dist.get_rank()
+    # As deployed: rank 0 serves the endpoint, and its exporter thread materializes results.
+    cfg = WatchConfig(port=0 if rank == 0 else None, bind_address="127.0.0.1",
+                      collective_timeout_seconds=120)
+    watch = GradWatch(model, cfg)
+    gen = torch.Generator().manual_seed(10 + rank)
+    x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 1, generator=gen)
+
+    def backward() -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+
+    # gradwatch's own collectives and payload, from one collect+result; the second one is
+    # counted (the first may set up gradwatch's process group). The all-reduce floor reduces a
+    # float64 vector of that payload on a group of its own.
+    backward()
+    watch.collect(0).result()
+    with OpCounter() as ops:
+        watch.collect(1).result()
+    own = CollectiveCount(ops.collectives, ops.collective_bytes)
+    floor_group = dist.new_group()
+    floor_buffer = torch.zeros(max(1, own.bytes // 8), dtype=torch.float64)
+    waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-waiter")
+    call_times: list[float] = []  # the collect() call on the training thread
+
+    def step(i: int, mode: StepMode) -> None:
+        backward()
+        pending = None
+        if mode in (StepMode.COLLECT, StepMode.COLLECT_RESULT):
+            started = time.perf_counter()
+            pending = watch.collect(i)
+            call_times.append(time.perf_counter() - started)
+        work = None
+        if mode is StepMode.FLOOR_ALL_REDUCE:
+            work = dist.all_reduce(floor_buffer.clone(), group=floor_group, async_op=True)
+        elif mode is StepMode.FLOOR_READ:
+            torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None])
+        opt.step()
+        if pending is not None and mode is StepMode.COLLECT_RESULT:
+            pending.result()  # all of gradwatch's work on the training thread
+        if work is not None:
+            waiter.submit(work.wait)  # awaited off the training thread, like `collect`'s
+
+    for i in range(2 * len(BLOCK)):  # warm-up
+        step(10 + i, BLOCK[i % len(BLOCK)])
+    times: dict[StepMode, list[float]] = {m: [] for m in StepMode}
+    blocks = max(1, steps // len(BLOCK))
+    for i in range(blocks * len(BLOCK)):
+        mode = BLOCK[i % len(BLOCK)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(100 + i, mode)
+        times[mode].append(time.perf_counter() - t0)
+    counted = {}
+    for mode in (StepMode.PLAIN, StepMode.COLLECT_RESULT):
+        dist.barrier()
+        with OpCounter() as ops:
+            step(10_000, mode)
+        counted[mode] = CollectiveCount(ops.collectives, ops.collective_bytes)
+    watch.close()
+    waiter.shutdown()
+    return DistributedCase(
+        wrapper=wrapper, model=spec.label, n_params=n_params,
+        n_tensors=len(watch.parameter_names),
+        step_times={m: tuple(ts) for m, ts in times.items()},
+        counts_plain=counted[StepMode.PLAIN], counts_watched=counted[StepMode.COLLECT_RESULT],
+        gradwatch_counts=own, collect_call=Timing.of(call_times))
+
+
+def _overhead_worker(rank: int, port: int, wrapper: str, specs: Sequence[ModelSpec],
+                     steps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    _init(rank, port)
+    try:
+        found = [_measure(spec, wrapper, spec.steps_for(wrapper, steps)) for spec in specs]
+        if rank == 0:
+            Path(out).write_bytes(pickle.dumps(found))
+    finally:
+        dist.destroy_process_group()
+
+
+def overhead(specs: Sequence[ModelSpec], steps: dict[str, int],
+             wrappers: Sequence[str] = WRAPPERS) -> list[DistributedCase | DistributedFailure]:
+    """Every model under every wrapper; a wrapper whose job fails is reported, not raised."""
+    import torch.multiprocessing as mp
+
+    out: list[DistributedCase | DistributedFailure] = []
+    for wrapper in wrappers:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "out.pickle")
+            try:
+                mp.spawn(_overhead_worker,
+                         args=(_free_port(), wrapper, list(specs), steps[wrapper], path),
+                         nprocs=WORLD, join=True)
+                # our own child wrote it, into our own temporary directory
+                out += pickle.loads(Path(path).read_bytes())
+            except Exception as exc:  # report, don't lose the other sections
+                out.append(DistributedFailure(wrapper, f"{type(exc).__name__}: {exc}"))
+    return out
+
+
+# -- scrapers during training -----------------------------------------------------------------
+
+
+def _scrape_worker(rank: int, port: int, tmp: str) -> None:
+    """Trains the demo model under DDP, ``collect`` every step, until rank 0 sees ``stop``;
+    rank 0 serves the endpoint and writes each step's (start, end) monotonic stamps."""
+    import torch.distributed as dist
+
+    _init(rank, port)
+    try:
+        from gradwatch import GradWatch, WatchConfig
+
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(demo_net(), find_unused_parameters=True)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        cfg = WatchConfig(port=0 if rank == 0 else None, bind_address="127.0.0.1",
+                          param_metrics_top_k=50, collective_timeout_seconds=120)
+        watch = GradWatch(model, cfg)
+        if rank == 0:
+            Path(tmp, "url.tmp").write_text(str(watch.metrics_url))
+            os.replace(Path(tmp, "url.tmp"), Path(tmp, "url"))
+        gen = torch.Generator().manual_seed(10 + rank)
+        x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 1, generator=gen)
+        stamps: list[tuple[float, float]] = []
+        stop_file = Path(tmp, "stop")
+        i = 0
+        while True:
+            if i % 20 == 0:  # agree on stopping (outside the timed steps)
+                flag = torch.tensor([float(rank == 0 and stop_file.exists())])
+                dist.all_reduce(flag)
+                if flag.item() > 0 or i > 2_000_000:
+                    break
+            t0 = time.monotonic()
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            watch.collect(i)  # rank 0's exporter thread materializes and publishes it
+            opt.step()
+            stamps.append((t0, time.monotonic()))
+            i += 1
+        watch.close()
+        if rank == 0:
+            Path(tmp, "steps.json").write_text(json.dumps(stamps))
+    finally:
+        dist.destroy_process_group()
+
+
+class _Scrapers:
+    """``n`` client threads GETting ``url`` back to back, tallying what they got."""
+
+    def __init__(self, url: str, n: int) -> None:
+        self.url = url
+        self.n = n
+        self.served = 0
+        self.refused = 0  # 503s and failed requests
+        self.latencies: list[float] = []
+        self._lock = threading.Lock()
+
+    def run_for(self, seconds: float) -> None:
+        stop = threading.Event()
+        threads = [threading.Thread(target=self._loop, args=(stop,), daemon=True)
+                   for _ in range(self.n)]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=30) as resp:
+                    resp.read()
+                ok = True
+            except OSError:  # urllib's HTTPError (a 503 included) is one too
+                ok = False
+            with self._lock:
+                if ok:
+                    self.served += 1
+                    self.latencies.append(time.monotonic() - t)
+                else:
+                    self.refused += 1
+
+
+def scrapers_during_training(plan: ScrapersPlan) -> ScrapersResult:
+    """Step time of a 2-rank DDP job while ``plan.n_scrapers`` clients GET the endpoint back to
+    back, alternating windows with and without scrapers (``plan.cycles`` of each)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_scrape_worker, args=(_free_port(), tmp), nprocs=WORLD,
+                                 join=False, start_method="spawn")
+        try:
+            deadline = time.monotonic() + 120
+            while not Path(tmp, "url").exists():
+                if time.monotonic() > deadline or not all(p.is_alive() for p in ctx.processes):
+                    raise RuntimeError("the training job did not start")
+                time.sleep(0.05)
+            scrapers = _Scrapers(Path(tmp, "url").read_text(), plan.n_scrapers)
+            time.sleep(1.0)  # warm-up steps
+            windows: list[tuple[bool, float, float]] = []  # (with scrapers, start, end)
+            client_cpu = 0.0
+            for k in range(2 * plan.cycles):
+                t0, cpu0 = time.monotonic(), time.process_time()
+                if k % 2 == 0:
+                    time.sleep(plan.seconds_per_window)
+                else:
+                    scrapers.run_for(plan.seconds_per_window)
+                    client_cpu += time.process_time() - cpu0
+                windows.append((k % 2 == 1, t0, time.monotonic()))
+            Path(tmp, "stop").touch()
+            ctx.join(timeout=120)
+            stamps = json.loads(Path(tmp, "steps.json").read_text())
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+    # A step counts when it lies wholly inside a window (a window with scrapers lasts until
+    # the last in-flight scrape returns).
+    steps: dict[bool, list[float]] = {False: [], True: []}
+    for s0, s1 in stamps:
+        for scraped, w0, w1 in windows:
+            if w0 <= s0 and s1 <= w1:
+                steps[scraped].append(s1 - s0)
+                break
+    return ScrapersResult(
+        n_scrapers=plan.n_scrapers, cycles=plan.cycles,
+        seconds_with=sum(w1 - w0 for scraped, w0, w1 in windows if scraped),
+        without=Timing.of(steps[False]), with_scrapers=Timing.of(steps[True]),
+        served=scrapers.served, refused=scrapers.refused,
+        latency=Timing.of(scrapers.latencies) if scrapers.latencies else None,
+        client_cpu_seconds=client_cpu, target=SCRAPERS_TARGET)

@@ -1,0 +1,352 @@
+"""What a benchmark run found, as typed values: the measurements feed them, the report reads them.
+
+The vocabulary lives here too (:class:`NormMethod`, :class:`StepMode`, :class:`Target`), because
+results are keyed by it. Plain Python, no torch: the report renders from these values alone, and
+the spawned distributed workers pickle theirs back to the parent.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class NormMethod(Enum):
+    """The compared ways to get the total gradient norm of a model as a Python float."""
+
+    GRADWATCH = "gradwatch collect()+result()"
+    GET_TOTAL_NORM = "get_total_norm(...).item()"
+    #: bf16 only: PyTorch's own float32-output norm, the fair baseline for gradwatch's bf16 path
+    FOREACH_NORM_F32 = "_foreach_norm(dtype=f32)+stack+item"
+    ITEM_LOOP = "per-parameter .item() loop"
+    FLOAT64_COPIES = "float64 copies + _foreach_norm"
+    LIGHTNING = "Lightning grad_norm(model) dict"
+    #: the read limit (no norm): one read of every gradient byte, two ways; the faster counts
+    READ_SUM = "sum over each tensor"
+    READ_FOREACH_MAX = "_foreach_max over the tensors"
+
+    @property
+    def is_read_limit(self) -> bool:
+        return self in (NormMethod.READ_SUM, NormMethod.READ_FOREACH_MAX)
+
+
+class StepMode(Enum):
+    """The kinds of training step timed against each other in the distributed benchmark."""
+
+    PLAIN = "plain"
+    COLLECT = "collect"
+    COLLECT_RESULT = "collect+result"
+    #: floor: one async all-reduce of a vector as long as gradwatch's packed one, nothing else
+    FLOOR_ALL_REDUCE = "all-reduce"
+    #: floor: one read of every gradient (``get_total_norm``, no host read), nothing else
+    FLOOR_READ = "read"
+
+    @property
+    def is_floor(self) -> bool:
+        return self in (StepMode.FLOOR_ALL_REDUCE, StepMode.FLOOR_READ)
+
+    @property
+    def watched(self) -> str:
+        """How gradwatch runs in this step, as the targets and notes phrase it."""
+        if self is StepMode.COLLECT:
+            return "`collect` only"
+        if self is StepMode.COLLECT_RESULT:
+            return "`collect`+`result()` on the training thread"
+        return "without gradwatch"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A stated bound on a measured value: ``<= 1.25x``, ``>= 10x``, ``<= +3%``."""
+
+    limit: float
+    unit: str  # "x" (a time ratio) or "%" (extra time)
+    at_most: bool = True
+
+    def met(self, value: float) -> bool:
+        return value <= self.limit if self.at_most else value >= self.limit
+
+    def __str__(self) -> str:
+        sign = "+" if self.unit == "%" else ""
+        return f"{'<=' if self.at_most else '>='} {sign}{self.limit:g}{self.unit}"
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    """One row of the targets table: a measured value against its target."""
+
+    area: str
+    subject: str
+    target: Target
+    value: float
+    shown: str  # the measured value as the table prints it (with its spread when it has one)
+
+    @property
+    def met(self) -> bool:
+        return self.target.met(self.value)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall times in seconds of repeated calls, and their median and quartiles."""
+
+    samples: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Timing:
+        if not samples:
+            raise ValueError("a timing needs at least one sample")
+        return cls(tuple(samples))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def quartiles(self) -> tuple[float, float]:
+        """(p25, p75); a single sample is both."""
+        if len(self.samples) < 2:
+            return self.samples[0], self.samples[0]
+        q = statistics.quantiles(self.samples, n=4, method="inclusive")
+        return q[0], q[2]
+
+    @property
+    def p90(self) -> float:
+        if len(self.samples) < 2:
+            return self.samples[0]
+        return statistics.quantiles(self.samples, n=10)[-1]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What one untimed call dispatched: host reads, aten ops, and its largest allocation."""
+
+    host_syncs: int
+    ops: int
+    largest_bytes: int
+
+
+@dataclass(frozen=True)
+class CollectiveCount:
+    """c10d collectives of one step and their payload (largest tensor argument of each)."""
+
+    collectives: int
+    bytes: int
+
+
+# -- single process ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    """One compared method on one set of gradients."""
+
+    method: NormMethod
+    timing: Timing
+    rel_error: float | None  # against a float64 reference; None for the read limit (no norm)
+    counts: Counts | None = None
+
+
+@dataclass(frozen=True)
+class NormCaseResult:
+    """Every compared method on the same gradients, timed in the same interleaved rounds."""
+
+    label: str  # e.g. "1000 x, 10M float32"
+    n_tensors: int
+    total_elements: int
+    dtype: str
+    nbytes: int
+    methods: tuple[MethodResult, ...]
+    rounds: int
+
+    def get(self, method: NormMethod) -> MethodResult:
+        for m in self.methods:
+            if m.method is method:
+                return m
+        raise KeyError(method)
+
+    def median(self, method: NormMethod) -> float:
+        return self.get(method).timing.median
+
+    @property
+    def read_limit(self) -> MethodResult:
+        """The faster of the two ways to read every gradient byte once."""
+        return min((m for m in self.methods if m.method.is_read_limit),
+                   key=lambda m: m.timing.median)
+
+    def speedup(self, slower: NormMethod, than: NormMethod = NormMethod.GRADWATCH) -> float:
+        """How many times faster ``than`` ran than ``slower`` (median over median)."""
+        return self.median(slower) / self.median(than)
+
+
+@dataclass(frozen=True)
+class MixedSizesResult:
+    """gradwatch against its target baseline on 48 large + 200 small tensors, one dtype."""
+
+    case: NormCaseResult
+    baseline: NormMethod
+    target: Target
+
+    @property
+    def ratio(self) -> float:
+        return self.case.median(NormMethod.GRADWATCH) / self.case.median(self.baseline)
+
+
+@dataclass(frozen=True)
+class ClipVariant:
+    """One way of clipping, timed against ``torch.nn.utils.clip_grad_norm_``."""
+
+    name: str
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class ClipAccuracy:
+    """Relative error of the returned total norm against a float64 reference."""
+
+    n_tensors: int
+    tensor_elements: int
+    torch_error: float
+    gradwatch_error: float
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    dtype: str
+    torch_clip: Timing
+    variants: tuple[ClipVariant, ...]
+    accuracy: ClipAccuracy
+    target: Target
+
+    def extra_pct(self, variant: ClipVariant) -> float:
+        return (variant.timing.median / self.torch_clip.median - 1) * 100
+
+
+@dataclass(frozen=True)
+class ScrapeLatencyResult:
+    """Scrapes of a single-process endpoint: one that renders a new step, two cached."""
+
+    n_params: int
+    top_k: int
+    collect: Timing
+    render: Timing
+    cached: Timing
+    body_bytes: int
+
+    @property
+    def scrapes(self) -> int:
+        return len(self.render) + len(self.cached)
+
+
+# -- distributed ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Extra step time of a step mode over plain steps, in percent: the median and quartiles
+    over blocks of ``(sum of its two steps) / (sum of the two plain steps) - 1``."""
+
+    median_pct: float
+    p25_pct: float
+    p75_pct: float
+
+
+@dataclass(frozen=True)
+class DistributedCase:
+    """Rank 0's measurements of one model under one wrapper (2 ranks)."""
+
+    wrapper: str  # "ddp" or "fsdp2"
+    model: str
+    n_params: int
+    n_tensors: int
+    #: per-step seconds of each mode, in the order they ran (pairs within blocks matter)
+    step_times: dict[StepMode, tuple[float, ...]]
+    counts_plain: CollectiveCount
+    counts_watched: CollectiveCount
+    gradwatch_counts: CollectiveCount  # of one collect()+result() alone
+    collect_call: Timing  # the collect() call on the training thread
+
+    def timing(self, mode: StepMode) -> Timing:
+        return Timing.of(self.step_times[mode])
+
+    @property
+    def steps(self) -> int:
+        return sum(len(t) for t in self.step_times.values())
+
+    def overhead(self, mode: StepMode) -> Overhead:
+        plain, other = self.step_times[StepMode.PLAIN], self.step_times[mode]
+        paired = Timing.of([
+            (other[2 * k] + other[2 * k + 1]) / (plain[2 * k] + plain[2 * k + 1]) - 1
+            for k in range(min(len(plain), len(other)) // 2)
+        ])
+        p25, p75 = paired.quartiles
+        return Overhead(paired.median * 100, p25 * 100, p75 * 100)
+
+    def extra_ms(self, mode: StepMode) -> float:
+        """Median step time over the plain steps' median, in milliseconds."""
+        return (self.timing(mode).median - self.timing(StepMode.PLAIN).median) * 1e3
+
+
+@dataclass(frozen=True)
+class DistributedFailure:
+    """A wrapper whose run failed: reported, so the other sections are not lost."""
+
+    wrapper: str
+    error: str
+
+
+@dataclass(frozen=True)
+class ScrapersResult:
+    """Step times of a 2-rank DDP job in windows with and without scrapers."""
+
+    n_scrapers: int
+    cycles: int
+    seconds_with: float  # total length of the windows with scrapers
+    without: Timing
+    with_scrapers: Timing
+    served: int
+    refused: int  # 503s and failed requests
+    latency: Timing | None  # of the served scrapes
+    client_cpu_seconds: float
+    target: Target
+
+    @property
+    def slowdown_pct(self) -> float:
+        return (self.with_scrapers.median / self.without.median - 1) * 100
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A section that raised: its message stands in for its table."""
+
+    error: str
+
+
+# -- a whole run ------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResults:
+    """Everything one run measured, and how it ran (filled section by section)."""
+
+    command: str
+    rounds: tuple[int, int]
+    norm_cases: list[NormCaseResult] = field(default_factory=list)
+    mixed: list[MixedSizesResult] = field(default_factory=list)
+    clipping: list[ClipResult] = field(default_factory=list)
+    scrape_latency: list[ScrapeLatencyResult] = field(default_factory=list)
+    distributed: list[DistributedCase | DistributedFailure] | None = None  # None: skipped
+    scrapers: ScrapersResult | Failure | None = None  # None: skipped
+    cuda_device: str | None = None  # None: no GPU
+    cuda_cases: list[NormCaseResult] = field(default_factory=list)
+    demo_model: str = ""  # the demo model's size, as the distributed section describes it
+    section_seconds: dict[str, float] = field(default_factory=dict)
+    total_seconds: float = 0.0
+    load_start: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    machine: str = ""
