@@ -72,6 +72,11 @@ def split_sizes(n_tensors: int, total: int) -> list[int]:
     return sizes
 
 
+def mixed_label(big: int) -> str:
+    """How the report names :func:`mixed_sizes`."""
+    return f"48 x {big / 1e6:g}M + 200 small"
+
+
 def mixed_sizes(big: int) -> list[int]:
     """48 tensors of ``big`` elements and 200 small ones (16-4,096 elements): a transformer's
     weight matrices and its biases and norms."""

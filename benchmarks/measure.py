@@ -27,6 +27,7 @@ from benchmarks.cases import (
     gradient_bytes,
     make_grads,
     mixed_baseline,
+    mixed_label,
     mixed_sizes,
     norm_methods,
     scrape_rate,
@@ -157,7 +158,7 @@ def mixed(rounds: tuple[int, int], budget_s: float, big: int) -> list[MixedSizes
         baseline, target = mixed_baseline(dtype)
         case = _norm_case(grads, dtype_name(dtype), rounds, budget_s, with_counts=False,
                           read_limit=False)
-        out.append(MixedSizesResult(case, baseline, target))
+        out.append(MixedSizesResult(case, mixed_label(big), baseline, target))
     return out
 
 

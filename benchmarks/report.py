@@ -228,7 +228,7 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
     for m in run.mixed:
         short = "fp32" if m.case.dtype == "float32" else "bf16"
         checks.append(TargetCheck(
-            "norm cost", f"{short} 48 x 1M + 200 small: {GW} {m.target} {m.baseline.value}",
+            "norm cost", f"{short} {m.sizes}: {GW} {m.target} {m.baseline.value}",
             m.target, m.ratio, f"{m.ratio:.3f}x"))
     for case in run.norm_cases:
         if case.n_tensors == ITEM_LOOP_PARAMS:
@@ -442,7 +442,7 @@ CPU_NOTES_TEXT = (
 )
 
 CLIPPING_TEXT = (
-    "Same 48 x 1M + 200 small gradients; `max_norm` = 1e9, so both multiply every gradient "
+    "Same {sizes} gradients; `max_norm` = 1e9, so both multiply every gradient "
     "by exactly 1 (both scale unconditionally) and the gradients are unchanged between "
     "calls. `watch.clip_grad_norm_` computes the exact per-parameter norms, the total and "
     "the clipping in one pass; its snapshot is built lazily (by the exporter thread when an "
@@ -492,6 +492,7 @@ def render(run: RunResults) -> str:
                      "`torch.cuda.synchronize()` after each call.\n\n"
                      + per_collect_table(run.cuda_cases))
     mixed_rounds = run.mixed[0].case.rounds if run.mixed else "?"
+    sizes = run.mixed[0].sizes if run.mixed else "48 x 1M + 200 small"
     scrape_params = run.scrape_latency[0].n_params if run.scrape_latency else "?"
     targets = " and ".join(f"{'fp32' if m.case.dtype == 'float32' else 'bf16'}: {GW} "
                            f"{m.target} {m.baseline.value}" for m in run.mixed)
@@ -509,14 +510,14 @@ def render(run: RunResults) -> str:
         "## Per-collect cost (one process, one thread)\n",
         PER_COLLECT_TEXT.format(rounds=f"{run.rounds[0]}-{run.rounds[1]}"),
         per_collect_table(run.norm_cases) + "\n",
-        "## Mixed sizes: 48 x 1M + 200 small tensors (16-4,096 elements), one thread\n",
+        f"## Mixed sizes: {sizes} tensors (16-4,096 elements), one thread\n",
         f"Targets: {targets}. Same methods as above, {mixed_rounds} interleaved rounds; the "
         "spread is the interquartile range of the per-call times.\n",
         mixed_table(run.mixed) + "\n",
         "## `.item()` loops and float64 copies on CPU\n",
         CPU_NOTES_TEXT,
         "## Clipping (one process, one thread, CPU)\n",
-        CLIPPING_TEXT,
+        CLIPPING_TEXT.format(sizes=sizes),
         clipping_tables(run.clipping) + "\n",
         "## Distributed (2 ranks, gloo, CPU, spawn, 1 thread per rank)\n",
         DISTRIBUTED_TEXT.format(demo=run.demo_model),

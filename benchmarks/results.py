@@ -189,6 +189,7 @@ class MixedSizesResult:
     """gradwatch against its target baseline on 48 large + 200 small tensors, one dtype."""
 
     case: NormCaseResult
+    sizes: str  # e.g. "48 x 1M + 200 small"
     baseline: NormMethod
     target: Target
 

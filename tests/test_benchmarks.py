@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The harness is the `benchmarks` package at the repository root. Spawned distributed workers
 # import it by name: the root must be on sys.path, which spawn passes to its children.
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))
 
 from benchmarks import cases, distributed, report  # noqa: E402
 from benchmarks.results import (  # noqa: E402
