@@ -22,7 +22,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -91,6 +91,9 @@ class Publishing:
             gradwatch's Collector; None without an endpoint.
     """
 
+    #: Refuse a configuration without ``port`` (:class:`MetricsServer`).
+    _must_serve: ClassVar[bool] = False
+
     def __init__(
         self,
         cfg: WatchConfig,
@@ -99,6 +102,10 @@ class Publishing:
         parallelism: str,
         sinks: Sequence[Sink] = (),
     ) -> None:
+        if self._must_serve and cfg.port is None:
+            raise ValueError(
+                f"gradwatch: {type(self).__name__} needs a port (WatchConfig.port is None)"
+            )
         self._stats = SelfStats()
         self._state: PublishedState | None = None
         self._http: HTTPEndpoint | None = None
@@ -198,17 +205,7 @@ class MetricsServer(Publishing):
     publisher (tools and tests that show a given snapshot).
     """
 
-    def __init__(
-        self,
-        cfg: WatchConfig,
-        *,
-        world_size: int,
-        parallelism: str,
-        sinks: Sequence[Sink] = (),
-    ) -> None:
-        if cfg.port is None:
-            raise ValueError("gradwatch: MetricsServer needs a port (WatchConfig.port is None)")
-        super().__init__(cfg, world_size=world_size, parallelism=parallelism, sinks=sinks)
+    _must_serve = True
 
     def publish(self, snapshot: Snapshot) -> None:
         """Publish ``snapshot`` on the endpoint now, in the caller's thread.
