@@ -37,7 +37,7 @@ RUNBOOK = ROOT / "docs" / "runbook.md"
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 GEN_K8S = ROOT / "scripts" / "gen_k8s_rules.py"
 
-#: The exporter's metric names (the contract of the exporter issue), as PromQL sees them.
+#: The exporter's metric names (the contract of docs/metrics.md), as PromQL sees them.
 CONTRACT_METRICS = frozenset(
     {
         # gauges
@@ -72,7 +72,7 @@ CONTRACT_METRICS = frozenset(
     }
 )
 
-#: Alerts the issue requires (at least), with their severity and whether they need a `for`.
+#: Alerts the deployment must ship (at least), with their severity and whether they need a `for`.
 REQUIRED_ALERTS = {
     "GradwatchNonFiniteGradients": ("critical", False),
     "GradwatchExplodingGradients": ("warning", True),
@@ -448,7 +448,7 @@ def test_dashboard_panels_do_not_overlap() -> None:
                 cells[(x, y)] = panel["title"]
 
 
-def test_dashboard_covers_the_issue() -> None:
+def test_dashboard_shows_every_key_metric_with_log_norms_ratio_bands_and_annotations() -> None:
     board = dashboard()
     by_metric: dict[str, list[dict[str, Any]]] = {}
     for panel in board["panels"]:

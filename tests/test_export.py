@@ -41,11 +41,17 @@ from gradwatch.export import (
     METRICS_BY_NAME,
     PROMETHEUS_USER_AGENT,
     SCRAPE_BURST,
+    MetricSource,
     MetricsServer,
-    _RateLimit,
+    Publishing,
+    Sink,
     metrics_reference_markdown,
+    open_publishing,
     select_param_series,
 )
+from gradwatch.export.http import RateLimit
+from gradwatch.export.state import Counts, SelfStats, snapshot_samples
+from gradwatch.history import HistoryWriter
 from gradwatch.snapshot import GroupStats, Snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,7 +203,7 @@ def rich_snapshot(step: int = 7) -> Snapshot:
 
 
 def expected_gauges(snap: Snapshot, ratio_pairs: dict[str, tuple[str, str]]) -> Samples:
-    """What the exposition must show for ``snap``, written out independently of export.py."""
+    """What the exposition must show for ``snap``, written out independently of gradwatch.export."""
 
     def per_group(attr: str) -> dict[Labels, float]:
         return {(("group", g),): float(getattr(s, attr)) for g, s in snap.groups.items()}
@@ -804,7 +810,7 @@ def test_cached_exposition_is_never_stale(servers: Callable[..., MetricsServer])
 
 
 def test_rate_limit_grants_bursts_then_spaces_and_refuses_long_waits() -> None:
-    limit = _RateLimit(rate=10.0, burst=3, max_wait=0.45)
+    limit = RateLimit(rate=10.0, burst=3, max_wait=0.45)
     waits = [limit.reserve() for _ in range(9)]
     assert waits[:3] == [0.0, 0.0, 0.0]
     for i, expected in enumerate((0.1, 0.2, 0.3, 0.4), start=3):
@@ -983,25 +989,305 @@ def test_promtool_check_metrics_reports_nothing(
 def test_docs_metrics_md_is_generated_from_the_code() -> None:
     doc = ROOT / "docs" / "metrics.md"
     assert doc.read_text() == metrics_reference_markdown(), (
-        "docs/metrics.md is out of date: run `python -m gradwatch.export --markdown > "
-        "docs/metrics.md`"
+        "docs/metrics.md is out of date: run `python scripts/gen_metrics_docs.py`"
     )
     for d in METRICS:  # every metric, type and label is in the table
         labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
         assert f"| `{d.name}` | {d.type} | {labels} |" in doc.read_text()
 
 
-def test_markdown_entry_point() -> None:
+def test_markdown_entry_point(tmp_path: Path) -> None:
+    """scripts/gen_metrics_docs.py prints, writes and checks the generated reference."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradwatch.export", "--markdown"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "gen_metrics_docs.py"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    proc = run("--output", "-")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == metrics_reference_markdown()
+    out = tmp_path / "metrics.md"
+    assert run("--check", "--output", str(out)).returncode == 1  # missing: out of date
+    assert run("--output", str(out)).returncode == 0
+    assert out.read_text() == metrics_reference_markdown()
+    assert run("--check", "--output", str(out)).returncode == 0
+    assert run("--check").returncode == 0, "docs/metrics.md is out of date"
+
+
+# -- the catalog's sources and the Sink protocol ---------------------------------------------------
+
+
+def test_every_metric_names_the_source_that_provides_it() -> None:
+    """Each source provides exactly the metrics the catalog assigns to it, no more."""
+    by_source = {source: {d.name for d in METRICS if d.source is source} for source in MetricSource}
+    assert all(isinstance(d.source, MetricSource) for d in METRICS)
+    assert set().union(*by_source.values()) == set(METRICS_BY_NAME)
+    snap = rich_snapshot()  # clip_coef set: every snapshot metric present
+    assert set(snapshot_samples(snap, {}, top_k=3)) == by_source[MetricSource.SNAPSHOT]
+    assert set(Counts().samples()) == by_source[MetricSource.COUNTS]
+    assert set(SelfStats().view().samples()) == by_source[MetricSource.SELF_STATS]
+    assert by_source[MetricSource.INFO] == {"gradwatch_build_info", "gradwatch_run_info"}
+    assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.SNAPSHOT]} == {"gauge"}
+    assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.COUNTS]} == {"counter"}
+
+
+def test_counts_use_the_snapshots_step_classification() -> None:
+    """The counters add Snapshot.nonfinite_step / amp_skipped / exploding_step, nothing else."""
+    nan_step = Snapshot(
+        step=1, global_norm=math.nan, nonfinite_params=("a",), groups={"x": GroupStats(exploding=1)}
+    )
+    cases = [
+        Snapshot(step=0, global_norm=1.0),
+        nan_step,
+        nan_step.replace(amp_skipped=True),
+        Snapshot(step=3, global_norm=math.inf),
+        Snapshot(step=4, groups={"x": GroupStats(norm=1e9, exploding=2)}),
+    ]
+    counts = Counts()
+    for snap in cases:
+        counts = counts.after(snap)
+    assert counts.collections == len(cases)
+    assert counts.nonfinite_steps == sum(s.nonfinite_step for s in cases) == 2
+    assert counts.amp_skipped_steps == sum(s.amp_skipped for s in cases) == 1
+    assert counts.exploding_steps == sum(s.exploding_step for s in cases) == 3
+
+
+#: The exposition of the fixed sequence in the test below, recorded before the exporter became
+#: a package: a refactoring of the exporter must leave it byte for byte identical.
+GOLDEN_EXPOSITION = """\
+# HELP gradwatch_step Training step of the last published snapshot.
+# TYPE gradwatch_step gauge
+gradwatch_step 7.0
+# HELP gradwatch_last_collect_timestamp_seconds Wall-clock time (Unix seconds) of the collect() call of the last published snapshot.
+# TYPE gradwatch_last_collect_timestamp_seconds gauge
+gradwatch_last_collect_timestamp_seconds 1.700000000123456e+09
+# HELP gradwatch_global_grad_norm L2 norm of all gradients of the whole model at the last published step.
+# TYPE gradwatch_global_grad_norm gauge
+gradwatch_global_grad_norm NaN
+# HELP gradwatch_grad_norm L2 norm of the gradients of one parameter group at the last published step.
+# TYPE gradwatch_grad_norm gauge
+gradwatch_grad_norm{group="host"} 1.2345678901234567
+gradwatch_grad_norm{group="seed"} +Inf
+gradwatch_grad_norm{group="stem"} 5e-324
+gradwatch_grad_norm{group="other"} 0.30000000000000004
+# HELP gradwatch_grad_norm_ratio Normalized gradient-norm ratio of two groups: (n_norm/sqrt(n_numel)) / (d_norm/sqrt(d_numel) + 1e-8).
+# TYPE gradwatch_grad_norm_ratio gauge
+gradwatch_grad_norm_ratio{denominator="host",numerator="seed"} NaN
+gradwatch_grad_norm_ratio{denominator="other",numerator="host"} -Inf
+# HELP gradwatch_group_parameters Number of gradient elements (numel) of the group's parameters that had a gradient.
+# TYPE gradwatch_group_parameters gauge
+gradwatch_group_parameters{group="host"} 123457.0
+gradwatch_group_parameters{group="seed"} 3.0
+gradwatch_group_parameters{group="stem"} 17.0
+gradwatch_group_parameters{group="other"} 9.0
+# HELP gradwatch_vanishing_tensors Parameters of the group whose gradient L2 norm is below vanishing_threshold.
+# TYPE gradwatch_vanishing_tensors gauge
+gradwatch_vanishing_tensors{group="host"} 1.0
+gradwatch_vanishing_tensors{group="seed"} 0.0
+gradwatch_vanishing_tensors{group="stem"} 1.0
+gradwatch_vanishing_tensors{group="other"} 0.0
+# HELP gradwatch_exploding_tensors Parameters of the group whose gradient L2 norm is above exploding_threshold or non-finite.
+# TYPE gradwatch_exploding_tensors gauge
+gradwatch_exploding_tensors{group="host"} 0.0
+gradwatch_exploding_tensors{group="seed"} 1.0
+gradwatch_exploding_tensors{group="stem"} 0.0
+gradwatch_exploding_tensors{group="other"} 0.0
+# HELP gradwatch_nonfinite_tensors Parameters of the group whose gradient holds NaN or Inf.
+# TYPE gradwatch_nonfinite_tensors gauge
+gradwatch_nonfinite_tensors{group="host"} 0.0
+gradwatch_nonfinite_tensors{group="seed"} 1.0
+gradwatch_nonfinite_tensors{group="stem"} 0.0
+gradwatch_nonfinite_tensors{group="other"} 0.0
+# HELP gradwatch_health_score Gradient health in [0, 1]: clamp(1 - 0.5*vanishing/n - 0.8*exploding/n); 0 when the global norm is non-finite.
+# TYPE gradwatch_health_score gauge
+gradwatch_health_score 0.12345678901234568
+# HELP gradwatch_isolation_violated 1 when an isolated group's gradient norm exceeds isolation_threshold (or is non-finite) at the last published step, else 0.
+# TYPE gradwatch_isolation_violated gauge
+gradwatch_isolation_violated{group="stem"} 1.0
+# HELP gradwatch_replica_divergence Relative spread (max - min) / max of the data-parallel replicas' global norms at the last measurement.
+# TYPE gradwatch_replica_divergence gauge
+gradwatch_replica_divergence 2.220446049250313e-16
+# HELP gradwatch_clip_coef Clip coefficient min(1, max_norm / (norm + 1e-6)) applied by GradWatch.clip_grad_norm_ at the last published step.
+# TYPE gradwatch_clip_coef gauge
+gradwatch_clip_coef 0.123456789
+# HELP gradwatch_param_grad_norm Gradient L2 norm of one parameter: the param_metrics_top_k largest finite norms plus every non-finite one.
+# TYPE gradwatch_param_grad_norm gauge
+gradwatch_param_grad_norm{param="seed.w"} +Inf
+gradwatch_param_grad_norm{param="backbone.0.weight"} 1.0000000000000002
+gradwatch_param_grad_norm{param="backbone.0.bias"} 0.5
+gradwatch_param_grad_norm{param="head.w"} 0.30000000000000004
+# HELP gradwatch_collections_total Snapshots published (collected steps that reached the exporter).
+# TYPE gradwatch_collections_total counter
+gradwatch_collections_total 2.0
+# HELP gradwatch_nonfinite_steps_total Published snapshots with a NaN or Inf gradient, except steps the AMP GradScaler skipped.
+# TYPE gradwatch_nonfinite_steps_total counter
+gradwatch_nonfinite_steps_total 1.0
+# HELP gradwatch_amp_skipped_steps_total Published snapshots of steps the AMP GradScaler skipped (non-finite gradients under loss scaling).
+# TYPE gradwatch_amp_skipped_steps_total counter
+gradwatch_amp_skipped_steps_total 0.0
+# HELP gradwatch_exploding_steps_total Published snapshots with at least one exploding parameter (non-finite ones included).
+# TYPE gradwatch_exploding_steps_total counter
+gradwatch_exploding_steps_total 2.0
+# HELP gradwatch_isolation_violations_total Published snapshots in which the isolated group violated isolation.
+# TYPE gradwatch_isolation_violations_total counter
+gradwatch_isolation_violations_total{group="stem"} 2.0
+# HELP gradwatch_publish_errors_total Collected steps that failed to materialize or publish (logged once per kind).
+# TYPE gradwatch_publish_errors_total counter
+gradwatch_publish_errors_total 1.0
+# HELP gradwatch_dropped_snapshots_total Collected steps never published because publishing fell behind.
+# TYPE gradwatch_dropped_snapshots_total counter
+gradwatch_dropped_snapshots_total 0.0
+# HELP gradwatch_collect_seconds Time the training thread spent in GradWatch.collect() (gradwatch's self-cost).
+# TYPE gradwatch_collect_seconds histogram
+gradwatch_collect_seconds_bucket{le="0.0001"} 1.0
+gradwatch_collect_seconds_bucket{le="0.00025"} 1.0
+gradwatch_collect_seconds_bucket{le="0.0005"} 1.0
+gradwatch_collect_seconds_bucket{le="0.001"} 1.0
+gradwatch_collect_seconds_bucket{le="0.0025"} 1.0
+gradwatch_collect_seconds_bucket{le="0.005"} 2.0
+gradwatch_collect_seconds_bucket{le="0.01"} 2.0
+gradwatch_collect_seconds_bucket{le="0.025"} 2.0
+gradwatch_collect_seconds_bucket{le="0.05"} 2.0
+gradwatch_collect_seconds_bucket{le="0.1"} 2.0
+gradwatch_collect_seconds_bucket{le="0.25"} 3.0
+gradwatch_collect_seconds_bucket{le="0.5"} 3.0
+gradwatch_collect_seconds_bucket{le="1.0"} 3.0
+gradwatch_collect_seconds_bucket{le="2.5"} 3.0
+gradwatch_collect_seconds_bucket{le="+Inf"} 4.0
+gradwatch_collect_seconds_count 4.0
+gradwatch_collect_seconds_sum 7.20305
+# HELP gradwatch_build_info Versions of gradwatch and torch in the job (value 1).
+# TYPE gradwatch_build_info gauge
+gradwatch_build_info{torch_version="TORCH",version="GRADWATCH"} 1.0
+# HELP gradwatch_run_info World size and detected parallelism of the job (value 1).
+# TYPE gradwatch_run_info gauge
+gradwatch_run_info{parallelism="replicated2",world_size="2"} 1.0
+"""  # noqa: E501
+
+
+def test_collector_output_is_unchanged_on_a_fixed_snapshot(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    import gradwatch
+
+    server = servers(config(param_metrics_top_k=3))
+    server.publish(uniform_snapshot(3))
+    server.publish(rich_snapshot(7))
+    for seconds in (0.00005, 0.003, 0.2, 7.0):
+        server.observe_collect_seconds(seconds)
+    server.submit(Failing(8, ValueError("boom")))
+    assert server.flush(10)
+    assert server.registry is not None
+    text = generate_latest(server.registry).decode()
+    text = text.replace(f'version="{gradwatch.__version__}"', 'version="GRADWATCH"')
+    text = text.replace(f'torch_version="{torch.__version__}"', 'torch_version="TORCH"')
+    assert text == GOLDEN_EXPOSITION
+
+
+class Recorder:
+    """A user sink: records what it receives, from which thread, and its close."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.threads: set[str] = set()
+        self.closed_after: int | None = None
+
+    def write(self, snapshot: Snapshot) -> None:
+        assert self.closed_after is None, "written after close"
+        self.steps.append(snapshot.step)
+        self.threads.add(threading.current_thread().name)
+
+    def close(self) -> None:
+        assert self.closed_after is None, "closed twice"
+        self.closed_after = len(self.steps)
+
+
+class Broken:
+    """A user sink that always raises (no ``action``: the log names its class)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def write(self, snapshot: Snapshot) -> None:
+        self.calls += 1
+        raise RuntimeError("sink is broken")
+
+
+def test_open_publishing_only_when_there_is_something_to_feed(tmp_path: Path) -> None:
+    kwargs: dict[str, Any] = {"world_size": 1, "parallelism": "single"}
+    assert open_publishing(WatchConfig(), **kwargs) is None
+    with open_publishing(WatchConfig(history_path=tmp_path / "h.jsonl"), **kwargs) as pub:
+        assert pub is not None and pub.url is None and pub.registry is None
+        assert [type(s) for s in pub.sinks] == [HistoryWriter]
+        assert isinstance(pub.sinks[0], Sink)
+    with open_publishing(WatchConfig(), extra_sinks=[Recorder()], **kwargs) as pub:
+        assert pub is not None and pub.url is None
+    with open_publishing(config(), extra_sinks=[Recorder()], **kwargs) as pub:
+        assert pub is not None and pub.url is not None and pub.url.endswith("/metrics")
+        assert [type(s).__name__ for s in pub.sinks] == ["PublishedState", "Recorder"]
+
+
+def test_a_user_sink_receives_every_published_snapshot_then_is_closed() -> None:
+    recorder, late = Recorder(), Recorder()
+    pub = open_publishing(WatchConfig(), world_size=1, parallelism="single", extra_sinks=[recorder])
+    assert pub is not None
+    try:
+        for step in range(1, MAX_PENDING + 1):  # no more than MAX_PENDING: nothing dropped
+            pub.submit(Ready(uniform_snapshot(step)))
+        assert pub.flush(10)
+        pub.add_sink(late)
+        pub.submit(Ready(uniform_snapshot(MAX_PENDING + 1)))
+        assert pub.flush(10)
+    finally:
+        pub.close()
+    assert recorder.steps == list(range(1, MAX_PENDING + 2))
+    assert recorder.threads == {"gradwatch-publisher"}  # never the training thread
+    assert late.steps == [MAX_PENDING + 1]  # from the next published snapshot on
+    assert recorder.closed_after == len(recorder.steps) and late.closed_after == 1
+    pub.close()  # idempotent: sinks are closed once
+
+
+def test_a_failing_user_sink_is_counted_and_does_not_stop_other_sinks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="gradwatch.export")
+    broken, recorder = Broken(), Recorder()
+    server = MetricsServer(config(), world_size=1, parallelism="single", sinks=[broken, recorder])
+    try:
+        for step in (1, 2, 3):
+            server.submit(Ready(uniform_snapshot(step)))
+            assert server.flush(10)
+        samples = scrape(server)
+    finally:
+        server.close()
+    assert broken.calls == 3 and recorder.steps == [1, 2, 3]
+    assert value(samples, "gradwatch_publish_errors_total") == 3
+    assert value(samples, "gradwatch_step") == 3  # the endpoint's own sink went on too
+    assert value(samples, "gradwatch_collections_total") == 3
+    records = [r.getMessage() for r in caplog.records if r.name == "gradwatch.export"]
+    assert len(records) == 1, records  # logged once, counted every time
+    assert "could not hand Broken a collected step (RuntimeError: sink is broken)" in records[0]
+
+
+def test_a_sink_that_fails_to_close_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class BadClose(Recorder):
+        def close(self) -> None:
+            raise OSError("disk gone")
+
+    after = Recorder()
+    pub = Publishing(WatchConfig(), world_size=1, parallelism="single", sinks=[BadClose(), after])
+    with caplog.at_level(logging.WARNING, logger="gradwatch.export"):
+        pub.close()
+    assert after.closed_after == 0  # the next sink is still closed
+    assert any("disk gone" in r.getMessage() for r in caplog.records)

@@ -220,18 +220,20 @@ def test_gradwatch_writes_one_line_per_collected_step_without_port(tmp_path: Pat
     assert records[2]["nonfinite_params"] == ["seed.weight"]
 
 
-def test_history_written_by_the_publisher_thread_with_flush(tmp_path: Path) -> None:
+def test_history_written_by_the_publisher_thread_with_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "h.jsonl"
     model = Net()
     writers: set[str] = set()
-    watch = GradWatch(model, _config(path, every_n_steps=2))
-    original = watch._history.write
+    original = HistoryWriter.write
 
-    def spy(s: Snapshot) -> None:
+    def spy(self: HistoryWriter, s: Snapshot) -> None:
         writers.add(threading.current_thread().name)
-        original(s)
+        original(self, s)
 
-    watch._publisher._publisher._sinks = (("write the history of", spy),)
+    monkeypatch.setattr(HistoryWriter, "write", spy)
+    watch = GradWatch(model, _config(path, every_n_steps=2))
     try:
         for step in range(20):
             model.zero_grad()
@@ -255,7 +257,7 @@ def test_history_with_endpoint_and_errors_counted(
     with caplog.at_level(logging.WARNING, logger="gradwatch"), GradWatch(model, cfg) as watch:
         _train(watch, model, steps=3)  # training is unaffected
         assert watch.flush(10.0)
-        assert watch._server.published_step == 2  # the endpoint still publishes
+        assert watch._publishing.published_step == 2  # the endpoint still publishes
         body = _scrape(watch.metrics_url)
     assert "gradwatch_publish_errors_total 3.0" in body
     history_logs = [r for r in caplog.records if "write the history of" in r.getMessage()]
@@ -275,7 +277,7 @@ def test_history_path_and_port_on_the_same_publisher(tmp_path: Path) -> None:
 def test_no_history_no_port_starts_no_thread(tmp_path: Path) -> None:
     before = {t.name for t in threading.enumerate()}
     with GradWatch(Net(), WatchConfig()) as watch:
-        assert watch._publisher is None
+        assert watch._publishing is None
         assert "gradwatch-publisher" not in {t.name for t in threading.enumerate()} - before
         assert watch.flush() is True
 

@@ -14,8 +14,9 @@ The reader (:func:`read_history`) skips any line that is not a complete JSON obj
 line, or a torn line left in the middle by a crash followed by a restart) and reads ``path.1``
 first when asked to, so a plot spans the rotation.
 
-Inside a training job the writer is driven by the publisher thread (``GradWatch`` with
-``WatchConfig.history_path``), never by the training thread: see :mod:`gradwatch.export`.
+Inside a training job the writer is a :class:`~gradwatch.export.Sink` driven by the publisher
+thread (``GradWatch`` with ``WatchConfig.history_path``), never by the training thread: see
+:mod:`gradwatch.export.publishing`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _line(snapshot: Snapshot | dict[str, Any]) -> bytes:
 class HistoryWriter:
     """Appends snapshots as JSON lines to ``path``, rotating to ``path.1`` past ``max_bytes``.
 
-    Thread-safe. Two ways to write:
+    Thread-safe, and a :class:`~gradwatch.export.Sink` (``write``, ``action``, ``close``). Two
+    ways to write:
 
     * :meth:`write` raises the ``OSError`` of a failed write (the publisher thread uses it, so
       the failure is logged once and counted like any other publishing error);
@@ -63,6 +65,9 @@ class HistoryWriter:
     here and errors raise at once.
     """
 
+    #: Completes "could not ... a collected step" in the publisher's error log.
+    action = "write the history of"
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -73,7 +78,6 @@ class HistoryWriter:
         self.path = Path(path)
         self.max_bytes = int(max_bytes)
         self.last_error: OSError | None = None
-        self.lines_written = 0
         self._lock = threading.Lock()
         self._closed = False
         self._fh: Any = None
@@ -112,7 +116,6 @@ class HistoryWriter:
                     self._rotate()
                 self._fh.write(line)
                 self._fh.flush()
-                self.lines_written += 1
             except OSError as exc:
                 self.last_error = exc
                 self._discard_handle()  # reopen next time: isolates a half-written line

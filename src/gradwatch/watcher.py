@@ -253,9 +253,7 @@ class GradWatch:
         self._optimizer_steps = 0
         self._hooks: list[Any] = []
         self._closed = False
-        self._server: Any = None
-        self._publisher: Any = None  # what _guarded submits to: the server or a bare publisher
-        self._history: Any = None
+        self._publishing: Any = None  # gradwatch.export.Publishing on rank 0 (imported lazily)
         if self.rank == 0:
             self._start_publishing(cfg)
 
@@ -264,7 +262,7 @@ class GradWatch:
     @property
     def metrics_url(self) -> str | None:
         """``http://host:port/metrics`` on the serving rank, ``None`` elsewhere."""
-        return self._server.url if self._server is not None else None
+        return self._publishing.url if self._publishing is not None else None
 
     @property
     def last(self) -> Snapshot | None:
@@ -422,10 +420,9 @@ class GradWatch:
         if skipped:
             return self._pending_last(step), total
         self._latest = pending
-        if self._server is not None:
-            self._server.observe_collect_seconds(time.perf_counter() - started)
-        if self._publisher is not None:
-            self._publisher.submit(pending)
+        if self._publishing is not None:
+            self._publishing.observe_collect_seconds(time.perf_counter() - started)
+            self._publishing.submit(pending)
         return pending, total
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -434,9 +431,9 @@ class GradWatch:
         Only global rank 0 publishes; elsewhere, and with neither ``port`` nor
         ``history_path``, returns True at once. False on timeout or after :meth:`close`.
         """
-        if self._publisher is None:
+        if self._publishing is None:
             return not self._closed
-        return bool(self._publisher.flush(timeout))
+        return bool(self._publishing.flush(timeout))
 
     def close(self) -> None:
         """Flush and stop the endpoint and the history (bounded wait), release gradwatch's
@@ -448,11 +445,9 @@ class GradWatch:
             hook.remove()
         self._hooks.clear()
         try:
-            if self._publisher is not None:
-                self._publisher.close()  # flushes first: pending steps reach the history file
+            if self._publishing is not None:
+                self._publishing.close()  # flushes first: pending steps reach every sink
         finally:
-            if self._history is not None:
-                self._history.close()
             self._reducer.close()
 
     def __enter__(self) -> GradWatch:
@@ -464,27 +459,14 @@ class GradWatch:
     # -- internals ----------------------------------------------------------------------------
 
     def _start_publishing(self, cfg: WatchConfig) -> None:
-        """Global rank 0: the endpoint (``port``) and/or the history file (``history_path``).
+        """Global rank 0: the endpoint (``port``) and/or the history file (``history_path``),
+        fed by one publisher thread (:func:`gradwatch.export.open_publishing`), so the training
+        thread only ever queues a pending result."""
+        from gradwatch.export import open_publishing
 
-        Both are fed by one publisher thread, so the training thread only ever queues a pending
-        result. The history file is opened lazily by that thread: a slow or broken file system
-        can neither block construction nor raise into training (failed writes are logged once
-        and counted in ``gradwatch_publish_errors_total``).
-        """
-        from gradwatch.export import MetricsServer, Sink, SnapshotPublisher
-        from gradwatch.history import HistoryWriter
-
-        sinks: list[Sink] = []
-        if cfg.history_path is not None:
-            self._history = HistoryWriter(cfg.history_path, cfg.history_max_bytes, lazy=True)
-            sinks.append(("write the history of", self._history.write))
-        if cfg.port is not None:
-            self._server = MetricsServer(
-                cfg, world_size=self.world_size, parallelism=self.parallelism, sinks=sinks
-            )
-            self._publisher = self._server
-        elif sinks:
-            self._publisher = SnapshotPublisher(sinks)
+        self._publishing = open_publishing(
+            cfg, world_size=self.world_size, parallelism=self.parallelism
+        )
 
     def _group_of(self, name: str) -> str:
         for group, patterns in self.config.groups.items():

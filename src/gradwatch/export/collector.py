@@ -1,0 +1,123 @@
+"""The prometheus_client Collector: :data:`~gradwatch.export.metrics.METRICS` rendered from
+the published state, the self-stats and the job's constant info.
+
+A scrape reads the published :class:`~gradwatch.export.state.State` once (one immutable
+object: one step) and the self-stats once, then renders every metric of the catalog in order
+from the source its :class:`~gradwatch.export.metrics.MetricDef` names. A metric whose source
+holds no sample is absent, not zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from gradwatch.export.metrics import METRICS, MetricDef, MetricSource
+from gradwatch.export.state import HistogramValue, MetricValue, PublishedState, Sample, SelfStats
+
+__all__ = ["SnapshotCollector"]
+
+
+class SnapshotCollector:
+    """prometheus_client Collector over a :class:`PublishedState` and :class:`SelfStats`.
+
+    Thread-safe: the state may be replaced and the stats updated concurrently with any number
+    of :meth:`collect` calls; each works on one reading of each.
+    """
+
+    def __init__(
+        self, state: PublishedState, stats: SelfStats, *, world_size: int, parallelism: str
+    ) -> None:
+        self._state = state
+        self._stats = stats
+        info: dict[str, tuple[Sample, ...]] = {
+            "gradwatch_build_info": ((_build_labels(), 1.0),),
+            "gradwatch_run_info": (((str(world_size), str(parallelism)), 1.0),),
+        }
+        self._info: Mapping[str, MetricValue] = info
+
+    def version(self) -> tuple[int, int]:
+        """Changes whenever a scrape would show something new (a publish, a counter, a
+        histogram observation); equal versions render the same exposition."""
+        return self._state.current().version, self._stats.version
+
+    def describe(self) -> Iterator[Metric]:
+        """Names only, so a registry can refuse a second collector exporting the same ones."""
+        for d in METRICS:
+            yield _family(d)
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state.current()
+        sources: dict[MetricSource, Mapping[str, MetricValue]] = {
+            MetricSource.SNAPSHOT: state.samples,
+            MetricSource.COUNTS: state.count_samples,
+            MetricSource.SELF_STATS: self._stats.view().samples(),
+            MetricSource.INFO: self._info,
+        }
+        for d in METRICS:
+            value = sources[d.source].get(d.name)
+            if value:  # absent, not zero: nothing measured
+                yield _render(d, value)
+
+
+def _base(d: MetricDef) -> str:
+    """Family name as prometheus_client wants it (it appends _total / _info itself)."""
+    for suffix in ("_total", "_info"):
+        if d.name.endswith(suffix) and d.type in ("counter", "info"):
+            return d.name[: -len(suffix)]
+    return d.name
+
+
+def _family(d: MetricDef) -> Metric:
+    labels = list(d.labels)
+    if d.type == "gauge":
+        return GaugeMetricFamily(d.name, d.help, labels=labels)
+    if d.type == "counter":
+        return CounterMetricFamily(_base(d), d.help, labels=labels)
+    if d.type == "histogram":
+        return HistogramMetricFamily(d.name, d.help, labels=labels)
+    return InfoMetricFamily(_base(d), d.help, labels=labels)
+
+
+def _render(d: MetricDef, value: MetricValue) -> Metric:
+    if isinstance(value, HistogramValue):
+        return HistogramMetricFamily(
+            d.name, d.help, buckets=list(value.buckets), sum_value=value.sum
+        )
+    if d.type == "info":  # prometheus_client takes info labels as the value
+        family = InfoMetricFamily(_base(d), d.help)
+        for labels, _ in value:
+            family.add_metric([], dict(zip(d.labels, labels, strict=True)))
+        return family
+    family = _family(d)
+    for labels, v in value:
+        family.add_metric(labels, v)
+    return family
+
+
+def _build_labels() -> tuple[str, str]:
+    """``(version, torch_version)``, the labels of ``gradwatch_build_info``."""
+    try:  # lazily: gradwatch/__init__ defines __version__ before importing anything heavy
+        from gradwatch import __version__ as version
+    except ImportError:  # pragma: no cover - partial installs
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version("gradwatch")
+        except PackageNotFoundError:
+            version = "unknown"
+    try:
+        import torch
+
+        torch_version = str(torch.__version__)
+    except ImportError:  # pragma: no cover - gradwatch requires torch
+        torch_version = "unknown"
+    return str(version), torch_version

@@ -1,0 +1,280 @@
+"""The metric catalog: every name, type, label, HELP text and source gradwatch exports.
+
+The names are a contract (alert rules, the dashboard and outside checks rely on them), so they
+are declared once, here: the Collector renders exactly :data:`METRICS`, in order, and
+docs/metrics.md is generated from it (``python scripts/gen_metrics_docs.py``). Each
+:class:`MetricDef` names the *source* of its value (:class:`MetricSource`), so the Collector
+never decides by name where a value comes from.
+
+This module holds data only: no threads, no HTTP, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from prometheus_client.utils import floatToGoString
+
+from gradwatch.export.publisher import MAX_PENDING
+from gradwatch.export.state import COLLECT_SECONDS_BUCKETS, MAX_PARAM_SERIES
+
+__all__ = ["METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "MetricType"]
+
+MetricType = Literal["gauge", "counter", "histogram", "info"]
+
+
+class MetricSource(enum.Enum):
+    """Where the Collector reads a metric's samples (see :mod:`gradwatch.export.state`)."""
+
+    #: The last published snapshot (:class:`~gradwatch.export.state.State` samples); absent
+    #: before the first one, so a gauge never shows a zero that was not measured.
+    SNAPSHOT = "snapshot"
+    #: Running totals over published snapshots (:class:`~gradwatch.export.state.Counts`),
+    #: swapped together with the snapshot so a scrape never mixes two steps.
+    COUNTS = "counts"
+    #: The exporter's own counters (:class:`~gradwatch.export.state.SelfStats`): errors,
+    #: drops and the training thread's time in ``collect()``; not part of any step.
+    SELF_STATS = "self_stats"
+    #: Constant for the job's lifetime (versions, world size, parallelism).
+    INFO = "info"
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One exported metric: the single source of the Collector and of docs/metrics.md.
+
+    Attributes:
+        name: the exposed name (counters include ``_total``, info metrics ``_info``).
+        type: Prometheus type.
+        labels: label names, in order (histogram ``le`` not included).
+        help: the HELP text, one sentence.
+        notes: extra documentation for docs/metrics.md (when the series is absent, etc.).
+        source: where the Collector reads the samples.
+    """
+
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    help: str
+    notes: str = ""
+    source: MetricSource = field(kw_only=True)
+
+
+METRICS: tuple[MetricDef, ...] = (
+    # -- gauges of the last published snapshot (absent until the first one) --------------------
+    MetricDef(
+        "gradwatch_step",
+        "gauge",
+        (),
+        "Training step of the last published snapshot.",
+        "Absent until the first snapshot is published: gauges never show zeros that were "
+        "not measured.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_last_collect_timestamp_seconds",
+        "gauge",
+        (),
+        "Wall-clock time (Unix seconds) of the collect() call of the last published snapshot.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_global_grad_norm",
+        "gauge",
+        (),
+        "L2 norm of all gradients of the whole model at the last published step.",
+        "NaN or +Inf when a gradient holds NaN or Inf.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_grad_norm",
+        "gauge",
+        ("group",),
+        "L2 norm of the gradients of one parameter group at the last published step.",
+        "Configured groups always appear; `other` only when some parameter matched no pattern.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_grad_norm_ratio",
+        "gauge",
+        ("numerator", "denominator"),
+        "Normalized gradient-norm ratio of two groups: (n_norm/sqrt(n_numel)) / "
+        "(d_norm/sqrt(d_numel) + 1e-8).",
+        "One series per configured `ratios` pair; 0 when either norm is below 1e-8 or either "
+        "group has no gradient.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_group_parameters",
+        "gauge",
+        ("group",),
+        "Number of gradient elements (numel) of the group's parameters that had a gradient.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_vanishing_tensors",
+        "gauge",
+        ("group",),
+        "Parameters of the group whose gradient L2 norm is below vanishing_threshold.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_exploding_tensors",
+        "gauge",
+        ("group",),
+        "Parameters of the group whose gradient L2 norm is above exploding_threshold or "
+        "non-finite.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_nonfinite_tensors",
+        "gauge",
+        ("group",),
+        "Parameters of the group whose gradient holds NaN or Inf.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_health_score",
+        "gauge",
+        (),
+        "Gradient health in [0, 1]: clamp(1 - 0.5*vanishing/n - 0.8*exploding/n); 0 when the "
+        "global norm is non-finite.",
+        "n is the number of parameters with a gradient; 1 when no parameter has one.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_isolation_violated",
+        "gauge",
+        ("group",),
+        "1 when an isolated group's gradient norm exceeds isolation_threshold (or is "
+        "non-finite) at the last published step, else 0.",
+        "One series per `isolated` group.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_replica_divergence",
+        "gauge",
+        (),
+        "Relative spread (max - min) / max of the data-parallel replicas' global norms at the "
+        "last measurement.",
+        "Measured every `divergence_every` collected steps; between measurements the last "
+        "value is kept; 0 when identical or never measured.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_clip_coef",
+        "gauge",
+        (),
+        "Clip coefficient min(1, max_norm / (norm + 1e-6)) applied by "
+        "GradWatch.clip_grad_norm_ at the last published step.",
+        "Absent when the last published step was not clipped through gradwatch.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_param_grad_norm",
+        "gauge",
+        ("param",),
+        "Gradient L2 norm of one parameter: the param_metrics_top_k largest finite norms plus "
+        "every non-finite one.",
+        f"Only when `param_metrics_top_k` > 0. At most {MAX_PARAM_SERIES} series "
+        "(`MAX_PARAM_SERIES`): non-finite parameters first (by name), then the largest finite "
+        "norms (ties by name). Series come and go as the ranking changes.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    # -- counters of published snapshots -------------------------------------------------------
+    MetricDef(
+        "gradwatch_collections_total",
+        "counter",
+        (),
+        "Snapshots published (collected steps that reached the exporter).",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_nonfinite_steps_total",
+        "counter",
+        (),
+        "Published snapshots with a NaN or Inf gradient, except steps the AMP GradScaler skipped.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_amp_skipped_steps_total",
+        "counter",
+        (),
+        "Published snapshots of steps the AMP GradScaler skipped (non-finite gradients under "
+        "loss scaling).",
+        "Such a step is not counted in `gradwatch_nonfinite_steps_total`.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_exploding_steps_total",
+        "counter",
+        (),
+        "Published snapshots with at least one exploding parameter (non-finite ones included).",
+        "AMP-skipped steps count here too: their non-finite parameters are exploding by "
+        "definition.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_isolation_violations_total",
+        "counter",
+        ("group",),
+        "Published snapshots in which the isolated group violated isolation.",
+        "Starts at 0 for every configured `isolated` group.",
+        source=MetricSource.COUNTS,
+    ),
+    # -- the exporter itself -------------------------------------------------------------------
+    MetricDef(
+        "gradwatch_publish_errors_total",
+        "counter",
+        (),
+        "Collected steps that failed to materialize or publish (logged once per kind).",
+        "For example a `GradWatchTimeoutError` when another rank stopped calling collect(), "
+        "or an exception raised by a sink: a failed write to the history file "
+        "(`history_path`) or a sink you added (`Sink`, docs/integrations.md); each failing "
+        "sink counts once. Publishing continues with the other sinks and the next step.",
+        source=MetricSource.SELF_STATS,
+    ),
+    MetricDef(
+        "gradwatch_dropped_snapshots_total",
+        "counter",
+        (),
+        "Collected steps never published because publishing fell behind.",
+        f"At most {MAX_PENDING} pending steps (`MAX_PENDING`) wait for the publisher; a newer "
+        "one drops the oldest.",
+        source=MetricSource.SELF_STATS,
+    ),
+    MetricDef(
+        "gradwatch_collect_seconds",
+        "histogram",
+        (),
+        "Time the training thread spent in GradWatch.collect() (gradwatch's self-cost).",
+        "Bucket upper bounds (s): "
+        + ", ".join(floatToGoString(b) for b in COLLECT_SECONDS_BUCKETS)
+        + ", +Inf. Observed for every collected step, published or not.",
+        source=MetricSource.SELF_STATS,
+    ),
+    # -- constant info -------------------------------------------------------------------------
+    MetricDef(
+        "gradwatch_build_info",
+        "info",
+        ("version", "torch_version"),
+        "Versions of gradwatch and torch in the job (value 1).",
+        "Present from the first scrape, before any collection.",
+        source=MetricSource.INFO,
+    ),
+    MetricDef(
+        "gradwatch_run_info",
+        "info",
+        ("world_size", "parallelism"),
+        "World size and detected parallelism of the job (value 1).",
+        "`parallelism` is a short description such as `replicated2` or `fsdp2x2+tp2`. Present "
+        "from the first scrape.",
+        source=MetricSource.INFO,
+    ),
+)
+
+METRICS_BY_NAME: Mapping[str, MetricDef] = MappingProxyType({m.name: m for m in METRICS})

@@ -1,0 +1,251 @@
+"""What global rank 0 runs to publish: one publisher thread, its sinks, and the endpoint.
+
+:func:`open_publishing` is the watcher's one entry point. It builds a :class:`Publishing`:
+
+* with ``WatchConfig.port``: the endpoint, i.e. a sink (the
+  :class:`~gradwatch.export.state.PublishedState` a scrape reads) plus a server
+  (:class:`~gradwatch.export.http.HTTPEndpoint` serving the
+  :class:`~gradwatch.export.collector.SnapshotCollector`);
+* with ``WatchConfig.history_path``: the history file, a sink
+  (:class:`~gradwatch.history.HistoryWriter`, opened lazily by the publisher thread so a slow or
+  broken file system can neither block construction nor raise into training);
+* plus any user sink (:class:`~gradwatch.export.publisher.Sink`).
+
+All of them are fed by the same :class:`~gradwatch.export.publisher.Publisher` thread, so the
+training thread only ever queues a pending result. :class:`MetricsServer` is a
+:class:`Publishing` that must serve (the endpoint on its own, as tests and tools use it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Sequence
+from typing import ClassVar, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from gradwatch.config import WatchConfig
+from gradwatch.export.collector import SnapshotCollector
+from gradwatch.export.http import HTTPEndpoint
+from gradwatch.export.publisher import PendingLike, Publisher, Sink
+from gradwatch.export.state import PublishedState, SelfStats
+from gradwatch.snapshot import Snapshot
+
+__all__ = ["EXIT_CLOSE_TIMEOUT", "MetricsServer", "Publishing", "open_publishing"]
+
+# One logger for the whole exporter: users filter or silence "gradwatch.export".
+log = logging.getLogger("gradwatch.export")
+
+#: How long interpreter exit waits for the publisher and the HTTP server of a publishing nobody
+#: closed (a collective stuck on a dead peer must not hold the exit for minutes).
+EXIT_CLOSE_TIMEOUT = 2.0
+
+_P = TypeVar("_P", bound="Publishing")
+
+
+def open_publishing(
+    cfg: WatchConfig,
+    *,
+    world_size: int,
+    parallelism: str,
+    extra_sinks: Sequence[Sink] = (),
+) -> Publishing | None:
+    """The publishing of global rank 0: endpoint (``cfg.port``), history file
+    (``cfg.history_path``) and ``extra_sinks``, fed by one publisher thread.
+
+    None when there is nothing to feed (no port, no history path, no extra sink): then no
+    thread is started. Raises what binding the endpoint raises
+    (:class:`~gradwatch.errors.PortInUseError`, a TLS :class:`~gradwatch.errors.GradWatchError`).
+    """
+    from gradwatch.history import HistoryWriter
+
+    sinks: list[Sink] = []
+    if cfg.history_path is not None:
+        sinks.append(HistoryWriter(cfg.history_path, cfg.history_max_bytes, lazy=True))
+    sinks.extend(extra_sinks)
+    if cfg.port is None and not sinks:
+        return None
+    return Publishing(cfg, world_size=world_size, parallelism=parallelism, sinks=sinks)
+
+
+class Publishing:
+    """One publisher thread feeding ``sinks``, after the endpoint's state when ``cfg.port`` is set.
+
+    Three kinds of threads touch it: the **training thread** calls :meth:`submit` and
+    :meth:`observe_collect_seconds` (never block on the network or the device, never raise);
+    the **publisher thread** materializes each pending result and hands the snapshot to every
+    sink; **scrapes** (one thread per HTTP request) read the published state once, so a scrape
+    never shows half of one step and half of another. All public methods are thread-safe.
+
+    Construction binds the port in the caller's thread (0 = ephemeral). Unclosed publishings
+    are closed when collected and at interpreter exit (``weakref.finalize``, which holds no
+    reference to the object itself), within ``EXIT_CLOSE_TIMEOUT`` seconds.
+
+    Attributes:
+        url: ``http(s)://host:port/metrics`` (loopback when bound to all interfaces), or None
+            without an endpoint.
+        port: the bound TCP port (an ephemeral one resolved), or None.
+        registry: the endpoint's dedicated registry (no process/gc collectors), holding only
+            gradwatch's Collector; None without an endpoint.
+    """
+
+    #: Refuse a configuration without ``port`` (:class:`MetricsServer`).
+    _must_serve: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        cfg: WatchConfig,
+        *,
+        world_size: int,
+        parallelism: str,
+        sinks: Sequence[Sink] = (),
+    ) -> None:
+        if self._must_serve and cfg.port is None:
+            raise ValueError(
+                f"gradwatch: {type(self).__name__} needs a port (WatchConfig.port is None)"
+            )
+        self._stats = SelfStats()
+        self._state: PublishedState | None = None
+        self._http: HTTPEndpoint | None = None
+        self.url: str | None = None
+        self.port: int | None = None
+        self.registry: CollectorRegistry | None = None
+        if cfg.port is not None:
+            self._state = PublishedState(cfg)
+            collector = SnapshotCollector(
+                self._state, self._stats, world_size=world_size, parallelism=parallelism
+            )
+            self.registry = CollectorRegistry(auto_describe=False)
+            self.registry.register(collector)
+            self._http = HTTPEndpoint(cfg, self.registry, collector.version)
+            self.url, self.port = self._http.url, self._http.port
+        try:
+            first = () if self._state is None else (self._state,)
+            self._publisher = Publisher([*first, *sinks], self._stats)
+        except BaseException:
+            if self._http is not None:
+                self._http.close(0.0)  # a failed construction holds no port
+            raise
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._publisher, self._http, EXIT_CLOSE_TIMEOUT
+        )
+        if self.url is not None:
+            log.info("gradwatch: serving metrics at %s", self.url)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def sinks(self) -> tuple[Sink, ...]:
+        """Every sink, in the order they receive a snapshot (the endpoint's state first)."""
+        return self._publisher.sinks
+
+    @property
+    def published_step(self) -> int | None:
+        """Step of the last snapshot the endpoint shows; None before the first or without one."""
+        return self._state.published_step if self._state is not None else None
+
+    def add_sink(self, sink: Sink) -> None:
+        """Feed ``sink`` too, from the next published snapshot on; it is closed with the rest.
+
+        Ignored after :meth:`close`.
+        """
+        if not self.closed:
+            self._publisher.add_sink(sink)
+
+    def submit(self, pending: PendingLike) -> None:
+        """Queue a pending result for publication. Never blocks on it, never raises.
+
+        Beyond ``MAX_PENDING`` waiting results the oldest is dropped and counted. Ignored after
+        :meth:`close`.
+        """
+        try:
+            self._publisher.submit(pending)
+        except Exception:  # pragma: no cover - defensive: monitoring must not break training
+            log.debug("gradwatch: submit failed", exc_info=True)
+
+    def observe_collect_seconds(self, seconds: float) -> None:
+        """Record the training thread's time in one ``collect()`` call. Never raises."""
+        try:
+            self._stats.observe(float(seconds))
+        except Exception:  # pragma: no cover - defensive
+            log.debug("gradwatch: observe failed", exc_info=True)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything submitted so far reached every sink, failed or was dropped.
+
+        Returns False on timeout, or at once when closed.
+        """
+        return self._publisher.flush(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush (bounded), stop the publisher, stop serving and release the port, then close
+        every sink that has a ``close()``. Idempotent."""
+        if self._finalizer.detach() is not None:
+            _shutdown(self._publisher, self._http, timeout)
+
+    def __enter__(self: _P) -> _P:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"{type(self).__name__}(url={self.url!r}, sinks={len(self.sinks)}, {state})"
+
+
+class MetricsServer(Publishing):
+    """A :class:`Publishing` that must serve: ``cfg.port`` is required (0 = ephemeral).
+
+    :meth:`publish` puts a snapshot on the endpoint at once, in the caller's thread, without the
+    publisher (tools and tests that show a given snapshot).
+    """
+
+    _must_serve = True
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Publish ``snapshot`` on the endpoint now, in the caller's thread.
+
+        Raises what building the state raises (e.g. for a malformed snapshot).
+        """
+        assert self._state is not None  # a MetricsServer always serves
+        self._state.write(snapshot)
+
+
+def _shutdown(publisher: Publisher, http: HTTPEndpoint | None, timeout: float) -> None:
+    """Flush, stop the publisher, stop serving, close the sinks, within about ``timeout``.
+
+    Flushing first means no publisher thread is still inside ``pending.result()`` when the
+    caller tears the process group down right after, and every pending step reaches the sinks
+    before they are closed.
+    """
+    deadline = time.monotonic() + max(timeout, 0.0)
+    try:
+        publisher.flush(max(deadline - time.monotonic(), 0.0))
+        if not publisher.stop(max(deadline - time.monotonic(), 0.1)):
+            log.warning(
+                "gradwatch: the metrics publisher did not stop within %.1fs (a collective still "
+                "pending?); it is a daemon thread and is abandoned",
+                timeout,
+            )
+    finally:
+        try:
+            if http is not None:
+                http.close(max(deadline - time.monotonic(), 0.0))
+        finally:
+            _close_sinks(publisher.sinks)
+
+
+def _close_sinks(sinks: Sequence[Sink]) -> None:
+    for sink in sinks:
+        close = getattr(sink, "close", None)
+        if not callable(close):
+            continue
+        try:
+            close()
+        except Exception as exc:  # closing must not raise into training
+            log.warning("gradwatch: could not close the sink %r: %s", sink, exc)

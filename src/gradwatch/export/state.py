@@ -1,0 +1,285 @@
+"""What the endpoint shows: the published state (one step and the counts) and the self-stats.
+
+* :class:`PublishedState` is the endpoint's :class:`~gradwatch.export.publisher.Sink`: every
+  published snapshot is folded into a new immutable :class:`State` (every sample of every
+  snapshot-derived gauge and counter) that replaces the old one whole, so a scrape that reads
+  the state once never shows half of one step and half of another.
+* :class:`SelfStats` are the exporter's own counters (errors, drops, the training thread's time
+  in ``collect()``): not part of a step, so they live outside the state, under their own lock.
+
+Samples are keyed by the metric names of :data:`gradwatch.export.metrics.METRICS`, whose
+:class:`~gradwatch.export.metrics.MetricSource` says which of the two a metric reads. Steps are
+classified by :class:`~gradwatch.snapshot.Snapshot` (``nonfinite_step``, ``amp_skipped``,
+``exploding_step``), the one definition every consumer shares.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from prometheus_client.utils import floatToGoString
+
+from gradwatch.config import WatchConfig, ratio_key
+from gradwatch.snapshot import Snapshot
+
+#: At most this many ``gradwatch_param_grad_norm`` series per scrape, whatever
+#: ``param_metrics_top_k`` is and however many parameters are non-finite, so a 10,000-parameter
+#: model can never create 10,000 series.
+MAX_PARAM_SERIES = 200
+
+#: Upper bounds (seconds) of the ``gradwatch_collect_seconds`` buckets: collect() queues work
+#: and normally takes 0.1-10 ms; the upper buckets catch host syncs and pathological models.
+COLLECT_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+#: One sample: label values (in the order of ``MetricDef.labels``) and the value.
+Sample = tuple[tuple[str, ...], float]
+
+
+@dataclass(frozen=True)
+class HistogramValue:
+    """One unlabelled histogram: ``(le, cumulative count)`` per bucket (``+Inf`` last), sum."""
+
+    buckets: tuple[tuple[str, float], ...]
+    sum: float
+
+
+#: What a source holds for one metric: its samples, or a histogram.
+MetricValue = tuple[Sample, ...] | HistogramValue
+
+
+# -- published state ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Running totals over published snapshots (immutable: a new one per publish)."""
+
+    collections: int = 0
+    nonfinite_steps: int = 0
+    amp_skipped_steps: int = 0
+    exploding_steps: int = 0
+    isolation_violations: Mapping[str, int] = field(default_factory=dict)
+
+    def after(self, snap: Snapshot) -> Counts:
+        violations = dict(self.isolation_violations)
+        for group, violated in snap.isolation_violated.items():
+            violations[group] = violations.get(group, 0) + int(bool(violated))
+        return Counts(
+            collections=self.collections + 1,
+            nonfinite_steps=self.nonfinite_steps + int(snap.nonfinite_step),
+            amp_skipped_steps=self.amp_skipped_steps + int(snap.amp_skipped),
+            exploding_steps=self.exploding_steps + int(snap.exploding_step),
+            isolation_violations=MappingProxyType(violations),
+        )
+
+    def samples(self) -> dict[str, tuple[Sample, ...]]:
+        return {
+            "gradwatch_collections_total": (((), float(self.collections)),),
+            "gradwatch_nonfinite_steps_total": (((), float(self.nonfinite_steps)),),
+            "gradwatch_amp_skipped_steps_total": (((), float(self.amp_skipped_steps)),),
+            "gradwatch_exploding_steps_total": (((), float(self.exploding_steps)),),
+            "gradwatch_isolation_violations_total": tuple(
+                ((group,), float(n)) for group, n in self.isolation_violations.items()
+            ),
+        }
+
+
+@dataclass(frozen=True)
+class State:
+    """Everything one scrape shows about published snapshots. Never mutated: swapped whole.
+
+    Attributes:
+        counts: the running totals, and ``count_samples`` their samples.
+        samples: the samples of the last published snapshot (empty before the first).
+        step: its step (None before the first).
+        version: publishes so far: the key of the rendered-exposition cache.
+    """
+
+    counts: Counts
+    count_samples: Mapping[str, tuple[Sample, ...]]
+    samples: Mapping[str, tuple[Sample, ...]] = field(default_factory=dict)
+    step: int | None = None
+    version: int = 0
+
+
+def select_param_series(
+    snap: Snapshot, top_k: int, cap: int = MAX_PARAM_SERIES
+) -> list[tuple[str, float]]:
+    """The ``gradwatch_param_grad_norm`` series of ``snap``: ``(param, norm)`` pairs.
+
+    Every non-finite parameter (sorted by name) then the ``top_k`` largest finite norms (ties
+    by name), at most ``cap`` in all. ``top_k == 0`` disables the series entirely.
+    """
+    if top_k <= 0 or cap <= 0:
+        return []
+    norms = snap.param_norms
+    bad = set(snap.nonfinite_params) | {n for n, v in norms.items() if not math.isfinite(v)}
+    chosen = [(name, norms.get(name, math.nan)) for name in sorted(bad)][:cap]
+    room = min(top_k, cap - len(chosen))
+    if room > 0:
+        finite = [(n, v) for n, v in norms.items() if n not in bad]
+        finite.sort(key=lambda item: (-item[1], item[0]))
+        chosen.extend(finite[:room])
+    return chosen
+
+
+def snapshot_samples(
+    snap: Snapshot, ratio_labels: Mapping[str, tuple[str, str]], top_k: int
+) -> dict[str, tuple[Sample, ...]]:
+    """The samples of every ``MetricSource.SNAPSHOT`` metric for ``snap`` (absent: no key)."""
+    groups = snap.groups.items()
+    ratios = tuple(
+        (ratio_labels.get(key) or tuple(key.split("/", 1)), value)
+        for key, value in snap.ratios.items()
+    )
+    out: dict[str, tuple[Sample, ...]] = {
+        "gradwatch_step": (((), float(snap.step)),),
+        "gradwatch_last_collect_timestamp_seconds": (((), float(snap.timestamp)),),
+        "gradwatch_global_grad_norm": (((), float(snap.global_norm)),),
+        "gradwatch_grad_norm": tuple(((g,), float(s.norm)) for g, s in groups),
+        "gradwatch_grad_norm_ratio": tuple((labels, float(v)) for labels, v in ratios),
+        "gradwatch_group_parameters": tuple(((g,), float(s.numel)) for g, s in groups),
+        "gradwatch_vanishing_tensors": tuple(((g,), float(s.vanishing)) for g, s in groups),
+        "gradwatch_exploding_tensors": tuple(((g,), float(s.exploding)) for g, s in groups),
+        "gradwatch_nonfinite_tensors": tuple(((g,), float(s.nonfinite)) for g, s in groups),
+        "gradwatch_health_score": (((), float(snap.health)),),
+        "gradwatch_isolation_violated": tuple(
+            ((g,), 1.0 if v else 0.0) for g, v in snap.isolation_violated.items()
+        ),
+        "gradwatch_replica_divergence": (((), float(snap.replica_divergence)),),
+        "gradwatch_param_grad_norm": tuple(
+            ((name,), float(v)) for name, v in select_param_series(snap, top_k)
+        ),
+    }
+    if snap.clip_coef is not None:
+        out["gradwatch_clip_coef"] = (((), float(snap.clip_coef)),)
+    return out
+
+
+class PublishedState:
+    """The endpoint's sink: holds the current :class:`State`, replaced whole by :meth:`write`.
+
+    Thread-safe: :meth:`write` may run concurrently with any number of :meth:`current` calls;
+    a reader gets one immutable object and works on it only.
+    """
+
+    #: Completes "could not ... a collected step" in the publisher's error log.
+    action = "publish"
+
+    def __init__(self, cfg: WatchConfig) -> None:
+        self._ratio_labels = MappingProxyType(
+            {ratio_key(num, den): (num, den) for num, den in cfg.ratios}
+        )
+        self._top_k = cfg.param_metrics_top_k
+        # Counters start at 0 for every isolated group, so that increase() sees the first event.
+        counts = Counts(isolation_violations=MappingProxyType(dict.fromkeys(cfg.isolated, 0)))
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._state = State(counts=counts, count_samples=MappingProxyType(counts.samples()))
+
+    def current(self) -> State:
+        with self._lock:
+            return self._state
+
+    @property
+    def published_step(self) -> int | None:
+        """Step of the last published snapshot (None before the first)."""
+        return self.current().step
+
+    def write(self, snapshot: Snapshot) -> None:
+        """Fold ``snapshot`` into the counts and make it the state every later scrape sees.
+
+        The new state is built outside the readers' lock (sorting the top-k parameters of a
+        large model takes a while); writers are serialized so no count is lost. Raises what
+        building the state raises (e.g. for a malformed snapshot), leaving the state as it was.
+        """
+        with self._write_lock:
+            old = self._state
+            counts = old.counts.after(snapshot)
+            state = State(
+                counts=counts,
+                count_samples=MappingProxyType(counts.samples()),
+                samples=MappingProxyType(
+                    snapshot_samples(snapshot, self._ratio_labels, self._top_k)
+                ),
+                step=snapshot.step,
+                version=old.version + 1,
+            )
+            with self._lock:
+                self._state = state
+
+
+# -- the exporter's own counters --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SelfView:
+    """A consistent reading of :class:`SelfStats`."""
+
+    publish_errors: int
+    dropped: int
+    bucket_counts: tuple[int, ...]  # per bucket, not cumulative; last one is +Inf
+    seconds_sum: float
+
+    def samples(self) -> dict[str, MetricValue]:
+        """The samples of every ``MetricSource.SELF_STATS`` metric."""
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, n in zip((*COLLECT_SECONDS_BUCKETS, math.inf), self.bucket_counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(bound), float(cumulative)))
+        return {
+            "gradwatch_publish_errors_total": (((), float(self.publish_errors)),),
+            "gradwatch_dropped_snapshots_total": (((), float(self.dropped)),),
+            "gradwatch_collect_seconds": HistogramValue(tuple(buckets), self.seconds_sum),
+        }
+
+
+class SelfStats:
+    """Counters about the exporter itself, updated from the training and publisher threads.
+
+    They are not part of a step, so they live outside the published state and are read under
+    their own lock (each scrape sees them mutually consistent: the histogram's count equals its
+    +Inf bucket). The histogram is a hand-kept bucket array rather than a prometheus_client
+    ``Histogram`` so that the Collector emits it from the same table of definitions, and one
+    observation is one lock and one ``bisect`` on the training thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._publish_errors = 0
+        self._dropped = 0
+        self._buckets = [0] * (len(COLLECT_SECONDS_BUCKETS) + 1)
+        self._sum = 0.0
+        self.version = 0  # bumped by every change; read without the lock (an int load)
+
+    def observe(self, seconds: float) -> None:
+        if not seconds >= 0.0:  # NaN or negative: a clock oddity, not a measurement
+            return
+        # bisect_left: a value equal to a bound belongs to that bucket (le = "less or equal").
+        i = bisect.bisect_left(COLLECT_SECONDS_BUCKETS, seconds)
+        with self._lock:
+            self._buckets[i] += 1
+            self._sum += seconds
+            self.version += 1
+
+    def add_error(self) -> None:
+        with self._lock:
+            self._publish_errors += 1
+            self.version += 1
+
+    def add_dropped(self) -> None:
+        with self._lock:
+            self._dropped += 1
+            self.version += 1
+
+    def view(self) -> SelfView:
+        with self._lock:
+            return SelfView(self._publish_errors, self._dropped, tuple(self._buckets), self._sum)
