@@ -212,7 +212,7 @@ def construct(model: nn.Module, cfg: Any, **kwargs: Any) -> tuple[Any, int]:
 
 
 def clean(name: str) -> str:
-    from gradwatch.watcher import clean_name
+    from gradwatch.model import clean_name
 
     return clean_name(name)
 
@@ -534,7 +534,7 @@ def case_timeout_raise(rank: int, world: int) -> dict:
         def boom(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("simulated failure inside collect")
 
-        watch._engine.squared_norms = boom  # type: ignore[method-assign]
+        watch._engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
     t0 = time.monotonic()
     out: dict[str, Any] = {"error_type": None}
     pending = watch.collect(0)

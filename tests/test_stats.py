@@ -282,9 +282,9 @@ def test_engine_makes_no_gradient_sized_temporary() -> None:
         torch.randn(1100, 1000, generator=gen).to(torch.float16).t(),
     ]
     engine = NormEngine()
-    engine.squared_norms(ts)  # first call: the plan and the persistent widening buffer
-    plan = engine.last_plan
-    assert plan is not None and plan.scratch
+    # First call: the plan and the persistent widening buffer.
+    _, plan = engine.squared_norms_and_plan(ts)
+    assert plan.scratch
     assert max(s.numel() for s in plan.scratch.values()) <= CONVERT_CHUNK
     with OutputRecorder() as rec:
         sq = engine.squared_norms(ts)
@@ -414,9 +414,7 @@ def test_row_sums_by_csr_and_by_index_add(
         torch.randn(5000, generator=gen).to(torch.float16),
     ]
     engine = NormEngine()
-    sq = engine.squared_norms(ts)
-    plan = engine.last_plan
-    assert plan is not None
+    sq, plan = engine.squared_norms_and_plan(ts)
     assert all((b.sum_rows is not None) == (csr_min_rows == 1) for b in plan.buckets)
     for i, t in enumerate(ts):
         assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL

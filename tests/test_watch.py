@@ -15,7 +15,7 @@ from test_summary import ref_health, ref_ratio, ref_raw
 from torch import nn
 
 from gradwatch import GradWatch, UnsupportedParallelismError, WatchConfig
-from gradwatch.watcher import clean_name
+from gradwatch.model import clean_name
 
 REL = 1e-6
 
