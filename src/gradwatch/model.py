@@ -133,11 +133,17 @@ def wrapping_ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None
     the wrapper, so it is looked for among the garbage collector's live objects: one scan, at
     construction, only when nothing inside ``model`` already tells the parallelism.
     """
-    for obj in gc.get_objects():
-        if isinstance(obj, nn.parallel.DistributedDataParallel) and any(
-            m is model for m in obj.module.modules()
-        ):
-            return obj
+    objects = gc.get_objects()
+    # Classes first (a few hundred, against every live object): most processes hold no DDP at
+    # all. issubclass(), not isinstance(): DDP is an ABC (Joinable), whose instance check
+    # reads __class__, which some live objects (deprecated torch aliases) warn about.
+    ddp_types = {
+        t for t in set(map(type, objects)) if issubclass(t, nn.parallel.DistributedDataParallel)
+    }
+    if ddp_types:
+        for obj in objects:
+            if type(obj) in ddp_types and any(m is model for m in obj.module.modules()):
+                return obj
     return None
 
 

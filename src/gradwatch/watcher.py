@@ -104,7 +104,6 @@ class GradWatch:
         reject_fsdp1(model)
         cfg = self.config
         names, self._params = named_parameters(model)
-        self._process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
         self.world_size = dist.get_world_size() if distributed else 1
