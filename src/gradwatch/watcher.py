@@ -33,6 +33,7 @@ from gradwatch.clip import clip_coefficient, clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchTimeoutError
 from gradwatch.gradients import GradientReader
+from gradwatch.hooks import before_optimizer_step
 from gradwatch.model import describe_parallelism, group_membership, named_parameters, reject_fsdp1
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
@@ -258,22 +259,7 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
-        if scaler is not None and scaler.is_enabled():
-            original = scaler.step
-
-            def step_and_collect(opt: Any, *args: Any, **kwargs: Any) -> Any:
-                if opt is optimizer:
-                    self._hooked_collect(scaler, optimizer)
-                return original(opt, *args, **kwargs)
-
-            scaler.step = step_and_collect
-            self._hooks.append(_Restore(scaler, "step"))
-            return
-
-        def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
-            self._hooked_collect(None, optimizer)
-
-        self._hooks.append(optimizer.register_step_pre_hook(pre_hook))
+        self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
         step = self._optimizer_steps
@@ -475,13 +461,3 @@ class GradWatch:
         if kind not in self._logged:
             self._logged.add(kind)
             log.warning(msg, *args)
-
-
-class _Restore:
-    """Undo an instance attribute override (``attach`` wraps ``scaler.step``)."""
-
-    def __init__(self, obj: Any, attr: str) -> None:
-        self.obj, self.attr = obj, attr
-
-    def remove(self) -> None:
-        self.obj.__dict__.pop(self.attr, None)
