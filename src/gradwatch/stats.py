@@ -517,7 +517,7 @@ def sqrt_sum_device(squares: Tensor) -> Tensor:
     if squares.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=squares.device)
     top = squares.max()
-    # A floor keeps the division finite when every square is 0 (or subnormal).
+    # The floor keeps 0 / 0 out when every square is 0.
     scale = top.clamp_min(torch.finfo(torch.float64).tiny)
     scaled = (squares / scale).sum().sqrt() * scale.sqrt()
     return torch.where(torch.isfinite(top), scaled, squares.sum().sqrt())
