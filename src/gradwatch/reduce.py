@@ -444,7 +444,7 @@ class ReducedStats:
     world_size: int
 
     @classmethod
-    def from_values(cls, values: Sequence[float], layout: Layout) -> ReducedStats:
+    def from_values(cls, values: list[float], layout: Layout) -> ReducedStats:
         """Split the host copy of a packed vector (pure; what :meth:`ReducedVector.stats`
         does after its one host read)."""
         at = _sections(layout)
@@ -453,10 +453,10 @@ class ReducedStats:
                 f"gradwatch: a packed vector of {len(values)} values, expected {at.length}"
             )
         return cls(
-            squares=list(values[at.squares]),
-            nonfinite=list(values[at.nonfinite]),
-            has_grad=list(values[at.has_grad]),
-            replica_squares=list(values[at.replicas]),
+            squares=values[at.squares],
+            nonfinite=values[at.nonfinite],
+            has_grad=values[at.has_grad],
+            replica_squares=values[at.replicas],
             step_check=values[at.step],
             world_size=layout.world_size,
         )
