@@ -212,7 +212,7 @@ def construct(model: nn.Module, cfg: Any, **kwargs: Any) -> tuple[Any, int]:
 
 
 def clean(name: str) -> str:
-    from gradwatch.watcher import clean_name
+    from gradwatch.model import clean_name
 
     return clean_name(name)
 
@@ -240,12 +240,17 @@ class Tail(nn.Module):
         return self.body(x).sum(-1) + self.frozen(x).sum(-1)
 
 
-def case_ddp(dtype: torch.dtype = torch.float32, scale: float = 1.0) -> Callable[[int, int], dict]:
+def case_ddp(
+    dtype: torch.dtype = torch.float32, scale: float = 1.0, watch_inner: bool = False
+) -> Callable[[int, int], dict]:
+    """DDP; ``watch_inner``: GradWatch is given the unwrapped module while the DDP wrapper
+    trains it, as the Hugging Face Trainer and Lightning callbacks are (still labelled ddp)."""
+
     def run(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = Tail(7, 3, dtype)
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-        watch, ctor_ops = construct(ddp, config())
+        watch, ctor_ops = construct(model if watch_inner else ddp, config())
         ddp(inputs(rank, 4, 7, dtype=dtype)).pow(2).mul(scale).sum().backward()
         ref = local_reference(ddp, clean)
         results = [measure(watch, ddp, step, ref) for step in range(3)]
@@ -534,7 +539,7 @@ def case_timeout_raise(rank: int, world: int) -> dict:
         def boom(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("simulated failure inside collect")
 
-        watch._engine.squared_norms = boom  # type: ignore[method-assign]
+        watch._engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
     t0 = time.monotonic()
     out: dict[str, Any] = {"error_type": None}
     pending = watch.collect(0)
@@ -583,6 +588,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("ddp_fp32", case_ddp()),
         ("ddp_fp64", case_ddp(torch.float64)),
         ("ddp_1e18", case_ddp(torch.float32, 1e18)),
+        ("ddp_inner_module", case_ddp(watch_inner=True)),
         ("fsdp2_fp32_1e18", case_fsdp2(torch.float32, 1e18)),
         ("fsdp2_fp64", case_fsdp2(torch.float64, 1.0)),
         ("pipeline", case_pipeline(with_ddp=False, scale=1e18)),

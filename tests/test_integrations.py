@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,3 +383,38 @@ def test_clip_total_does_not_overflow_for_huge_float64_norms() -> None:
     assert abs(total - expected) <= 1e-12 * expected
     for p in model:
         assert float(p.grad[0]) == pytest.approx(1e153 / expected, rel=1e-12)
+
+
+# -- frameworks under 2-rank DDP (torchrun) --------------------------------------------------
+
+FRAMEWORK_JOB = Path(__file__).parent / "jobs" / "framework_ddp_job.py"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("framework", ["huggingface", "lightning"])
+def test_framework_ddp_reads_ddp2(tmp_path: Path, framework: str) -> None:
+    """The Trainer and Lightning hand the callback the unwrapped module while their DDP wrapper
+    trains it: the parallelism label reads ddp2, as for a model wrapped by the user."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env.pop("GRADWATCH_PORT", None)
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--max_restarts=0", "--master_addr=127.0.0.1", f"--master_port={port}",
+            str(FRAMEWORK_JOB), framework, str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert seen["wrapper"] == "DistributedDataParallel"
+        assert seen["parallelism"] == "ddp2"
+        assert seen["world_size"] == 2

@@ -14,7 +14,7 @@ def test_contract_names_are_exported() -> None:
     for name in ("GradWatch", "WatchConfig", "total_norm", "watch", "Snapshot", "NoOpWatch"):
         assert name in gradwatch.__all__
         assert getattr(gradwatch, name) is not None
-    from gradwatch import GradWatch, WatchConfig, total_norm  # the import line
+    from gradwatch import GradWatch, WatchConfig, total_norm  # the documented import line
 
     assert GradWatch.__module__ == "gradwatch.watcher"
     assert WatchConfig.__module__ == "gradwatch.config"

@@ -1,11 +1,15 @@
-"""Pure unit tests of build_layout (no process group)."""
+"""Unit tests of the reduction without a process group: build_layout (pure) and the named
+views of the packed vector (ReducedStats, the device accessors)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.reduce import build_layout
+from gradwatch.reduce import LocalPiece, ReducedStats, Reducer, build_layout
 
 
 def desc(pieces, stage=None, config="c", version="v"):
@@ -101,3 +105,55 @@ def test_mismatches_raise(per_rank: list, words: str) -> None:
     for rank in range(len(per_rank)):
         with pytest.raises(LayoutMismatchError, match=words):
             build_layout(per_rank, rank)
+
+
+# -- named views of the reduced vector --------------------------------------------------------
+
+
+def one_process_reducer(*numels: int) -> Reducer:
+    pieces = [LocalPiece(f"p{i}", (n,), ("whole",), n) for i, n in enumerate(numels)]
+    return Reducer(pieces, version="v", config_hash="c", timeout_seconds=5.0)
+
+
+def test_reduced_stats_name_every_section() -> None:
+    reducer = one_process_reducer(3, 4, 5)
+    sq = torch.tensor([4.0, math.nan, 9.0], dtype=torch.float64)
+    reduced = reducer.pack_and_reduce(sq, [True, True, False], step=7, with_replicas=True)
+    stats = reduced.stats()
+    assert isinstance(stats, ReducedStats)
+    assert stats.squares[0] == 4.0 and math.isnan(stats.squares[1]) and stats.squares[2] == 9.0
+    assert stats.nonfinite == [0.0, 1.0, 0.0]  # NaN and Inf squared norms flag their piece
+    assert stats.has_grad == [1.0, 1.0, 0.0]
+    assert stats.replica_squares == [0.0]  # R = 1 slot, filled only when R > 1
+    assert stats.world_size == 1 and stats.step_check == 7.0
+    assert stats.steps_agree(7) and not stats.steps_agree(8)
+    assert stats.replica_divergence() == 0.0
+    assert reduced.stats() is stats  # read to the host once
+
+
+def test_device_views_match_the_host_views() -> None:
+    reducer = one_process_reducer(2, 2)
+    sq = torch.tensor([1.0, math.inf], dtype=torch.float64)
+    reduced = reducer.pack_and_reduce(sq, [True, True], step=0, with_replicas=False)
+    assert reduced.device_squares().tolist() == [1.0, math.inf]
+    assert reduced.device_nonfinite().tolist() == [0.0, 1.0]
+    stats = reduced.stats()
+    assert stats.squares == [1.0, math.inf] and stats.nonfinite == [0.0, 1.0]
+
+
+def test_reduced_stats_from_values_of_a_replicated_layout() -> None:
+    """Two replicas of two parameters: [squares | flags | has-grad | 2 replica sums | step]."""
+    per_rank = [desc([whole("w"), whole("b", (3,))]) for _ in range(2)]
+    lay = build_layout(per_rank, 0)
+    values = [4.0, 1.0, 0.0, 0.0, 2.0, 2.0, 16.0, 25.0, 10.0]
+    assert len(values) == lay.packed_length
+    stats = ReducedStats.from_values(values, lay)
+    assert stats.squares == [4.0, 1.0] and stats.nonfinite == [0.0, 0.0]
+    assert stats.has_grad == [2.0, 2.0]
+    assert stats.replica_squares == [16.0, 25.0] and stats.replica_norms == [4.0, 5.0]
+    assert stats.replica_divergence() == pytest.approx((5.0 - 4.0) / 5.0)
+    assert stats.steps_agree(5) and not stats.steps_agree(4)
+    nan = ReducedStats.from_values([*values[:6], math.nan, 25.0, 10.0], lay)
+    assert math.isnan(nan.replica_divergence())
+    with pytest.raises(ValueError, match="packed vector"):
+        ReducedStats.from_values(values[:-1], lay)

@@ -282,9 +282,9 @@ def test_engine_makes_no_gradient_sized_temporary() -> None:
         torch.randn(1100, 1000, generator=gen).to(torch.float16).t(),
     ]
     engine = NormEngine()
-    engine.squared_norms(ts)  # first call: the plan and the persistent widening buffer
-    plan = engine.last_plan
-    assert plan is not None and plan.scratch
+    # First call: the plan and the persistent widening buffer.
+    _, plan = engine.squared_norms_and_plan(ts)
+    assert plan.scratch
     assert max(s.numel() for s in plan.scratch.values()) <= CONVERT_CHUNK
     with OutputRecorder() as rec:
         sq = engine.squared_norms(ts)
@@ -414,9 +414,7 @@ def test_row_sums_by_csr_and_by_index_add(
         torch.randn(5000, generator=gen).to(torch.float16),
     ]
     engine = NormEngine()
-    sq = engine.squared_norms(ts)
-    plan = engine.last_plan
-    assert plan is not None
+    sq, plan = engine.squared_norms_and_plan(ts)
     assert all((b.sum_rows is not None) == (csr_min_rows == 1) for b in plan.buckets)
     for i, t in enumerate(ts):
         assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
@@ -433,3 +431,31 @@ def test_views_with_storage_offsets() -> None:
         sq = engine.squared_norms(ts)
         for i, t in enumerate(ts):
             assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
+
+
+@pytest.mark.parametrize(
+    ("squares", "expected"),
+    [
+        ([], 0.0),
+        ([0.0, 0.0], 0.0),
+        ([4.0, 9.0, 36.0], 7.0),
+        ([1e308, 1e308, 5e307], math.sqrt(2.5) * 1e154),  # each fits float64, the sum not
+        ([1e-320, 4e-320], math.sqrt(5e-320)),  # subnormal squares
+        ([1.0, math.inf], math.inf),
+        ([1.0, math.nan, math.inf], math.nan),
+    ],
+)
+def test_sqrt_sum_host_and_device_agree(squares: list[float], expected: float) -> None:
+    """The one overflow-safe sqrt(sum of squares), on the host (Python floats, exact sum) and
+    on the device (a tensor, no host read): same value, NaN and Inf kept."""
+    from gradwatch.stats import sqrt_sum, sqrt_sum_device
+
+    host = sqrt_sum(squares)
+    device = float(sqrt_sum_device(torch.tensor(squares, dtype=torch.float64)))
+    if math.isnan(expected):
+        assert math.isnan(host) and math.isnan(device)
+    elif math.isinf(expected) or expected == 0.0:
+        assert host == device == expected
+    else:
+        assert host == pytest.approx(expected, rel=1e-12, abs=0)
+        assert device == pytest.approx(expected, rel=1e-12, abs=0)

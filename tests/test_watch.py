@@ -15,7 +15,7 @@ from test_summary import ref_health, ref_ratio, ref_raw
 from torch import nn
 
 from gradwatch import GradWatch, UnsupportedParallelismError, WatchConfig
-from gradwatch.watcher import clean_name
+from gradwatch.model import clean_name
 
 REL = 1e-6
 
@@ -27,7 +27,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(key)
 
 
-def issue_config(**overrides) -> WatchConfig:  # type: ignore[no-untyped-def]
+def example_config(**overrides) -> WatchConfig:  # type: ignore[no-untyped-def]
     kwargs = dict(
         groups={"host": ["backbone.*"], "seed": ["seed.*"]},
         ratios=[("seed", "host")],
@@ -83,14 +83,14 @@ def check_against_reference(snap, model: nn.Module, cfg: WatchConfig) -> None:  
     assert rel_err(snap.global_norm, ref_norm(list(grads.values()))) <= REL
 
 
-# -- the issue's example ---------------------------------------------------------------------------
+# -- the host/seed example: two groups, a ratio, an isolated group ---------------------------------
 
 
-def test_issue_example_snapshot() -> None:
+def test_host_seed_example_snapshot() -> None:
     torch.manual_seed(0)
     model = Net()
     model(torch.randn(4, 16)).pow(2).sum().backward()
-    cfg = issue_config()
+    cfg = example_config()
     with GradWatch(model, cfg) as watch:
         pending = watch.collect(step=7)
         snap = pending.result()
@@ -135,7 +135,7 @@ def test_exact_expected_values() -> None:
     model["backbone"].weight.grad = torch.full((4, 4), 2.0)  # norm 8, numel 16
     model["seed"].weight.grad = torch.tensor([[60.0, 80.0], [0.0, 0.0]])  # norm exactly 100
     model["seed"].bias.grad = torch.tensor([1e-8, 0.0])  # vanishing
-    cfg = issue_config(isolation_threshold=8.0)
+    cfg = example_config(isolation_threshold=8.0)
     with GradWatch(model, cfg) as watch:
         snap = watch.collect(3).result()
     assert snap.param_norms["backbone.weight"] == 8.0
@@ -174,7 +174,7 @@ def test_exploding_threshold_and_health_floor() -> None:
 
 def test_no_gradient_anywhere() -> None:
     model = Net()
-    with GradWatch(model, issue_config()) as watch:
+    with GradWatch(model, example_config()) as watch:
         snap = watch.collect(1).result()
     assert snap.global_norm == 0.0
     assert snap.health == 1.0
@@ -199,7 +199,7 @@ def test_none_and_frozen_parameters_skipped() -> None:
     model.head.bias.grad = None
     model.seed.weight.requires_grad_(False)  # keeps a stale .grad: must be ignored
     assert model.seed.weight.grad is not None
-    cfg = issue_config()
+    cfg = example_config()
     with GradWatch(model, cfg) as watch:
         snap = watch.collect(2).result()
     assert "head.bias" not in snap.param_norms and "seed.weight" not in snap.param_norms
@@ -247,7 +247,7 @@ def test_nan_and_inf_gradients_are_counted_and_named() -> None:
     big.grad = torch.ones(100_000)
     big.grad[99_999] = float("nan")
     model.big = big
-    with GradWatch(model, issue_config()) as watch:
+    with GradWatch(model, example_config()) as watch:
         snap = watch.collect(5).result()
     assert snap.nonfinite_params == ("backbone.0.bias", "big", "seed.weight")
     assert snap.groups["seed"].nonfinite == 1 and snap.groups["seed"].exploding >= 1
@@ -351,13 +351,13 @@ def test_host_reads_at_most_two_and_no_scalar_reads() -> None:
     model.big = nn.Parameter(torch.zeros(300, 400))
     model(torch.randn(4, 16)).sum().backward()
     model.big.grad = torch.randn(300, 400)
-    with GradWatch(model, issue_config()) as watch:
+    with GradWatch(model, example_config()) as watch:
         for step in range(2):  # first collect builds the plan; both must stay within budget
             with count_host_reads() as reads, OpCounter() as counter:
                 snap = watch.collect(step).result()
             assert sum(reads.values()) <= 2, reads
             assert counter.scalar_reads == 0
-    check_against_reference(snap, model, issue_config())
+    check_against_reference(snap, model, example_config())
 
 
 def _param_model(n: int) -> nn.Module:
@@ -418,7 +418,7 @@ def test_no_gradient_sized_temporaries() -> None:
 def test_every_n_steps_skips_without_work() -> None:
     model = Net()
     model(torch.randn(2, 16)).sum().backward()
-    with GradWatch(model, issue_config(every_n_steps=3)) as watch:
+    with GradWatch(model, example_config(every_n_steps=3)) as watch:
         first = watch.collect(3).result()
         model.seed.weight.grad.mul_(10)  # a skipped step must not see this
         with OpCounter() as counter, count_host_reads() as reads:
@@ -431,7 +431,7 @@ def test_every_n_steps_skips_without_work() -> None:
 
 
 def test_skipped_step_before_first_collect() -> None:
-    with GradWatch(Net(), issue_config(every_n_steps=3)) as watch, OpCounter() as counter:
+    with GradWatch(Net(), example_config(every_n_steps=3)) as watch, OpCounter() as counter:
         snap = watch.collect(1).result()
     assert counter.total == 0
     assert snap.global_norm == 0.0 and dict(snap.param_norms) == {}
@@ -440,7 +440,7 @@ def test_skipped_step_before_first_collect() -> None:
 def test_close_is_idempotent_and_context_manager_closes() -> None:
     model = Net()
     model(torch.randn(2, 16)).sum().backward()
-    watch = GradWatch(model, issue_config())
+    watch = GradWatch(model, example_config())
     snap = watch.collect(0).result()
     watch.close()
     watch.close()
@@ -477,7 +477,7 @@ def test_ddp_like_wrapper_names() -> None:
     model = Net()
     wrapped = DDPLike(model)
     wrapped(torch.randn(3, 16)).sum().backward()
-    cfg = issue_config()
+    cfg = example_config()
     with GradWatch(wrapped, cfg) as watch:
         snap = watch.collect(0).result()
         assert watch.parameter_names == tuple(n for n, _ in model.named_parameters())
@@ -490,7 +490,7 @@ def test_torch_compile_wrapper_names() -> None:
     compiled = torch.compile(model)  # not run: only its parameter names matter here
     assert any(n.startswith("_orig_mod.") for n, _ in compiled.named_parameters())
     model(torch.randn(3, 16)).sum().backward()
-    cfg = issue_config()
+    cfg = example_config()
     with GradWatch(compiled, cfg) as watch:
         snap = watch.collect(0).result()
         assert watch.parameter_names == tuple(n for n, _ in model.named_parameters())
@@ -504,7 +504,7 @@ def test_checkpoint_wrapper_names() -> None:
     model.backbone = checkpoint_wrapper(model.backbone)
     assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
     model(torch.randn(3, 16)).sum().backward()
-    cfg = issue_config()
+    cfg = example_config()
     with GradWatch(model, cfg) as watch:
         snap = watch.collect(0).result()
     assert snap.groups["host"].tensors == 4
@@ -625,7 +625,7 @@ def test_set_isolated_switches_the_expectation_per_stage() -> None:
     torch.manual_seed(0)
     model = Net()
     model(torch.randn(4, 16)).pow(2).sum().backward()
-    with GradWatch(model, issue_config()) as watch:
+    with GradWatch(model, example_config()) as watch:
         assert watch.isolated == ("host",)
         pending = watch.collect(step=0)
         watch.set_isolated([])  # the host trains again: blending stage

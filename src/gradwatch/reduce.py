@@ -25,6 +25,11 @@ for each piece with the maximal number of holders R, its squared norm at the slo
 position: identical replicas give identical slot sums, and their relative spread is the replica
 divergence (filled on divergence steps only). The step slot detects ranks that collected
 different steps. Payload: O(parameters), never O(elements); never bf16/fp16.
+
+**Reading it.** Only this module knows those offsets (:class:`_Sections`). The rest of gradwatch
+reads a :class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
+:class:`ReducedStats` of Python floats, for the summary) and :meth:`ReducedVector.device_squares`
+/ :meth:`ReducedVector.device_nonfinite` (device side, for clipping without a host read).
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -79,7 +85,30 @@ class Layout:
 
     @property
     def packed_length(self) -> int:
-        return 3 * self.size + self.replicas + 1
+        return _sections(self).length
+
+
+class _Sections(NamedTuple):
+    """Where each part of the packed vector lives: the one definition of its offsets."""
+
+    squares: slice  # N squared-norm contributions (only the piece's contributor adds)
+    nonfinite: slice  # N non-finite flags (every holder adds)
+    has_grad: slice  # N has-gradient flags (every holder adds)
+    replicas: slice  # R replica sums
+    step: int  # the sum of the ranks' steps
+    length: int
+
+
+def _sections(layout: Layout) -> _Sections:
+    n, r = layout.size, layout.replicas
+    return _Sections(
+        squares=slice(0, n),
+        nonfinite=slice(n, 2 * n),
+        has_grad=slice(2 * n, 3 * n),
+        replicas=slice(3 * n, 3 * n + r),
+        step=3 * n + r,
+        length=3 * n + r + 1,
+    )
 
 
 def piece_of(name: str, param: Tensor) -> LocalPiece:
@@ -305,7 +334,7 @@ class Reducer:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             if stage_group is not None:
                 desc["stage"] = sorted(dist.get_process_group_ranks(stage_group))
-            raw = json.dumps(desc, sort_keys=True, default=_json_default).encode()
+            raw = json.dumps(desc, sort_keys=True).encode()
             try:
                 # gradwatch's own group: its timeout bounds every wait, and its traffic never
                 # interleaves with the job's collectives on the default group. Every rank of
@@ -325,13 +354,13 @@ class Reducer:
                 self.close()  # every rank raises the same error: release the group everywhere
                 raise
         else:
-            self.layout = build_layout([json.loads(json.dumps(desc, default=_json_default))], 0)
+            self.layout = build_layout([json.loads(json.dumps(desc))], 0)
         lay = self.layout
         local_idx = torch.arange(len(lay.local_to_global))
         to_global = torch.tensor(lay.local_to_global, dtype=torch.long)
         contrib = torch.tensor(lay.contributes, dtype=torch.bool)
         slot = torch.tensor(lay.replica_slot, dtype=torch.long)
-        n = lay.size
+        at = _sections(lay)
         dev = self.device
         n_local = len(lay.local_to_global)
         # Persistent staging vector [squares | non-finite flags | has-grad | step], filled by
@@ -344,10 +373,16 @@ class Reducer:
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
         self._allreduce_options = dist.AllreduceOptions()
         self._allreduce_options.reduceOp = dist.ReduceOp.SUM
-        step_at = torch.tensor([3 * n + lay.replicas])
-        self._scatter = torch.cat([to_global, to_global + n, to_global + 2 * n, step_at]).to(dev)
+        self._scatter = torch.cat(
+            [
+                to_global + at.squares.start,
+                to_global + at.nonfinite.start,
+                to_global + at.has_grad.start,
+                torch.tensor([at.step]),
+            ]
+        ).to(dev)
         self._slot_local = local_idx[slot >= 0].to(dev)
-        self._slot_global = (slot[slot >= 0] + 3 * n).to(dev)
+        self._slot_global = (slot[slot >= 0] + at.replicas.start).to(dev)
 
     def pack_and_reduce(
         self, sq_local: Tensor, has_grad: Sequence[bool], step: int, with_replicas: bool
@@ -373,10 +408,10 @@ class Reducer:
         work = None
         if self.group is not None:
             # The process group's own method: the same c10d op as dist.all_reduce without its
-            # Python checks (61 vs 105 us per call measured here on gloo), all of which hold
-            # by construction (one dense float64 tensor, a group this rank belongs to).
+            # Python checks (a measurable share of a small all-reduce on gloo), all of which
+            # hold by construction (one dense float64 tensor, a group this rank belongs to).
             work = self.group.allreduce([packed], self._allreduce_options)
-        return ReducedVector(packed, work, self.timeout, step)
+        return ReducedVector(packed, work, self.timeout, step, lay)
 
     def close(self) -> None:
         if self.group is not None:
@@ -385,18 +420,88 @@ class Reducer:
             self.group = None
 
 
-class ReducedVector:
-    """The packed vector of one collect, once the all-reduce completes."""
+@dataclass(frozen=True)
+class ReducedStats:
+    """The reduced vector of one collect as named host-side views (Python floats, in the
+    global layout order of :attr:`Layout.names`).
 
-    def __init__(self, packed: Tensor, work: Any, timeout: float, step: int) -> None:
+    Attributes:
+        squares: per parameter, the sum of its pieces' squared norms, each piece counted once.
+        nonfinite: per parameter, > 0 when some rank flagged NaN/Inf in its piece (replicas
+            included: a NaN on a copy that is not counted is still seen).
+        has_grad: per parameter, > 0 when some rank had a gradient for it.
+        replica_squares: per replica slot, the squared norm its holders add (``R`` values;
+            filled on divergence steps only).
+        step_check: the sum of the steps the ranks collected.
+        world_size: the number of ranks that added to the vector.
+    """
+
+    squares: list[float]
+    nonfinite: list[float]
+    has_grad: list[float]
+    replica_squares: list[float]
+    step_check: float
+    world_size: int
+
+    @classmethod
+    def from_values(cls, values: list[float], layout: Layout) -> ReducedStats:
+        """Split the host copy of a packed vector (pure; what :meth:`ReducedVector.stats`
+        does after its one host read)."""
+        at = _sections(layout)
+        if len(values) != at.length:
+            raise ValueError(
+                f"gradwatch: a packed vector of {len(values)} values, expected {at.length}"
+            )
+        return cls(
+            squares=values[at.squares],
+            nonfinite=values[at.nonfinite],
+            has_grad=values[at.has_grad],
+            replica_squares=values[at.replicas],
+            step_check=values[at.step],
+            world_size=layout.world_size,
+        )
+
+    def steps_agree(self, step: int) -> bool:
+        """Did every rank collect ``step``? (A rank that collected another step changes the
+        sum; a mismatch means the statistics mix steps.)"""
+        return self.step_check == step * self.world_size
+
+    @property
+    def replica_norms(self) -> list[float]:
+        """The global norm each replica position saw (replica slots only)."""
+        return [math.sqrt(s) for s in self.replica_squares]
+
+    def replica_divergence(self) -> float:
+        """Relative spread ``(max - min) / max`` of :attr:`replica_norms`: 0.0 for identical
+        replicas (or none), NaN when a replica's norm is NaN or Inf."""
+        norms = self.replica_norms
+        if any(math.isnan(x) for x in norms):
+            return math.nan
+        top = max(norms, default=0.0)
+        if top == 0.0 or math.isinf(top):
+            return 0.0 if top == 0.0 else math.nan
+        return (top - min(norms)) / top
+
+
+class ReducedVector:
+    """The packed vector of one collect, once the all-reduce completes.
+
+    Read through named views only: :meth:`stats` on the host, :meth:`device_squares` and
+    :meth:`device_nonfinite` on the device.
+    """
+
+    def __init__(
+        self, packed: Tensor, work: Any, timeout: float, step: int, layout: Layout
+    ) -> None:
         self._packed = packed
         self._work = work
         self._timeout = timeout
         self._step = step
-        self._host: list[float] | None = None
+        self._layout = layout
+        self._stats: ReducedStats | None = None
         if packed.device.type != "cpu":
             # NCCL: make the compute stream wait for the collective (no host wait), then start
-            # a non-blocking copy to pinned memory; result() waits on the event, once.
+            # a non-blocking copy to pinned memory; stats() waits on the event, once.
             if work is not None:
                 work.wait()
                 self._work = None
@@ -417,28 +522,29 @@ class ReducedVector:
                 ) from exc
             self._work = None
 
-    def device_tensor(self) -> Tensor:
-        """The reduced vector on its device, for device-side use (clipping).
-
-        On accelerators the collective was already ordered before later kernels (no host wait);
-        on gloo this waits for the all-reduce, which CPU work would have to wait for anyway.
-        """
+    def _device(self) -> Tensor:
+        # On accelerators the collective was already ordered before later kernels (no host
+        # wait); on gloo this waits for the all-reduce, which CPU work would wait for anyway.
         self._wait_collective()
         return self._packed
 
-    def host_values(self) -> list[float]:
-        """Wait (at most once) and return the reduced vector as Python floats."""
-        if self._host is None:
+    def device_squares(self) -> Tensor:
+        """Per parameter, the reduced squared norm, on the device (a view: no copy)."""
+        return self._device()[_sections(self._layout).squares]
+
+    def device_nonfinite(self) -> Tensor:
+        """Per parameter, the reduced non-finite flags (> 0: some rank saw NaN/Inf), on the
+        device (a view: no copy)."""
+        return self._device()[_sections(self._layout).nonfinite]
+
+    def stats(self) -> ReducedStats:
+        """Wait (at most once), read the vector to the host once, return its named views."""
+        if self._stats is None:
             if self._packed.device.type != "cpu":
                 self._event.synchronize()
-                self._host = self._pinned.tolist()
+                values = self._pinned.tolist()
             else:
                 self._wait_collective()
-                self._host = self._packed.tolist()
-        return self._host
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, tuple):
-        return list(obj)
-    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+                values = self._packed.tolist()
+            self._stats = ReducedStats.from_values(values, self._layout)
+        return self._stats

@@ -23,8 +23,8 @@ The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` gro
   A float32 partial sum over 512 elements keeps the relative error below 5e-7 even for
   constant gradients (measured: 4.7e-7 worst case over 47 constants at 2^24 elements; PyTorch's
   vectorized reduction keeps many partial sums per row), where one float32 sum over the whole
-  tensor is off by up to 8e-4. Rows of 256 are slightly more exact (2.6e-7) but on this CPU the
-  reduction over 256-element rows runs 1.3x slower than over 512 (10.2 vs 7.7 ms per 48M).
+  tensor is off by up to 8e-4. Rows of 256 are slightly more exact (2.6e-7) but reduce more
+  slowly (the trade-off and its timings: docs/design.md).
 * **Per-tensor sums**: all row norms of a bucket are squared in float64 and summed per tensor
   by one sparse-CSR matrix-vector product built with the plan: three ops per bucket, whatever
   the number of tensors.
@@ -37,6 +37,12 @@ The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` gro
 
 Non-finite detection comes from the norms themselves: a gradient holding NaN has a NaN norm, one
 holding Inf (and no NaN) has an Inf norm. No ``isnan`` masks of gradient size are built.
+
+**Combining squared norms** (:func:`sqrt_sum` on the host, :func:`sqrt_sum_device` on the
+device): every squared norm fits float64, but their sum may not (norms near 1e154), so the
+largest is factored out: ``sqrt(sum(s)) = sqrt(m) * sqrt(sum(s / m))``. Every total gradwatch
+reports (:func:`total_norm`, the clipping total, the group and global norms of a snapshot) is
+combined by one of these two.
 """
 
 from __future__ import annotations
@@ -168,7 +174,7 @@ def _layout_key(tensors: Sequence[Tensor | None]) -> list:
     # row-path tensors, read in place through as_strided: _fill_row_norms checks those few and
     # raises _StalePlan. A packed or whole-path tensor on another device or with other strides
     # is still normed right (copy_ and foreach norms accept any), or raises, which replans.
-    # (dtype, shape) costs 0.35 us per tensor here; adding device and contiguity 0.56 us.
+    # Reading device and contiguity too would cost half as much again, per tensor per step.
     return [None if t is None else (t.dtype, t.shape) for t in tensors]
 
 
@@ -300,13 +306,13 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
 
 def _segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor:
     """Sparse CSR ``M`` (n x len(owner)) with ``M[owner[j], j] = 1``: ``M @ v`` sums ``v``'s
-    entries per owner in float64, one op. Measured here on 100K rows: 59 us, against 340 us
-    for ``index_add_`` and 200 us for ``segment_reduce``; but its fixed cost, about 100 us
-    inside a DDP step (cold caches), makes ``index_add_`` the faster under
-    :data:`CSR_MIN_ROWS` rows."""
+    entries per owner in float64, one op. On many rows it is several times faster than
+    ``index_add_`` or ``segment_reduce``; its fixed cost (cold caches inside a training step)
+    makes ``index_add_`` the faster under :data:`CSR_MIN_ROWS` rows (measurements:
+    docs/design.md)."""
     owners = torch.tensor(owner, dtype=torch.long)
     # 32-bit indices when they fit: half the index memory (the matrix is persistent, one entry
-    # per row of 512 elements) and faster (59 vs 75 us on 100K rows here).
+    # per row of 512 elements) and a faster product.
     index = torch.int32 if len(owner) < 2**31 else torch.long
     columns = torch.argsort(owners, stable=True).to(index)
     crow = torch.zeros(n + 1, dtype=index)
@@ -431,13 +437,6 @@ class NormEngine:
         self._plan: NormPlan | None = None
         self._key: tuple | None = None
         self.host_reads = 0
-        self.repaired = 0  # tensors recomputed exactly so far (diagnostics, benchmarks)
-
-    @property
-    def last_plan(self) -> NormPlan | None:
-        """The plan of the last :meth:`squared_norms` call (its buckets group the tensors by
-        (device, dtype), which clipping reuses)."""
-        return self._plan
 
     def plan_for(
         self, tensors: Sequence[Tensor | None], out_device: torch.device, replan: bool = False
@@ -457,6 +456,14 @@ class NormEngine:
 
         ``tensors`` must be strided real tensors (see :func:`as_real_values`).
         """
+        return self.squared_norms_and_plan(tensors, out_device)[0]
+
+    @torch.no_grad()
+    def squared_norms_and_plan(
+        self, tensors: Sequence[Tensor | None], out_device: torch.device | None = None
+    ) -> tuple[Tensor, NormPlan]:
+        """:meth:`squared_norms`, and the plan that computed them: its buckets group these
+        very tensors by (device, dtype), which clipping reuses (:mod:`gradwatch.clip`)."""
         if out_device is None:
             out_device = next(
                 (t.device for t in tensors if t is not None), torch.device("cpu")
@@ -477,12 +484,43 @@ class NormEngine:
             self.host_reads += 1
             if bad:
                 fixed = [exact_squared_norm(tensors[i]) for i in bad]  # type: ignore[arg-type]
-                self.repaired += len(bad)
                 sq.index_put_(
                     (torch.tensor(bad, dtype=torch.long, device=out_device),),
                     torch.tensor(fixed, dtype=torch.float64, device=out_device),
                 )
-        return sq
+        return sq, plan
+
+
+def sqrt_sum(squares: Sequence[float]) -> float:
+    """``sqrt(sum(squares))`` of Python floats, with an exact sum (``math.fsum``) that cannot
+    overflow: NaN if any square is NaN, Inf if any is Inf (and none NaN). Host side (the
+    snapshot's group and global norms); :func:`sqrt_sum_device` is its device-side twin."""
+    try:
+        return math.sqrt(math.fsum(squares))
+    except OverflowError:
+        pass
+    # Each square fits float64 but their exact sum does not (fsum raises even when a NaN or an
+    # Inf is present too): settle the special values, then factor out the largest square.
+    if any(s != s for s in squares):
+        return math.nan
+    top = max(squares)
+    if math.isinf(top):
+        return math.inf
+    return math.sqrt(top) * math.sqrt(math.fsum(s / top for s in squares))
+
+
+def sqrt_sum_device(squares: Tensor) -> Tensor:
+    """``sqrt(squares.sum())`` as a 0-dim float64 tensor on ``squares``' device, without a host
+    read, that cannot overflow: the largest square is factored out when it is finite; NaN and
+    Inf propagate as in the plain sum. Device side (clipping, :func:`total_norm`); a constant
+    number of ops whatever the length."""
+    if squares.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=squares.device)
+    top = squares.max()
+    # The floor keeps 0 / 0 out when every square is 0.
+    scale = top.clamp_min(torch.finfo(torch.float64).tiny)
+    scaled = (squares / scale).sum().sqrt() * scale.sqrt()
+    return torch.where(torch.isfinite(top), scaled, squares.sum().sqrt())
 
 
 def total_norm(tensors: Tensor | Sequence[Tensor]) -> Tensor:
@@ -499,12 +537,4 @@ def total_norm(tensors: Tensor | Sequence[Tensor]) -> Tensor:
     values = [as_real_values(t) for t in tensors]
     if not values:
         return torch.tensor(0.0, dtype=torch.float64)
-    sq = NormEngine().squared_norms(values)
-    # Each squared norm fits float64, but their sum may not (e.g. many float64 tensors near
-    # 1e150): factor out the largest one. Non-finite or zero maxima keep the plain sum (Inf
-    # stays Inf, NaN stays NaN, 0 stays 0).
-    top = sq.max()
-    plain = sq.sum().sqrt()
-    safe_top = torch.where(torch.isfinite(top) & (top > 0), top, torch.ones_like(top))
-    scaled = safe_top.sqrt() * (sq / safe_top).sum().sqrt()
-    return torch.where(torch.isfinite(top) & (top > 0), scaled, plain)
+    return sqrt_sum_device(NormEngine().squared_norms(values))

@@ -1,8 +1,9 @@
 """Host-side summary: from the reduced per-parameter vector to a :class:`Snapshot`.
 
-Runs off the training thread (in ``PendingSnapshot.result()``), on plain Python floats:
-group norms are ``sqrt(max) * sqrt(math.fsum(squares / max))`` (an exact sum, scaled so a sum of
-squares beyond float64's range cannot overflow), so the combination adds no error beyond rounding.
+Runs off the training thread (in ``PendingSnapshot.result()``), on plain Python floats, with no
+device work: group and global norms are :func:`gradwatch.stats.sqrt_sum` of the parameters'
+squared norms (an exact sum, scaled so a sum of squares beyond float64's range cannot overflow),
+so the combination adds no error beyond rounding.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.snapshot import GroupStats, Snapshot
+from gradwatch.stats import sqrt_sum
 
 #: Added to the denominator of normalized ratios, and the floor under which a norm counts as 0.
 RATIO_EPS = 1e-8
@@ -93,7 +95,7 @@ def summarize(
         exploding = nonfinite + sum(map(et.__lt__, finite))
         vanishing = sum(map(vt.__gt__, finite))
         group_stats[group] = GroupStats(
-            norm=_sqrt_sum(sq),
+            norm=sqrt_sum(sq),
             numel=sum(map(numels.__getitem__, idx)),
             tensors=len(idx),
             vanishing=vanishing,
@@ -103,7 +105,7 @@ def summarize(
         total_v += vanishing
         total_e += exploding
         total_n += len(idx)
-    global_norm = _sqrt_sum(all_squares)
+    global_norm = sqrt_sum(all_squares)
     if nonfinite_params and math.isfinite(global_norm):
         global_norm = math.nan  # a replica flagged NaN that the counted copy did not show
     ratios: dict[str, float] = {}
@@ -144,23 +146,6 @@ def _members(
         if has_grad[i] > 0:
             members.setdefault(group, []).append(i)
     return members
-
-
-def _sqrt_sum(squares: Sequence[float]) -> float:
-    """``sqrt(sum(squares))`` with an exact sum (``math.fsum``); NaN if any square is NaN,
-    Inf if any is Inf (and none NaN)."""
-    try:
-        return math.sqrt(math.fsum(squares))
-    except OverflowError:
-        pass
-    # Each square fits float64 but their exact sum does not (fsum raises even when a NaN or an
-    # Inf is present too): settle the special values, then factor out the largest square.
-    if any(s != s for s in squares):
-        return math.nan
-    top = max(squares)
-    if math.isinf(top):
-        return math.inf
-    return math.sqrt(top) * math.sqrt(math.fsum(s / top for s in squares))
 
 
 def _violates(norm: float, threshold: float) -> bool:

@@ -1,26 +1,26 @@
 """The :class:`GradWatch` facade: resolve parameters once, collect cheaply every step.
 
-Construction (once, collective on every rank when a process group is initialized): unwrap the
-model, name and group its parameters, describe the local pieces, agree on the global layout with
-one handshake (:mod:`gradwatch.reduce`), and on global rank 0 open the metrics endpoint.
+Construction (once, collective on every rank when a process group is initialized): resolve the
+model (:mod:`gradwatch.model`: names, groups, parallelism), describe the local pieces, agree on
+the global layout with one handshake (:mod:`gradwatch.reduce`), and on global rank 0 start
+publishing (the endpoint and/or the history file).
 
-``collect(step)`` (training thread): read every ``.grad`` (a Python loop of attribute reads, no
-tensor ops), compute all squared norms with a constant number of ops (:mod:`gradwatch.stats`),
-pack them and issue one all-reduce. It returns a :class:`PendingSnapshot` at once; the host read
-of the reduced vector and the host-side summary happen in ``result()``, which the exporter calls
-from its own thread (the publisher, which also appends to the history file when
-``history_path`` is set, with or without an endpoint).
+``collect(step)`` (training thread): read every ``.grad`` (:mod:`gradwatch.gradients`: a Python
+loop of attribute reads, no tensor ops), compute all squared norms with a constant number of ops
+(:mod:`gradwatch.stats`), pack them and issue one all-reduce; ``clip_grad_norm_`` also clips
+from that all-reduce (:mod:`gradwatch.clip`). It returns a :class:`PendingSnapshot` at once; the
+host read of the reduced vector and the host-side summary (:mod:`gradwatch.summary`) happen in
+``result()``, which the exporter calls from its own thread (the publisher, which also appends to
+the history file when ``history_path`` is set, with or without an endpoint).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-import math
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,128 +28,25 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.amp import pending_scale
+from gradwatch.anomalies import AnomalyLog
+from gradwatch.clip import clip_coefficient, clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig
-from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
+from gradwatch.errors import GradWatchTimeoutError
+from gradwatch.gradients import GradientReader
+from gradwatch.hooks import before_optimizer_step
+from gradwatch.model import describe_parallelism, group_membership, named_parameters, reject_fsdp1
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
-from gradwatch.stats import NormEngine, as_real_values
+from gradwatch.stats import NormEngine
 from gradwatch.summary import summarize
 
 log = logging.getLogger("gradwatch")
-
-#: Name segments added by wrappers; stripped so names are those of the unwrapped model.
-WRAPPER_SEGMENTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
-
-def clean_name(name: str) -> str:
-    """``module._orig_mod.layer.0.weight`` -> ``layer.0.weight``."""
-    return ".".join(s for s in name.split(".") if s not in WRAPPER_SEGMENTS)
 
 
 def _version() -> str:
     from gradwatch import __version__
 
     return __version__
-
-
-def _reject_fsdp1(model: nn.Module) -> None:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch without distributed
-        return
-    for module in model.modules():
-        if isinstance(module, FullyShardedDataParallel):
-            raise UnsupportedParallelismError(
-                "gradwatch: FSDP1 (FullyShardedDataParallel) is not supported: its flat "
-                "parameters hide per-parameter shards and it needs an accelerator this project "
-                "cannot test on. Use FSDP2 (torch.distributed.fsdp.fully_shard), which gradwatch "
-                "measures exactly."
-            )
-
-
-def describe_parallelism(
-    model: nn.Module,
-    params: list[Tensor],
-    world_size: int,
-    stage_group: Any,
-    process_group: Any = None,
-) -> str:
-    """Short description of the detected parallelism, for the snapshot and ``run_info``.
-
-    Parts joined by ``+``, outermost first: ``pp{n}`` (``stage_group`` of n ranks), ``ddp{n}``
-    (a ``DistributedDataParallel`` wrapper), ``fsdp2x{n}`` (FSDP2 sharding over n ranks) or
-    ``hsdp{r}x{s}`` (FSDP2 with a replicate x shard mesh), then the other dims of the DTensor
-    meshes by name (``tp2``; unnamed dims are ``mesh{n}``), then ``dp{n}`` when a
-    ``process_group`` was given and no data-parallel wrapper was found. Examples: ``ddp4``,
-    ``fsdp2x4``, ``fsdp2x2+tp2``, ``hsdp2x2``, ``pp2+ddp2``. ``replicated{n}`` when nothing was
-    detected (plain replicas); ``single`` for one process. Description only: never raises.
-    """
-    if world_size <= 1:
-        return "single"
-    try:
-        return _describe(model, params, world_size, stage_group, process_group)
-    except Exception:  # description only; never fail construction over it
-        log.debug("gradwatch: could not describe the parallelism", exc_info=True)
-        return f"unknown{world_size}"
-
-
-def _describe(
-    model: nn.Module, params: list[Tensor], world_size: int, stage_group: Any, process_group: Any
-) -> str:
-    parts: list[str] = []
-    if stage_group is not None:
-        parts.append(f"pp{dist.get_world_size(stage_group)}")
-    data_parallel = False
-    for module in model.modules():
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            parts.append(f"ddp{dist.get_world_size(module.process_group)}")
-            data_parallel = True
-            break
-    # FSDP2: the mesh of the first parameter group found (submodules before an empty root).
-    fsdp_mesh: Any = None
-    fsdp_part = ""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            continue  # e.g. a root whose parameters all belong to sharded children
-        info = group.mesh_info
-        fsdp_mesh = info.mesh
-        shard = getattr(info, "shard_mesh_dim", None)
-        replicate = getattr(info, "replicate_mesh_dim", None)
-        if shard is not None and replicate is not None:
-            fsdp_part = f"hsdp{fsdp_mesh.size(replicate)}x{fsdp_mesh.size(shard)}"
-        elif shard is not None:
-            fsdp_part = f"fsdp2x{fsdp_mesh.size(shard)}"
-        elif replicate is not None:
-            fsdp_part = f"ddp{fsdp_mesh.size(replicate)}"
-        break
-    if fsdp_part:
-        parts.append(fsdp_part)
-        data_parallel = True
-    fsdp_names = set(fsdp_mesh.mesh_dim_names or ()) if fsdp_mesh is not None else set()
-    others: dict[str, int] = {}
-    for p in params:
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is None or not hasattr(p, "_local_tensor"):
-            continue
-        if fsdp_mesh is not None and mesh == fsdp_mesh:
-            continue
-        dim_names = mesh.mesh_dim_names
-        for i, size in enumerate(mesh.shape):
-            name = dim_names[i] if dim_names else "mesh"
-            if name in fsdp_names:
-                continue
-            others.setdefault(name, size)
-    parts.extend(f"{name}{size}" for name, size in others.items())
-    if not data_parallel and process_group is not None:
-        size = dist.get_world_size(process_group)
-        if size > 1:
-            parts.append(f"dp{size}")
-    return "+".join(parts) or f"replicated{world_size}"
 
 
 class PendingSnapshot:
@@ -159,7 +56,12 @@ class PendingSnapshot:
     :class:`Snapshot` on the host and caches it; it is safe to call from any thread.
     """
 
-    def __init__(self, step: int, builder: Any = None, snapshot: Snapshot | None = None) -> None:
+    def __init__(
+        self,
+        step: int,
+        builder: Callable[[], Snapshot] | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> None:
         self.step = step
         self._builder = builder
         self._snapshot = snapshot
@@ -172,6 +74,7 @@ class PendingSnapshot:
         if self._snapshot is None:
             with self._lock:
                 if self._snapshot is None:
+                    assert self._builder is not None
                     self._snapshot = self._builder()
                     self._builder = None
         return self._snapshot
@@ -199,17 +102,9 @@ class GradWatch:
         stage_group: Any = None,
     ) -> None:
         self.config = config if config is not None else WatchConfig()
-        _reject_fsdp1(model)
+        reject_fsdp1(model)
         cfg = self.config
-        self._params: list[Tensor] = []
-        names: list[str] = []
-        for name, p in model.named_parameters():
-            self._params.append(p)
-            names.append(clean_name(name))
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise GradWatchError(f"gradwatch: duplicate parameter names after unwrapping: {dup}")
-        self._process_group = process_group
+        names, self._params = named_parameters(model)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
         self.world_size = dist.get_world_size() if distributed else 1
@@ -219,37 +114,29 @@ class GradWatch:
                 "this rank's only; call torch.distributed.init_process_group before GradWatch",
                 os.environ["WORLD_SIZE"],
             )
-        pieces = [piece_of(n, p) for n, p in zip(names, self._params, strict=True)]
-        #: positions of DTensor parameters (FSDP2, TP): their gradients are read as local shards
-        self._sparse_positions: list[int] = []  # set by _local_grads on every collect
-        self._dtensor_positions = [
-            i for i, p in enumerate(self._params) if hasattr(p, "_local_tensor")
-        ]
-        self._complex_positions = [i for i, p in enumerate(self._params) if p.is_complex()]
+        self._gradients = GradientReader(self._params)
         self._reducer = Reducer(
-            pieces,
+            [piece_of(n, p) for n, p in zip(names, self._params, strict=True)],
             version=_version(),
             config_hash=cfg.layout_hash(),
             timeout_seconds=cfg.collective_timeout_seconds,
             stage_group=stage_group,
         )
-        layout = self._reducer.layout
-        self._layout = layout
-        self._groups_of = [self._group_of(n) for n in layout.names]
-        self._group_order = list(cfg.groups)
-        if OTHER_GROUP in self._groups_of:
-            self._group_order.append(OTHER_GROUP)
+        self._layout = self._reducer.layout
+        self._groups_of, self._group_order = group_membership(self._layout.names, cfg.groups)
         self.parallelism = describe_parallelism(
             model, self._params, self.world_size, stage_group, process_group
         )
         self._engine = NormEngine()
         self._collections = 0
         self._last: Snapshot | None = None
+        self._latest: PendingSnapshot | None = None
+        self._clipped_step: int | None = None
         self._last_divergence = 0.0
         self._isolated: tuple[str, ...] = tuple(cfg.isolated)
         self._broken: str | None = None
         self._logged: set[str] = set()
-        self._anomaly_log = RateLimitedLog(period_seconds=60.0)
+        self._anomalies = AnomalyLog(self.rank, cfg.isolation_threshold)
         self._optimizer_steps = 0
         self._hooks: list[Any] = []
         self._closed = False
@@ -370,22 +257,7 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
-        if scaler is not None and scaler.is_enabled():
-            original = scaler.step
-
-            def step_and_collect(opt: Any, *args: Any, **kwargs: Any) -> Any:
-                if opt is optimizer:
-                    self._hooked_collect(scaler, optimizer)
-                return original(opt, *args, **kwargs)
-
-            scaler.step = step_and_collect
-            self._hooks.append(_Restore(scaler, "step"))
-            return
-
-        def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
-            self._hooked_collect(None, optimizer)
-
-        self._hooks.append(optimizer.register_step_pre_hook(pre_hook))
+        self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
         step = self._optimizer_steps
@@ -468,48 +340,6 @@ class GradWatch:
             cfg, world_size=self.world_size, parallelism=self.parallelism
         )
 
-    def _group_of(self, name: str) -> str:
-        for group, patterns in self.config.groups.items():
-            if any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
-                return group
-        return OTHER_GROUP
-
-    def _local_grads(self) -> list[Tensor | None]:
-        """This rank's gradients as real strided tensors (None: no gradient, or frozen).
-
-        One list comprehension for all parameters; DTensor positions (known from the
-        parameters at construction) become their local shards; sparse and complex gradients
-        (rare) become their values / real views. Per-parameter Python is kept to a few attribute
-        reads: this runs on the training thread every collected step.
-        """
-        grads = [p.grad if p.requires_grad else None for p in self._params]
-        for i in self._dtensor_positions:
-            g = grads[i]
-            if g is None:
-                continue
-            p = self._params[i]
-            if g.placements != p.placements:
-                # The layout (who counts which piece) was agreed from the parameter's
-                # placements; a gradient placed otherwise (e.g. Partial) cannot be counted
-                # exactly without a collective. Identical on every rank: all stop together.
-                raise UnsupportedParallelismError(
-                    f"gradwatch: a gradient has placements {g.placements} but its parameter "
-                    f"{p.placements}; gradwatch measures gradients placed like their "
-                    "parameters (FSDP2, parallelize_module) only"
-                )
-            grads[i] = g._local_tensor
-        strided = torch.strided
-        self._sparse_positions = [
-            i for i, g in enumerate(grads) if g is not None and g.layout is not strided
-        ]  # their values may be coalesced copies
-        # A gradient has its parameter's dtype (autograd and the .grad setter enforce it), so
-        # complex positions are known from the parameters, at construction.
-        for i in sorted({*self._sparse_positions, *self._complex_positions}):
-            g = grads[i]
-            if g is not None:
-                grads[i] = as_real_values(g)
-        return grads
-
     def _collect(
         self,
         step: int,
@@ -520,13 +350,13 @@ class GradWatch:
     ) -> tuple[PendingSnapshot, Tensor | None]:
         """One statistics pass and all-reduce. ``record=False`` (a clip on a step the schedule
         skips): no divergence measurement and no change to the collection count."""
-        grads = self._local_grads()
-        sq = self._engine.squared_norms(grads, self._reducer.device)
+        grads = self._gradients.read()
+        sq, plan = self._engine.squared_norms_and_plan(grads.tensors, self._reducer.device)
         scale = pending_scale(scaler, optimizer)
         if scale is not None:
             scale64 = scale.to(sq.device, torch.float64)
             sq = sq / (scale64 * scale64)
-        has_grad = [g is not None for g in grads]
+        has_grad = [g is not None for g in grads.tensors]
         every = self.config.divergence_every
         measure = (
             record and every > 0 and self._collections % every == 0 and self._layout.replicas > 1
@@ -535,8 +365,7 @@ class GradWatch:
         reduced = self._reducer.pack_and_reduce(sq, has_grad, step, with_replicas=measure)
         total = None
         if max_norm is not None:
-            # Still-scaled gradients clip correctly too: coef is scale-free.
-            total = self._clip(reduced, max_norm, grads)
+            total = clip_grads_(reduced, max_norm, grads, plan)
         amp = scaler is not None and scaler.is_enabled()
         isolated = self._isolated  # the expectation at collect time, not at result() time
         timestamp = time.time()
@@ -550,44 +379,6 @@ class GradWatch:
             total,
         )
 
-    def _clip(
-        self, reduced: ReducedVector, max_norm: float, grads: list[Tensor | None]
-    ) -> Tensor:
-        """Whole-model total norm from the reduced vector, then ``_foreach_mul_`` the gradients.
-
-        ``grads``: this collect's local gradients (:meth:`_local_grads`: local shards, real
-        views of complex gradients, which share their storage). Sparse gradients are scaled
-        in place themselves (their values may be a coalesced copy). A replica that flagged
-        NaN/Inf makes the total NaN, so every rank clips identically.
-        """
-        n = self._layout.size
-        packed = reduced.device_tensor()
-        squares = packed[:n]
-        # sqrt(sum(s)) = sqrt(m) * sqrt(sum(s / m)): the sum of float64 squares of finite
-        # gradients may overflow even when the norm does not (e.g. norms near 1e154).
-        top = squares.max() if n else torch.zeros((), dtype=torch.float64, device=packed.device)
-        scale = top.clamp_min(torch.finfo(torch.float64).tiny)
-        scaled = (squares / scale).sum().sqrt() * scale.sqrt()
-        total = torch.where(torch.isfinite(top), scaled, squares.sum().sqrt())
-        total = torch.where(packed[n : 2 * n].sum() > 0, torch.nan, total)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        sparse = self._sparse_positions
-        for i in sparse:
-            g = self._params[i].grad
-            g = getattr(g, "_local_tensor", g)
-            g.mul_(coef.to(g.device, g.dtype))  # sparse: values scaled in place
-        # The engine's plan already groups the tensors by (device, dtype).
-        plan = self._engine.last_plan  # built for these very gradients in this collect
-        assert plan is not None
-        for bucket in plan.buckets:
-            tensors = [grads[i] for i in bucket.positions]
-            if sparse:
-                skip = {id(grads[i]) for i in sparse}
-                tensors = [t for t in tensors if id(t) not in skip]
-            if tensors:
-                torch._foreach_mul_(tensors, coef.to(bucket.device, bucket.dtype))
-        return total
-
     def _build(
         self,
         reduced: ReducedVector,
@@ -599,14 +390,12 @@ class GradWatch:
         isolated: tuple[str, ...],
     ) -> Snapshot:
         try:
-            values = reduced.host_values()
+            stats = reduced.stats()
         except GradWatchTimeoutError as exc:
             # Another rank failed or skipped this collective: later ones would never match.
             self._broken = f"{type(exc).__name__}: {exc}"
             raise
-        lay = self._layout
-        n = lay.size
-        if values[3 * n + lay.replicas] != step * lay.world_size:
+        if not stats.steps_agree(step):
             self._log_once(
                 "step-mismatch",
                 "gradwatch: ranks called collect() with different steps (rank %d: %d); the "
@@ -615,64 +404,34 @@ class GradWatch:
                 step,
             )
         if measured:
-            self._last_divergence = _relative_spread(values[3 * n : 3 * n + lay.replicas])
+            self._last_divergence = stats.replica_divergence()
         snap = summarize(
             step=step,
             cfg=self.config,
-            names=lay.names,
+            names=self._layout.names,
             groups_of=self._groups_of,
-            numels=lay.numels,
-            squares=values[:n],
-            nonfinite_flags=values[n : 2 * n],
-            has_grad=values[2 * n : 3 * n],
+            numels=self._layout.numels,
+            squares=stats.squares,
+            nonfinite_flags=stats.nonfinite,
+            has_grad=stats.has_grad,
             group_order=self._group_order,
             isolated=isolated,
-            world_size=lay.world_size,
+            world_size=stats.world_size,
             parallelism=self.parallelism,
             replica_divergence=self._last_divergence,
             timestamp=ts,
         )
         changes: dict[str, Any] = {}
         if max_norm is not None:
-            # Same float64 formula as the device-side coefficient used for clipping.
-            changes["clip_coef"] = min(1.0, max_norm / (snap.global_norm + 1e-6))
+            changes["clip_coef"] = clip_coefficient(max_norm, snap.global_norm)
         if amp and not snap.is_finite:
             changes["amp_skipped"] = True
         if changes:
             snap = snap.replace(**changes)
-        self._log_anomalies(snap)
+        self._anomalies.report(snap)
         if self._last is None or snap.step >= self._last.step:
             self._last = snap
         return snap
-
-    def _log_anomalies(self, snap: Snapshot) -> None:
-        if snap.nonfinite_params and not snap.amp_skipped:
-            names = list(snap.nonfinite_params)
-            more = f" (+{len(names) - 20} more)" if len(names) > 20 else ""
-            shown = ", ".join(names[:20]) + more
-            self._anomaly_log.warning(
-                "nonfinite",
-                "gradwatch: step %d: non-finite gradients in %d parameter(s) (seen by rank %d "
-                "of %d): %s",
-                snap.step,
-                len(names),
-                self.rank,
-                snap.world_size,
-                shown,
-            )
-        for group, violated in snap.isolation_violated.items():
-            if violated:
-                self._anomaly_log.warning(
-                    f"isolation:{group}",
-                    "gradwatch: step %d: isolated group %r received gradient (norm %g > %g)",
-                    snap.step,
-                    group,
-                    snap.groups[group].norm if group in snap.groups else math.nan,
-                    self.config.isolation_threshold,
-                )
-
-    _clipped_step: int | None = None
-    _latest: PendingSnapshot | None = None
 
     def _pending_last(self, step: int) -> PendingSnapshot:
         """What a skipped step returns: the last collected step's pending result."""
@@ -684,42 +443,3 @@ class GradWatch:
         if kind not in self._logged:
             self._logged.add(kind)
             log.warning(msg, *args)
-
-
-def _relative_spread(squares: list[float]) -> float:
-    norms = [math.sqrt(s) for s in squares]
-    if any(math.isnan(x) for x in norms):
-        return math.nan
-    top = max(norms, default=0.0)
-    if top == 0.0 or math.isinf(top):
-        return 0.0 if top == 0.0 else math.nan
-    return (top - min(norms)) / top
-
-
-class RateLimitedLog:
-    """``logging`` warnings of each kind at most once per ``period_seconds`` (thread-safe)."""
-
-    def __init__(self, period_seconds: float) -> None:
-        self.period = period_seconds
-        self._last: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, kind: str, msg: str, *args: object) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(kind)
-            if last is not None and now - last < self.period:
-                return False
-            self._last[kind] = now
-        log.warning(msg, *args)
-        return True
-
-
-class _Restore:
-    """Undo an instance attribute override (``attach`` wraps ``scaler.step``)."""
-
-    def __init__(self, obj: Any, attr: str) -> None:
-        self.obj, self.attr = obj, attr
-
-    def remove(self) -> None:
-        self.obj.__dict__.pop(self.attr, None)

@@ -4,6 +4,9 @@ Timing: the Trainer clips gradients (``max_grad_norm``, default 1.0) and then ca
 ``on_pre_optimizer_step``; it offers no hook between backward and clipping, so the norms seen
 here are **post-clip** whenever clipping is on. The Trainer logs its own pre-clip ``grad_norm``;
 gradwatch adds per-group norms, ratios, health and non-finite counts next to it.
+
+The callback receives the unwrapped model; under DDP the Trainer's wrapper is found from it
+(:func:`gradwatch.model.wrapping_ddp`), so the parallelism reads ``ddp{n}`` as for plain DDP.
 """
 
 from __future__ import annotations

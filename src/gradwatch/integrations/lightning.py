@@ -2,6 +2,9 @@
 
 Timing: Lightning calls ``on_before_optimizer_step`` after backward (and after AMP unscaling)
 and **before** gradient clipping, so the norms are pre-clip and unscaled: the right moment.
+
+The callback receives the unwrapped ``LightningModule``; under DDP the strategy's wrapper is
+found from it (:func:`gradwatch.model.wrapping_ddp`), so the parallelism reads ``ddp{n}``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,138 @@
+"""torchrun job of tests/test_integrations.py: a framework trains a 2-rank DDP model with the
+gradwatch callback, and each rank writes what the watcher saw to ``<out>/<rank>.json``.
+
+Usage: ``torchrun --nproc_per_node=2 framework_ddp_job.py {huggingface|lightning} OUT``. The
+callbacks receive the unwrapped module while the framework trains its DDP wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+GROUPS = {"host": ["backbone.*"], "seed": ["seed.*"]}
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def run_huggingface(out: Path) -> dict[str, Any]:
+    import transformers
+
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Linear(16, 8)
+            self.seed = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            out = self.seed(torch.tanh(self.backbone(x)))
+            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    seen: dict[str, Any] = {}
+
+    class Probe(GradWatchCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            super().on_train_begin(*args, **kwargs)
+            assert self.watch is not None
+            seen["parallelism"] = self.watch.parallelism
+
+        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            assert self.watch is not None
+            seen["world_size"] = self.watch.last.world_size if self.watch.last else None
+            super().on_train_end(*args, **kwargs)
+
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf"),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        ddp_backend="gloo",
+    )
+    trainer = transformers.Trainer(
+        model=Model(), args=args, train_dataset=Regression(), callbacks=[Probe(groups=GROUPS)]
+    )
+    trainer.train()
+    seen["wrapper"] = type(trainer.model_wrapped).__name__
+    return seen
+
+
+def run_lightning(out: Path) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from gradwatch.integrations.lightning import GradWatchCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Linear(16, 8)
+            self.seed = nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            out = self.seed(torch.tanh(self.backbone(batch["x"])))
+            return nn.functional.mse_loss(out, batch["labels"])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    seen: dict[str, Any] = {}
+
+    class Probe(GradWatchCallback):
+        def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            super().on_fit_start(trainer, pl_module)
+            assert self.watch is not None
+            seen["parallelism"] = self.watch.parallelism
+            seen["wrapper"] = type(trainer.strategy.model).__name__
+
+        def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            assert self.watch is not None
+            seen["world_size"] = self.watch.last.world_size if self.watch.last else None
+            super().on_fit_end(trainer, pl_module)
+
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out / "pl"),
+        callbacks=[Probe(groups=GROUPS)],
+    )
+    trainer.fit(Module(), torch.utils.data.DataLoader(Regression(), batch_size=8))
+    return seen
+
+
+def main() -> None:
+    framework, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    run = {"huggingface": run_huggingface, "lightning": run_lightning}[framework]
+    seen = run(out)
+    Path(out, f"{os.environ['RANK']}.json").write_text(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()
