@@ -637,3 +637,30 @@ def test_set_isolated_switches_the_expectation_per_stage() -> None:
         with pytest.raises(ValueError, match=r"set_isolated.*'nope'"):
             watch.set_isolated(["seed", "nope"])
         assert watch.isolated == ("seed", "other")  # a refused change changes nothing
+
+
+def test_add_sink_receives_every_published_step_off_the_training_thread() -> None:
+    import threading
+
+    seen: list[tuple[int, float, str]] = []
+
+    class Recorder:
+        def write(self, snapshot: object) -> None:
+            seen.append((snapshot.step, snapshot.global_norm, threading.current_thread().name))
+
+    model = nn.Linear(3, 2)
+    with GradWatch(model, WatchConfig(port=None)) as watch:
+        watch.add_sink(Recorder())
+        expected = []
+        for step in range(3):
+            model.zero_grad()
+            model(torch.full((1, 3), float(step + 1))).sum().backward()
+            expected.append(math.sqrt(math.fsum(
+                float(x) ** 2 for p in model.parameters() for x in p.grad.flatten().tolist()
+            )))
+            watch.collect(step)
+        assert watch.flush(10.0)
+    assert [s for s, _, _ in seen] == [0, 1, 2]
+    for (_, norm, thread), want in zip(seen, expected, strict=True):
+        assert norm == pytest.approx(want, rel=1e-6)  # float32 gradients
+        assert thread != threading.main_thread().name

@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedParallelismError": "gradwatch.errors",
     "GroupStats": "gradwatch.snapshot",
     "Snapshot": "gradwatch.snapshot",
+    "Sink": "gradwatch.export",
     "total_norm": "gradwatch.stats",
 }
 
@@ -43,6 +44,7 @@ __all__ = [
     "NoOpWatch",
     "PendingSnapshot",
     "PortInUseError",
+    "Sink",
     "Snapshot",
     "UnsupportedParallelismError",
     "WatchConfig",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
         PortInUseError,
         UnsupportedParallelismError,
     )
+    from gradwatch.export import Sink
     from gradwatch.snapshot import GroupStats, Snapshot
     from gradwatch.stats import total_norm
     from gradwatch.watcher import GradWatch, PendingSnapshot

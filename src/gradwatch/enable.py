@@ -73,6 +73,9 @@ class NoOpWatch:
         params = [p for p in self._model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
+    def add_sink(self, sink: Any) -> None:
+        return None
+
     def flush(self, timeout: float = 10.0) -> bool:
         return True
 

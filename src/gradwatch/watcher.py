@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
 from gradwatch.stats import NormEngine
 from gradwatch.summary import summarize
+
+if TYPE_CHECKING:
+    from gradwatch.export import Publishing, Sink
 
 log = logging.getLogger("gradwatch")
 
@@ -140,7 +143,7 @@ class GradWatch:
         self._optimizer_steps = 0
         self._hooks: list[Any] = []
         self._closed = False
-        self._publishing: Any = None  # gradwatch.export.Publishing on rank 0 (imported lazily)
+        self._publishing: Publishing | None = None  # rank 0; gradwatch.export imported lazily
         if self.rank == 0:
             self._start_publishing(cfg)
 
@@ -296,6 +299,27 @@ class GradWatch:
             self._publishing.observe_collect_seconds(time.perf_counter() - started)
             self._publishing.submit(pending)
         return pending, total
+
+    def add_sink(self, sink: Sink) -> None:
+        """Hand every snapshot published from now on to ``sink`` too (see
+        :class:`gradwatch.export.Sink`), from the publisher thread, never the training thread.
+
+        Global rank 0 only (the other ranks publish nothing): a no-op elsewhere and after
+        :meth:`close`. Errors a sink raises are logged once and counted, never raised here.
+        """
+        if self.rank != 0 or self._closed:
+            return
+        if self._publishing is None:
+            from gradwatch.export import open_publishing
+
+            self._publishing = open_publishing(
+                self.config,
+                world_size=self.world_size,
+                parallelism=self.parallelism,
+                extra_sinks=[sink],
+            )
+        else:
+            self._publishing.add_sink(sink)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every step collected so far reached the endpoint and the history file.
