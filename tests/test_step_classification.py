@@ -133,9 +133,7 @@ def test_plot_top_demo_and_counters_agree(
         if snap.step == NAN_AT:
             view_at_nan = parse_exposition(fetch(server.url))
     assert view_at_nan is not None and view_at_nan.step == NAN_AT
-    frame = text_of(
-        render_frame(server.url, view_at_nan, None, trends, refresh=1, interval=1.0)
-    )
+    frame = text_of(render_frame(server.url, view_at_nan, None, trends, refresh=1, interval=1.0))
     assert f"step {NAN_AT}" in frame and "global norm nan" in frame, frame
     assert "non-finite steps 1" in frame and "exploding steps 1" in frame, frame
 

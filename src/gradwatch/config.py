@@ -268,14 +268,10 @@ def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
     so a caller that wants the typo reported must ask (``gradwatch config`` warns)."""
     environ = os.environ if environ is None else environ
     known = {env_var(f) for f in WatchConfig.model_fields}
-    return sorted(
-        k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known
-    )
+    return sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
 
 
-def did_you_mean(
-    word: str, choices: Iterable[str], *, show: Callable[[str], str] = repr
-) -> str:
+def did_you_mean(word: str, choices: Iterable[str], *, show: Callable[[str], str] = repr) -> str:
     """`` (did you mean 'port'?)`` for the choice closest to a misspelt ``word``, or ``""``
     when none is close; ``show`` renders the choice (``str`` for variable names)."""
     close = difflib.get_close_matches(word, list(choices), n=1)

@@ -153,9 +153,7 @@ def _toml_module(path: Path) -> Any:
     return tomli  # pragma: no cover
 
 
-def resolve_config(
-    path: str | os.PathLike[str] | None = None, **overrides: Any
-) -> ResolvedConfig:
+def resolve_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ResolvedConfig:
     """The effective configuration of ``path`` (optional), ``GRADWATCH_*`` and ``overrides``.
 
     Precedence: defaults < file < environment < ``overrides`` (see the module docstring).
