@@ -39,25 +39,26 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def write_history(path: Path, steps: range, max_bytes: int = 64 * 1024 * 1024) -> None:
-    """Healthy steps, a NaN step, an Inf step, an exploding step, a dormant ratio of 0."""
+    """Healthy steps, a NaN step (7), an AMP-skipped Inf step (9), an exploding step (12), a
+    dormant ratio of 0. As GradWatch counts them, a non-finite parameter is exploding too."""
     with HistoryWriter(path, max_bytes=max_bytes) as writer:
         for i in steps:
             norm, exploding, bad = 1.0 + 0.2 * math.sin(i / 3), 0, ()
             if i == 7:
-                norm, bad = math.nan, ("host.w",)
+                norm, exploding, bad = math.nan, 1, ("host.w",)
             if i == 9:
-                norm, bad = math.inf, ("seed.w",)
+                norm, exploding, bad = math.inf, 1, ("host.w",)
             if i == 12:
                 norm, exploding = 400.0, 1
             seed = 0.0 if i < 3 else 0.1 * norm
+            host = GroupStats(
+                norm=norm, numel=100, tensors=2, exploding=exploding, nonfinite=len(bad)
+            )
             writer.append(
                 Snapshot(
                     step=i,
                     global_norm=norm,
-                    groups={
-                        "host": GroupStats(norm=norm, numel=100, tensors=2, exploding=exploding),
-                        "seed": GroupStats(norm=seed, numel=10, tensors=1),
-                    },
+                    groups={"host": host, "seed": GroupStats(norm=seed, numel=10, tensors=1)},
                     ratios={"seed/host": 0.0 if i < 3 else (math.nan if bad else 0.12)},
                     nonfinite_params=bad,
                     health=0.0 if bad else (0.6 if exploding else 1.0),
@@ -75,8 +76,10 @@ def test_plot_history_with_truncated_last_line(tmp_path: Path) -> None:
     proc = run("plot", str(history), "-o", str(out), "--width", "6", "--height", "4", "--dpi", "50")
     assert proc.returncode == 0, proc.stderr
     assert png_size(out) == (6 * 50, 4 * 50)
-    assert "20 snapshots" in proc.stdout and "2 non-finite" in proc.stdout
-    assert "1 exploding" in proc.stdout
+    # Snapshot's classification, as the Prometheus counters count: the NaN step 7 is non-finite
+    # and exploding; the AMP-skipped Inf step 9 is not non-finite but is exploding; 12 explodes.
+    assert "20 snapshots" in proc.stdout and "1 non-finite" in proc.stdout
+    assert "3 exploding" in proc.stdout and "1 AMP-skipped" in proc.stdout
 
 
 def test_default_size_and_rotated_file_read_first(tmp_path: Path) -> None:

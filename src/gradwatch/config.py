@@ -7,13 +7,22 @@ Arguments given in code win over the environment, which wins over the defaults.
 Invalid values are refused at construction with a :class:`pydantic.ValidationError` whose
 location names the field, so a typo in a launcher script fails before the first step instead
 of in the middle of a run.
+
+This module also owns the environment as a source of settings, for every reader of it
+(:mod:`gradwatch.configfile` layers a file under it and reports provenance): the one prefix
+(:data:`ENV_PREFIX`, :func:`env_var`), the decoding (:func:`env_settings`), the detection of
+misspelt variables (:func:`unknown_env_vars`) and the one "did you mean" hint
+(:func:`did_you_mean`) of every configuration error.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import ipaddress
 import json
+import os
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,6 +39,9 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+#: Prefix of every setting's environment variable: ``port`` is read from ``GRADWATCH_PORT``.
+ENV_PREFIX = "GRADWATCH_"
 
 #: Name of the implicit group of parameters that match no pattern.
 OTHER_GROUP = "other"
@@ -52,7 +64,8 @@ def _pairs_if_duplicated(pairs: list[tuple[str, Any]]) -> Any:
 
 class _EnvSource(EnvSettingsSource):
     """``GRADWATCH_*`` variables; fields given in code are not read at all (pydantic-settings
-    would otherwise deep-merge an env dict into a dict given in code)."""
+    would otherwise deep-merge an env dict into a dict given in code). Public access goes
+    through :func:`env_settings`."""
 
     def __init__(self, settings_cls: type[BaseSettings], shadowed: set[str]) -> None:
         super().__init__(settings_cls)
@@ -96,7 +109,7 @@ class WatchConfig(BaseSettings):
     """
 
     model_config = SettingsConfigDict(
-        env_prefix="GRADWATCH_",
+        env_prefix=ENV_PREFIX,
         extra="forbid",
         frozen=True,
         validate_default=True,
@@ -236,3 +249,30 @@ class WatchConfig(BaseSettings):
 def ratio_key(numerator: str, denominator: str) -> str:
     """Key of a ratio in :attr:`Snapshot.ratios`: ``"numerator/denominator"``."""
     return f"{numerator}/{denominator}"
+
+
+def env_var(field: str) -> str:
+    """The environment variable of a field: ``port`` -> ``GRADWATCH_PORT``."""
+    return ENV_PREFIX + field.upper()
+
+
+def env_settings(exclude: Collection[str] = ()) -> dict[str, Any]:
+    """The settings ``GRADWATCH_*`` variables give, decoded as :class:`WatchConfig` reads them
+    (JSON for dicts and lists; a value that is no JSON is kept as text for validation to
+    report), leaving out the fields in ``exclude`` (those given in code win without a merge)."""
+    return _EnvSource(WatchConfig, set(exclude))()
+
+
+def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``GRADWATCH_*`` variables that are no setting (typos): pydantic-settings ignores them,
+    so a caller that wants the typo reported must ask (``gradwatch config`` warns)."""
+    environ = os.environ if environ is None else environ
+    known = {env_var(f) for f in WatchConfig.model_fields}
+    return sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
+
+
+def did_you_mean(word: str, choices: Iterable[str], *, show: Callable[[str], str] = repr) -> str:
+    """`` (did you mean 'port'?)`` for the choice closest to a misspelt ``word``, or ``""``
+    when none is close; ``show`` renders the choice (``str`` for variable names)."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {show(close[0])}?)" if close else ""

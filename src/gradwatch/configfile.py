@@ -13,11 +13,13 @@ explicitly wins, as it does without a file (``WatchConfig(port=0)`` beats ``GRAD
 Every problem is a :class:`ConfigError` naming the field, the key or the file: an unknown key in
 a file is an error (a typo must not silently fall back to a default), like an unknown keyword
 argument of ``WatchConfig``.
+
+The environment side (the ``GRADWATCH_`` prefix, decoding, typo detection, the "did you mean"
+hint) belongs to :mod:`gradwatch.config`; this module adds the file and the provenance.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import sys
@@ -28,9 +30,18 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gradwatch.config import WatchConfig, _EnvSource
+from gradwatch.config import (
+    ENV_PREFIX,
+    WatchConfig,
+    did_you_mean,
+    env_settings,
+    env_var,
+    unknown_env_vars,
+)
 from gradwatch.errors import GradWatchError
 
+# ENV_PREFIX, env_var and unknown_env_vars are defined in gradwatch.config and stay importable
+# from here, where they were first published.
 __all__ = [
     "ENV_PREFIX",
     "ConfigError",
@@ -41,8 +52,6 @@ __all__ = [
     "resolve_config",
     "unknown_env_vars",
 ]
-
-ENV_PREFIX = "GRADWATCH_"
 
 #: File suffix -> format.
 FORMATS = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
@@ -67,18 +76,12 @@ class ResolvedConfig:
     sources: Mapping[str, str]
 
 
-def env_var(field: str) -> str:
-    """The environment variable of a field: ``port`` -> ``GRADWATCH_PORT``."""
-    return ENV_PREFIX + field.upper()
-
-
 def _fields() -> list[str]:
     return list(WatchConfig.model_fields)
 
 
 def _unknown_key_message(key: str, where: str) -> str:
-    close = difflib.get_close_matches(key, _fields(), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(key, _fields())
     return f"{where}: unknown key {key!r}{hint}; known keys: {', '.join(_fields())}"
 
 
@@ -150,18 +153,7 @@ def _toml_module(path: Path) -> Any:
     return tomli  # pragma: no cover
 
 
-def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
-    """``GRADWATCH_*`` variables that are no setting (typos): pydantic-settings ignores them."""
-    environ = os.environ if environ is None else environ
-    known = {env_var(f) for f in _fields()}
-    return sorted(
-        k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known
-    )
-
-
-def resolve_config(
-    path: str | os.PathLike[str] | None = None, **overrides: Any
-) -> ResolvedConfig:
+def resolve_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ResolvedConfig:
     """The effective configuration of ``path`` (optional), ``GRADWATCH_*`` and ``overrides``.
 
     Precedence: defaults < file < environment < ``overrides`` (see the module docstring).
@@ -172,7 +164,7 @@ def resolve_config(
     unknown = [k for k in overrides if k not in WatchConfig.model_fields]
     if unknown:
         raise ConfigError(_unknown_key_message(unknown[0], "arguments"))
-    env_values = _EnvSource(WatchConfig, set(overrides))()
+    env_values = env_settings(exclude=overrides)
     merged = {**file_values, **env_values, **overrides}
     sources: dict[str, str] = {}
     for name in _fields():

@@ -13,7 +13,6 @@ the unknown key of a file, or the unreadable/malformed file. Never a traceback.
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 from pathlib import Path
@@ -21,14 +20,8 @@ from typing import Annotated, Any
 
 import typer
 
-from gradwatch.config import WatchConfig
-from gradwatch.configfile import (
-    ConfigError,
-    ResolvedConfig,
-    env_var,
-    resolve_config,
-    unknown_env_vars,
-)
+from gradwatch.config import WatchConfig, did_you_mean, env_var, unknown_env_vars
+from gradwatch.configfile import ConfigError, ResolvedConfig, resolve_config
 
 #: Exit status for invalid configuration (the convention of command-line usage errors).
 EXIT_INVALID = 2
@@ -102,8 +95,7 @@ def config_command(
         raise typer.Exit(EXIT_INVALID) from None
     known = [env_var(f) for f in WatchConfig.model_fields]
     for name in unknown_env_vars():
-        close = difflib.get_close_matches(name.upper(), known, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        hint = did_you_mean(name.upper(), known, show=str)
         sys.stderr.write(
             f"gradwatch config: warning: {name} is not a gradwatch setting, ignored{hint}\n"
         )

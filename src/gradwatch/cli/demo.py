@@ -3,13 +3,16 @@
 The parent (this module) launches ``python -m torch.distributed.run --standalone
 --nproc_per_node N -m gradwatch.cli.demo_job`` (gloo, CPU; the job and its phases are described
 in :mod:`gradwatch.cli.demo_job`) and shows what the job's metrics endpoint says, by scraping it
-with the same code as ``gradwatch top`` (:mod:`gradwatch.cli.scrape`): it sees the run as
-Prometheus would, not through a side channel.
+with the same code as ``gradwatch top`` (:mod:`gradwatch.cli.endpoint`, drawn by
+:mod:`gradwatch.cli.render`): it sees the run as Prometheus would, not through a side channel.
+Everything else the parent and the job say to each other (the job's command line, the ready,
+error and summary messages, the ack) is typed in :mod:`gradwatch.cli.demo_protocol`, with the
+defaults both sides share.
 
 Design choices:
 
-* **Learning the endpoint.** Rank 0 writes ``endpoint.json`` (the metrics URL, the real port
-  when ``--port 0``) into a private temporary directory passed to the job, and ``error.json``
+* **Learning the endpoint.** Rank 0 writes the ready message (the metrics URL, the real port
+  when ``--port 0``) into a private temporary directory passed to the job, and an error message
   if it cannot serve. A taken ``--port`` is found before torchrun starts (a bind test), and if
   it is taken in the meantime, rank 0's ``PortInUseError`` is reported the same way: a message
   naming the port and ``--port``, exit status 2.
@@ -18,16 +21,15 @@ Design choices:
   parent shows a live table (progress bar, phase, norms with trends, ratio, health, anomaly
   counters, URL) refreshed from scrapes every ``REFRESH`` seconds; otherwise (pipes, CI) it
   prints a plain line at every tenth of the run and whenever an anomaly counter moves.
-* **Injected steps are seen reliably.** The job pauses ``ANOMALY_PAUSE`` s after an injected
-  step, so the live view shows its NaN/huge norms; the counters keep them anyway. The summary
-  comes from ``summary.json``, which rank 0 writes from every snapshot it saw (a scrape can miss
-  a step; the job cannot), plus a final scrape of the counters: rank 0 keeps serving until the
-  parent has made that scrape (it creates ``ack``), so the summary shows what the endpoint
-  reported too.
-* **Pace.** A step computes in a few ms (a 3k-parameter model, batch 32, one thread per rank);
-  ``--step-sleep`` (0.1 s) slows it so a person can follow the table. ``make demo`` (200 steps)
-  takes about 35 s on this project's 2-core machine, ~10 s of which is torchrun starting the
-  ranks (three Python processes importing torch); ``--steps 30`` about 15 s.
+* **Injected steps are seen reliably.** The job pauses ``DEFAULT_ANOMALY_PAUSE`` s after an
+  injected step, so the live view shows its NaN/huge norms; the counters keep them anyway. The
+  summary comes from the job's summary message, which rank 0 builds from every snapshot it saw
+  (a scrape can miss a step; the job cannot), plus a final scrape of the counters: rank 0 keeps
+  serving until the parent has made that scrape (the ack), so the summary shows what the
+  endpoint reported too. Both classify steps with :class:`gradwatch.Snapshot`, so they agree.
+* **Pace.** The demo model is small (~0.55M parameters, one thread per rank), so a step is
+  quick; ``--step-sleep`` slows it so a person can follow the table. Starting torchrun's ranks
+  (Python processes importing torch) is a fixed cost of every run, whatever ``--steps``.
 * **Linger.** ``--linger S`` keeps rank 0 serving S seconds after the last step (the summary is
   printed when training ends, before that window), so ``gradwatch top`` or ``curl`` can look at
   the endpoint of a finished run; the job then exits and the endpoint closes with it.
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import math
 import os
 import shutil
@@ -54,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -66,23 +67,23 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from gradwatch.cli.phases import phase_of
-from gradwatch.cli.scrape import (
-    EndpointView,
-    ScrapeError,
-    Trends,
-    anomalies_text,
-    fmt,
-    isolation_text,
-    render_view,
-    scrape,
+from gradwatch.cli.demo_protocol import (
+    DEFAULT_ANOMALY_PAUSE,
+    DEFAULT_BIND,
+    DEFAULT_STEP_SLEEP,
+    DEFAULT_STEPS,
+    JobArgs,
+    Ready,
+    Summary,
+    Workdir,
 )
+from gradwatch.cli.endpoint import EndpointView, ScrapeError, scrape
+from gradwatch.cli.phases import phase_of
+from gradwatch.cli.render import Trends, anomalies_text, fmt, isolation_text, render_view
 from gradwatch.config import DEFAULT_DEMO_PORT
 
 #: Seconds between two scrapes of the job's endpoint.
 REFRESH = 0.25
-#: How long the job pauses after an injected step (visible in a few scrapes).
-ANOMALY_PAUSE = 1.0
 #: How long to wait for rank 0 to start serving (torchrun start, imports, rendezvous).
 STARTUP_TIMEOUT = 180.0
 #: How long to wait for the endpoint to publish the last step before the final scrape.
@@ -141,38 +142,33 @@ def port_message(port: int) -> str:
     )
 
 
+def job_args(opts: DemoOptions, workdir: Path) -> JobArgs:
+    """The demo job's arguments: ``opts``, the ack and this process as the parent to watch."""
+    return JobArgs(
+        workdir=workdir,
+        steps=opts.steps,
+        port=opts.port,
+        bind=opts.bind,
+        step_sleep=opts.step_sleep,
+        anomaly_pause=DEFAULT_ANOMALY_PAUSE,
+        linger=opts.linger,
+        nan_at=() if opts.nan_at is None else (opts.nan_at,),
+        explode_at=() if opts.explode_at is None else (opts.explode_at,),
+        seed_at=opts.seed_at,
+        blend_at=opts.blend_at,
+        ack=True,
+        parent_pid=os.getpid(),
+    )
+
+
 def job_command(opts: DemoOptions, workdir: Path) -> list[str]:
     """The torchrun command line of the demo job."""
-    cmd = [
+    return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc_per_node", str(opts.nproc),
         "-m", "gradwatch.cli.demo_job",
-        "--workdir", str(workdir),
-        "--steps", str(opts.steps),
-        "--port", str(opts.port),
-        "--bind", opts.bind,
-        "--sleep", str(opts.step_sleep),
-        "--anomaly-pause", str(ANOMALY_PAUSE),
-        "--linger", str(opts.linger),
-        "--ack",
-        "--parent-pid", str(os.getpid()),
+        *job_args(opts, workdir).to_argv(),
     ]  # fmt: skip
-    for flag, value in (
-        ("--nan-at", opts.nan_at),
-        ("--explode-at", opts.explode_at),
-        ("--seed-at", opts.seed_at),
-        ("--blend-at", opts.blend_at),
-    ):
-        if value is not None:
-            cmd += [flag, str(value)]
-    return cmd
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def stop_process_group(proc: subprocess.Popen[bytes], sig: int, timeout: float) -> None:
@@ -311,37 +307,38 @@ class _PlainDisplay(_Display):
 # -- the run --------------------------------------------------------------------------------
 
 
-def _steps_text(steps: list[int]) -> str:
+def _steps_text(steps: Sequence[int]) -> str:
     if not steps:
         return "0"
     shown = ", ".join(str(s) for s in steps[:20]) + (", ..." if len(steps) > 20 else "")
     return f"{len(steps)} (step{'s' if len(steps) > 1 else ''} {shown})"
 
 
-def summary_lines(summary: dict[str, Any], final: EndpointView | None, url: str) -> list[str]:
-    """The end-of-run summary: from the job's ``summary.json`` and the final scrape."""
-    last = summary.get("last") or {}
-    seed_at, blend_at, steps = summary["seed_at"], summary["blend_at"], summary["steps"]
+def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> list[str]:
+    """The end-of-run summary: from the job's summary message and the final scrape."""
+    seed_at, blend_at, steps = summary.seed_at, summary.blend_at, summary.steps
     lines = [
-        f"gradwatch demo finished: {summary['steps_run']} steps on {summary['world_size']} "
-        f"ranks ({summary['parallelism']}); phases: host 0-{seed_at - 1}, "
+        f"gradwatch demo finished: {summary.steps_run} steps on {summary.world_size} "
+        f"ranks ({summary.parallelism}); phases: host 0-{seed_at - 1}, "
         f"seed {seed_at}-{blend_at - 1} (host frozen), blend {blend_at}-{steps - 1}",
     ]
-    if last:
-        groups = ", ".join(f"{g} {fmt(v)}" for g, v in last["groups"].items())
-        ratios = ", ".join(f"{k} {fmt(v)}" for k, v in last["ratios"].items())
+    last = summary.last
+    if last is not None:
+        groups = ", ".join(f"{g} {fmt(v)}" for g, v in last.groups.items())
+        ratios = ", ".join(f"{k} {fmt(v)}" for k, v in last.ratios.items())
         lines.append(
-            f"last step {last['step']}: global norm {fmt(last['global_norm'])}; {groups}; "
-            f"{ratios}; health {fmt(last['health'], 3)}"
+            f"last step {last.step}: global norm {fmt(last.global_norm)}; {groups}; "
+            f"{ratios}; health {fmt(last.health, 3)}"
         )
-    lines.append(f"non-finite steps: {_steps_text(summary['nonfinite_steps'])}")
-    lines.append(
-        f"exploding steps: {_steps_text(summary['exploding_steps'])} (non-finite included)"
-    )
-    hmin = summary.get("health_min")
-    if hmin:
-        lines.append(f"health min: {fmt(hmin['value'], 3)} at step {hmin['step']}")
-    for group, bad in summary.get("isolation_violation_steps", {}).items():
+    events = summary.events
+    lines.append(f"non-finite steps: {_steps_text(events.nonfinite)}")
+    lines.append(f"exploding steps: {_steps_text(events.exploding)} (non-finite included)")
+    if events.amp_skipped:  # the demo uses no GradScaler; a job reusing this summary may
+        lines.append(f"AMP-skipped steps: {_steps_text(events.amp_skipped)}")
+    hmin = summary.health_min
+    if hmin is not None:
+        lines.append(f"health min: {fmt(hmin.value, 3)} at step {hmin.step}")
+    for group, bad in summary.isolation_violation_steps.items():
         lines.append(f"isolation of {group}: {_steps_text(bad)} violating steps")
     if final is not None:
         lines.append(
@@ -363,6 +360,7 @@ class DemoRun:
         self.console = console
         self.err = Console(stderr=True, highlight=False, markup=False)
         self.workdir = Path(tempfile.mkdtemp(prefix="gradwatch-demo-"))
+        self.work = Workdir(self.workdir)
         self.log_path = self.workdir / "job.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.display: _Display = (
@@ -390,8 +388,8 @@ class DemoRun:
         endpoint = self._wait_for_endpoint()
         if endpoint is None:
             return self._failed()
-        self.url = self.display.url = endpoint["metrics_url"]
-        self.display.phases = (endpoint["seed_at"], endpoint["blend_at"])
+        self.url = self.display.url = endpoint.metrics_url
+        self.display.phases = (endpoint.seed_at, endpoint.blend_at)
         if isinstance(self.display, _PlainDisplay):
             self.display.status(f"metrics: {self.url}")
         else:
@@ -413,14 +411,14 @@ class DemoRun:
             return self._failed()
         return 0
 
-    def _wait_for_endpoint(self) -> dict[str, Any] | None:
+    def _wait_for_endpoint(self) -> Ready | None:
         assert self.proc is not None
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
-            endpoint = _read_json(self.workdir / "endpoint.json")
+            endpoint = self.work.read_ready()
             if endpoint is not None:
                 return endpoint
-            if (self.workdir / "error.json").exists() or self.proc.poll() is not None:
+            if self.work.has_error() or self.proc.poll() is not None:
                 return None
             time.sleep(0.1)
         self.err.print(f"gradwatch demo: rank 0 did not start serving in {STARTUP_TIMEOUT:g}s")
@@ -434,26 +432,23 @@ class DemoRun:
         except ScrapeError as exc:
             return None, str(exc)
 
-    def _watch(self) -> tuple[EndpointView | None, dict[str, Any] | None]:
-        """Scrape until the job ends or writes its summary; then the final scrape and ``ack``."""
+    def _watch(self) -> tuple[EndpointView | None, Summary | None]:
+        """Scrape until the job ends or writes its summary; then the final scrape and the ack."""
         assert self.proc is not None
-        summary_path = self.workdir / "summary.json"
         while self.proc.poll() is None:
             view, error = self._scrape()
             self.display.update(view, error if self.proc.poll() is None else None)
-            summary = _read_json(summary_path)
+            summary = self.work.read_summary()
             if summary is not None:
                 final = self._final_scrape(summary, view)
-                (self.workdir / "ack").touch()
+                self.work.ack()
                 return final, summary
             time.sleep(REFRESH)
-        return None, _read_json(summary_path)
+        return None, self.work.read_summary()
 
-    def _final_scrape(
-        self, summary: dict[str, Any], view: EndpointView | None
-    ) -> EndpointView | None:
+    def _final_scrape(self, summary: Summary, view: EndpointView | None) -> EndpointView | None:
         """Scrape until the endpoint shows the last step the job collected (bounded)."""
-        last = (summary.get("last") or {}).get("step")
+        last = None if summary.last is None else summary.last.step
         deadline = time.monotonic() + FINAL_SCRAPE_TIMEOUT
         while True:
             if view is not None and (last is None or (view.step is not None and view.step >= last)):
@@ -472,9 +467,9 @@ class DemoRun:
                 self.proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 stop_process_group(self.proc, signal.SIGTERM, STOP_TIMEOUT)
-        error = _read_json(self.workdir / "error.json")
-        if error is not None and error.get("kind") == "port_in_use":
-            self.err.print(port_message(int(error.get("port", self.opts.port))), style="red")
+        error = self.work.read_error()
+        if error is not None and error.kind == "port_in_use":
+            self.err.print(port_message(error.port), style="red")
             return 2
         rc = self.proc.poll() if self.proc is not None else None
         self.err.print(
@@ -485,7 +480,7 @@ class DemoRun:
         )
         self.err.print(Text(_tail(self.log_path, LOG_TAIL)), soft_wrap=True)
         if error is not None:
-            self.err.print(error.get("message", ""), soft_wrap=True)
+            self.err.print(error.message, soft_wrap=True)
         self.keep_workdir = True
         return 1
 
@@ -549,7 +544,7 @@ def _check(opts: DemoOptions) -> None:
 
 def demo(
     nproc: Annotated[int, typer.Option(min=1, max=64, help="Ranks (torchrun processes).")] = 2,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 200,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = DEFAULT_STEPS,
     port: Annotated[
         int,
         typer.Option(min=0, max=65535, help="Metrics port of rank 0 (0 = an ephemeral one)."),
@@ -574,11 +569,11 @@ def demo(
     ] = None,
     step_sleep: Annotated[
         float, typer.Option(min=0.0, help="Seconds each step sleeps, so the run can be followed.")
-    ] = 0.1,
+    ] = DEFAULT_STEP_SLEEP,
     linger: Annotated[
         float, typer.Option(min=0.0, help="Keep serving this many seconds after the last step.")
     ] = 0.0,
-    bind: Annotated[str, typer.Option(help="Address the endpoint binds to.")] = "0.0.0.0",
+    bind: Annotated[str, typer.Option(help="Address the endpoint binds to.")] = DEFAULT_BIND,
 ) -> None:
     """Run a small torchrun DDP job watched by gradwatch and show its endpoint live.
 

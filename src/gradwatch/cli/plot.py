@@ -9,7 +9,10 @@ Three panels sharing the step axis:
 3. the health score in [0, 1].
 
 Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding steps (orange)
-are vertical lines across every panel, so a spike in one panel lines up with the others.
+are vertical lines across every panel, so a spike in one panel lines up with the others. A
+record is classified as :class:`gradwatch.Snapshot` classifies it (``Snapshot.from_dict``), the
+definition the Prometheus counters use too: an exploding step includes every non-finite one, so
+a NaN step is counted, and drawn, in both.
 Non-finite values are masked (a gap in the line), never plotted or allowed to break the
 scaling. The rotated backup ``HISTORY.1`` is read first, and torn lines are skipped
 (:func:`gradwatch.history.read_history`).
@@ -31,7 +34,9 @@ from typing import Annotated, Any
 
 import typer
 
+from gradwatch.cli.step_events import StepEvents
 from gradwatch.history import read_history, rotated_path
+from gradwatch.snapshot import Snapshot
 
 #: Exit status for bad input (missing/empty history, missing matplotlib, bad options).
 EXIT_INVALID = 2
@@ -59,15 +64,50 @@ class PlotError(Exception):
 
 @dataclass(frozen=True)
 class PlotSummary:
-    """What was drawn: counts for the caller's one-line report."""
+    """What was drawn: the steps of each class, and counts for the caller's one-line report."""
 
     records: int
     first_step: int
     last_step: int
-    nonfinite_steps: int
-    exploding_steps: int
+    events: StepEvents
     restarts: int
     pixels: tuple[int, int]
+    title: str
+
+    @property
+    def nonfinite_steps(self) -> int:
+        return len(self.events.nonfinite)
+
+    @property
+    def amp_skipped_steps(self) -> int:
+        return len(self.events.amp_skipped)
+
+    @property
+    def exploding_steps(self) -> int:
+        return len(self.events.exploding)
+
+
+def counts_text(events: StepEvents) -> str:
+    """``"1 non-finite, 3 exploding"``, plus ``", 1 AMP-skipped"`` when there are some."""
+    text = f"{len(events.nonfinite)} non-finite, {len(events.exploding)} exploding"
+    if events.amp_skipped:
+        text += f", {len(events.amp_skipped)} AMP-skipped"
+    return text
+
+
+def classify(records: Sequence[dict[str, Any]]) -> StepEvents:
+    """The steps of each class among ``records`` (history dicts), by ``Snapshot.from_dict``.
+
+    A record gradwatch did not write (a field of the wrong type) is drawn but not classified:
+    a foreign line must not abort the picture of a long run.
+    """
+    events = StepEvents()
+    for record in records:
+        try:
+            events.add(Snapshot.from_dict(record))
+        except (TypeError, ValueError, AttributeError):
+            continue
+    return events
 
 
 def _float(value: Any) -> float:
@@ -132,19 +172,11 @@ def render_history(
         groups.extend(g for g in (r.get("groups") or {}) if g not in groups)
         ratios.extend(k for k in (r.get("ratios") or {}) if k not in ratios)
 
-    def group_field(r: dict[str, Any], g: str, key: str) -> float:
+    def group_norm(r: dict[str, Any], g: str) -> float:
         stats = (r.get("groups") or {}).get(g)
-        return _float(stats.get(key)) if isinstance(stats, dict) else math.nan
+        return _float(stats.get("norm")) if isinstance(stats, dict) else math.nan
 
-    nonfinite, amp_skipped, exploding = [], [], []
-    for s, r, norm in zip(steps, recs, global_norm, strict=True):
-        bad = not math.isfinite(norm) or bool(r.get("nonfinite_params"))
-        if bad and r.get("amp_skipped"):
-            amp_skipped.append(s)
-        elif bad:
-            nonfinite.append(s)
-        elif sum(_nz(group_field(r, g, "exploding")) for g in groups) > 0:
-            exploding.append(s)
+    classes = classify(recs)
 
     fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
@@ -155,7 +187,7 @@ def render_history(
     # 1. norms
     ax_norm.plot(steps, _positive(global_norm), color="black", lw=1.8, label="global")
     for g in groups:
-        ax_norm.plot(steps, _positive([group_field(r, g, "norm") for r in recs]), lw=1.1, label=g)
+        ax_norm.plot(steps, _positive([group_norm(r, g) for r in recs]), lw=1.1, label=g)
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient L2 norm")
     ax_norm.legend(loc="upper left", fontsize="small", ncols=min(len(groups) + 1, 6))
@@ -211,21 +243,20 @@ def render_history(
     ax_health.set_ylabel("health")
     ax_health.set_xlabel("step")
 
-    # events, on every panel
-    events = (
-        (nonfinite, "tab:red", "-", f"non-finite ({len(nonfinite)})"),
-        (amp_skipped, "grey", "-", f"AMP-skipped ({len(amp_skipped)})"),
-        (exploding, "tab:orange", ":", f"exploding ({len(exploding)})"),
-    )
+    # events, on every panel; exploding first, so the non-finite steps it includes stay red
+    nonfinite = (classes.nonfinite, "tab:red", "-", f"non-finite ({len(classes.nonfinite)})")
+    amp_skipped = (classes.amp_skipped, "grey", "-", f"AMP-skipped ({len(classes.amp_skipped)})")
+    exploding = (classes.exploding, "tab:orange", ":", f"exploding ({len(classes.exploding)})")
+    events = (nonfinite, amp_skipped, exploding)
     for ax in (ax_norm, ax_ratio, ax_health):
-        for at, color, style, _ in events:
+        for at, color, style, _ in (exploding, nonfinite, amp_skipped):
             if at:
                 ax.vlines(
                     at, 0, 1, transform=ax.get_xaxis_transform(), colors=color, linestyles=style,
                     lw=1.2, alpha=0.8, zorder=0,
                 )  # fmt: skip
         ax.grid(True, which="major", alpha=0.3)
-    for at, color, _, _ in events[:2]:  # where the norm is missing, say why, at the top
+    for at, color, _, _ in (nonfinite, amp_skipped):  # where the norm is missing, say why
         if at:
             ax_norm.plot(at, [1.0] * len(at), "x", color=color, ms=7, mew=2,
                          transform=ax_norm.get_xaxis_transform(), clip_on=False)  # fmt: skip
@@ -236,26 +267,21 @@ def render_history(
         fig.legend(handles=legend_events, loc="outside lower center", ncols=3, fontsize="small")
 
     first, last = steps[0], steps[-1]
-    fig.suptitle(
-        title
-        or f"gradwatch history: {len(recs)} snapshots, steps {first}-{last}, "
-        f"{len(nonfinite)} non-finite, {len(exploding)} exploding"
+    title = title or (
+        f"gradwatch history: {len(recs)} snapshots, steps {first}-{last}, {counts_text(classes)}"
     )
+    fig.suptitle(title)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=dpi, format="png")
     return PlotSummary(
         records=len(recs),
         first_step=first,
         last_step=last,
-        nonfinite_steps=len(nonfinite) + len(amp_skipped),
-        exploding_steps=len(exploding),
+        events=classes,
         restarts=restarts,
         pixels=(round(width * dpi), round(height * dpi)),
+        title=title,
     )
-
-
-def _nz(value: float) -> float:
-    return value if math.isfinite(value) else 0.0
 
 
 def _fail(message: str) -> typer.Exit:
@@ -303,8 +329,7 @@ def plot_command(
         )
     sys.stdout.write(
         f"wrote {out} ({summary.pixels[0]}x{summary.pixels[1]} px): {summary.records} snapshots, "
-        f"steps {summary.first_step}-{summary.last_step}, {summary.nonfinite_steps} non-finite, "
-        f"{summary.exploding_steps} exploding\n"
+        f"steps {summary.first_step}-{summary.last_step}, {counts_text(summary.events)}\n"
     )
 
 

@@ -1,10 +1,10 @@
 """``gradwatch top URL``: a live terminal view of any gradwatch metrics endpoint.
 
-Every ``--interval`` seconds it scrapes the endpoint (:mod:`gradwatch.cli.scrape`, the code
-``gradwatch demo`` uses too) and shows the step, the global norm and health with trends, each
-group's norm with a sparkline of recent scrapes, the ratios, the non-finite/exploding step
-counters and the staleness (now minus ``gradwatch_last_collect_timestamp_seconds``: a job that
-stopped collecting shows it at once).
+Every ``--interval`` seconds it scrapes the endpoint (:mod:`gradwatch.cli.endpoint`) and draws
+it (:mod:`gradwatch.cli.render`), the code ``gradwatch demo`` uses too: the step, the global norm
+and health with trends, each group's norm with a sparkline of recent scrapes, the ratios, the
+non-finite/exploding step counters and the staleness (now minus
+``gradwatch_last_collect_timestamp_seconds``: a job that stopped collecting shows it at once).
 
 Design choices:
 
@@ -32,14 +32,8 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from gradwatch.cli.scrape import (
-    EndpointView,
-    ScrapeError,
-    Trends,
-    normalize_url,
-    render_view,
-    scrape,
-)
+from gradwatch.cli.endpoint import EndpointView, ScrapeError, normalize_url, scrape
+from gradwatch.cli.render import Trends, render_view
 
 
 def scrape_timeout(interval: float) -> float:

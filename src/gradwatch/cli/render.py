@@ -1,0 +1,241 @@
+"""Drawing an :class:`~gradwatch.cli.endpoint.EndpointView`: trends, sparklines and the rich
+renderable ``gradwatch top`` and ``gradwatch demo`` display. Reading the endpoint is
+:mod:`gradwatch.cli.endpoint`'s job; this module does no I/O.
+
+* :class:`Trends` and :func:`sparkline`: recent values per series, drawn with the unicode blocks
+  ``▁▂▃▄▅▆▇█``;
+* :func:`render_view`: summary line, groups table, ratios and the anomaly counters;
+  :func:`anomalies_text` and :func:`isolation_text` are its one-line parts, which the demo's
+  plain progress lines reuse.
+
+Sparklines of norms use a log scale: gradient norms move by decades (an exploding step is 1e6
+times the others) and a linear scale would flatten everything but the spike. A non-finite value
+is drawn ``!`` and an exact zero (a group without gradient) ``·``, so both stay visible. A trend
+gains a point only when a scrape shows a new step: scraping a paused job does not draw a
+plateau that never happened.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from gradwatch.cli.endpoint import EndpointView
+
+#: The eight block characters of a sparkline, lowest first.
+BLOCKS = "▁▂▃▄▅▆▇█"
+#: Drawn for NaN/Inf in a sparkline.
+NONFINITE_MARK = "!"
+#: Drawn for an exact zero on a log-scale sparkline (e.g. a group that had no gradient).
+ZERO_MARK = "·"
+#: Points kept per trend (the width of the sparklines).
+TREND_POINTS = 16
+
+
+def sparkline(
+    values: Iterable[float],
+    *,
+    log: bool = False,
+    lo: float | None = None,
+    hi: float | None = None,
+) -> str:
+    """One character per value: ``▁`` (lowest) .. ``█`` (highest).
+
+    The range is ``[lo, hi]`` when given, else the finite values' min and max; values outside
+    it are clamped. ``log=True`` scales ``log10(value)`` (zeros and negatives are drawn
+    :data:`ZERO_MARK`). NaN and infinities are drawn :data:`NONFINITE_MARK`. A flat series is
+    drawn at mid height.
+    """
+    vals = list(values)
+    scaled: list[float | None] = []
+    for v in vals:
+        if not math.isfinite(v):
+            scaled.append(None)
+        elif log:
+            scaled.append(math.log10(v) if v > 0 else -math.inf)
+        else:
+            scaled.append(v)
+    finite = [v for v in scaled if v is not None and math.isfinite(v)]
+    if log:
+        lo = math.log10(lo) if lo is not None and lo > 0 else None
+        hi = math.log10(hi) if hi is not None and hi > 0 else None
+    low = lo if lo is not None else min(finite, default=0.0)
+    high = hi if hi is not None else max(finite, default=0.0)
+    top = len(BLOCKS) - 1
+    out = []
+    for v in scaled:
+        if v is None:
+            out.append(NONFINITE_MARK)
+        elif v == -math.inf:
+            out.append(ZERO_MARK)
+        elif high <= low:
+            out.append(BLOCKS[top // 2])
+        else:
+            frac = (min(max(v, low), high) - low) / (high - low)
+            out.append(BLOCKS[round(frac * top)])
+    return "".join(out)
+
+
+class Trends:
+    """The last :data:`TREND_POINTS` values of every displayed series, one point per new step."""
+
+    def __init__(self, points: int = TREND_POINTS) -> None:
+        self.points = points
+        self._series: dict[str, deque[float]] = {}
+        self._last_step: int | None = None
+
+    def add(self, view: EndpointView) -> bool:
+        """Record ``view`` if it shows a step not recorded yet; returns whether it did."""
+        if view.step is None or view.step == self._last_step:
+            return False
+        self._last_step = view.step
+        values: dict[str, float | None] = {
+            "global": view.global_norm,
+            "health": view.health,
+            **{f"group:{g}": s.norm for g, s in view.groups.items()},
+            **{f"ratio:{k}": v for k, v in view.ratios.items()},
+        }
+        for key, value in values.items():
+            if value is not None:
+                self._series.setdefault(key, deque(maxlen=self.points)).append(value)
+        return True
+
+    def get(self, key: str) -> list[float]:
+        return list(self._series.get(key, ()))
+
+    def line(self, key: str, *, log: bool = True) -> str:
+        if key == "health":
+            return sparkline(self.get(key), lo=0.0, hi=1.0)
+        return sparkline(self.get(key), log=log)
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 4) -> str:
+    """A number for a table cell: ``-`` when absent, ``nan``/``inf`` spelled out."""
+    if value is None:
+        return "-"
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.{digits}g}"
+
+
+def fmt_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "no snapshot yet"
+    if seconds < 0:  # clocks of two machines
+        return "just now"
+    if seconds < 120:
+        return f"{seconds:.1f}s ago"
+    return f"{seconds / 60:.1f}min ago"
+
+
+def anomalies_text(view: EndpointView) -> Text:
+    """The counters line: non-finite/exploding/AMP-skipped steps (and exporter trouble)."""
+    text = Text("anomalies: ")
+    text.append(
+        f"non-finite steps {view.nonfinite_steps}",
+        style="bold red" if view.nonfinite_steps else "green",
+    )
+    text.append(", ")
+    text.append(
+        f"exploding steps {view.exploding_steps}",
+        style="bold red" if view.exploding_steps else "green",
+    )
+    if view.amp_skipped_steps:
+        text.append(f", AMP-skipped steps {view.amp_skipped_steps}", style="yellow")
+    if view.publish_errors or view.dropped:
+        text.append(
+            f", publish errors {view.publish_errors}, dropped {view.dropped}", style="yellow"
+        )
+    return text
+
+
+def isolation_text(view: EndpointView) -> Text | None:
+    """``isolation violations: stem 0, host 0`` (steps counted per group); None if none."""
+    if not view.isolation_violations:
+        return None
+    text = Text("isolation violations: ")
+    for i, (group, n) in enumerate(view.isolation_violations.items()):
+        text.append(", " if i else "")
+        text.append(f"{group} {n}", style="bold red" if n else "green")
+    return text
+
+
+def _norm_style(value: float | None) -> str:
+    if value is None:
+        return ""
+    return "bold red" if not math.isfinite(value) else ""
+
+
+def _health_style(value: float | None) -> str:
+    if value is None:
+        return ""
+    if value >= 0.9:
+        return "green"
+    return "yellow" if value >= 0.5 else "bold red"
+
+
+def render_view(view: EndpointView, trends: Trends, *, now: float | None = None) -> RenderableType:
+    """The endpoint's state as a rich renderable: summary line, groups table, ratios, counters.
+
+    Plain enough to read when printed to a file (no color, box drawn with spaces).
+    """
+    head = Text()
+    head.append(f"step {view.step if view.step is not None else '-'}", style="bold")
+    head.append(f"   global norm {fmt(view.global_norm)} ", style=_norm_style(view.global_norm))
+    head.append(trends.line("global"))
+    head.append("   health ")
+    head.append(fmt(view.health, 3), style=_health_style(view.health))
+    head.append(" " + trends.line("health"))
+    info = Text(
+        f"world {view.world_size or '-'} ({view.parallelism or '-'})   "
+        f"last collect {fmt_age(view.staleness(now))}",
+        style="dim",
+    )
+    if view.clip_coef is not None:
+        info.append(f"   clip coef {fmt(view.clip_coef, 3)}")
+
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    table.add_column("group")
+    table.add_column("norm", justify="right")
+    table.add_column("trend (log)")
+    table.add_column("numel", justify="right")
+    table.add_column("vanish", justify="right")
+    table.add_column("explode", justify="right")
+    table.add_column("nonfinite", justify="right")
+    for name, g in view.groups.items():
+        isolated = view.isolation_violated.get(name)
+        label = Text(name)
+        if isolated is not None:
+            label.append(
+                " (isolated)" if not isolated else " (isolation violated)",
+                style="dim" if not isolated else "bold red",
+            )
+        table.add_row(
+            label,
+            Text(fmt(g.norm), style=_norm_style(g.norm)),
+            trends.line(f"group:{name}"),
+            f"{int(g.numel)}",
+            f"{int(g.vanishing)}",
+            Text(f"{int(g.exploding)}", style="bold red" if g.exploding else ""),
+            Text(f"{int(g.nonfinite)}", style="bold red" if g.nonfinite else ""),
+        )
+    parts: list[RenderableType] = [head, info, table]
+    for key, value in view.ratios.items():
+        line = Text(f"ratio {key} {fmt(value)} ", style=_norm_style(value))
+        line.append(trends.line(f"ratio:{key}"))
+        parts.append(line)
+    parts.append(anomalies_text(view))
+    isolation = isolation_text(view)
+    if isolation is not None:
+        parts.append(isolation)
+    return Group(*parts)

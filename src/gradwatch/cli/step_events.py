@@ -1,0 +1,57 @@
+"""The steps of a run, by class: which steps were non-finite, AMP-skipped or exploding.
+
+The classification itself belongs to :class:`gradwatch.Snapshot` (``nonfinite_step``,
+``amp_skipped``, ``exploding_step``: an exploding step includes every non-finite one), the same
+one the exporter's ``gradwatch_*_steps_total`` counters use. This module only lists the steps of
+each class, for the views that name steps rather than count them: the demo's summary and
+``gradwatch plot``. Never decide a class here, so all views agree on a NaN step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradwatch.snapshot import Snapshot
+
+
+@dataclass
+class StepEvents:
+    """Steps of each class, in the order added (a step may be in two: a NaN step is both
+    non-finite and exploding)."""
+
+    nonfinite: list[int] = field(default_factory=list)
+    amp_skipped: list[int] = field(default_factory=list)
+    exploding: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, snapshots: Iterable[Snapshot]) -> StepEvents:
+        events = cls()
+        for snap in snapshots:
+            events.add(snap)
+        return events
+
+    def add(self, snap: Snapshot) -> None:
+        """Record ``snap``'s step in every class :class:`Snapshot` puts it in."""
+        if snap.nonfinite_step:
+            self.nonfinite.append(snap.step)
+        if snap.amp_skipped:
+            self.amp_skipped.append(snap.step)
+        if snap.exploding_step:
+            self.exploding.append(snap.step)
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {
+            "nonfinite": list(self.nonfinite),
+            "amp_skipped": list(self.amp_skipped),
+            "exploding": list(self.exploding),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepEvents:
+        return cls(
+            nonfinite=[int(s) for s in data["nonfinite"]],
+            amp_skipped=[int(s) for s in data["amp_skipped"]],
+            exploding=[int(s) for s in data["exploding"]],
+        )
