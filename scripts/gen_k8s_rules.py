@@ -5,7 +5,7 @@
 
 The rule groups are copied unchanged into ``spec.groups`` of a Prometheus Operator
 ``PrometheusRule``, so the rules tested with promtool are exactly the rules deployed on
-Kubernetes. tests/test_deploy.py fails when the generated file and the source differ.
+Kubernetes. tests/unit/test_deploy.py fails when the generated file and the source differ.
 """
 
 from __future__ import annotations

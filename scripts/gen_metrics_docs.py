@@ -5,7 +5,7 @@
     python scripts/gen_metrics_docs.py --output - # print it
 
 The catalog is the single source of the Collector and of the reference, so the documented
-names, types, labels and HELP texts are the exported ones. tests/test_export.py fails when the
+names, types, labels and HELP texts are the exported ones. tests/unit/test_export.py fails when the
 committed file and the catalog differ.
 """
 

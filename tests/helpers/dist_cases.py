@@ -1,4 +1,5 @@
-"""Worker side of tests/test_distributed.py: every case runs inside one spawned gloo world.
+"""Worker side of tests/distributed/test_distributed.py: every case runs inside one spawned
+gloo world.
 
 A *suite* is a list of cases run in order by every rank of one world (startup dominates on
 2 cores, so each world runs many cases). Every case is collective: all ranks run it, and a

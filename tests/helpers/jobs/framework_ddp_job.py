@@ -1,5 +1,5 @@
-"""torchrun job of tests/test_integrations.py: a framework trains a 2-rank DDP model with the
-gradwatch callback, and each rank writes what the watcher saw to ``<out>/<rank>.json``.
+"""torchrun job of tests/distributed/test_integrations.py: a framework trains a 2-rank DDP model
+with the gradwatch callback, and each rank writes what the watcher saw to ``<out>/<rank>.json``.
 
 Usage: ``torchrun --nproc_per_node=2 framework_ddp_job.py {huggingface|lightning} OUT``. The
 callbacks receive the unwrapped module while the framework trains its DDP wrapper.

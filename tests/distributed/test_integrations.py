@@ -387,7 +387,7 @@ def test_clip_total_does_not_overflow_for_huge_float64_norms() -> None:
 
 # -- frameworks under 2-rank DDP (torchrun) --------------------------------------------------
 
-FRAMEWORK_JOB = Path(__file__).parent / "jobs" / "framework_ddp_job.py"
+FRAMEWORK_JOB = Path(__file__).resolve().parents[1] / "helpers" / "jobs" / "framework_ddp_job.py"
 
 
 @pytest.mark.distributed

@@ -27,16 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from promserver import (
-    free_port,
-    http_get,
-    run_prometheus,
-    start_torchrun,
-    stop_group,
-    tail,
-    wait_for,
-)
-from test_deploy import (
+from deploy_assets import (
     ROOT,
     RULES,
     dashboard_exprs,
@@ -45,6 +36,15 @@ from test_deploy import (
     label_values_selector,
     rule_groups,
     substitute_grafana_vars,
+)
+from promserver import (
+    free_port,
+    http_get,
+    run_prometheus,
+    start_torchrun,
+    stop_group,
+    tail,
+    wait_for,
 )
 
 pytestmark = pytest.mark.e2e

@@ -54,7 +54,7 @@ from gradwatch.export.state import Counts, SelfStats, snapshot_samples
 from gradwatch.history import HistoryWriter
 from gradwatch.snapshot import GroupStats, Snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 

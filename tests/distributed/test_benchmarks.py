@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The harness is the `benchmarks` package at the repository root. Spawned distributed workers
 # import it by name: the root must be on sys.path, which spawn passes to its children.
 if str(ROOT) not in sys.path:

@@ -1,6 +1,6 @@
-"""A 2-rank gloo DDP training job with gradwatch serving, driven by tests/test_export_e2e.py.
+"""A 2-rank gloo DDP training job with gradwatch serving, driven by tests/e2e/test_export_e2e.py.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/jobs/ddp_serve_job.py WORKDIR
+    python -m torch.distributed.run --nproc_per_node 2 tests/helpers/jobs/ddp_serve_job.py WORKDIR
 
 Handshake through files in WORKDIR (the test creates the flag files, the job the JSON ones):
 

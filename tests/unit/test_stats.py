@@ -8,14 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import OpCounter, count_host_reads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradwatch import total_norm
 from gradwatch.stats import NormEngine
-from gradwatch.testing import largest_allocation
+from gradwatch.testing import OpCounter, count_host_reads, largest_allocation
 
 REL = 1e-6
 

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from conftest import OpCounter, count_host_reads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_stats import EXP_RANGE, OutputRecorder, ref_norm, rel_err, values
@@ -16,6 +15,7 @@ from torch import nn
 
 from gradwatch import GradWatch, UnsupportedParallelismError, WatchConfig
 from gradwatch.model import clean_name
+from gradwatch.testing import OpCounter, count_host_reads
 
 REL = 1e-6
 

@@ -2,7 +2,7 @@
 
 * One process: snapshots published through MetricsServer; the value Prometheus's query API
   returns for ``gradwatch_global_grad_norm`` (and a few others) equals the snapshot's, NaN too.
-* A 2-rank gloo DDP job (tests/jobs/ddp_serve_job.py under torchrun) with gradwatch serving
+* A 2-rank gloo DDP job (tests/helpers/jobs/ddp_serve_job.py under torchrun) with gradwatch serving
   from rank 0: Prometheus's value equals the job's snapshot for that step; then 20 concurrent
   scrapers hammer the endpoint for 10 s during training: no scrape may fail, and every sample
   Prometheus stored during the run pairs a step with that step's norm. The step time with and
@@ -38,8 +38,8 @@ from gradwatch.snapshot import GroupStats, Snapshot
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB_SCRIPT = ROOT / "tests" / "jobs" / "ddp_serve_job.py"
+ROOT = Path(__file__).resolve().parents[2]
+JOB_SCRIPT = ROOT / "tests" / "helpers" / "jobs" / "ddp_serve_job.py"
 SCRAPERS = 20
 LOAD_SECONDS = 10.0
 BASELINE_SECONDS = 5.0

@@ -3,264 +3,54 @@
 promtool checks and unit-tests the rules; the Grafana dashboard, the Compose stack and the
 Kubernetes manifests are parsed and cross-checked against each other and against the repository
 (no Docker engine or cluster runs here). The live checks against a real Prometheus scraping a
-real job are in tests/test_deploy_e2e.py.
+real job are in tests/e2e/test_deploy_e2e.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
-RULES = DEPLOY / "prometheus" / "gradwatch-rules.yml"
-RULES_TEST = DEPLOY / "prometheus" / "gradwatch-rules.test.yml"
-PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
-DASHBOARD = DEPLOY / "grafana" / "gradwatch-dashboard.json"
-PROVISIONING = DEPLOY / "grafana" / "provisioning"
-COMPOSE_DIR = DEPLOY / "compose"
-COMPOSE = COMPOSE_DIR / "docker-compose.yml"
-K8S = DEPLOY / "kubernetes"
-ALERTMANAGER = DEPLOY / "alertmanager" / "alertmanager.yml"
-RUNBOOK = ROOT / "docs" / "runbook.md"
-EXAMPLE = ROOT / "examples" / "train_ddp.py"
-GEN_K8S = ROOT / "scripts" / "gen_k8s_rules.py"
-
-#: The exporter's metric names (the contract of docs/metrics.md), as PromQL sees them.
-CONTRACT_METRICS = frozenset(
-    {
-        # gauges
-        "gradwatch_global_grad_norm",
-        "gradwatch_grad_norm",
-        "gradwatch_grad_norm_ratio",
-        "gradwatch_group_parameters",
-        "gradwatch_vanishing_tensors",
-        "gradwatch_exploding_tensors",
-        "gradwatch_nonfinite_tensors",
-        "gradwatch_health_score",
-        "gradwatch_isolation_violated",
-        "gradwatch_replica_divergence",
-        "gradwatch_step",
-        "gradwatch_last_collect_timestamp_seconds",
-        "gradwatch_clip_coef",
-        # counters
-        "gradwatch_collections_total",
-        "gradwatch_nonfinite_steps_total",
-        "gradwatch_exploding_steps_total",
-        "gradwatch_isolation_violations_total",
-        "gradwatch_publish_errors_total",
-        "gradwatch_dropped_snapshots_total",
-        "gradwatch_amp_skipped_steps_total",
-        # histogram
-        "gradwatch_collect_seconds_bucket",
-        "gradwatch_collect_seconds_sum",
-        "gradwatch_collect_seconds_count",
-        # info
-        "gradwatch_build_info",
-        "gradwatch_run_info",
-    }
+from deploy_assets import (
+    ALERTMANAGER,
+    COMPOSE_DIR,
+    DASHBOARD,
+    EXAMPLE,
+    GEN_K8S,
+    GRAFANA_BUILTINS,
+    K8S,
+    PROM_CONFIG,
+    PROVISIONING,
+    REQUIRED_ALERTS,
+    ROOT,
+    RULES,
+    RULES_TEST,
+    alerts,
+    check_names,
+    compose,
+    compose_mounts,
+    dashboard,
+    dashboard_exprs,
+    dashboard_variable_queries,
+    env_config,
+    gradwatch_names,
+    k8s_docs,
+    k8s_one,
+    label_values_selector,
+    load_yaml,
+    rule_groups,
+    run_promtool,
+    runbook_sections,
+    substitute_grafana_vars,
 )
-
-#: Alerts the deployment must ship (at least), with their severity and whether they need a `for`.
-REQUIRED_ALERTS = {
-    "GradwatchNonFiniteGradients": ("critical", False),
-    "GradwatchExplodingGradients": ("warning", True),
-    "GradwatchVanishingGradients": ("warning", True),
-    "GradwatchIsolationViolated": ("warning", False),
-    "GradwatchGradRatioDormant": ("warning", True),
-    "GradwatchReplicaDivergence": ("critical", False),
-    "GradwatchMetricsStale": ("warning", True),
-    "GradwatchTargetDown": ("warning", True),
-}
-
-GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}
-
-_NAME = re.compile(r"(?<![A-Za-z0-9_:])[A-Za-z_:][A-Za-z0-9_:]*")
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def promtool() -> str:
-    """Path of promtool; missing is a failure under CI (REQUIRE_E2E=1), a skip elsewhere."""
-    path = shutil.which("promtool")
-    if path is None:
-        message = "promtool not found: run `make system-deps` (Debian package 'prometheus')"
-        if os.environ.get("REQUIRE_E2E") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
-def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [promtool(), *args], capture_output=True, text=True, timeout=120, cwd=cwd, check=False
-    )
-
-
-def load_yaml(path: Path) -> Any:
-    return yaml.safe_load(path.read_text())
-
-
-def load_yaml_all(path: Path) -> list[Any]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-
-
-def rule_groups() -> list[dict[str, Any]]:
-    return load_yaml(RULES)["groups"]
-
-
-def alerts() -> dict[str, dict[str, Any]]:
-    return {r["alert"]: r for g in rule_groups() for r in g["rules"] if "alert" in r}
-
-
-def recorded_names() -> set[str]:
-    return {r["record"] for g in rule_groups() for r in g["rules"] if "record" in r}
-
-
-def gradwatch_names(text: str) -> set[str]:
-    """Metric names mentioning gradwatch_ in a PromQL expression or a template."""
-    return {m for m in _NAME.findall(text) if "gradwatch_" in m}
-
-
-def check_names(names: set[str], where: str) -> None:
-    """Plain names must be exporter metrics; names with ':' must be our recording rules."""
-    recorded = recorded_names()
-    unknown = {n for n in names if ":" not in n and n not in CONTRACT_METRICS}
-    unknown |= {n for n in names if ":" in n and n not in recorded}
-    assert not unknown, f"{where} uses names that are neither exported nor recorded: {unknown}"
-
-
-def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
-
-
-def dashboard_exprs() -> list[tuple[str, str]]:
-    """(where, expr) of every PromQL expression of the dashboard: panels and annotations."""
-    board = dashboard()
-    out = [
-        (f"panel {p['title']!r} {t['refId']}", t["expr"])
-        for p in board["panels"]
-        for t in p.get("targets", [])
-    ]
-    out += [
-        (f"annotation {a['name']!r}", a["expr"])
-        for a in board["annotations"]["list"]
-        if "expr" in a
-    ]
-    return out
-
-
-def dashboard_variable_queries() -> list[tuple[str, str]]:
-    out = []
-    for var in dashboard()["templating"]["list"]:
-        if var["type"] != "query":
-            continue
-        query = var["query"]
-        out.append((var["name"], query["query"] if isinstance(query, dict) else query))
-    return out
-
-
-def substitute_grafana_vars(expr: str, job: str = "train", instance: str = ".*") -> str:
-    """The expression Grafana sends for one choice of the variables."""
-    values = {
-        "job": job,
-        "instance": instance,
-        "__rate_interval": "1m",
-        "__interval": "15s",
-        "__range": "1h",
-        "__interval_ms": "15000",
-        "__range_s": "3600",
-    }
-
-    def repl(m: re.Match[str]) -> str:
-        return values[m.group(1) or m.group(2)]
-
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", repl, expr)
-
-
-def label_values_selector(query: str) -> tuple[str, str]:
-    """``label_values(selector, label)`` -> (selector, label)."""
-    m = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\s*\)\s*", query)
-    assert m, f"variable query {query!r} is not label_values(selector, label)"
-    return m.group(1), m.group(2)
-
-
-def compose() -> dict[str, Any]:
-    return load_yaml(COMPOSE)
-
-
-def compose_mounts(service: dict[str, Any]) -> Iterator[tuple[Path, str]]:
-    """(host path, container path) of the bind mounts of a Compose service."""
-    for volume in service.get("volumes", []):
-        source, target = volume.split(":")[:2]
-        if source.startswith((".", "/")):
-            yield (COMPOSE_DIR / source).resolve(), target
-
-
-def k8s_docs() -> list[dict[str, Any]]:
-    kustomization = load_yaml(K8S / "kustomization.yaml")
-    docs: list[dict[str, Any]] = []
-    for resource in kustomization["resources"]:
-        docs += load_yaml_all(K8S / resource)
-    return docs
-
-
-def k8s_one(kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [
-        d
-        for d in k8s_docs()
-        if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
-    ]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
-
-
-def env_config(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The WatchConfig a process would build from exactly these GRADWATCH_* variables."""
-    from gradwatch import WatchConfig
-
-    for key in list(os.environ):
-        if key.startswith("GRADWATCH_"):
-            monkeypatch.delenv(key)
-    for key, value in env.items():
-        if key.startswith("GRADWATCH_"):
-            monkeypatch.setenv(key, value)
-    return WatchConfig()
-
-
-def github_anchor(heading: str) -> str:
-    slug = heading.strip().lower()
-    slug = re.sub(r"[^\w\- ]", "", slug)
-    return slug.replace(" ", "-")
-
-
-def runbook_sections() -> dict[str, str]:
-    """GitHub anchor of each heading of docs/runbook.md -> its text (up to the next heading)."""
-    sections: dict[str, str] = {}
-    current = None
-    for line in RUNBOOK.read_text().splitlines():
-        m = re.match(r"#{1,6}\s+(.*)", line)
-        if m:
-            current = github_anchor(m.group(1))
-            sections[current] = ""
-        elif current is not None:
-            sections[current] += line + "\n"
-    return sections
-
-
-# -- Prometheus rules ---------------------------------------------------------------------------
 
 
 def test_promtool_check_rules() -> None:
