@@ -27,9 +27,9 @@ import argparse
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from gradwatch.cli.step_events import StepEvents
 from gradwatch.config import DEFAULT_DEMO_PORT
@@ -164,8 +164,33 @@ class JobArgs:
 # -- messages -------------------------------------------------------------------------------
 
 
+_Message = TypeVar("_Message", bound="_FlatMessage")
+
+
+class _FlatMessage:
+    """A message of scalar fields: one JSON object, each field read back as its annotated type
+    (``int``, ``str``, or one of a ``Literal``'s values, the last one standing for the rest)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls: type[_Message], text: str) -> _Message:
+        d = json.loads(text)
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            kind, value = hints[f.name], d[f.name]
+            choices = get_args(kind) if get_origin(kind) is Literal else None
+            if choices:
+                values[f.name] = value if value in choices else choices[-1]
+            else:
+                values[f.name] = kind(value)
+        return cls(**values)
+
+
 @dataclass(frozen=True)
-class Ready:
+class Ready(_FlatMessage):
     """Rank 0 serves its endpoint (``endpoint.json``)."""
 
     metrics_url: str
@@ -174,37 +199,15 @@ class Ready:
     seed_at: int
     blend_at: int
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Ready:
-        d = json.loads(text)
-        return cls(
-            metrics_url=str(d["metrics_url"]),
-            port=int(d["port"]),
-            steps=int(d["steps"]),
-            seed_at=int(d["seed_at"]),
-            blend_at=int(d["blend_at"]),
-        )
-
 
 @dataclass(frozen=True)
-class JobError:
-    """Rank 0 could not start serving (``error.json``)."""
+class JobError(_FlatMessage):
+    """Rank 0 could not start serving (``error.json``); ``kind`` is ``"port_in_use"`` for a
+    taken port, else ``"error"``."""
 
     kind: Literal["port_in_use", "error"]
     message: str
     port: int
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> JobError:
-        d = json.loads(text)
-        kind = "port_in_use" if d["kind"] == "port_in_use" else "error"
-        return cls(kind=kind, message=str(d["message"]), port=int(d["port"]))
 
 
 @dataclass(frozen=True)
