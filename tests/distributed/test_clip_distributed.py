@@ -5,22 +5,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+from worlds import spawn_world
 
 pytestmark = [pytest.mark.distributed]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fsum_sq(tensors) -> float:
@@ -115,17 +108,7 @@ def _pipeline_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _run(worker, world: int, tmp_path: Path) -> list[dict]:
-    ctx = mp.start_processes(
-        worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False,
-        start_method="spawn",
-    )
-    try:
-        while not ctx.join(timeout=120):
-            pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_world(worker, world, (str(tmp_path),), timeout=150.0)
     return [json.loads(Path(tmp_path, f"{r}.json").read_text()) for r in range(world)]
 
 

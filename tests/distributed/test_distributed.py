@@ -8,14 +8,12 @@ case's per-rank results. A world that hangs is killed after WORLD_TIMEOUT second
 from __future__ import annotations
 
 import json
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import dist_cases
 import pytest
-import torch.multiprocessing as mp
+from worlds import spawn_world
 
 pytestmark = [pytest.mark.distributed]
 
@@ -24,29 +22,8 @@ FP32_TOL = 1e-6
 FP64_TOL = 1e-12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(suite: str, world: int, out: Path) -> list[dict[str, Any]]:
-    ctx = mp.start_processes(
-        dist_cases.worker,
-        args=(world, _free_port(), str(out), suite),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + WORLD_TIMEOUT
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"world {suite} did not finish in {WORLD_TIMEOUT}s (hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_world(dist_cases.worker, world, (str(out), suite), timeout=WORLD_TIMEOUT)
     return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
 
 
