@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# Where torch comes from: empty = pip's configured index (which decides CPU or CUDA build); e.g.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build, .../whl/cu126 for CUDA 12.6.
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 LINT_PATHS := $(wildcard src tests benchmarks scripts examples)
 STAMP := $(VENV)/.installed
@@ -14,11 +17,12 @@ help:
 	@echo "make bench  - run the benchmarks and regenerate docs/performance.md"
 	@echo "make lint   - ruff"
 
-# The pinned CPU torch goes in first: an unpinned requirement could pull a multi-GB CUDA build.
+# The pinned torch goes in first, so the package's own `torch>=2.6` is already satisfied and pulls
+# nothing more.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test,cli,plot,transformers,lightning]"
 	touch $(STAMP)
 

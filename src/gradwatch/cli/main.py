@@ -23,6 +23,27 @@ for module in (demo, top, config_cmd, plot):
     module.register(app)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from gradwatch import __version__  # no torch: the package imports lazily
+
+        typer.echo(f"gradwatch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print gradwatch's version and exit.",
+    ),
+) -> None:
+    """Gradient health for PyTorch training jobs: demo, live view, config check, plots."""
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

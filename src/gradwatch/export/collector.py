@@ -111,7 +111,7 @@ def _build_labels() -> tuple[str, str]:
         from importlib.metadata import version as dist_version
 
         try:
-            version = dist_version("gradwatch")
+            version = dist_version("torch-gradwatch")
         except PackageNotFoundError:
             version = "unknown"
     try:
