@@ -2,7 +2,7 @@
 
 A file is optional and flat: the keys are :class:`~gradwatch.config.WatchConfig` field names,
 in TOML (``.toml``, read with the standard library's :mod:`tomllib`), YAML (``.yaml``/``.yml``,
-needs ``pyyaml``: ``pip install 'gradwatch[cli]'``) or JSON (``.json``).
+needs ``pyyaml``: ``pip install 'torch-gradwatch[cli]'``) or JSON (``.json``).
 
 Precedence, lowest first: **defaults < file < GRADWATCH_* environment < arguments in code**.
 The file is the checked-in baseline; a launcher's environment (torchrun, a Kubernetes
@@ -112,7 +112,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
                 import yaml
             except ImportError as exc:
                 raise ConfigError(
-                    f"config file {path}: YAML needs pyyaml: pip install 'gradwatch[cli]'"
+                    f"config file {path}: YAML needs pyyaml: pip install 'torch-gradwatch[cli]'"
                 ) from exc
             data = yaml.safe_load(raw)
             if data is None:

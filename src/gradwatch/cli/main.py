@@ -17,6 +17,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts are literal: "pip install 'torch-gradwatch[plot]'" and "[default: ...]" must not
+    # be read as rich markup tags (which would silently drop them).
+    rich_markup_mode=None,
 )
 
 for module in (demo, top, config_cmd, plot):

@@ -17,7 +17,7 @@ Non-finite values are masked (a gap in the line), never plotted or allowed to br
 scaling. The rotated backup ``HISTORY.1`` is read first, and torn lines are skipped
 (:func:`gradwatch.history.read_history`).
 
-matplotlib is an optional extra (``pip install 'gradwatch[plot]'``); it is imported lazily and
+matplotlib is an optional extra (``pip install 'torch-gradwatch[plot]'``); it is imported lazily and
 drawn with the Agg canvas directly (no pyplot, no display, no global backend state). The PNG is
 exactly ``width*dpi`` x ``height*dpi`` pixels (no tight bounding box).
 """
@@ -52,8 +52,8 @@ HELP = "\n\n".join(
         "band 0.05-0.2 and the dormant line 0.01, and the health score. Non-finite (red), "
         "AMP-skipped (grey) and exploding (orange) steps are marked on every panel. HISTORY.1 "
         "(the rotated backup) is read first; torn lines are skipped.",
-        "Needs matplotlib: pip install 'gradwatch[plot]'. The image is width*dpi x height*dpi "
-        "pixels.",
+        "Needs matplotlib: pip install 'torch-gradwatch[plot]'. The image is width*dpi x "
+        "height*dpi pixels.",
     )
 )
 
@@ -310,7 +310,7 @@ def plot_command(
         import matplotlib  # noqa: F401 - only checks that the extra is installed
     except ImportError:
         raise _fail(
-            "needs matplotlib, which is not installed: pip install 'gradwatch[plot]'"
+            "needs matplotlib, which is not installed: pip install 'torch-gradwatch[plot]'"
         ) from None
     try:
         records = load_records(history)

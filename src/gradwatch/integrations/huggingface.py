@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers.Trainer`` callback (extra: ``gradwatch[transformers]``).
+"""Hugging Face ``transformers.Trainer`` callback (extra: ``torch-gradwatch[transformers]``).
 
 Timing: the Trainer clips gradients (``max_grad_norm``, default 1.0) and then calls
 ``on_pre_optimizer_step``; it offers no hook between backward and clipping, so the norms seen

@@ -1,4 +1,4 @@
-"""Lightning callback (extra: ``gradwatch[lightning]``).
+"""Lightning callback (extra: ``torch-gradwatch[lightning]``).
 
 Timing: Lightning calls ``on_before_optimizer_step`` after backward (and after AMP unscaling)
 and **before** gradient clipping, so the norms are pre-clip and unscaled: the right moment.
