@@ -19,6 +19,7 @@ training thread only ever queues a pending result. :class:`MetricsServer` is a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -217,19 +218,30 @@ class MetricsServer(Publishing):
 
 
 def _shutdown(publisher: Publisher, http: HTTPEndpoint | None, timeout: float) -> None:
-    """Flush, stop the publisher, stop serving, close the sinks, within about ``timeout``.
+    """Flush, stop the publisher, stop serving, close the sinks: all within ``timeout`` seconds
+    (plus a few milliseconds), whatever a sink or the endpoint is doing.
 
     Flushing first means no publisher thread is still inside ``pending.result()`` when the
     caller tears the process group down right after, and every pending step reaches the sinks
-    before they are closed.
+    before they are closed. What could not be flushed in time is counted in
+    ``gradwatch_dropped_snapshots_total`` and logged once. Every wait has a deadline: the
+    publisher is a daemon thread, and sinks are closed from a daemon thread that is abandoned
+    when it overruns (a history file on a hung mount must not hold the job's exit).
     """
-    deadline = time.monotonic() + max(timeout, 0.0)
+    timeout = max(timeout, 0.0)
+    deadline = time.monotonic() + timeout
+    # Keep a share of the budget for stopping and closing once flushing has used its own.
+    teardown = min(1.0, timeout * 0.2)
     try:
-        publisher.flush(max(deadline - time.monotonic(), 0.0))
-        if not publisher.stop(max(deadline - time.monotonic(), 0.1)):
+        publisher.flush(max(deadline - teardown - time.monotonic(), 0.0))
+        lost = publisher.stop(max(deadline - teardown / 2 - time.monotonic(), 0.0))
+        if lost:
             log.warning(
-                "gradwatch: the metrics publisher did not stop within %.1fs (a collective still "
-                "pending?); it is a daemon thread and is abandoned",
+                "gradwatch: closing: %d collected step(s) could not be published within %.1fs "
+                "(a sink such as the history file is blocked, or a collective is pending); "
+                "counted in gradwatch_dropped_snapshots_total. The publisher is a daemon "
+                "thread and is abandoned",
+                lost,
                 timeout,
             )
     finally:
@@ -237,10 +249,24 @@ def _shutdown(publisher: Publisher, http: HTTPEndpoint | None, timeout: float) -
             if http is not None:
                 http.close(max(deadline - time.monotonic(), 0.0))
         finally:
-            _close_sinks(publisher.sinks)
+            _close_sinks(publisher.sinks, deadline)
 
 
-def _close_sinks(sinks: Sequence[Sink]) -> None:
+def _close_sinks(sinks: Sequence[Sink], deadline: float) -> None:
+    """Close every sink that has a ``close()``, in a daemon thread joined until ``deadline``."""
+    closer = threading.Thread(
+        target=_close_each, args=(sinks,), name="gradwatch-close-sinks", daemon=True
+    )
+    closer.start()
+    closer.join(max(deadline - time.monotonic(), 0.05))
+    if closer.is_alive():
+        log.warning(
+            "gradwatch: closing the sinks did not finish in time (a file system that blocks?); "
+            "left to a daemon thread"
+        )
+
+
+def _close_each(sinks: Sequence[Sink]) -> None:
     for sink in sinks:
         close = getattr(sink, "close", None)
         if not callable(close):
