@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test,cli,plot,transformers,lightning]"
+	$(BIN)/pip install -q -e ".[test,cli,plot,transformers,lightning,auth]"
 	touch $(STAMP)
 
 venv: $(STAMP)
