@@ -269,3 +269,14 @@ def test_tls_and_basic_auth_from_the_web_config(
     assert status == 200 and b"gradwatch_step 9.0" in body
     assert headers["X-Content-Type-Options"] == "nosniff"
     assert request(server.url, user="prometheus", password="no", context=ctx)[0] == 401
+
+
+def test_the_documented_web_config_is_valid_and_its_password_is_the_documented_one(
+    tmp_path: Path,
+) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    block = doc.split("# /etc/gradwatch/web.yml\n", 1)[1].split("```", 1)[0]
+    settings = load_web_config(write_config(tmp_path / "web.yml", block))
+    assert settings.tls is not None and settings.tls.cert_file == str(tmp_path / "gradwatch.crt")
+    hashed = settings.basic_auth_users["prometheus"].encode()
+    assert bcrypt.checkpw(b"change-me", hashed)
