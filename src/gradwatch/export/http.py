@@ -237,7 +237,7 @@ class _Feed:
         sent: list[Hashable | None] = [None]  # the version the process has (None: nothing)
         restart_at = 0.0
         try:
-            while True:
+            while not self._stopping:
                 if not self._alive:
                     if restart_at == 0.0:
                         restart_at = time.monotonic() + self._lost_process()
@@ -408,6 +408,8 @@ class _Feed:
 
     def _lost_process(self) -> float:
         """Reap the dead process, log, and return the delay before the next one."""
+        if self._stopping:  # closing: the process was stopped on purpose
+            return 0.0
         proc = self._proc
         code = None
         if proc is not None:

@@ -436,6 +436,7 @@ class ExporterServer:
                     429,
                     b"gradwatch: too many scrapes from this client, retry later\n",
                     [("Retry-After", "1")],
+                    head_only=request.method == "HEAD",
                 )
                 return
             if wait > 0:
@@ -448,6 +449,7 @@ class ExporterServer:
                     401,
                     b"Unauthorized\n",
                     [("WWW-Authenticate", 'Basic realm="gradwatch"')],
+                    head_only=request.method == "HEAD",
                 )
                 return
             await self._respond(writer, request)
