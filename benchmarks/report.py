@@ -541,8 +541,9 @@ def render(run: RunResults) -> str:
         f"{scrape_params} parameters of 64 elements, one process; each round collects a step, "
         f"waits until it is published, then GETs three times "
         f"{SCRAPE_SPACING * 1000 / rate:.0f} ms apart "
-        f"(sequential, under the endpoint's {rate:g}/s bound, so no GET waits for "
-        "it): the first renders the new step, the other two are served from the cache.\n",
+        f"(sequential, under the endpoint's {rate:g}/s bound per client, so no GET waits for "
+        "it). The exposition is rendered once when the step is published (`flush` waits for "
+        "it); every GET is then served by the exporter process, the first one included.\n",
         scrape_latency_table(run.scrape_latency) + "\n",
         "## CUDA\n",
         cuda_text + "\n",
