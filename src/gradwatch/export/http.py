@@ -55,6 +55,20 @@ RENDER_INTERVAL = 0.1
 SEND_TIMEOUT = 2.0
 #: Delays before restarting a child that died, growing with consecutive failures.
 RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# The exporter process runs gradwatch.export.server from this very gradwatch package (the one
+# this process imported, wherever it came from), without adding anything to sys.path.
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+_BOOTSTRAP = """\
+import importlib.util, sys
+root = sys.argv[1]
+spec = importlib.util.spec_from_file_location(
+    "gradwatch", root + "/__init__.py", submodule_search_locations=[root])
+module = importlib.util.module_from_spec(spec)
+sys.modules["gradwatch"] = module
+spec.loader.exec_module(module)
+from gradwatch.export.server import main
+sys.exit(main(sys.argv[2:]))
+"""
 # The pipe holds a few expositions, so a child busy for a moment never makes a send wait.
 _PIPE_SIZE = 1 << 20
 
@@ -300,26 +314,13 @@ class _Feed:
 
     def _start(self) -> None:
         """Start an exporter process on the listening socket and send it its settings."""
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (package_root, env.get("PYTHONPATH", "")) if p
-        )
         fd = self._sock.fileno()
+        argv = [sys.executable, "-c", _BOOTSTRAP, _PACKAGE_DIR, "--fd", str(fd)]
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gradwatch.export.server",
-                "--fd",
-                str(fd),
-                "--parent",
-                str(os.getpid()),
-            ],
+            [*argv, "--parent", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             pass_fds=(fd,),
-            env=env,
             bufsize=0,
         )
         assert proc.stdin is not None and proc.stdout is not None

@@ -1,8 +1,8 @@
 """The exporter process: serves the rendered exposition over HTTP(S), outside the training job.
 
-Started by :class:`gradwatch.export.http.HTTPEndpoint` as
-``python -m gradwatch.export.server --fd N --parent PID`` with the listening socket (bound by
-the training process) as fd ``N``. It imports neither torch nor prometheus_client: everything a
+Started by :class:`gradwatch.export.http.HTTPEndpoint` as a child running :func:`main` with
+``--fd N --parent PID`` (as ``python -m gradwatch.export.server`` would), the listening socket
+(bound by the training process) being fd ``N``. It imports neither torch nor prometheus_client: everything a
 scrape costs is paid here, at low CPU priority, never under the training interpreter's GIL.
 
 Protocol on its standard streams (frames: a type byte, a 4-byte big-endian length, payload):
