@@ -573,7 +573,8 @@ def test_one_scrape_never_mixes_two_steps(servers: Callable[..., MetricsServer])
     try:
         seen = _hammer(
             lambda: parse(generate_latest(server.registry).decode()),
-            lambda step: server.publish(uniform_snapshot(step)),
+            # timeout=0: the state changes at once, without waiting for the exporter process
+            lambda step: server.publish(uniform_snapshot(step), timeout=0),
             seconds=3.0,
         )
     finally:
