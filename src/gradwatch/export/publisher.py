@@ -87,6 +87,7 @@ class Publisher:
         self._done = 0
         self._stopping = False
         self._in_hand = False  # the thread holds an item it has not finished handling
+        self._in_hand_counted = False  # ... already counted (an error, or the first sink had it)
         self._logged_kinds: set[str] = set()
         self.thread = threading.Thread(target=self._run, name="gradwatch-publisher", daemon=True)
         self.thread.start()
@@ -130,8 +131,9 @@ class Publisher:
         """Stop after the item in hand; later ones are discarded. Waits at most ``timeout``.
 
         Returns how many submitted results were not handled (discarded, plus the one in hand
-        when the thread did not end in time); they are counted in
-        ``gradwatch_dropped_snapshots_total``.
+        when the thread did not end in time and no sink had it yet); they are counted in
+        ``gradwatch_dropped_snapshots_total``. A result the first sink (the endpoint's state,
+        when there is one) took is counted there already, not again.
         """
         with self._cond:
             self._stopping = True
@@ -141,7 +143,7 @@ class Publisher:
         if threading.current_thread() is not self.thread:
             self.thread.join(max(timeout, 0.0))
         with self._cond:
-            if self._in_hand:
+            if self._in_hand and not self._in_hand_counted:
                 lost += 1  # the item in hand: stuck in result() or in a sink
         for _ in range(lost):
             self._stats.add_dropped()
@@ -155,7 +157,7 @@ class Publisher:
                     return
                 seq, pending = self._queue.popleft()
                 sinks = self._sinks
-                self._in_hand = True
+                self._in_hand, self._in_hand_counted = True, False
             try:
                 self._handle(pending, sinks)
             finally:
@@ -169,6 +171,7 @@ class Publisher:
             snap = pending.result()
         except Exception as exc:  # e.g. GradWatchTimeoutError: a peer stopped collecting
             self._error("materialize", exc)
+            self._in_hand_counted = True
             return
         for sink in sinks:
             if self._stopping:  # close() gave up waiting and may be closing the sinks
@@ -177,6 +180,7 @@ class Publisher:
                 sink.write(snap)
             except Exception as exc:
                 self._error(sink_action(sink), exc)
+            self._in_hand_counted = True
 
     def _error(self, action: str, exc: Exception) -> None:
         self._stats.add_error()

@@ -2,8 +2,9 @@
 
 Started by :class:`gradwatch.export.http.HTTPEndpoint` as a child running :func:`main` with
 ``--fd N --parent PID`` (as ``python -m gradwatch.export.server`` would), the listening socket
-(bound by the training process) being fd ``N``. It imports neither torch nor prometheus_client: everything a
-scrape costs is paid here, at low CPU priority, never under the training interpreter's GIL.
+(bound by the training process) being fd ``N``. It imports neither torch nor
+prometheus_client: everything a scrape costs is paid here, at low CPU priority, never under the
+training interpreter's GIL.
 
 Protocol on its standard streams (frames: a type byte, a 4-byte big-endian length, payload):
 
