@@ -213,3 +213,48 @@ def test_close_stops_the_exporter_process(server: MetricsServer) -> None:
     server.close()
     assert time.monotonic() - started < 5.0
     assert gone(pid) and port_free(port)
+
+
+def test_a_stuck_exporter_never_blocks_publishing_and_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGSTOP the exporter process: publishing goes on (nothing waits on the pipe but the
+    exporter thread, for at most SEND_TIMEOUT), then the stuck process is replaced."""
+    monkeypatch.setattr(export_http, "_PIPE_SIZE", 4096)  # the smallest pipe: fills at once
+    monkeypatch.setattr(export_http, "SEND_TIMEOUT", 0.5)
+    s = MetricsServer(
+        WatchConfig(port=0, bind_address="127.0.0.1", param_metrics_top_k=50),
+        world_size=1,
+        parallelism="single",
+    )
+    try:
+        assert s._http is not None
+        s.publish(snapshot(1))
+        stuck = s._http.pid
+        assert stuck is not None
+        os.kill(stuck, signal.SIGSTOP)
+        started = time.monotonic()
+        for step in range(2, 40):
+            s.submit(_Ready(snapshot(step)))
+            assert s._publisher.flush(5.0)  # the publisher never waits for the exporter
+            time.sleep(0.02)
+        assert time.monotonic() - started < 10.0
+        deadline = time.monotonic() + 15.0
+        while s._http.pid in (None, stuck) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s._http.pid not in (None, stuck), "the stuck exporter was not replaced"
+        assert gone(stuck)
+        assert s.flush(15.0)
+        with urllib.request.urlopen(s.url, timeout=15) as response:
+            assert b"gradwatch_step 39.0" in response.read()
+    finally:
+        s.close()
+
+
+class _Ready:
+    def __init__(self, snap: Snapshot) -> None:
+        self.step = snap.step
+        self._snap = snap
+
+    def result(self) -> Snapshot:
+        return self._snap
