@@ -273,9 +273,15 @@ def wrap(model: nn.Module, wrapper: str) -> nn.Module:
 
 @dataclass(frozen=True)
 class ScrapersPlan:
+    """The clients of the scrapers-during-training section: ``n_scrapers`` looping GETs with
+    a ``Prometheus/`` User-Agent, ``n_slowloris`` connections sending their request head a
+    byte at a time, ``n_ordinary`` concurrent clients looping GETs; all on the loopback."""
+
     n_scrapers: int
     seconds_per_window: float
     cycles: int  # windows with scrapers (as many without)
+    n_slowloris: int = 0
+    n_ordinary: int = 0
 
 
 @dataclass(frozen=True)
@@ -307,7 +313,7 @@ def full_plan() -> Plan:
         models=(ModelSpec("demo", "demo model", steps={"ddp": 1200, "fsdp2": 240}),
                 ModelSpec("mlp", "MLP 4 x 1024", width=1024, depth=4)),
         dist_steps={"ddp": 300, "fsdp2": 120},
-        scrapers=ScrapersPlan(20, 2.0, 5),
+        scrapers=ScrapersPlan(20, 2.0, 5, n_slowloris=150, n_ordinary=200),
     )
 
 
@@ -321,5 +327,5 @@ def quick_plan() -> Plan:
         scrape_params=200, scrape_rounds=2,
         models=(ModelSpec("demo", "demo"),),
         dist_steps={"ddp": 8, "fsdp2": 8},
-        scrapers=ScrapersPlan(4, 0.3, 1),
+        scrapers=ScrapersPlan(4, 0.3, 1, n_slowloris=4, n_ordinary=4),
     )

@@ -20,6 +20,7 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -229,20 +230,31 @@ def _scrape_worker(rank: int, port: int, tmp: str) -> None:
 
 
 class _Scrapers:
-    """``n`` client threads GETting ``url`` back to back, tallying what they got."""
+    """The clients of a window with scrapers, tallying what they got: ``n`` threads GETting
+    ``url`` back to back with a ``Prometheus/`` User-Agent, ``n_ordinary`` more without, and
+    one thread keeping ``n_slowloris`` connections that send their request head a byte at a
+    time (reconnecting when the server cuts them)."""
 
-    def __init__(self, url: str, n: int) -> None:
+    def __init__(self, url: str, n: int, n_slowloris: int = 0, n_ordinary: int = 0) -> None:
         self.url = url
         self.n = n
+        self.n_slowloris = n_slowloris
+        self.n_ordinary = n_ordinary
         self.served = 0
-        self.refused = 0  # 503s and failed requests
+        self.refused = 0  # 429s and failed requests
+        self.cut = 0  # slow connections the server closed
         self.latencies: list[float] = []
         self._lock = threading.Lock()
 
     def run_for(self, seconds: float) -> None:
         stop = threading.Event()
-        threads = [threading.Thread(target=self._loop, args=(stop,), daemon=True)
+        prometheus = {"User-Agent": "Prometheus/2.45.3"}
+        threads = [threading.Thread(target=self._loop, args=(stop, prometheus), daemon=True)
                    for _ in range(self.n)]
+        threads += [threading.Thread(target=self._loop, args=(stop, {}), daemon=True)
+                    for _ in range(self.n_ordinary)]
+        if self.n_slowloris:
+            threads.append(threading.Thread(target=self._slowloris, args=(stop,), daemon=True))
         for t in threads:
             t.start()
         time.sleep(seconds)
@@ -250,14 +262,15 @@ class _Scrapers:
         for t in threads:
             t.join(timeout=60)
 
-    def _loop(self, stop: threading.Event) -> None:
+    def _loop(self, stop: threading.Event, headers: dict[str, str]) -> None:
         while not stop.is_set():
             t = time.monotonic()
             try:
-                with urllib.request.urlopen(self.url, timeout=30) as resp:
+                request = urllib.request.Request(self.url, headers=headers)
+                with urllib.request.urlopen(request, timeout=30) as resp:
                     resp.read()
                 ok = True
-            except OSError:  # urllib's HTTPError (a 503 included) is one too
+            except OSError:  # urllib's HTTPError (a 429 included) is one too
                 ok = False
             with self._lock:
                 if ok:
@@ -265,6 +278,30 @@ class _Scrapers:
                     self.latencies.append(time.monotonic() - t)
                 else:
                     self.refused += 1
+
+    def _slowloris(self, stop: threading.Event) -> None:
+        parts = urllib.parse.urlsplit(self.url)
+        address = (parts.hostname, parts.port)
+        conns: list[socket.socket | None] = [None] * self.n_slowloris
+        try:
+            while not stop.is_set():
+                for i, conn in enumerate(conns):
+                    try:
+                        if conn is None:
+                            conn = conns[i] = socket.create_connection(address, timeout=5)
+                            conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                        conn.sendall(b"X")
+                    except OSError:  # cut by the server (or refused): open another
+                        if conn is not None:
+                            conn.close()
+                            with self._lock:
+                                self.cut += 1
+                        conns[i] = None
+                stop.wait(1.0)
+        finally:
+            for conn in conns:
+                if conn is not None:
+                    conn.close()
 
 
 def scrapers_during_training(plan: ScrapersPlan) -> ScrapersResult:
@@ -281,7 +318,8 @@ def scrapers_during_training(plan: ScrapersPlan) -> ScrapersResult:
                 if time.monotonic() > deadline or not all(p.is_alive() for p in ctx.processes):
                     raise RuntimeError("the training job did not start")
                 time.sleep(0.05)
-            scrapers = _Scrapers(Path(tmp, "url").read_text(), plan.n_scrapers)
+            scrapers = _Scrapers(Path(tmp, "url").read_text(), plan.n_scrapers,
+                                 plan.n_slowloris, plan.n_ordinary)
             time.sleep(1.0)  # warm-up steps
             windows: list[tuple[bool, float, float]] = []  # (with scrapers, start, end)
             client_cpu = 0.0
@@ -314,4 +352,5 @@ def scrapers_during_training(plan: ScrapersPlan) -> ScrapersResult:
         without=Timing.of(steps[False]), with_scrapers=Timing.of(steps[True]),
         served=scrapers.served, refused=scrapers.refused,
         latency=Timing.of(scrapers.latencies) if scrapers.latencies else None,
-        client_cpu_seconds=client_cpu, target=SCRAPERS_TARGET)
+        client_cpu_seconds=client_cpu, target=SCRAPERS_TARGET,
+        n_slowloris=plan.n_slowloris, n_ordinary=plan.n_ordinary, slowloris_cut=scrapers.cut)

@@ -311,10 +311,20 @@ class ScrapersResult:
     without: Timing
     with_scrapers: Timing
     served: int
-    refused: int  # 503s and failed requests
+    refused: int  # 429s and failed requests
     latency: Timing | None  # of the served scrapes
     client_cpu_seconds: float
     target: Target
+    n_slowloris: int = 0
+    n_ordinary: int = 0
+    slowloris_cut: int = 0  # slow connections the server closed
+
+    @property
+    def clients(self) -> str:
+        if not (self.n_slowloris or self.n_ordinary):
+            return str(self.n_scrapers)
+        return (f"{self.n_scrapers} `Prometheus/` loops + {self.n_slowloris} slowloris + "
+                f"{self.n_ordinary} ordinary")
 
     @property
     def slowdown_pct(self) -> float:

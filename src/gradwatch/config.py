@@ -132,6 +132,9 @@ class WatchConfig(BaseSettings):
     certfile: FilePath | None = None
     keyfile: FilePath | None = None
     client_cafile: FilePath | None = None
+    # Prometheus exporter-toolkit web config (tls_server_config, basic_auth_users); checked
+    # when the endpoint starts (gradwatch.export.webconfig), exclusive with the TLS fields above.
+    web_config_file: str | None = None
     param_metrics_top_k: int = Field(default=0, ge=0)
 
     history_path: Path | None = None

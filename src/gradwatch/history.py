@@ -31,7 +31,10 @@ from typing import Any
 
 from gradwatch.snapshot import Snapshot
 
-__all__ = ["HistoryWriter", "iter_history", "read_history", "rotated_path"]
+__all__ = ["CLOSE_TIMEOUT", "HistoryWriter", "iter_history", "read_history", "rotated_path"]
+
+#: How long :meth:`HistoryWriter.close` waits for a write in progress before giving up on it.
+CLOSE_TIMEOUT = 1.0
 
 
 def rotated_path(path: str | os.PathLike[str]) -> Path:
@@ -116,6 +119,8 @@ class HistoryWriter:
                     self._rotate()
                 self._fh.write(line)
                 self._fh.flush()
+                if self._closed:  # close() gave up waiting for this write: do not keep the file
+                    self._discard_handle()
             except OSError as exc:
                 self.last_error = exc
                 self._discard_handle()  # reopen next time: isolates a half-written line
@@ -142,13 +147,22 @@ class HistoryWriter:
         os.replace(self.path, rotated_path(self.path))
         self._fh = open(self.path, "ab")  # noqa: SIM115
 
-    def close(self) -> None:
-        """Close the file; later writes are ignored. Idempotent."""
-        with self._lock:
-            self._closed = True
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Close the file; later writes are ignored. Idempotent.
+
+        Waits at most ``timeout`` seconds for a write in progress (a file system that blocks,
+        e.g. a hung network mount, or a FIFO nobody reads): past that the writer is only marked
+        closed, and the blocked write discards its handle if it ever returns.
+        """
+        self._closed = True  # an attribute store: seen by a write that holds the lock
+        if not self._lock.acquire(timeout=max(timeout, 0.0)):
+            return
+        try:
             fh, self._fh = self._fh, None
             if fh is not None:
                 fh.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> HistoryWriter:
         return self
@@ -165,13 +179,24 @@ def iter_history(
     A record is a JSON object with a ``step``; anything else (a truncated line, a torn line
     followed by the newline a restart added, blank lines) is skipped silently, because the
     writer's only failure mode is a line cut short.
+
+    Safe against a writer rotating meanwhile: both files are opened before either is read,
+    the backup first, so the records come in order and none twice; a file that is missing is
+    skipped. When a rotation happened between the two opens (the backup path now names another
+    file), they are opened again, a few times at most.
     """
     path = Path(path)
-    files = [rotated_path(path), path] if include_rotated else [path]
-    for file in files:
-        if not file.exists():
-            continue
-        with open(file, "rb") as fh:
+    backup_path = rotated_path(path)
+    with contextlib.ExitStack() as stack:
+        for _ in range(_OPEN_ATTEMPTS):
+            stack.close()
+            backup = _open_if_present(backup_path, stack) if include_rotated else None
+            live = _open_if_present(path, stack)
+            if backup is None or _still_at(backup, backup_path):
+                break
+        for fh in (backup, live):
+            if fh is None:
+                continue
             for raw in fh:
                 # a torn line (crash mid-write) fails to parse, or parses to a non-object
                 try:
@@ -180,6 +205,28 @@ def iter_history(
                     continue
                 if isinstance(rec, dict) and "step" in rec:
                     yield rec
+
+
+# A reader retries its opens this many times when a rotation slips between them; rotations are
+# far apart (max_bytes of lines), so a second attempt all but always sees a quiet pair.
+_OPEN_ATTEMPTS = 3
+
+
+def _open_if_present(path: Path, stack: contextlib.ExitStack) -> Any:
+    try:
+        return stack.enter_context(open(path, "rb"))
+    except FileNotFoundError:
+        return None
+
+
+def _still_at(fh: Any, path: Path) -> bool:
+    """True if ``path`` still names the file ``fh`` has open."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fh.fileno())
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def read_history(

@@ -14,6 +14,7 @@ interval 1 s. Every process is started in its own session and killed in teardown
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -43,6 +45,8 @@ JOB_SCRIPT = ROOT / "tests" / "helpers" / "jobs" / "ddp_serve_job.py"
 SCRAPERS = 20
 LOAD_SECONDS = 10.0
 BASELINE_SECONDS = 5.0
+#: the scrapers' address (Prometheus scrapes from 127.0.0.1)
+LOAD_SOURCE = "127.0.0.2"
 
 
 def same(a: float | None, b: float) -> bool:
@@ -96,6 +100,73 @@ def test_prometheus_stores_exactly_the_published_values(tmp_path: Path) -> None:
 # -- a 2-rank DDP job -----------------------------------------------------------------------------
 
 
+def test_prometheus_scrapes_through_basic_auth_over_tls(tmp_path: Path) -> None:
+    """The exporter-toolkit web config protecting gradwatch works with Prometheus's own
+    ``basic_auth`` and ``tls_config`` scrape settings; a wrong password gets 401."""
+    import base64
+    import shutil
+    import ssl
+
+    import bcrypt
+    import yaml
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
+         "-subj", "/CN=gradwatch e2e", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    password = "e2e-password"
+    web = tmp_path / "web.yml"
+    web.write_text(
+        yaml.safe_dump(
+            {
+                "tls_server_config": {"cert_file": cert.name, "key_file": key.name},
+                "basic_auth_users": {
+                    "prometheus": bcrypt.hashpw(password.encode(), bcrypt.gensalt(10)).decode()
+                },
+            }
+        )
+    )
+    cfg = WatchConfig(port=0, bind_address="127.0.0.1", web_config_file=str(web))
+    with MetricsServer(cfg, world_size=1, parallelism="single") as server:
+        assert server.url is not None and server.url.startswith("https://")
+        server.publish(
+            Snapshot(
+                step=11,
+                global_norm=3.25,
+                groups={"other": GroupStats(norm=3.25, numel=1)},
+                timestamp=time.time(),
+            )
+        )
+        target = urllib.parse.urlsplit(server.url).netloc
+        with run_prometheus(
+            [target],
+            scheme="https",
+            tls_config={"ca_file": str(cert)},
+            basic_auth={"username": "prometheus", "password": password},
+            workdir=tmp_path / "prom",
+        ) as prom:
+            prom.wait_for_value("gradwatch_global_grad_norm", 3.25, timeout=30)
+            (target_info,) = prom.targets()
+            assert target_info["health"] == "up", target_info
+            assert prom.value("gradwatch_step") == 11
+        # A wrong password: 401 and nothing served.
+        ctx = ssl.create_default_context(cafile=str(cert))
+        request = urllib.request.Request(
+            server.url,
+            headers={"Authorization": "Basic " + base64.b64encode(b"prometheus:wrong").decode()},
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=10, context=ctx)
+        assert info.value.code == 401
+        assert info.value.headers["WWW-Authenticate"].startswith("Basic")
+        assert b"gradwatch_" not in info.value.read()
+
+
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -147,19 +218,27 @@ class LoadResult:
 
 
 def scrape_load(url: str, scrapers: int, seconds: float) -> LoadResult:
-    """``scrapers`` threads scraping ``url`` back to back for ``seconds``."""
+    """``scrapers`` threads scraping ``url`` back to back for ``seconds``, from another loopback
+    address than Prometheus's (limits are per client: they only delay each other)."""
     result = LoadResult()
     stop_at = time.monotonic() + seconds
+    parts = urllib.parse.urlsplit(url)
 
     def scraper() -> None:
         while time.monotonic() < stop_at:
+            conn = http.client.HTTPConnection(
+                parts.hostname, parts.port, timeout=10, source_address=(LOAD_SOURCE, 0)
+            )
             try:
-                with urllib.request.urlopen(url, timeout=10) as response:
-                    body = response.read().decode()
-                    good = response.status == 200 and "\ngradwatch_step " in body
+                conn.request("GET", parts.path)
+                response = conn.getresponse()
+                body = response.read().decode()
+                good = response.status == 200 and "\ngradwatch_step " in body
                 problem = None if good else f"status {response.status}, step missing"
             except Exception as exc:  # every failure is a finding
                 problem = repr(exc)
+            finally:
+                conn.close()
             with result.lock:
                 if problem is None:
                     result.ok += 1

@@ -214,11 +214,13 @@ def run_prometheus(
     job: str = DEFAULT_JOB,
     scheme: str = "http",
     tls_config: dict[str, Any] | None = None,
+    basic_auth: dict[str, str] | None = None,
     workdir: str | os.PathLike[str] | None = None,
     startup_timeout: float = 30.0,
 ) -> Iterator[PromServer]:
     """Run Prometheus scraping ``scrape_targets`` (``host:port``) as job ``job`` every
-    ``interval`` (scrape and rule evaluation), with ``rule_files`` loaded.
+    ``interval`` (scrape and rule evaluation), with ``rule_files`` loaded; ``scheme``,
+    ``tls_config`` and ``basic_auth`` go into the scrape config as Prometheus spells them.
 
     ``workdir`` (default: a temporary directory, removed afterwards) holds the config, the
     TSDB and the log. The process is killed on exit from the block, and its log tail is
@@ -239,6 +241,8 @@ def run_prometheus(
         }
         if tls_config is not None:
             scrape["tls_config"] = tls_config
+        if basic_auth is not None:  # {"username": ..., "password": ...}
+            scrape["basic_auth"] = basic_auth
         config = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(Path(f).resolve()) for f in rule_files],

@@ -3,9 +3,10 @@ no module imports what its line says it must never import.
 
 The rules are read from the map itself (its "never imports" column), so the document and the
 check cannot drift apart. A cell lists backticked gradwatch modules (``export`` means the whole
-``gradwatch.export`` package) and the word ``torch``; "anything of gradwatch" or "every other
-gradwatch module" forbids all of the package, "any other gradwatch module but `x`" all but
-``x``; names after "lazily only:" may be imported inside functions, not at module level.
+``gradwatch.export`` package) and the words ``torch`` and ``prometheus_client``; "anything of
+gradwatch" or "every other gradwatch module" forbids all of the package, "any other gradwatch
+module but `x`" all but ``x``; names after "lazily only:" may be imported inside functions, not
+at module level.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "gradwatch"
 DESIGN = ROOT / "docs" / "design.md"
 _TICKED = re.compile(r"`([a-z_./]+)`")
+#: Third-party packages a line of the map may forbid by name (unticked words).
+EXTERNALS = ("torch", "prometheus_client")
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,11 @@ class Rule:
     forbidden: frozenset[str]
     top_level_only: frozenset[str] = field(default_factory=frozenset)
     no_gradwatch_but: frozenset[str] | None = None
-    no_torch: bool = False
+    externals: frozenset[str] = frozenset()  # third-party packages it must not import
+
+    @property
+    def no_torch(self) -> bool:
+        return "torch" in self.externals
 
 
 def _dotted(name: str) -> str:
@@ -48,7 +55,9 @@ def code_map() -> dict[str, Rule]:
         path = cells[0].strip("`")
         never = cells[2]
         everywhere, _, lazy = never.partition("lazily only:")
-        no_torch = re.search(r"(^|[^`\w])torch\b", everywhere) is not None
+        externals = frozenset(
+            w for w in EXTERNALS if re.search(rf"(^|[^`\w]){w}\b", everywhere) is not None
+        )
         but: frozenset[str] | None = None
         if "anything of gradwatch" in everywhere or "every other gradwatch module" in everywhere:
             but = frozenset()
@@ -61,7 +70,7 @@ def code_map() -> dict[str, Rule]:
             forbidden=frozenset(_dotted(n) for n in _TICKED.findall(everywhere)),
             top_level_only=frozenset(_dotted(n) for n in _TICKED.findall(lazy)),
             no_gradwatch_but=but,
-            no_torch=no_torch,
+            externals=externals,
         )
     return rules
 
@@ -114,7 +123,7 @@ def test_module_imports_nothing_it_must_never_import(path: str) -> None:
     bad = []
     for file in files:
         for name, top_level in imports(file):
-            if rule.no_torch and _within(name, "torch"):
+            if any(_within(name, e) for e in rule.externals):
                 bad.append(name)
             if any(_within(name, f) for f in rule.forbidden):
                 bad.append(name)
@@ -142,3 +151,4 @@ def test_the_rules_are_read() -> None:
     assert rules["watcher.py"].top_level_only == frozenset({"gradwatch.export"})
     assert rules["config.py"].no_gradwatch_but == frozenset({"gradwatch.errors"})
     assert sum(r.no_torch for r in rules.values()) >= 10
+    assert rules["export/server.py"].externals == frozenset({"torch", "prometheus_client"})

@@ -10,7 +10,12 @@ each with one job:
   immutable object per publish) and the exporter's self-stats.
 * :mod:`~gradwatch.export.collector`: the prometheus_client Collector rendering the catalog.
 * :mod:`~gradwatch.export.publisher`: the :class:`Sink` protocol and the publisher thread.
-* :mod:`~gradwatch.export.http`: bind, TLS, the scrape rate bound and cache, the HTTP server.
+* :mod:`~gradwatch.export.http`: bind the port, start and feed the exporter process (renders
+  the exposition on change, never per request).
+* :mod:`~gradwatch.export.server`: the exporter process (HTTP, TLS, basic auth, per-client
+  limits), run outside the training interpreter.
+* :mod:`~gradwatch.export.webconfig`: TLS and basic authentication from the exporter-toolkit
+  web configuration file (or the older TLS fields).
 * :mod:`~gradwatch.export.publishing`: :func:`open_publishing`, the watcher's entry point, and
   :class:`Publishing` / :class:`MetricsServer`, which wire the above together.
 * :mod:`~gradwatch.export.reference`: docs/metrics.md rendered from the catalog.
@@ -21,40 +26,89 @@ per kind and counted in ``gradwatch_publish_errors_total``.
 
 from __future__ import annotations
 
-from gradwatch.export.collector import SnapshotCollector
-from gradwatch.export.http import (
-    MAX_SCRAPE_WAIT,
-    MAX_SCRAPES_PER_SECOND,
-    PROMETHEUS_USER_AGENT,
-    SCRAPE_BURST,
-)
-from gradwatch.export.metrics import (
-    METRICS,
-    METRICS_BY_NAME,
-    MetricDef,
-    MetricSource,
-    MetricType,
-)
-from gradwatch.export.publisher import MAX_PENDING, PendingLike, Sink
-from gradwatch.export.publishing import (
-    EXIT_CLOSE_TIMEOUT,
-    MetricsServer,
-    Publishing,
-    open_publishing,
-)
-from gradwatch.export.reference import metrics_reference_markdown
-from gradwatch.export.state import COLLECT_SECONDS_BUCKETS, MAX_PARAM_SERIES, select_param_series
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names are imported lazily (PEP 562): the exporter process imports gradwatch.export.server
+# without the rest (no pydantic, no torch, no prometheus_client).
+_EXPORTS = {
+    "SnapshotCollector": "collector",
+    "HEAD_TIMEOUT": "server",
+    "LISTEN_BACKLOG": "server",
+    "MAX_INFLIGHT_PER_CLIENT": "server",
+    "MAX_SCRAPE_WAIT": "server",
+    "MAX_SCRAPES_PER_SECOND": "server",
+    "SCRAPE_BURST": "server",
+    "RENDER_INTERVAL": "http",
+    "METRICS": "metrics",
+    "METRICS_BY_NAME": "metrics",
+    "MetricDef": "metrics",
+    "MetricSource": "metrics",
+    "MetricType": "metrics",
+    "MAX_PENDING": "publisher",
+    "PendingLike": "publisher",
+    "Sink": "publisher",
+    "CLOSE_TIMEOUT": "publishing",
+    "EXIT_CLOSE_TIMEOUT": "publishing",
+    "MetricsServer": "publishing",
+    "Publishing": "publishing",
+    "open_publishing": "publishing",
+    "metrics_reference_markdown": "reference",
+    "COLLECT_SECONDS_BUCKETS": "state",
+    "MAX_PARAM_SERIES": "state",
+    "select_param_series": "state",
+    "WebSettings": "webconfig",
+    "load_web_config": "webconfig",
+}
+
+if TYPE_CHECKING:
+    from gradwatch.export.collector import SnapshotCollector
+    from gradwatch.export.http import RENDER_INTERVAL
+    from gradwatch.export.metrics import (
+        METRICS,
+        METRICS_BY_NAME,
+        MetricDef,
+        MetricSource,
+        MetricType,
+    )
+    from gradwatch.export.publisher import MAX_PENDING, PendingLike, Sink
+    from gradwatch.export.publishing import (
+        CLOSE_TIMEOUT,
+        EXIT_CLOSE_TIMEOUT,
+        MetricsServer,
+        Publishing,
+        open_publishing,
+    )
+    from gradwatch.export.reference import metrics_reference_markdown
+    from gradwatch.export.server import (
+        HEAD_TIMEOUT,
+        LISTEN_BACKLOG,
+        MAX_INFLIGHT_PER_CLIENT,
+        MAX_SCRAPE_WAIT,
+        MAX_SCRAPES_PER_SECOND,
+        SCRAPE_BURST,
+    )
+    from gradwatch.export.state import (
+        COLLECT_SECONDS_BUCKETS,
+        MAX_PARAM_SERIES,
+        select_param_series,
+    )
+    from gradwatch.export.webconfig import WebSettings, load_web_config
 
 __all__ = [
+    "CLOSE_TIMEOUT",
     "COLLECT_SECONDS_BUCKETS",
     "EXIT_CLOSE_TIMEOUT",
+    "HEAD_TIMEOUT",
+    "LISTEN_BACKLOG",
+    "MAX_INFLIGHT_PER_CLIENT",
     "MAX_PARAM_SERIES",
     "MAX_PENDING",
     "MAX_SCRAPES_PER_SECOND",
     "MAX_SCRAPE_WAIT",
     "METRICS",
     "METRICS_BY_NAME",
-    "PROMETHEUS_USER_AGENT",
+    "RENDER_INTERVAL",
     "SCRAPE_BURST",
     "MetricDef",
     "MetricSource",
@@ -64,7 +118,22 @@ __all__ = [
     "Publishing",
     "Sink",
     "SnapshotCollector",
+    "WebSettings",
+    "load_web_config",
     "metrics_reference_markdown",
     "open_publishing",
     "select_param_series",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

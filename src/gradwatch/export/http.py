@@ -1,203 +1,92 @@
-"""The HTTP(S) side of the endpoint: bind, TLS, the scrape bound, the cache and the server.
+"""The endpoint, training-process side: bind, then feed an exporter process that serves.
 
-:class:`HTTPEndpoint` serves one registry from a daemon thread (``gradwatch-http``) and one
-thread per request. It knows nothing of snapshots: what a scrape shows is the Collector's
-business (:mod:`gradwatch.export.collector`). What it adds to prometheus_client's WSGI app is
-the cost bound: equal collector versions render once (a cache), and at most
-``MAX_SCRAPES_PER_SECOND`` scrapes are served, so scrapers cannot take more than a few percent
-of the training process's time (:class:`ScrapeApp`).
+:class:`HTTPEndpoint` binds the listening socket in the caller's thread (so a taken port raises
+:class:`~gradwatch.errors.PortInUseError` at construction) and hands it to a small child
+process, :mod:`gradwatch.export.server`, which does all the HTTP work (TLS, authentication,
+per-client limits) outside this interpreter. What a scrape costs the training process is then
+bounded by the number of changes, not of requests: a daemon thread (``gradwatch-exporter``)
+renders the registry (both exposition formats) when its version changed, at most every
+``RENDER_INTERVAL`` seconds, and sends the bytes down a pipe; any number of scrapes serve the
+last one. The exposition is therefore as of the last published step (and the self-stats as of
+that render).
+
+The child dies with the job: it exits at EOF on its stdin (the pipe closes when this process
+dies) and on Linux gets SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``).
+If it dies while the job runs, the listening socket (still held here) queues connections
+while a new one is started, after a delay that grows with repeated failures. A child that
+does not take a new exposition within ``SEND_TIMEOUT`` seconds is replaced the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import ipaddress
 import logging
+import os
+import select
 import socket
-import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from pathlib import Path
+from typing import IO
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from gradwatch.config import WatchConfig
-from gradwatch.errors import GradWatchError, PortInUseError
+from gradwatch.errors import PortInUseError
+from gradwatch.export.server import FRAME_HEADER, LISTEN_BACKLOG, SEQ, encode_exposition
+from gradwatch.export.webconfig import WebSettings, web_settings
 
-__all__ = [
-    "MAX_SCRAPES_PER_SECOND",
-    "MAX_SCRAPE_WAIT",
-    "PROMETHEUS_USER_AGENT",
-    "SCRAPE_BURST",
-    "HTTPEndpoint",
-    "RateLimit",
-    "ScrapeApp",
-]
+__all__ = ["RENDER_INTERVAL", "SEND_TIMEOUT", "HTTPEndpoint"]
 
 # One logger for the whole exporter: users filter or silence "gradwatch.export".
 log = logging.getLogger("gradwatch.export")
 
-#: The endpoint serves at most this many scrapes per second (bursts of ``SCRAPE_BURST``); more
-#: wait their turn. Prometheus scrapes every 15-60 s, an HA pair, Grafana and `gradwatch top`
-#: stay far below this, so only a runaway client ever waits. A served scrape costs the training
-#: process Python time under the GIL, plus its HTTP threads' wake-ups; the bound keeps steps at
-#: most 5% slower with back-to-back scrapers (measured in docs/performance.md), hence 5/s.
-MAX_SCRAPES_PER_SECOND = 5.0
-SCRAPE_BURST = 5
-#: Requests whose User-Agent starts with this (Prometheus's own scrapes) bypass the bound.
-PROMETHEUS_USER_AGENT = "Prometheus/"
-#: A request that would wait longer than this for its turn gets 503 at once instead of piling
-#: up threads (at 5/s that is 25 requests queued).
-MAX_SCRAPE_WAIT = 5.0
-
-# A request thread that cannot read its request (a stalled client, a half-done TLS handshake)
-# gives up after this long, so it cannot pile up threads forever.
-_REQUEST_TIMEOUT = 30.0
-
-
-class RateLimit:
-    """At most ``rate`` grants per second on average, bursts of ``burst`` (GCRA).
-
-    Thread-safe. :meth:`reserve` books the next free slot and says how long to wait for it;
-    callers sleep outside the lock, so waiting requests cost no CPU and are served in order.
-    """
-
-    def __init__(self, rate: float, burst: int, max_wait: float) -> None:
-        self._interval = 1.0 / rate
-        self._tolerance = self._interval * max(burst - 1, 0)
-        self._max_wait = max_wait
-        self._lock = threading.Lock()
-        self._due = time.monotonic()
-
-    def reserve(self) -> float | None:
-        """Seconds to wait before serving, or None when that would exceed ``max_wait``."""
-        with self._lock:
-            now = time.monotonic()
-            due = max(self._due, now)  # theoretical time of this grant without bursts
-            wait = max(due - self._tolerance - now, 0.0)
-            if wait > self._max_wait:
-                return None
-            self._due = due + self._interval
-            return wait
+#: The exposition is rendered at most this often (and only when something changed), so fast
+#: steps cost at most a few renders a second whatever the scrapers do.
+RENDER_INTERVAL = 0.1
+#: A child that cannot take a new exposition for this long is stuck: it is replaced.
+SEND_TIMEOUT = 2.0
+#: Delays before restarting a child that died, growing with consecutive failures.
+RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# The exporter process runs gradwatch.export.server from this very gradwatch package (the one
+# this process imported, wherever it came from), without adding anything to sys.path.
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+_BOOTSTRAP = """\
+import importlib.util, sys
+root = sys.argv[1]
+spec = importlib.util.spec_from_file_location(
+    "gradwatch", root + "/__init__.py", submodule_search_locations=[root])
+module = importlib.util.module_from_spec(spec)
+sys.modules["gradwatch"] = module
+spec.loader.exec_module(module)
+from gradwatch.export.server import main
+sys.exit(main(sys.argv[2:]))
+"""
+# The pipe holds a few expositions, so a child busy for a moment never makes a send wait.
+_PIPE_SIZE = 1 << 20
 
 
-class ScrapeApp:
-    """WSGI app: prometheus_client's, behind a rate bound and a rendered-exposition cache.
-
-    Thread-safe (one thread per request). Why both: a scrape costs the serving process Python
-    time (about half rendering, half HTTP), taken under the GIL from the training thread.
-    Equal collector versions render equal bytes, so between two steps any number of scrapes
-    render once; and at most ``MAX_SCRAPES_PER_SECOND`` are served, so even clients scraping
-    back to back cannot take more than a few percent of the training thread's time. Requests
-    with a query string (``name[]`` filters) bypass the cache.
-    """
-
-    def __init__(self, registry: CollectorRegistry, version: Callable[[], Hashable]) -> None:
-        self._inner = make_wsgi_app(registry)
-        self._version = version
-        self._limit = RateLimit(MAX_SCRAPES_PER_SECOND, SCRAPE_BURST, MAX_SCRAPE_WAIT)
-        self._lock = threading.Lock()
-        self._cache_version: Hashable | None = None
-        self._cache: dict[tuple[str, str], tuple[str, list[tuple[str, str]], bytes]] = {}
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        # Prometheus itself (its User-Agent) is never queued behind other clients: its scrapes
-        # are already paced by its scrape_interval, and a queue filled by a runaway client must
-        # not push them past their scrape_timeout (the series would go stale and page).
-        if not environ.get("HTTP_USER_AGENT", "").startswith(PROMETHEUS_USER_AGENT):
-            wait = self._limit.reserve()
-            if wait is None:
-                start_response("503 Service Unavailable", [("Retry-After", "1")])
-                return [b"gradwatch: too many scrapes, retry later\n"]
-            if wait > 0:
-                time.sleep(wait)
-        if environ.get("REQUEST_METHOD") != "GET" or environ.get("QUERY_STRING"):
-            return self._inner(environ, start_response)
-        # The version is read before rendering: a body rendered later is never older than its key.
-        version = self._version()
-        key = (environ.get("HTTP_ACCEPT", ""), environ.get("HTTP_ACCEPT_ENCODING", ""))
-        with self._lock:
-            hit = self._cache.get(key) if self._cache_version == version else None
-        if hit is None:
-            captured: list[Any] = []
-
-            def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-                captured[:] = [status, list(headers)]
-                return lambda data: None  # make_wsgi_app returns its body, never writes
-
-            body = b"".join(self._inner(environ, capture))
-            hit = (captured[0], captured[1], body)
-            if hit[0].startswith("200"):
-                with self._lock:
-                    if self._cache_version != version:
-                        self._cache_version, self._cache = version, {}
-                    if len(self._cache) < 16:  # distinct Accept headers: a handful in practice
-                        self._cache[key] = hit
-        status, headers, body = hit
-        start_response(status, [*headers, ("Content-Length", str(len(body)))])
-        return [body]
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr (one line per scrape would flood the training log)."""
-
-    timeout = _REQUEST_TIMEOUT
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _HTTPServer(ThreadingMixIn, WSGIServer):
-    """One daemon thread per request: a slow scrape never queues the others, nor holds exit."""
-
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that hangs up or fails the TLS handshake is its own problem: never print a
-        # traceback into the training log (socketserver's default).
-        log.debug("gradwatch: scrape from %s failed", client_address, exc_info=True)
-
-
-def _tls_context(cfg: WatchConfig) -> ssl.SSLContext | None:
-    """Load the TLS files before binding, so a bad certificate holds no port."""
-    if cfg.certfile is None or cfg.keyfile is None:
-        return None
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(certfile=str(cfg.certfile), keyfile=str(cfg.keyfile))
-        if cfg.client_cafile is not None:
-            ctx.load_verify_locations(cafile=str(cfg.client_cafile))
-            ctx.verify_mode = ssl.CERT_REQUIRED  # mutual TLS: no client certificate, no scrape
-    except (ssl.SSLError, OSError) as exc:
-        raise GradWatchError(
-            f"gradwatch: cannot load the TLS files of the metrics endpoint (certfile="
-            f"{cfg.certfile}, keyfile={cfg.keyfile}, client_cafile={cfg.client_cafile}): {exc}"
-        ) from exc
-    return ctx
-
-
-def _bind(cfg: WatchConfig, app: Callable[..., Any], tls: ssl.SSLContext | None) -> _HTTPServer:
-    """Bind in the caller's thread; a taken port raises :class:`PortInUseError`.
-
-    Built from ``make_wsgi_app`` and wsgiref rather than ``prometheus_client.start_http_server``
-    for two reasons: the TLS context is loaded before the port is taken, and the TLS handshake
-    runs in the request's thread (``do_handshake_on_connect=False``), whereas wrapping the
-    listening socket makes ``accept()`` do the handshake, so one silent client would stall
-    every scrape.
-    """
+def _bind(cfg: WatchConfig) -> socket.socket:
+    """Bind and listen in the caller's thread; a taken port raises :class:`PortInUseError`."""
     port = int(cfg.port or 0)
     infos = socket.getaddrinfo(
         cfg.bind_address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
     family, _, _, _, sockaddr = infos[0]
-    server_class = type("_BoundHTTPServer", (_HTTPServer,), {"address_family": family})
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        httpd = server_class((sockaddr[0], port), _QuietHandler)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds at once
+        sock.bind((sockaddr[0], port, *sockaddr[2:]))
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
+        sock.close()
         if exc.errno == errno.EADDRINUSE:
             err = PortInUseError(
                 f"gradwatch: cannot serve metrics on {cfg.bind_address}:{port}: port {port} is "
@@ -212,16 +101,11 @@ def _bind(cfg: WatchConfig, app: Callable[..., Any], tls: ssl.SSLContext | None)
             f"gradwatch: cannot serve metrics on {cfg.bind_address}:{port} "
             f"(GRADWATCH_BIND_ADDRESS / GRADWATCH_PORT): {exc.strerror}",
         ) from exc
-    httpd.set_app(app)
-    if tls is not None:
-        httpd.socket = tls.wrap_socket(
-            httpd.socket, server_side=True, do_handshake_on_connect=False
-        )
-    return httpd
+    return sock
 
 
-def _url(httpd: _HTTPServer, tls: bool) -> tuple[str, int]:
-    host, port = httpd.server_address[:2]
+def _url(sock: socket.socket, tls: bool) -> tuple[str, int]:
+    host, port = sock.getsockname()[:2]
     address = ipaddress.ip_address(host)
     if address.is_unspecified:  # 0.0.0.0 / ::: reachable locally through the loopback
         address = ipaddress.ip_address("::1" if address.version == 6 else "127.0.0.1")
@@ -230,13 +114,14 @@ def _url(httpd: _HTTPServer, tls: bool) -> tuple[str, int]:
 
 
 class HTTPEndpoint:
-    """Serves ``registry`` at ``http(s)://host:port/metrics`` from a daemon thread.
+    """Serves ``registry`` at ``http(s)://host:port/metrics`` from an exporter process.
 
-    Construction loads the TLS files (``certfile``/``keyfile``/``client_cafile``; a bad one
-    raises :class:`~gradwatch.errors.GradWatchError` before any port is taken), binds in the
-    caller's thread (``cfg.port``; 0 = ephemeral; a taken port raises
-    :class:`~gradwatch.errors.PortInUseError`) and starts serving. ``version`` is the
-    Collector's change counter, the key of the rendered-exposition cache.
+    Construction checks the TLS and authentication settings
+    (:func:`~gradwatch.export.webconfig.web_settings`; a bad file raises
+    :class:`~gradwatch.errors.GradWatchError` before any port is taken), binds in the caller's
+    thread (``cfg.port``; 0 = ephemeral; a taken port raises
+    :class:`~gradwatch.errors.PortInUseError`) and starts the exporter process. ``version`` is
+    the Collector's change counter: equal versions render equal bytes.
 
     Attributes:
         url: ``http(s)://host:port/metrics``; ``host`` is the bound address (loopback when
@@ -247,30 +132,316 @@ class HTTPEndpoint:
     def __init__(
         self, cfg: WatchConfig, registry: CollectorRegistry, version: Callable[[], Hashable]
     ) -> None:
-        tls = _tls_context(cfg)
-        self._httpd = _bind(cfg, ScrapeApp(registry, version), tls)
+        settings = web_settings(cfg)
+        self._sock = _bind(cfg)
         try:
-            self.url, self.port = _url(self._httpd, tls is not None)
-            self._thread = threading.Thread(
-                target=self._httpd.serve_forever,
-                kwargs={"poll_interval": 0.25},  # bounds how long close() waits for the loop
-                name="gradwatch-http",
-                daemon=True,
-            )
-            self._thread.start()
+            self.url, self.port = _url(self._sock, settings.tls is not None)
+            self._feed = _Feed(self._sock, settings, registry, version)
         except BaseException:
-            self._httpd.server_close()  # a failed construction holds no port
+            self._sock.close()  # a failed construction holds no port
             raise
 
+    @property
+    def pid(self) -> int | None:
+        """Process id of the current exporter process (None between two)."""
+        return self._feed.pid
+
+    def sync(self, timeout: float) -> bool:
+        """Wait until the exporter process serves what the registry shows now; False on
+        timeout (e.g. the process is being restarted)."""
+        return self._feed.sync(timeout)
+
     def close(self, timeout: float) -> None:
-        """Stop serving and release the port, waiting at most about ``timeout`` seconds."""
-        deadline = time.monotonic() + max(timeout, 0.0)
-        # shutdown() waits for serve_forever() to notice; do it in a helper thread so a wedged
-        # server cannot hold close() (or interpreter exit) longer than the deadline.
-        stopper = threading.Thread(
-            target=self._httpd.shutdown, name="gradwatch-http-stop", daemon=True
+        """Stop the exporter process and release the port, within about ``timeout`` seconds."""
+        try:
+            self._feed.close(timeout)
+        finally:
+            self._sock.close()
+
+
+class _Feed:
+    """The exporter process and the ``gradwatch-exporter`` thread that feeds it.
+
+    The thread starts the process (so ``PR_SET_PDEATHSIG`` follows this thread, which lives as
+    long as the endpoint), renders on change and sends frames with bounded waits; one
+    ``gradwatch-exporter-acks`` thread per process reads its acknowledgements, blocked in a
+    system call (no GIL time). :meth:`sync` and :meth:`close` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        settings: WebSettings,
+        registry: CollectorRegistry,
+        version: Callable[[], Hashable],
+    ) -> None:
+        self._sock = sock
+        self._settings = settings
+        self._registry = registry
+        self._version = version
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._alive = False  # the current process has not hung up
+        self._seq = 0  # last exposition sent
+        self._acked = 0  # last exposition the process serves
+        self._sync_wanted = 0
+        self._sync_done = 0
+        self._sync_taken = 0  # syncs the thread has taken up
+        self._sync_pending: list[tuple[int, int]] = []  # (seq to be acked, sync number)
+        self._failures = 0
+        self._logged: set[str] = set()
+        started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name="gradwatch-exporter", daemon=True
         )
-        stopper.start()
-        stopper.join(max(deadline - time.monotonic(), 1.0))
-        self._httpd.server_close()  # releases the port even if serve_forever() is unwinding
-        self._thread.join(max(deadline - time.monotonic(), 0.1))
+        self._thread.start()
+        started.wait(30.0)
+        if self._start_error is not None:
+            self.close(1.0)
+            raise self._start_error
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    # -- callers --------------------------------------------------------------------------------
+
+    def sync(self, timeout: float) -> bool:
+        with self._cond:
+            if self._stopping:
+                return False
+            self._sync_wanted += 1
+            target = self._sync_wanted
+            self._cond.notify_all()
+            return bool(
+                self._cond.wait_for(
+                    lambda: self._sync_done >= target or self._stopping, max(timeout, 0.0)
+                )
+                and self._sync_done >= target
+            )
+
+    def close(self, timeout: float) -> None:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        proc = self._proc
+        if proc is not None:
+            _terminate(proc)  # a send blocked on it fails at once
+        if threading.current_thread() is not self._thread:
+            self._thread.join(max(deadline - time.monotonic(), 0.2))
+        proc = self._proc  # the thread may have started another one meanwhile
+        if proc is not None:
+            _terminate(proc)
+            _reap(proc, max(deadline - time.monotonic(), 0.5))
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _run(self, started: threading.Event) -> None:
+        try:
+            self._start()
+        except BaseException as exc:  # reported by the constructor
+            self._start_error = exc
+            started.set()
+            return
+        started.set()
+        sent: list[Hashable | None] = [None]  # the version the process has (None: nothing)
+        restart_at = 0.0
+        try:
+            while not self._stopping:
+                if not self._alive:
+                    if restart_at == 0.0:
+                        restart_at = time.monotonic() + self._lost_process()
+                    if time.monotonic() >= restart_at:
+                        restart_at = 0.0
+                        sent[0] = None  # a new process has nothing yet
+                        try:
+                            self._start()
+                        except Exception as exc:
+                            self._log_once("start", "could not start the exporter: %s", exc)
+                            self._alive_false()
+                if self._alive:
+                    try:
+                        self._feed_once(sent)
+                    except Exception as exc:  # e.g. a render failed: keep serving the last one
+                        self._log_once(f"feed:{type(exc).__name__}",
+                                       "could not render the exposition: %s", exc)  # fmt: skip
+                with self._cond:
+                    if not self._alive and restart_at:
+                        self._cond.wait_for(
+                            lambda: self._stopping, max(restart_at - time.monotonic(), 0.0)
+                        )
+                    else:
+                        self._cond.wait_for(
+                            lambda: (
+                                self._stopping
+                                or self._sync_wanted > self._sync_taken
+                                or not self._alive
+                            ),
+                            RENDER_INTERVAL,
+                        )
+                    if self._stopping:
+                        return
+        finally:
+            proc = self._proc
+            if proc is not None:
+                _terminate(proc)
+                if proc.stdin is not None:
+                    with contextlib.suppress(OSError):
+                        proc.stdin.close()
+
+    def _feed_once(self, sent: list[Hashable | None]) -> None:
+        """Send a new exposition if the registry changed; take up pending syncs."""
+        with self._cond:
+            wanted = self._sync_wanted
+        version = self._version()
+        if version != sent[0]:
+            frame = encode_exposition(
+                self._seq + 1, generate_latest(self._registry), generate_openmetrics(self._registry)
+            )
+            if not self._send(frame):
+                return  # the process is being replaced; the next one gets a fresh render
+            self._seq += 1
+            sent[0] = version
+        with self._cond:
+            self._sync_taken = max(self._sync_taken, wanted)
+            if wanted > self._sync_done:
+                self._sync_pending.append((self._seq, wanted))
+                self._resolve()
+
+    def _start(self) -> None:
+        """Start an exporter process on the listening socket and send it its settings."""
+        fd = self._sock.fileno()
+        argv = [sys.executable, "-c", _BOOTSTRAP, _PACKAGE_DIR, "--fd", str(fd)]
+        proc = subprocess.Popen(
+            [*argv, "--parent", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=(fd,),
+            bufsize=0,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        with contextlib.suppress(OSError, AttributeError):
+            fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+        os.set_blocking(proc.stdin.fileno(), False)
+        with self._cond:
+            self._proc, self._alive = proc, True
+        settings = self._settings.to_json().encode()
+        if not self._send(FRAME_HEADER.pack(b"C", len(settings)) + settings):
+            raise OSError("the exporter process did not take its settings")
+        threading.Thread(
+            target=self._read_acks,
+            args=(proc, proc.stdout),
+            name="gradwatch-exporter-acks",
+            daemon=True,
+        ).start()
+
+    def _send(self, data: bytes) -> bool:
+        """Write one whole frame within ``SEND_TIMEOUT``; on failure stop the process."""
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None
+        fd = proc.stdin.fileno()
+        view = memoryview(data)
+        deadline = time.monotonic() + SEND_TIMEOUT
+        try:
+            while view:
+                try:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                    continue
+                except BlockingIOError:
+                    pass
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping:
+                    break
+                select.select([], [fd], [], min(left, RENDER_INTERVAL))
+        except OSError:  # EPIPE: the process died
+            pass
+        if view:
+            # A frame cut short would corrupt the stream: this process is done for.
+            if proc.poll() is None and not self._stopping:
+                self._log_once("stuck", "the exporter process is not taking expositions; "
+                               "replacing it")  # fmt: skip
+            _terminate(proc)
+            self._alive_false()
+            return False
+        return True
+
+    def _read_acks(self, proc: subprocess.Popen[bytes], stream: IO[bytes]) -> None:
+        try:
+            while True:
+                data = stream.read(SEQ.size)
+                if not data or len(data) < SEQ.size:
+                    break
+                (seq,) = SEQ.unpack(data)
+                with self._cond:
+                    self._acked = max(self._acked, seq)
+                    self._failures = 0  # it works: a later failure restarts quickly again
+                    self._resolve()
+        except (OSError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
+            with self._cond:
+                if self._proc is proc:
+                    self._alive = False
+                self._cond.notify_all()
+
+    def _resolve(self) -> None:
+        """Mark done the syncs whose exposition is acknowledged (holding ``_cond``)."""
+        still = []
+        for seq, number in self._sync_pending:
+            if seq <= self._acked:
+                self._sync_done = max(self._sync_done, number)
+            else:
+                still.append((seq, number))
+        self._sync_pending = still
+        self._cond.notify_all()
+
+    def _alive_false(self) -> None:
+        with self._cond:
+            self._alive = False
+            self._cond.notify_all()
+
+    def _lost_process(self) -> float:
+        """Reap the dead process, log, and return the delay before the next one."""
+        if self._stopping:  # closing: the process was stopped on purpose
+            return 0.0
+        proc = self._proc
+        code = None
+        if proc is not None:
+            _terminate(proc)
+            _reap(proc, 1.0)
+            code = proc.returncode
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        delay = RESTART_DELAYS[min(self._failures, len(RESTART_DELAYS) - 1)]
+        self._failures += 1
+        log.warning(
+            "gradwatch: the metrics exporter process exited (code %s); scrapes wait in the "
+            "listen queue while another starts in %.1fs",
+            code,
+            delay,
+        )
+        return delay
+
+    def _log_once(self, kind: str, message: str, *args: object) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("gradwatch: " + message, *args)
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(max(timeout, 0.0))

@@ -86,6 +86,8 @@ class Publisher:
         self._submitted = 0
         self._done = 0
         self._stopping = False
+        self._in_hand = False  # the thread holds an item it has not finished handling
+        self._in_hand_counted = False  # ... already counted (an error, or the first sink had it)
         self._logged_kinds: set[str] = set()
         self.thread = threading.Thread(target=self._run, name="gradwatch-publisher", daemon=True)
         self.thread.start()
@@ -125,15 +127,27 @@ class Publisher:
                 and self._done >= target
             )
 
-    def stop(self, timeout: float) -> bool:
-        """Stop after the item in hand (later ones are discarded); True if the thread ended."""
+    def stop(self, timeout: float) -> int:
+        """Stop after the item in hand; later ones are discarded. Waits at most ``timeout``.
+
+        Returns how many submitted results were not handled (discarded, plus the one in hand
+        when the thread did not end in time and no sink had it yet); they are counted in
+        ``gradwatch_dropped_snapshots_total``. A result the first sink (the endpoint's state,
+        when there is one) took is counted there already, not again.
+        """
         with self._cond:
             self._stopping = True
+            lost = len(self._queue)
             self._queue.clear()
             self._cond.notify_all()
         if threading.current_thread() is not self.thread:
             self.thread.join(max(timeout, 0.0))
-        return not self.thread.is_alive()
+        with self._cond:
+            if self._in_hand and not self._in_hand_counted:
+                lost += 1  # the item in hand: stuck in result() or in a sink
+        for _ in range(lost):
+            self._stats.add_dropped()
+        return lost
 
     def _run(self) -> None:
         while True:
@@ -143,10 +157,12 @@ class Publisher:
                     return
                 seq, pending = self._queue.popleft()
                 sinks = self._sinks
+                self._in_hand, self._in_hand_counted = True, False
             try:
                 self._handle(pending, sinks)
             finally:
                 with self._cond:
+                    self._in_hand = False
                     self._done = max(self._done, seq)
                     self._cond.notify_all()
 
@@ -155,6 +171,7 @@ class Publisher:
             snap = pending.result()
         except Exception as exc:  # e.g. GradWatchTimeoutError: a peer stopped collecting
             self._error("materialize", exc)
+            self._in_hand_counted = True
             return
         for sink in sinks:
             if self._stopping:  # close() gave up waiting and may be closing the sinks
@@ -163,6 +180,7 @@ class Publisher:
                 sink.write(snap)
             except Exception as exc:
                 self._error(sink_action(sink), exc)
+            self._in_hand_counted = True
 
     def _error(self, action: str, exc: Exception) -> None:
         self._stats.add_error()

@@ -19,6 +19,7 @@ training thread only ever queues a pending result. :class:`MetricsServer` is a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -33,14 +34,27 @@ from gradwatch.export.publisher import PendingLike, Publisher, Sink
 from gradwatch.export.state import PublishedState, SelfStats
 from gradwatch.snapshot import Snapshot
 
-__all__ = ["EXIT_CLOSE_TIMEOUT", "MetricsServer", "Publishing", "open_publishing"]
+__all__ = [
+    "CLOSE_TIMEOUT",
+    "EXIT_CLOSE_TIMEOUT",
+    "PUBLISH_TIMEOUT",
+    "MetricsServer",
+    "Publishing",
+    "open_publishing",
+]
 
 # One logger for the whole exporter: users filter or silence "gradwatch.export".
 log = logging.getLogger("gradwatch.export")
 
+#: :meth:`Publishing.close` (hence ``GradWatch.close()``) returns within this many seconds.
+CLOSE_TIMEOUT = 5.0
+
 #: How long interpreter exit waits for the publisher and the HTTP server of a publishing nobody
 #: closed (a collective stuck on a dead peer must not hold the exit for minutes).
 EXIT_CLOSE_TIMEOUT = 2.0
+
+#: How long :meth:`MetricsServer.publish` waits for the exporter process to serve a snapshot.
+PUBLISH_TIMEOUT = 10.0
 
 _P = TypeVar("_P", bound="Publishing")
 
@@ -73,15 +87,18 @@ def open_publishing(
 class Publishing:
     """One publisher thread feeding ``sinks``, after the endpoint's state when ``cfg.port`` is set.
 
-    Three kinds of threads touch it: the **training thread** calls :meth:`submit` and
+    Three threads touch it: the **training thread** calls :meth:`submit` and
     :meth:`observe_collect_seconds` (never block on the network or the device, never raise);
     the **publisher thread** materializes each pending result and hands the snapshot to every
-    sink; **scrapes** (one thread per HTTP request) read the published state once, so a scrape
-    never shows half of one step and half of another. All public methods are thread-safe.
+    sink; the **exporter thread** renders the published state (read once, so an exposition
+    never shows half of one step and half of another) when it changed and hands the bytes to
+    the exporter process, which serves every scrape. All public methods are thread-safe.
 
-    Construction binds the port in the caller's thread (0 = ephemeral). Unclosed publishings
-    are closed when collected and at interpreter exit (``weakref.finalize``, which holds no
-    reference to the object itself), within ``EXIT_CLOSE_TIMEOUT`` seconds.
+    Construction binds the port in the caller's thread (0 = ephemeral) and starts the exporter
+    process. :meth:`close` returns within its ``timeout`` (5 s by default) whatever the sinks
+    or the endpoint are doing. Unclosed publishings are closed when collected and at
+    interpreter exit (``weakref.finalize``, which holds no reference to the object itself),
+    within ``EXIT_CLOSE_TIMEOUT`` seconds.
 
     Attributes:
         url: ``http(s)://host:port/metrics`` (loopback when bound to all interfaces), or None
@@ -175,15 +192,21 @@ class Publishing:
             log.debug("gradwatch: observe failed", exc_info=True)
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything submitted so far reached every sink, failed or was dropped.
+        """Wait until everything submitted so far reached every sink, failed or was dropped,
+        and the endpoint serves it (the self-stats included).
 
         Returns False on timeout, or at once when closed.
         """
-        return self._publisher.flush(timeout)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        if not self._publisher.flush(timeout):
+            return False
+        return self._http is None or self._http.sync(max(deadline - time.monotonic(), 0.0))
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush (bounded), stop the publisher, stop serving and release the port, then close
-        every sink that has a ``close()``. Idempotent."""
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Flush, stop the publisher, stop serving and release the port, then close every sink
+        that has a ``close()``; returns within ``timeout`` seconds whatever a sink or the
+        endpoint is doing. What could not be flushed is counted in
+        ``gradwatch_dropped_snapshots_total`` and logged once. Idempotent."""
         if self._finalizer.detach() is not None:
             _shutdown(self._publisher, self._http, timeout)
 
@@ -207,29 +230,42 @@ class MetricsServer(Publishing):
 
     _must_serve = True
 
-    def publish(self, snapshot: Snapshot) -> None:
-        """Publish ``snapshot`` on the endpoint now, in the caller's thread.
+    def publish(self, snapshot: Snapshot, timeout: float = PUBLISH_TIMEOUT) -> bool:
+        """Publish ``snapshot`` on the endpoint now, in the caller's thread, and wait (at most
+        ``timeout`` seconds) until the exporter process serves it; False if it did not in time.
 
         Raises what building the state raises (e.g. for a malformed snapshot).
         """
-        assert self._state is not None  # a MetricsServer always serves
+        assert self._state is not None and self._http is not None  # a MetricsServer serves
         self._state.write(snapshot)
+        return self._http.sync(timeout)
 
 
 def _shutdown(publisher: Publisher, http: HTTPEndpoint | None, timeout: float) -> None:
-    """Flush, stop the publisher, stop serving, close the sinks, within about ``timeout``.
+    """Flush, stop the publisher, stop serving, close the sinks: all within ``timeout`` seconds
+    (plus a few milliseconds), whatever a sink or the endpoint is doing.
 
     Flushing first means no publisher thread is still inside ``pending.result()`` when the
     caller tears the process group down right after, and every pending step reaches the sinks
-    before they are closed.
+    before they are closed. What could not be flushed in time is counted in
+    ``gradwatch_dropped_snapshots_total`` and logged once. Every wait has a deadline: the
+    publisher is a daemon thread, and sinks are closed from a daemon thread that is abandoned
+    when it overruns (a history file on a hung mount must not hold the job's exit).
     """
-    deadline = time.monotonic() + max(timeout, 0.0)
+    timeout = max(timeout, 0.0)
+    deadline = time.monotonic() + timeout
+    # Keep a share of the budget for stopping and closing once flushing has used its own.
+    teardown = min(1.0, timeout * 0.2)
     try:
-        publisher.flush(max(deadline - time.monotonic(), 0.0))
-        if not publisher.stop(max(deadline - time.monotonic(), 0.1)):
+        publisher.flush(max(deadline - teardown - time.monotonic(), 0.0))
+        lost = publisher.stop(max(deadline - teardown / 2 - time.monotonic(), 0.0))
+        if lost:
             log.warning(
-                "gradwatch: the metrics publisher did not stop within %.1fs (a collective still "
-                "pending?); it is a daemon thread and is abandoned",
+                "gradwatch: closing: %d collected step(s) could not be published within %.1fs "
+                "(a sink such as the history file is blocked, or a collective is pending); "
+                "counted in gradwatch_dropped_snapshots_total. The publisher is a daemon "
+                "thread and is abandoned",
+                lost,
                 timeout,
             )
     finally:
@@ -237,10 +273,24 @@ def _shutdown(publisher: Publisher, http: HTTPEndpoint | None, timeout: float) -
             if http is not None:
                 http.close(max(deadline - time.monotonic(), 0.0))
         finally:
-            _close_sinks(publisher.sinks)
+            _close_sinks(publisher.sinks, deadline)
 
 
-def _close_sinks(sinks: Sequence[Sink]) -> None:
+def _close_sinks(sinks: Sequence[Sink], deadline: float) -> None:
+    """Close every sink that has a ``close()``, in a daemon thread joined until ``deadline``."""
+    closer = threading.Thread(
+        target=_close_each, args=(sinks,), name="gradwatch-close-sinks", daemon=True
+    )
+    closer.start()
+    closer.join(max(deadline - time.monotonic(), 0.05))
+    if closer.is_alive():
+        log.warning(
+            "gradwatch: closing the sinks did not finish in time (a file system that blocks?); "
+            "left to a daemon thread"
+        )
+
+
+def _close_each(sinks: Sequence[Sink]) -> None:
     for sink in sinks:
         close = getattr(sink, "close", None)
         if not callable(close):

@@ -5,9 +5,15 @@ committed file is up to date. A pure function: no I/O.
 
 from __future__ import annotations
 
-from gradwatch.export.http import MAX_SCRAPE_WAIT, MAX_SCRAPES_PER_SECOND, SCRAPE_BURST
+from gradwatch.export.http import RENDER_INTERVAL
 from gradwatch.export.metrics import METRICS
 from gradwatch.export.publisher import MAX_PENDING
+from gradwatch.export.server import (
+    MAX_SCRAPE_WAIT,
+    MAX_SCRAPES_PER_SECOND,
+    REFUSE_DELAY,
+    SCRAPE_BURST,
+)
 from gradwatch.export.state import MAX_PARAM_SERIES
 
 __all__ = ["metrics_reference_markdown"]
@@ -37,12 +43,16 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   0 with the job.
 * **Exploding includes non-finite**: a parameter whose gradient holds NaN/Inf counts in
   `gradwatch_exploding_tensors` and makes its step count in `gradwatch_exploding_steps_total`.
-* **Bounded cost.** The endpoint serves at most {max_scrapes:g} scrapes per second (bursts of
-  {burst}); more wait their turn, and one that would wait over {max_wait:g} s gets HTTP 503.
-  Prometheus's own scrapes (User-Agent `Prometheus/...`) skip that queue: they are paced by
-  the scrape interval, and other clients must not push them past their scrape timeout. Between
-  two changes any number of scrapes render the exposition once. So no client, however eager,
-  can take more than a few percent of the training process's time.
+* **As of the last published step.** A separate exporter process serves the scrapes; the
+  training process renders the exposition when something changed (a published step, a drop,
+  an error), at most every {render_interval:g} s, and hands it over. A scrape shows the last
+  rendered exposition: the self-stats (`gradwatch_collect_seconds`, the error and drop
+  counters) are as of that render too.
+* **Bounded cost, fair limits.** Scrapes never run in the training process, so whatever the
+  clients do costs it at most one render per change. Each client (IP address) is served at
+  most {max_scrapes:g} scrapes per second (bursts of {burst}); more wait their turn, and one
+  that would wait over {max_wait:g} s gets HTTP 429 after {refuse_delay:g} s. One client's
+  flood only delays that client; no client (no `User-Agent`) is privileged.
 * **Per-parameter series** (`gradwatch_param_grad_norm`) are off by default; with
   `param_metrics_top_k = k > 0` they are every non-finite parameter plus the k largest finite
   norms, capped at {max_series} series (`MAX_PARAM_SERIES`) in all.
@@ -58,6 +68,8 @@ def metrics_reference_markdown() -> str:
             max_scrapes=MAX_SCRAPES_PER_SECOND,
             burst=SCRAPE_BURST,
             max_wait=MAX_SCRAPE_WAIT,
+            refuse_delay=REFUSE_DELAY,
+            render_interval=RENDER_INTERVAL,
         ),
         "| metric | type | labels | meaning |",
         "| --- | --- | --- | --- |",
