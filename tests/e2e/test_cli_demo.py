@@ -22,6 +22,7 @@ import contextlib
 import io
 import math
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -61,6 +62,7 @@ from gradwatch.cli.render import (
     sparkline,
 )
 from gradwatch.cli.step_events import StepEvents
+from gradwatch.cli.top import EXIT_SCRAPE_FAILED
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
 from gradwatch.snapshot import GroupStats, Snapshot
@@ -414,10 +416,70 @@ def test_scrape_a_closed_port_is_a_scrape_error() -> None:
 def test_top_unreachable_endpoint_prints_status_not_traceback() -> None:
     url = f"http://127.0.0.1:{closed_port()}/metrics"
     r = run_cli("top", url, "--count", "2", "--interval", "0.2", timeout=60)
-    assert r.returncode == 0, r
+    assert r.returncode == EXIT_SCRAPE_FAILED, r  # --count N as a health check fails
     assert r.stdout.count("unreachable: ") == 2, r.stdout
     assert "retrying in 0.2s" in r.stdout
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_top_tells_an_endpoint_that_is_not_gradwatch_from_an_unreachable_one() -> None:
+    import http.server
+
+    class NotGradwatch(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"# TYPE node_load1 gauge\nnode_load1 0.5\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotGradwatch)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        r = run_cli("top", url, "--count", "1", "--interval", "0.2", timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == EXIT_SCRAPE_FAILED, r
+    assert "not a gradwatch endpoint: no gradwatch metrics at this URL" in r.stdout, r.stdout
+    assert "unreachable" not in r.stdout
+
+
+def test_top_quits_on_q_at_a_terminal() -> None:
+    import pty
+
+    controller, terminal = pty.openpty()
+    url = f"http://127.0.0.1:{closed_port()}/metrics"
+    proc = subprocess.Popen(
+        [GRADWATCH, "top", url, "--interval", "0.2"],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env=_env(),
+        start_new_session=True,
+    )
+    os.close(terminal)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while b"unreachable" not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 0.5)
+            if ready:
+                seen += os.read(controller, 65536)
+        assert b"unreachable" in seen, seen
+        os.write(controller, b"q")
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        os.close(controller)
 
 
 def test_top_in_process_endpoint(live_server: MetricsServer) -> None:

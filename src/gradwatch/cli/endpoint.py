@@ -33,7 +33,19 @@ DEFAULT_TIMEOUT = 2.0
 
 
 class ScrapeError(Exception):
-    """The endpoint could not be read or is not a gradwatch endpoint; ``str()`` is the reason."""
+    """The endpoint could not be read (:attr:`kind` :data:`UNREACHABLE`) or answered with
+    something that is not a gradwatch exposition (:data:`NOT_GRADWATCH`); ``str()`` is the
+    reason, short enough for a status line."""
+
+    def __init__(self, reason: str, kind: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+#: No answer: refused, timed out, an HTTP error, a malformed URL.
+UNREACHABLE = "unreachable"
+#: An answer, but not a gradwatch endpoint (another exporter, a web page).
+NOT_GRADWATCH = "not a gradwatch endpoint"
 
 
 def _name(metric: str) -> str:
@@ -128,15 +140,15 @@ def fetch(url: str, timeout: float = DEFAULT_TIMEOUT) -> str:
         with _opener(url).open(request, timeout=timeout) as response:
             return response.read().decode("utf-8", errors="replace")
     except urllib.error.HTTPError as exc:
-        raise ScrapeError(f"HTTP {exc.code} {exc.reason}") from exc
+        raise ScrapeError(f"HTTP {exc.code} {exc.reason}", UNREACHABLE) from exc
     except urllib.error.URLError as exc:
         reason = exc.reason
         text = getattr(reason, "strerror", None) or str(reason)
-        raise ScrapeError(text) from exc
+        raise ScrapeError(text, UNREACHABLE) from exc
     except TimeoutError as exc:
-        raise ScrapeError(f"timed out after {timeout:g}s") from exc
+        raise ScrapeError(f"timed out after {timeout:g}s", UNREACHABLE) from exc
     except (OSError, ValueError) as exc:  # reset connections, malformed URLs, ...
-        raise ScrapeError(str(exc) or type(exc).__name__) from exc
+        raise ScrapeError(str(exc) or type(exc).__name__, UNREACHABLE) from exc
 
 
 def _opener(url: str) -> urllib.request.OpenerDirector:
@@ -157,7 +169,7 @@ def parse_exposition(text: str) -> EndpointView:
     try:
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     except Exception as exc:  # the parser raises ValueError and friends on malformed input
-        raise ScrapeError(f"not a Prometheus exposition: {exc}") from exc
+        raise ScrapeError(f"not a Prometheus exposition: {exc}", NOT_GRADWATCH) from exc
     single: dict[str, float] = {}
     by_group: dict[str, dict[str, float]] = {}
     ratios: dict[str, float] = {}
@@ -183,7 +195,7 @@ def parse_exposition(text: str) -> EndpointView:
         elif not s.labels:
             single[s.name] = s.value
     if not single and not by_group and not build:
-        raise ScrapeError("no gradwatch metrics at this URL")
+        raise ScrapeError("no gradwatch metrics at this URL", NOT_GRADWATCH)
     groups = {
         g: GroupView(
             norm=m.get(GROUP_NORM, math.nan),

@@ -9,14 +9,18 @@ non-finite/exploding step counters and the staleness (now minus
 Design choices:
 
 * **A dead endpoint is a state, not an error.** A failed scrape shows the status line
-  ``unreachable: <reason>, retrying in Ns`` (above the last good frame, if any) and is retried
-  at the next refresh; no traceback is ever printed for it. The per-scrape timeout is the
-  interval (at least 0.5 s, at most 5 s), so a hung endpoint cannot stall the view.
+  ``unreachable: <reason>, retrying in Ns`` (no answer) or ``not a gradwatch endpoint:
+  <reason>, retrying in Ns`` (an answer without gradwatch metrics: a wrong port or path), above
+  the last good frame, if any, and is retried at the next refresh; no traceback is ever printed
+  for it. The per-scrape timeout is the interval (at least 0.5 s, at most 5 s), so a hung
+  endpoint cannot stall the view.
 * **Terminal or not.** On a terminal the view redraws in place (rich ``Live``). Otherwise
   (pipes, CI, ``--count`` in scripts) each refresh prints one plain-text frame, headed by
   ``--- refresh N ---``, without colors.
-* ``--count N`` stops after N refreshes (successful or not) with status 0; Ctrl-C stops quietly
-  with status 0 as well (it is the normal way to leave a live view).
+* ``--count N`` stops after N refreshes, with status 0 when the last one was read and
+  :data:`EXIT_SCRAPE_FAILED` when it failed (``gradwatch top --count 1 URL`` is a health check
+  for scripts). ``q`` (on a terminal) and Ctrl-C stop quietly with status 0: they are the normal
+  ways to leave a live view.
 * A URL without a scheme or path is completed: ``localhost:9977`` means
   ``http://localhost:9977/metrics``.
 """
@@ -24,8 +28,14 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import os
+import select
+import sys
+import termios
 import time
-from typing import Annotated
+import tty
+from collections.abc import Iterator
+from typing import Annotated, TextIO
 
 import typer
 from rich.console import Console, Group, RenderableType
@@ -34,6 +44,11 @@ from rich.text import Text
 
 from gradwatch.cli.endpoint import EndpointView, ScrapeError, normalize_url, scrape
 from gradwatch.cli.render import Trends, render_view
+
+#: Exit status of ``--count N`` when the last refresh could not read a gradwatch endpoint.
+EXIT_SCRAPE_FAILED = 1
+#: The key that leaves the live view.
+QUIT_KEY = "q"
 
 
 def scrape_timeout(interval: float) -> float:
@@ -44,7 +59,7 @@ def scrape_timeout(interval: float) -> float:
 def render_frame(
     url: str,
     view: EndpointView | None,
-    error: str | None,
+    error: ScrapeError | None,
     trends: Trends,
     *,
     refresh: int,
@@ -60,7 +75,9 @@ def render_frame(
     )
     parts: list[RenderableType] = [head]
     if error is not None:
-        parts.append(Text(f"unreachable: {error}, retrying in {interval:g}s", style="bold red"))
+        parts.append(
+            Text(f"{error.kind}: {error}, retrying in {interval:g}s", style="bold red")
+        )
         if view is not None:
             parts.append(Text("last successful scrape:", style="dim"))
     if view is not None:
@@ -70,38 +87,83 @@ def render_frame(
     return Group(*parts)
 
 
-def run_top(url: str, interval: float, count: int | None, console: Console) -> None:
-    """Scrape and display until ``count`` refreshes are done (forever when None)."""
+@contextlib.contextmanager
+def _keys(stream: TextIO) -> Iterator[bool]:
+    """Unbuffered single keys from ``stream`` while the view runs, when it is a terminal (its
+    settings restored on the way out); yields whether keys can be read."""
+    try:
+        fd = stream.fileno()
+        interactive = os.isatty(fd)
+    except (AttributeError, OSError, ValueError):  # replaced or closed stdin
+        interactive = False
+    if not interactive:
+        yield False
+        return
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield True
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _wait_for_quit(stream: TextIO, seconds: float) -> bool:
+    """Sleep up to ``seconds``; True as soon as the quit key is pressed on ``stream``."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([stream], [], [], left)
+        if not ready:
+            return False
+        key = os.read(stream.fileno(), 1).decode(errors="replace")
+        if key == "" or key.lower() == QUIT_KEY:  # EOF: nobody can type any more
+            return key != ""
+    return False
+
+
+def run_top(
+    url: str, interval: float, count: int | None, console: Console, keys: TextIO | None = None
+) -> bool:
+    """Scrape and display until ``count`` refreshes are done (forever when None) or the quit
+    key is pressed on ``keys`` (a terminal; default stdin). True when the last refresh read a
+    gradwatch endpoint."""
     url = normalize_url(url)
     trends = Trends()
     last: EndpointView | None = None
     live: Live | None = None
-    if console.is_terminal:
-        live = Live(console=console, auto_refresh=False, transient=False)
-        live.start()
+    keys = sys.stdin if keys is None else keys
     refresh = 0
-    try:
-        while True:
-            started = time.monotonic()
-            error: str | None = None
-            try:
-                last = scrape(url, timeout=scrape_timeout(interval))
-                trends.add(last)
-            except ScrapeError as exc:
-                error = str(exc)
-            refresh += 1
-            frame = render_frame(url, last, error, trends, refresh=refresh, interval=interval)
+    error: ScrapeError | None = None
+    with _keys(keys) as interactive:
+        if console.is_terminal:
+            live = Live(console=console, auto_refresh=False, transient=False)
+            live.start()
+        try:
+            while True:
+                started = time.monotonic()
+                error = None
+                try:
+                    last = scrape(url, timeout=scrape_timeout(interval))
+                    trends.add(last)
+                except ScrapeError as exc:
+                    error = exc
+                refresh += 1
+                frame = render_frame(url, last, error, trends, refresh=refresh, interval=interval)
+                if live is not None:
+                    live.update(frame, refresh=True)
+                else:
+                    console.print(f"--- refresh {refresh} ---", highlight=False)
+                    console.print(frame, highlight=False)
+                if count is not None and refresh >= count:
+                    return error is None
+                pause = max(0.0, interval - (time.monotonic() - started))
+                if interactive:
+                    if _wait_for_quit(keys, pause):
+                        return True
+                else:
+                    time.sleep(pause)
+        finally:
             if live is not None:
-                live.update(frame, refresh=True)
-            else:
-                console.print(f"--- refresh {refresh} ---", highlight=False)
-                console.print(frame, highlight=False)
-            if count is not None and refresh >= count:
-                return
-            time.sleep(max(0.0, interval - (time.monotonic() - started)))
-    finally:
-        if live is not None:
-            live.stop()
+                live.stop()
 
 
 def top(
@@ -111,10 +173,14 @@ def top(
         int | None, typer.Option(min=1, help="Stop after this many refreshes (default: never).")
     ] = None,
 ) -> None:
-    """Live view of a gradwatch endpoint: norms with trends, ratios, health, anomaly counters."""
+    """Live view of a gradwatch endpoint: norms with trends, ratios, health, anomaly counters.
+    Press q to quit."""
     console = Console(highlight=False, markup=False)
+    ok = True
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-        run_top(url, interval, count, console)
+        ok = run_top(url, interval, count, console)
+    if not ok:
+        raise typer.Exit(EXIT_SCRAPE_FAILED)
 
 
 def register(app: typer.Typer) -> None:
