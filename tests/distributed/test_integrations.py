@@ -297,8 +297,11 @@ def test_huggingface_trainer_callback(tmp_path) -> None:
 
     from gradwatch.integrations.huggingface import GradWatchCallback
 
+    history = tmp_path / "gradwatch.jsonl"
     callback = GradWatchCallback(
-        groups={"host": ["backbone.*"], "seed": ["seed.*"]}, ratios=[("seed", "host")]
+        groups={"host": ["backbone.*"], "seed": ["seed.*"]},
+        ratios=[("seed", "host")],
+        history_path=str(history),
     )
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
@@ -322,6 +325,11 @@ def test_huggingface_trainer_callback(tmp_path) -> None:
         assert entry["gradwatch/global_grad_norm"] > 0
         assert "gradwatch/grad_norm/seed" in entry and "gradwatch/ratio/seed/host" in entry
         assert entry["gradwatch/health"] == 1.0
+    # gradwatch's steps are the Trainer's: its logs, gradwatch's history and metrics agree.
+    from gradwatch.history import read_history
+
+    assert [h["step"] for h in logged if "loss" in h] == [1, 2, 3, 4]  # not the final summary
+    assert [r["step"] for r in read_history(history)] == [1, 2, 3, 4]
 
 
 @pytest.mark.timeout(300)

@@ -37,14 +37,17 @@ class GradWatchCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any):
         if self.watch is not None:
-            self.watch.collect(step=state.global_step)
+            # The Trainer counts this optimizer step once it is done: everything it logs for
+            # it (loss, its own grad_norm) carries global_step + 1, and so do gradwatch's
+            # snapshot, history line and metrics.
+            self.watch.collect(step=state.global_step + 1)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
         if self.watch is None or logs is None:
             return
         snap = self.watch.last
-        if snap is None:
-            return
+        if snap is None or snap.step != state.global_step:
+            return  # never label another step's figures with this step
         figures = log_figures(snap)
         logs.update(figures)  # seen by the reporting callbacks that run after this one
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
