@@ -196,9 +196,7 @@ class GradWatch:
         """Every parameter of the whole model (all ranks and stages), in layout order."""
         return self._layout.names
 
-    def collect(
-        self, step: int, *, scaler: Any = None, optimizer: Any = None
-    ) -> PendingSnapshot:
+    def collect(self, step: int, *, scaler: Any = None, optimizer: Any = None) -> PendingSnapshot:
         """Queue the statistics of the current gradients for ``step``; never waits on the device.
 
         A step the schedule skips (``step % every_n_steps != 0``) is a no-op returning the last
@@ -396,9 +394,7 @@ class GradWatch:
         return (
             PendingSnapshot(
                 step,
-                lambda: self._build(
-                    reduced, step, measure, timestamp, max_norm, amp, isolated
-                ),
+                lambda: self._build(reduced, step, measure, timestamp, max_norm, amp, isolated),
             ),
             total,
         )
@@ -436,6 +432,8 @@ class GradWatch:
             groups_of=self._groups_of,
             numels=self._layout.numels,
             squares=stats.squares,
+            squares_high=stats.squares_high,
+            squares_low=stats.squares_low,
             nonfinite_flags=stats.nonfinite,
             has_grad=stats.has_grad,
             group_order=self._group_order,
