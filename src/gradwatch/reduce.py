@@ -326,6 +326,7 @@ class Reducer:
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
+        self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
         self.group: Any = None
         self.device = torch.device("cpu")
         desc = {
@@ -416,13 +417,25 @@ class Reducer:
         packed.index_copy_(0, self._scatter, self._staging)
         if with_replicas and self._slot_local.numel():
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
+        return self._issue(packed, step)
+
+    def reduce_failed(self, step: int) -> ReducedVector:
+        """Issue this collect's all-reduce for a rank whose local pass failed: zeros but a NaN
+        step slot, so the ranks' collective sequences stay aligned and every rank's
+        :meth:`ReducedStats.steps_agree` is False for this step (nothing is published)."""
+        packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
+        packed[_sections(self.layout).step] = math.nan
+        return self._issue(packed, step)
+
+    def _issue(self, packed: Tensor, step: int) -> ReducedVector:
         work = None
         if self.group is not None:
             # The process group's own method: the same c10d op as dist.all_reduce without its
             # Python checks (a measurable share of a small all-reduce on gloo), all of which
             # hold by construction (one dense float64 tensor, a group this rank belongs to).
             work = self.group.allreduce([packed], self._allreduce_options)
-        return ReducedVector(packed, work, self.timeout, step, lay)
+        self.issued += 1
+        return ReducedVector(packed, work, self.timeout, step, self.layout)
 
     def close(self) -> None:
         if self.group is not None:
@@ -481,8 +494,15 @@ class ReducedStats:
 
     def steps_agree(self, step: int) -> bool:
         """Did every rank collect ``step``? (A rank that collected another step changes the
-        sum; a mismatch means the statistics mix steps.)"""
+        sum; a mismatch means the statistics mix steps. A rank whose local pass failed sends
+        NaN: see :meth:`failed_rank`.)"""
         return self.step_check == step * self.world_size
+
+    @property
+    def failed_rank(self) -> bool:
+        """Some rank's local pass failed this collect (:meth:`Reducer.reduce_failed`): the
+        vector holds no measurement."""
+        return self.step_check != self.step_check
 
     @property
     def replica_norms(self) -> list[float]:

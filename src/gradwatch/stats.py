@@ -187,6 +187,15 @@ class NormPlan:
     scratch: dict[torch.device, Tensor] = field(default_factory=dict)  # widening buffers
 
 
+class MetaGradientError(ValueError):
+    """A gradient on the ``meta`` device: it has no values to norm (the model was built on
+    ``meta`` and the gradient never materialized). ``position`` is its index."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"gradwatch: gradient {position} is on the meta device")
+        self.position = position
+
+
 class _StalePlan(Exception):
     """A row-path tensor's device or strides changed under an unchanged layout key."""
 
@@ -216,6 +225,8 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
     for i, t in enumerate(tensors):
         if t is None or t.numel() == 0:
             continue
+        if t.device.type == "meta":
+            raise MetaGradientError(i)
         key = (t.device, t.dtype)
         bucket = buckets.get(key)
         if bucket is None:

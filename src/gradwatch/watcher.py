@@ -31,13 +31,19 @@ from gradwatch.amp import pending_scale
 from gradwatch.anomalies import AnomalyLog
 from gradwatch.clip import clip_coefficient, clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig
-from gradwatch.errors import GradWatchTimeoutError
+from gradwatch.errors import GradWatchError, GradWatchTimeoutError
 from gradwatch.gradients import GradientReader
 from gradwatch.hooks import before_optimizer_step
-from gradwatch.model import describe_parallelism, group_membership, named_parameters, reject_fsdp1
+from gradwatch.model import (
+    ParameterSlots,
+    describe_parallelism,
+    group_membership,
+    named_parameters,
+    reject_fsdp1,
+)
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
-from gradwatch.stats import NormEngine
+from gradwatch.stats import MetaGradientError, NormEngine
 from gradwatch.summary import summarize
 
 if TYPE_CHECKING:
@@ -56,7 +62,9 @@ class PendingSnapshot:
     """The not-yet-materialized statistics of one collected step.
 
     ``result()`` waits at most once (the collective and the device->host copy), builds the
-    :class:`Snapshot` on the host and caches it; it is safe to call from any thread.
+    :class:`Snapshot` on the host and caches it; it is safe to call from any thread. A step
+    that was not measured (its collect failed, or collection stopped) raises
+    :class:`~gradwatch.errors.GradWatchError` saying why: never a made-up snapshot.
     """
 
     def __init__(
@@ -108,6 +116,17 @@ class GradWatch:
         reject_fsdp1(model)
         cfg = self.config
         names, self._params = named_parameters(model)
+        self._slots = ParameterSlots(model, self._params, names)
+        self._local_names = names
+        on_meta = [n for n, p in zip(names, self._params, strict=True) if p.is_meta]
+        if on_meta:
+            log.warning(
+                "gradwatch: parameter %r (and %d more) is on the meta device: if the model is "
+                "materialized later (to_empty()), parameters it replaces are reported as "
+                "replaced; construct GradWatch after to_empty() and initialization",
+                on_meta[0],
+                len(on_meta) - 1,
+            )
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
         self.world_size = dist.get_world_size() if distributed else 1
@@ -203,8 +222,13 @@ class GradWatch:
         snapshot, identically on every rank. ``scaler``: a ``torch.amp.GradScaler``; norms are
         then of the unscaled gradients (divided by the scale on the device, unless
         ``scaler.unscale_`` already ran), and a non-finite step is reported as AMP-skipped.
-        Errors are logged, never raised: a failed collect returns the last snapshot, and the
-        watcher stops collecting, so the ranks' collective sequences cannot diverge.
+        Errors are logged (once per kind) and counted, never raised here. A collect whose local
+        pass fails (an exception, a gradient on ``meta``, a parameter replaced since
+        construction) still issues this step's all-reduce, marked failed, so every rank's
+        collective sequence stays aligned and collection resumes at the next step that succeeds;
+        only a failed or timed-out gradwatch collective stops collection for the rest of the run.
+        The returned result of a step not measured raises ``GradWatchError`` (never a made-up
+        snapshot); the exporter shows ``gradwatch_collecting 0`` and no per-step gauge.
         """
         return self._guarded(step, scaler, optimizer, None)[0]
 
@@ -228,7 +252,8 @@ class GradWatch:
         like ``clip_grads_with_norm_``. ``step`` defaults to gradwatch's own optimizer-step
         counter. The collected snapshot has pre-clip norms and ``clip_coef``. Steps the schedule
         skips are clipped by the whole-model norm too (same pass and all-reduce, no snapshot);
-        only after an error disabled collection does torch's function clip (rank-local norm).
+        only when a collect failed or collection stopped does torch's function clip (rank-local
+        norm).
         """
         if norm_type != 2.0:
             raise ValueError(
@@ -273,23 +298,21 @@ class GradWatch:
         if max_norm is not None:
             self._clipped_step = step
         skipped = step % self.config.every_n_steps != 0
-        if self._closed or self._broken or (skipped and max_norm is None):
+        if self._broken:
+            return self._not_measured(step, f"collection stopped: {self._broken}"), None
+        if self._closed or (skipped and max_norm is None):
             return self._pending_last(step), None
         started = time.perf_counter()
+        issued = self._reducer.issued
         try:
+            replaced = self._slots.first_replaced()
+            if replaced is not None:
+                raise _Replaced(replaced)
             # A skipped step that clips still needs the whole-model norm (a rank-local one is
             # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
             pending, total = self._collect(step, scaler, optimizer, max_norm, record=not skipped)
         except Exception as exc:  # never let monitoring crash training
-            self._broken = f"{type(exc).__name__}: {exc}"
-            log.error(
-                "gradwatch: collect(step=%d) failed on rank %d; collection is disabled for the "
-                "rest of this run: %s",
-                step,
-                self.rank,
-                self._broken,
-            )
-            return self._pending_last(step), None
+            return self._failed(step, exc, issued), None
         if skipped:
             return self._pending_last(step), total
         self._latest = pending
@@ -297,6 +320,64 @@ class GradWatch:
             self._publishing.observe_collect_seconds(time.perf_counter() - started)
             self._publishing.submit(pending)
         return pending, total
+
+    def _failed(self, step: int, exc: Exception, issued: int) -> PendingSnapshot:
+        """A collect whose local pass raised: count and log it, keep the ranks' collective
+        sequences aligned, and return a result that says the step was not measured.
+
+        Recovery is safe exactly when this rank issues the same collectives as the others: if
+        the failure came before this step's all-reduce, a failed-marked all-reduce of the same
+        shape stands in for it (every rank then sees "a rank failed" and publishes nothing for
+        the step); if it came after, the sequence is already complete. Only when the stand-in
+        itself fails is collection stopped for the rest of the run.
+        """
+        kind, why = _classify(exc, self._local_names)
+        self._internal_error(kind)
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.error(
+                "gradwatch: collect(step=%d) failed on rank %d (%s): %s; steps are not "
+                "measured until it succeeds again (logged once)",
+                step,
+                self.rank,
+                kind,
+                why,
+            )
+        if self._reducer.issued == issued:
+            try:
+                self._reducer.reduce_failed(step)
+            except Exception as inner:
+                self._stop("collective", f"{type(inner).__name__}: {inner}", step)
+        return self._not_measured(step, f"collect(step={step}) failed: {why}")
+
+    def _stop(self, kind: str, reason: str, step: int) -> None:
+        """Stop collecting for the rest of the run (the ranks' collective sequences may have
+        diverged): logged once, counted, ``gradwatch_collecting`` 0."""
+        if self._broken is None:
+            self._broken = reason
+            self._internal_error(kind)
+            log.error(
+                "gradwatch: collection stopped at step %d on rank %d for the rest of this run "
+                "(no per-step metrics from now on): %s",
+                step,
+                self.rank,
+                reason,
+            )
+
+    def _internal_error(self, kind: str) -> None:
+        stats = self._self_stats()
+        if stats is not None:
+            stats.add_internal_error(kind)
+
+    def _measured(self) -> None:
+        stats = self._self_stats()
+        if stats is not None and self._broken is None:
+            stats.set_collecting(True)
+
+    def _self_stats(self) -> Any:
+        """The exporter's self-stats (rank 0 with publishing), else None."""
+        publishing = self._publishing
+        return None if publishing is None else publishing._stats
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every snapshot published from now on to ``sink`` too (see
@@ -413,8 +494,14 @@ class GradWatch:
             stats = reduced.stats()
         except GradWatchTimeoutError as exc:
             # Another rank failed or skipped this collective: later ones would never match.
-            self._broken = f"{type(exc).__name__}: {exc}"
+            self._stop("collective", f"{type(exc).__name__}: {exc}", step)
             raise
+        if stats.failed_rank:
+            self._internal_error("other_rank")
+            raise GradWatchError(
+                f"gradwatch: step {step} was not measured: another rank's local pass failed "
+                "(its log says why)"
+            )
         if not stats.steps_agree(step):
             self._log_once(
                 "step-mismatch",
@@ -451,17 +538,54 @@ class GradWatch:
         if changes:
             snap = snap.replace(**changes)
         self._anomalies.report(snap)
+        self._measured()
         if self._last is None or snap.step >= self._last.step:
             self._last = snap
         return snap
 
     def _pending_last(self, step: int) -> PendingSnapshot:
-        """What a skipped step returns: the last collected step's pending result."""
+        """What a skipped step returns: the last collected step's pending result (before the
+        first collect, a result saying that nothing was measured yet)."""
         if self._latest is not None:
             return self._latest
-        return PendingSnapshot(step, snapshot=self._last or Snapshot(step=step))
+        return self._not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+    @staticmethod
+    def _not_measured(step: int, why: str) -> PendingSnapshot:
+        """A result that raises: step ``step`` was not measured, because ``why``."""
+
+        def fail() -> Snapshot:
+            raise GradWatchError(f"gradwatch: step {step} was not measured: {why}")
+
+        return PendingSnapshot(step, fail)
 
     def _log_once(self, kind: str, msg: str, *args: object) -> None:
         if kind not in self._logged:
             self._logged.add(kind)
             log.warning(msg, *args)
+
+
+class _Replaced(GradWatchError):
+    """A parameter was replaced in its module after construction (see ParameterSlots)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _classify(exc: Exception, local_names: list[str]) -> tuple[str, str]:
+    """``(kind, reason)`` of a failed local pass: the ``kind`` label of
+    ``gradwatch_internal_errors_total`` and a sentence naming the parameter and the fix."""
+    if isinstance(exc, _Replaced):
+        return "parameters_replaced", (
+            f"parameter {exc.name!r} was replaced in its module after GradWatch was built "
+            "(to_empty() from meta, load_state_dict(assign=True), or assigning a new "
+            "nn.Parameter); construct GradWatch after the model is materialized and loaded"
+        )
+    if isinstance(exc, MetaGradientError):
+        name = local_names[exc.position]
+        return "meta_gradient", (
+            f"the gradient of parameter {name!r} is on the meta device; materialize the model "
+            "(to_empty() and initialization) before training, and construct GradWatch after it"
+        )
+    return "collect", f"{type(exc).__name__}: {exc}"
