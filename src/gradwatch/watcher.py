@@ -113,9 +113,20 @@ class GradWatch:
         stage_group: Any = None,
     ) -> None:
         self.config = config if config is not None else WatchConfig()
-        reject_fsdp1(model)
         cfg = self.config
+        self._hooks: list[Any] = []
+        self._closed = False
+        self._publishing: Publishing | None = None  # rank 0; gradwatch.export imported lazily
+        self._latest: PendingSnapshot | None = None
+        self._last: Snapshot | None = None
+        self._isolated: tuple[str, ...] = tuple(cfg.isolated)
+        self._enabled = cfg.enabled
+        if not self._enabled:
+            self._inert(model)
+            return
+        reject_fsdp1(model)
         names, self._params = named_parameters(model)
+        self._names = tuple(names)
         self._slots = ParameterSlots(model, self._params, names)
         self._local_names = names
         on_meta = [n for n, p in zip(names, self._params, strict=True) if p.is_meta]
@@ -151,20 +162,33 @@ class GradWatch:
         )
         self._engine = NormEngine()
         self._collections = 0
-        self._last: Snapshot | None = None
-        self._latest: PendingSnapshot | None = None
         self._clipped_step: int | None = None
         self._last_divergence = 0.0
-        self._isolated: tuple[str, ...] = tuple(cfg.isolated)
         self._broken: str | None = None
         self._logged: set[str] = set()
         self._anomalies = AnomalyLog(self.rank, cfg.isolation_threshold)
         self._optimizer_steps = 0
-        self._hooks: list[Any] = []
-        self._closed = False
-        self._publishing: Publishing | None = None  # rank 0; gradwatch.export imported lazily
         if self.rank == 0:
             self._start_publishing(cfg)
+
+    def _inert(self, model: nn.Module) -> None:
+        """``enabled=False`` (``GRADWATCH_ENABLED=0``): the same object, inert. No port, no
+        collective, no hook; ``collect()`` returns an empty snapshot like
+        :class:`~gradwatch.enable.NoOpWatch` and ``clip_grad_norm_`` is torch's. Logged once."""
+        self._params = list(model.parameters())
+        self._names = ()
+        self._broken = None
+        self._clipped_step = None
+        self._optimizer_steps = 0
+        self.rank = int(os.environ.get("RANK", "0"))
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()  # not a collective
+        self.world_size = 1
+        self.parallelism = "disabled"
+        log.warning(
+            "gradwatch: disabled (enabled=False, e.g. GRADWATCH_ENABLED=0): nothing is "
+            "collected, served or written"
+        )
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -212,8 +236,9 @@ class GradWatch:
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
-        """Every parameter of the whole model (all ranks and stages), in layout order."""
-        return self._layout.names
+        """Every parameter of the whole model (all ranks and stages), in layout order (empty
+        when disabled)."""
+        return self._layout.names if self._enabled else self._names
 
     def collect(self, step: int, *, scaler: Any = None, optimizer: Any = None) -> PendingSnapshot:
         """Queue the statistics of the current gradients for ``step``; never waits on the device.
@@ -283,7 +308,8 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
-        self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
+        if self._enabled:
+            self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
         step = self._optimizer_steps
@@ -297,6 +323,8 @@ class GradWatch:
     ) -> tuple[PendingSnapshot, Tensor | None]:
         if max_norm is not None:
             self._clipped_step = step
+        if not self._enabled:
+            return PendingSnapshot(step, snapshot=Snapshot(step=step)), None
         skipped = step % self.config.every_n_steps != 0
         if self._broken:
             return self._not_measured(step, f"collection stopped: {self._broken}"), None
@@ -383,10 +411,11 @@ class GradWatch:
         """Hand every snapshot published from now on to ``sink`` too (see
         :class:`gradwatch.export.Sink`), from the publisher thread, never the training thread.
 
-        Global rank 0 only (the other ranks publish nothing): a no-op elsewhere and after
-        :meth:`close`. Errors a sink raises are logged once and counted, never raised here.
+        Global rank 0 only (the other ranks publish nothing): a no-op elsewhere, after
+        :meth:`close` and when disabled. Errors a sink raises are logged once and counted, never
+        raised here.
         """
-        if self.rank != 0 or self._closed:
+        if self.rank != 0 or self._closed or not self._enabled:
             return
         if self._publishing is None:
             from gradwatch.export import open_publishing
@@ -423,7 +452,8 @@ class GradWatch:
             if self._publishing is not None:
                 self._publishing.close()  # flushes first: pending steps reach every sink
         finally:
-            self._reducer.close()
+            if self._enabled:
+                self._reducer.close()
 
     def __enter__(self) -> GradWatch:
         return self

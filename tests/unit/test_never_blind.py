@@ -243,3 +243,36 @@ def test_float64_1e160_gradients_do_not_switch_collection_off() -> None:
         assert samples["gradwatch_collecting"][()] == 1.0
         assert errors(samples, "collect") == 0.0
         assert samples["gradwatch_exploding_steps_total"][()] == 1.0
+
+
+@pytest.mark.parametrize("how", ["watch", "direct", "default_config"])
+def test_enabled_0_disables_every_way_of_constructing(
+    how: str, model: nn.Module, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``GRADWATCH_ENABLED=0``: no port, no collective, no work, logged once; clipping is
+    torch's."""
+    import gradwatch
+    from gradwatch.testing import OpCounter
+
+    monkeypatch.setenv("GRADWATCH_ENABLED", "0")
+    monkeypatch.setenv("GRADWATCH_PORT", "0")
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        if how == "watch":
+            w: Any = gradwatch.watch(model)
+        elif how == "direct":
+            w = GradWatch(model, WatchConfig())
+        else:
+            w = GradWatch(model)
+    if how != "watch":
+        assert sum("disabled" in r.getMessage() for r in caplog.records) == 1
+    assert w.metrics_url is None
+    backward(model)
+    with OpCounter() as counter:
+        snap = w.collect(0).result()
+        w.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert counter.total == 0  # no tensor op, so no collective either
+    assert snap.step == 0 and w.last is None
+    expected = math.sqrt(math.fsum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+    assert float(w.clip_grad_norm_(1e9)) == pytest.approx(expected, rel=1e-6)
+    assert w.flush(1)
+    w.close()
