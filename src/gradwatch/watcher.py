@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from gradwatch.amp import pending_scale
 from gradwatch.anomalies import AnomalyLog
 from gradwatch.clip import clip_coefficient, clip_grads_
-from gradwatch.config import OTHER_GROUP, WatchConfig
+from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError
 from gradwatch.gradients import GradientReader
 from gradwatch.hooks import before_optimizer_step
@@ -141,6 +141,11 @@ class GradWatch:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
         self.world_size = dist.get_world_size() if distributed else 1
+        if self.rank == 0 and cfg.history_path is not None:
+            try:
+                check_history_path(cfg.history_path)
+            except ValueError as exc:
+                raise GradWatchError(f"gradwatch: {exc}") from None
         if not distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             log.warning(
                 "gradwatch: WORLD_SIZE=%s but no process group is initialized: statistics are "
