@@ -79,6 +79,10 @@ class ParameterSlots:
         self._dicts = [where[id(p)][0] for p in params]
         self._keys = [where[id(p)][1] for p in params]
 
+    def current(self) -> list[Tensor]:
+        """The parameters the modules hold now (what a fallback must act on)."""
+        return [p for p in map(dict.get, self._dicts, self._keys) if p is not None]
+
     def first_replaced(self) -> str | None:
         """The name of the first parameter no longer held by its module, or None."""
         current = list(map(dict.get, self._dicts, self._keys))

@@ -167,6 +167,8 @@ class GradWatch:
         )
         self._engine = NormEngine()
         self._collections = 0
+        self._attempts = 0  # collects that did work, numbered: orders failures and results
+        self._last_failed_attempt = 0
         self._clipped_step: int | None = None
         self._last_divergence = 0.0
         self._broken: str | None = None
@@ -293,7 +295,8 @@ class GradWatch:
             step = self._optimizer_steps
         _, total = self._guarded(step, scaler, None, float(max_norm))
         if total is None:  # skipped by the schedule, or collection disabled after an error
-            params = [p for p in self._params if p.grad is not None]
+            held = self._slots.current() if self._enabled else self._params
+            params = [p for p in held if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(
                 params, max_norm, norm_type, error_if_nonfinite
             ).to(torch.float64)
@@ -337,14 +340,19 @@ class GradWatch:
             return self._pending_last(step), None
         started = time.perf_counter()
         issued = self._reducer.issued
+        self._attempts += 1
+        attempt = self._attempts
         try:
             replaced = self._slots.first_replaced()
             if replaced is not None:
                 raise _Replaced(replaced)
             # A skipped step that clips still needs the whole-model norm (a rank-local one is
             # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
-            pending, total = self._collect(step, scaler, optimizer, max_norm, record=not skipped)
+            pending, total = self._collect(
+                step, scaler, optimizer, max_norm, record=not skipped, attempt=attempt
+            )
         except Exception as exc:  # never let monitoring crash training
+            self._last_failed_attempt = attempt
             return self._failed(step, exc, issued), None
         if skipped:
             return self._pending_last(step), total
@@ -402,9 +410,11 @@ class GradWatch:
         if stats is not None:
             stats.add_internal_error(kind)
 
-    def _measured(self) -> None:
+    def _measured(self, attempt: int) -> None:
+        """A step was measured: collecting again, unless a later collect already failed (the
+        publisher builds results after the training thread moved on)."""
         stats = self._self_stats()
-        if stats is not None and self._broken is None:
+        if stats is not None and self._broken is None and attempt > self._last_failed_attempt:
             stats.set_collecting(True)
 
     def _self_stats(self) -> Any:
@@ -485,9 +495,11 @@ class GradWatch:
         optimizer: Any,
         max_norm: float | None,
         record: bool = True,
+        attempt: int = 0,
     ) -> tuple[PendingSnapshot, Tensor | None]:
         """One statistics pass and all-reduce. ``record=False`` (a clip on a step the schedule
-        skips): no divergence measurement and no change to the collection count."""
+        skips): no divergence measurement and no change to the collection count. ``attempt``
+        numbers this collect (see :meth:`_measured`)."""
         grads = self._gradients.read()
         sq, plan = self._engine.squared_norms_and_plan(grads.tensors, self._reducer.device)
         scale = pending_scale(scaler, optimizer)
@@ -510,7 +522,9 @@ class GradWatch:
         return (
             PendingSnapshot(
                 step,
-                lambda: self._build(reduced, step, measure, timestamp, max_norm, amp, isolated),
+                lambda: self._build(
+                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt
+                ),
             ),
             total,
         )
@@ -524,6 +538,7 @@ class GradWatch:
         max_norm: float | None,
         amp: bool,
         isolated: tuple[str, ...],
+        attempt: int = 0,
     ) -> Snapshot:
         try:
             stats = reduced.stats()
@@ -573,7 +588,7 @@ class GradWatch:
         if changes:
             snap = snap.replace(**changes)
         self._anomalies.report(snap)
-        self._measured()
+        self._measured(attempt)
         if self._last is None or snap.step >= self._last.step:
             self._last = snap
         return snap

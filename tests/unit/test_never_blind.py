@@ -276,3 +276,15 @@ def test_enabled_0_disables_every_way_of_constructing(
     assert float(w.clip_grad_norm_(1e9)) == pytest.approx(expected, rel=1e-6)
     assert w.flush(1)
     w.close()
+
+
+def test_clip_after_a_replacement_clips_the_parameters_the_model_holds(model: nn.Module) -> None:
+    """The fallback clip (torch's, rank-local) acts on the current parameters, not on the
+    replaced objects gradwatch resolved at construction."""
+    with GradWatch(model, WatchConfig(port=None)) as watch:
+        model[2].weight = nn.Parameter(torch.randn(3, 7))
+        backward(model)
+        before = reference_norm(model)
+        total = watch.clip_grad_norm_(before / 10)
+        assert float(total) == pytest.approx(before, rel=1e-6)
+        assert reference_norm(model) == pytest.approx(before / 10, rel=1e-4)
