@@ -31,7 +31,7 @@ from gradwatch.amp import pending_scale
 from gradwatch.anomalies import AnomalyLog
 from gradwatch.clip import clip_coefficient, clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
-from gradwatch.errors import GradWatchError, GradWatchTimeoutError
+from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.gradients import GradientReader
 from gradwatch.hooks import before_optimizer_step
 from gradwatch.model import (
@@ -369,9 +369,15 @@ class GradWatch:
         Recovery is safe exactly when this rank issues the same collectives as the others: if
         the failure came before this step's all-reduce, a failed-marked all-reduce of the same
         shape stands in for it (every rank then sees "a rank failed" and publishes nothing for
-        the step); if it came after, the sequence is already complete. Only when the stand-in
-        itself fails is collection stopped for the rest of the run.
+        the step); if it came after, the sequence is already complete. Collection stops for the
+        rest of the run only when the stand-in itself fails, or for an error every rank raises
+        identically before any collective (:class:`UnsupportedParallelismError`).
         """
+        if isinstance(exc, UnsupportedParallelismError):
+            # Raised identically on every rank before any collective (a layout gradwatch
+            # cannot count, e.g. a Partial gradient): every rank stops together, no stand-in.
+            self._stop("collect", f"{type(exc).__name__}: {exc}", step)
+            return self._not_measured(step, f"collection stopped: {self._broken}")
         kind, why = _classify(exc, self._local_names)
         self._internal_error(kind)
         if kind not in self._logged:
