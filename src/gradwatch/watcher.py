@@ -206,7 +206,8 @@ class GradWatch:
 
     @property
     def last(self) -> Snapshot | None:
-        """The snapshot of the last collected step (None before the first collect).
+        """The snapshot of the last measured step (None before the first one): a step whose
+        collect failed is never shown as a made-up snapshot, ``last`` stays the one before.
 
         Materializes the newest pending result if nobody did (waits for it, once).
         """
