@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gradwatch.gradients import LocalGradients
 from gradwatch.reduce import ReducedVector
-from gradwatch.stats import NormPlan, sqrt_sum_device
+from gradwatch.stats import BANDS, NormPlan, banded_total_device
 
 #: Added to the total norm in the clip coefficient, like ``torch.nn.utils.clip_grad_norm_``.
 CLIP_EPS = 1e-6
@@ -39,7 +39,8 @@ def clip_grads_(
     flagged NaN/Inf makes the total NaN, so every rank clips identically. Still-scaled (AMP)
     gradients clip correctly too: the coefficient is scale-free.
     """
-    total = sqrt_sum_device(reduced.device_squares())
+    bands = reduced.device_bands()
+    total = banded_total_device(bands, bands.numel() // BANDS)
     total = torch.where(reduced.device_nonfinite().sum() > 0, torch.nan, total)
     coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
     sparse = grads.sparse_positions

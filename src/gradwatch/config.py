@@ -51,6 +51,12 @@ OTHER_GROUP = "other"
 #: at the time of writing; any port can be configured.
 DEFAULT_DEMO_PORT = 9977
 
+#: The largest integer setting: every count fits a C ``int64`` wherever it is used.
+MAX_INT = 2**63 - 1
+#: The longest ``collective_timeout_seconds`` (30 days): a ``timedelta`` and the backends'
+#: millisecond timeouts hold it, so no later conversion can overflow.
+MAX_TIMEOUT_SECONDS = 30 * 86400.0
+
 GroupName = Annotated[StrictStr, Field(min_length=1)]
 Threshold = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
@@ -105,7 +111,8 @@ class WatchConfig(BaseSettings):
             plus every non-finite parameter (capped, see docs/metrics.md).
         history_path: rank 0 appends one JSON line per snapshot to this file.
         history_max_bytes: the history file is rotated (one ``.1`` backup) past this size.
-        enabled: ``False`` makes :func:`gradwatch.watch` return a no-op watcher.
+        enabled: ``False`` makes :func:`gradwatch.watch` return a no-op watcher and a
+            directly constructed :class:`~gradwatch.GradWatch` inert.
     """
 
     model_config = SettingsConfigDict(
@@ -123,9 +130,11 @@ class WatchConfig(BaseSettings):
     exploding_threshold: Threshold = 100.0
     isolation_threshold: Threshold = 1e-6
 
-    every_n_steps: int = Field(default=1, ge=1)
-    divergence_every: int = Field(default=100, ge=0)
-    collective_timeout_seconds: float = Field(default=300.0, gt=0.0, allow_inf_nan=False)
+    every_n_steps: int = Field(default=1, ge=1, le=MAX_INT)
+    divergence_every: int = Field(default=100, ge=0, le=MAX_INT)
+    collective_timeout_seconds: float = Field(
+        default=300.0, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False
+    )
 
     port: int | None = Field(default=None, ge=0, le=65535)
     bind_address: str = "0.0.0.0"
@@ -135,10 +144,10 @@ class WatchConfig(BaseSettings):
     # Prometheus exporter-toolkit web config (tls_server_config, basic_auth_users); checked
     # when the endpoint starts (gradwatch.export.webconfig), exclusive with the TLS fields above.
     web_config_file: str | None = None
-    param_metrics_top_k: int = Field(default=0, ge=0)
+    param_metrics_top_k: int = Field(default=0, ge=0, le=MAX_INT)
 
     history_path: Path | None = None
-    history_max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
+    history_max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096, le=MAX_INT)
 
     enabled: bool = True
 
@@ -187,6 +196,14 @@ class WatchConfig(BaseSettings):
                 raise ValueError(f"group {name!r} has no patterns")
             if any(not p for p in patterns):
                 raise ValueError(f"group {name!r} has an empty pattern")
+        return value
+
+    @field_validator("history_path", mode="before")
+    @classmethod
+    def _history_path_not_empty(cls, value: Any) -> Any:
+        """An empty path would become the current directory (``Path("")`` is ``.``)."""
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("history_path is empty; unset it (no history) or name a file")
         return value
 
     @field_validator("bind_address")
@@ -247,6 +264,28 @@ class WatchConfig(BaseSettings):
         )
         payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def check_history_path(path: Path) -> None:
+    """Raise ``ValueError`` naming ``history_path`` unless ``path`` can be a history file: not
+    a directory, not an unwritable file, and its directory exists and is writable or can be
+    created (the writer creates missing parents): the nearest existing ancestor is a writable
+    directory.
+
+    Checked where the file will be written (global rank 0, at construction), not by
+    :class:`WatchConfig` validation, which runs on every rank and node."""
+    where = f"history_path {str(path)!r} ({env_var('history_path')})"
+    if path.is_dir():
+        raise ValueError(f"{where} is a directory; name a file in it")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{where}: the file exists and is not writable")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{where}: {str(ancestor)!r} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{where}: directory {str(ancestor)!r} is not writable")
 
 
 def ratio_key(numerator: str, denominator: str) -> str:

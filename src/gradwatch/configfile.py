@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -106,7 +107,15 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     data: Any
     try:
         if fmt == "toml":
-            data = _toml_module(path).loads(raw.decode("utf-8"))
+            text = raw.decode("utf-8")
+            toml = _toml_module(path)
+            try:
+                data = toml.loads(text)
+            except toml.TOMLDecodeError as exc:
+                key = _toml_duplicate(str(exc), text)
+                if key is None:
+                    raise
+                raise ConfigError(f"config file {path}: duplicate key {key}") from exc
         elif fmt == "yaml":
             try:
                 import yaml
@@ -114,11 +123,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
                 raise ConfigError(
                     f"config file {path}: YAML needs pyyaml: pip install 'torch-gradwatch[cli]'"
                 ) from exc
-            data = yaml.safe_load(raw)
+            data = yaml.load(raw, Loader=_unique_keys_loader(yaml, path))  # a SafeLoader
             if data is None:
                 data = {}
         else:
-            data = json.loads(raw)
+            data = json.loads(raw, object_pairs_hook=lambda pairs: _unique_json(pairs, path))
     except ConfigError:
         raise
     except Exception as exc:  # tomllib/yaml/json errors, UnicodeDecodeError
@@ -136,6 +145,53 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         if key not in known:
             raise ConfigError(_unknown_key_message(str(key), f"config file {path}"))
     return dict(data)
+
+
+def _unique_json(pairs: list[tuple[str, Any]], path: Path) -> dict[str, Any]:
+    """``json.loads`` hook: a repeated key is an error naming it (JSON keeps the last value)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"config file {path}: duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _unique_keys_loader(yaml: Any, path: Path) -> Any:
+    """A ``yaml.SafeLoader`` that refuses a repeated mapping key, naming it and its line (YAML
+    loaders silently keep the last value)."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    repeated = key in seen
+                except TypeError:  # unhashable: the base loader reports it
+                    break
+                if repeated:
+                    raise ConfigError(
+                        f"config file {path}: duplicate key {key!r} "
+                        f"(line {key_node.start_mark.line + 1})"
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+def _toml_duplicate(message: str, text: str) -> str | None:
+    """The key a TOML "Cannot overwrite/declare" error is about (tomllib names only the line),
+    as ``'key' (line n)``; None for other errors."""
+    match = re.search(r"Cannot (?:overwrite|declare|mutate)\b.*\(at line (\d+)", message)
+    if match is None:
+        return None
+    line_no = int(match.group(1))
+    lines = text.splitlines()
+    line = lines[line_no - 1].strip() if 0 < line_no <= len(lines) else ""
+    key = line.strip("[]").strip() if line.startswith("[") else line.split("=", 1)[0].strip()
+    return f"{key!r} (line {line_no})"
 
 
 def _toml_module(path: Path) -> Any:

@@ -2,7 +2,9 @@
 
 The same training script runs with the monitor on or off: ``GRADWATCH_ENABLED=0`` makes
 :func:`watch` return a :class:`NoOpWatch` with the same methods, which does nothing but clip
-(with torch's own function) when asked to, so the loop behaves identically.
+(with torch's own function) when asked to, so the loop behaves identically. A ``GradWatch``
+constructed directly with ``enabled=False`` (``GradWatch(model, WatchConfig())`` under
+``GRADWATCH_ENABLED=0``) is inert in the same way.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import gc
 import logging
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,51 @@ def named_parameters(model: nn.Module) -> tuple[list[str], list[Tensor]]:
         dup = sorted({n for n in names if names.count(n) > 1})
         raise GradWatchError(f"gradwatch: duplicate parameter names after unwrapping: {dup}")
     return names, params
+
+
+class ParameterSlots:
+    """Where each resolved parameter lives (its module's ``_parameters`` dict and key), so a
+    parameter replaced after construction is found at the next collect.
+
+    Replacing a module's parameter (``to_empty()`` from ``meta`` on a plain module,
+    ``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``) leaves gradwatch
+    holding the old object, whose ``.grad`` never changes again. The check per collect is one
+    dict lookup and one identity test per parameter, both in C (``map``), the same order of
+    cost as reading the ``.grad`` attributes. ``swap_tensors``-style conversions keep the
+    objects (their contents change), so they need no check. A plain tensor found in place of a
+    DTensor parameter is FSDP2's unsharded registration between forward and reshard, not a
+    replacement.
+    """
+
+    def __init__(self, model: nn.Module, params: Sequence[Tensor], names: Sequence[str]) -> None:
+        where: dict[int, tuple[dict[str, Any], str]] = {}
+        for module in model.modules():
+            for key, p in module._parameters.items():
+                if p is not None:
+                    where.setdefault(id(p), (module._parameters, key))
+        self._params = list(params)
+        self._names = list(names)
+        self._dicts = [where[id(p)][0] for p in params]
+        self._keys = [where[id(p)][1] for p in params]
+
+    def current(self) -> list[Tensor]:
+        """The parameters the modules hold now (what a fallback must act on)."""
+        return [p for p in map(dict.get, self._dicts, self._keys) if p is not None]
+
+    def first_replaced(self) -> str | None:
+        """The name of the first parameter no longer held by its module, or None."""
+        current = list(map(dict.get, self._dicts, self._keys))
+        if all(map(operator.is_, current, self._params)):
+            return None
+        for name, now, held in zip(self._names, current, self._params, strict=True):
+            if now is held:
+                continue
+            if hasattr(held, "_local_tensor") and not hasattr(now, "_local_tensor") and (
+                now is not None
+            ):
+                continue  # FSDP2 registers its unsharded parameter between forward and reshard
+            return name
+        return None
 
 
 def group_of(name: str, groups: Mapping[str, Sequence[str]]) -> str:

@@ -16,19 +16,23 @@ JSON bytes, no numpy) shares the descriptions; every rank then derives the same 
   the parameter (numel of distinct pieces != global numel), a name held by two ranks of the same
   pipeline stage group.
 
-**Per collect.** Each rank fills one float64 vector of length ``3N + R + 1``:
-``[sq contributions (N) | non-finite flags (N) | has-gradient flags (N) | replica sums (R) | step]``
+**Per collect.** Each rank fills one float64 vector of length ``5N + R + 1``:
+``[sq contributions (N) | high band (N) | low band (N) | non-finite flags (N) | has-gradient
+flags (N) | replica sums (R) | step]``. The three squared-norm sections are the engine's bands
+(:mod:`gradwatch.stats`: a float64 squared norm outside float64's range travels scaled in the
+high or low band), so sums of pieces stay exact whatever their magnitudes.
 and all-reduces it once with SUM over gradwatch's own process group (created at construction
 with ``collective_timeout_seconds``). Non-finite and has-gradient flags are *not* masked, so a
 NaN on any replica is seen even though its squared norm is not counted. The replica slots hold,
 for each piece with the maximal number of holders R, its squared norm at the slot of the holder's
 position: identical replicas give identical slot sums, and their relative spread is the replica
 divergence (filled on divergence steps only). The step slot detects ranks that collected
-different steps. Payload: O(parameters), never O(elements); never bf16/fp16.
+different steps. Payload: O(parameters), never O(elements); never bf16/fp16. Replica sums
+compare plain-band squares only (norms within [2^-450, 2^450]).
 
 **Reading it.** Only this module knows those offsets (:class:`_Sections`). The rest of gradwatch
 reads a :class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
-:class:`ReducedStats` of Python floats, for the summary) and :meth:`ReducedVector.device_squares`
+:class:`ReducedStats` of Python floats, for the summary) and :meth:`ReducedVector.device_bands`
 / :meth:`ReducedVector.device_nonfinite` (device side, for clipping without a host read).
 """
 
@@ -92,6 +96,9 @@ class _Sections(NamedTuple):
     """Where each part of the packed vector lives: the one definition of its offsets."""
 
     squares: slice  # N squared-norm contributions (only the piece's contributor adds)
+    squares_high: slice  # N, the high band (same contributors)
+    squares_low: slice  # N, the low band (same contributors)
+    bands: slice  # the three bands together, as the engine lays them out
     nonfinite: slice  # N non-finite flags (every holder adds)
     has_grad: slice  # N has-gradient flags (every holder adds)
     replicas: slice  # R replica sums
@@ -103,11 +110,14 @@ def _sections(layout: Layout) -> _Sections:
     n, r = layout.size, layout.replicas
     return _Sections(
         squares=slice(0, n),
-        nonfinite=slice(n, 2 * n),
-        has_grad=slice(2 * n, 3 * n),
-        replicas=slice(3 * n, 3 * n + r),
-        step=3 * n + r,
-        length=3 * n + r + 1,
+        squares_high=slice(n, 2 * n),
+        squares_low=slice(2 * n, 3 * n),
+        bands=slice(0, 3 * n),
+        nonfinite=slice(3 * n, 4 * n),
+        has_grad=slice(4 * n, 5 * n),
+        replicas=slice(5 * n, 5 * n + r),
+        step=5 * n + r,
+        length=5 * n + r + 1,
     )
 
 
@@ -151,14 +161,10 @@ def _all_gather_bytes(payload: bytes, group: Any, device: torch.device) -> list[
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     bufs = [torch.zeros_like(buf) for _ in range(world)]
     dist.all_gather(bufs, buf, group=group)
-    return [
-        bytes(b[: int(n.item())].cpu().tolist()) for b, n in zip(bufs, lengths, strict=True)
-    ]
+    return [bytes(b[: int(n.item())].cpu().tolist()) for b, n in zip(bufs, lengths, strict=True)]
 
 
-def build_layout(
-    per_rank: Sequence[dict[str, Any]], rank: int
-) -> Layout:
+def build_layout(per_rank: Sequence[dict[str, Any]], rank: int) -> Layout:
     """Derive the global layout from every rank's description (pure; identical on every rank).
 
     ``per_rank[r]`` = ``{"version", "config", "pieces": [[name, shape, key, numel], ...],
@@ -320,6 +326,7 @@ class Reducer:
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
+        self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
         self.group: Any = None
         self.device = torch.device("cpu")
         desc = {
@@ -363,19 +370,22 @@ class Reducer:
         at = _sections(lay)
         dev = self.device
         n_local = len(lay.local_to_global)
-        # Persistent staging vector [squares | non-finite flags | has-grad | step], filled by
+        # Persistent staging vector [3 bands | non-finite flags | has-grad | step], filled by
         # out= ops and scattered into the fresh packed vector by one index_copy_.
-        self._staging = torch.zeros(3 * n_local + 1, dtype=torch.float64, device=dev)
-        self._staged_squares = self._staging[:n_local]
-        self._staged_flags = self._staging[n_local : 2 * n_local]
-        self._staged_tail = self._staging[2 * n_local :]
-        self._contributes = contrib.to(dev)
+        self._n_local = n_local
+        self._staging = torch.zeros(5 * n_local + 1, dtype=torch.float64, device=dev)
+        self._staged_squares = self._staging[: 3 * n_local]
+        self._staged_flags = self._staging[3 * n_local : 4 * n_local]
+        self._staged_tail = self._staging[4 * n_local :]
+        self._contributes = contrib.repeat(3).to(dev)
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
         self._allreduce_options = dist.AllreduceOptions()
         self._allreduce_options.reduceOp = dist.ReduceOp.SUM
         self._scatter = torch.cat(
             [
                 to_global + at.squares.start,
+                to_global + at.squares_high.start,
+                to_global + at.squares_low.start,
                 to_global + at.nonfinite.start,
                 to_global + at.has_grad.start,
                 torch.tensor([at.step]),
@@ -387,8 +397,9 @@ class Reducer:
     def pack_and_reduce(
         self, sq_local: Tensor, has_grad: Sequence[bool], step: int, with_replicas: bool
     ) -> ReducedVector:
-        """Fill the packed vector from this rank's ``sq_local`` (float64, one entry per local
-        piece) and ``has_grad`` (one bool per local piece), and issue the all-reduce
+        """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
+        squared norms: three entries per local piece, see :mod:`gradwatch.stats`) and
+        ``has_grad`` (one bool per local piece), and issue the all-reduce
         (asynchronously where the backend allows). Never waits on gloo.
 
         A constant number of ops (about 7), whatever the number of parameters: pieces this rank
@@ -400,18 +411,31 @@ class Reducer:
         packed = torch.zeros(lay.packed_length, dtype=torch.float64, device=self.device)
         sq_local = sq_local.to(self.device)
         torch.where(self._contributes, sq_local, self._zero, out=self._staged_squares)
-        torch.sub(sq_local, sq_local, out=self._staged_flags).nan_to_num_(nan=1.0)
+        plain = sq_local[: self._n_local]  # NaN/Inf only ever sit in the plain band
+        torch.sub(plain, plain, out=self._staged_flags).nan_to_num_(nan=1.0)
         self._staged_tail.copy_(torch.tensor([*has_grad, step], dtype=torch.float64))
         packed.index_copy_(0, self._scatter, self._staging)
         if with_replicas and self._slot_local.numel():
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
+        return self._issue(packed, step)
+
+    def reduce_failed(self, step: int) -> ReducedVector:
+        """Issue this collect's all-reduce for a rank whose local pass failed: zeros but a NaN
+        step slot, so the ranks' collective sequences stay aligned and every rank's
+        :meth:`ReducedStats.steps_agree` is False for this step (nothing is published)."""
+        packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
+        packed[_sections(self.layout).step] = math.nan
+        return self._issue(packed, step)
+
+    def _issue(self, packed: Tensor, step: int) -> ReducedVector:
         work = None
         if self.group is not None:
             # The process group's own method: the same c10d op as dist.all_reduce without its
             # Python checks (a measurable share of a small all-reduce on gloo), all of which
             # hold by construction (one dense float64 tensor, a group this rank belongs to).
             work = self.group.allreduce([packed], self._allreduce_options)
-        return ReducedVector(packed, work, self.timeout, step, lay)
+        self.issued += 1
+        return ReducedVector(packed, work, self.timeout, step, self.layout)
 
     def close(self) -> None:
         if self.group is not None:
@@ -426,7 +450,10 @@ class ReducedStats:
     global layout order of :attr:`Layout.names`).
 
     Attributes:
-        squares: per parameter, the sum of its pieces' squared norms, each piece counted once.
+        squares: per parameter, the sum of its pieces' squared norms, each piece counted once
+            (the plain band: pieces of norm in [2^-450, 2^450], and every NaN/Inf).
+        squares_high: per parameter, the high band (``s * 2^-1100`` of larger pieces).
+        squares_low: per parameter, the low band (``s * 2^1200`` of smaller pieces).
         nonfinite: per parameter, > 0 when some rank flagged NaN/Inf in its piece (replicas
             included: a NaN on a copy that is not counted is still seen).
         has_grad: per parameter, > 0 when some rank had a gradient for it.
@@ -437,6 +464,8 @@ class ReducedStats:
     """
 
     squares: list[float]
+    squares_high: list[float]
+    squares_low: list[float]
     nonfinite: list[float]
     has_grad: list[float]
     replica_squares: list[float]
@@ -454,6 +483,8 @@ class ReducedStats:
             )
         return cls(
             squares=values[at.squares],
+            squares_high=values[at.squares_high],
+            squares_low=values[at.squares_low],
             nonfinite=values[at.nonfinite],
             has_grad=values[at.has_grad],
             replica_squares=values[at.replicas],
@@ -463,8 +494,15 @@ class ReducedStats:
 
     def steps_agree(self, step: int) -> bool:
         """Did every rank collect ``step``? (A rank that collected another step changes the
-        sum; a mismatch means the statistics mix steps.)"""
+        sum; a mismatch means the statistics mix steps. A rank whose local pass failed sends
+        NaN: see :meth:`failed_rank`.)"""
         return self.step_check == step * self.world_size
+
+    @property
+    def failed_rank(self) -> bool:
+        """Some rank's local pass failed this collect (:meth:`Reducer.reduce_failed`): the
+        vector holds no measurement."""
+        return self.step_check != self.step_check
 
     @property
     def replica_norms(self) -> list[float]:
@@ -486,7 +524,7 @@ class ReducedStats:
 class ReducedVector:
     """The packed vector of one collect, once the all-reduce completes.
 
-    Read through named views only: :meth:`stats` on the host, :meth:`device_squares` and
+    Read through named views only: :meth:`stats` on the host, :meth:`device_bands` and
     :meth:`device_nonfinite` on the device.
     """
 
@@ -528,9 +566,10 @@ class ReducedVector:
         self._wait_collective()
         return self._packed
 
-    def device_squares(self) -> Tensor:
-        """Per parameter, the reduced squared norm, on the device (a view: no copy)."""
-        return self._device()[_sections(self._layout).squares]
+    def device_bands(self) -> Tensor:
+        """The reduced squared norms as the engine's three bands (``3N``: plain, high, low;
+        see :mod:`gradwatch.stats`), on the device (a view: no copy)."""
+        return self._device()[_sections(self._layout).bands]
 
     def device_nonfinite(self) -> Tensor:
         """Per parameter, the reduced non-finite flags (> 0: some rank saw NaN/Inf), on the

@@ -32,17 +32,29 @@ The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` gro
   |g| < 1e-19. A tensor whose fast squared norm is non-finite or below :data:`TINY_NORM`^2 is
   recomputed exactly in float64, in chunks of :data:`RECOMPUTE_CHUNK` elements (bounded
   temporaries). Finding those tensors costs one host read of a boolean vector, which on CPU is
-  free; float64 gradients with norms outside float64's squared range are rescaled by their
-  max-abs before squaring.
+  free; float64 gradients are recomputed by chunks rescaled by their max-abs (tensor ops),
+  combined by ``math.hypot`` on norms, never by squaring a Python float.
+
+**Bands.** A float64 gradient's squared norm may lie outside float64's range (norms above
+about 1e154 or below about 1e-154) while its norm does not. So the engine's output has three
+*bands* of ``n`` entries each, ``[plain | high | low]``: a tensor's squared norm ``s`` is in
+exactly one of them (the others hold 0): ``plain`` holds ``s`` itself when the norm is within
+``[2^-450, 2^450]`` (every float32/bf16/fp16 norm is), ``high`` holds ``s * 2^-1100`` above it
+and ``low`` holds ``s * 2^1200`` below it. Every band value is a normal float64 no larger than
+2^948, so band sums over many tensors and ranks (the all-reduce) neither overflow nor lose
+precision, and NaN/Inf always sit in ``plain``. :func:`norm_from_bands` (host) and
+:func:`norm_from_bands_device` turn band sums back into a norm, which float64 represents
+whenever the true norm is finite; a norm that truly overflows float64 is +inf.
 
 Non-finite detection comes from the norms themselves: a gradient holding NaN has a NaN norm, one
 holding Inf (and no NaN) has an Inf norm. No ``isnan`` masks of gradient size are built.
 
-**Combining squared norms** (:func:`sqrt_sum` on the host, :func:`sqrt_sum_device` on the
-device): every squared norm fits float64, but their sum may not (norms near 1e154), so the
-largest is factored out: ``sqrt(sum(s)) = sqrt(m) * sqrt(sum(s / m))``. Every total gradwatch
-reports (:func:`total_norm`, the clipping total, the group and global norms of a snapshot) is
-combined by one of these two.
+**Combining squared norms** (:func:`sqrt_sum` on the host, for plain-band values only): a sum
+of plain squares may exceed float64 (squares given directly, near 1e308), so the largest is
+factored out: ``sqrt(sum(s)) = sqrt(m) * sqrt(sum(s / m))``. Every total gradwatch reports
+(:func:`total_norm`, the clipping total, the group and global norms of a snapshot) is
+:func:`sqrt_sum` of plain squares or a band combination (:func:`norm_from_bands`,
+:func:`norm_from_bands_device`).
 """
 
 from __future__ import annotations
@@ -79,6 +91,16 @@ RECOMPUTE_CHUNK = 65536
 TINY_NORM = 1e-11
 #: Float64 tensors whose norm is below this (or non-finite) are recomputed with rescaling.
 TINY_NORM_FLOAT64 = 1e-140
+#: Float64 tensors whose squared norm is above this are recomputed too (into the high band):
+#: plain-band values stay at most 2^900, so no sum of them can overflow.
+HUGE_SQUARE_FLOAT64 = 2.0**900
+#: Norms in ``[2^-BAND_EXPONENT, 2^BAND_EXPONENT]`` travel as plain squares.
+BAND_EXPONENT = 450
+#: The high band holds ``s * 2^-HIGH_SHIFT``, the low band ``s * 2^LOW_SHIFT`` (``s`` squared).
+HIGH_SHIFT = 1100
+LOW_SHIFT = 1200
+#: The number of bands: the engine's output is ``BANDS * n`` long.
+BANDS = 3
 
 _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -161,7 +183,17 @@ class NormPlan:
     buckets: list[_Bucket]
     needs_repair: bool  # some bucket is on CPU: the fast path may need an exact repair
     repair_floor: Tensor | None  # per position: squared norms below this are recomputed
+    repair_ceiling: Tensor | None = None  # and above this (float64 positions; else None)
     scratch: dict[torch.device, Tensor] = field(default_factory=dict)  # widening buffers
+
+
+class MetaGradientError(ValueError):
+    """A gradient on the ``meta`` device: it has no values to norm (the model was built on
+    ``meta`` and the gradient never materialized). ``position`` is its index."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"gradwatch: gradient {position} is on the meta device")
+        self.position = position
 
 
 class _StalePlan(Exception):
@@ -187,11 +219,14 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
     """
     buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
     floor = [0.0] * len(tensors)
+    ceiling = [math.inf] * len(tensors)
     needs_repair = False
     mid_size: list[int] = []
     for i, t in enumerate(tensors):
         if t is None or t.numel() == 0:
             continue
+        if t.device.type == "meta":
+            raise MetaGradientError(i)
         key = (t.device, t.dtype)
         bucket = buckets.get(key)
         if bucket is None:
@@ -216,6 +251,7 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
         bucket.whole.append(i)
         if on_cpu and t.dtype == torch.float64:
             floor[i] = TINY_NORM_FLOAT64 * TINY_NORM_FLOAT64
+            ceiling[i] = HUGE_SQUARE_FLOAT64
             needs_repair = True
         elif on_cpu:
             needs_repair = True  # other float types: repair only non-finite results
@@ -237,6 +273,11 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
         needs_repair=needs_repair,
         repair_floor=(
             torch.tensor(floor, dtype=torch.float64, device=out_device) if needs_repair else None
+        ),
+        repair_ceiling=(
+            torch.tensor(ceiling, dtype=torch.float64, device=out_device)
+            if any(c < math.inf for c in ceiling)
+            else None
         ),
     )
     for bucket in plan.buckets:
@@ -361,12 +402,14 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
             torch.linalg.vector_norm(rows, 2, dim=1, out=out)
 
 
-def exact_squared_norm(t: Tensor) -> float:
-    """``||t||^2`` computed in float64 chunk by chunk (rare path: repair and references).
+def exact_norm(t: Tensor) -> float:
+    """``||t||`` computed in float64 chunk by chunk (rare path: repair and references).
 
     Low-precision inputs accumulate in float64, which cannot overflow or underflow for them.
-    Float64 inputs are rescaled by each chunk's max-abs when their plain squares would.
-    Returns a Python float (NaN/Inf when ``t`` holds NaN/Inf).
+    A float64 chunk whose plain norm is non-finite or tiny is rescaled by its max-abs (tensor
+    ops); chunk norms combine by ``math.hypot``, so no square of a Python float is ever formed.
+    Returns a Python float: NaN when ``t`` holds NaN, Inf when it holds Inf (and no NaN) or
+    its norm exceeds float64.
     """
     flat = flat_view(t)
     if flat is None:
@@ -375,26 +418,71 @@ def exact_squared_norm(t: Tensor) -> float:
     if not chunks:
         return 0.0
     norms = torch.stack(torch._foreach_norm(chunks, 2, dtype=torch.float64)).cpu().tolist()
-    total = 0.0
-    for chunk, norm in zip(chunks, norms, strict=True):
-        if t.dtype == torch.float64 and (
-            not math.isfinite(norm) or norm < TINY_NORM_FLOAT64
-        ):
-            amax = float(chunk.abs().max()) if chunk.numel() else 0.0
-            if amax == 0.0 or not math.isfinite(amax):
-                total += norm * norm if amax != 0.0 else 0.0
+    if t.dtype == torch.float64:
+        for k, (chunk, norm) in enumerate(zip(chunks, norms, strict=True)):
+            if math.isfinite(norm) and norm >= TINY_NORM_FLOAT64:
                 continue
-            scaled = float(torch.linalg.vector_norm(chunk / amax, 2))
-            total += (amax * scaled) ** 2
-        else:
-            total += norm * norm
-    return total
+            amax = chunk.abs().max()
+            if not bool(torch.isfinite(amax)) or float(amax) == 0.0:
+                continue  # NaN/Inf (the plain norm says which) or all zeros
+            norms[k] = float(amax) * float(torch.linalg.vector_norm(chunk / amax, 2))
+    if any(x != x for x in norms):
+        return math.nan  # hypot would let an Inf hide a NaN
+    return math.hypot(*norms)
+
+
+def bands_of_norm(norm: float) -> tuple[int, float]:
+    """The band (0 plain, 1 high, 2 low) of a tensor of norm ``norm`` and the value it holds
+    there (see the module docstring). NaN and Inf go to the plain band."""
+    if not math.isfinite(norm) or norm == 0.0:
+        return 0, norm * norm
+    exponent = math.frexp(norm)[1]
+    if exponent > BAND_EXPONENT:
+        scaled = math.ldexp(norm, -HIGH_SHIFT // 2)
+        return 1, scaled * scaled
+    if exponent < -BAND_EXPONENT:
+        scaled = math.ldexp(norm, LOW_SHIFT // 2)
+        return 2, scaled * scaled
+    return 0, norm * norm
+
+
+def norm_from_bands(plain: float, high: float, low: float) -> float:
+    """``sqrt(plain + high * 2^HIGH_SHIFT + low * 2^-LOW_SHIFT)`` without forming a value
+    outside float64: the largest non-zero band sets the scale. +Inf when the norm exceeds
+    float64; NaN/Inf in ``plain`` propagate."""
+    if high != 0.0:
+        inner = high + math.ldexp(plain, -HIGH_SHIFT) + math.ldexp(low, -HIGH_SHIFT - LOW_SHIFT)
+        # A product overflows to +inf (math.ldexp would raise): a norm beyond float64 is inf.
+        return math.sqrt(inner) * 2.0 ** (HIGH_SHIFT // 2)
+    if plain != 0.0:
+        return math.sqrt(plain + math.ldexp(low, -LOW_SHIFT))
+    return math.ldexp(math.sqrt(low), -LOW_SHIFT // 2)
+
+
+def norm_from_bands_device(plain: Tensor, high: Tensor, low: Tensor) -> Tensor:
+    """:func:`norm_from_bands` of 0-dim float64 tensors (band sums), on their device, no host
+    read: a constant number of ops. Powers of two beyond float64 are applied in two halves."""
+    half_high = 2.0 ** -(HIGH_SHIFT // 2)
+    half_low = 2.0 ** -(LOW_SHIFT // 2)
+    from_high = high + plain * half_high * half_high + low * half_low * half_high * half_high
+    from_high = from_high.sqrt() * (1.0 / half_high)
+    from_plain = (plain + low * half_low * half_low).sqrt()
+    from_low = low.sqrt() * half_low
+    return torch.where(high != 0, from_high, torch.where(plain != 0, from_plain, from_low))
+
+
+def banded_total_device(bands: Tensor, n: int) -> Tensor:
+    """The L2 norm of every tensor together from a banded vector (``BANDS * n`` long) of
+    squared norms, a 0-dim float64 tensor on its device, no host read."""
+    sums = bands.view(BANDS, n).sum(dim=1)
+    return norm_from_bands_device(sums[0], sums[1], sums[2])
 
 
 def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Tensor:
     """The fast path of :meth:`NormEngine.squared_norms`, before any repair."""
     out_device = plan.out_device
-    sq: Tensor | None = None
+    banded = torch.zeros(BANDS * plan.n, dtype=torch.float64, device=out_device)
+    sq = banded[: plan.n]  # the plain band: the fast path never leaves it
     for bucket in plan.buckets:
         if bucket.norms is not None:
             _fill_row_norms(bucket, tensors)
@@ -413,17 +501,13 @@ def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Ten
                 assert bucket.owner is not None
                 summed = torch.zeros(plan.n, dtype=torch.float64, device=bucket.device)
                 summed = summed.index_add_(0, bucket.owner, row_sq).to(out_device)
-            sq = summed if sq is None else sq.add_(summed)
+            sq.add_(summed)
         if bucket.whole:
             items = [tensors[i] for i in bucket.whole]
             norms = torch.stack(torch._foreach_norm(items, 2, dtype=torch.float64))
-            if sq is None:
-                sq = torch.zeros(plan.n, dtype=torch.float64, device=out_device)
             assert bucket.whole_index is not None
             sq.index_copy_(0, bucket.whole_index, norms.to(out_device).square())
-    if sq is None:
-        sq = torch.zeros(plan.n, dtype=torch.float64, device=out_device)
-    return sq
+    return banded
 
 
 class NormEngine:
@@ -452,7 +536,9 @@ class NormEngine:
     def squared_norms(
         self, tensors: Sequence[Tensor | None], out_device: torch.device | None = None
     ) -> Tensor:
-        """float64 vector ``sq`` with ``sq[i] = ||tensors[i]||^2`` (0 where None or empty).
+        """The banded float64 vector of squared norms (``BANDS * n`` long, see the module
+        docstring): ``sq[i] = ||tensors[i]||^2`` (0 where None or empty) whenever that norm is
+        in ``[2^-450, 2^450]``, else ``sq[i]`` is 0 and the high or low band holds it, scaled.
 
         ``tensors`` must be strided real tensors (see :func:`as_real_values`).
         """
@@ -465,9 +551,7 @@ class NormEngine:
         """:meth:`squared_norms`, and the plan that computed them: its buckets group these
         very tensors by (device, dtype), which clipping reuses (:mod:`gradwatch.clip`)."""
         if out_device is None:
-            out_device = next(
-                (t.device for t in tensors if t is not None), torch.device("cpu")
-            )
+            out_device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         plan = self.plan_for(tensors, out_device)
         try:
             sq = _fast_squared_norms(plan, tensors)
@@ -478,14 +562,23 @@ class NormEngine:
             sq = _fast_squared_norms(plan, tensors)
         if plan.needs_repair:
             assert plan.repair_floor is not None
+            plain = sq[: plan.n]
             # NaN and +Inf become -1, below every floor: 3 ops instead of isfinite's 5 + 2.
-            suspicious = sq.nan_to_num(nan=-1.0, posinf=-1.0, neginf=-1.0) < plan.repair_floor
+            cleaned = plain.nan_to_num(nan=-1.0, posinf=-1.0, neginf=-1.0)
+            suspicious = cleaned < plan.repair_floor
+            if plan.repair_ceiling is not None:
+                suspicious |= cleaned > plan.repair_ceiling
             bad = torch.nonzero(suspicious).flatten().tolist()
             self.host_reads += 1
             if bad:
-                fixed = [exact_squared_norm(tensors[i]) for i in bad]  # type: ignore[arg-type]
+                where: list[int] = []
+                fixed: list[float] = []
+                for i in bad:
+                    band, value = bands_of_norm(exact_norm(tensors[i]))  # type: ignore[arg-type]
+                    where += [i, band * plan.n + i] if band else [i]
+                    fixed += [0.0, value] if band else [value]
                 sq.index_put_(
-                    (torch.tensor(bad, dtype=torch.long, device=out_device),),
+                    (torch.tensor(where, dtype=torch.long, device=out_device),),
                     torch.tensor(fixed, dtype=torch.float64, device=out_device),
                 )
         return sq, plan
@@ -494,7 +587,8 @@ class NormEngine:
 def sqrt_sum(squares: Sequence[float]) -> float:
     """``sqrt(sum(squares))`` of Python floats, with an exact sum (``math.fsum``) that cannot
     overflow: NaN if any square is NaN, Inf if any is Inf (and none NaN). Host side (the
-    snapshot's group and global norms); :func:`sqrt_sum_device` is its device-side twin."""
+    snapshot's group and global norms); device-side totals combine bands instead
+    (:func:`banded_total_device`)."""
     try:
         return math.sqrt(math.fsum(squares))
     except OverflowError:
@@ -509,32 +603,19 @@ def sqrt_sum(squares: Sequence[float]) -> float:
     return math.sqrt(top) * math.sqrt(math.fsum(s / top for s in squares))
 
 
-def sqrt_sum_device(squares: Tensor) -> Tensor:
-    """``sqrt(squares.sum())`` as a 0-dim float64 tensor on ``squares``' device, without a host
-    read, that cannot overflow: the largest square is factored out when it is finite; NaN and
-    Inf propagate as in the plain sum. Device side (clipping, :func:`total_norm`); a constant
-    number of ops whatever the length."""
-    if squares.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=squares.device)
-    top = squares.max()
-    # The floor keeps 0 / 0 out when every square is 0.
-    scale = top.clamp_min(torch.finfo(torch.float64).tiny)
-    scaled = (squares / scale).sum().sqrt() * scale.sqrt()
-    return torch.where(torch.isfinite(top), scaled, squares.sum().sqrt())
-
-
 def total_norm(tensors: Tensor | Sequence[Tensor]) -> Tensor:
     """L2 norm of all ``tensors`` together, as a 0-dim float64 tensor.
 
     A drop-in for ``torch.nn.utils.get_total_norm(tensors)`` (norm_type 2) that never overflows
-    or underflows for finite float32/bf16/fp16 inputs (and float64 inputs whose squared norm fits
-    float64, i.e. norms in about [1e-154, 1e154]) and is exact to about 3e-7 relative (see
-    the module docstring). Non-finite inputs give NaN/Inf like torch's. Sparse gradients use
-    their values; complex ones their absolute values. On CPU it reads the host once.
+    or underflows: exact to about 3e-7 relative for float32/bf16/fp16 inputs (see the module
+    docstring) and to float64 rounding for float64 inputs over the whole finite range (CPU; on
+    accelerators float64 norms outside about [1e-154, 1e154] are not repaired). A norm beyond
+    float64 is +inf, like torch's. Non-finite inputs give NaN/Inf like torch's. Sparse gradients
+    use their values; complex ones their absolute values. On CPU it reads the host once.
     """
     if isinstance(tensors, Tensor):
         tensors = [tensors]
     values = [as_real_values(t) for t in tensors]
     if not values:
         return torch.tensor(0.0, dtype=torch.float64)
-    return sqrt_sum_device(NormEngine().squared_norms(values))
+    return banded_total_device(NormEngine().squared_norms(values), len(values))

@@ -3,7 +3,10 @@
 Runs off the training thread (in ``PendingSnapshot.result()``), on plain Python floats, with no
 device work: group and global norms are :func:`gradwatch.stats.sqrt_sum` of the parameters'
 squared norms (an exact sum, scaled so a sum of squares beyond float64's range cannot overflow),
-so the combination adds no error beyond rounding.
+so the combination adds no error beyond rounding. When some float64 norm lies outside
+``[2^-450, 2^450]`` its square travels in the high or low band (:mod:`gradwatch.stats`): each
+parameter's norm comes from its bands (:func:`gradwatch.stats.norm_from_bands`) and totals
+from those norms by ``math.hypot`` (scaled internally, so nothing overflows or underflows).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Sequence
 
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.snapshot import GroupStats, Snapshot
-from gradwatch.stats import sqrt_sum
+from gradwatch.stats import norm_from_bands, sqrt_sum
 
 #: Added to the denominator of normalized ratios, and the floor under which a norm counts as 0.
 RATIO_EPS = 1e-8
@@ -54,6 +57,8 @@ def summarize(
     has_grad: Sequence[float],
     group_order: Sequence[str],
     isolated: Sequence[str] | None = None,
+    squares_high: Sequence[float] | None = None,
+    squares_low: Sequence[float] | None = None,
     **extra: object,
 ) -> Snapshot:
     """Build the snapshot of one step from per-parameter squared norms (global layout order).
@@ -64,7 +69,17 @@ def summarize(
 
     A parameter counts (``tensors``, ``numel``, health's n) when some rank had a gradient for it.
     It is non-finite when its squared norm is NaN/Inf or any rank flagged its piece.
+    ``squares_high`` / ``squares_low``: the high and low bands of the squared norms (the
+    parameter's squared norm is ``squares[i] + squares_high[i] * 2^1100 + squares_low[i] *
+    2^-1200``); None when empty.
     """
+    high = squares_high if squares_high is not None and any(squares_high) else None
+    low = squares_low if squares_low is not None and any(squares_low) else None
+    banded = high is not None or low is not None
+    zeros = [0.0] * len(squares) if banded else []
+    high_of = high if high is not None else zeros
+    low_of = low if low is not None else zeros
+    all_norms: list[float] = []  # the banded case
     members = _members(tuple(groups_of), tuple(group_order), tuple(has_grad))
     param_norms: dict[str, float] = {}
     nonfinite_params: list[str] = []
@@ -76,14 +91,22 @@ def summarize(
         sq = list(map(squares.__getitem__, idx))
         all_squares.extend(sq)
         group_names = list(map(names.__getitem__, idx))
-        norms = list(map(math.sqrt, sq))
+        if banded:
+            hi = list(map(high_of.__getitem__, idx))
+            lo = list(map(low_of.__getitem__, idx))
+            norms = list(map(norm_from_bands, sq, hi, lo))
+            all_norms.extend(norms)
+            group_norm = _hypot(norms)
+        else:
+            norms = list(map(math.sqrt, sq))
+            group_norm = sqrt_sum(sq)
         param_norms.update(zip(group_names, norms, strict=True))
         flags = list(map(nonfinite_flags.__getitem__, idx))
         # The common case, all finite and unflagged, is settled by two C-level passes: a NaN
         # or Inf square makes the plain sum NaN or Inf (a finite sum that overflows only sends
         # us to the exact per-parameter check). Only otherwise is each parameter looked at:
         # ``not norm < inf`` is True for NaN and Inf; a replica's flag marks a finite copy too.
-        if sum(sq) < math.inf and not any(flags):
+        if sum(norms) < math.inf and not any(flags):
             bad: list[int] = []
             finite = norms
         else:
@@ -95,7 +118,7 @@ def summarize(
         exploding = nonfinite + sum(map(et.__lt__, finite))
         vanishing = sum(map(vt.__gt__, finite))
         group_stats[group] = GroupStats(
-            norm=sqrt_sum(sq),
+            norm=group_norm,
             numel=sum(map(numels.__getitem__, idx)),
             tensors=len(idx),
             vanishing=vanishing,
@@ -105,7 +128,7 @@ def summarize(
         total_v += vanishing
         total_e += exploding
         total_n += len(idx)
-    global_norm = sqrt_sum(all_squares)
+    global_norm = _hypot(all_norms) if banded else sqrt_sum(all_squares)
     if nonfinite_params and math.isfinite(global_norm):
         global_norm = math.nan  # a replica flagged NaN that the counted copy did not show
     ratios: dict[str, float] = {}
@@ -146,6 +169,15 @@ def _members(
         if has_grad[i] > 0:
             members.setdefault(group, []).append(i)
     return members
+
+
+def _hypot(norms: list[float]) -> float:
+    """The L2 norm of parameters given by their norms (the banded case): ``math.hypot``,
+    which scales internally (nothing overflows or underflows), except that a NaN wins over an
+    Inf, as in a plain sum of squares."""
+    if any(x != x for x in norms):
+        return math.nan
+    return math.hypot(*norms)
 
 
 def _violates(norm: float, threshold: float) -> bool:

@@ -30,18 +30,25 @@ from torch import Tensor, nn
 from gradwatch.amp import pending_scale
 from gradwatch.anomalies import AnomalyLog
 from gradwatch.clip import clip_coefficient, clip_grads_
-from gradwatch.config import OTHER_GROUP, WatchConfig
-from gradwatch.errors import GradWatchTimeoutError
+from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
+from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.gradients import GradientReader
 from gradwatch.hooks import before_optimizer_step
-from gradwatch.model import describe_parallelism, group_membership, named_parameters, reject_fsdp1
+from gradwatch.model import (
+    ParameterSlots,
+    describe_parallelism,
+    group_membership,
+    named_parameters,
+    reject_fsdp1,
+)
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
-from gradwatch.stats import NormEngine
+from gradwatch.stats import MetaGradientError, NormEngine
 from gradwatch.summary import summarize
 
 if TYPE_CHECKING:
     from gradwatch.export import Publishing, Sink
+    from gradwatch.export.state import SelfStats
 
 log = logging.getLogger("gradwatch")
 
@@ -56,7 +63,9 @@ class PendingSnapshot:
     """The not-yet-materialized statistics of one collected step.
 
     ``result()`` waits at most once (the collective and the device->host copy), builds the
-    :class:`Snapshot` on the host and caches it; it is safe to call from any thread.
+    :class:`Snapshot` on the host and caches it; it is safe to call from any thread. A step
+    that was not measured (its collect failed, or collection stopped) raises
+    :class:`~gradwatch.errors.GradWatchError` saying why: never a made-up snapshot.
     """
 
     def __init__(
@@ -105,12 +114,39 @@ class GradWatch:
         stage_group: Any = None,
     ) -> None:
         self.config = config if config is not None else WatchConfig()
-        reject_fsdp1(model)
         cfg = self.config
+        self._hooks: list[Any] = []
+        self._closed = False
+        self._publishing: Publishing | None = None  # rank 0; gradwatch.export imported lazily
+        self._latest: PendingSnapshot | None = None
+        self._last: Snapshot | None = None
+        self._isolated: tuple[str, ...] = tuple(cfg.isolated)
+        self._enabled = cfg.enabled
+        if not self._enabled:
+            self._inert(model)
+            return
+        reject_fsdp1(model)
         names, self._params = named_parameters(model)
+        self._names = tuple(names)
+        self._slots = ParameterSlots(model, self._params, names)
+        self._local_names = names
+        on_meta = [n for n, p in zip(names, self._params, strict=True) if p.is_meta]
+        if on_meta:
+            log.warning(
+                "gradwatch: parameter %r (and %d more) is on the meta device: if the model is "
+                "materialized later (to_empty()), parameters it replaces are reported as "
+                "replaced; construct GradWatch after to_empty() and initialization",
+                on_meta[0],
+                len(on_meta) - 1,
+            )
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
         self.world_size = dist.get_world_size() if distributed else 1
+        if self.rank == 0 and cfg.history_path is not None:
+            try:
+                check_history_path(cfg.history_path)
+            except ValueError as exc:
+                raise GradWatchError(f"gradwatch: {exc}") from None
         if not distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             log.warning(
                 "gradwatch: WORLD_SIZE=%s but no process group is initialized: statistics are "
@@ -132,20 +168,35 @@ class GradWatch:
         )
         self._engine = NormEngine()
         self._collections = 0
-        self._last: Snapshot | None = None
-        self._latest: PendingSnapshot | None = None
+        self._attempts = 0  # collects that did work, numbered: orders failures and results
+        self._last_failed_attempt = 0
         self._clipped_step: int | None = None
         self._last_divergence = 0.0
-        self._isolated: tuple[str, ...] = tuple(cfg.isolated)
         self._broken: str | None = None
         self._logged: set[str] = set()
         self._anomalies = AnomalyLog(self.rank, cfg.isolation_threshold)
         self._optimizer_steps = 0
-        self._hooks: list[Any] = []
-        self._closed = False
-        self._publishing: Publishing | None = None  # rank 0; gradwatch.export imported lazily
         if self.rank == 0:
             self._start_publishing(cfg)
+
+    def _inert(self, model: nn.Module) -> None:
+        """``enabled=False`` (``GRADWATCH_ENABLED=0``): the same object, inert. No port, no
+        collective, no hook; ``collect()`` returns an empty snapshot like
+        :class:`~gradwatch.enable.NoOpWatch` and ``clip_grad_norm_`` is torch's. Logged once."""
+        self._params = list(model.parameters())
+        self._names = ()
+        self._broken = None
+        self._clipped_step = None
+        self._optimizer_steps = 0
+        self.rank = int(os.environ.get("RANK", "0"))
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()  # not a collective
+        self.world_size = 1
+        self.parallelism = "disabled"
+        log.warning(
+            "gradwatch: disabled (enabled=False, e.g. GRADWATCH_ENABLED=0): nothing is "
+            "collected, served or written"
+        )
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -156,7 +207,8 @@ class GradWatch:
 
     @property
     def last(self) -> Snapshot | None:
-        """The snapshot of the last collected step (None before the first collect).
+        """The snapshot of the last measured step (None before the first one): a step whose
+        collect failed is never shown as a made-up snapshot, ``last`` stays the one before.
 
         Materializes the newest pending result if nobody did (waits for it, once).
         """
@@ -193,20 +245,24 @@ class GradWatch:
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
-        """Every parameter of the whole model (all ranks and stages), in layout order."""
-        return self._layout.names
+        """Every parameter of the whole model (all ranks and stages), in layout order (empty
+        when disabled)."""
+        return self._layout.names if self._enabled else self._names
 
-    def collect(
-        self, step: int, *, scaler: Any = None, optimizer: Any = None
-    ) -> PendingSnapshot:
+    def collect(self, step: int, *, scaler: Any = None, optimizer: Any = None) -> PendingSnapshot:
         """Queue the statistics of the current gradients for ``step``; never waits on the device.
 
         A step the schedule skips (``step % every_n_steps != 0``) is a no-op returning the last
         snapshot, identically on every rank. ``scaler``: a ``torch.amp.GradScaler``; norms are
         then of the unscaled gradients (divided by the scale on the device, unless
         ``scaler.unscale_`` already ran), and a non-finite step is reported as AMP-skipped.
-        Errors are logged, never raised: a failed collect returns the last snapshot, and the
-        watcher stops collecting, so the ranks' collective sequences cannot diverge.
+        Errors are logged (once per kind) and counted, never raised here. A collect whose local
+        pass fails (an exception, a gradient on ``meta``, a parameter replaced since
+        construction) still issues this step's all-reduce, marked failed, so every rank's
+        collective sequence stays aligned and collection resumes at the next step that succeeds;
+        only a failed or timed-out gradwatch collective stops collection for the rest of the run.
+        The returned result of a step not measured raises ``GradWatchError`` (never a made-up
+        snapshot); the exporter shows ``gradwatch_collecting 0`` and no per-step gauge.
         """
         return self._guarded(step, scaler, optimizer, None)[0]
 
@@ -230,7 +286,8 @@ class GradWatch:
         like ``clip_grads_with_norm_``. ``step`` defaults to gradwatch's own optimizer-step
         counter. The collected snapshot has pre-clip norms and ``clip_coef``. Steps the schedule
         skips are clipped by the whole-model norm too (same pass and all-reduce, no snapshot);
-        only after an error disabled collection does torch's function clip (rank-local norm).
+        only when a collect failed or collection stopped does torch's function clip (rank-local
+        norm).
         """
         if norm_type != 2.0:
             raise ValueError(
@@ -240,7 +297,8 @@ class GradWatch:
             step = self._optimizer_steps
         _, total = self._guarded(step, scaler, None, float(max_norm))
         if total is None:  # skipped by the schedule, or collection disabled after an error
-            params = [p for p in self._params if p.grad is not None]
+            held = self._slots.current() if self._enabled else self._params
+            params = [p for p in held if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(
                 params, max_norm, norm_type, error_if_nonfinite
             ).to(torch.float64)
@@ -260,7 +318,8 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
-        self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
+        if self._enabled:
+            self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
         step = self._optimizer_steps
@@ -274,24 +333,29 @@ class GradWatch:
     ) -> tuple[PendingSnapshot, Tensor | None]:
         if max_norm is not None:
             self._clipped_step = step
+        if not self._enabled:
+            return PendingSnapshot(step, snapshot=Snapshot(step=step)), None
         skipped = step % self.config.every_n_steps != 0
-        if self._closed or self._broken or (skipped and max_norm is None):
+        if self._broken:
+            return self._not_measured(step, f"collection stopped: {self._broken}"), None
+        if self._closed or (skipped and max_norm is None):
             return self._pending_last(step), None
         started = time.perf_counter()
+        issued = self._reducer.issued
+        self._attempts += 1
+        attempt = self._attempts
         try:
+            replaced = self._slots.first_replaced()
+            if replaced is not None:
+                raise _Replaced(replaced)
             # A skipped step that clips still needs the whole-model norm (a rank-local one is
             # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
-            pending, total = self._collect(step, scaler, optimizer, max_norm, record=not skipped)
-        except Exception as exc:  # never let monitoring crash training
-            self._broken = f"{type(exc).__name__}: {exc}"
-            log.error(
-                "gradwatch: collect(step=%d) failed on rank %d; collection is disabled for the "
-                "rest of this run: %s",
-                step,
-                self.rank,
-                self._broken,
+            pending, total = self._collect(
+                step, scaler, optimizer, max_norm, record=not skipped, attempt=attempt
             )
-            return self._pending_last(step), None
+        except Exception as exc:  # never let monitoring crash training
+            self._last_failed_attempt = attempt
+            return self._failed(step, exc, issued), None
         if skipped:
             return self._pending_last(step), total
         self._latest = pending
@@ -300,14 +364,81 @@ class GradWatch:
             self._publishing.submit(pending)
         return pending, total
 
+    def _failed(self, step: int, exc: Exception, issued: int) -> PendingSnapshot:
+        """A collect whose local pass raised: count and log it, keep the ranks' collective
+        sequences aligned, and return a result that says the step was not measured.
+
+        Recovery is safe exactly when this rank issues the same collectives as the others: if
+        the failure came before this step's all-reduce, a failed-marked all-reduce of the same
+        shape stands in for it (every rank then sees "a rank failed" and publishes nothing for
+        the step); if it came after, the sequence is already complete. Collection stops for the
+        rest of the run only when the stand-in itself fails, or for an error every rank raises
+        identically before any collective (:class:`UnsupportedParallelismError`).
+        """
+        if isinstance(exc, UnsupportedParallelismError):
+            # Raised identically on every rank before any collective (a layout gradwatch
+            # cannot count, e.g. a Partial gradient): every rank stops together, no stand-in.
+            self._stop("collect", f"{type(exc).__name__}: {exc}", step)
+            return self._not_measured(step, f"collection stopped: {self._broken}")
+        kind, why = _classify(exc, self._local_names)
+        self._internal_error(kind)
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.error(
+                "gradwatch: collect(step=%d) failed on rank %d (%s): %s; steps are not "
+                "measured until it succeeds again (logged once)",
+                step,
+                self.rank,
+                kind,
+                why,
+            )
+        if self._reducer.issued == issued:
+            try:
+                self._reducer.reduce_failed(step)
+            except Exception as inner:
+                self._stop("collective", f"{type(inner).__name__}: {inner}", step)
+        return self._not_measured(step, f"collect(step={step}) failed: {why}")
+
+    def _stop(self, kind: str, reason: str, step: int) -> None:
+        """Stop collecting for the rest of the run (the ranks' collective sequences may have
+        diverged): logged once, counted, ``gradwatch_collecting`` 0."""
+        if self._broken is None:
+            self._broken = reason
+            self._internal_error(kind)
+            log.error(
+                "gradwatch: collection stopped at step %d on rank %d for the rest of this run "
+                "(no per-step metrics from now on): %s",
+                step,
+                self.rank,
+                reason,
+            )
+
+    def _internal_error(self, kind: str) -> None:
+        stats = self._self_stats()
+        if stats is not None:
+            stats.add_internal_error(kind)
+
+    def _measured(self, attempt: int) -> None:
+        """A step was measured: collecting again, unless a later collect already failed (the
+        publisher builds results after the training thread moved on)."""
+        stats = self._self_stats()
+        if stats is not None and self._broken is None and attempt > self._last_failed_attempt:
+            stats.set_collecting(True)
+
+    def _self_stats(self) -> SelfStats | None:
+        """The exporter's self-stats (rank 0 with publishing), else None."""
+        publishing = self._publishing
+        return None if publishing is None else publishing.self_stats
+
     def add_sink(self, sink: Sink) -> None:
         """Hand every snapshot published from now on to ``sink`` too (see
         :class:`gradwatch.export.Sink`), from the publisher thread, never the training thread.
 
-        Global rank 0 only (the other ranks publish nothing): a no-op elsewhere and after
-        :meth:`close`. Errors a sink raises are logged once and counted, never raised here.
+        Global rank 0 only (the other ranks publish nothing): a no-op elsewhere, after
+        :meth:`close` and when disabled. Errors a sink raises are logged once and counted, never
+        raised here.
         """
-        if self.rank != 0 or self._closed:
+        if self.rank != 0 or self._closed or not self._enabled:
             return
         if self._publishing is None:
             from gradwatch.export import open_publishing
@@ -344,7 +475,8 @@ class GradWatch:
             if self._publishing is not None:
                 self._publishing.close()  # flushes first: pending steps reach every sink
         finally:
-            self._reducer.close()
+            if self._enabled:
+                self._reducer.close()
 
     def __enter__(self) -> GradWatch:
         return self
@@ -371,9 +503,11 @@ class GradWatch:
         optimizer: Any,
         max_norm: float | None,
         record: bool = True,
+        attempt: int = 0,
     ) -> tuple[PendingSnapshot, Tensor | None]:
         """One statistics pass and all-reduce. ``record=False`` (a clip on a step the schedule
-        skips): no divergence measurement and no change to the collection count."""
+        skips): no divergence measurement and no change to the collection count. ``attempt``
+        numbers this collect (see :meth:`_measured`)."""
         grads = self._gradients.read()
         sq, plan = self._engine.squared_norms_and_plan(grads.tensors, self._reducer.device)
         scale = pending_scale(scaler, optimizer)
@@ -397,7 +531,7 @@ class GradWatch:
             PendingSnapshot(
                 step,
                 lambda: self._build(
-                    reduced, step, measure, timestamp, max_norm, amp, isolated
+                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt
                 ),
             ),
             total,
@@ -412,13 +546,20 @@ class GradWatch:
         max_norm: float | None,
         amp: bool,
         isolated: tuple[str, ...],
+        attempt: int = 0,
     ) -> Snapshot:
         try:
             stats = reduced.stats()
         except GradWatchTimeoutError as exc:
             # Another rank failed or skipped this collective: later ones would never match.
-            self._broken = f"{type(exc).__name__}: {exc}"
+            self._stop("collective", f"{type(exc).__name__}: {exc}", step)
             raise
+        if stats.failed_rank:
+            self._internal_error("other_rank")
+            raise GradWatchError(
+                f"gradwatch: step {step} was not measured: another rank's local pass failed "
+                "(its log says why)"
+            )
         if not stats.steps_agree(step):
             self._log_once(
                 "step-mismatch",
@@ -436,6 +577,8 @@ class GradWatch:
             groups_of=self._groups_of,
             numels=self._layout.numels,
             squares=stats.squares,
+            squares_high=stats.squares_high,
+            squares_low=stats.squares_low,
             nonfinite_flags=stats.nonfinite,
             has_grad=stats.has_grad,
             group_order=self._group_order,
@@ -453,17 +596,54 @@ class GradWatch:
         if changes:
             snap = snap.replace(**changes)
         self._anomalies.report(snap)
+        self._measured(attempt)
         if self._last is None or snap.step >= self._last.step:
             self._last = snap
         return snap
 
     def _pending_last(self, step: int) -> PendingSnapshot:
-        """What a skipped step returns: the last collected step's pending result."""
+        """What a skipped step returns: the last collected step's pending result (before the
+        first collect, a result saying that nothing was measured yet)."""
         if self._latest is not None:
             return self._latest
-        return PendingSnapshot(step, snapshot=self._last or Snapshot(step=step))
+        return self._not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+    @staticmethod
+    def _not_measured(step: int, why: str) -> PendingSnapshot:
+        """A result that raises: step ``step`` was not measured, because ``why``."""
+
+        def fail() -> Snapshot:
+            raise GradWatchError(f"gradwatch: step {step} was not measured: {why}")
+
+        return PendingSnapshot(step, fail)
 
     def _log_once(self, kind: str, msg: str, *args: object) -> None:
         if kind not in self._logged:
             self._logged.add(kind)
             log.warning(msg, *args)
+
+
+class _Replaced(GradWatchError):
+    """A parameter was replaced in its module after construction (see ParameterSlots)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _classify(exc: Exception, local_names: list[str]) -> tuple[str, str]:
+    """``(kind, reason)`` of a failed local pass: the ``kind`` label of
+    ``gradwatch_internal_errors_total`` and a sentence naming the parameter and the fix."""
+    if isinstance(exc, _Replaced):
+        return "parameters_replaced", (
+            f"parameter {exc.name!r} was replaced in its module after GradWatch was built "
+            "(to_empty() from meta, load_state_dict(assign=True), or assigning a new "
+            "nn.Parameter); construct GradWatch after the model is materialized and loaded"
+        )
+    if isinstance(exc, MetaGradientError):
+        name = local_names[exc.position]
+        return "meta_gradient", (
+            f"the gradient of parameter {name!r} is on the meta device; materialize the model "
+            "(to_empty() and initialization) before training, and construct GradWatch after it"
+        )
+    return "collect", f"{type(exc).__name__}: {exc}"

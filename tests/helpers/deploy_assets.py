@@ -48,6 +48,7 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_step",
         "gradwatch_last_collect_timestamp_seconds",
         "gradwatch_clip_coef",
+        "gradwatch_collecting",
         # counters
         "gradwatch_collections_total",
         "gradwatch_nonfinite_steps_total",
@@ -56,6 +57,7 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_publish_errors_total",
         "gradwatch_dropped_snapshots_total",
         "gradwatch_amp_skipped_steps_total",
+        "gradwatch_internal_errors_total",
         # histogram
         "gradwatch_collect_seconds_bucket",
         "gradwatch_collect_seconds_sum",
@@ -76,6 +78,7 @@ REQUIRED_ALERTS = {
     "GradwatchReplicaDivergence": ("critical", False),
     "GradwatchMetricsStale": ("warning", True),
     "GradwatchTargetDown": ("warning", True),
+    "GradwatchNotCollecting": ("critical", False),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}

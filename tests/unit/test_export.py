@@ -346,6 +346,7 @@ def test_every_metric_is_declared_typed_and_helped(servers: Callable[..., Metric
     server = servers(config(param_metrics_top_k=2))
     server.publish(rich_snapshot())
     server.observe_collect_seconds(0.001)
+    server._stats.set_collecting(True)  # what a GradWatch reports once it measured a step
     text = http_get(server.url)
     families = list(text_string_to_metric_families(text))
     exposed: dict[str, Any] = {}
@@ -1171,7 +1172,10 @@ def test_every_metric_names_the_source_that_provides_it() -> None:
     snap = rich_snapshot()  # clip_coef set: every snapshot metric present
     assert set(snapshot_samples(snap, {}, top_k=3)) == by_source[MetricSource.SNAPSHOT]
     assert set(Counts().samples()) == by_source[MetricSource.COUNTS]
-    assert set(SelfStats().view().samples()) == by_source[MetricSource.SELF_STATS]
+    stats = SelfStats()
+    assert "gradwatch_collecting" not in stats.view().samples()  # no watcher reported yet
+    stats.set_collecting(True)
+    assert set(stats.view().samples()) == by_source[MetricSource.SELF_STATS]
     assert by_source[MetricSource.INFO] == {"gradwatch_build_info", "gradwatch_run_info"}
     assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.SNAPSHOT]} == {"gauge"}
     assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.COUNTS]} == {"counter"}

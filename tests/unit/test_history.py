@@ -252,10 +252,10 @@ def test_history_with_endpoint_and_errors_counted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     blocker = tmp_path / "file"
-    blocker.write_text("x")
     model = Net()
-    cfg = _config(blocker / "h.jsonl", port=0, bind_address="127.0.0.1")  # cannot be created
+    cfg = _config(blocker / "h.jsonl", port=0, bind_address="127.0.0.1")
     with caplog.at_level(logging.WARNING, logger="gradwatch"), GradWatch(model, cfg) as watch:
+        blocker.write_text("x")  # after the construction-time check: cannot be created now
         _train(watch, model, steps=3)  # training is unaffected
         assert watch.flush(10.0)
         assert watch._publishing.published_step == 2  # the endpoint still publishes

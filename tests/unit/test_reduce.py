@@ -33,7 +33,7 @@ def test_ddp_replicas_counted_once_by_lowest_rank() -> None:
     assert layouts[0].contributes == (True, True)
     assert all(lay.contributes == (False, False) for lay in layouts[1:])
     assert [lay.replica_slot for lay in layouts] == [(r, r) for r in range(4)]
-    assert layouts[0].replicas == 4 and layouts[0].packed_length == 3 * 2 + 4 + 1
+    assert layouts[0].replicas == 4 and layouts[0].packed_length == 5 * 2 + 4 + 1
     assert layouts[0].numels == (6, 3)
 
 
@@ -90,8 +90,12 @@ def test_pipeline_stages_union_in_rank_order() -> None:
         ([desc([whole("w")], stage=[0, 1]), desc([whole("w")], stage=[0, 1])], "same stage"),
         ([desc([whole("w")], stage=[0, 1]), desc([whole("w")])], "stage_group"),
         (
-            [desc([whole("a")], stage=[0, 1]), desc([whole("b")], stage=[0, 1]),
-             desc([whole("a")], stage=[2, 3]), desc([whole("c")], stage=[2, 3])],
+            [
+                desc([whole("a")], stage=[0, 1]),
+                desc([whole("b")], stage=[0, 1]),
+                desc([whole("a")], stage=[2, 3]),
+                desc([whole("c")], stage=[2, 3]),
+            ],
             "different models",
         ),
         (
@@ -117,11 +121,13 @@ def one_process_reducer(*numels: int) -> Reducer:
 
 def test_reduced_stats_name_every_section() -> None:
     reducer = one_process_reducer(3, 4, 5)
-    sq = torch.tensor([4.0, math.nan, 9.0], dtype=torch.float64)
+    # The engine's banded layout: [plain (3) | high (3) | low (3)].
+    sq = torch.tensor([4.0, math.nan, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     reduced = reducer.pack_and_reduce(sq, [True, True, False], step=7, with_replicas=True)
     stats = reduced.stats()
     assert isinstance(stats, ReducedStats)
-    assert stats.squares[0] == 4.0 and math.isnan(stats.squares[1]) and stats.squares[2] == 9.0
+    assert stats.squares[0] == 4.0 and math.isnan(stats.squares[1]) and stats.squares[2] == 0.0
+    assert stats.squares_high == [0.0, 0.0, 5.0] and stats.squares_low == [0.0, 0.0, 0.0]
     assert stats.nonfinite == [0.0, 1.0, 0.0]  # NaN and Inf squared norms flag their piece
     assert stats.has_grad == [1.0, 1.0, 0.0]
     assert stats.replica_squares == [0.0]  # R = 1 slot, filled only when R > 1
@@ -133,27 +139,30 @@ def test_reduced_stats_name_every_section() -> None:
 
 def test_device_views_match_the_host_views() -> None:
     reducer = one_process_reducer(2, 2)
-    sq = torch.tensor([1.0, math.inf], dtype=torch.float64)
+    sq = torch.tensor([1.0, math.inf, 0.0, 0.0, 0.0, 3.0], dtype=torch.float64)
     reduced = reducer.pack_and_reduce(sq, [True, True], step=0, with_replicas=False)
-    assert reduced.device_squares().tolist() == [1.0, math.inf]
+    assert reduced.device_bands().tolist() == [1.0, math.inf, 0.0, 0.0, 0.0, 3.0]
     assert reduced.device_nonfinite().tolist() == [0.0, 1.0]
     stats = reduced.stats()
     assert stats.squares == [1.0, math.inf] and stats.nonfinite == [0.0, 1.0]
+    assert stats.squares_high == [0.0, 0.0] and stats.squares_low == [0.0, 3.0]
 
 
 def test_reduced_stats_from_values_of_a_replicated_layout() -> None:
-    """Two replicas of two parameters: [squares | flags | has-grad | 2 replica sums | step]."""
+    """Two replicas of two parameters: [squares | high | low | flags | has-grad | 2 replica
+    sums | step]."""
     per_rank = [desc([whole("w"), whole("b", (3,))]) for _ in range(2)]
     lay = build_layout(per_rank, 0)
-    values = [4.0, 1.0, 0.0, 0.0, 2.0, 2.0, 16.0, 25.0, 10.0]
+    values = [4.0, 1.0, 0.0, 7.0, 8.0, 0.0, 0.0, 0.0, 2.0, 2.0, 16.0, 25.0, 10.0]
     assert len(values) == lay.packed_length
     stats = ReducedStats.from_values(values, lay)
     assert stats.squares == [4.0, 1.0] and stats.nonfinite == [0.0, 0.0]
+    assert stats.squares_high == [0.0, 7.0] and stats.squares_low == [8.0, 0.0]
     assert stats.has_grad == [2.0, 2.0]
     assert stats.replica_squares == [16.0, 25.0] and stats.replica_norms == [4.0, 5.0]
     assert stats.replica_divergence() == pytest.approx((5.0 - 4.0) / 5.0)
     assert stats.steps_agree(5) and not stats.steps_agree(4)
-    nan = ReducedStats.from_values([*values[:6], math.nan, 25.0, 10.0], lay)
+    nan = ReducedStats.from_values([*values[:10], math.nan, 25.0, 10.0], lay)
     assert math.isnan(nan.replica_divergence())
     with pytest.raises(ValueError, match="packed vector"):
         ReducedStats.from_values(values[:-1], lay)

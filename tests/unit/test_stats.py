@@ -45,6 +45,14 @@ def ref_norm(tensors: list[torch.Tensor]) -> float:
     return top * math.sqrt(math.fsum(float(np.sum(np.square(a / top))) for a in arrays))
 
 
+def engine_norm(sq: torch.Tensor, i: int) -> float:
+    """Tensor ``i``'s norm from the engine's banded output (plain, high, low bands)."""
+    from gradwatch.stats import BANDS, norm_from_bands
+
+    n = sq.numel() // BANDS
+    return norm_from_bands(float(sq[i]), float(sq[n + i]), float(sq[2 * n + i]))
+
+
 def rel_err(got: float, want: float) -> float:
     if want == 0.0:
         return abs(got)
@@ -84,7 +92,7 @@ def test_constant_2_pow_24_fp32(value: float) -> None:
     exact = abs(float(t[0])) * math.sqrt(1 << 24)  # exactly 4096 * the stored value
     assert rel_err(float(total_norm(t)), exact) <= REL
     sq = NormEngine().squared_norms([t])
-    assert rel_err(math.sqrt(float(sq[0])), exact) <= REL
+    assert rel_err(engine_norm(sq, 0), exact) <= REL
 
 
 def test_random_2_pow_24_fp32() -> None:
@@ -166,7 +174,7 @@ def test_mixed_dtypes() -> None:
     assert rel_err(float(total_norm(ts)), ref_norm(ts)) <= REL
     sq = NormEngine().squared_norms(ts)
     for i, t in enumerate(ts):
-        assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
+        assert rel_err(engine_norm(sq, i), ref_norm([t])) <= REL
 
 
 def test_sparse_and_complex() -> None:
@@ -305,7 +313,7 @@ def test_engine_ops_constant_in_tensor_count() -> None:
         with OpCounter() as counter, count_host_reads() as reads:
             sq = engine.squared_norms(ts)
         for i in (0, 1, n - 1):
-            assert rel_err(math.sqrt(float(sq[i])), ref_norm([ts[i]])) <= REL
+            assert rel_err(engine_norm(sq, i), ref_norm([ts[i]])) <= REL
         assert counter.scalar_reads == 0
         return counter.total, sum(reads.values())
 
@@ -346,7 +354,7 @@ def test_property_total_norm_exact(specs, seed: int) -> None:  # type: ignore[no
     sq = NormEngine().squared_norms(ts)
     for i, t in enumerate(ts):
         want_i = ref_norm([t])
-        assert rel_err(math.sqrt(float(sq[i])), want_i) <= REL
+        assert rel_err(engine_norm(sq, i), want_i) <= REL
 
 
 def test_output_recorder_sees_full_size_copies() -> None:
@@ -378,7 +386,7 @@ def test_plan_follows_shape_changes_at_equal_numel() -> None:
     b = torch.randn(50, 40)
     for t in (a, b, a.t(), b.reshape(-1)):
         sq = engine.squared_norms([t])
-        assert rel_err(math.sqrt(float(sq[0])), ref_norm([t])) <= REL
+        assert rel_err(engine_norm(sq, 0), ref_norm([t])) <= REL
 
 
 def test_plan_follows_stride_changes_at_equal_shape() -> None:
@@ -393,7 +401,7 @@ def test_plan_follows_stride_changes_at_equal_shape() -> None:
     for t in (contiguous, transposed, strided, contiguous, strided, transposed):
         assert t.shape == (600, 500)
         sq = engine.squared_norms([t, torch.randn(300, generator=gen)])
-        assert rel_err(math.sqrt(float(sq[0])), ref_norm([t])) <= REL
+        assert rel_err(engine_norm(sq, 0), ref_norm([t])) <= REL
 
 
 @pytest.mark.parametrize("csr_min_rows", [1, 1 << 30])
@@ -416,7 +424,7 @@ def test_row_sums_by_csr_and_by_index_add(
     sq, plan = engine.squared_norms_and_plan(ts)
     assert all((b.sum_rows is not None) == (csr_min_rows == 1) for b in plan.buckets)
     for i, t in enumerate(ts):
-        assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
+        assert rel_err(engine_norm(sq, i), ref_norm([t])) <= REL
 
 
 def test_views_with_storage_offsets() -> None:
@@ -429,7 +437,7 @@ def test_views_with_storage_offsets() -> None:
     for _ in range(2):
         sq = engine.squared_norms(ts)
         for i, t in enumerate(ts):
-            assert rel_err(math.sqrt(float(sq[i])), ref_norm([t])) <= REL
+            assert rel_err(engine_norm(sq, i), ref_norm([t])) <= REL
 
 
 @pytest.mark.parametrize(
@@ -444,17 +452,105 @@ def test_views_with_storage_offsets() -> None:
         ([1.0, math.nan, math.inf], math.nan),
     ],
 )
-def test_sqrt_sum_host_and_device_agree(squares: list[float], expected: float) -> None:
-    """The one overflow-safe sqrt(sum of squares), on the host (Python floats, exact sum) and
-    on the device (a tensor, no host read): same value, NaN and Inf kept."""
-    from gradwatch.stats import sqrt_sum, sqrt_sum_device
+def test_sqrt_sum_host(squares: list[float], expected: float) -> None:
+    """The overflow-safe sqrt(sum of plain squares) on the host (Python floats, exact sum):
+    NaN and Inf kept."""
+    from gradwatch.stats import sqrt_sum
 
     host = sqrt_sum(squares)
-    device = float(sqrt_sum_device(torch.tensor(squares, dtype=torch.float64)))
+    if math.isnan(expected):
+        assert math.isnan(host)
+    elif math.isinf(expected) or expected == 0.0:
+        assert host == expected
+    else:
+        assert host == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize(
+    "norms",
+    [
+        [],
+        [0.0, 0.0],
+        [2.0, 3.0, 6.0],
+        [1e154, 1e154, 7e153],  # squares fit float64, their sum does not
+        [1e160, 3e160],  # squares beyond float64
+        [1e300, 1e300, 1e-300],
+        [1e-160, 2e-160, 1e-170],  # squares below float64's normal range
+        [1e-300, 1e-300, 1e-300, 1e-300],
+        [4e-320, 3e-320],  # subnormal norms
+        [1e200, 1e-200, 1.0],
+        [1e308, 1e308],  # the norm itself overflows: inf
+        [1.0, math.inf],
+        [1.0, math.nan, math.inf],
+    ],
+)
+def test_band_combination_host_and_device_agree(norms: list[float]) -> None:
+    """Squared norms as the engine's bands, summed per band and combined back: on the host
+    (:func:`norm_from_bands`) and on the device (:func:`banded_total_device`, no host read),
+    equal to ``math.hypot`` of the norms over the whole float64 range (NaN beats Inf)."""
+    from gradwatch.stats import BANDS, banded_total_device, bands_of_norm, norm_from_bands
+
+    n = len(norms)
+    bands = [0.0] * (BANDS * n)
+    for i, norm in enumerate(norms):
+        band, value = bands_of_norm(norm)
+        bands[band * n + i] = value
+    expected = math.nan if any(x != x for x in norms) else math.hypot(*norms)
+    host = norm_from_bands(*(math.fsum(bands[b * n : (b + 1) * n]) for b in range(BANDS)))
+    device = float(banded_total_device(torch.tensor(bands, dtype=torch.float64), n))
     if math.isnan(expected):
         assert math.isnan(host) and math.isnan(device)
     elif math.isinf(expected) or expected == 0.0:
         assert host == device == expected
     else:
-        assert host == pytest.approx(expected, rel=1e-12, abs=0)
-        assert device == pytest.approx(expected, rel=1e-12, abs=0)
+        assert host == pytest.approx(expected, rel=1e-14, abs=0)
+        assert device == pytest.approx(expected, rel=1e-14, abs=0)
+
+
+@pytest.mark.parametrize(
+    ("magnitudes", "numel"),
+    [
+        ([1e160], 1000),
+        ([1e-160], 1000),
+        ([1e-300], 1000),
+        ([1e300], 100),
+        ([1e200, 1e-200, 1e-300, 1.0], 70_000),
+        ([1e154, 1e152, 1e-160], 5000),
+        ([3e-320], 10),
+    ],
+)
+def test_float64_exact_over_the_whole_range(magnitudes: list[float], numel: int) -> None:
+    """Float64 gradients of any finite magnitude: total_norm, the engine's per-tensor norms
+    and a GradWatch snapshot are exact to 1e-12 against math.hypot of the exact values."""
+    from gradwatch import GradWatch, WatchConfig
+
+    ts = [torch.full((numel,), m, dtype=torch.float64) for m in magnitudes]
+    per = [math.hypot(*([m] * numel)) for m in magnitudes]
+    want = math.hypot(*per)
+    assert rel_err(float(total_norm(ts)), want) <= 1e-12
+    sq = NormEngine().squared_norms(ts)
+    for i, w in enumerate(per):
+        assert rel_err(engine_norm(sq, i), w) <= 1e-12
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(t)) for t in ts])
+    for p, t in zip(model, ts, strict=True):
+        p.grad = t.clone()
+    with GradWatch(model, WatchConfig()) as watch:
+        snap = watch.collect(0).result()
+    assert rel_err(snap.global_norm, want) <= 1e-12
+    for name, w in zip(sorted(snap.param_norms), per, strict=True):
+        assert rel_err(snap.param_norms[name], w) <= 1e-12
+    assert snap.is_finite
+
+
+def test_float64_norm_beyond_float64_is_inf_and_exploding() -> None:
+    """A norm that truly overflows float64 is +inf, like torch's get_total_norm, and the
+    step counts as exploding."""
+    from gradwatch import GradWatch, WatchConfig
+
+    t = torch.full((10,), 1e308, dtype=torch.float64)
+    assert float(total_norm(t)) == math.inf == float(torch.nn.utils.get_total_norm([t]))
+    p = torch.nn.Parameter(torch.zeros(10, dtype=torch.float64))
+    p.grad = t
+    with GradWatch(torch.nn.ParameterList([p]), WatchConfig()) as watch:
+        snap = watch.collect(0).result()
+    assert snap.global_norm == math.inf and snap.exploding_step

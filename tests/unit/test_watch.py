@@ -14,6 +14,7 @@ from test_summary import ref_health, ref_ratio, ref_raw
 from torch import nn
 
 from gradwatch import GradWatch, UnsupportedParallelismError, WatchConfig
+from gradwatch.errors import GradWatchError
 from gradwatch.model import clean_name
 from gradwatch.testing import OpCounter, count_host_reads
 
@@ -431,10 +432,14 @@ def test_every_n_steps_skips_without_work() -> None:
 
 
 def test_skipped_step_before_first_collect() -> None:
+    """Nothing measured yet: no work, and the result says so instead of an empty snapshot
+    (global norm 0.0, health 1.0) that was never measured."""
     with GradWatch(Net(), example_config(every_n_steps=3)) as watch, OpCounter() as counter:
-        snap = watch.collect(1).result()
-    assert counter.total == 0
-    assert snap.global_norm == 0.0 and dict(snap.param_norms) == {}
+        pending = watch.collect(1)
+        assert counter.total == 0
+        with pytest.raises(GradWatchError, match="step 1 was not measured"):
+            pending.result()
+        assert watch.last is None
 
 
 def test_close_is_idempotent_and_context_manager_closes() -> None:

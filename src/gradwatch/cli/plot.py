@@ -25,6 +25,7 @@ exactly ``width*dpi`` x ``height*dpi`` pixels (no tight bounding box).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -122,6 +123,41 @@ def _positive(values: Sequence[float]) -> list[float]:
     return [v if math.isfinite(v) and v > 0 else math.nan for v in values]
 
 
+#: Malformed records named one by one on stderr; more are only counted.
+MALFORMED_SHOWN = 5
+
+#: Fields of a history record that must be mappings (when present and not null).
+_MAPPINGS = ("groups", "ratios", "raw_ratios", "param_norms", "isolation_violated")
+
+
+def malformed(record: dict[str, Any]) -> str | None:
+    """Why ``record`` cannot be drawn (a line gradwatch did not write), or None."""
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"'step' is {type(step).__name__}, not an integer"
+    for key in _MAPPINGS:
+        value = record.get(key)
+        if value is not None and not isinstance(value, dict):
+            return f"{key!r} is {type(value).__name__}, not a mapping"
+    return None
+
+
+def _where(path: Path, record: dict[str, Any]) -> str:
+    """``file line n`` of ``record`` (found again by parsing each line: error path only)."""
+    for file in (rotated_path(path), path):
+        try:
+            with open(file, "rb") as fh:
+                for number, raw in enumerate(fh, 1):
+                    try:
+                        if json.loads(raw) == record:
+                            return f"{file} line {number}"
+                    except (ValueError, UnicodeDecodeError):
+                        continue
+        except OSError:
+            continue
+    return str(path)
+
+
 def load_records(path: Path) -> list[dict[str, Any]]:
     """The records of ``path`` (and ``path.1`` first); :class:`PlotError` when there are none."""
     if not path.exists() and not rotated_path(path).exists():
@@ -132,8 +168,20 @@ def load_records(path: Path) -> list[dict[str, Any]]:
         records = read_history(path)
     except OSError as exc:
         raise PlotError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    # a line that parsed but whose step is no integer cannot be placed on the step axis
-    records = [r for r in records if isinstance(r["step"], int) and not isinstance(r["step"], bool)]
+    bad = [(r, problem) for r in records if (problem := malformed(r)) is not None]
+    if bad:
+        for record, problem in bad[:MALFORMED_SHOWN]:
+            sys.stderr.write(
+                f"gradwatch plot: warning: {_where(path, record)}: malformed record "
+                f"({problem}); skipped\n"
+            )
+        if len(bad) > MALFORMED_SHOWN:
+            sys.stderr.write(
+                f"gradwatch plot: warning: {len(bad) - MALFORMED_SHOWN} more malformed records "
+                "skipped\n"
+            )
+        skipped = {id(r) for r, _ in bad}
+        records = [r for r in records if id(r) not in skipped]
     if not records:
         raise PlotError(
             f"{path} holds no history records (empty, or not a gradwatch history: one JSON "

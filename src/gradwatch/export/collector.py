@@ -55,10 +55,12 @@ class SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         state = self._state.current()
+        view = self._stats.view()
         sources: dict[MetricSource, Mapping[str, MetricValue]] = {
-            MetricSource.SNAPSHOT: state.samples,
+            # Not collecting: the last snapshot is no longer a measurement of the job's present.
+            MetricSource.SNAPSHOT: {} if view.collecting is False else state.samples,
             MetricSource.COUNTS: state.count_samples,
-            MetricSource.SELF_STATS: self._stats.view().samples(),
+            MetricSource.SELF_STATS: view.samples(),
             MetricSource.INFO: self._info,
         }
         for d in METRICS:

@@ -259,6 +259,30 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     # -- constant info -------------------------------------------------------------------------
     MetricDef(
+        "gradwatch_collecting",
+        "gauge",
+        (),
+        "1 while gradwatch measures every collected step, 0 when it stopped or its last "
+        "collect failed.",
+        "Absent until the first step is measured or fails. 0 from a failed collect on, until "
+        "a step is measured again (a transient error) or for the rest of the run (collection "
+        "stopped; the log says why, once). While it is 0 every per-step gauge is absent: no "
+        "snapshot that was not measured is shown. The "
+        "GradwatchNotCollecting alert pages on it.",
+        source=MetricSource.SELF_STATS,
+    ),
+    MetricDef(
+        "gradwatch_internal_errors_total",
+        "counter",
+        ("kind",),
+        "Collects gradwatch could not measure, by kind of internal error.",
+        "Kinds: collect (the local pass raised), meta_gradient (a gradient on the meta "
+        "device), parameters_replaced (a parameter replaced after GradWatch was built), "
+        "collective (a gradwatch collective failed or timed out), other_rank (another rank's "
+        "local pass failed). Every kind starts at 0, with gradwatch_collecting.",
+        source=MetricSource.SELF_STATS,
+    ),
+    MetricDef(
         "gradwatch_build_info",
         "info",
         ("version", "torch_version"),

@@ -165,6 +165,12 @@ class Publishing:
         """Step of the last snapshot the endpoint shows; None before the first or without one."""
         return self._state.published_step if self._state is not None else None
 
+    @property
+    def self_stats(self) -> SelfStats:
+        """The exporter's own counters, where the watcher reports whether it is collecting
+        (``gradwatch_collecting``) and its internal errors; thread-safe."""
+        return self._stats
+
     def add_sink(self, sink: Sink) -> None:
         """Feed ``sink`` too, from the next published snapshot on; it is closed with the rest.
 

@@ -38,6 +38,18 @@ COLLECT_SECONDS_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
 
+#: The ``kind`` label values of ``gradwatch_internal_errors_total`` (each starts at 0): a local
+#: pass that raised (``collect``), a gradient on the ``meta`` device (``meta_gradient``), a
+#: parameter replaced after construction (``parameters_replaced``), a gradwatch collective that
+#: failed or timed out (``collective``), another rank's failed local pass (``other_rank``).
+INTERNAL_ERROR_KINDS = (
+    "collect",
+    "meta_gradient",
+    "parameters_replaced",
+    "collective",
+    "other_rank",
+)
+
 #: One sample: label values (in the order of ``MetricDef.labels``) and the value.
 Sample = tuple[tuple[str, ...], float]
 
@@ -227,6 +239,8 @@ class SelfView:
     dropped: int
     bucket_counts: tuple[int, ...]  # per bucket, not cumulative; last one is +Inf
     seconds_sum: float
+    collecting: bool | None = None  # None: no watcher reported yet (both series absent)
+    internal_errors: tuple[tuple[str, int], ...] = ()
 
     def samples(self) -> dict[str, MetricValue]:
         """The samples of every ``MetricSource.SELF_STATS`` metric."""
@@ -235,11 +249,17 @@ class SelfView:
         for bound, n in zip((*COLLECT_SECONDS_BUCKETS, math.inf), self.bucket_counts, strict=True):
             cumulative += n
             buckets.append((floatToGoString(bound), float(cumulative)))
-        return {
+        out: dict[str, MetricValue] = {
             "gradwatch_publish_errors_total": (((), float(self.publish_errors)),),
             "gradwatch_dropped_snapshots_total": (((), float(self.dropped)),),
             "gradwatch_collect_seconds": HistogramValue(tuple(buckets), self.seconds_sum),
         }
+        if self.collecting is not None:
+            out["gradwatch_collecting"] = (((), 1.0 if self.collecting else 0.0),)
+            out["gradwatch_internal_errors_total"] = tuple(
+                ((kind,), float(n)) for kind, n in self.internal_errors
+            )
+        return out
 
 
 class SelfStats:
@@ -258,6 +278,8 @@ class SelfStats:
         self._dropped = 0
         self._buckets = [0] * (len(COLLECT_SECONDS_BUCKETS) + 1)
         self._sum = 0.0
+        self._collecting: bool | None = None  # until the watcher's first measurement or error
+        self._internal_errors = dict.fromkeys(INTERNAL_ERROR_KINDS, 0)
         self.version = 0  # bumped by every change; read without the lock (an int load)
 
     def observe(self, seconds: float) -> None:
@@ -280,6 +302,30 @@ class SelfStats:
             self._dropped += 1
             self.version += 1
 
+    def set_collecting(self, collecting: bool) -> None:
+        """Whether the watcher is measuring (``gradwatch_collecting``); while it is not, the
+        Collector shows no per-step gauge. Both watcher series are absent until the first
+        call (or :meth:`add_internal_error`): before it nothing was measured either way."""
+        with self._lock:
+            if self._collecting != collecting:
+                self._collecting = collecting
+                self.version += 1
+
+    def add_internal_error(self, kind: str) -> None:
+        """Count one ``gradwatch_internal_errors_total{kind}`` (a kind of
+        :data:`INTERNAL_ERROR_KINDS`) and mark the watcher as not collecting."""
+        with self._lock:
+            self._internal_errors[kind] = self._internal_errors.get(kind, 0) + 1
+            self._collecting = False
+            self.version += 1
+
     def view(self) -> SelfView:
         with self._lock:
-            return SelfView(self._publish_errors, self._dropped, tuple(self._buckets), self._sum)
+            return SelfView(
+                self._publish_errors,
+                self._dropped,
+                tuple(self._buckets),
+                self._sum,
+                self._collecting,
+                tuple(self._internal_errors.items()),
+            )
