@@ -344,9 +344,9 @@ def _gradwatch_version() -> str:
 def test_every_metric_is_declared_typed_and_helped(servers: Callable[..., MetricsServer]) -> None:
     """The exposition and METRICS agree on names, types and labels, both ways."""
     server = servers(config(param_metrics_top_k=2))
-    server.publish(rich_snapshot())
+    server.self_stats.set_collecting(True)  # what a GradWatch reports once it measured a step
     server.observe_collect_seconds(0.001)
-    server._stats.set_collecting(True)  # what a GradWatch reports once it measured a step
+    server.publish(rich_snapshot())  # returns once the exporter process serves all of the above
     text = http_get(server.url)
     families = list(text_string_to_metric_families(text))
     exposed: dict[str, Any] = {}

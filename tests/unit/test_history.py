@@ -348,7 +348,7 @@ def test_close_is_bounded_when_the_history_file_blocks(
             watch.close()
         elapsed = time.monotonic() - started
         publishing = watch._publishing
-        view = publishing._stats.view()
+        view = publishing.self_stats.view()
         state = publishing._state
         published = state.current().counts.collections if state is not None else 0
     finally:
