@@ -96,8 +96,10 @@ WRITE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 2.0
 #: Connections the kernel queues before this process accepts them.
 LISTEN_BACKLOG = 128
-#: Nice increment of this process: under CPU contention the training job comes first.
-NICE = 10
+#: Nice increment of this process: the lowest priority, so that under CPU contention the
+#: training job always comes first (serving a cached exposition needs little CPU; a middle
+#: value still let client floods show in the step time, see docs/performance.md).
+NICE = 19
 #: Successful (user, password) checks remembered, so a scraper costs one bcrypt, not one a scrape.
 AUTH_CACHE_SIZE = 64
 
