@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.config import WatchConfig
+from gradwatch.configfile import load_config
 from gradwatch.snapshot import Snapshot
 from gradwatch.watcher import GradWatch, PendingSnapshot
 
@@ -30,9 +31,11 @@ def watch(
 
     Under torchrun, rank and world size come from the initialized process group (or the
     ``RANK`` variable when none is initialized); only global rank 0 serves the endpoint.
-    Invalid settings raise a pydantic ``ValidationError`` naming the field, before training.
+    Invalid settings raise :class:`gradwatch.configfile.ConfigError` (a ``GradWatchError`` and
+    a ``ValueError``) before training, one line per bad field naming it and where its value
+    came from, e.g. ``invalid value for port: ... (from env GRADWATCH_PORT='abc')``.
     """
-    cfg = WatchConfig(**overrides)
+    cfg = load_config(**overrides)
     if not cfg.enabled:
         return NoOpWatch(model, cfg)
     return GradWatch(model, cfg, process_group=process_group, stage_group=stage_group)

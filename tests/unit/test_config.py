@@ -251,3 +251,18 @@ def test_env_invalid_values_are_validation_errors(
     with pytest.raises(ValidationError) as excinfo:
         WatchConfig()
     assert field in [str(p) for e in excinfo.value.errors() for p in e["loc"]], _error_text(excinfo)
+
+
+def test_watch_reports_a_bad_environment_value_in_one_line(monkeypatch) -> None:
+    import pytest
+    from torch import nn
+
+    import gradwatch
+
+    monkeypatch.setenv("GRADWATCH_PORT", "abc")
+    with pytest.raises(gradwatch.GradWatchError) as info:
+        gradwatch.watch(nn.Linear(2, 2))
+    message = str(info.value)
+    assert message.count("\n") == 0, message
+    assert "port" in message and "GRADWATCH_PORT='abc'" in message, message
+    assert "pydantic" not in message and "errors.pydantic.dev" not in message
