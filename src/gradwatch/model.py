@@ -120,6 +120,13 @@ def group_membership(
     return groups_of, order
 
 
+def empty_groups(groups_of: Sequence[str], groups: Mapping[str, Sequence[str]]) -> list[str]:
+    """Configured groups that no parameter of the whole model joined: a typo in a pattern,
+    which would otherwise read like a group that receives no gradient (dormant)."""
+    joined = set(groups_of)
+    return [g for g in groups if g not in joined]
+
+
 def reject_fsdp1(model: nn.Module) -> None:
     """Raise :class:`UnsupportedParallelismError` if ``model`` holds an FSDP1 module."""
     try:

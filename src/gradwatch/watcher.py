@@ -37,6 +37,7 @@ from gradwatch.hooks import before_optimizer_step
 from gradwatch.model import (
     ParameterSlots,
     describe_parallelism,
+    empty_groups,
     group_membership,
     named_parameters,
     reject_fsdp1,
@@ -163,6 +164,15 @@ class GradWatch:
         )
         self._layout = self._reducer.layout
         self._groups_of, self._group_order = group_membership(self._layout.names, cfg.groups)
+        if self.rank == 0:
+            for group in empty_groups(self._groups_of, cfg.groups):
+                log.warning(
+                    "gradwatch: group %r matches no parameter of the model (patterns %s); it "
+                    "will read 0 every step. Parameter names look like %r",
+                    group,
+                    list(cfg.groups[group]),
+                    self._layout.names[0] if self._layout.names else "",
+                )
         self.parallelism = describe_parallelism(
             model, self._params, self.world_size, stage_group, process_group
         )

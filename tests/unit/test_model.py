@@ -104,3 +104,19 @@ def test_ddp_found_inside_or_wrapping(monkeypatch: pytest.MonkeyPatch) -> None:
     assert wrapping_ddp(inner) is outer
     assert describe_parallelism(inner, params, 2, None) == "ddp2"
     assert wrapping_ddp(net()) is None  # another model: not wrapped
+
+
+def test_a_group_matching_no_parameter_is_warned_about_at_construction(caplog) -> None:
+    import logging
+
+    from torch import nn
+
+    from gradwatch import GradWatch, WatchConfig
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    cfg = WatchConfig(groups={"host": ["0.*"], "seed": ["nomatch.*"]})
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        GradWatch(model, cfg).close()
+    warned = [r.getMessage() for r in caplog.records if "matches no parameter" in r.getMessage()]
+    assert len(warned) == 1 and "'seed'" in warned[0] and "nomatch.*" in warned[0], warned
+    assert "'host'" not in warned[0]
