@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs.framework_ddp_job import Regression, RegressionModel
 from torch import nn
 
 import gradwatch
@@ -267,30 +268,6 @@ def test_anomaly_logs_name_params_rank_and_group_once_per_minute(
 # -- frameworks --------------------------------------------------------------------------------
 
 
-class _TinyRegression(torch.utils.data.Dataset):
-    def __init__(self, n: int = 64) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 16, generator=g)
-        self.y = torch.randn(n, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
-class _HFModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.backbone = nn.Linear(16, 8)
-        self.seed = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = self.seed(torch.tanh(self.backbone(x)))
-        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
-
-
 @pytest.mark.timeout(300)
 def test_huggingface_trainer_callback(tmp_path) -> None:
     import transformers
@@ -314,9 +291,9 @@ def test_huggingface_trainer_callback(tmp_path) -> None:
         max_grad_norm=0.0,  # no clipping: the callback then sees the Trainer's own gradients
         disable_tqdm=True,
     )
-    model = _HFModel()
+    model = RegressionModel()
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=_TinyRegression(), callbacks=[callback]
+        model=model, args=args, train_dataset=Regression(), callbacks=[callback]
     )
     trainer.train()
     logged = [h for h in trainer.state.log_history if "gradwatch/global_grad_norm" in h]
@@ -369,7 +346,7 @@ def test_lightning_callback(tmp_path) -> None:
         default_root_dir=str(tmp_path),
         callbacks=[callback],
     )
-    loader = torch.utils.data.DataLoader(_TinyRegression(), batch_size=8)
+    loader = torch.utils.data.DataLoader(Regression(), batch_size=8)
     trainer.fit(Module(), loader)
     metrics = trainer.logged_metrics
     assert "gradwatch/global_grad_norm" in metrics and "gradwatch/grad_norm/seed" in metrics

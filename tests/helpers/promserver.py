@@ -52,6 +52,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_can_be_bound(port: int) -> bool:
+    """True if ``127.0.0.1:port`` can be bound and listened on right now (nothing holds it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True
+
+
 def http_get(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read().decode()

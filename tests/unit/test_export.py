@@ -32,6 +32,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from promserver import port_can_be_bound
 
 from gradwatch import GradWatch, GradWatchError, PortInUseError, WatchConfig
 from gradwatch.export import (
@@ -661,18 +662,6 @@ def test_submit_never_raises_and_is_ignored_after_close(
 # -- the server -----------------------------------------------------------------------------------
 
 
-def bind_probe(port: int) -> bool:
-    """True if ``127.0.0.1:port`` can be bound (and listened on) right now."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-    return True
-
-
 def test_ephemeral_port(servers: Callable[..., MetricsServer]) -> None:
     a, b = servers(), servers()
     assert a.port != 0 and b.port != 0 and a.port != b.port
@@ -716,12 +705,12 @@ def test_close_releases_the_port_and_is_idempotent(servers: Callable[..., Metric
 def test_unclosed_server_is_closed_when_collected(servers: Callable[..., MetricsServer]) -> None:
     server = MetricsServer(config(), world_size=1, parallelism="single")
     port, publisher = server.port, server._publisher.thread
-    assert not bind_probe(port)
+    assert not port_can_be_bound(port)
     del server
     gc.collect()
     publisher.join(10)
     assert not publisher.is_alive()
-    assert bind_probe(port)
+    assert port_can_be_bound(port)
 
 
 EXIT_SCRIPT = """
@@ -1098,7 +1087,7 @@ def test_unloadable_tls_files_fail_at_construction_without_taking_the_port(
             world_size=1,
             parallelism="single",
         )
-    assert bind_probe(port)
+    assert port_can_be_bound(port)
 
 
 # -- promtool and the generated reference ---------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from promserver import port_can_be_bound
 
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
@@ -71,17 +71,6 @@ def gone(pid: int) -> bool:
             return any(line.split()[1:2] == ["Z"] for line in f if line.startswith("State:"))
     except FileNotFoundError:
         return True
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-    return True
 
 
 def test_scrapes_cost_renders_per_change_not_per_request(
@@ -170,14 +159,14 @@ def test_sigkill_of_the_trainer_takes_the_exporter_and_the_port_with_it() -> Non
         url = f"http://127.0.0.1:{port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             assert response.status == 200
-        assert not gone(child) and not port_free(port)
+        assert not gone(child) and not port_can_be_bound(port)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(10)
         deadline = time.monotonic() + 5.0
-        while not (gone(child) and port_free(port)) and time.monotonic() < deadline:
+        while not (gone(child) and port_can_be_bound(port)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert gone(child), "the exporter process outlived the trainer"
-        assert port_free(port), "the port is still held"
+        assert port_can_be_bound(port), "the port is still held"
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -212,7 +201,7 @@ def test_close_stops_the_exporter_process(server: MetricsServer) -> None:
     started = time.monotonic()
     server.close()
     assert time.monotonic() - started < 5.0
-    assert gone(pid) and port_free(port)
+    assert gone(pid) and port_can_be_bound(port)
 
 
 def test_a_stuck_exporter_never_blocks_publishing_and_is_replaced(

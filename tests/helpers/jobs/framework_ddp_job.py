@@ -32,20 +32,24 @@ class Regression(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
+class RegressionModel(nn.Module):
+    """A host backbone and a seed head, called the Hugging Face way (``labels`` in, a dict with
+    the loss out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(16, 8)
+        self.seed = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.seed(torch.tanh(self.backbone(x)))
+        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+
 def run_huggingface(out: Path) -> dict[str, Any]:
     import transformers
 
     from gradwatch.integrations.huggingface import GradWatchCallback
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = nn.Linear(16, 8)
-            self.seed = nn.Linear(8, 1)
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            out = self.seed(torch.tanh(self.backbone(x)))
-            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
 
     seen: dict[str, Any] = {}
 
@@ -71,7 +75,10 @@ def run_huggingface(out: Path) -> dict[str, Any]:
         ddp_backend="gloo",
     )
     trainer = transformers.Trainer(
-        model=Model(), args=args, train_dataset=Regression(), callbacks=[Probe(groups=GROUPS)]
+        model=RegressionModel(),
+        args=args,
+        train_dataset=Regression(),
+        callbacks=[Probe(groups=GROUPS)],
     )
     trainer.train()
     seen["wrapper"] = type(trainer.model_wrapped).__name__
