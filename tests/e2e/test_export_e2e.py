@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 from promserver import PromServer, run_prometheus, start_torchrun, stop_group, tail
+from tls import self_signed
 
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
@@ -104,21 +105,12 @@ def test_prometheus_scrapes_through_basic_auth_over_tls(tmp_path: Path) -> None:
     """The exporter-toolkit web config protecting gradwatch works with Prometheus's own
     ``basic_auth`` and ``tls_config`` scrape settings; a wrong password gets 401."""
     import base64
-    import shutil
     import ssl
 
     import bcrypt
     import yaml
 
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
-    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
-         "-subj", "/CN=gradwatch e2e", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    cert, key = self_signed(tmp_path)
     password = "e2e-password"
     web = tmp_path / "web.yml"
     web.write_text(

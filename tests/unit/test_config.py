@@ -44,7 +44,7 @@ def _error_text(excinfo: pytest.ExceptionInfo[ValidationError]) -> str:
     )
 
 
-def test_issue_example_is_accepted() -> None:
+def test_host_seed_example_is_accepted() -> None:
     cfg = WatchConfig(
         groups={"host": ["backbone.*"], "seed": ["seed.*"]},
         ratios=[("seed", "host")],

@@ -13,7 +13,6 @@ import http.client
 import shutil
 import socket
 import ssl
-import subprocess
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import bcrypt
 import pytest
 import yaml
+from tls import self_signed
 
 from gradwatch import GradWatchError, WatchConfig
 from gradwatch.export import MetricsServer, load_web_config
@@ -45,20 +45,6 @@ def snapshot(step: int = 1) -> Snapshot:
 
 def bcrypt_hash(password: str, rounds: int = 4) -> str:
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds)).decode()
-
-
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 (its own CA) and its key."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
-    cert, key = directory / "server.pem", directory / "server.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
-         "-subj", "/CN=gradwatch test", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return cert, key
 
 
 @pytest.fixture(scope="module")
