@@ -282,6 +282,11 @@ class ScrapersPlan:
     cycles: int  # windows with scrapers (as many without)
     n_slowloris: int = 0
     n_ordinary: int = 0
+    #: Nice value of the clients' process. On a dedicated machine the clients are elsewhere; here
+    #: they share the job's two cores, and at 19 they stand in for remote machines (their own
+    #: CPU is then not charged to the job); at 0 they compete with the job as equals.
+    client_nice: int = 19
+    judged: bool = True  # False: a row for context, not held to the target
 
 
 @dataclass(frozen=True)
@@ -297,7 +302,7 @@ class Plan:
     scrape_rounds: int
     models: tuple[ModelSpec, ...]
     dist_steps: dict[str, int]
-    scrapers: ScrapersPlan
+    scrapers: tuple[ScrapersPlan, ...]
 
 
 def full_plan() -> Plan:
@@ -313,7 +318,9 @@ def full_plan() -> Plan:
         models=(ModelSpec("demo", "demo model", steps={"ddp": 1200, "fsdp2": 240}),
                 ModelSpec("mlp", "MLP 4 x 1024", width=1024, depth=4)),
         dist_steps={"ddp": 300, "fsdp2": 120},
-        scrapers=ScrapersPlan(20, 2.0, 5, n_slowloris=150, n_ordinary=200),
+        scrapers=(ScrapersPlan(20, 2.0, 5, n_slowloris=150, n_ordinary=200),
+                  ScrapersPlan(20, 2.0, 5, n_slowloris=150, n_ordinary=200, client_nice=0,
+                               judged=False)),
     )
 
 
@@ -327,5 +334,5 @@ def quick_plan() -> Plan:
         scrape_params=200, scrape_rounds=2,
         models=(ModelSpec("demo", "demo"),),
         dist_steps={"ddp": 8, "fsdp2": 8},
-        scrapers=ScrapersPlan(4, 0.3, 1, n_slowloris=4, n_ordinary=4),
+        scrapers=(ScrapersPlan(4, 0.3, 1, n_slowloris=4, n_ordinary=4),),
     )

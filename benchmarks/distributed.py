@@ -13,6 +13,7 @@ on ``sys.path``, which spawn passes on); rank 0 hands its results back through a
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import pickle
@@ -23,6 +24,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -202,6 +204,7 @@ def _scrape_worker(rank: int, port: int, tmp: str) -> None:
                           param_metrics_top_k=50, collective_timeout_seconds=120)
         watch = GradWatch(model, cfg)
         if rank == 0:
+            Path(tmp, "pid").write_text(str(os.getpid()))
             Path(tmp, "url.tmp").write_text(str(watch.metrics_url))
             os.replace(Path(tmp, "url.tmp"), Path(tmp, "url"))
         gen = torch.Generator().manual_seed(10 + rank)
@@ -304,37 +307,97 @@ class _Scrapers:
                     conn.close()
 
 
+
+def _client_process(conn: Connection, url: str, plan: ScrapersPlan) -> None:
+    """The clients, in a process of their own at ``plan.client_nice``: for each number of
+    seconds received, run them that long and send back (served, refused, cut, latencies, CPU
+    seconds of this process); stop at ``None``."""
+    os.nice(plan.client_nice)
+    scrapers = _Scrapers(url, plan.n_scrapers, plan.n_slowloris, plan.n_ordinary)
+    conn.send("ready")
+    while (seconds := conn.recv()) is not None:
+        cpu0 = time.process_time()
+        scrapers.run_for(seconds)
+        conn.send((scrapers.served, scrapers.refused, scrapers.cut, scrapers.latencies,
+                   time.process_time() - cpu0))
+        scrapers.served = scrapers.refused = scrapers.cut = 0
+        scrapers.latencies = []
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (Linux ``/proc``), 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux ``/proc``)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in task.read_text().split()]
+    return out
+
+
 def scrapers_during_training(plan: ScrapersPlan) -> ScrapersResult:
-    """Step time of a 2-rank DDP job while ``plan.n_scrapers`` clients GET the endpoint back to
-    back, alternating windows with and without scrapers (``plan.cycles`` of each)."""
+    """Step time of a 2-rank DDP job while ``plan``'s clients hammer rank 0's endpoint,
+    alternating windows with and without them (``plan.cycles`` of each). The clients run in a
+    process of their own at ``plan.client_nice``; the exporter process's CPU time is read from
+    ``/proc`` around the windows with clients."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_scrape_worker, args=(_free_port(), tmp), nprocs=WORLD,
                                  join=False, start_method="spawn")
+        clients: multiprocessing.process.BaseProcess | None = None
         try:
             deadline = time.monotonic() + 120
             while not Path(tmp, "url").exists():
                 if time.monotonic() > deadline or not all(p.is_alive() for p in ctx.processes):
                     raise RuntimeError("the training job did not start")
                 time.sleep(0.05)
-            scrapers = _Scrapers(Path(tmp, "url").read_text(), plan.n_scrapers,
-                                 plan.n_slowloris, plan.n_ordinary)
+            exporters = _children(int(Path(tmp, "pid").read_text()))
+            here, there = spawn.Pipe()
+            clients = spawn.Process(target=_client_process, daemon=True,
+                                    args=(there, Path(tmp, "url").read_text(), plan))
+            clients.start()
+            if not here.poll(120) or here.recv() != "ready":
+                raise RuntimeError("the client process did not start")
             time.sleep(1.0)  # warm-up steps
             windows: list[tuple[bool, float, float]] = []  # (with scrapers, start, end)
-            client_cpu = 0.0
+            served = refused = cut = 0
+            latencies: list[float] = []
+            client_cpu = exporter_cpu = 0.0
             for k in range(2 * plan.cycles):
-                t0, cpu0 = time.monotonic(), time.process_time()
+                t0 = time.monotonic()
                 if k % 2 == 0:
                     time.sleep(plan.seconds_per_window)
                 else:
-                    scrapers.run_for(plan.seconds_per_window)
-                    client_cpu += time.process_time() - cpu0
+                    cpu0 = sum(_cpu_seconds(pid) for pid in exporters)
+                    here.send(plan.seconds_per_window)
+                    if not here.poll(120):
+                        raise RuntimeError("the client process stopped answering")
+                    n_served, n_refused, n_cut, lat, cpu = here.recv()
+                    served, refused, cut = served + n_served, refused + n_refused, cut + n_cut
+                    latencies += lat
+                    client_cpu += cpu
+                    exporter_cpu += sum(_cpu_seconds(pid) for pid in exporters) - cpu0
                 windows.append((k % 2 == 1, t0, time.monotonic()))
+            here.send(None)
             Path(tmp, "stop").touch()
             ctx.join(timeout=120)
             stamps = json.loads(Path(tmp, "steps.json").read_text())
         finally:
+            if clients is not None:
+                clients.join(timeout=10)
+                if clients.is_alive():
+                    clients.kill()
             for p in ctx.processes:
                 if p.is_alive():
                     p.terminate()
@@ -350,7 +413,8 @@ def scrapers_during_training(plan: ScrapersPlan) -> ScrapersResult:
         n_scrapers=plan.n_scrapers, cycles=plan.cycles,
         seconds_with=sum(w1 - w0 for scraped, w0, w1 in windows if scraped),
         without=Timing.of(steps[False]), with_scrapers=Timing.of(steps[True]),
-        served=scrapers.served, refused=scrapers.refused,
-        latency=Timing.of(scrapers.latencies) if scrapers.latencies else None,
-        client_cpu_seconds=client_cpu, target=SCRAPERS_TARGET,
-        n_slowloris=plan.n_slowloris, n_ordinary=plan.n_ordinary, slowloris_cut=scrapers.cut)
+        served=served, refused=refused,
+        latency=Timing.of(latencies) if latencies else None,
+        client_cpu_seconds=client_cpu, target=SCRAPERS_TARGET if plan.judged else None,
+        n_slowloris=plan.n_slowloris, n_ordinary=plan.n_ordinary, slowloris_cut=cut,
+        client_nice=plan.client_nice, exporter_cpu_seconds=exporter_cpu)

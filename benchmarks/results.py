@@ -314,10 +314,12 @@ class ScrapersResult:
     refused: int  # 429s and failed requests
     latency: Timing | None  # of the served scrapes
     client_cpu_seconds: float
-    target: Target
+    target: Target | None  # None: shown for context, not judged
     n_slowloris: int = 0
     n_ordinary: int = 0
     slowloris_cut: int = 0  # slow connections the server closed
+    client_nice: int = 0
+    exporter_cpu_seconds: float = 0.0  # of the exporter process, in the windows with clients
 
     @property
     def clients(self) -> str:
@@ -352,7 +354,7 @@ class RunResults:
     clipping: list[ClipResult] = field(default_factory=list)
     scrape_latency: list[ScrapeLatencyResult] = field(default_factory=list)
     distributed: list[DistributedCase | DistributedFailure] | None = None  # None: skipped
-    scrapers: ScrapersResult | Failure | None = None  # None: skipped
+    scrapers: list[ScrapersResult | Failure] | None = None  # None: skipped
     cuda_device: str | None = None  # None: no GPU
     cuda_cases: list[NormCaseResult] = field(default_factory=list)
     demo_model: str = ""  # the demo model's size, as the distributed section describes it

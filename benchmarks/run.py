@@ -84,8 +84,9 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
     if distributed_sections:
         run.distributed = section("distributed", lambda: distributed.overhead(
             plan.models, plan.dist_steps))
-        run.scrapers = section("scrapers", lambda: _reported(
-            lambda: distributed.scrapers_during_training(plan.scrapers)))
+        run.scrapers = section("scrapers", lambda: [
+            _reported(lambda sp=sp: distributed.scrapers_during_training(sp))
+            for sp in plan.scrapers])
     if torch.cuda.is_available():
         run.cuda_device = torch.cuda.get_device_name()
         run.cuda_cases = section("cuda", lambda: measure.per_collect(

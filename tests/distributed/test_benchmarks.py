@@ -110,5 +110,6 @@ def test_quick_distributed_sections() -> None:
         assert len(ddp.timing(floor)) > 0 and ddp.overhead(floor) is not None
     scrapers = distributed.scrapers_during_training(cases.ScrapersPlan(2, 0.3, 1))
     assert isinstance(scrapers, ScrapersResult)
-    header, rows = _rows(report.scrapers_table(scrapers), "| scrapers |")
-    assert rows[0][0] == "2" and int(rows[0][7].split()[0]) > 0  # scrapes were served
+    header, rows = _rows(report.scrapers_table([scrapers]), "| scrapers |")
+    assert rows[0][0] == "2" and int(rows[0][8].split()[0]) > 0  # scrapes were served
+    assert rows[0][1] == "nice 19"  # the clients stand in for remote machines
