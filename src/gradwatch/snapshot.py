@@ -153,8 +153,24 @@ class Snapshot:
         return sum(g.vanishing for g in self.groups.values())
 
     def replace(self, **changes: Any) -> Snapshot:
-        """A copy with some fields changed (snapshots are immutable)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (snapshots are immutable).
+
+        Unchanged mappings are shared, not copied again: they are this snapshot's own
+        read-only copies, and ``param_norms`` of a large model holds one entry per parameter.
+        """
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"Snapshot has no field(s) {unknown}")
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for name, value in changes.items():
+            if name in _MAPPINGS:
+                value = _frozen(value)
+            elif name in ("nonfinite_params", "spiking_groups"):
+                value = tuple(value)
+            object.__setattr__(new, name, value)
+        return new
 
     def _fields(self) -> dict[str, Any]:
         """Field values with the read-only mappings as plain dicts (mappingproxy objects can
