@@ -4,6 +4,7 @@ histograms between scrapes, history records and bad settings."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import logging
@@ -13,16 +14,27 @@ import random
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
+from rich.console import Console
 from torch import nn
 
 import gradwatch
 from gradwatch import GradWatch, WatchConfig
+from gradwatch.cli.endpoint import EndpointView, parse_exposition
+from gradwatch.cli.plot import counts_text, render_history, spike_points
+from gradwatch.cli.render import (
+    NONFINITE_MARK,
+    SPIKE_MARK,
+    Trends,
+    interval_point,
+    render_view,
+)
 from gradwatch.export.collector import SnapshotCollector
 from gradwatch.export.reference import metrics_reference_markdown, series_count
 from gradwatch.export.state import NORM_BUCKETS, PublishedState, SelfStats
@@ -414,3 +426,78 @@ def test_gradwatch_config_exits_2_on_a_bad_spike_threshold() -> None:
     assert proc.returncode == 2, proc.stderr
     assert "spike_threshold" in proc.stderr and "GRADWATCH_SPIKE_THRESHOLD" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+# -- gradwatch top and gradwatch plot -------------------------------------------------------------
+
+
+def _view(state: PublishedState) -> EndpointView:
+    stats = SelfStats()
+    stats.set_collecting(True)
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(state, stats, world_size=1, parallelism="single"))
+    return parse_exposition(generate_latest(registry).decode())
+
+
+def test_top_keeps_a_nan_and_a_spike_between_two_refreshes_in_the_trend() -> None:
+    """Refreshes see steps 9, 19, 29: a NaN at 12 and a spike at 25 were never the last step,
+    yet their points show them: ``!`` for the NaN interval, the spike's height and ``^``."""
+    cfg = WatchConfig(groups={"host": ["h.*"], "seed": ["s.*"]}, spike_warmup=4, spike_window=16)
+    state = PublishedState(cfg)
+    det = SpikeDetector(cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup)
+    trends = Trends()
+    rng = random.Random(5)
+    for step in range(30):
+        host, seed = math.exp(rng.gauss(0.0, 0.05)), math.exp(rng.gauss(-3.0, 0.05))
+        s = snap(step, math.hypot(host, seed), host=host, seed=seed)
+        if step == 12:
+            s = snap(step, math.nan, host=host, seed=math.nan).replace(nonfinite_params=("s.w",))
+        if step == 25:
+            s = snap(step, math.hypot(host, 10 * seed), host=host, seed=10 * seed)
+        state.write(det.score(s, step + 1))
+        if step % 10 == 9:
+            trends.add(_view(state))
+    seed_points = trends.get("group:seed")
+    assert math.isfinite(seed_points[0]) and math.isnan(seed_points[1])  # the NaN at 12
+    # the spike's norm, 10 * e^-3 ~ 0.5, lies in the (0.3, 1] bucket: at least 0.3 was seen,
+    # while the last norm of that interval (step 29) is ~0.05
+    assert seed_points[2] == 0.3
+    assert trends.spikes("group:seed") == [False, False, True]
+    assert trends.line("group:seed")[1:] == f"{NONFINITE_MARK}{SPIKE_MARK}"
+    host_points = trends.get("group:host")
+    assert all(math.isfinite(v) for v in host_points) and trends.spikes("group:host") == [
+        False,
+        False,
+        False,
+    ]
+    assert math.isnan(trends.get("global")[1])  # the global norm was NaN at 12 too
+    view = _view(state)
+    assert view.groups["seed"].spikes == 1 and view.groups["seed"].nonfinite_steps == 1
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(render_view(view, trends, now=0.0))
+    text = out.getvalue()
+    assert "spike steps: global 0, seed 1" in text and "spike score: global" in text
+
+
+def test_interval_point_is_a_measured_lower_bound() -> None:
+    before = ((1.0, 3.0), (3.0, 5.0), (10.0, 5.0), (math.inf, 5.0))
+    after = ((1.0, 4.0), (3.0, 6.0), (10.0, 7.0), (math.inf, 7.0))  # one norm in (3, 10]
+    assert interval_point(0.5, after, before, 0) == 3.0  # at least 3 was published
+    assert interval_point(7.0, after, before, 0) == 7.0  # the last norm is larger: exact
+    assert math.isnan(interval_point(0.5, after, before, 1) or 0.0)  # a NaN step in between
+    assert interval_point(0.5, before, before, 0) == 0.5  # nothing new
+    restarted = ((1.0, 1.0), (3.0, 1.0), (10.0, 1.0), (math.inf, 1.0))  # counts went down
+    assert interval_point(0.5, restarted, before, 0) == 0.5  # only the first bucket: no floor
+
+
+def test_plot_marks_spikes_on_the_norms(tmp_path: Path) -> None:
+    det = SpikeDetector(16, 6.0, 4)
+    records = []
+    for step in range(30):
+        seed = 0.1 * (10.0 if step == 20 else 1.0) * (1 + 0.01 * (step % 3))
+        records.append(det.score(snap(step, 1.0, host=1.0, seed=seed), step + 1).to_dict())
+    assert spike_points(records) == [(20, "seed", records[20]["groups"]["seed"]["norm"])]
+    summary = render_history(json.loads(json.dumps(records)), tmp_path / "p.png")
+    assert summary.events.spikes == [20] and summary.spike_steps == 1
+    assert "1 spike step" in counts_text(summary.events)
+    assert (tmp_path / "p.png").stat().st_size > 0
