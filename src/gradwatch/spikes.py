@@ -36,7 +36,9 @@ Cost: per series and step, one insertion and one removal in a sorted list (``bis
 sort of ``spike_window`` absolute deviations: O(groups * window log window) host work on the
 publisher thread, independent of the number of parameters.
 
-Steps are taken in the order of their collects: a result materialized after a later one (a
+Each spike logs a WARNING naming the series, the score, the norm and the typical norm, at most
+once a minute per series (the counters of :mod:`gradwatch.export` count every one). Steps are
+taken in the order of their collects: a result materialized after a later one (a
 caller that keeps an old pending result) is scored against the window as it is, without
 entering it. Steps the publisher dropped (it fell behind) never enter it either.
 """

@@ -4,9 +4,9 @@ renderable ``gradwatch top`` and ``gradwatch demo`` display. Reading the endpoin
 
 * :class:`Trends` and :func:`sparkline`: recent values per series, drawn with the unicode blocks
   ``▁▂▃▄▅▆▇█``;
-* :func:`render_view`: summary line, groups table, ratios and the anomaly counters;
-  :func:`anomalies_text` and :func:`isolation_text` are its one-line parts, which the demo's
-  plain progress lines reuse.
+* :func:`render_view`: summary line, groups table, ratios, spike scores and the anomaly
+  counters; :func:`anomalies_text` (with :func:`spikes_text`), :func:`spike_scores_text` and
+  :func:`isolation_text` are its one-line parts, which the demo's plain progress lines reuse.
 
 Sparklines of norms use a log scale: gradient norms move by decades (an exploding step is 1e6
 times the others) and a linear scale would flatten everything but the spike. A non-finite value

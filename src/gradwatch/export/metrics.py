@@ -66,7 +66,7 @@ class MetricDef:
 
 #: The per-step norm histograms' bucket bounds, as documented.
 NORM_BUCKETS_TEXT = (
-    f"1e-06, 3e-06, 1e-05, ... (1 and 3 times each power of ten) up to 1e+06, then +Inf "
+    "1e-06, 3e-06, 1e-05, ... (1 and 3 times each power of ten) up to 1e+06, then +Inf "
     f"({len(NORM_BUCKETS)} bounds)"
 )
 
