@@ -16,6 +16,7 @@ classified by :class:`~gradwatch.snapshot.Snapshot` (``nonfinite_step``, ``amp_s
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import threading
 from collections.abc import Mapping
@@ -266,26 +267,23 @@ NORM_BUCKETS: tuple[float, ...] = (
     1e6,
 )
 _NORM_LE = tuple(floatToGoString(b) for b in (*NORM_BUCKETS, math.inf))
-_NO_OBSERVATION: tuple[tuple[int, ...], float] = ((0,) * (len(NORM_BUCKETS) + 1), 0.0)
+#: One series' histogram: counts per bucket (floats, not cumulative, ``+Inf`` last) and the sum.
+_Hist = tuple[tuple[float, ...], float]
+_NO_OBSERVATION: _Hist = ((0.0,) * (len(NORM_BUCKETS) + 1), 0.0)
 
 
-def _observe(hist: tuple[tuple[int, ...], float], norm: float) -> tuple[tuple[int, ...], float]:
-    """``hist`` (per-bucket counts, sum) after observing ``norm`` (finite norms only)."""
+def _observe(hist: _Hist, norm: float) -> _Hist:
+    """``hist`` after observing ``norm`` (finite norms only)."""
     if not math.isfinite(norm):
         return hist
     counts, total = hist
     i = bisect.bisect_left(NORM_BUCKETS, norm)  # le: a norm equal to a bound is in its bucket
-    return (*counts[:i], counts[i] + 1, *counts[i + 1 :]), total + norm
+    return (*counts[:i], counts[i] + 1.0, *counts[i + 1 :]), total + norm
 
 
-def _histogram(hist: tuple[tuple[int, ...], float]) -> HistogramValue:
+def _histogram(hist: _Hist) -> HistogramValue:
     counts, total = hist
-    cumulative = 0
-    buckets = []
-    for le, n in zip(_NORM_LE, counts, strict=True):
-        cumulative += n
-        buckets.append((le, float(cumulative)))
-    return HistogramValue(tuple(buckets), total)
+    return HistogramValue(tuple(zip(_NORM_LE, itertools.accumulate(counts), strict=True)), total)
 
 
 @dataclass(frozen=True)
@@ -299,8 +297,8 @@ class SeriesCounts:
     global_spikes: int = 0
     group_spikes: Mapping[str, int] = field(default_factory=dict)
     nonfinite_group_steps: Mapping[str, int] = field(default_factory=dict)
-    global_norms: tuple[tuple[int, ...], float] = _NO_OBSERVATION
-    group_norms: Mapping[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    global_norms: _Hist = _NO_OBSERVATION
+    group_norms: Mapping[str, _Hist] = field(default_factory=dict)
 
     @classmethod
     def start(cls, groups: Mapping[str, object]) -> SeriesCounts:
