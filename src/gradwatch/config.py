@@ -30,6 +30,7 @@ from pydantic import (
     Field,
     FilePath,
     StrictStr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -164,14 +165,16 @@ class WatchConfig(BaseSettings):
     spike_threshold: float = Field(default=6.0, ge=0.0, allow_inf_nan=False)
     spike_warmup: int = Field(default=32, ge=1, le=MAX_SPIKE_WINDOW)
 
-    @model_validator(mode="after")
-    def _check_spike_warmup(self) -> WatchConfig:
-        if self.spike_warmup > self.spike_window:
+    @field_validator("spike_warmup")
+    @classmethod
+    def _spike_warmup_fits_the_window(cls, value: int, info: ValidationInfo) -> int:
+        window = info.data.get("spike_window")  # absent when spike_window itself was invalid
+        if window is not None and value > window:
             raise ValueError(
-                f"spike_warmup ({self.spike_warmup}) must not exceed spike_window "
-                f"({self.spike_window}): the window never holds more samples"
+                f"spike_warmup ({value}) must not exceed spike_window ({window}): the window "
+                "never holds more samples"
             )
-        return self
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -403,13 +403,24 @@ def test_spike_threshold_zero_is_valid_and_disables() -> None:
     assert WatchConfig(spike_threshold=0).spike_threshold == 0.0
 
 
-def test_watch_reports_a_bad_spike_threshold_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GRADWATCH_SPIKE_THRESHOLD", "abc")
+@pytest.mark.parametrize(
+    ("variable", "value", "field"),
+    [
+        ("GRADWATCH_SPIKE_THRESHOLD", "abc", "spike_threshold"),
+        ("GRADWATCH_SPIKE_THRESHOLD", "-2", "spike_threshold"),
+        ("GRADWATCH_SPIKE_WINDOW", "1", "spike_window"),
+        ("GRADWATCH_SPIKE_WARMUP", "500", "spike_warmup"),
+    ],
+)
+def test_watch_reports_a_bad_spike_setting_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, field: str
+) -> None:
+    monkeypatch.setenv(variable, value)
     with pytest.raises(gradwatch.GradWatchError) as info:
         gradwatch.watch(nn.Linear(2, 2))
     message = str(info.value)
     assert message.count("\n") == 0, message
-    assert "spike_threshold" in message and "GRADWATCH_SPIKE_THRESHOLD='abc'" in message
+    assert field in message and f"{variable}={value!r}" in message, message
     assert "pydantic" not in message
 
 
