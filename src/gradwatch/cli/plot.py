@@ -96,7 +96,7 @@ class PlotSummary:
 
 
 #: Color and marker of a spike in the norms panel.
-SPIKE_COLOR = "tab:pink"
+SPIKE_COLOR = "magenta"
 SPIKE_MARKER = "^"
 
 
