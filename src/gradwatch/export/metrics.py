@@ -238,7 +238,8 @@ METRICS: tuple[MetricDef, ...] = (
         "gauge",
         (),
         "Robust deviations of the global log-norm above its recent median at the last "
-        "published step: (ln(norm) - median) / (1.4826 * MAD) over the last spike_window steps.",
+        "published step: (ln(norm) - median) / max(1.4826 * MAD, 0.05) over the last "
+        "spike_window collected steps.",
         "NaN while undefined (fewer than `spike_warmup` samples, a non-finite or zero norm); "
         "absent when spike detection is off (`spike_threshold` = 0). Negative below the median.",
         source=MetricSource.SNAPSHOT,
