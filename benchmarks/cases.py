@@ -34,6 +34,10 @@ CLIP_TARGET = Target(10, "%")
 DDP_OVERHEAD_TARGET = Target(3, "%")
 #: a 2-rank DDP step with 20 scrapers on the endpoint within +5% of the step without them
 SCRAPERS_TARGET = Target(5, "%")
+#: Spike detection's host cost in ``result()``, as a share of ``result()`` (10,000 parameters).
+SPIKE_TARGET = Target(5, "%")
+#: Groups of the spike-detection case (the figure docs/metrics.md counts series for).
+SPIKE_GROUPS = 10
 #: the per-parameter .item() loop target applies at this many parameters
 ITEM_LOOP_PARAMS = 1_000
 #: the float64-copies target applies from this many gradient elements
@@ -303,6 +307,7 @@ class Plan:
     models: tuple[ModelSpec, ...]
     dist_steps: dict[str, int]
     scrapers: tuple[ScrapersPlan, ...]
+    spike_rounds: int = 30  # result() calls timed by the spike-detection case
 
 
 def full_plan() -> Plan:
@@ -335,4 +340,5 @@ def quick_plan() -> Plan:
         models=(ModelSpec("demo", "demo"),),
         dist_steps={"ddp": 8, "fsdp2": 8},
         scrapers=(ScrapersPlan(4, 0.3, 1, n_slowloris=4, n_ordinary=4),),
+        spike_rounds=3,
     )

@@ -20,6 +20,8 @@ from benchmarks.cases import (
     CLIP_TARGET,
     SCRAPE_SPACING,
     SCRAPE_TOP_K,
+    SPIKE_GROUPS,
+    SPIKE_TARGET,
     GradHolder,
     NormCase,
     dtype_name,
@@ -43,6 +45,7 @@ from benchmarks.results import (
     NormCaseResult,
     NormMethod,
     ScrapeLatencyResult,
+    SpikeCostResult,
     Timing,
 )
 from gradwatch.testing import OpCounter, count_host_reads, largest_allocation
@@ -258,3 +261,42 @@ def scrape_latency(n_params: int, rounds: int) -> list[ScrapeLatencyResult]:
         out.append(ScrapeLatencyResult(n_params, top_k, Timing.of(collect), Timing.of(render),
                                        Timing.of(cached), size))
     return out
+
+
+# -- spike detection --------------------------------------------------------------------------
+
+
+def spike_cost(n_params: int, rounds: int) -> SpikeCostResult:
+    """``result()`` of ``n_params`` 64-element parameters in :data:`SPIKE_GROUPS` groups with
+    spike detection on (the defaults), against ``SpikeDetector.score`` alone on the same
+    snapshots once every window is full (its most expensive state)."""
+    from gradwatch import GradWatch, WatchConfig
+    from gradwatch.spikes import SpikeDetector
+
+    model = GradHolder(make_grads([64] * n_params, torch.float32))
+    # Parameter names are ps.0, ps.1, ...: one group per last digit.
+    cfg = WatchConfig(groups={f"g{d}": [f"ps.*{d}"] for d in range(SPIKE_GROUPS)})
+    result: list[float] = []
+    snaps = []
+    with GradWatch(model, cfg) as watch:
+        for i in range(rounds):
+            pending = watch.collect(i)
+            t0 = time.perf_counter()
+            snaps.append(pending.result())
+            result.append(time.perf_counter() - t0)
+    detector = SpikeDetector(cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup)
+    order = 0
+    for k in range(cfg.spike_window):  # fill every window
+        order += 1
+        detector.score(snaps[k % len(snaps)], order)
+    score: list[float] = []
+    for _ in range(10):
+        for snap in snaps:
+            order += 1
+            t0 = time.perf_counter()
+            detector.score(snap, order)
+            score.append(time.perf_counter() - t0)
+    return SpikeCostResult(
+        n_params, SPIKE_GROUPS, cfg.spike_window, Timing.of(result), Timing.of(score),
+        SPIKE_TARGET,
+    )

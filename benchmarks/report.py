@@ -34,6 +34,7 @@ from benchmarks.results import (
     RunResults,
     ScrapeLatencyResult,
     ScrapersResult,
+    SpikeCostResult,
     StepMode,
     TargetCheck,
     Timing,
@@ -219,6 +220,23 @@ def scrape_latency_table(results: Sequence[ScrapeLatencyResult]) -> str:
                    fmt_bytes(r.body_bytes), r.scrapes] for r in results])
 
 
+def spike_cost_table(r: SpikeCostResult) -> str:
+    return table(["parameters", "groups", "window", "result() ms", "spike scoring ms",
+                  "share of result()", "target"],
+                 [[r.n_params, r.groups, r.window, fmt_timing(r.result), fmt_timing(r.score),
+                   f"{r.share_pct:.2f}%", f"{verdict(r.target.met(r.share_pct))} ({r.target})"]])
+
+
+SPIKE_TEXT = (
+    "Host cost of spike detection (`gradwatch.spikes`: a rolling median and MAD of each "
+    "series' log-norm) in `result()`: the global norm and {groups} groups, windows of {window} "
+    "steps, full (their most expensive state). `result()` is timed with detection on, on "
+    "{params:,} parameters of 64 elements in one process; the scoring alone is timed on the "
+    "same snapshots. It adds no device op, host read or collective (tests/unit/test_spikes.py "
+    "counts them).\n"
+)
+
+
 # -- targets ----------------------------------------------------------------------------------
 
 
@@ -262,6 +280,11 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
             checks.append(TargetCheck(
                 "clipping", f"{c.dtype} {v.name}: {c.target} over torch's clip", c.target,
                 extra, f"{extra:+.1f}%"))
+    if run.spike_cost is not None:
+        sc = run.spike_cost
+        checks.append(TargetCheck(
+            "spikes", f"spike detection at {sc.n_params:,} parameters, {sc.groups} groups: "
+            f"{sc.target} of result()", sc.target, sc.share_pct, f"{sc.share_pct:.2f}%"))
     for s in _judged_scrapers(run):
         checks.append(TargetCheck(
             "scraping", f"DDP step time with {s.n_scrapers} scrapers: {s.target}", s.target,
@@ -500,6 +523,13 @@ def render(run: RunResults) -> str:
         cuda_text = (f"Device: {run.cuda_device}. Same cases and methods as the CPU table, "
                      "`torch.cuda.synchronize()` after each call.\n\n"
                      + per_collect_table(run.cuda_cases))
+    if run.spike_cost is None:
+        spike_text = "not measured"
+    else:
+        spike_text = SPIKE_TEXT.format(
+            groups=run.spike_cost.groups, window=run.spike_cost.window,
+            params=run.spike_cost.n_params,
+        ) + "\n" + spike_cost_table(run.spike_cost)
     mixed_rounds = run.mixed[0].case.rounds if run.mixed else "?"
     sizes = run.mixed[0].sizes if run.mixed else "48 x 1M + 200 small"
     scrape_params = run.scrape_latency[0].n_params if run.scrape_latency else "?"
@@ -558,6 +588,8 @@ def render(run: RunResults) -> str:
         "it). The exposition is rendered once when the step is published (`flush` waits for "
         "it); every GET is then served by the exporter process, the first one included.\n",
         scrape_latency_table(run.scrape_latency) + "\n",
+        "## Spike detection\n",
+        spike_text + "\n",
         "## CUDA\n",
         cuda_text + "\n",
         f"Load average at end: {run.load_end[0]:.2f} {run.load_end[1]:.2f} "

@@ -244,6 +244,22 @@ class ScrapeLatencyResult:
         return len(self.render) + len(self.cached)
 
 
+@dataclass(frozen=True)
+class SpikeCostResult:
+    """Spike detection's host cost against the ``result()`` it runs in (one process)."""
+
+    n_params: int
+    groups: int
+    window: int
+    result: Timing  # collect(...).result() with spike detection on, result() only
+    score: Timing  # SpikeDetector.score on the same snapshots, windows full
+    target: Target
+
+    @property
+    def share_pct(self) -> float:
+        return self.score.median / self.result.median * 100
+
+
 # -- distributed ------------------------------------------------------------------------------
 
 
@@ -353,6 +369,7 @@ class RunResults:
     mixed: list[MixedSizesResult] = field(default_factory=list)
     clipping: list[ClipResult] = field(default_factory=list)
     scrape_latency: list[ScrapeLatencyResult] = field(default_factory=list)
+    spike_cost: SpikeCostResult | None = None  # None: not measured
     distributed: list[DistributedCase | DistributedFailure] | None = None  # None: skipped
     scrapers: list[ScrapersResult | Failure] | None = None  # None: skipped
     cuda_device: str | None = None  # None: no GPU

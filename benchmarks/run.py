@@ -81,6 +81,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
         plan.mixed_rounds, plan.budget_s, plan.mixed_big))
     run.scrape_latency = section("scrape latency", lambda: measure.scrape_latency(
         plan.scrape_params, plan.scrape_rounds))
+    run.spike_cost = section("spike detection", lambda: measure.spike_cost(
+        plan.scrape_params, plan.spike_rounds))
     if distributed_sections:
         run.distributed = section("distributed", lambda: distributed.overhead(
             plan.models, plan.dist_steps))

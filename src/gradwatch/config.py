@@ -30,6 +30,7 @@ from pydantic import (
     Field,
     FilePath,
     StrictStr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -56,6 +57,9 @@ MAX_INT = 2**63 - 1
 #: The longest ``collective_timeout_seconds`` (30 days): a ``timedelta`` and the backends'
 #: millisecond timeouts hold it, so no later conversion can overflow.
 MAX_TIMEOUT_SECONDS = 30 * 86400.0
+
+#: The largest ``spike_window``: the detector sorts a window per series and step on the host.
+MAX_SPIKE_WINDOW = 4096
 
 GroupName = Annotated[StrictStr, Field(min_length=1)]
 Threshold = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -113,6 +117,11 @@ class WatchConfig(BaseSettings):
         history_max_bytes: the history file is rotated (one ``.1`` backup) past this size.
         enabled: ``False`` makes :func:`gradwatch.watch` return a no-op watcher and a
             directly constructed :class:`~gradwatch.GradWatch` inert.
+        spike_window: spike detection compares each norm with the median and MAD of the
+            last this many collected log-norms of the same series (:mod:`gradwatch.spikes`).
+        spike_threshold: a norm this many robust deviations above its recent median is a
+            spike; ``0`` disables spike detection.
+        spike_warmup: samples a series' window needs before its spike score is defined.
     """
 
     model_config = SettingsConfigDict(
@@ -150,6 +159,22 @@ class WatchConfig(BaseSettings):
     history_max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096, le=MAX_INT)
 
     enabled: bool = True
+
+    # -- spike detection (gradwatch.spikes) --
+    spike_window: int = Field(default=128, ge=2, le=MAX_SPIKE_WINDOW)
+    spike_threshold: float = Field(default=6.0, ge=0.0, allow_inf_nan=False)
+    spike_warmup: int = Field(default=32, ge=1, le=MAX_SPIKE_WINDOW)
+
+    @field_validator("spike_warmup")
+    @classmethod
+    def _spike_warmup_fits_the_window(cls, value: int, info: ValidationInfo) -> int:
+        window = info.data.get("spike_window")  # absent when spike_window itself was invalid
+        if window is not None and value > window:
+            raise ValueError(
+                f"spike_warmup ({value}) must not exceed spike_window ({window}): the window "
+                "never holds more samples"
+            )
+        return value
 
     @classmethod
     def settings_customise_sources(

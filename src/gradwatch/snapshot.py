@@ -8,7 +8,8 @@ Prometheus counters, the demo's summary, ``gradwatch top`` and ``gradwatch plot`
 
 * :attr:`Snapshot.nonfinite_step`: some gradient held NaN/Inf, and AMP did not skip the step;
 * :attr:`Snapshot.amp_skipped`: the GradScaler found NaN/Inf and skips the optimizer step;
-* :attr:`Snapshot.exploding_step`: some parameter is exploding (non-finite ones included).
+* :attr:`Snapshot.exploding_step`: some parameter is exploding (non-finite ones included);
+* :attr:`Snapshot.spike_step`: the global or a group norm spiked (:mod:`gradwatch.spikes`).
 
 History records are ``Snapshot.to_dict()`` lines: classify them with ``Snapshot.from_dict``.
 This module imports no torch.
@@ -76,6 +77,13 @@ class Snapshot:
             step was not clipped through gradwatch).
         amp_skipped: the AMP GradScaler found Inf/NaN and skips this optimizer step.
         timestamp: wall-clock time (seconds since the epoch) of the ``collect`` call.
+        global_spike_score: robust deviations of the global log-norm above its recent median
+            (:mod:`gradwatch.spikes`); NaN while undefined (warm-up, a non-finite or zero
+            norm), None when spike detection is off (``spike_threshold=0``) or in a record
+            written before it existed.
+        spike_scores: group -> its score, likewise (empty when detection is off).
+        global_spike: the global score exceeded ``spike_threshold``.
+        spiking_groups: groups whose score exceeded ``spike_threshold``, in group order.
     """
 
     step: int
@@ -93,11 +101,17 @@ class Snapshot:
     clip_coef: float | None = None
     amp_skipped: bool = False
     timestamp: float = 0.0
+    # -- spike detection (gradwatch.spikes) --
+    global_spike_score: float | None = None
+    spike_scores: Mapping[str, float] = field(default_factory=dict)
+    global_spike: bool = False
+    spiking_groups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("groups", "param_norms", "ratios", "raw_ratios", "isolation_violated"):
+        for name in _MAPPINGS:
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "nonfinite_params", tuple(self.nonfinite_params))
+        object.__setattr__(self, "spiking_groups", tuple(self.spiking_groups))
 
     @property
     def is_finite(self) -> bool:
@@ -117,6 +131,19 @@ class Snapshot:
         return self.exploding > 0
 
     @property
+    def spike_step(self) -> bool:
+        """A *spike step*: the global norm or some group's norm spiked (see
+        :mod:`gradwatch.spikes`)."""
+        return self.global_spike or bool(self.spiking_groups)
+
+    @property
+    def nonfinite_groups(self) -> tuple[str, ...]:
+        """Groups whose gradients held NaN or Inf at this step (AMP-skipped or not)."""
+        return tuple(
+            g for g, s in self.groups.items() if s.nonfinite > 0 or not math.isfinite(s.norm)
+        )
+
+    @property
     def exploding(self) -> int:
         """Parameters counted as exploding (non-finite included), over all groups."""
         return sum(g.exploding for g in self.groups.values())
@@ -126,8 +153,24 @@ class Snapshot:
         return sum(g.vanishing for g in self.groups.values())
 
     def replace(self, **changes: Any) -> Snapshot:
-        """A copy with some fields changed (snapshots are immutable)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (snapshots are immutable).
+
+        Unchanged mappings are shared, not copied again: they are this snapshot's own
+        read-only copies, and ``param_norms`` of a large model holds one entry per parameter.
+        """
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"Snapshot has no field(s) {unknown}")
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for name, value in changes.items():
+            if name in _MAPPINGS:
+                value = _frozen(value)
+            elif name in ("nonfinite_params", "spiking_groups"):
+                value = tuple(value)
+            object.__setattr__(new, name, value)
+        return new
 
     def _fields(self) -> dict[str, Any]:
         """Field values with the read-only mappings as plain dicts (mappingproxy objects can
@@ -144,13 +187,14 @@ class Snapshot:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; NaN/Inf stay floats (``json.dumps`` writes NaN/Infinity)."""
         out = self._fields()
-        for name in ("groups", "param_norms", "ratios", "raw_ratios", "isolation_violated"):
+        for name in _MAPPINGS:
             value = getattr(self, name)
             out[name] = {
                 k: dataclasses.asdict(v) if isinstance(v, GroupStats) else v
                 for k, v in value.items()
             }
         out["nonfinite_params"] = list(self.nonfinite_params)
+        out["spiking_groups"] = list(self.spiking_groups)
         return out
 
     @classmethod
@@ -160,6 +204,17 @@ class Snapshot:
         kwargs["groups"] = {k: GroupStats(**v) for k, v in data.get("groups", {}).items()}
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in kwargs.items() if k in known})
+
+
+#: The mapping fields, frozen on construction and written as plain dicts.
+_MAPPINGS = (
+    "groups",
+    "param_norms",
+    "ratios",
+    "raw_ratios",
+    "isolation_violated",
+    "spike_scores",
+)
 
 
 def _rebuild_snapshot(fields: dict[str, Any]) -> Snapshot:

@@ -44,6 +44,7 @@ from gradwatch.model import (
 )
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
+from gradwatch.spikes import SpikeDetector
 from gradwatch.stats import MetaGradientError, NormEngine
 from gradwatch.summary import summarize
 
@@ -185,6 +186,9 @@ class GradWatch:
         self._broken: str | None = None
         self._logged: set[str] = set()
         self._anomalies = AnomalyLog(self.rank, cfg.isolation_threshold)
+        self._spikes = SpikeDetector(
+            cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup, self.rank
+        )
         self._optimizer_steps = 0
         if self.rank == 0:
             self._start_publishing(cfg)
@@ -605,6 +609,8 @@ class GradWatch:
             changes["amp_skipped"] = True
         if changes:
             snap = snap.replace(**changes)
+        # Host-side, after the one read: scored in collect order (attempt), see gradwatch.spikes.
+        snap = self._spikes.score(snap, attempt)
         self._anomalies.report(snap)
         self._measured(attempt)
         if self._last is None or snap.step >= self._last.step:

@@ -49,8 +49,10 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     for heading in ("## Machine", "## Targets", "## Per-collect cost", "## Mixed sizes",
                     "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
-                    "## CUDA"):
+                    "## Spike detection", "## CUDA"):
         assert heading in text
+    header, rows = _rows(text, "| parameters | groups | window |")
+    assert len(rows) == 1 and rows[0][1] == str(cases.SPIKE_GROUPS) and rows[0][5].endswith("%")
     assert not re.search(r"\bissues?\b", text, re.IGNORECASE)  # targets stated as targets
     assert "Command: `python benchmarks/run.py --quick" in text
     header, rows = _rows(text, "| case | method |")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import select
@@ -53,6 +54,7 @@ from gradwatch.cli.endpoint import (
     parse_exposition,
     scrape,
 )
+from gradwatch.cli.plot import spike_points
 from gradwatch.cli.render import (
     BLOCKS,
     NONFINITE_MARK,
@@ -328,7 +330,7 @@ def test_job_args_round_trip(tmp_path: Path) -> None:
     full = JobArgs(
         workdir=tmp_path, steps=30, port=0, bind="127.0.0.1", step_sleep=0.02,
         anomaly_pause=0.5, linger=3.0, nan_at=(5, 7), explode_at=(9,), seed_at=10,
-        blend_at=20, ack=True, parent_pid=1234, batch_size=8, log_every=0,
+        blend_at=20, ack=True, parent_pid=1234, batch_size=8, log_every=0, spike_at=(11, 12),
     )  # fmt: skip
     assert JobArgs.from_argv(full.to_argv()) == full
 
@@ -519,6 +521,9 @@ def test_demo_refuses_an_injection_outside_the_run() -> None:
     r = run_cli("demo", "--steps", "30", "--nan-at", "30", "--port", "0", timeout=60)
     assert r.returncode == 2, r
     assert "--nan-at" in r.stderr
+    r = run_cli("demo", "--steps", "30", "--spike-at", "-1", "--port", "0", timeout=60)
+    assert r.returncode == 2, r
+    assert "--spike-at" in r.stderr
 
 
 # -- gradwatch demo with torchrun -----------------------------------------------------------
@@ -578,3 +583,45 @@ def test_top_watches_a_lingering_demo_then_ctrl_c_stops_it(
     with pytest.raises(ScrapeError):
         scrape(url, timeout=1.0)
     assert "Traceback" not in "".join(demo.lines)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_demo_shows_an_injected_spike(
+    background: list[Background], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--spike-at 60``: a 10x step, below the exploding threshold. Spike detection finds it
+    (the seed group has trained since step 25, past its warm-up): the summary and the endpoint's
+    counter name it, the job logs the warning, ``gradwatch top`` shows the counter and ``gradwatch
+    plot`` of the run's history (``GRADWATCH_HISTORY_PATH``) marks it."""
+    history = tmp_path / "history.jsonl"
+    monkeypatch.setenv("GRADWATCH_HISTORY_PATH", str(history))
+    demo = start_background(
+        background,
+        "demo", "--steps", "100", "--spike-at", "60", "--port", "0", "--step-sleep", "0",
+        "--linger", "60",
+    )  # fmt: skip
+    url = demo.wait_for("metrics: ", timeout=120).split("metrics: ", 1)[1].strip()
+    demo.wait_for("for 60s more", timeout=120)
+    out = "".join(demo.lines)
+    assert "spike steps: 1 (step 60)" in out, out
+    assert "exploding steps: 0" in out, out  # 10x stays under the fixed threshold
+    assert 'gradwatch_grad_norm_spikes_total{group="seed"} 1' in out, out
+    warning = demo.wait_for("job log: gradwatch: step 60: gradient-norm spike", timeout=5)
+    assert "group 'seed'" in warning and "robust deviations" in warning, warning
+    assert "typical norm" in warning
+
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    assert parse_exposition(body).groups["seed"].spikes == 1
+    r = run_cli("top", url, "--count", "1", "--interval", "0.3", timeout=60)
+    assert r.returncode == 0, r
+    assert "spike steps: global 0, seed 1" in r.stdout, r.stdout
+    assert "spike score: global" in r.stdout, r.stdout
+
+    os.killpg(demo.proc.pid, signal.SIGINT)
+    assert demo.proc.wait(30) == 130
+    r = run_cli("plot", str(history), "-o", str(tmp_path / "run.png"), timeout=120)
+    assert r.returncode == 0, r
+    assert "1 spike step" in r.stdout, r.stdout
+    records = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
+    assert [step for step, group, _ in spike_points(records) if group == "seed"] == [60]

@@ -1,7 +1,9 @@
 """End to end: a real Prometheus scrapes gradwatch's endpoint and stores the snapshots' values.
 
 * One process: snapshots published through MetricsServer; the value Prometheus's query API
-  returns for ``gradwatch_global_grad_norm`` (and a few others) equals the snapshot's, NaN too.
+  returns for ``gradwatch_global_grad_norm`` (and a few others) equals the snapshot's, NaN too;
+  and steps published between two scrapes (a spike, a NaN) are counted by the per-group
+  counters and the per-step norm histogram Prometheus stores.
 * A 2-rank gloo DDP job (tests/helpers/jobs/ddp_serve_job.py under torchrun) with gradwatch serving
   from rank 0: Prometheus's value equals the job's snapshot for that step; then 20 concurrent
   scrapers hammer the endpoint for 10 s during training: no scrape may fail, and every sample
@@ -94,6 +96,47 @@ def test_prometheus_stores_exactly_the_published_values(tmp_path: Path) -> None:
                 assert prom.value("gradwatch_last_collect_timestamp_seconds") == snap.timestamp
                 assert prom.value("gradwatch_collections_total") == step
             assert prom.value("gradwatch_nonfinite_steps_total") == 1
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(120)
+def test_prometheus_sees_every_step_between_two_scrapes(tmp_path: Path) -> None:
+    """Eight steps published within one scrape interval, with a spike and a NaN in the seed
+    group among them: the last step's gauges show neither, but the per-group spike and
+    non-finite counters and the per-step norm histogram that Prometheus stores count them."""
+    cfg = WatchConfig(port=0, bind_address="127.0.0.1", groups={"host": ["h.*"], "seed": ["s.*"]})
+    server = MetricsServer(cfg, world_size=1, parallelism="single")
+    try:
+        with run_prometheus([f"127.0.0.1:{server.port}"], workdir=tmp_path / "prom") as prom:
+            prom.wait_until(lambda: prom.value("gradwatch_build_info") == 1, 30, "first scrape")
+            assert prom.value('gradwatch_grad_norm_spikes_total{group="seed"}') == 0
+            seed_norms = [0.01, 0.011, 0.5, 0.012, math.nan, 0.01, 0.009, 0.011]
+            for step, seed in enumerate(seed_norms):  # faster than one scrape interval
+                snap = Snapshot(
+                    step=step,
+                    global_norm=math.hypot(1.0, seed),
+                    groups={"host": GroupStats(norm=1.0), "seed": GroupStats(norm=seed)},
+                    nonfinite_params=("s.w",) if math.isnan(seed) else (),
+                    global_spike_score=0.0,
+                    spike_scores={"host": 0.0, "seed": 30.0 if seed == 0.5 else 0.0},
+                    spiking_groups=("seed",) if seed == 0.5 else (),
+                    timestamp=time.time(),
+                )
+                server.publish(snap, timeout=0)
+            server.publish(snap)  # the last one again, waiting until it is served
+            prom.wait_for_value("gradwatch_step", len(seed_norms) - 1, timeout=30)
+            assert prom.value('gradwatch_grad_norm_spike_score{group="seed"}') == 0.0
+            assert prom.value('gradwatch_grad_norm_spikes_total{group="seed"}') == 1
+            assert prom.value('gradwatch_grad_norm_spikes_total{group="host"}') == 0
+            assert prom.value('gradwatch_nonfinite_group_steps_total{group="seed"}') == 1
+            finite = [v for v in seed_norms if math.isfinite(v)] + [seed_norms[-1]]
+            count = 'gradwatch_grad_norm_per_step_count{group="seed"}'
+            assert prom.value(count) == len(finite)
+            above = 'gradwatch_grad_norm_per_step_bucket{group="seed",le="0.3"}'
+            assert prom.value(above) == len(finite) - 1  # the spike is above 0.3, the rest below
+            q = 'histogram_quantile(1, gradwatch_grad_norm_per_step_bucket{group="seed"})'
+            assert 0.3 <= (prom.value(q) or 0.0) <= 1.0  # the spike's bucket, (0.3, 1]
     finally:
         server.close()
 

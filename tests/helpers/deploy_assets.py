@@ -65,6 +65,18 @@ CONTRACT_METRICS = frozenset(
         # info
         "gradwatch_build_info",
         "gradwatch_run_info",
+        # spikes and every step between scrapes
+        "gradwatch_global_grad_norm_spike_score",
+        "gradwatch_grad_norm_spike_score",
+        "gradwatch_global_grad_norm_spikes_total",
+        "gradwatch_grad_norm_spikes_total",
+        "gradwatch_nonfinite_group_steps_total",
+        "gradwatch_global_grad_norm_per_step_bucket",
+        "gradwatch_global_grad_norm_per_step_sum",
+        "gradwatch_global_grad_norm_per_step_count",
+        "gradwatch_grad_norm_per_step_bucket",
+        "gradwatch_grad_norm_per_step_sum",
+        "gradwatch_grad_norm_per_step_count",
     }
 )
 

@@ -118,6 +118,7 @@ class DemoOptions:
     blend_at: int | None
     step_sleep: float
     linger: float
+    spike_at: int | None = None
 
 
 def port_in_use(port: int, bind: str) -> bool:
@@ -154,6 +155,7 @@ def job_args(opts: DemoOptions, workdir: Path) -> JobArgs:
         linger=opts.linger,
         nan_at=() if opts.nan_at is None else (opts.nan_at,),
         explode_at=() if opts.explode_at is None else (opts.explode_at,),
+        spike_at=() if opts.spike_at is None else (opts.spike_at,),
         seed_at=opts.seed_at,
         blend_at=opts.blend_at,
         ack=True,
@@ -272,7 +274,7 @@ class _PlainDisplay(_Display):
     def __init__(self, console: Console, opts: DemoOptions) -> None:
         super().__init__(console, opts)
         self._next_milestone = 0
-        self._counters: tuple[int, int] | None = None
+        self._counters: tuple[int, int, int] | None = None
         self._every = max(1, opts.steps // 10)
         self._last_error: str | None = None
 
@@ -285,7 +287,7 @@ class _PlainDisplay(_Display):
         self._last_error = error
         if view is None or view.step is None:
             return
-        counters = (view.nonfinite_steps, view.exploding_steps)
+        counters = (view.nonfinite_steps, view.exploding_steps, _spike_count(view))
         if view.step >= self._next_milestone or counters != self._counters:
             self.console.print(self.line(view), soft_wrap=True, highlight=False)
             self._next_milestone = (view.step // self._every + 1) * self._every
@@ -302,6 +304,24 @@ class _PlainDisplay(_Display):
             f"health {fmt(view.health, 3)} | {anomalies_text(view).plain}"
             + (f"; {isolation.plain}" if isolation is not None else "")
         )
+
+
+def _spike_count(view: EndpointView) -> int:
+    """Every spike counter of ``view`` summed: moves whenever a spike was published."""
+    return view.global_spikes + sum(s.spikes for s in view.groups.values())
+
+
+#: What identifies the job's spike warnings in job.log (gradwatch.spikes' WARNING).
+SPIKE_LOG_MARK = "gradient-norm spike"
+
+
+def spike_log_lines(log_path: Path) -> list[str]:
+    """The spike warnings gradwatch logged in the job (rank 0's stderr, in job.log)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [line.strip() for line in text.splitlines() if SPIKE_LOG_MARK in line]
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -335,6 +355,7 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
     lines.append(f"exploding steps: {_steps_text(events.exploding)} (non-finite included)")
     if events.amp_skipped:  # the demo uses no GradScaler; a job reusing this summary may
         lines.append(f"AMP-skipped steps: {_steps_text(events.amp_skipped)}")
+    lines.append(f"spike steps: {_steps_text(events.spikes)} (adaptive spike detection)")
     hmin = summary.health_min
     if hmin is not None:
         lines.append(f"health min: {fmt(hmin.value, 3)} at step {hmin.step}")
@@ -345,7 +366,13 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
             f"endpoint {url} (final scrape, step {final.step}): "
             f"gradwatch_nonfinite_steps_total {final.nonfinite_steps}, "
             f"gradwatch_exploding_steps_total {final.exploding_steps}, "
-            f"gradwatch_collections_total {final.collections}"
+            f"gradwatch_collections_total {final.collections}, "
+            f"gradwatch_global_grad_norm_spikes_total {final.global_spikes}"
+            + "".join(
+                f', gradwatch_grad_norm_spikes_total{{group="{g}"}} {s.spikes}'
+                for g, s in final.groups.items()
+                if s.spikes
+            )
         )
     else:
         lines.append(f"endpoint {url}: no final scrape (the endpoint did not answer)")
@@ -401,6 +428,8 @@ class DemoRun:
         self.display.close()
         for line in summary_lines(summary, final, self.url or "?"):
             self.console.print(line, soft_wrap=True)
+        for line in spike_log_lines(self.log_path):
+            self.console.print(f"job log: {line}", soft_wrap=True)
         if self.opts.linger > 0 and self.proc.poll() is None:
             self.console.print(
                 f"serving {self.url} for {self.opts.linger:g}s more (Ctrl-C to stop; "
@@ -530,7 +559,11 @@ def _sigterm_raises() -> Iterator[None]:
 
 def _check(opts: DemoOptions) -> None:
     """Refuse inconsistent options with a usage error naming the option."""
-    for flag, value in (("--nan-at", opts.nan_at), ("--explode-at", opts.explode_at)):
+    for flag, value in (
+        ("--nan-at", opts.nan_at),
+        ("--explode-at", opts.explode_at),
+        ("--spike-at", opts.spike_at),
+    ):
         if value is not None and not 0 <= value < opts.steps:
             raise typer.BadParameter(f"must be in [0, {opts.steps}) (--steps)", param_hint=flag)
     for flag, value in (("--seed-at", opts.seed_at), ("--blend-at", opts.blend_at)):
@@ -554,6 +587,13 @@ def demo(
     ] = None,
     explode_at: Annotated[
         int | None, typer.Option(help="Multiply the gradients by 1e6 at this step.")
+    ] = None,
+    spike_at: Annotated[
+        int | None,
+        typer.Option(
+            help="Multiply the gradients by 10 at this step: a spike below the exploding "
+            "threshold, found by adaptive spike detection."
+        ),
     ] = None,
     seed_at: Annotated[
         int | None,
@@ -580,7 +620,8 @@ def demo(
     A model grows a "seed" module next to a "host" backbone: the host trains alone, then the seed with the host frozen (isolated), then both. Rank 0 serves the metrics; the table shows what it serves.
     """  # noqa: E501 (one line per paragraph: the help is rewrapped to the terminal)
     opts = DemoOptions(
-        nproc, steps, port, bind, nan_at, explode_at, seed_at, blend_at, step_sleep, linger
+        nproc, steps, port, bind, nan_at, explode_at, seed_at, blend_at, step_sleep, linger,
+        spike_at=spike_at,
     )
     _check(opts)
     console = Console(highlight=False, markup=False)

@@ -28,8 +28,10 @@ across ranks), so the endpoint shows ``gradwatch_isolation_violated{group="host"
 the host is expected to be frozen.
 
 Fault injection: at ``--nan-at`` the gradients are multiplied by NaN, at ``--explode-at`` by
-1e6, after the backward pass and before ``collect``; the optimizer skips that step (as a
-GradScaler would), so training is healthy again afterwards. After an injected step the job
+1e6, at ``--spike-at`` by 10 (a spike relative to the recent norms, below the fixed exploding
+threshold: only adaptive spike detection sees it), after the backward pass and before
+``collect``; the optimizer skips that step (as a GradScaler would), so training is healthy
+again afterwards. After an injected step the job
 pauses ``--anomaly-pause`` seconds so a scraper polling a few times a second sees the step's
 gauges (the counters keep it anyway).
 
@@ -72,6 +74,7 @@ ISOLATED: list[str] = ["stem"]
 
 NAN_FACTOR = float("nan")
 EXPLODE_FACTOR = 1e6
+SPIKE_FACTOR = 10.0
 SEED_GATE = 0.1
 
 
@@ -187,6 +190,7 @@ def train(args: JobArgs) -> int:
         steps=args.steps, seed_at=seed_at, blend_at=blend_at, metrics_url=url
     )
     nan_at, explode_at = set(args.nan_at), set(args.explode_at)
+    spike_at = set(args.spike_at)
     try:
         for step in range(args.steps):
             stop = torch.tensor([0.0 if _alive(args.parent_pid) else 1.0])
@@ -207,6 +211,8 @@ def train(args: JobArgs) -> int:
             loss.backward()
 
             factor = NAN_FACTOR if step in nan_at else EXPLODE_FACTOR if step in explode_at else 1.0
+            if step in spike_at and factor == 1.0:
+                factor = SPIKE_FACTOR
             injected = factor != 1.0
             if injected:
                 with torch.no_grad():

@@ -90,6 +90,7 @@ class JobArgs:
     parent_pid: int | None = None
     batch_size: int | None = None
     log_every: int = DEFAULT_LOG_EVERY
+    spike_at: tuple[int, ...] = ()
 
     def to_argv(self) -> list[str]:
         """The arguments :meth:`from_argv` reads back into an equal :class:`JobArgs`."""
@@ -107,6 +108,8 @@ class JobArgs:
             argv += ["--nan-at", str(step)]
         for step in self.explode_at:
             argv += ["--explode-at", str(step)]
+        for step in self.spike_at:
+            argv += ["--spike-at", str(step)]
         for flag, value in (
             ("--seed-at", self.seed_at),
             ("--blend-at", self.blend_at),
@@ -132,6 +135,7 @@ class JobArgs:
         p.add_argument("--blend-at", type=int, default=None)
         p.add_argument("--nan-at", type=int, action="append", default=[])
         p.add_argument("--explode-at", type=int, action="append", default=[])
+        p.add_argument("--spike-at", type=int, action="append", default=[])
         p.add_argument("--port", type=int, default=DEFAULT_DEMO_PORT)
         p.add_argument("--bind", default=DEFAULT_BIND)
         p.add_argument("--sleep", type=float, default=DEFAULT_STEP_SLEEP, help="seconds per step")
@@ -158,6 +162,7 @@ class JobArgs:
             parent_pid=ns.parent_pid,
             batch_size=ns.batch_size,
             log_every=ns.log_every,
+            spike_at=tuple(ns.spike_at),
         )
 
 

@@ -76,6 +76,16 @@ PUBLISH_ERRORS = _name("gradwatch_publish_errors_total")
 DROPPED = _name("gradwatch_dropped_snapshots_total")
 BUILD_INFO = _name("gradwatch_build_info")
 RUN_INFO = _name("gradwatch_run_info")
+GLOBAL_SPIKE_SCORE = _name("gradwatch_global_grad_norm_spike_score")
+SPIKE_SCORE = _name("gradwatch_grad_norm_spike_score")
+GLOBAL_SPIKES = _name("gradwatch_global_grad_norm_spikes_total")
+GROUP_SPIKES = _name("gradwatch_grad_norm_spikes_total")
+NONFINITE_GROUP_STEPS = _name("gradwatch_nonfinite_group_steps_total")
+GLOBAL_NORM_HIST = _name("gradwatch_global_grad_norm_per_step")
+GROUP_NORM_HIST = _name("gradwatch_grad_norm_per_step")
+
+#: A histogram as scraped: ``(upper bound, cumulative count)`` per bucket, ``+Inf`` last.
+Buckets = tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,11 @@ class GroupView:
     vanishing: float = 0.0
     exploding: float = 0.0
     nonfinite: float = 0.0
+    # every published step (counters and the norm histogram), for what happened between scrapes
+    spike_score: float | None = None
+    spikes: int = 0
+    nonfinite_steps: int = 0
+    norm_buckets: Buckets = ()
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,9 @@ class EndpointView:
     version: str | None = None
     world_size: str | None = None
     parallelism: str | None = None
+    global_spike_score: float | None = None
+    global_spikes: int = 0
+    global_norm_buckets: Buckets = ()
 
     def staleness(self, now: float | None = None) -> float | None:
         """Seconds since the job collected the published step (None before the first one)."""
@@ -177,10 +195,16 @@ def parse_exposition(text: str) -> EndpointView:
     violated: dict[str, bool] = {}
     build: dict[str, str] = {}
     run: dict[str, str] = {}
+    buckets: dict[str | None, list[tuple[float, float]]] = {}  # None: the global histogram
     for s in samples:
         if not s.name.startswith("gradwatch_"):
             continue
-        if s.name == RATIO:
+        if s.name in (GLOBAL_NORM_HIST + "_bucket", GROUP_NORM_HIST + "_bucket"):
+            key = s.labels.get("group") if s.name.startswith(GROUP_NORM_HIST) else None
+            buckets.setdefault(key, []).append((float(s.labels.get("le", "nan")), s.value))
+        elif s.name.startswith((GLOBAL_NORM_HIST + "_", GROUP_NORM_HIST + "_")):
+            continue  # _count and _sum: the buckets say it all
+        elif s.name == RATIO:
             ratios[f"{s.labels.get('numerator')}/{s.labels.get('denominator')}"] = s.value
         elif s.name == ISOLATION:
             violated[s.labels.get("group", "")] = s.value >= 0.5
@@ -203,13 +227,16 @@ def parse_exposition(text: str) -> EndpointView:
             vanishing=m.get(VANISHING, 0.0),
             exploding=m.get(EXPLODING, 0.0),
             nonfinite=m.get(NONFINITE, 0.0),
+            spike_score=m.get(SPIKE_SCORE),
+            spikes=_int(m.get(GROUP_SPIKES, 0.0)),
+            nonfinite_steps=_int(m.get(NONFINITE_GROUP_STEPS, 0.0)),
+            norm_buckets=tuple(sorted(buckets.get(g, ()))),
         )
         for g, m in by_group.items()
     }
 
     def count(name: str) -> int:
-        value = single.get(name, 0.0)
-        return int(value) if math.isfinite(value) else 0
+        return _int(single.get(name, 0.0))
 
     step = single.get(STEP)
     return EndpointView(
@@ -231,7 +258,15 @@ def parse_exposition(text: str) -> EndpointView:
         version=build.get("version"),
         world_size=run.get("world_size"),
         parallelism=run.get("parallelism"),
+        global_spike_score=single.get(GLOBAL_SPIKE_SCORE),
+        global_spikes=count(GLOBAL_SPIKES),
+        global_norm_buckets=tuple(sorted(buckets.get(None, ()))),
     )
+
+
+def _int(value: float) -> int:
+    """A counter's value as an int (0 when not finite)."""
+    return int(value) if math.isfinite(value) else 0
 
 
 def scrape(url: str, timeout: float = DEFAULT_TIMEOUT) -> EndpointView:

@@ -9,7 +9,10 @@ Three panels sharing the step axis:
 3. the health score in [0, 1].
 
 Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding steps (orange)
-are vertical lines across every panel, so a spike in one panel lines up with the others. A
+are vertical lines across every panel, so a spike in one panel lines up with the others. Spikes
+found by adaptive spike detection (``Snapshot.spike_step``: the global norm or a group's norm far
+above its recent median, see :mod:`gradwatch.spikes`) are magenta triangles on the spiking
+norms in the first panel. A
 record is classified as :class:`gradwatch.Snapshot` classifies it (``Snapshot.from_dict``), the
 definition the Prometheus counters use too: an exploding step includes every non-finite one, so
 a NaN step is counted, and drawn, in both.
@@ -87,13 +90,45 @@ class PlotSummary:
     def exploding_steps(self) -> int:
         return len(self.events.exploding)
 
+    @property
+    def spike_steps(self) -> int:
+        return len(self.events.spikes)
+
+
+#: Color and marker of a spike in the norms panel.
+SPIKE_COLOR = "magenta"
+SPIKE_MARKER = "^"
+
 
 def counts_text(events: StepEvents) -> str:
     """``"1 non-finite, 3 exploding"``, plus ``", 1 AMP-skipped"`` when there are some."""
     text = f"{len(events.nonfinite)} non-finite, {len(events.exploding)} exploding"
     if events.amp_skipped:
         text += f", {len(events.amp_skipped)} AMP-skipped"
+    if events.spikes:
+        text += f", {len(events.spikes)} spike {_spike_steps(events)}"
     return text
+
+
+def _spike_steps(events: StepEvents) -> str:
+    return "step" if len(events.spikes) == 1 else "steps"
+
+
+def spike_points(records: Sequence[dict[str, Any]]) -> list[tuple[int, str | None, float]]:
+    """``(step, group or None for the global norm, norm)`` of every spike among ``records``,
+    by ``Snapshot.from_dict`` (records without spike fields have none)."""
+    points: list[tuple[int, str | None, float]] = []
+    for record in records:
+        try:
+            snap = Snapshot.from_dict(record)
+        except (TypeError, ValueError, AttributeError):
+            continue
+        if snap.global_spike:
+            points.append((snap.step, None, snap.global_norm))
+        for group in snap.spiking_groups:
+            if group in snap.groups:
+                points.append((snap.step, group, snap.groups[group].norm))
+    return points
 
 
 def classify(records: Sequence[dict[str, Any]]) -> StepEvents:
@@ -236,6 +271,13 @@ def render_history(
     ax_norm.plot(steps, _positive(global_norm), color="black", lw=1.8, label="global")
     for g in groups:
         ax_norm.plot(steps, _positive([group_norm(r, g) for r in recs]), lw=1.1, label=g)
+    spikes = [(step, norm) for step, _, norm in spike_points(recs) if norm > 0]
+    if spikes:
+        ax_norm.plot(
+            [p[0] for p in spikes], [p[1] for p in spikes], SPIKE_MARKER, color=SPIKE_COLOR,
+            ms=9, mec="black", mew=0.6, zorder=5,
+            label=f"spike ({len(classes.spikes)} {_spike_steps(classes)})",
+        )  # fmt: skip
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient L2 norm")
     ax_norm.legend(loc="upper left", fontsize="small", ncols=min(len(groups) + 1, 6))

@@ -4,15 +4,22 @@ renderable ``gradwatch top`` and ``gradwatch demo`` display. Reading the endpoin
 
 * :class:`Trends` and :func:`sparkline`: recent values per series, drawn with the unicode blocks
   ``▁▂▃▄▅▆▇█``;
-* :func:`render_view`: summary line, groups table, ratios and the anomaly counters;
-  :func:`anomalies_text` and :func:`isolation_text` are its one-line parts, which the demo's
-  plain progress lines reuse.
+* :func:`render_view`: summary line, groups table, ratios, spike scores and the anomaly
+  counters; :func:`anomalies_text` (with :func:`spikes_text`), :func:`spike_scores_text` and
+  :func:`isolation_text` are its one-line parts, which the demo's plain progress lines reuse.
 
 Sparklines of norms use a log scale: gradient norms move by decades (an exploding step is 1e6
 times the others) and a linear scale would flatten everything but the spike. A non-finite value
 is drawn ``!`` and an exact zero (a group without gradient) ``·``, so both stay visible. A trend
 gains a point only when a scrape shows a new step: scraping a paused job does not draw a
 plateau that never happened.
+
+A point stands for every step published since the previous refresh, not only the last one
+(:func:`interval_point`): when the non-finite counter of the series moved in between, the point
+is non-finite (``!``); otherwise it is the last norm or, when the per-step norm histogram shows a
+larger norm in between, that histogram bucket's lower bound (a norm at least that large was
+published: never more than was measured). When the series' spike counter moved, the point is
+drawn :data:`SPIKE_MARK`. So a one-step NaN or spike stays visible until it scrolls out.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gradwatch.cli.endpoint import EndpointView
+from gradwatch.cli.endpoint import Buckets, EndpointView
 
 #: The eight block characters of a sparkline, lowest first.
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -35,6 +42,8 @@ NONFINITE_MARK = "!"
 ZERO_MARK = "·"
 #: Points kept per trend (the width of the sparklines).
 TREND_POINTS = 16
+#: Drawn for a trend point whose interval held a spike (its spike counter moved).
+SPIKE_MARK = "^"
 
 
 def sparkline(
@@ -81,37 +90,117 @@ def sparkline(
     return "".join(out)
 
 
+def counter_delta(now: int, before: int) -> int:
+    """Events between two readings of a counter (a counter that went down restarted at 0)."""
+    return now - before if now >= before else now
+
+
+def _new_norm_floor(now: Buckets, before: Buckets) -> float | None:
+    """The lower bound of the highest histogram bucket that gained observations between the two
+    readings (None when none did, or when the first bucket is the highest)."""
+    if len(now) != len(before) or not now:
+        before = tuple((le, 0.0) for le, _ in now)  # no comparable reading: since the start
+    deltas = [c - b for (_, c), (_, b) in zip(now, before, strict=True)]
+    if any(d < 0 for d in deltas):  # counts went down: the job restarted; count from zero
+        deltas = [c for _, c in now]
+    below = 0.0
+    highest: int | None = None
+    for i, d in enumerate(deltas):  # cumulative counts: a bucket gained when its delta rose
+        if d > below:
+            highest = i
+        below = d
+    if highest is None or highest == 0:
+        return None
+    return now[highest - 1][0]
+
+
+def interval_point(
+    last: float | None,
+    buckets: Buckets,
+    before: Buckets,
+    nonfinite: int,
+) -> float | None:
+    """One series' trend point for the steps published between two refreshes: non-finite
+    (NaN) when ``nonfinite`` of them were, else the larger of the last norm and the lower bound
+    of the highest histogram bucket that gained a norm (a norm at least that large was seen)."""
+    if nonfinite > 0:
+        return math.nan
+    floor = _new_norm_floor(buckets, before) if buckets else None
+    if floor is None:
+        return last
+    if last is None or not math.isfinite(last) or last < floor:
+        return floor
+    return last
+
+
 class Trends:
-    """The last :data:`TREND_POINTS` values of every displayed series, one point per new step."""
+    """The last :data:`TREND_POINTS` points of every displayed series, one point per new step
+    (see :func:`interval_point`), and where a spike happened."""
 
     def __init__(self, points: int = TREND_POINTS) -> None:
         self.points = points
         self._series: dict[str, deque[float]] = {}
+        self._spikes: dict[str, deque[bool]] = {}
         self._last_step: int | None = None
+        self._previous: EndpointView | None = None
 
     def add(self, view: EndpointView) -> bool:
         """Record ``view`` if it shows a step not recorded yet; returns whether it did."""
         if view.step is None or view.step == self._last_step:
             return False
         self._last_step = view.step
+        prev = self._previous
+        self._previous = view
         values: dict[str, float | None] = {
             "global": view.global_norm,
             "health": view.health,
             **{f"group:{g}": s.norm for g, s in view.groups.items()},
             **{f"ratio:{k}": v for k, v in view.ratios.items()},
         }
+        spiked: dict[str, bool] = {}
+        if prev is not None:  # the steps in between: counters and histograms since prev
+            values["global"] = interval_point(
+                view.global_norm,
+                view.global_norm_buckets,
+                prev.global_norm_buckets,
+                counter_delta(view.nonfinite_steps, prev.nonfinite_steps),
+            )
+            spiked["global"] = counter_delta(view.global_spikes, prev.global_spikes) > 0
+            for g, s in view.groups.items():
+                p = prev.groups.get(g)
+                if p is None:
+                    continue
+                values[f"group:{g}"] = interval_point(
+                    s.norm,
+                    s.norm_buckets,
+                    p.norm_buckets,
+                    counter_delta(s.nonfinite_steps, p.nonfinite_steps),
+                )
+                spiked[f"group:{g}"] = counter_delta(s.spikes, p.spikes) > 0
         for key, value in values.items():
             if value is not None:
                 self._series.setdefault(key, deque(maxlen=self.points)).append(value)
+                marks = self._spikes.setdefault(key, deque(maxlen=self.points))
+                while len(marks) < len(self._series[key]) - 1:
+                    marks.appendleft(False)
+                marks.append(spiked.get(key, False))
         return True
 
     def get(self, key: str) -> list[float]:
         return list(self._series.get(key, ()))
 
+    def spikes(self, key: str) -> list[bool]:
+        """Per point of :meth:`get`: whether its interval held a spike of the series."""
+        return list(self._spikes.get(key, ()))
+
     def line(self, key: str, *, log: bool = True) -> str:
         if key == "health":
             return sparkline(self.get(key), lo=0.0, hi=1.0)
-        return sparkline(self.get(key), log=log)
+        chars = list(sparkline(self.get(key), log=log))
+        for i, spike in enumerate(self.spikes(key)):
+            if spike and chars[i] != NONFINITE_MARK:
+                chars[i] = SPIKE_MARK
+        return "".join(chars)
 
 
 # -- rendering ------------------------------------------------------------------------------
@@ -150,12 +239,37 @@ def anomalies_text(view: EndpointView) -> Text:
         f"exploding steps {view.exploding_steps}",
         style="bold red" if view.exploding_steps else "green",
     )
+    text.append_text(spikes_text(view))
     if view.amp_skipped_steps:
         text.append(f", AMP-skipped steps {view.amp_skipped_steps}", style="yellow")
     if view.publish_errors or view.dropped:
         text.append(
             f", publish errors {view.publish_errors}, dropped {view.dropped}", style="yellow"
         )
+    return text
+
+
+def spikes_text(view: EndpointView) -> Text:
+    """``, spike steps: global 1, seed 1``: the spike counters (groups only when above 0)."""
+    parts = [f"global {view.global_spikes}"]
+    parts += [f"{g} {s.spikes}" for g, s in view.groups.items() if s.spikes]
+    any_spike = view.global_spikes > 0 or len(parts) > 1
+    text = Text(", ")
+    text.append("spike steps: " + ", ".join(parts), style="bold magenta" if any_spike else "green")
+    return text
+
+
+def spike_scores_text(view: EndpointView) -> Text | None:
+    """``spike score: global 0.4, host -0.2, seed 8.1`` (robust deviations above the recent
+    median at the last step; see gradwatch.spikes); None when the endpoint exports none."""
+    scores = [("global", view.global_spike_score)]
+    scores += [(g, s.spike_score) for g, s in view.groups.items()]
+    if all(v is None for _, v in scores):
+        return None
+    text = Text("spike score: ")
+    for i, (name, value) in enumerate(scores):
+        text.append(", " if i else "")
+        text.append(f"{name} {fmt(value, 3)}")
     return text
 
 
@@ -234,6 +348,9 @@ def render_view(view: EndpointView, trends: Trends, *, now: float | None = None)
         line = Text(f"ratio {key} {fmt(value)} ", style=_norm_style(value))
         line.append(trends.line(f"ratio:{key}"))
         parts.append(line)
+    scores = spike_scores_text(view)
+    if scores is not None:
+        parts.append(scores)
     parts.append(anomalies_text(view))
     isolation = isolation_text(view)
     if isolation is not None:

@@ -1,7 +1,8 @@
 """The steps of a run, by class: which steps were non-finite, AMP-skipped or exploding.
 
 The classification itself belongs to :class:`gradwatch.Snapshot` (``nonfinite_step``,
-``amp_skipped``, ``exploding_step``: an exploding step includes every non-finite one), the same
+``amp_skipped``, ``exploding_step``: an exploding step includes every non-finite one;
+``spike_step``: the global or a group norm spiked), the same
 one the exporter's ``gradwatch_*_steps_total`` counters use. This module only lists the steps of
 each class, for the views that name steps rather than count them: the demo's summary and
 ``gradwatch plot``. Never decide a class here, so all views agree on a NaN step.
@@ -24,6 +25,7 @@ class StepEvents:
     nonfinite: list[int] = field(default_factory=list)
     amp_skipped: list[int] = field(default_factory=list)
     exploding: list[int] = field(default_factory=list)
+    spikes: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, snapshots: Iterable[Snapshot]) -> StepEvents:
@@ -40,12 +42,15 @@ class StepEvents:
             self.amp_skipped.append(snap.step)
         if snap.exploding_step:
             self.exploding.append(snap.step)
+        if snap.spike_step:
+            self.spikes.append(snap.step)
 
     def to_dict(self) -> dict[str, list[int]]:
         return {
             "nonfinite": list(self.nonfinite),
             "amp_skipped": list(self.amp_skipped),
             "exploding": list(self.exploding),
+            "spikes": list(self.spikes),
         }
 
     @classmethod
@@ -54,4 +59,5 @@ class StepEvents:
             nonfinite=[int(s) for s in data["nonfinite"]],
             amp_skipped=[int(s) for s in data["amp_skipped"]],
             exploding=[int(s) for s in data["exploding"]],
+            spikes=[int(s) for s in data.get("spikes", ())],
         )

@@ -3,8 +3,11 @@
 Every ``--interval`` seconds it scrapes the endpoint (:mod:`gradwatch.cli.endpoint`) and draws
 it (:mod:`gradwatch.cli.render`), the code ``gradwatch demo`` uses too: the step, the global norm
 and health with trends, each group's norm with a sparkline of recent scrapes, the ratios, the
-non-finite/exploding step counters and the staleness (now minus
+non-finite/exploding/spike step counters, the spike scores and the staleness (now minus
 ``gradwatch_last_collect_timestamp_seconds``: a job that stopped collecting shows it at once).
+Each trend point covers every step published since the previous refresh (from the counters and
+the per-step norm histograms), so a one-step NaN (``!``) or spike (``^``) between two refreshes
+stays in the trend line.
 
 Design choices:
 

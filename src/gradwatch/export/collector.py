@@ -20,7 +20,14 @@ from prometheus_client.core import (
 )
 
 from gradwatch.export.metrics import METRICS, MetricDef, MetricSource
-from gradwatch.export.state import HistogramValue, MetricValue, PublishedState, Sample, SelfStats
+from gradwatch.export.state import (
+    HistogramValue,
+    LabelledHistograms,
+    MetricValue,
+    PublishedState,
+    Sample,
+    SelfStats,
+)
 
 __all__ = ["SnapshotCollector"]
 
@@ -93,6 +100,11 @@ def _render(d: MetricDef, value: MetricValue) -> Metric:
         return HistogramMetricFamily(
             d.name, d.help, buckets=list(value.buckets), sum_value=value.sum
         )
+    if isinstance(value, LabelledHistograms):
+        family = HistogramMetricFamily(d.name, d.help, labels=list(d.labels))
+        for labels, h in value.series:
+            family.add_metric(list(labels), list(h.buckets), sum_value=h.sum)
+        return family
     if d.type == "info":  # prometheus_client takes info labels as the value
         family = InfoMetricFamily(_base(d), d.help)
         for labels, _ in value:

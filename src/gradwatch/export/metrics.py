@@ -20,7 +20,7 @@ from typing import Literal
 from prometheus_client.utils import floatToGoString
 
 from gradwatch.export.publisher import MAX_PENDING
-from gradwatch.export.state import COLLECT_SECONDS_BUCKETS, MAX_PARAM_SERIES
+from gradwatch.export.state import COLLECT_SECONDS_BUCKETS, MAX_PARAM_SERIES, NORM_BUCKETS
 
 __all__ = ["METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "MetricType"]
 
@@ -63,6 +63,12 @@ class MetricDef:
     notes: str = ""
     source: MetricSource = field(kw_only=True)
 
+
+#: The per-step norm histograms' bucket bounds, as documented.
+NORM_BUCKETS_TEXT = (
+    "1e-06, 3e-06, 1e-05, ... (1 and 3 times each power of ten) up to 1e+06, then +Inf "
+    f"({len(NORM_BUCKETS)} bounds)"
+)
 
 METRICS: tuple[MetricDef, ...] = (
     # -- gauges of the last published snapshot (absent until the first one) --------------------
@@ -224,6 +230,73 @@ METRICS: tuple[MetricDef, ...] = (
         ("group",),
         "Published snapshots in which the isolated group violated isolation.",
         "Starts at 0 for every configured `isolated` group.",
+        source=MetricSource.COUNTS,
+    ),
+    # -- spikes and every step between scrapes (gradwatch.spikes, state.SeriesCounts) ----------
+    MetricDef(
+        "gradwatch_global_grad_norm_spike_score",
+        "gauge",
+        (),
+        "Robust deviations of the global log-norm above its recent median at the last "
+        "published step: (ln(norm) - median) / max(1.4826 * MAD, 0.05) over the last "
+        "spike_window collected steps.",
+        "NaN while undefined (fewer than `spike_warmup` samples, a non-finite or zero norm); "
+        "absent when spike detection is off (`spike_threshold` = 0). Negative below the median.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_grad_norm_spike_score",
+        "gauge",
+        ("group",),
+        "Robust deviations of one group's log-norm above its recent median at the last "
+        "published step.",
+        "As `gradwatch_global_grad_norm_spike_score`, per group.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_global_grad_norm_spikes_total",
+        "counter",
+        (),
+        "Published steps whose global norm was a spike (spike score above spike_threshold).",
+        "Counts every published step, also those between two scrapes.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_grad_norm_spikes_total",
+        "counter",
+        ("group",),
+        "Published steps in which the group's norm was a spike (spike score above "
+        "spike_threshold).",
+        "Starts at 0 for every configured group; `other` from its first step.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_nonfinite_group_steps_total",
+        "counter",
+        ("group",),
+        "Published non-finite steps in which the group had a NaN or Inf gradient.",
+        "Steps counted by `gradwatch_nonfinite_steps_total` (AMP-skipped steps are not), per "
+        "group that held a NaN or Inf: names the groups of a non-finite step after the "
+        "per-step gauges moved on. Starts at 0 for every configured group.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_global_grad_norm_per_step",
+        "histogram",
+        (),
+        "Distribution of the global gradient norm over every published step.",
+        f"Buckets (le): {NORM_BUCKETS_TEXT}. Only finite norms are observed (non-finite steps "
+        "are counted by `gradwatch_nonfinite_steps_total`); norms below 1e-06 land in the "
+        "first bucket, finite norms above 1e+06 in +Inf only.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_grad_norm_per_step",
+        "histogram",
+        ("group",),
+        "Distribution of one group's gradient norm over every published step.",
+        "Buckets as `gradwatch_global_grad_norm_per_step`; non-finite norms are counted by "
+        "`gradwatch_nonfinite_group_steps_total`.",
         source=MetricSource.COUNTS,
     ),
     # -- the exporter itself -------------------------------------------------------------------

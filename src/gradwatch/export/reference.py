@@ -14,9 +14,10 @@ from gradwatch.export.server import (
     REFUSE_DELAY,
     SCRAPE_BURST,
 )
-from gradwatch.export.state import MAX_PARAM_SERIES
+from gradwatch.export.state import MAX_PARAM_SERIES, NORM_BUCKETS, PublishedState, SelfStats
+from gradwatch.snapshot import GroupStats, Snapshot
 
-__all__ = ["metrics_reference_markdown"]
+__all__ = ["metrics_reference_markdown", "series_count"]
 
 _DOC_HEADER = """\
 # Metrics reference
@@ -56,6 +57,14 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
 * **Per-parameter series** (`gradwatch_param_grad_norm`) are off by default; with
   `param_metrics_top_k = k > 0` they are every non-finite parameter plus the k largest finite
   norms, capped at {max_series} series (`MAX_PARAM_SERIES`) in all.
+* **Every step counts, between scrapes too.** Gauges show the last published step; the
+  counters and histograms (`gradwatch_grad_norm_spikes_total`,
+  `gradwatch_nonfinite_group_steps_total`, `gradwatch_grad_norm_per_step`, ...) count every
+  published step, so a one-step spike or NaN between two scrapes still moves them. Spike
+  detection is described in docs/design.md ("Spike detection").
+* **Bounded series.** A scrape of a job with 10 groups, {ratios} ratios and {isolated} isolated
+  group (`param_metrics_top_k = 0`) holds {series} series; each further group adds {per_group}
+  ({hist} of them its norm histogram), and per-parameter series add at most {max_series}.
 """
 
 
@@ -70,6 +79,11 @@ def metrics_reference_markdown() -> str:
             max_wait=MAX_SCRAPE_WAIT,
             refuse_delay=REFUSE_DELAY,
             render_interval=RENDER_INTERVAL,
+            ratios=_COUNT_RATIOS,
+            isolated=_COUNT_ISOLATED,
+            series=series_count(10),
+            per_group=series_count(11) - series_count(10),
+            hist=len(NORM_BUCKETS) + 3,
         ),
         "| metric | type | labels | meaning |",
         "| --- | --- | --- | --- |",
@@ -79,3 +93,40 @@ def metrics_reference_markdown() -> str:
         meaning = (d.help + (f" {d.notes}" if d.notes else "")).replace("|", "\\|")
         lines.append(f"| `{d.name}` | {d.type} | {labels} | {meaning} |")
     return "\n".join(lines) + "\n"
+
+
+#: The ratios and isolated groups of the job whose series :func:`series_count` counts.
+_COUNT_RATIOS = 2
+_COUNT_ISOLATED = 1
+
+
+def series_count(groups: int) -> int:
+    """Series of one scrape of a job with ``groups`` groups, ``_COUNT_RATIOS`` ratios and
+    ``_COUNT_ISOLATED`` isolated groups, after a published, clipped step: rendered through the
+    real Collector, so the stated figure is the exported one."""
+    from gradwatch.config import WatchConfig
+    from gradwatch.export.collector import SnapshotCollector
+
+    names = [f"g{i}" for i in range(groups)]
+    cfg = WatchConfig(
+        groups={n: [f"{n}.*"] for n in names},
+        ratios=[(names[i + 1], names[0]) for i in range(_COUNT_RATIOS)],
+        isolated=names[:_COUNT_ISOLATED],
+    )
+    state = PublishedState(cfg)
+    state.write(
+        Snapshot(
+            step=1,
+            global_norm=1.0,
+            groups={n: GroupStats(norm=1.0, numel=1, tensors=1) for n in names},
+            ratios={f"{num}/{den}": 1.0 for num, den in cfg.ratios},
+            isolation_violated=dict.fromkeys(cfg.isolated, False),
+            clip_coef=1.0,
+            global_spike_score=0.0,
+            spike_scores=dict.fromkeys(names, 0.0),
+        )
+    )
+    stats = SelfStats()
+    stats.set_collecting(True)
+    collector = SnapshotCollector(state, stats, world_size=1, parallelism="single")
+    return sum(len(family.samples) for family in collector.collect())

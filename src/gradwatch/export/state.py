@@ -16,6 +16,7 @@ classified by :class:`~gradwatch.snapshot.Snapshot` (``nonfinite_step``, ``amp_s
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import threading
 from collections.abc import Mapping
@@ -62,8 +63,19 @@ class HistogramValue:
     sum: float
 
 
+@dataclass(frozen=True)
+class LabelledHistograms:
+    """The series of one histogram metric: ``(label values, histogram)`` pairs; falsy
+    (the metric absent) without a series."""
+
+    series: tuple[tuple[tuple[str, ...], HistogramValue], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.series)
+
+
 #: What a source holds for one metric: its samples, or a histogram.
-MetricValue = tuple[Sample, ...] | HistogramValue
+MetricValue = tuple[Sample, ...] | HistogramValue | LabelledHistograms
 
 
 # -- published state ------------------------------------------------------------------------
@@ -115,10 +127,11 @@ class State:
     """
 
     counts: Counts
-    count_samples: Mapping[str, tuple[Sample, ...]]
+    count_samples: Mapping[str, MetricValue]
     samples: Mapping[str, tuple[Sample, ...]] = field(default_factory=dict)
     step: int | None = None
     version: int = 0
+    series: SeriesCounts = field(default_factory=lambda: SeriesCounts())
 
 
 def select_param_series(
@@ -172,6 +185,12 @@ def snapshot_samples(
     }
     if snap.clip_coef is not None:
         out["gradwatch_clip_coef"] = (((), float(snap.clip_coef)),)
+    # Spike scores: absent when detection is off (gradwatch.spikes), NaN while undefined.
+    if snap.global_spike_score is not None:
+        out["gradwatch_global_grad_norm_spike_score"] = (((), float(snap.global_spike_score)),)
+        out["gradwatch_grad_norm_spike_score"] = tuple(
+            ((g,), float(v)) for g, v in snap.spike_scores.items()
+        )
     return out
 
 
@@ -192,9 +211,14 @@ class PublishedState:
         self._top_k = cfg.param_metrics_top_k
         # Counters start at 0 for every isolated group, so that increase() sees the first event.
         counts = Counts(isolation_violations=MappingProxyType(dict.fromkeys(cfg.isolated, 0)))
+        series = SeriesCounts.start(cfg.groups)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._state = State(counts=counts, count_samples=MappingProxyType(counts.samples()))
+        self._state = State(
+            counts=counts,
+            count_samples=MappingProxyType({**counts.samples(), **series.samples()}),
+            series=series,
+        )
 
     def current(self) -> State:
         with self._lock:
@@ -215,17 +239,112 @@ class PublishedState:
         with self._write_lock:
             old = self._state
             counts = old.counts.after(snapshot)
+            series = old.series.after(snapshot)
             state = State(
                 counts=counts,
-                count_samples=MappingProxyType(counts.samples()),
+                count_samples=MappingProxyType({**counts.samples(), **series.samples()}),
                 samples=MappingProxyType(
                     snapshot_samples(snapshot, self._ratio_labels, self._top_k)
                 ),
                 step=snapshot.step,
                 version=old.version + 1,
+                series=series,
             )
             with self._lock:
                 self._state = state
+
+
+# -- every published step, per series: spikes, non-finite groups, the norm distribution ------
+
+#: Upper bounds of the ``gradwatch_*grad_norm_per_step`` buckets: 1 and 3 times each power of
+#: ten from 1e-6 to 1e6 (two per decade, a factor of about 3 apart), so a 10x spike always moves
+#: up at least two buckets, and 11 histograms (10 groups and the global norm) stay under 310
+#: series. Norms below 1e-6 (vanishing or absent gradients) land in the first bucket, finite
+#: norms above 1e6 (far beyond any exploding threshold) in ``+Inf`` only. NaN and Inf norms are
+#: not observed: the non-finite counters count them, and an Inf would make the sum Inf forever.
+NORM_BUCKETS: tuple[float, ...] = (
+    *(float(f"{m}e{e}") for e in range(-6, 6) for m in (1, 3)),
+    1e6,
+)
+_NORM_LE = tuple(floatToGoString(b) for b in (*NORM_BUCKETS, math.inf))
+#: One series' histogram: counts per bucket (floats, not cumulative, ``+Inf`` last) and the sum.
+_Hist = tuple[tuple[float, ...], float]
+_NO_OBSERVATION: _Hist = ((0.0,) * (len(NORM_BUCKETS) + 1), 0.0)
+
+
+def _observe(hist: _Hist, norm: float) -> _Hist:
+    """``hist`` after observing ``norm`` (finite norms only)."""
+    if not math.isfinite(norm):
+        return hist
+    counts, total = hist
+    i = bisect.bisect_left(NORM_BUCKETS, norm)  # le: a norm equal to a bound is in its bucket
+    return (*counts[:i], counts[i] + 1.0, *counts[i + 1 :]), total + norm
+
+
+def _histogram(hist: _Hist) -> HistogramValue:
+    counts, total = hist
+    return HistogramValue(tuple(zip(_NORM_LE, itertools.accumulate(counts), strict=True)), total)
+
+
+@dataclass(frozen=True)
+class SeriesCounts:
+    """Running totals per series (the global norm and each group) over published snapshots,
+    so that what happened between two scrapes is never lost: spikes
+    (:attr:`Snapshot.spike_step`'s parts), non-finite groups of non-finite steps
+    (:attr:`Snapshot.nonfinite_step`, :attr:`Snapshot.nonfinite_groups`) and the distribution
+    of the per-step norms. Immutable: a new one per publish."""
+
+    global_spikes: int = 0
+    group_spikes: Mapping[str, int] = field(default_factory=dict)
+    nonfinite_group_steps: Mapping[str, int] = field(default_factory=dict)
+    global_norms: _Hist = _NO_OBSERVATION
+    group_norms: Mapping[str, _Hist] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, groups: Mapping[str, object]) -> SeriesCounts:
+        """Every configured group at 0 from the first scrape, so that increase() sees the
+        first event; ``other`` joins when it first appears."""
+        zeros = MappingProxyType(dict.fromkeys(groups, 0))
+        return cls(
+            group_spikes=zeros,
+            nonfinite_group_steps=zeros,
+            group_norms=MappingProxyType(dict.fromkeys(groups, _NO_OBSERVATION)),
+        )
+
+    def after(self, snap: Snapshot) -> SeriesCounts:
+        spiking = set(snap.spiking_groups)
+        bad = set(snap.nonfinite_groups) if snap.nonfinite_step else set()
+        spikes = dict(self.group_spikes)
+        nonfinite = dict(self.nonfinite_group_steps)
+        norms = dict(self.group_norms)
+        for g, stats in snap.groups.items():
+            spikes[g] = spikes.get(g, 0) + int(g in spiking)
+            nonfinite[g] = nonfinite.get(g, 0) + int(g in bad)
+            norms[g] = _observe(norms.get(g, _NO_OBSERVATION), stats.norm)
+        return SeriesCounts(
+            global_spikes=self.global_spikes + int(snap.global_spike),
+            group_spikes=MappingProxyType(spikes),
+            nonfinite_group_steps=MappingProxyType(nonfinite),
+            global_norms=_observe(self.global_norms, snap.global_norm),
+            group_norms=MappingProxyType(norms),
+        )
+
+    def samples(self) -> dict[str, MetricValue]:
+        return {
+            "gradwatch_global_grad_norm_spikes_total": (((), float(self.global_spikes)),),
+            "gradwatch_grad_norm_spikes_total": tuple(
+                ((g,), float(n)) for g, n in self.group_spikes.items()
+            ),
+            "gradwatch_nonfinite_group_steps_total": tuple(
+                ((g,), float(n)) for g, n in self.nonfinite_group_steps.items()
+            ),
+            "gradwatch_global_grad_norm_per_step": LabelledHistograms(
+                (((), _histogram(self.global_norms)),)
+            ),
+            "gradwatch_grad_norm_per_step": LabelledHistograms(
+                tuple(((g,), _histogram(h)) for g, h in self.group_norms.items())
+            ),
+        }
 
 
 # -- the exporter's own counters --------------------------------------------------------------
