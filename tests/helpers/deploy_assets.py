@@ -65,6 +65,21 @@ CONTRACT_METRICS = frozenset(
         # info
         "gradwatch_build_info",
         "gradwatch_run_info",
+        # restarts and ratio bands (constant for a run)
+        "gradwatch_start_time_seconds",
+        "gradwatch_grad_norm_ratio_band",
+        # spikes and per-group non-finite steps (names fixed by the metric contract)
+        "gradwatch_global_grad_norm_spike_score",
+        "gradwatch_grad_norm_spike_score",
+        "gradwatch_global_grad_norm_spikes_total",
+        "gradwatch_grad_norm_spikes_total",
+        "gradwatch_nonfinite_group_steps_total",
+        "gradwatch_global_grad_norm_per_step_bucket",
+        "gradwatch_global_grad_norm_per_step_sum",
+        "gradwatch_global_grad_norm_per_step_count",
+        "gradwatch_grad_norm_per_step_bucket",
+        "gradwatch_grad_norm_per_step_sum",
+        "gradwatch_grad_norm_per_step_count",
     }
 )
 
@@ -79,6 +94,7 @@ REQUIRED_ALERTS = {
     "GradwatchMetricsStale": ("warning", True),
     "GradwatchTargetDown": ("warning", True),
     "GradwatchNotCollecting": ("critical", False),
+    "GradwatchGradNormSpike": ("warning", False),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}

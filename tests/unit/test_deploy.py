@@ -517,3 +517,34 @@ def test_example_runs_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INJECT_NAN_AT", "2")
     monkeypatch.setenv("INJECT_EXPLODE_AT", "3-")
     assert _example_module().main(["--steps", "5", "--sleep", "0", "--log-every", "1"]) == 0
+
+
+def test_counter_alerts_are_restart_safe() -> None:
+    """A counter alert also fires on a counter above 0 in a run whose start time changed: a
+    restarted job can count its first event before Prometheus's first scrape (1, 1, 1)."""
+    for name, rule in alerts().items():
+        expr = rule["expr"]
+        for window in re.findall(r"increase\(gradwatch_\w+_total\[(\w+)\]\)", expr):
+            assert (
+                "gradwatch_start_time_seconds\n"
+                f"!= last_over_time(gradwatch_start_time_seconds[1h] offset {window})"
+            ) in re.sub(r"\n\s+", "\n", expr), name
+
+
+def test_ratio_alert_reads_the_configured_bands() -> None:
+    rule = alerts()["GradwatchGradRatioDormant"]
+    assert 'gradwatch_grad_norm_ratio_band{bound="dormant"}' in rule["expr"]
+    text = rule["expr"] + rule["annotations"]["description"]
+    for number in ("0.01", "0.05", "0.2"):  # levels come from the job, not the rules
+        assert number not in text, number
+
+
+def test_nonfinite_and_spike_descriptions_name_groups_from_the_counters() -> None:
+    found = alerts()
+    for name, counter in (
+        ("GradwatchNonFiniteGradients", "gradwatch_nonfinite_group_steps_total"),
+        ("GradwatchGradNormSpike", "gradwatch_grad_norm_spikes_total"),
+    ):
+        description = found[name]["annotations"]["description"]
+        assert counter in description and "query" in description, name
+        assert "gradwatch_nonfinite_tensors" not in description, name  # not the last step
