@@ -48,6 +48,7 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_step",
         "gradwatch_last_collect_timestamp_seconds",
         "gradwatch_clip_coef",
+        "gradwatch_param_grad_norm",
         "gradwatch_collecting",
         # counters
         "gradwatch_collections_total",

@@ -267,15 +267,39 @@ def test_dashboard_shows_every_key_metric_with_log_norms_ratio_bands_and_annotat
             if panel["type"] == "timeseries":
                 scale = panel["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
                 assert scale["type"] == "log", panel["title"]
-    # Ratio panel: the dormant/low/healthy/high bands are drawn.
+    # Ratio panel: each pair's configured band is drawn from the exported band series, no
+    # level is written into the dashboard.
     (ratio,) = by_metric["gradwatch_grad_norm_ratio"]
+    assert ratio in by_metric["gradwatch_grad_norm_ratio_band"]
+    bands = [t["expr"] for t in ratio["targets"] if "gradwatch_grad_norm_ratio_band" in t["expr"]]
+    assert any("low|high" in e for e in bands) and any('bound="dormant"' in e for e in bands)
     defaults = ratio["fieldConfig"]["defaults"]
-    steps = [s["value"] for s in defaults["thresholds"]["steps"]]
-    assert steps == [None, 0.01, 0.05, 0.2]
-    assert defaults["custom"]["thresholdsStyle"]["mode"] in {"area", "line+area"}
-    # Annotations on non-finite steps.
+    assert [s["value"] for s in defaults["thresholds"]["steps"]] == [None]
+    assert defaults["custom"]["thresholdsStyle"]["mode"] == "off"
+    # Staleness, clipping, spikes, the per-step distribution and the top-k parameters.
+    for metric in (
+        "gradwatch_last_collect_timestamp_seconds",
+        "gradwatch_clip_coef",
+        "gradwatch_grad_norm_spike_score",
+        "gradwatch_global_grad_norm_spike_score",
+        "gradwatch_grad_norm_spikes_total",
+        "gradwatch_global_grad_norm_spikes_total",
+        "gradwatch_global_grad_norm_per_step_bucket",
+        "gradwatch_grad_norm_per_step_bucket",
+        "gradwatch_param_grad_norm",
+    ):
+        assert metric in by_metric, f"no panel shows {metric}"
+    for metric in (
+        "gradwatch_global_grad_norm_per_step_bucket",
+        "gradwatch_grad_norm_per_step_bucket",
+    ):
+        for panel in by_metric[metric]:
+            exprs = [t["expr"] for t in panel["targets"] if metric in t["expr"]]
+            assert all(e.startswith("histogram_quantile(") and "le)" in e for e in exprs), exprs
+    # Annotations on non-finite steps and on spikes.
     exprs = [a.get("expr", "") for a in board["annotations"]["list"]]
     assert any("gradwatch_nonfinite_steps_total" in e for e in exprs)
+    assert any("gradwatch_grad_norm_spikes_total" in e for e in exprs)
 
 
 def test_dashboard_metric_names_are_exported_or_recorded() -> None:
