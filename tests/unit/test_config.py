@@ -358,3 +358,19 @@ def test_bad_run_id_is_refused_naming_the_field(bad: str) -> None:
     with pytest.raises(ValidationError) as excinfo:
         WatchConfig(run_id=bad)
     assert [tuple(e["loc"]) for e in excinfo.value.errors()] == [("run_id",)]
+
+
+def test_watch_reports_a_bad_ratio_band_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    import gradwatch
+
+    monkeypatch.setenv("GRADWATCH_GROUPS", '{"seed": ["0.*"], "host": ["1.*"]}')
+    monkeypatch.setenv(
+        "GRADWATCH_RATIOS", '[{"numerator": "seed", "denominator": "host", "dormant": -1}]'
+    )
+    with pytest.raises(gradwatch.GradWatchError) as info:
+        gradwatch.watch(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    message = str(info.value)
+    assert message.count("\n") == 0, message
+    assert "ratios.0.dormant" in message and "GRADWATCH_RATIOS" in message, message
