@@ -22,7 +22,10 @@ overflowing step), so the run is healthy again afterwards.
 Other settings (a command-line option wins over its variable): ``--steps``/``TRAIN_STEPS``
 (default 200; 0 = until stopped), ``--sleep``/``STEP_SLEEP`` (seconds per step, default 0.05,
 so dashboards have time to show the run), ``--batch-size``/``BATCH_SIZE`` (default 64),
-``--log-every``/``LOG_EVERY`` (rank 0 prints a line every that many steps, default 20).
+``--log-every``/``LOG_EVERY`` (rank 0 prints a line every that many steps, default 20),
+``--clip-norm``/``CLIP_NORM`` (clip the whole-model gradient norm to this with
+``watch.clip_grad_norm_``, which collects too and exports ``gradwatch_clip_coef``; default 0:
+no clipping).
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sleep", type=float, default=float(env.get("STEP_SLEEP", "0.05")))
     parser.add_argument("--batch-size", type=int, default=int(env.get("BATCH_SIZE", "64")))
     parser.add_argument("--log-every", type=int, default=int(env.get("LOG_EVERY", "20")))
+    parser.add_argument("--clip-norm", type=float, default=float(env.get("CLIP_NORM", "0")))
     return parser.parse_args(argv)
 
 
@@ -132,11 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     print(f"step {step}: gradients multiplied by {factor}", flush=True)
 
-            pending = watch.collect(step=step)
+            if args.clip_norm > 0:  # clips and collects in one pass (pre-clip norms, clip_coef)
+                watch.clip_grad_norm_(args.clip_norm, step=step)
+            else:
+                watch.collect(step=step)
             if not injected:
                 optimizer.step()
+            snap = None
             if rank == 0 and args.log_every > 0 and step % args.log_every == 0:
-                snap = pending.result()
+                snap = watch.last  # this step's snapshot (waits for it, as result() would)
+            if snap is not None:
                 print(
                     f"step {step} loss {loss.item():.4f} global_norm {snap.global_norm:.4g} "
                     f"health {snap.health:.2f}",

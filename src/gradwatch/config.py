@@ -17,23 +17,28 @@ misspelt variables (:func:`unknown_env_vars`) and the one "did you mean" hint
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import hashlib
 import ipaddress
 import json
 import os
-from collections.abc import Callable, Collection, Iterable, Mapping
+import secrets
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import (
+    ConfigDict,
     Field,
     FilePath,
     StrictStr,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -63,6 +68,89 @@ MAX_SPIKE_WINDOW = 4096
 
 GroupName = Annotated[StrictStr, Field(min_length=1)]
 Threshold = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+# -- ratio bands ---------------------------------------------------------------------------------
+
+#: Healthy band and dormant level of a normalized ratio when its entry gives none: the levels
+#: of a host/seed pair (a small seed group learning at 5-20% of its host's per-element rate).
+DEFAULT_RATIO_LOW = 0.05
+DEFAULT_RATIO_HIGH = 0.2
+DEFAULT_RATIO_DORMANT = 0.01
+
+#: The longest ``run_id`` (a label value that long is already unwieldy in every UI).
+MAX_RUN_ID_LENGTH = 128
+
+BandLevel = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class RatioSpec:
+    """One entry of :attr:`WatchConfig.ratios`: a pair of groups and the ratio's band.
+
+    Written as a pair ``["seed", "host"]`` (default band) or a mapping
+    ``{"numerator": "attn", "denominator": "mlp", "low": 0.5, "high": 2, "dormant": 0.1}``
+    (omitted levels take the defaults). ``low <= high`` and ``dormant <= low``, all finite and
+    ``>= 0``; ``dormant`` 0 disables the dormant alert for this pair. Unpacks as
+    ``numerator, denominator``, the pair of the old form.
+    """
+
+    numerator: GroupName
+    denominator: GroupName
+    low: BandLevel = DEFAULT_RATIO_LOW
+    high: BandLevel = DEFAULT_RATIO_HIGH
+    dormant: BandLevel = DEFAULT_RATIO_DORMANT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_pair(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            if len(value) != 2:
+                raise ValueError(
+                    "a ratio is a pair [numerator, denominator] or a mapping with numerator, "
+                    "denominator and optional low, high, dormant"
+                )
+            return {"numerator": value[0], "denominator": value[1]}
+        return value
+
+    @model_validator(mode="after")
+    def _check_band(self) -> RatioSpec:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) is above high ({self.high})")
+        if self.dormant > self.low:
+            raise ValueError(f"dormant ({self.dormant}) is above low ({self.low})")
+        return self
+
+    @model_serializer(mode="plain")
+    def _to_plain(self) -> list[str] | dict[str, Any]:
+        """The pair when the band is the default (the form most configurations use)."""
+        if (self.low, self.high, self.dormant) == (
+            DEFAULT_RATIO_LOW,
+            DEFAULT_RATIO_HIGH,
+            DEFAULT_RATIO_DORMANT,
+        ):
+            return [self.numerator, self.denominator]
+        return {
+            "numerator": self.numerator,
+            "denominator": self.denominator,
+            "low": self.low,
+            "high": self.high,
+            "dormant": self.dormant,
+        }
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        return (self.numerator, self.denominator)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.pair)
+
+
+def new_run_id(start_time: float) -> str:
+    """A fresh run identity: the UTC start time and 6 random hex digits, e.g.
+    ``20261123T145151Z-3fa2c1`` (readable in a legend, unique across restarts)."""
+    stamp = datetime.datetime.fromtimestamp(start_time, datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{secrets.token_hex(3)}"
 
 
 def _pairs_if_duplicated(pairs: list[tuple[str, Any]]) -> Any:
@@ -99,6 +187,8 @@ class WatchConfig(BaseSettings):
             with a matching pattern wins. Parameters that match nothing form the group ``"other"``.
         ratios: pairs ``(numerator, denominator)`` of group names; each gives
             ``ratios["num/den"] = (n_norm/sqrt(n_numel)) / (d_norm/sqrt(d_numel) + 1e-8)``.
+            An entry is a pair or a mapping that also carries the ratio's healthy band and
+            dormant level (:class:`RatioSpec`); every entry unpacks as ``num, den``.
         isolated: groups expected to receive no gradient (``norm <= isolation_threshold``).
         vanishing_threshold: a parameter whose gradient L2 norm is below this is "vanishing".
         exploding_threshold: a parameter whose gradient L2 norm is above this is "exploding".
@@ -122,6 +212,8 @@ class WatchConfig(BaseSettings):
         spike_threshold: a norm this many robust deviations above its recent median is a
             spike; ``0`` disables spike detection.
         spike_warmup: samples a series' window needs before its spike score is defined.
+        run_id: identity of this run, the ``run_id`` label of ``gradwatch_run_info``; ``None``
+            (the default) generates one when the endpoint starts (:func:`new_run_id`).
     """
 
     model_config = SettingsConfigDict(
@@ -132,7 +224,7 @@ class WatchConfig(BaseSettings):
     )
 
     groups: dict[GroupName, list[StrictStr]] = Field(default_factory=dict)
-    ratios: list[tuple[GroupName, GroupName]] = Field(default_factory=list)
+    ratios: list[RatioSpec] = Field(default_factory=list)
     isolated: list[GroupName] = Field(default_factory=list)
 
     vanishing_threshold: Threshold = 1e-7
@@ -174,6 +266,24 @@ class WatchConfig(BaseSettings):
                 f"spike_warmup ({value}) must not exceed spike_window ({window}): the window "
                 "never holds more samples"
             )
+        return value
+
+    # -- restarts and ratio bands: run identity (see also RatioSpec) ----------------------------
+    # Any text is a valid label value (the exposition escapes quotes, backslashes and
+    # newlines); only an empty, blank-padded, overlong or non-UTF-8 id is refused.
+    run_id: str | None = Field(default=None, min_length=1, max_length=MAX_RUN_ID_LENGTH)
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if value.strip() != value or not value.strip():
+            raise ValueError(f"run_id {value!r} is blank or has surrounding blanks")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"run_id {value!r} is not valid UTF-8 text") from exc
         return value
 
     @classmethod
@@ -253,7 +363,7 @@ class WatchConfig(BaseSettings):
                     )
             if num == den:
                 raise ValueError(f"ratios[{i}] divides group {num!r} by itself")
-        if len(set(self.ratios)) != len(self.ratios):
+        if len({r.pair for r in self.ratios}) != len(self.ratios):
             raise ValueError("ratios has duplicate pairs")
         for name in self.isolated:
             if name not in known:

@@ -51,6 +51,23 @@ class GroupStats:
     nonfinite: int = 0
 
 
+#: Added to the denominator of normalized ratios, and the floor under which a norm counts as 0.
+RATIO_EPS = 1e-8
+
+
+def ratio_defined(denominator: GroupStats | None) -> bool:
+    """Whether a normalized ratio over ``denominator`` means anything: the group had gradient
+    elements and a finite norm of at least :data:`RATIO_EPS`. Otherwise the ratio is undefined
+    (the snapshot holds 0.0 or NaN; the exporter publishes NaN, never a 0 that reads as
+    "dormant")."""
+    return (
+        denominator is not None
+        and denominator.numel > 0
+        and math.isfinite(denominator.norm)
+        and denominator.norm >= RATIO_EPS
+    )
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Gradient statistics of the whole model for one step, as one process would see them.

@@ -16,11 +16,8 @@ import math
 from collections.abc import Sequence
 
 from gradwatch.config import WatchConfig, ratio_key
-from gradwatch.snapshot import GroupStats, Snapshot
+from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot
 from gradwatch.stats import norm_from_bands, sqrt_sum
-
-#: Added to the denominator of normalized ratios, and the floor under which a norm counts as 0.
-RATIO_EPS = 1e-8
 
 
 def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:

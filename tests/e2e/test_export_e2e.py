@@ -81,7 +81,11 @@ def test_prometheus_stores_exactly_the_published_values(tmp_path: Path) -> None:
                 snap = Snapshot(
                     step=step,
                     global_norm=norm,
-                    groups={"host": GroupStats(norm=norm, numel=step), "other": GroupStats()},
+                    # a defined denominator: the ratio is published as held, bit for bit
+                    groups={
+                        "host": GroupStats(norm=norm, numel=step),
+                        "other": GroupStats(norm=1.0, numel=1, tensors=1),
+                    },
                     ratios={"host/other": ratio},
                     timestamp=time.time(),
                 )

@@ -48,6 +48,7 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_step",
         "gradwatch_last_collect_timestamp_seconds",
         "gradwatch_clip_coef",
+        "gradwatch_param_grad_norm",
         "gradwatch_collecting",
         # counters
         "gradwatch_collections_total",
@@ -65,7 +66,10 @@ CONTRACT_METRICS = frozenset(
         # info
         "gradwatch_build_info",
         "gradwatch_run_info",
-        # spikes and every step between scrapes
+        # restarts and ratio bands (constant for a run)
+        "gradwatch_start_time_seconds",
+        "gradwatch_grad_norm_ratio_band",
+        # spikes and every step between scrapes (names fixed by the metric contract)
         "gradwatch_global_grad_norm_spike_score",
         "gradwatch_grad_norm_spike_score",
         "gradwatch_global_grad_norm_spikes_total",
@@ -91,6 +95,7 @@ REQUIRED_ALERTS = {
     "GradwatchMetricsStale": ("warning", True),
     "GradwatchTargetDown": ("warning", True),
     "GradwatchNotCollecting": ("critical", False),
+    "GradwatchGradNormSpike": ("warning", False),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}

@@ -96,10 +96,11 @@ def sample_value(sample: dict[str, Any]) -> float:
 class PromServer:
     """Handle on a running Prometheus. Thread-safe (each call is one HTTP request)."""
 
-    def __init__(self, url: str, workdir: Path, log_path: Path) -> None:
+    def __init__(self, url: str, workdir: Path, log_path: Path, pid: int | None = None) -> None:
         self.url = url
         self.workdir = workdir
         self.log_path = log_path
+        self.pid = pid  # the Prometheus process (a test may pause it: SIGSTOP/SIGCONT)
 
     def api(self, path: str, **params: str) -> Any:
         """GET /api/v1/<path>; returns ``data``. An HTTP 4xx/5xx becomes an AssertionError
@@ -281,7 +282,7 @@ def run_prometheus(
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
                     )
-                server = PromServer(f"http://127.0.0.1:{port}", root, log_path)
+                server = PromServer(f"http://127.0.0.1:{port}", root, log_path, proc.pid)
                 if _wait_ready(proc, server.url, startup_timeout):
                     break
                 if attempt == 2:

@@ -202,3 +202,27 @@ def test_console_script_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["enabled"] is True
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        (
+            {
+                "GRADWATCH_GROUPS": '{"seed": ["s.*"], "host": ["h.*"]}',
+                "GRADWATCH_RATIOS": '[{"numerator": "seed", "denominator": "host", "low": 0.3, '
+                '"high": 0.2}]',
+            },
+            ("ratios", "GRADWATCH_RATIOS", "low", "high"),
+        ),
+        ({"GRADWATCH_RUN_ID": " padded "}, ("run_id", "GRADWATCH_RUN_ID")),
+    ],
+)
+def test_bad_ratio_band_or_run_id_exits_2_naming_the_field(
+    env: dict[str, str], words: tuple[str, ...]
+) -> None:
+    proc = run("config", env=env)
+    assert proc.returncode == 2, proc.stdout
+    for word in words:
+        assert word in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout

@@ -112,3 +112,56 @@ def test_without_matplotlib_exits_2_with_the_extra_named(tmp_path: Path) -> None
     proc = run("plot", str(history), prelude="import sys; sys.modules['matplotlib'] = None")
     assert proc.returncode == 2
     assert "gradwatch[plot]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- ratio bands from the job's configuration ---------------------------------------------------
+
+
+def test_bands_come_from_the_configured_ratios(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    from gradwatch.cli.plot import configured_bands, load_records, render_history
+
+    history = tmp_path / "h.jsonl"
+    write_history(history, range(20))
+    records = load_records(history)
+    monkeypatch.delenv("GRADWATCH_RATIOS", raising=False)
+    assert configured_bands() == {}
+    default = render_history(records, tmp_path / "a.png", width=4, height=3, dpi=40)
+    assert default.bands == {"seed/host": (0.05, 0.2, 0.01)}  # the host/seed defaults
+    monkeypatch.setenv(
+        "GRADWATCH_RATIOS",
+        '[{"numerator": "seed", "denominator": "host", "low": 0.3, "high": 3, "dormant": 0.1}]',
+    )
+    bands = configured_bands()
+    assert bands == {"seed/host": (0.3, 3.0, 0.1)}
+    drawn = render_history(records, tmp_path / "b.png", width=4, height=3, dpi=40, bands=bands)
+    assert drawn.bands == {"seed/host": (0.3, 3.0, 0.1)}
+    assert png_size(tmp_path / "b.png") == (160, 120)
+
+
+def test_plot_with_configured_bands_and_a_bad_band(tmp_path: Path) -> None:
+    history = tmp_path / "h.jsonl"
+    write_history(history, range(20))
+    out = tmp_path / "o.png"
+    good = '[["seed", "host"], {"numerator": "host", "denominator": "seed", "low": 2, "high": 9}]'
+    proc = run_env({"GRADWATCH_RATIOS": good}, "plot", str(history), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    bad = '[{"numerator": "seed", "denominator": "host", "low": 0.3, "high": 0.2}]'
+    proc = run_env({"GRADWATCH_RATIOS": bad}, "plot", str(history), "-o", str(tmp_path / "x.png"))
+    assert proc.returncode == 2
+    assert "GRADWATCH_RATIOS" in proc.stderr and "low" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "x.png").exists()
+
+
+def run_env(extra: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    code = "from gradwatch.cli.main import main\nmain()"
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | extra
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+    )

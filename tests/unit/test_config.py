@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -56,7 +57,7 @@ def test_host_seed_example_is_accepted() -> None:
     )
     assert dict(cfg.groups) == {"host": ["backbone.*"], "seed": ["seed.*"]}
     assert list(cfg.groups) == ["host", "seed"]  # order kept: first matching group wins
-    assert cfg.ratios == [("seed", "host")]
+    assert [r.pair for r in cfg.ratios] == [("seed", "host")]
     assert cfg.isolated == ["host"]
     assert (cfg.vanishing_threshold, cfg.exploding_threshold, cfg.isolation_threshold) == (
         1e-7,
@@ -80,7 +81,7 @@ def test_defaults() -> None:
 
 def test_ratio_may_name_other_group() -> None:
     cfg = WatchConfig(groups={"a": ["x.*"]}, ratios=[("a", "other")], isolated=["other"])
-    assert cfg.ratios == [("a", "other")]
+    assert [r.pair for r in cfg.ratios] == [("a", "other")]
 
 
 @pytest.mark.parametrize(
@@ -173,7 +174,7 @@ def test_env_every_field_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRADWATCH_ENABLED", "false")
     cfg = WatchConfig()
     assert list(cfg.groups) == ["a", "b"]
-    assert cfg.ratios == [("a", "b")]
+    assert [r.pair for r in cfg.ratios] == [("a", "b")]
     assert cfg.isolated == ["b"]
     assert cfg.vanishing_threshold == 1e-9
     assert cfg.exploding_threshold == 50.0
@@ -266,3 +267,110 @@ def test_watch_reports_a_bad_environment_value_in_one_line(monkeypatch) -> None:
     assert message.count("\n") == 0, message
     assert "port" in message and "GRADWATCH_PORT='abc'" in message, message
     assert "pydantic" not in message and "errors.pydantic.dev" not in message
+
+
+# -- ratio bands and run identity ---------------------------------------------------------------
+
+_BANDED = {"seed": ["s.*"], "host": ["h.*"]}
+
+
+def test_ratio_entries_carry_bands_and_keep_the_pair_form() -> None:
+    from gradwatch.config import RatioSpec
+
+    cfg = WatchConfig(
+        groups=_BANDED,
+        ratios=[
+            ("seed", "host"),
+            {"numerator": "host", "denominator": "seed", "low": 0.5, "high": 2.0, "dormant": 0.1},
+        ],
+    )
+    plain, banded = cfg.ratios
+    assert (plain.low, plain.high, plain.dormant) == (0.05, 0.2, 0.01)  # the host/seed band
+    assert banded == RatioSpec("host", "seed", low=0.5, high=2.0, dormant=0.1)
+    assert [tuple(r) for r in cfg.ratios] == [("seed", "host"), ("host", "seed")]
+    # The pair form round-trips as a pair; a band as a mapping (pasteable into GRADWATCH_RATIOS).
+    dumped = cfg.model_dump(mode="json")["ratios"]
+    assert dumped == [["seed", "host"], {"numerator": "host", "denominator": "seed",
+                                         "low": 0.5, "high": 2.0, "dormant": 0.1}]  # fmt: skip
+    assert WatchConfig(groups=_BANDED, ratios=dumped) == cfg
+    # Default bands leave the construction handshake's digest as it was.
+    assert (
+        WatchConfig(groups=_BANDED, ratios=[("seed", "host")]).layout_hash()
+        == WatchConfig(groups=_BANDED, ratios=[["seed", "host"]]).layout_hash()
+    )
+
+
+def test_ratio_bands_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_GROUPS", json.dumps(_BANDED))
+    monkeypatch.setenv(
+        "GRADWATCH_RATIOS", '[{"numerator": "seed", "denominator": "host", "high": 0.3}]'
+    )
+    (spec,) = WatchConfig().ratios
+    assert (spec.numerator, spec.denominator, spec.low, spec.high, spec.dormant) == (
+        "seed", "host", 0.05, 0.3, 0.01,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("entry", "loc", "words"),
+    [
+        ({"low": 0.3, "high": 0.2}, ("ratios", 0), ("low", "high")),
+        ({"low": -0.1}, ("ratios", 0, "low"), ("greater than or equal to 0",)),
+        ({"high": -1.0, "low": 0.0, "dormant": 0.0}, ("ratios", 0, "high"), ("greater",)),
+        ({"dormant": -0.01}, ("ratios", 0, "dormant"), ("greater",)),
+        ({"dormant": 0.06}, ("ratios", 0), ("dormant", "low")),
+        ({"high": float("inf")}, ("ratios", 0, "high"), ("finite",)),
+        ({"width": 1.0}, ("ratios", 0, "width"), ("Unexpected",)),
+    ],
+)
+def test_bad_ratio_bands_are_refused_naming_the_field(
+    entry: dict[str, Any], loc: tuple[Any, ...], words: tuple[str, ...]
+) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig(groups=_BANDED, ratios=[{"numerator": "seed", "denominator": "host", **entry}])
+    (error,) = excinfo.value.errors()
+    assert tuple(error["loc"]) == loc, _error_text(excinfo)
+    for word in words:
+        assert word in error["msg"], error["msg"]
+
+
+def test_bad_ratio_entry_shape_is_refused() -> None:
+    with pytest.raises(ValidationError, match="pair"):
+        WatchConfig(groups=_BANDED, ratios=[["seed", "host", "x"]])
+    with pytest.raises(ValidationError, match="duplicate"):
+        WatchConfig(
+            groups=_BANDED, ratios=[("seed", "host"), {"numerator": "seed", "denominator": "host"}]
+        )
+
+
+def test_run_id_default_and_override() -> None:
+    from gradwatch.config import new_run_id
+
+    assert WatchConfig().run_id is None  # generated when the endpoint starts
+    odd = 'job "7"\\ \nretry ü'  # quotes, backslash, newline: escaped by the exposition
+    assert WatchConfig(run_id=odd).run_id == odd
+    a, b = new_run_id(0.0), new_run_id(0.0)
+    assert a.startswith("19700101T000000Z-") and a != b
+
+
+@pytest.mark.parametrize("bad", ["", " x", "x\n", "a" * 129, "\ud800"])
+def test_bad_run_id_is_refused_naming_the_field(bad: str) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        WatchConfig(run_id=bad)
+    assert [tuple(e["loc"]) for e in excinfo.value.errors()] == [("run_id",)]
+
+
+def test_watch_reports_a_bad_ratio_band_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    import gradwatch
+
+    monkeypatch.setenv("GRADWATCH_GROUPS", '{"seed": ["0.*"], "host": ["1.*"]}')
+    monkeypatch.setenv(
+        "GRADWATCH_RATIOS", '[{"numerator": "seed", "denominator": "host", "dormant": -1}]'
+    )
+    with pytest.raises(gradwatch.GradWatchError) as info:
+        gradwatch.watch(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    message = str(info.value)
+    assert message.count("\n") == 0, message
+    assert "ratios.0.dormant" in message and "GRADWATCH_RATIOS" in message, message

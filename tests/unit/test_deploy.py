@@ -267,15 +267,39 @@ def test_dashboard_shows_every_key_metric_with_log_norms_ratio_bands_and_annotat
             if panel["type"] == "timeseries":
                 scale = panel["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
                 assert scale["type"] == "log", panel["title"]
-    # Ratio panel: the dormant/low/healthy/high bands are drawn.
+    # Ratio panel: each pair's configured band is drawn from the exported band series, no
+    # level is written into the dashboard.
     (ratio,) = by_metric["gradwatch_grad_norm_ratio"]
+    assert ratio in by_metric["gradwatch_grad_norm_ratio_band"]
+    bands = [t["expr"] for t in ratio["targets"] if "gradwatch_grad_norm_ratio_band" in t["expr"]]
+    assert any("low|high" in e for e in bands) and any('bound="dormant"' in e for e in bands)
     defaults = ratio["fieldConfig"]["defaults"]
-    steps = [s["value"] for s in defaults["thresholds"]["steps"]]
-    assert steps == [None, 0.01, 0.05, 0.2]
-    assert defaults["custom"]["thresholdsStyle"]["mode"] in {"area", "line+area"}
-    # Annotations on non-finite steps.
+    assert [s["value"] for s in defaults["thresholds"]["steps"]] == [None]
+    assert defaults["custom"]["thresholdsStyle"]["mode"] == "off"
+    # Staleness, clipping, spikes, the per-step distribution and the top-k parameters.
+    for metric in (
+        "gradwatch_last_collect_timestamp_seconds",
+        "gradwatch_clip_coef",
+        "gradwatch_grad_norm_spike_score",
+        "gradwatch_global_grad_norm_spike_score",
+        "gradwatch_grad_norm_spikes_total",
+        "gradwatch_global_grad_norm_spikes_total",
+        "gradwatch_global_grad_norm_per_step_bucket",
+        "gradwatch_grad_norm_per_step_bucket",
+        "gradwatch_param_grad_norm",
+    ):
+        assert metric in by_metric, f"no panel shows {metric}"
+    for metric in (
+        "gradwatch_global_grad_norm_per_step_bucket",
+        "gradwatch_grad_norm_per_step_bucket",
+    ):
+        for panel in by_metric[metric]:
+            exprs = [t["expr"] for t in panel["targets"] if metric in t["expr"]]
+            assert all(e.startswith("histogram_quantile(") and "le)" in e for e in exprs), exprs
+    # Annotations on non-finite steps and on spikes.
     exprs = [a.get("expr", "") for a in board["annotations"]["list"]]
     assert any("gradwatch_nonfinite_steps_total" in e for e in exprs)
+    assert any("gradwatch_grad_norm_spikes_total" in e for e in exprs)
 
 
 def test_dashboard_metric_names_are_exported_or_recorded() -> None:
@@ -517,3 +541,34 @@ def test_example_runs_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INJECT_NAN_AT", "2")
     monkeypatch.setenv("INJECT_EXPLODE_AT", "3-")
     assert _example_module().main(["--steps", "5", "--sleep", "0", "--log-every", "1"]) == 0
+
+
+def test_counter_alerts_are_restart_safe() -> None:
+    """A counter alert also fires on a counter above 0 in a run whose start time changed: a
+    restarted job can count its first event before Prometheus's first scrape (1, 1, 1)."""
+    for name, rule in alerts().items():
+        expr = rule["expr"]
+        for window in re.findall(r"increase\(gradwatch_\w+_total\[(\w+)\]\)", expr):
+            assert (
+                "gradwatch_start_time_seconds\n"
+                f"!= last_over_time(gradwatch_start_time_seconds[1h] offset {window})"
+            ) in re.sub(r"\n\s+", "\n", expr), name
+
+
+def test_ratio_alert_reads_the_configured_bands() -> None:
+    rule = alerts()["GradwatchGradRatioDormant"]
+    assert 'gradwatch_grad_norm_ratio_band{bound="dormant"}' in rule["expr"]
+    text = rule["expr"] + rule["annotations"]["description"]
+    for number in ("0.01", "0.05", "0.2"):  # levels come from the job, not the rules
+        assert number not in text, number
+
+
+def test_nonfinite_and_spike_descriptions_name_groups_from_the_counters() -> None:
+    found = alerts()
+    for name, counter in (
+        ("GradwatchNonFiniteGradients", "gradwatch_nonfinite_group_steps_total"),
+        ("GradwatchGradNormSpike", "gradwatch_grad_norm_spikes_total"),
+    ):
+        description = found[name]["annotations"]["description"]
+        assert counter in description and "query" in description, name
+        assert "gradwatch_nonfinite_tensors" not in description, name  # not the last step

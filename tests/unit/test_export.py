@@ -32,6 +32,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 from promserver import port_can_be_bound
 
 from gradwatch import GradWatch, GradWatchError, PortInUseError, WatchConfig
@@ -325,13 +326,14 @@ def test_scrape_before_any_collection_shows_info_and_no_step(
     server = servers(world_size=4, parallelism="fsdp2x2+tp2")
     samples = scrape(server)
     assert "gradwatch_step" not in samples
-    gauges = {d.name for d in METRICS if d.type == "gauge"}
+    # Constants of the run (start time, configured ratio bands) are no measurement.
+    gauges = {d.name for d in METRICS if d.type == "gauge" and d.source is not MetricSource.INFO}
     assert not gauges & set(samples), "gauges before any collection pretend to be data"
     assert samples["gradwatch_build_info"] == {
         (("torch_version", torch.__version__), ("version", _gradwatch_version())): 1.0
     }
     assert samples["gradwatch_run_info"] == {
-        (("parallelism", "fsdp2x2+tp2"), ("world_size", "4")): 1.0
+        (("parallelism", "fsdp2x2+tp2"), ("run_id", server.run_id), ("world_size", "4")): 1.0
     }
     # Counters start at 0 so that increase() sees the first event.
     assert value(samples, "gradwatch_collections_total") == 0
@@ -527,6 +529,8 @@ NOT_STEP_VALUED = {
     "gradwatch_global_grad_norm_per_step_sum",
     "gradwatch_grad_norm_per_step_bucket",
     "gradwatch_grad_norm_per_step_sum",
+    "gradwatch_start_time_seconds",
+    "gradwatch_grad_norm_ratio_band",
 }
 
 
@@ -1180,7 +1184,12 @@ def test_every_metric_names_the_source_that_provides_it() -> None:
     assert "gradwatch_collecting" not in stats.view().samples()  # no watcher reported yet
     stats.set_collecting(True)
     assert set(stats.view().samples()) == by_source[MetricSource.SELF_STATS]
-    assert by_source[MetricSource.INFO] == {"gradwatch_build_info", "gradwatch_run_info"}
+    assert by_source[MetricSource.INFO] == {
+        "gradwatch_build_info",
+        "gradwatch_run_info",
+        "gradwatch_start_time_seconds",
+        "gradwatch_grad_norm_ratio_band",
+    }
     assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.SNAPSHOT]} == {"gauge"}
     assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.COUNTS]} == {
         "counter",
@@ -1316,9 +1325,20 @@ gradwatch_collect_seconds_sum 7.20305
 # HELP gradwatch_build_info Versions of gradwatch and torch in the job (value 1).
 # TYPE gradwatch_build_info gauge
 gradwatch_build_info{torch_version="TORCH",version="GRADWATCH"} 1.0
-# HELP gradwatch_run_info World size and detected parallelism of the job (value 1).
+# HELP gradwatch_run_info World size, detected parallelism and run identity of the job (value 1).
 # TYPE gradwatch_run_info gauge
-gradwatch_run_info{parallelism="replicated2",world_size="2"} 1.0
+gradwatch_run_info{parallelism="replicated2",run_id="RUN",world_size="2"} 1.0
+# HELP gradwatch_start_time_seconds Wall-clock time (Unix seconds) at which this run's gradwatch started.
+# TYPE gradwatch_start_time_seconds gauge
+gradwatch_start_time_seconds T
+# HELP gradwatch_grad_norm_ratio_band Configured healthy band (bound low/high) and dormant level (bound dormant) of a normalized gradient-norm ratio.
+# TYPE gradwatch_grad_norm_ratio_band gauge
+gradwatch_grad_norm_ratio_band{bound="low",denominator="host",numerator="seed"} 0.05
+gradwatch_grad_norm_ratio_band{bound="high",denominator="host",numerator="seed"} 0.2
+gradwatch_grad_norm_ratio_band{bound="dormant",denominator="host",numerator="seed"} 0.01
+gradwatch_grad_norm_ratio_band{bound="low",denominator="other",numerator="host"} 0.05
+gradwatch_grad_norm_ratio_band{bound="high",denominator="other",numerator="host"} 0.2
+gradwatch_grad_norm_ratio_band{bound="dormant",denominator="other",numerator="host"} 0.01
 """  # noqa: E501
 
 
@@ -1338,6 +1358,11 @@ def test_collector_output_is_unchanged_on_a_fixed_snapshot(
     text = generate_latest(server.registry).decode()
     text = text.replace(f'version="{gradwatch.__version__}"', 'version="GRADWATCH"')
     text = text.replace(f'torch_version="{torch.__version__}"', 'torch_version="TORCH"')
+    text = text.replace(f'run_id="{server.run_id}"', 'run_id="RUN"')
+    text = text.replace(
+        f"gradwatch_start_time_seconds {floatToGoString(server.start_time)}",
+        "gradwatch_start_time_seconds T",
+    )
     assert _without_families(text, SPIKE_FAMILIES) == GOLDEN_EXPOSITION
 
 
@@ -1466,3 +1491,85 @@ def test_a_sink_that_fails_to_close_is_logged_not_raised(
         pub.close()
     assert after.closed_after == 0  # the next sink is still closed
     assert any("disk gone" in r.getMessage() for r in caplog.records)
+
+
+# -- restarts and ratio bands -------------------------------------------------------------------
+
+
+def test_start_time_and_run_id_identify_the_run(servers: Callable[..., MetricsServer]) -> None:
+    before = time.time()
+    first = servers()
+    second = servers()
+    after = time.time()
+    for server in (first, second):
+        samples = scrape(server)
+        assert before <= value(samples, "gradwatch_start_time_seconds") <= after
+        assert value(samples, "gradwatch_start_time_seconds") == server.start_time
+        ((labels, one),) = samples["gradwatch_run_info"].items()
+        assert one == 1.0 and dict(labels)["run_id"] == server.run_id
+    assert first.run_id != second.run_id  # generated: a restart is a new series
+    assert first.start_time <= second.start_time
+
+
+def test_run_id_with_characters_special_in_the_exposition_is_escaped(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    odd = 'retry "2"\\n\nü{x="y"}'
+    server = servers(config(run_id=odd))
+    assert server.run_id == odd
+    text = http_get(server.url)
+    (line,) = [x for x in text.splitlines() if x.startswith("gradwatch_run_info{")]
+    assert 'run_id="retry \\"2\\"\\\\n\\nü{x=\\"y\\"}"' in line, line  # one line, escaped
+    ((labels, _),) = parse(text)["gradwatch_run_info"].items()
+    assert dict(labels)["run_id"] == odd  # and read back exactly
+
+
+def test_ratio_bands_are_published_from_the_configuration(
+    servers: Callable[..., MetricsServer],
+) -> None:
+    cfg = config(
+        ratios=[
+            ("seed", "host"),
+            {"numerator": "host", "denominator": "other", "low": 0.5, "high": 2, "dormant": 0},
+        ]
+    )
+    samples = scrape(servers(cfg))  # before any step: constants of the run
+    assert samples["gradwatch_grad_norm_ratio_band"] == {
+        (("bound", "low"), ("denominator", "host"), ("numerator", "seed")): 0.05,
+        (("bound", "high"), ("denominator", "host"), ("numerator", "seed")): 0.2,
+        (("bound", "dormant"), ("denominator", "host"), ("numerator", "seed")): 0.01,
+        (("bound", "low"), ("denominator", "other"), ("numerator", "host")): 0.5,
+        (("bound", "high"), ("denominator", "other"), ("numerator", "host")): 2.0,
+        (("bound", "dormant"), ("denominator", "other"), ("numerator", "host")): 0.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("denominator", "defined"),
+    [
+        (GroupStats(norm=2.0, numel=4, tensors=1), True),
+        (GroupStats(norm=0.0, numel=4, tensors=1), False),  # zero gradient
+        (GroupStats(norm=9e-9, numel=4, tensors=1), False),  # below the 1e-8 floor
+        (GroupStats(norm=1e-8, numel=4, tensors=1), True),  # at the floor
+        (GroupStats(), False),  # no parameter of the group had a gradient
+        (GroupStats(norm=math.inf, numel=4, tensors=1, exploding=1, nonfinite=1), False),
+        (GroupStats(norm=math.nan, numel=4, tensors=1, exploding=1, nonfinite=1), False),
+        (None, False),  # the group is not in the snapshot at all
+    ],
+)
+def test_undefined_ratio_is_exported_as_nan_not_zero(
+    denominator: GroupStats | None, defined: bool
+) -> None:
+    groups = {"seed": GroupStats(norm=0.0, numel=2, tensors=1)}  # numerator: no gradient
+    if denominator is not None:
+        groups["host"] = denominator
+    # What the snapshot holds for the pair (summary: 0.0 when either norm is below the floor).
+    held = 0.0
+    snap = Snapshot(step=1, global_norm=1.0, groups=groups, ratios={"seed/host": held})
+    samples = snapshot_samples(snap, {"seed/host": ("seed", "host")}, top_k=0)
+    ((labels, exported),) = samples["gradwatch_grad_norm_ratio"]
+    assert labels == ("seed", "host")
+    if defined:
+        assert exported == 0.0  # the numerator has no gradient: dormant, a real 0
+    else:
+        assert math.isnan(exported)

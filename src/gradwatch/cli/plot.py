@@ -3,9 +3,12 @@
 Three panels sharing the step axis:
 
 1. gradient norms, global and per group, on a log scale (norms move by decades);
-2. the normalized group ratios with the healthy band 0.05-0.2 shaded and the dormant line at
-   0.01 (a ratio of exactly 0, i.e. a group without gradient, is drawn dotted on the floor of
-   the log axis, a marker where each such run starts, instead of vanishing);
+2. the normalized group ratios with each pair's configured healthy band and dormant level (the
+   job's ``GRADWATCH_RATIOS`` entries, read from the environment; default 0.05-0.2, dormant
+   below 0.01): one shared band is shaded, per-pair bands are dashed (low/high) and dotted
+   (dormant) lines in the ratio's color (a ratio of exactly 0, i.e. a group without gradient,
+   is drawn dotted on the floor of the log axis, a marker where each such run starts, instead
+   of vanishing);
 3. the health score in [0, 1].
 
 Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding steps (orange)
@@ -37,23 +40,38 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import TypeAdapter, ValidationError
 
 from gradwatch.cli.step_events import StepEvents
+from gradwatch.config import (
+    DEFAULT_RATIO_DORMANT,
+    DEFAULT_RATIO_HIGH,
+    DEFAULT_RATIO_LOW,
+    RatioSpec,
+    env_settings,
+    env_var,
+    ratio_key,
+)
 from gradwatch.history import read_history, rotated_path
 from gradwatch.snapshot import Snapshot
 
 #: Exit status for bad input (missing/empty history, missing matplotlib, bad options).
 EXIT_INVALID = 2
 
-#: The healthy band of a normalized ratio and the dormant threshold (see docs/runbook.md).
-HEALTHY_BAND = (0.05, 0.2)
-DORMANT_BELOW = 0.01
+#: The default healthy band of a normalized ratio and dormant level (see docs/runbook.md); a
+#: ``ratios`` entry of the job's configuration may set its own.
+HEALTHY_BAND = (DEFAULT_RATIO_LOW, DEFAULT_RATIO_HIGH)
+DORMANT_BELOW = DEFAULT_RATIO_DORMANT
+
+#: ``(low, high, dormant)`` of one ratio.
+Band = tuple[float, float, float]
 
 HELP = "\n\n".join(
     (
         "Plot a gradwatch history file (WatchConfig.history_path) to a PNG.",
-        "Panels: global and group gradient norms (log scale), normalized ratios with the healthy "
-        "band 0.05-0.2 and the dormant line 0.01, and the health score. Non-finite (red), "
+        "Panels: global and group gradient norms (log scale), normalized ratios with each pair's "
+        "healthy band and dormant line (from GRADWATCH_RATIOS; default 0.05-0.2 and 0.01), and "
+        "the health score. Non-finite (red), "
         "AMP-skipped (grey) and exploding (orange) steps are marked on every panel. HISTORY.1 "
         "(the rotated backup) is read first; torn lines are skipped.",
         "Needs matplotlib: pip install 'torch-gradwatch[plot]'. The image is width*dpi x "
@@ -77,6 +95,8 @@ class PlotSummary:
     restarts: int
     pixels: tuple[int, int]
     title: str
+    #: The band drawn for each ratio, ``"num/den"`` -> ``(low, high, dormant)``.
+    bands: dict[str, Band] | None = None
 
     @property
     def nonfinite_steps(self) -> int:
@@ -144,6 +164,24 @@ def classify(records: Sequence[dict[str, Any]]) -> StepEvents:
         except (TypeError, ValueError, AttributeError):
             continue
     return events
+
+
+def configured_bands() -> dict[str, Band]:
+    """Each ratio's band from ``GRADWATCH_RATIOS`` (the job's setting, read as the job reads
+    it), keyed ``"num/den"``; empty when unset. Raises :class:`PlotError` naming the variable
+    when it is invalid."""
+    raw = env_settings().get("ratios")
+    if raw is None:
+        return {}
+    try:
+        specs = TypeAdapter(list[RatioSpec]).validate_python(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise PlotError(
+            f"{env_var('ratios')}: invalid ratio band at {where or 'top level'}: {first['msg']}"
+        ) from None
+    return {ratio_key(s.numerator, s.denominator): (s.low, s.high, s.dormant) for s in specs}
 
 
 def _float(value: Any) -> float:
@@ -233,9 +271,12 @@ def render_history(
     height: float = 8.0,
     dpi: int = 100,
     title: str | None = None,
+    bands: dict[str, Band] | None = None,
 ) -> PlotSummary:
     """Draw ``records`` (history dicts) to the PNG ``output``; see the module docstring.
 
+    ``bands`` (``"num/den"`` -> ``(low, high, dormant)``, e.g. :func:`configured_bands`) gives
+    each ratio's band; a ratio without one gets the defaults.
     Records are ordered by step (stable); a history where steps go backward (a restarted job
     appending to the same file) is still drawn, and counted in :attr:`PlotSummary.restarts`.
     Raises ``ImportError`` without matplotlib and ``OSError`` when the file cannot be written.
@@ -282,9 +323,33 @@ def render_history(
     ax_norm.set_ylabel("gradient L2 norm")
     ax_norm.legend(loc="upper left", fontsize="small", ncols=min(len(groups) + 1, 6))
 
-    # 2. ratios
-    ax_ratio.axhspan(*HEALTHY_BAND, color="tab:green", alpha=0.15, lw=0)
-    ax_ratio.axhline(DORMANT_BELOW, color="tab:red", ls="--", lw=1)
+    # 2. ratios, with each pair's band (one shared band shaded, per-pair bands as lines)
+    default: Band = (*HEALTHY_BAND, DORMANT_BELOW)
+    levels = {key: (bands or {}).get(key, default) for key in ratios}
+    distinct = sorted(set(levels.values())) or [default]
+    band_handles: list[Any] = []
+    if len(distinct) == 1:
+        ((low_band, high_band, dormant),) = distinct
+        ax_ratio.axhspan(low_band, high_band, color="tab:green", alpha=0.15, lw=0)
+        if dormant > 0:
+            ax_ratio.axhline(dormant, color="tab:red", ls="--", lw=1)
+        band_handles = [
+            Patch(color="tab:green", alpha=0.3, label=f"healthy {low_band:g}-{high_band:g}")
+        ]
+        if dormant > 0:
+            band_handles.append(
+                Line2D([], [], color="tab:red", ls="--", lw=1, label=f"dormant < {dormant:g}")
+            )
+    else:
+        for i, key in enumerate(ratios):
+            low_band, high_band, dormant = levels[key]
+            for level, style in ((low_band, "--"), (high_band, "--"), (dormant, ":")):
+                if level > 0:
+                    ax_ratio.axhline(level, color=f"C{i % 10}", ls=style, lw=0.9, alpha=0.7)
+        band_handles = [
+            Line2D([], [], color="grey", ls="--", lw=0.9, label="healthy band (per pair)"),
+            Line2D([], [], color="grey", ls=":", lw=0.9, label="dormant below (per pair)"),
+        ]
     ax_ratio.set_yscale("log")
     ax_ratio.set_ylabel("normalized ratio")
     finite_ratios = [
@@ -293,8 +358,9 @@ def render_history(
         for v in (_float(x) for x in (r.get("ratios") or {}).values())
         if math.isfinite(v) and v > 0
     ]
-    low = min([*finite_ratios, DORMANT_BELOW]) / 3
-    high = max([*finite_ratios, HEALTHY_BAND[1]]) * 3
+    drawn_levels = [v for band in distinct for v in band if v > 0]
+    low = min([*finite_ratios, *drawn_levels]) / 3
+    high = max([*finite_ratios, *drawn_levels]) * 3
     ax_ratio.set_ylim(low, high)
     any_zero = False
     for i, key in enumerate(ratios):
@@ -316,11 +382,7 @@ def render_history(
             0.5, 0.5, "no ratios in this history (WatchConfig.ratios)",
             transform=ax_ratio.transAxes, ha="center", va="center", color="grey",
         )  # fmt: skip
-    handles = [
-        *ax_ratio.get_legend_handles_labels()[0],
-        Patch(color="tab:green", alpha=0.3, label="healthy 0.05-0.2"),
-        Line2D([], [], color="tab:red", ls="--", lw=1, label="dormant < 0.01"),
-    ]
+    handles = [*ax_ratio.get_legend_handles_labels()[0], *band_handles]
     if any_zero:
         handles.append(
             Line2D([], [], ls=":", lw=2, marker="v", color="grey", label="0 (no gradient)")
@@ -371,6 +433,7 @@ def render_history(
         restarts=restarts,
         pixels=(round(width * dpi), round(height * dpi)),
         title=title,
+        bands=levels,
     )
 
 
@@ -404,11 +467,14 @@ def plot_command(
         ) from None
     try:
         records = load_records(history)
+        bands = configured_bands()
     except PlotError as exc:
         raise _fail(str(exc)) from None
     out = output if output is not None else history.with_suffix(".png")
     try:
-        summary = render_history(records, out, width=width, height=height, dpi=dpi, title=title)
+        summary = render_history(
+            records, out, width=width, height=height, dpi=dpi, title=title, bands=bands
+        )
     except OSError as exc:
         sys.stderr.write(f"gradwatch plot: cannot write {out}: {exc.strerror or exc}\n")
         raise typer.Exit(1) from None

@@ -9,7 +9,7 @@ holds no sample is absent, not zero.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -19,6 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from gradwatch.config import RatioSpec
 from gradwatch.export.metrics import METRICS, MetricDef, MetricSource
 from gradwatch.export.state import (
     HistogramValue,
@@ -40,13 +41,27 @@ class SnapshotCollector:
     """
 
     def __init__(
-        self, state: PublishedState, stats: SelfStats, *, world_size: int, parallelism: str
+        self,
+        state: PublishedState,
+        stats: SelfStats,
+        *,
+        world_size: int,
+        parallelism: str,
+        run_id: str,
+        start_time: float,
+        ratios: Sequence[RatioSpec] = (),
     ) -> None:
         self._state = state
         self._stats = stats
         info: dict[str, tuple[Sample, ...]] = {
             "gradwatch_build_info": ((_build_labels(), 1.0),),
-            "gradwatch_run_info": (((str(world_size), str(parallelism)), 1.0),),
+            "gradwatch_run_info": (((str(world_size), str(parallelism), run_id), 1.0),),
+            "gradwatch_start_time_seconds": (((), float(start_time)),),
+            "gradwatch_grad_norm_ratio_band": tuple(
+                ((r.numerator, r.denominator, bound), float(level))
+                for r in ratios
+                for bound, level in (("low", r.low), ("high", r.high), ("dormant", r.dormant))
+            ),
         }
         self._info: Mapping[str, MetricValue] = info
 

@@ -110,8 +110,9 @@ METRICS: tuple[MetricDef, ...] = (
         ("numerator", "denominator"),
         "Normalized gradient-norm ratio of two groups: (n_norm/sqrt(n_numel)) / "
         "(d_norm/sqrt(d_numel) + 1e-8).",
-        "One series per configured `ratios` pair; 0 when either norm is below 1e-8 or either "
-        "group has no gradient.",
+        "One series per configured `ratios` pair. Undefined, and exported as NaN, when the "
+        "denominator group has no gradient or a norm below 1e-8 or non-finite (0 would read "
+        "as dormant); 0 when only the numerator's norm is below 1e-8 or it has no gradient.",
         source=MetricSource.SNAPSHOT,
     ),
     MetricDef(
@@ -366,10 +367,35 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "gradwatch_run_info",
         "info",
-        ("world_size", "parallelism"),
-        "World size and detected parallelism of the job (value 1).",
-        "`parallelism` is a short description such as `replicated2` or `fsdp2x2+tp2`. Present "
+        ("world_size", "parallelism", "run_id"),
+        "World size, detected parallelism and run identity of the job (value 1).",
+        "`parallelism` is a short description such as `replicated2` or `fsdp2x2+tp2`. "
+        "`run_id` is `WatchConfig.run_id`, or generated when the endpoint starts (UTC start "
+        "time and random digits): a restarted job on the same address is a new series. Present "
         "from the first scrape.",
+        source=MetricSource.INFO,
+    ),
+    # -- restarts and ratio bands: constant for the run ----------------------------------------
+    MetricDef(
+        "gradwatch_start_time_seconds",
+        "gauge",
+        (),
+        "Wall-clock time (Unix seconds) at which this run's gradwatch started.",
+        "Set once, when the endpoint starts; present from the first scrape. A new value on the "
+        "same target is a restart: every counter started again from 0, so the alert rules "
+        "treat a counter above 0 in a run that started recently as new events (a step counted "
+        "before the new run's first scrape is not lost to `increase()`).",
+        source=MetricSource.INFO,
+    ),
+    MetricDef(
+        "gradwatch_grad_norm_ratio_band",
+        "gauge",
+        ("numerator", "denominator", "bound"),
+        "Configured healthy band (bound low/high) and dormant level (bound dormant) of a "
+        "normalized gradient-norm ratio.",
+        "Three series per configured `ratios` pair, from its entry (defaults: low 0.05, high "
+        "0.2, dormant 0.01); present from the first scrape. The dormant alert and the "
+        "dashboard read them.",
         source=MetricSource.INFO,
     ),
 )

@@ -27,7 +27,7 @@ from typing import ClassVar, TypeVar
 
 from prometheus_client import CollectorRegistry
 
-from gradwatch.config import WatchConfig
+from gradwatch.config import WatchConfig, new_run_id
 from gradwatch.export.collector import SnapshotCollector
 from gradwatch.export.http import HTTPEndpoint
 from gradwatch.export.publisher import PendingLike, Publisher, Sink
@@ -106,6 +106,12 @@ class Publishing:
         port: the bound TCP port (an ephemeral one resolved), or None.
         registry: the endpoint's dedicated registry (no process/gc collectors), holding only
             gradwatch's Collector; None without an endpoint.
+        start_time: when this run started (Unix seconds, at construction), exported as
+            ``gradwatch_start_time_seconds``.
+        run_id: ``WatchConfig.run_id``, or one generated at construction
+            (:func:`~gradwatch.config.new_run_id`): the ``run_id`` label of
+            ``gradwatch_run_info``. A restarted job shows new values of both, which the alert
+            rules treat as a counter reset.
     """
 
     #: Refuse a configuration without ``port`` (:class:`MetricsServer`).
@@ -123,6 +129,8 @@ class Publishing:
             raise ValueError(
                 f"gradwatch: {type(self).__name__} needs a port (WatchConfig.port is None)"
             )
+        self.start_time: float = time.time()
+        self.run_id: str = cfg.run_id if cfg.run_id is not None else new_run_id(self.start_time)
         self._stats = SelfStats()
         self._state: PublishedState | None = None
         self._http: HTTPEndpoint | None = None
@@ -132,7 +140,13 @@ class Publishing:
         if cfg.port is not None:
             self._state = PublishedState(cfg)
             collector = SnapshotCollector(
-                self._state, self._stats, world_size=world_size, parallelism=parallelism
+                self._state,
+                self._stats,
+                world_size=world_size,
+                parallelism=parallelism,
+                run_id=self.run_id,
+                start_time=self.start_time,
+                ratios=cfg.ratios,
             )
             self.registry = CollectorRegistry(auto_describe=False)
             self.registry.register(collector)

@@ -26,7 +26,7 @@ from types import MappingProxyType
 from prometheus_client.utils import floatToGoString
 
 from gradwatch.config import WatchConfig, ratio_key
-from gradwatch.snapshot import Snapshot
+from gradwatch.snapshot import Snapshot, ratio_defined
 
 #: At most this many ``gradwatch_param_grad_norm`` series per scrape, whatever
 #: ``param_metrics_top_k`` is and however many parameters are non-finite, so a 10,000-parameter
@@ -160,10 +160,13 @@ def snapshot_samples(
 ) -> dict[str, tuple[Sample, ...]]:
     """The samples of every ``MetricSource.SNAPSHOT`` metric for ``snap`` (absent: no key)."""
     groups = snap.groups.items()
-    ratios = tuple(
-        (ratio_labels.get(key) or tuple(key.split("/", 1)), value)
-        for key, value in snap.ratios.items()
-    )
+    ratios: list[Sample] = []
+    for key, value in snap.ratios.items():
+        labels = ratio_labels.get(key) or tuple(key.split("/", 1))
+        # Undefined (denominator without a usable norm): NaN, not the 0 the snapshot holds,
+        # which would read as "dormant".
+        defined = ratio_defined(snap.groups.get(labels[-1]))
+        ratios.append((labels, float(value) if defined else math.nan))
     out: dict[str, tuple[Sample, ...]] = {
         "gradwatch_step": (((), float(snap.step)),),
         "gradwatch_last_collect_timestamp_seconds": (((), float(snap.timestamp)),),
