@@ -403,3 +403,108 @@ def test_framework_ddp_reads_ddp2(tmp_path: Path, framework: str) -> None:
         assert seen["wrapper"] == "DistributedDataParallel"
         assert seen["parallelism"] == "ddp2"
         assert seen["world_size"] == 2
+
+
+def _check_pre_clip(seen: dict, max_grad_norm: float, world_size: int) -> None:
+    """gradwatch's history norm of every step equals the float64 pre-clip reference and the
+    Trainer's logged grad_norm; clipping (on or off) trains exactly as without gradwatch."""
+    refs = seen["references"]
+    assert len(refs) == 3 and seen["plain_references"] == pytest.approx(refs, rel=1e-6)
+    history = seen["history"]
+    assert [step for step, _, _ in history] == [1, 2, 3]
+    for step, norm, clip_coef in history:
+        ref = refs[step - 1]
+        assert abs(norm - ref) <= 1e-6 * ref, (step, norm, ref)  # float32 rows: <= 5e-7
+        logged = seen["logged"][str(step)]
+        if max_grad_norm > 0:  # the Trainer logs the total gradwatch's clip returned
+            assert abs(logged - norm) <= 1e-12 * norm, (step, logged, norm)
+        else:  # the Trainer's own (torch's float32) norm of the same gradients
+            assert abs(logged - norm) <= 1e-6 * norm, (step, logged, norm)
+        if max_grad_norm > 0:
+            assert clip_coef == pytest.approx(min(1.0, max_grad_norm / (ref + 1e-6)), rel=1e-6)
+        else:
+            assert clip_coef is None
+    if max_grad_norm > 0:
+        assert seen["routed"] is True
+        assert any(r > max_grad_norm for r in refs)  # the clip acted: post-clip would read 0.5
+    assert seen["param_diff"] <= 1e-6
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0])
+def test_huggingface_trainer_pre_clip_exact(tmp_path: Path, max_grad_norm: float) -> None:
+    """The real Trainer, clipping on (routed through GradWatch.clip_grad_norm_) and off
+    (collected before the optimizer step): pre-clip norms, the Trainer's own grad_norm."""
+    from jobs.framework_ddp_job import run_huggingface_clip
+
+    seen = run_huggingface_clip(tmp_path, max_grad_norm)
+    _check_pre_clip(seen, max_grad_norm, world_size=1)
+    import accelerate
+
+    assert "clip_grad_norm_" not in accelerate.Accelerator.__dict__ or (
+        accelerate.Accelerator.clip_grad_norm_.__qualname__ == "Accelerator.clip_grad_norm_"
+    )  # the route is removed at train end
+
+
+def test_huggingface_route_declines_an_engine_that_clips(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under an accelerator path gradwatch cannot measure (DeepSpeed), the call goes to
+    accelerate untouched and the callback warns once that figures are post-clip."""
+    from gradwatch.integrations import huggingface as hf
+
+    class FakeKind:
+        value = "DEEPSPEED"
+
+    class FakeAccelerator:
+        distributed_type = FakeKind()
+
+    model = RegressionModel()
+    callback = hf.GradWatchCallback()
+    callback.watch = GradWatch(model, WatchConfig())
+    callback._params = frozenset(id(p) for p in model.parameters())
+    params = list(model.parameters())
+    assert not callback._takes(FakeAccelerator(), params, 1.0, 2)
+    FakeKind.value = "MULTI_CPU"
+    assert callback._takes(FakeAccelerator(), params, 1.0, 2)
+    assert not callback._takes(FakeAccelerator(), params, math.inf, 2)  # no clip: not routed
+    assert not callback._takes(FakeAccelerator(), params[:-1], 1.0, 2)  # another model
+    callback.watch.close()
+
+    class Args:
+        max_grad_norm = 1.0
+
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        callback._warn_post_clip(Args(), "accelerate runs DEEPSPEED, whose engine clips")
+        callback._warn_post_clip(Args(), "again")
+    warnings = [r.getMessage() for r in caplog.records if "post-clip" in r.getMessage()]
+    assert len(warnings) == 1 and "DEEPSPEED" in warnings[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["hf-clip", "hf-noclip"])
+def test_huggingface_trainer_pre_clip_exact_ddp2(tmp_path: Path, mode: str) -> None:
+    """The same under torchrun, 2 gloo ranks: the Trainer's DDP wrapper all-reduces, the
+    routed clip uses the whole-model norm, rank 0's history equals the reference."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env.pop("GRADWATCH_PORT", None)
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--max_restarts=0", "--master_addr=127.0.0.1", f"--master_port={port}",
+            str(FRAMEWORK_JOB), mode, str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = json.loads((tmp_path / "0.json").read_text())
+    _check_pre_clip(seen, 0.5 if mode == "hf-clip" else 0.0, world_size=2)
+    other = json.loads((tmp_path / "1.json").read_text())
+    assert other["references"] == pytest.approx(seen["references"], rel=1e-12)  # all-reduced
