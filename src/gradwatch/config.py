@@ -113,6 +113,8 @@ class WatchConfig(BaseSettings):
         history_max_bytes: the history file is rotated (one ``.1`` backup) past this size.
         enabled: ``False`` makes :func:`gradwatch.watch` return a no-op watcher and a
             directly constructed :class:`~gradwatch.GradWatch` inert.
+        audit_tolerance: :meth:`~gradwatch.GradWatch.audit_norm` counts a reported norm as a
+            disagreement when it differs from the exact one by more than this, relative.
     """
 
     model_config = SettingsConfigDict(
@@ -150,6 +152,9 @@ class WatchConfig(BaseSettings):
     history_max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096, le=MAX_INT)
 
     enabled: bool = True
+
+    # -- norm auditing (GradWatch.audit_norm, gradwatch.audit) --
+    audit_tolerance: Threshold = 1e-3
 
     @classmethod
     def settings_customise_sources(

@@ -17,6 +17,7 @@ the history file when ``history_path`` is set, with or without an endpoint).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from gradwatch.amp import pending_scale
 from gradwatch.anomalies import AnomalyLog
+from gradwatch.audit import NormAuditor, Verdict, parallel_factors
 from gradwatch.clip import clip_coefficient, clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
@@ -44,7 +46,7 @@ from gradwatch.model import (
 )
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
-from gradwatch.stats import MetaGradientError, NormEngine
+from gradwatch.stats import BANDS, MetaGradientError, NormEngine, norm_from_bands
 from gradwatch.summary import summarize
 
 if TYPE_CHECKING:
@@ -186,6 +188,9 @@ class GradWatch:
         self._logged: set[str] = set()
         self._anomalies = AnomalyLog(self.rank, cfg.isolation_threshold)
         self._optimizer_steps = 0
+        self._auditor = NormAuditor(
+            cfg.audit_tolerance, parallel_factors(self.parallelism, self.world_size)
+        )
         if self.rank == 0:
             self._start_publishing(cfg)
 
@@ -198,6 +203,7 @@ class GradWatch:
         self._broken = None
         self._clipped_step = None
         self._optimizer_steps = 0
+        self._auditor = None
         self.rank = int(os.environ.get("RANK", "0"))
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()  # not a collective
@@ -318,6 +324,78 @@ class GradWatch:
                 "cannot be clipped; set error_if_nonfinite=False to clip anyway"
             )
         return total
+
+    def audit_norm(
+        self, reported: Any, *, step: int | None = None, source: str = "trainer"
+    ) -> None:
+        """Check a gradient norm the training code computed against gradwatch's exact one.
+
+        ``reported``: the whole-model norm the training code clips with or logs (its clip's
+        return value, its ``grad_norm``), a float or a scalar tensor on any device (a DTensor:
+        its replicated value). ``step``: the collected step it belongs to (default: the last
+        collected one). ``source``: the ``source`` label of the exported series.
+
+        Nothing is read here: the value is carried with the step and compared in ``result()``
+        (the exporter's thread), so auditing adds no host read and no collective to the
+        training thread. The verdict exports ``gradwatch_reported_norm_ratio{source}``
+        (reported / exact) and counts ``gradwatch_norm_audit_disagreements_total{source}``
+        beyond ``audit_tolerance`` (relative); the first disagreement of a kind is logged
+        once, with a diagnosis when the ratio matches a known failure (a rank-local norm,
+        1/sqrt(shards or replicas), sqrt(tp), tp, a double reduction, a bf16-rounded norm). A
+        non-finite or unreadable value is counted and logged, never raised. A step not measured
+        (a schedule skip, a failed collect) is not audited.
+        """
+        if self._auditor is None or self._closed:
+            return
+        if step is None:
+            latest = self._latest
+            if latest is None:
+                return
+            step = latest.step
+        self._auditor.report(int(step), str(source), reported)
+
+    def _audit(self, snap: Snapshot | None, local_sq: Tensor | None) -> None:
+        """Judge the reported norms waiting for ``snap`` (or any built step when None)."""
+        auditor = self._auditor
+        if auditor is None:
+            return
+        try:
+            if snap is None:
+                verdicts = auditor.judge()
+            else:
+                local = None
+                if local_sq is not None and self.world_size > 1:
+                    bands = local_sq.detach().view(BANDS, -1).sum(dim=1).tolist()
+                    local = norm_from_bands(*bands)
+                verdicts = auditor.judge(snap.step, snap.global_norm, local)
+            for verdict in verdicts:
+                self._publish_verdict(verdict)
+        except Exception as exc:  # an audit never breaks the step it rides on
+            self._log_once("audit-error", "gradwatch: a norm audit failed: %s", exc)
+
+    def _publish_verdict(self, v: Verdict) -> None:
+        stats = self._self_stats()
+        if stats is not None:
+            stats.add_audit(v.source, v.ratio, v.agrees)
+        if v.agrees:
+            return
+        kind = (
+            "nonfinite"
+            if not math.isfinite(v.reported)
+            else ("diagnosed" if v.diagnosis else "unexplained")
+        )
+        self._log_once(
+            f"audit:{v.source}:{kind}",
+            "gradwatch: the norm %r reported at step %d disagrees with gradwatch's exact "
+            "global norm: reported %.6g, exact %.6g (ratio %.6g, tolerance %g)%s (logged once)",
+            v.source,
+            v.step,
+            v.reported,
+            v.exact,
+            v.ratio,
+            self.config.audit_tolerance,
+            f"; likely cause: {v.diagnosis}" if v.diagnosis else "",
+        )
 
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         """Collect automatically before every ``every_n_steps``-th ``optimizer.step()``.
@@ -469,8 +547,11 @@ class GradWatch:
         ``history_path``, returns True at once. False on timeout or after :meth:`close`.
         """
         if self._publishing is None:
-            return not self._closed
-        return bool(self._publishing.flush(timeout))
+            done = not self._closed
+        else:
+            done = bool(self._publishing.flush(timeout))
+        self._audit(None, None)  # reports that arrived after their step was built
+        return done
 
     def close(self) -> None:
         """Flush and stop the endpoint and the history (bounded wait), release gradwatch's
@@ -483,6 +564,7 @@ class GradWatch:
         self._hooks.clear()
         try:
             if self._publishing is not None:
+                self._audit(None, None)  # reports whose step was built: judged while served
                 self._publishing.close()  # flushes first: pending steps reach every sink
         finally:
             if self._enabled:
@@ -537,11 +619,14 @@ class GradWatch:
         amp = scaler is not None and scaler.is_enabled()
         isolated = self._isolated  # the expectation at collect time, not at result() time
         timestamp = time.time()
+        # This rank's local squares (a fresh tensor, never written again: holding it costs no
+        # op) for the audit's local-norm diagnosis, once audit_norm was called.
+        local_sq = sq if self._auditor is not None and self._auditor.active else None
         return (
             PendingSnapshot(
                 step,
                 lambda: self._build(
-                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt
+                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt, local_sq
                 ),
             ),
             total,
@@ -557,6 +642,7 @@ class GradWatch:
         amp: bool,
         isolated: tuple[str, ...],
         attempt: int = 0,
+        local_sq: Tensor | None = None,
     ) -> Snapshot:
         try:
             stats = reduced.stats()
@@ -609,6 +695,7 @@ class GradWatch:
         self._measured(attempt)
         if self._last is None or snap.step >= self._last.step:
             self._last = snap
+        self._audit(snap, local_sq)
         return snap
 
     def _pending_last(self, step: int) -> PendingSnapshot:

@@ -346,6 +346,7 @@ def test_every_metric_is_declared_typed_and_helped(servers: Callable[..., Metric
     """The exposition and METRICS agree on names, types and labels, both ways."""
     server = servers(config(param_metrics_top_k=2))
     server.self_stats.set_collecting(True)  # what a GradWatch reports once it measured a step
+    server.self_stats.add_audit("trainer", 1.0, True)  # what GradWatch.audit_norm adds
     server.observe_collect_seconds(0.001)
     server.publish(rich_snapshot())  # returns once the exporter process serves all of the above
     text = http_get(server.url)

@@ -112,7 +112,9 @@ class GradWatchCallback(TrainerCallback):
 
     # -- the routed clip ----------------------------------------------------------------------
 
-    def _takes(self, accelerator: Any, params: list[Any], max_norm: float, norm_type: float) -> bool:
+    def _takes(
+        self, accelerator: Any, params: list[Any], max_norm: float, norm_type: float
+    ) -> bool:
         """Whether this call is the Trainer's clip of the watched model, on a path gradwatch
         measures exactly."""
         if self.watch is None or norm_type != 2 or not math.isfinite(max_norm):
@@ -180,7 +182,9 @@ class _AcceleratorRoute:
                 self._original = Accelerator.__dict__["clip_grad_norm_"]
                 original = self._original
 
-                def clip_grad_norm_(acc: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+                def clip_grad_norm_(
+                    acc: Any, parameters: Any, max_norm: float, norm_type: float = 2
+                ) -> Any:
                     params = list(parameters)
                     for cb in list(self.callbacks):
                         if cb._takes(acc, params, max_norm, norm_type):

@@ -124,9 +124,7 @@ def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
             ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
             max_grad_norm=max_grad_norm,
         )
-        trainer = Recording(
-            model=model, args=args, train_dataset=Regression(), callbacks=callbacks
-        )
+        trainer = Recording(model=model, args=args, train_dataset=Regression(), callbacks=callbacks)
         trainer.train()
         return trainer, model
 
