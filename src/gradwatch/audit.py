@@ -95,7 +95,8 @@ def diagnose(ratio: float, reported: float, exact: float, factors: dict[str, int
 
     In order: this rank's local norm (an exact match when ``local`` is given and differs from
     ``exact``), ``1/sqrt(n)`` for a count of shards, replicas or ranks, ``sqrt(tp)`` and ``tp``,
-    ``2`` or the world size (a double reduction), and a bf16-rounded norm.
+    ``sqrt(n)`` for replicas (a norm reduced over identical replicas), ``2`` or the world size
+    (gradients reduced twice), and a bf16-rounded norm.
     """
 
     def near(target: float) -> bool:
@@ -128,6 +129,13 @@ def diagnose(ratio: float, reported: float, exact: float, factors: dict[str, int
             f"ratio {ratio:.4g} is {tp} (tp={tp}): the norm summed over tensor-parallel ranks "
             "without taking their square root per rank, or reduced tp times"
         )
+    for kind in ("replicas", "world"):
+        n = factors.get(kind)
+        if n and near(math.sqrt(n)):
+            return (
+                f"ratio {ratio:.4g} is sqrt({n}) ({n} {kind}): the squared norm summed over "
+                "replicas that already hold the same (reduced) gradient"
+            )
     world = factors.get("world") or factors.get("replicas")
     if near(2.0) or (world and near(float(world))):
         factor = 2 if near(2.0) else world

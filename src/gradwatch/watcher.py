@@ -364,7 +364,7 @@ class GradWatch:
                 verdicts = auditor.judge()
             else:
                 local = None
-                if local_sq is not None and self.world_size > 1:
+                if local_sq is not None and auditor.active:
                     bands = local_sq.detach().view(BANDS, -1).sum(dim=1).tolist()
                     local = norm_from_bands(*bands)
                 verdicts = auditor.judge(snap.step, snap.global_norm, local)
@@ -620,8 +620,8 @@ class GradWatch:
         isolated = self._isolated  # the expectation at collect time, not at result() time
         timestamp = time.time()
         # This rank's local squares (a fresh tensor, never written again: holding it costs no
-        # op) for the audit's local-norm diagnosis, once audit_norm was called.
-        local_sq = sq if self._auditor is not None and self._auditor.active else None
+        # op), for the audit's local-norm diagnosis (read in result(), only once audited).
+        local_sq = sq if self.world_size > 1 else None
         return (
             PendingSnapshot(
                 step,

@@ -80,6 +80,7 @@ def test_parallel_factors_from_descriptions() -> None:
         (math.sqrt(2), {"world": 4, "shards": 2, "tp": 2}, "sqrt(2) (tp=2)"),
         (4.0, {"world": 8, "shards": 2, "tp": 4}, "is 4 (tp=4)"),
         (2.0, {"world": 2, "replicas": 2}, "reduced twice"),
+        (math.sqrt(2), {"world": 2, "replicas": 2}, "sqrt(2) (2 replicas)"),
         (4.0, {"world": 4, "replicas": 4}, "reduced twice"),
         (1.37, {"world": 2, "replicas": 2}, None),
         (0.5, {}, None),
