@@ -115,32 +115,32 @@ def diagnose(ratio: float, reported: float, exact: float, factors: dict[str, int
         n = factors.get(kind)
         if n and near(1 / math.sqrt(n)):
             return (
-                f"ratio {ratio:.4g} is 1/sqrt({n}) ({n} {kind}): a norm of one rank's part "
+                f"ratio {ratio:.4g} matches 1/sqrt({n}) ({n} {kind}): a norm of one rank's part "
                 "only, the squared norms were not all-reduced across them"
             )
     tp = factors.get("tp")
     if tp and near(math.sqrt(tp)):
         return (
-            f"ratio {ratio:.4g} is sqrt({tp}) (tp={tp}): tensor-parallel replicated gradients "
+            f"ratio {ratio:.4g} matches sqrt({tp}) (tp={tp}): tensor-parallel replicated gradients "
             "counted once per tensor-parallel rank"
         )
     if tp and near(float(tp)):
         return (
-            f"ratio {ratio:.4g} is {tp} (tp={tp}): the norm summed over tensor-parallel ranks "
+            f"ratio {ratio:.4g} matches {tp} (tp={tp}): the norm summed over tensor-parallel ranks "
             "without taking their square root per rank, or reduced tp times"
         )
     for kind in ("replicas", "world"):
         n = factors.get(kind)
         if n and near(math.sqrt(n)):
             return (
-                f"ratio {ratio:.4g} is sqrt({n}) ({n} {kind}): the squared norm summed over "
+                f"ratio {ratio:.4g} matches sqrt({n}) ({n} {kind}): the squared norm summed over "
                 "replicas that already hold the same (reduced) gradient"
             )
     world = factors.get("world") or factors.get("replicas")
     if near(2.0) or (world and near(float(world))):
         factor = 2 if near(2.0) else world
         return (
-            f"ratio {ratio:.4g} is {factor}: gradients reduced twice (e.g. already averaged "
+            f"ratio {ratio:.4g} matches {factor}: gradients reduced twice (e.g. already averaged "
             "DDP gradients all-reduced again with a sum)"
         )
     if math.isfinite(exact) and reported == bf16_round(exact):

@@ -10,6 +10,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -508,3 +510,70 @@ def test_huggingface_trainer_pre_clip_exact_ddp2(tmp_path: Path, mode: str) -> N
     _check_pre_clip(seen, 0.5 if mode == "hf-clip" else 0.0, world_size=2)
     other = json.loads((tmp_path / "1.json").read_text())
     assert other["references"] == pytest.approx(seen["references"], rel=1e-12)  # all-reduced
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_lightning_callback_audits_lightnings_logged_norm(tmp_path: Path, factor: float) -> None:
+    """A module logging Lightning's grad_norm (total entry) is audited against gradwatch's exact
+    norm of the same step: silent when right, counted when the logged value is off."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities import grad_norm
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gradwatch.integrations.lightning import GradWatchCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Linear(16, 8)
+            self.seed = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            out = self.seed(torch.tanh(self.backbone(batch["x"])))
+            return nn.functional.mse_loss(out, batch["labels"])
+
+        def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
+            norms = grad_norm(self, norm_type=2)
+            norms["grad_2.0_norm_total"] = norms["grad_2.0_norm_total"] * factor
+            self.log_dict(norms)
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    seen: dict[str, float] = {}
+
+    class Probe(GradWatchCallback):
+        def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            assert self.watch is not None and self.watch.flush()
+            want = 0.0 if factor == 1.0 else 4.0
+            deadline = time.monotonic() + 10  # self-stats render within the render interval
+            while seen.get("gradwatch_norm_audit_disagreements_total") != want:
+                if time.monotonic() > deadline:
+                    break
+                with urllib.request.urlopen(self.watch.metrics_url, timeout=5) as response:
+                    text = response.read().decode()
+                for family in text_string_to_metric_families(text):
+                    for s in family.samples:
+                        if s.labels.get("source") == "lightning":
+                            seen[s.name] = s.value
+                time.sleep(0.05)
+            super().on_fit_end(trainer, pl_module)
+
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[Probe(port=0)],
+    )
+    module = Module()
+    trainer.fit(module, torch.utils.data.DataLoader(Regression(), batch_size=8))
+    assert "log" not in module.__dict__  # the wrapper is removed at fit end
+    # Every step's logged value was judged (the last at flush), each against its own step.
+    assert seen["gradwatch_reported_norm_ratio"] == pytest.approx(factor, rel=1e-5)
+    assert seen["gradwatch_norm_audit_disagreements_total"] == (0.0 if factor == 1.0 else 4.0)

@@ -78,7 +78,7 @@ def test_parallel_factors_from_descriptions() -> None:
         (1 / math.sqrt(4), {"world": 4, "shards": 4}, "1/sqrt(4)"),
         (1 / math.sqrt(2), {"world": 4, "replicas": 2, "shards": 2}, "1/sqrt(2)"),
         (math.sqrt(2), {"world": 4, "shards": 2, "tp": 2}, "sqrt(2) (tp=2)"),
-        (4.0, {"world": 8, "shards": 2, "tp": 4}, "is 4 (tp=4)"),
+        (4.0, {"world": 8, "shards": 2, "tp": 4}, "matches 4 (tp=4)"),
         (2.0, {"world": 2, "replicas": 2}, "reduced twice"),
         (math.sqrt(2), {"world": 2, "replicas": 2}, "sqrt(2) (2 replicas)"),
         (4.0, {"world": 4, "replicas": 4}, "reduced twice"),
