@@ -65,6 +65,9 @@ CONTRACT_METRICS = frozenset(
         # info
         "gradwatch_build_info",
         "gradwatch_run_info",
+        # norm auditing
+        "gradwatch_reported_norm_ratio",
+        "gradwatch_norm_audit_disagreements_total",
     }
 )
 
@@ -79,6 +82,7 @@ REQUIRED_ALERTS = {
     "GradwatchMetricsStale": ("warning", True),
     "GradwatchTargetDown": ("warning", True),
     "GradwatchNotCollecting": ("critical", False),
+    "GradwatchNormAuditDisagreement": ("critical", True),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}

@@ -1165,6 +1165,8 @@ def test_every_metric_names_the_source_that_provides_it() -> None:
     stats = SelfStats()
     assert "gradwatch_collecting" not in stats.view().samples()  # no watcher reported yet
     stats.set_collecting(True)
+    assert "gradwatch_reported_norm_ratio" not in stats.view().samples()  # nothing audited yet
+    stats.add_audit("trainer", 1.0, True)
     assert set(stats.view().samples()) == by_source[MetricSource.SELF_STATS]
     assert by_source[MetricSource.INFO] == {"gradwatch_build_info", "gradwatch_run_info"}
     assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.SNAPSHOT]} == {"gauge"}
