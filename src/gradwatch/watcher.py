@@ -188,6 +188,7 @@ class GradWatch:
         self._logged: set[str] = set()
         self._anomalies = AnomalyLog(self.rank, cfg.isolation_threshold)
         self._optimizer_steps = 0
+        self._next_step = 0  # one past the highest step given to collect(): attach continues it
         self._auditor = NormAuditor(
             cfg.audit_tolerance, parallel_factors(self.parallelism, self.world_size)
         )
@@ -203,6 +204,7 @@ class GradWatch:
         self._broken = None
         self._clipped_step = None
         self._optimizer_steps = 0
+        self._next_step = 0
         self._auditor = None
         self.rank = int(os.environ.get("RANK", "0"))
         if dist.is_available() and dist.is_initialized():
@@ -280,6 +282,7 @@ class GradWatch:
         The returned result of a step not measured raises ``GradWatchError`` (never a made-up
         snapshot); the exporter shows ``gradwatch_collecting 0`` and no per-step gauge.
         """
+        self._next_step = max(self._next_step, step + 1)
         return self._guarded(step, scaler, optimizer, None)[0]
 
     def clip_grad_norm_(
@@ -400,13 +403,15 @@ class GradWatch:
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         """Collect automatically before every ``every_n_steps``-th ``optimizer.step()``.
 
-        The step number is gradwatch's own counter of optimizer steps (identical on every rank).
+        The step number is gradwatch's own counter of optimizer steps (identical on every rank),
+        continuing after the highest step already given to :meth:`collect`.
         A pre-step hook sees gradients *after* any clipping the loop did: to watch pre-clip norms
         and clip in one pass, call :meth:`clip_grad_norm_` instead of torch's (it records the
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
         if self._enabled:
+            self._optimizer_steps = max(self._optimizer_steps, self._next_step)
             self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:

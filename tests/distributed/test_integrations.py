@@ -175,6 +175,25 @@ def test_attach_collects_every_n_steps_with_own_counter() -> None:
         assert seen == [0, 0, 2, 2, 4]
 
 
+def test_attach_after_manual_collects_continues_the_step_numbers() -> None:
+    """collect(step=0..1) then attach(opt): the hook numbers the next optimizer steps 2, 3, never
+    0 again (a repeated step would overwrite history and metrics of an earlier one)."""
+    m = make_model()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    with GradWatch(m, CFG) as watch:
+        steps = []
+        for i in range(4):
+            opt.zero_grad()
+            backward(m, seed=i)
+            if i == 2:
+                watch.attach(opt)
+            if i < 2:
+                watch.collect(i)
+            opt.step()
+            steps.append(watch.last.step)
+        assert steps == [0, 1, 2, 3]
+
+
 def test_attach_and_clip_collect_once_per_step() -> None:
     m = make_model()
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
