@@ -245,3 +245,16 @@ def test_noop_and_disabled_watchers_accept_audit_norm() -> None:
     watch = GradWatch(model, WatchConfig(enabled=False))
     watch.audit_norm(torch.tensor(1.0), step=0)
     watch.close()
+
+
+def test_audit_sources_are_bounded() -> None:
+    """User-given source labels cannot grow the series without bound."""
+    from gradwatch.export.state import MAX_AUDIT_SOURCES, SelfStats
+
+    stats = SelfStats()
+    for i in range(MAX_AUDIT_SOURCES + 5):
+        stats.add_audit(f"s{i}", 1.0, i % 2 == 0)
+    samples = stats.view().samples()
+    assert len(samples["gradwatch_reported_norm_ratio"]) == MAX_AUDIT_SOURCES
+    counts = dict(samples["gradwatch_norm_audit_disagreements_total"])
+    assert counts[("s1",)] == 1.0 and counts[("s0",)] == 0.0
