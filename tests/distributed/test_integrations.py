@@ -448,7 +448,9 @@ def _check_pre_clip(seen: dict, max_grad_norm: float, world_size: int) -> None:
     if max_grad_norm > 0:
         assert seen["routed"] is True
         assert any(r > max_grad_norm for r in refs)  # the clip acted: post-clip would read 0.5
-    assert seen["param_diff"] <= 1e-6
+    # Trained as without gradwatch: the same max_norm and coefficient formula; the coefficient
+    # differs only by the norm's precision (gradwatch's float64 vs torch's float32 total).
+    assert seen["param_diff"] <= 1e-5
 
 
 @pytest.mark.timeout(300)
