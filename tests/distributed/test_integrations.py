@@ -497,9 +497,23 @@ def test_huggingface_route_declines_an_engine_that_clips(
     class Args:
         max_grad_norm = 1.0
 
+    class State:
+        global_step = 0
+
+    # At train start, an accelerator path gradwatch cannot route: one warning, no route, and
+    # every step still collected (post-clip) before the optimizer step.
+    monkeypatch.setattr(
+        hf, "_cannot_route", lambda: "accelerate runs DEEPSPEED, whose engine clips"
+    )
+    callback = hf.GradWatchCallback()
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        callback._warn_post_clip(Args(), "accelerate runs DEEPSPEED, whose engine clips")
-        callback._warn_post_clip(Args(), "again")
+        callback.on_train_begin(Args(), State(), None, model=model)
+        assert not callback.routed and callback.watch is not None
+        for step in range(2):
+            State.global_step = step
+            callback.on_pre_optimizer_step(Args(), State(), None)
+        assert callback.watch.last.step == 2
+        callback.on_train_end(Args(), State(), None)
     warnings = [r.getMessage() for r in caplog.records if "post-clip" in r.getMessage()]
     assert len(warnings) == 1 and "DEEPSPEED" in warnings[0]
 

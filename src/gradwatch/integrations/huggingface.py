@@ -129,7 +129,9 @@ class GradWatchCallback(TrainerCallback):
         accelerator.unscale_gradients()  # as accelerate does first (fp16 GradScaler)
         step = self._state.global_step + 1
         self._routed_step = step
-        return self.watch.clip_grad_norm_(max_norm, step=step)
+        # The scaler (gradients already unscaled: not divided again) marks AMP-skipped steps.
+        scaler = getattr(accelerator, "scaler", None)
+        return self.watch.clip_grad_norm_(max_norm, step=step, scaler=scaler)
 
     def _warn_post_clip(self, args: Any, why: str) -> None:
         if not self._warned:
@@ -153,6 +155,10 @@ def _cannot_route() -> str | None:
     if not callable(getattr(Accelerator, "clip_grad_norm_", None)):
         return "accelerate has no Accelerator.clip_grad_norm_"
     try:
+        from accelerate.state import is_initialized
+
+        if not is_initialized():  # constructing AcceleratorState() would initialize one
+            return None
         state = AcceleratorState()
         kind = state.distributed_type.value
         fsdp1 = kind == "FSDP" and not getattr(state, "is_fsdp2", False)
