@@ -65,6 +65,23 @@ class Verdict:
     agrees: bool
     diagnosis: str | None = None
 
+    @property
+    def kind(self) -> str:
+        """What the log says once per source: ``nonfinite``, ``diagnosed`` or ``unexplained``."""
+        if not math.isfinite(self.reported):
+            return "nonfinite"
+        return "diagnosed" if self.diagnosis else "unexplained"
+
+    def message(self, tolerance: float) -> str:
+        """The log line of a disagreement."""
+        cause = f"; likely cause: {self.diagnosis}" if self.diagnosis else ""
+        return (
+            f"gradwatch: the norm {self.source!r} reported at step {self.step} disagrees with "
+            f"gradwatch's exact global norm: reported {self.reported:.6g}, exact "
+            f"{self.exact:.6g} (ratio {self.ratio:.6g}, tolerance {tolerance:g}){cause} "
+            "(logged once)"
+        )
+
 
 def parallel_factors(parallelism: str, world_size: int) -> dict[str, int]:
     """Named rank counts of a job from its parallelism description (see

@@ -17,7 +17,6 @@ the history file when ``history_path`` is set, with or without an endpoint).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -380,25 +379,10 @@ class GradWatch:
         stats = self._self_stats()
         if stats is not None:
             stats.add_audit(v.source, v.ratio, v.agrees)
-        if v.agrees:
-            return
-        kind = (
-            "nonfinite"
-            if not math.isfinite(v.reported)
-            else ("diagnosed" if v.diagnosis else "unexplained")
-        )
-        self._log_once(
-            f"audit:{v.source}:{kind}",
-            "gradwatch: the norm %r reported at step %d disagrees with gradwatch's exact "
-            "global norm: reported %.6g, exact %.6g (ratio %.6g, tolerance %g)%s (logged once)",
-            v.source,
-            v.step,
-            v.reported,
-            v.exact,
-            v.ratio,
-            self.config.audit_tolerance,
-            f"; likely cause: {v.diagnosis}" if v.diagnosis else "",
-        )
+        if not v.agrees:
+            self._log_once(
+                f"audit:{v.source}:{v.kind}", "%s", v.message(self.config.audit_tolerance)
+            )
 
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         """Collect automatically before every ``every_n_steps``-th ``optimizer.step()``.
