@@ -258,3 +258,20 @@ def test_audit_sources_are_bounded() -> None:
     assert len(samples["gradwatch_reported_norm_ratio"]) == MAX_AUDIT_SOURCES
     counts = dict(samples["gradwatch_norm_audit_disagreements_total"])
     assert counts[("s1",)] == 1.0 and counts[("s0",)] == 0.0
+
+
+def test_collect_costs_the_same_with_auditing() -> None:
+    """Auditing adds no op, host read or collective to collect(): the same dispatched ops
+    before and after the first audit_norm."""
+    model = model_with_grads()
+    with GradWatch(model, WatchConfig()) as watch:
+        watch.collect(0).result()  # warm-up: the norm plan is built once
+        counts = []
+        for step in (1, 2):
+            with OpCounter() as counter, count_host_reads() as reads:
+                watch.collect(step)
+                if step == 1:
+                    watch.audit_norm(1.0, step=step)
+            counts.append((dict(counter.ops), counter.scalar_reads, sum(reads.values())))
+        # (collect's own host reads are its CPU repair check, the same with or without audits)
+        assert counts[0] == counts[1] and counts[0][1] == 0
