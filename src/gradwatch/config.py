@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import fnmatch
 import hashlib
 import ipaddress
 import json
@@ -214,6 +215,8 @@ class WatchConfig(BaseSettings):
         spike_warmup: samples a series' window needs before its spike score is defined.
         run_id: identity of this run, the ``run_id`` label of ``gradwatch_run_info``; ``None``
             (the default) generates one when the endpoint starts (:func:`new_run_id`).
+        audit_tolerance: :meth:`~gradwatch.GradWatch.audit_norm` counts a reported norm as a
+            disagreement when it differs from the exact one by more than this, relative.
     """
 
     model_config = SettingsConfigDict(
@@ -285,6 +288,8 @@ class WatchConfig(BaseSettings):
         except UnicodeEncodeError as exc:
             raise ValueError(f"run_id {value!r} is not valid UTF-8 text") from exc
         return value
+    # -- norm auditing (GradWatch.audit_norm, gradwatch.audit) --
+    audit_tolerance: Threshold = 1e-3
 
     @classmethod
     def settings_customise_sources(
@@ -453,3 +458,50 @@ def did_you_mean(word: str, choices: Iterable[str], *, show: Callable[[str], str
     when none is close; ``show`` renders the choice (``str`` for variable names)."""
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {show(close[0])}?)" if close else ""
+
+
+# -- groups no parameter can join, known without a model (gradwatch config) --
+
+_WILDCARDS = frozenset("*?[")
+
+
+def shadowed_groups(groups: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """Groups that no parameter name of any model can join, each with the earlier pattern that
+    takes its names first (a parameter joins the first group with a matching pattern).
+
+    Conservative: a pattern counts as shadowed only when provably so: it has no wildcard and an
+    earlier pattern matches it, or an earlier pattern is a literal prefix followed by one
+    trailing ``*`` (``"*"``, ``"backbone.*"``) that the pattern's own literal prefix extends.
+    Groups matching no parameter of one particular model are reported by
+    :class:`~gradwatch.GradWatch` when it is built (that needs the model).
+    """
+    out: dict[str, str] = {}
+    earlier: list[tuple[str, str]] = []  # (group, pattern)
+    for group, patterns in groups.items():
+        patterns = list(patterns)
+        takers = [_taker(p, earlier) for p in patterns]
+        if patterns and all(t is not None for t in takers):
+            out[group] = ", ".join(f"{p!r} by {t}" for p, t in zip(patterns, takers, strict=True))
+        earlier.extend((group, p) for p in patterns)
+    return out
+
+
+def _taker(pattern: str, earlier: list[tuple[str, str]]) -> str | None:
+    """``"group 'g' ('pat')"`` of the first earlier pattern taking every name ``pattern`` can
+    match, else None."""
+    literal = "".join(_literal_prefix(pattern))
+    for group, e in earlier:
+        if not _WILDCARDS & set(pattern):
+            taken = fnmatch.fnmatchcase(pattern, e)
+        else:
+            taken = e.endswith("*") and not _WILDCARDS & set(e[:-1]) and literal.startswith(e[:-1])
+        if taken:
+            return f"group {group!r} ({e!r})"
+    return None
+
+
+def _literal_prefix(pattern: str) -> Iterable[str]:
+    for ch in pattern:
+        if ch in _WILDCARDS:
+            return
+        yield ch

@@ -78,6 +78,11 @@ class NoOpWatch:
         params = [p for p in self._model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
+    def audit_norm(
+        self, reported: Any, *, step: int | None = None, source: str = "trainer"
+    ) -> None:
+        return None
+
     def add_sink(self, sink: Any) -> None:
         return None
 

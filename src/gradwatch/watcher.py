@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from gradwatch.amp import pending_scale
 from gradwatch.anomalies import AnomalyLog
+from gradwatch.audit import NormAuditor, Verdict, parallel_factors
 from gradwatch.clip import clip_coefficient, clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
@@ -45,7 +46,7 @@ from gradwatch.model import (
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
 from gradwatch.spikes import SpikeDetector
-from gradwatch.stats import MetaGradientError, NormEngine
+from gradwatch.stats import BANDS, MetaGradientError, NormEngine, norm_from_bands
 from gradwatch.summary import summarize
 
 if TYPE_CHECKING:
@@ -190,6 +191,10 @@ class GradWatch:
             cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup, self.rank
         )
         self._optimizer_steps = 0
+        self._next_step = 0  # one past the highest step given to collect(): attach continues it
+        self._auditor = NormAuditor(
+            cfg.audit_tolerance, parallel_factors(self.parallelism, self.world_size)
+        )
         if self.rank == 0:
             self._start_publishing(cfg)
 
@@ -202,6 +207,8 @@ class GradWatch:
         self._broken = None
         self._clipped_step = None
         self._optimizer_steps = 0
+        self._next_step = 0
+        self._auditor = None
         self.rank = int(os.environ.get("RANK", "0"))
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()  # not a collective
@@ -278,6 +285,7 @@ class GradWatch:
         The returned result of a step not measured raises ``GradWatchError`` (never a made-up
         snapshot); the exporter shows ``gradwatch_collecting 0`` and no per-step gauge.
         """
+        self._next_step = max(self._next_step, step + 1)
         return self._guarded(step, scaler, optimizer, None)[0]
 
     def clip_grad_norm_(
@@ -323,16 +331,75 @@ class GradWatch:
             )
         return total
 
+    def audit_norm(
+        self, reported: Any, *, step: int | None = None, source: str = "trainer"
+    ) -> None:
+        """Check a gradient norm the training code computed against gradwatch's exact one.
+
+        ``reported``: the whole-model norm the training code clips with or logs (its clip's
+        return value, its ``grad_norm``), a float or a scalar tensor on any device (a DTensor:
+        its replicated value). ``step``: the collected step it belongs to (default: the last
+        collected one). ``source``: the ``source`` label of the exported series.
+
+        Nothing is read here: the value is carried with the step and compared in ``result()``
+        (the exporter's thread), so auditing adds no host read and no collective to the
+        training thread. The verdict exports ``gradwatch_reported_norm_ratio{source}``
+        (reported / exact) and counts ``gradwatch_norm_audit_disagreements_total{source}``
+        beyond ``audit_tolerance`` (relative); the first disagreement of a kind is logged
+        once, with a diagnosis when the ratio matches a known failure (a rank-local norm,
+        1/sqrt(shards or replicas), sqrt(tp), tp, a double reduction, a bf16-rounded norm). A
+        non-finite or unreadable value is counted and logged, never raised. A step not measured
+        (a schedule skip, a failed collect) is not audited.
+        """
+        if self._auditor is None or self._closed:
+            return
+        if step is None:
+            latest = self._latest
+            if latest is None:
+                return
+            step = latest.step
+        self._auditor.report(int(step), str(source), reported)
+
+    def _audit(self, snap: Snapshot | None, local_sq: Tensor | None) -> None:
+        """Judge the reported norms waiting for ``snap`` (or any built step when None)."""
+        auditor = self._auditor
+        if auditor is None:
+            return
+        try:
+            if snap is None:
+                verdicts = auditor.judge()
+            else:
+                local = None
+                if local_sq is not None and auditor.active:
+                    bands = local_sq.detach().view(BANDS, -1).sum(dim=1).tolist()
+                    local = norm_from_bands(*bands)
+                verdicts = auditor.judge(snap.step, snap.global_norm, local)
+            for verdict in verdicts:
+                self._publish_verdict(verdict)
+        except Exception as exc:  # an audit never breaks the step it rides on
+            self._log_once("audit-error", "gradwatch: a norm audit failed: %s", exc)
+
+    def _publish_verdict(self, v: Verdict) -> None:
+        stats = self._self_stats()
+        if stats is not None:
+            stats.add_audit(v.source, v.ratio, v.agrees)
+        if not v.agrees:
+            self._log_once(
+                f"audit:{v.source}:{v.kind}", "%s", v.message(self.config.audit_tolerance)
+            )
+
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         """Collect automatically before every ``every_n_steps``-th ``optimizer.step()``.
 
-        The step number is gradwatch's own counter of optimizer steps (identical on every rank).
+        The step number is gradwatch's own counter of optimizer steps (identical on every rank),
+        continuing after the highest step already given to :meth:`collect`.
         A pre-step hook sees gradients *after* any clipping the loop did: to watch pre-clip norms
         and clip in one pass, call :meth:`clip_grad_norm_` instead of torch's (it records the
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
         if self._enabled:
+            self._optimizer_steps = max(self._optimizer_steps, self._next_step)
             self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
@@ -473,8 +540,11 @@ class GradWatch:
         ``history_path``, returns True at once. False on timeout or after :meth:`close`.
         """
         if self._publishing is None:
-            return not self._closed
-        return bool(self._publishing.flush(timeout))
+            done = not self._closed
+        else:
+            done = bool(self._publishing.flush(timeout))
+        self._audit(None, None)  # reports that arrived after their step was built
+        return done
 
     def close(self) -> None:
         """Flush and stop the endpoint and the history (bounded wait), release gradwatch's
@@ -487,6 +557,7 @@ class GradWatch:
         self._hooks.clear()
         try:
             if self._publishing is not None:
+                self._audit(None, None)  # reports whose step was built: judged while served
                 self._publishing.close()  # flushes first: pending steps reach every sink
         finally:
             if self._enabled:
@@ -541,11 +612,14 @@ class GradWatch:
         amp = scaler is not None and scaler.is_enabled()
         isolated = self._isolated  # the expectation at collect time, not at result() time
         timestamp = time.time()
+        # This rank's local squares (a fresh tensor, never written again: holding it costs no
+        # op), for the audit's local-norm diagnosis (read in result(), only once audited).
+        local_sq = sq if self.world_size > 1 else None
         return (
             PendingSnapshot(
                 step,
                 lambda: self._build(
-                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt
+                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt, local_sq
                 ),
             ),
             total,
@@ -561,6 +635,7 @@ class GradWatch:
         amp: bool,
         isolated: tuple[str, ...],
         attempt: int = 0,
+        local_sq: Tensor | None = None,
     ) -> Snapshot:
         try:
             stats = reduced.stats()
@@ -615,6 +690,7 @@ class GradWatch:
         self._measured(attempt)
         if self._last is None or snap.step >= self._last.step:
             self._last = snap
+        self._audit(snap, local_sq)
         return snap
 
     def _pending_last(self, step: int) -> PendingSnapshot:

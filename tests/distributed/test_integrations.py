@@ -10,6 +10,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -171,6 +173,25 @@ def test_attach_collects_every_n_steps_with_own_counter() -> None:
             if i % 2 == 0:
                 assert abs(snap.global_norm - expected) <= 1e-6 * expected
         assert seen == [0, 0, 2, 2, 4]
+
+
+def test_attach_after_manual_collects_continues_the_step_numbers() -> None:
+    """collect(step=0..1) then attach(opt): the hook numbers the next optimizer steps 2, 3, never
+    0 again (a repeated step would overwrite history and metrics of an earlier one)."""
+    m = make_model()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    with GradWatch(m, CFG) as watch:
+        steps = []
+        for i in range(4):
+            opt.zero_grad()
+            backward(m, seed=i)
+            if i == 2:
+                watch.attach(opt)
+            if i < 2:
+                watch.collect(i)
+            opt.step()
+            steps.append(watch.last.step)
+        assert steps == [0, 1, 2, 3]
 
 
 def test_attach_and_clip_collect_once_per_step() -> None:
@@ -403,3 +424,191 @@ def test_framework_ddp_reads_ddp2(tmp_path: Path, framework: str) -> None:
         assert seen["wrapper"] == "DistributedDataParallel"
         assert seen["parallelism"] == "ddp2"
         assert seen["world_size"] == 2
+
+
+def _check_pre_clip(seen: dict, max_grad_norm: float, world_size: int) -> None:
+    """gradwatch's history norm of every step equals the float64 pre-clip reference and the
+    Trainer's logged grad_norm; clipping (on or off) trains exactly as without gradwatch."""
+    refs = seen["references"]
+    assert len(refs) == 3 and seen["plain_references"] == pytest.approx(refs, rel=1e-6)
+    history = seen["history"]
+    assert [step for step, _, _ in history] == [1, 2, 3]
+    for step, norm, clip_coef in history:
+        ref = refs[step - 1]
+        assert abs(norm - ref) <= 1e-6 * ref, (step, norm, ref)  # float32 rows: <= 5e-7
+        logged = seen["logged"][str(step)]
+        if max_grad_norm > 0:  # the Trainer logs the total gradwatch's clip returned
+            assert abs(logged - norm) <= 1e-12 * norm, (step, logged, norm)
+        else:  # the Trainer's own (torch's float32) norm of the same gradients
+            assert abs(logged - norm) <= 1e-6 * norm, (step, logged, norm)
+        if max_grad_norm > 0:
+            assert clip_coef == pytest.approx(min(1.0, max_grad_norm / (ref + 1e-6)), rel=1e-6)
+        else:
+            assert clip_coef is None
+    if max_grad_norm > 0:
+        assert seen["routed"] is True
+        assert any(r > max_grad_norm for r in refs)  # the clip acted: post-clip would read 0.5
+    # Trained as without gradwatch: the same max_norm and coefficient formula; the coefficient
+    # differs only by the norm's precision (gradwatch's float64 vs torch's float32 total).
+    assert seen["param_diff"] <= 1e-5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0])
+def test_huggingface_trainer_pre_clip_exact(tmp_path: Path, max_grad_norm: float) -> None:
+    """The real Trainer, clipping on (routed through GradWatch.clip_grad_norm_) and off
+    (collected before the optimizer step): pre-clip norms, the Trainer's own grad_norm."""
+    from jobs.framework_ddp_job import run_huggingface_clip
+
+    seen = run_huggingface_clip(tmp_path, max_grad_norm)
+    _check_pre_clip(seen, max_grad_norm, world_size=1)
+    import accelerate
+
+    assert "clip_grad_norm_" not in accelerate.Accelerator.__dict__ or (
+        accelerate.Accelerator.clip_grad_norm_.__qualname__ == "Accelerator.clip_grad_norm_"
+    )  # the route is removed at train end
+
+
+def test_huggingface_route_declines_an_engine_that_clips(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under an accelerator path gradwatch cannot measure (DeepSpeed), the call goes to
+    accelerate untouched and the callback warns once that figures are post-clip."""
+    from gradwatch.integrations import huggingface as hf
+
+    class FakeKind:
+        value = "DEEPSPEED"
+
+    class FakeAccelerator:
+        distributed_type = FakeKind()
+
+    model = RegressionModel()
+    callback = hf.GradWatchCallback()
+    callback.watch = GradWatch(model, WatchConfig())
+    callback._params = frozenset(id(p) for p in model.parameters())
+    params = list(model.parameters())
+    assert not callback._takes(FakeAccelerator(), params, 1.0, 2)
+    FakeKind.value = "MULTI_CPU"
+    assert callback._takes(FakeAccelerator(), params, 1.0, 2)
+    assert not callback._takes(FakeAccelerator(), params, math.inf, 2)  # no clip: not routed
+    assert not callback._takes(FakeAccelerator(), params[:-1], 1.0, 2)  # another model
+    callback.watch.close()
+
+    class Args:
+        max_grad_norm = 1.0
+
+    class State:
+        global_step = 0
+
+    # At train start, an accelerator path gradwatch cannot route: one warning, no route, and
+    # every step still collected (post-clip) before the optimizer step.
+    monkeypatch.setattr(
+        hf, "_cannot_route", lambda: "accelerate runs DEEPSPEED, whose engine clips"
+    )
+    callback = hf.GradWatchCallback()
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        callback.on_train_begin(Args(), State(), None, model=model)
+        assert not callback.routed and callback.watch is not None
+        for step in range(2):
+            State.global_step = step
+            callback.on_pre_optimizer_step(Args(), State(), None)
+        assert callback.watch.last.step == 2
+        callback.on_train_end(Args(), State(), None)
+    warnings = [r.getMessage() for r in caplog.records if "post-clip" in r.getMessage()]
+    assert len(warnings) == 1 and "DEEPSPEED" in warnings[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["hf-clip", "hf-noclip"])
+def test_huggingface_trainer_pre_clip_exact_ddp2(tmp_path: Path, mode: str) -> None:
+    """The same under torchrun, 2 gloo ranks: the Trainer's DDP wrapper all-reduces, the
+    routed clip uses the whole-model norm, rank 0's history equals the reference."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env.pop("GRADWATCH_PORT", None)
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--max_restarts=0", "--master_addr=127.0.0.1", f"--master_port={port}",
+            str(FRAMEWORK_JOB), mode, str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = json.loads((tmp_path / "0.json").read_text())
+    _check_pre_clip(seen, 0.5 if mode == "hf-clip" else 0.0, world_size=2)
+    other = json.loads((tmp_path / "1.json").read_text())
+    assert other["references"] == pytest.approx(seen["references"], rel=1e-12)  # all-reduced
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_lightning_callback_audits_lightnings_logged_norm(tmp_path: Path, factor: float) -> None:
+    """A module logging Lightning's grad_norm (total entry) is audited against gradwatch's exact
+    norm of the same step: silent when right, counted when the logged value is off."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities import grad_norm
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gradwatch.integrations.lightning import GradWatchCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Linear(16, 8)
+            self.seed = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            out = self.seed(torch.tanh(self.backbone(batch["x"])))
+            return nn.functional.mse_loss(out, batch["labels"])
+
+        def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
+            norms = grad_norm(self, norm_type=2)
+            norms["grad_2.0_norm_total"] = norms["grad_2.0_norm_total"] * factor
+            self.log_dict(norms)
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    seen: dict[str, float] = {}
+
+    class Probe(GradWatchCallback):
+        def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            assert self.watch is not None and self.watch.flush()
+            want = 0.0 if factor == 1.0 else 4.0
+            deadline = time.monotonic() + 10  # self-stats render within the render interval
+            while seen.get("gradwatch_norm_audit_disagreements_total") != want:
+                if time.monotonic() > deadline:
+                    break
+                with urllib.request.urlopen(self.watch.metrics_url, timeout=5) as response:
+                    text = response.read().decode()
+                for family in text_string_to_metric_families(text):
+                    for s in family.samples:
+                        if s.labels.get("source") == "lightning":
+                            seen[s.name] = s.value
+                time.sleep(0.05)
+            super().on_fit_end(trainer, pl_module)
+
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[Probe(port=0)],
+    )
+    module = Module()
+    trainer.fit(module, torch.utils.data.DataLoader(Regression(), batch_size=8))
+    assert "log" not in module.__dict__  # the wrapper is removed at fit end
+    # Every step's logged value was judged (the last at flush), each against its own step.
+    assert seen["gradwatch_reported_norm_ratio"] == pytest.approx(factor, rel=1e-5)
+    assert seen["gradwatch_norm_audit_disagreements_total"] == (0.0 if factor == 1.0 else 4.0)

@@ -81,6 +81,9 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_grad_norm_per_step_bucket",
         "gradwatch_grad_norm_per_step_sum",
         "gradwatch_grad_norm_per_step_count",
+        # norm auditing
+        "gradwatch_reported_norm_ratio",
+        "gradwatch_norm_audit_disagreements_total",
     }
 )
 
@@ -96,6 +99,7 @@ REQUIRED_ALERTS = {
     "GradwatchTargetDown": ("warning", True),
     "GradwatchNotCollecting": ("critical", False),
     "GradwatchGradNormSpike": ("warning", False),
+    "GradwatchNormAuditDisagreement": ("critical", True),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}

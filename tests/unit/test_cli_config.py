@@ -226,3 +226,32 @@ def test_bad_ratio_band_or_run_id_exits_2_naming_the_field(
     for word in words:
         assert word in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_config_warns_about_a_group_no_parameter_can_join() -> None:
+    """A group every pattern of which an earlier group takes first reads 0 forever: warned on
+    stderr (exit 0), naming the group and the pattern that takes its parameters."""
+    groups = {"all": ["*"], "seed": ["seed.*"], "host": ["backbone.*"], "again": ["backbone.0.w"]}
+    result = run("config", env={"GRADWATCH_GROUPS": json.dumps(groups)})
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "can match no parameter" in line]
+    assert len(warnings) == 3, result.stderr
+    assert "'seed'" in warnings[0] and "group 'all' ('*')" in warnings[0]
+    ok = run("config", env={"GRADWATCH_GROUPS": json.dumps({"host": ["backbone.*"], "x": ["b*"]})})
+    assert ok.returncode == 0 and "can match no parameter" not in ok.stderr
+
+
+@pytest.mark.parametrize(
+    ("groups", "shadowed"),
+    [
+        ({"a": ["backbone.*"], "b": ["backbone.0.*"]}, ["b"]),
+        ({"a": ["backbone.*"], "b": ["backbone.0.*", "head.*"]}, []),
+        ({"a": ["backbone.0.*"], "b": ["backbone.*"]}, []),
+        ({"a": ["*.weight"], "b": ["x.weight"], "c": ["x.*"]}, ["b"]),
+        ({"a": ["b?ckbone.*"], "b": ["backbone.*"]}, []),  # not provable: not reported
+    ],
+)
+def test_shadowed_groups(groups: dict, shadowed: list[str]) -> None:
+    from gradwatch.config import shadowed_groups
+
+    assert list(shadowed_groups(groups)) == shadowed

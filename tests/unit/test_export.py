@@ -351,6 +351,7 @@ def test_every_metric_is_declared_typed_and_helped(servers: Callable[..., Metric
     """The exposition and METRICS agree on names, types and labels, both ways."""
     server = servers(config(param_metrics_top_k=2))
     server.self_stats.set_collecting(True)  # what a GradWatch reports once it measured a step
+    server.self_stats.add_audit("trainer", 1.0, True)  # what GradWatch.audit_norm adds
     server.observe_collect_seconds(0.001)
     server.publish(rich_snapshot())  # returns once the exporter process serves all of the above
     text = http_get(server.url)
@@ -1183,6 +1184,8 @@ def test_every_metric_names_the_source_that_provides_it() -> None:
     stats = SelfStats()
     assert "gradwatch_collecting" not in stats.view().samples()  # no watcher reported yet
     stats.set_collecting(True)
+    assert "gradwatch_reported_norm_ratio" not in stats.view().samples()  # nothing audited yet
+    stats.add_audit("trainer", 1.0, True)
     assert set(stats.view().samples()) == by_source[MetricSource.SELF_STATS]
     assert by_source[MetricSource.INFO] == {
         "gradwatch_build_info",

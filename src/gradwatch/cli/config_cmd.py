@@ -6,6 +6,11 @@ defaults < ``--config`` file < ``GRADWATCH_*`` environment (< arguments in code,
 line cannot show). Output is a rich table on a terminal, aligned plain text otherwise (pipes,
 logs, CI), or the values alone as JSON with ``--json``.
 
+Groups that no parameter of any model can join (every pattern taken first by an earlier group's)
+are warned about on stderr (exit status 0). The command has no model, so a group whose patterns
+match no parameter of *your* model is reported when ``GradWatch`` is built, with an example
+parameter name.
+
 Every configuration problem exits with status 2 and a one-line-per-error message on stderr that
 names the field and its source (``invalid value for port: ... (from env GRADWATCH_PORT='abc')``),
 the unknown key of a file, or the unreadable/malformed file. Never a traceback.
@@ -20,7 +25,13 @@ from typing import Annotated, Any
 
 import typer
 
-from gradwatch.config import WatchConfig, did_you_mean, env_var, unknown_env_vars
+from gradwatch.config import (
+    WatchConfig,
+    did_you_mean,
+    env_var,
+    shadowed_groups,
+    unknown_env_vars,
+)
 from gradwatch.configfile import ConfigError, ResolvedConfig, resolve_config
 
 #: Exit status for invalid configuration (the convention of command-line usage errors).
@@ -98,6 +109,12 @@ def config_command(
         hint = did_you_mean(name.upper(), known, show=str)
         sys.stderr.write(
             f"gradwatch config: warning: {name} is not a gradwatch setting, ignored{hint}\n"
+        )
+    for group, takers in shadowed_groups(resolved.config.groups).items():
+        sys.stderr.write(
+            f"gradwatch config: warning: group {group!r} can match no parameter: every pattern "
+            f"is taken by an earlier group first ({takers}); a parameter joins the first group "
+            "whose pattern matches it\n"
         )
     if as_json:
         sys.stdout.write(json.dumps(resolved.config.model_dump(mode="json"), indent=2) + "\n")

@@ -20,7 +20,12 @@ from typing import Literal
 from prometheus_client.utils import floatToGoString
 
 from gradwatch.export.publisher import MAX_PENDING
-from gradwatch.export.state import COLLECT_SECONDS_BUCKETS, MAX_PARAM_SERIES, NORM_BUCKETS
+from gradwatch.export.state import (
+    COLLECT_SECONDS_BUCKETS,
+    MAX_AUDIT_SOURCES,
+    MAX_PARAM_SERIES,
+    NORM_BUCKETS,
+)
 
 __all__ = ["METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "MetricType"]
 
@@ -329,6 +334,29 @@ METRICS: tuple[MetricDef, ...] = (
         "Bucket upper bounds (s): "
         + ", ".join(floatToGoString(b) for b in COLLECT_SECONDS_BUCKETS)
         + ", +Inf. Observed for every collected step, published or not.",
+        source=MetricSource.SELF_STATS,
+    ),
+    # -- norm auditing (GradWatch.audit_norm) ---------------------------------------------------
+    MetricDef(
+        "gradwatch_reported_norm_ratio",
+        "gauge",
+        ("source",),
+        "Last audited ratio of a norm the training code reported to gradwatch's exact global "
+        "norm of the same step.",
+        "One series per `source` given to `GradWatch.audit_norm` (at most "
+        f"{MAX_AUDIT_SOURCES}), absent until its first audited step. 1 when they agree; "
+        "NaN when undefined (a non-finite or unreadable reported value, or an exact norm of "
+        "0). Known failures show as 1/sqrt(shards), sqrt(tp), tp or 2 (docs/integrations.md).",
+        source=MetricSource.SELF_STATS,
+    ),
+    MetricDef(
+        "gradwatch_norm_audit_disagreements_total",
+        "counter",
+        ("source",),
+        "Audited norms that differed from gradwatch's exact norm by more than audit_tolerance.",
+        "Relative tolerance `audit_tolerance` (default 1e-3). A non-finite or unreadable "
+        "reported value counts unless the exact norm is non-finite too. The "
+        "GradwatchNormAuditDisagreement alert pages on it.",
         source=MetricSource.SELF_STATS,
     ),
     # -- constant info -------------------------------------------------------------------------

@@ -51,6 +51,9 @@ INTERNAL_ERROR_KINDS = (
     "other_rank",
 )
 
+#: At most this many ``source`` label values of the norm-audit series (user-given strings).
+MAX_AUDIT_SOURCES = 16
+
 #: One sample: label values (in the order of ``MetricDef.labels``) and the value.
 Sample = tuple[tuple[str, ...], float]
 
@@ -363,6 +366,7 @@ class SelfView:
     seconds_sum: float
     collecting: bool | None = None  # None: no watcher reported yet (both series absent)
     internal_errors: tuple[tuple[str, int], ...] = ()
+    audits: tuple[tuple[str, float, int], ...] = ()  # (source, last ratio, disagreements)
 
     def samples(self) -> dict[str, MetricValue]:
         """The samples of every ``MetricSource.SELF_STATS`` metric."""
@@ -380,6 +384,11 @@ class SelfView:
             out["gradwatch_collecting"] = (((), 1.0 if self.collecting else 0.0),)
             out["gradwatch_internal_errors_total"] = tuple(
                 ((kind,), float(n)) for kind, n in self.internal_errors
+            )
+        if self.audits:
+            out["gradwatch_reported_norm_ratio"] = tuple(((s,), r) for s, r, _ in self.audits)
+            out["gradwatch_norm_audit_disagreements_total"] = tuple(
+                ((s,), float(n)) for s, _, n in self.audits
             )
         return out
 
@@ -402,6 +411,7 @@ class SelfStats:
         self._sum = 0.0
         self._collecting: bool | None = None  # until the watcher's first measurement or error
         self._internal_errors = dict.fromkeys(INTERNAL_ERROR_KINDS, 0)
+        self._audits: dict[str, tuple[float, int]] = {}  # source -> (last ratio, disagreements)
         self.version = 0  # bumped by every change; read without the lock (an int load)
 
     def observe(self, seconds: float) -> None:
@@ -441,6 +451,17 @@ class SelfStats:
             self._collecting = False
             self.version += 1
 
+    def add_audit(self, source: str, ratio: float, agrees: bool) -> None:
+        """One audited norm of ``source`` (:mod:`gradwatch.audit`): its ``reported / exact``
+        ratio (NaN when undefined) and whether it agreed. At most
+        :data:`MAX_AUDIT_SOURCES` sources; later new ones are ignored (bounded series)."""
+        with self._lock:
+            if source not in self._audits and len(self._audits) >= MAX_AUDIT_SOURCES:
+                return
+            disagreements = self._audits.get(source, (0.0, 0))[1] + (not agrees)
+            self._audits[source] = (ratio, disagreements)
+            self.version += 1
+
     def view(self) -> SelfView:
         with self._lock:
             return SelfView(
@@ -450,4 +471,5 @@ class SelfStats:
                 self._sum,
                 self._collecting,
                 tuple(self._internal_errors.items()),
+                tuple((s, r, n) for s, (r, n) in self._audits.items()),
             )

@@ -1,9 +1,24 @@
 """Hugging Face ``transformers.Trainer`` callback (extra: ``torch-gradwatch[transformers]``).
 
-Timing: the Trainer clips gradients (``max_grad_norm``, default 1.0) and then calls
-``on_pre_optimizer_step``; it offers no hook between backward and clipping, so the norms seen
-here are **post-clip** whenever clipping is on. The Trainer logs its own pre-clip ``grad_norm``;
-gradwatch adds per-group norms, ratios, health and non-finite counts next to it.
+Timing: the Trainer clips gradients (``max_grad_norm``, default 1.0) *before* any callback
+runs, through ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)``, and offers no
+hook between backward and clipping. So the callback routes that call, for the Trainer's model
+only, to :meth:`GradWatch.clip_grad_norm_`: one pass and one all-reduce measure the pre-clip
+gradients and clip them with the same ``max_grad_norm``, the same coefficient
+``min(1, max_norm / (total + 1e-6))`` and the whole-model norm, and the total returned is the
+``grad_norm`` the Trainer logs, so its ``grad_norm`` and gradwatch's global norm are one number.
+
+The route is an override of ``accelerate.Accelerator.clip_grad_norm_`` installed from
+``on_train_begin`` to ``on_train_end`` (the callback is never handed the Trainer or its
+accelerator); it takes a call only when its parameters are exactly the watched model's, the
+norm is L2 and finite, and the accelerator runs a path gradwatch measures exactly (single
+process, DDP, FSDP2); any other call goes to accelerate untouched. Under DeepSpeed, XLA,
+Megatron-LM or FSDP1 (the engine clips), or when the Trainer clips without the accelerator (its
+mixed-mesh path), gradwatch cannot take over: it warns once, and its figures are then
+**post-clip** (at most ``max_grad_norm``).
+
+With ``max_grad_norm=0`` (no clipping) the Trainer's own norm is computed by accelerate with
+torch's function, and gradwatch collects in ``on_pre_optimizer_step``, before the optimizer step.
 
 The callback receives the unwrapped model; under DDP the Trainer's wrapper is found from it
 (:func:`gradwatch.model.wrapping_ddp`), so the parallelism reads ``ddp{n}`` as for plain DDP.
@@ -11,6 +26,9 @@ The callback receives the unwrapped model; under DDP the Trainer's wrapper is fo
 
 from __future__ import annotations
 
+import logging
+import math
+import threading
 from typing import Any
 
 from transformers import TrainerCallback
@@ -19,28 +37,61 @@ from gradwatch.config import WatchConfig
 from gradwatch.integrations.common import log_figures
 from gradwatch.watcher import GradWatch
 
+log = logging.getLogger("gradwatch")
+
+#: accelerate's distributed types whose clipping is not ``_clip_grad_norm_dtensor_aware`` over
+#: the given parameters (the engine clips, or gradwatch cannot read the layout): not routed.
+_ENGINE_CLIPS = frozenset({"DEEPSPEED", "XLA", "MEGATRON_LM"})
+
 
 class GradWatchCallback(TrainerCallback):
-    """Collects before every optimizer step and adds gradwatch's figures to the Trainer's logs.
+    """Collects pre-clip gradients once per optimizer step and adds gradwatch's figures to the
+    Trainer's logs.
 
     ``Trainer(..., callbacks=[GradWatchCallback(WatchConfig(groups=...))])``. The watcher is
-    built at ``on_train_begin`` on every rank (its construction is a collective).
+    built at ``on_train_begin`` on every rank (its construction is a collective). With
+    clipping on, the Trainer clips through :meth:`GradWatch.clip_grad_norm_` (see the module
+    docs); :attr:`routed` says whether it does.
     """
 
     def __init__(self, config: WatchConfig | None = None, **overrides: Any) -> None:
         self.config = config if config is not None else WatchConfig(**overrides)
         self.watch: GradWatch | None = None
+        self._state: Any = None
+        self._params: frozenset[int] = frozenset()
+        self._routed_step: int | None = None
+        self._warned = False
+
+    @property
+    def routed(self) -> bool:
+        """True while the Trainer's clipping is routed through gradwatch (clipping on)."""
+        return self in _ROUTE.callbacks
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if self.watch is None and model is not None and self.config.enabled:
             self.watch = GradWatch(model, self.config)
+        if self.watch is None or not args.max_grad_norm > 0:
+            return
+        self._state = state
+        self._params = frozenset(id(p) for p in model.parameters())
+        why = _cannot_route()
+        if why is None:
+            _ROUTE.add(self)
+        else:
+            self._warn_post_clip(args, why)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any):
-        if self.watch is not None:
-            # The Trainer counts this optimizer step once it is done: everything it logs for
-            # it (loss, its own grad_norm) carries global_step + 1, and so do gradwatch's
-            # snapshot, history line and metrics.
-            self.watch.collect(step=state.global_step + 1)
+        if self.watch is None:
+            return
+        # The Trainer counts this optimizer step once it is done: everything it logs for it
+        # (loss, its own grad_norm) carries global_step + 1, and so do gradwatch's snapshot,
+        # history line and metrics.
+        step = state.global_step + 1
+        if self._routed_step == step:
+            return  # measured pre-clip by the routed clip of this step
+        if args.max_grad_norm > 0:
+            self._warn_post_clip(args, "the Trainer clipped without accelerate's clip_grad_norm_")
+        self.watch.collect(step=step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
         if self.watch is None or logs is None:
@@ -54,6 +105,112 @@ class GradWatchCallback(TrainerCallback):
             state.log_history[-1].update(figures)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any):
+        _ROUTE.remove(self)
         if self.watch is not None:
             self.watch.close()
             self.watch = None
+
+    # -- the routed clip ----------------------------------------------------------------------
+
+    def _takes(
+        self, accelerator: Any, params: list[Any], max_norm: float, norm_type: float
+    ) -> bool:
+        """Whether this call is the Trainer's clip of the watched model, on a path gradwatch
+        measures exactly."""
+        if self.watch is None or norm_type != 2 or not math.isfinite(max_norm):
+            return False
+        kind = getattr(getattr(accelerator, "distributed_type", None), "value", "")
+        if kind in _ENGINE_CLIPS or (kind == "FSDP" and not getattr(accelerator, "is_fsdp2", 0)):
+            return False
+        return len(params) == len(self._params) and {id(p) for p in params} == self._params
+
+    def _clip(self, accelerator: Any, max_norm: float) -> Any:
+        assert self.watch is not None
+        accelerator.unscale_gradients()  # as accelerate does first (fp16 GradScaler)
+        step = self._state.global_step + 1
+        self._routed_step = step
+        # The scaler (gradients already unscaled: not divided again) marks AMP-skipped steps.
+        scaler = getattr(accelerator, "scaler", None)
+        return self.watch.clip_grad_norm_(max_norm, step=step, scaler=scaler)
+
+    def _warn_post_clip(self, args: Any, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "gradwatch: cannot take over the Trainer's gradient clipping (%s): gradwatch's "
+                "figures are post-clip (at most max_grad_norm=%s) and the exploding alert cannot "
+                "see larger norms; the Trainer's own grad_norm is pre-clip",
+                why,
+                args.max_grad_norm,
+            )
+
+
+def _cannot_route() -> str | None:
+    """Why accelerate's clip cannot be routed (None when it can)."""
+    try:
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+    except ImportError:  # pragma: no cover - transformers requires accelerate
+        return "accelerate is not importable"
+    if not callable(getattr(Accelerator, "clip_grad_norm_", None)):
+        return "accelerate has no Accelerator.clip_grad_norm_"
+    try:
+        from accelerate.state import is_initialized
+
+        if not is_initialized():  # constructing AcceleratorState() would initialize one
+            return None
+        state = AcceleratorState()
+        kind = state.distributed_type.value
+        fsdp1 = kind == "FSDP" and not getattr(state, "is_fsdp2", False)
+    except Exception:  # an uninitialized or unknown state: the per-call check decides
+        return None
+    if kind in _ENGINE_CLIPS or fsdp1:
+        return f"accelerate runs {kind}{' (FSDP1)' if fsdp1 else ''}, whose engine clips"
+    return None
+
+
+class _AcceleratorRoute:
+    """The override of ``Accelerator.clip_grad_norm_`` shared by active callbacks: installed
+    while at least one is training, removed (the class attribute restored) after the last."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[GradWatchCallback] = []
+        self._lock = threading.Lock()
+        self._original: Any = None
+
+    def add(self, callback: GradWatchCallback) -> None:
+        from accelerate import Accelerator
+
+        with self._lock:
+            if callback in self.callbacks:
+                return
+            if not self.callbacks:
+                self._original = Accelerator.__dict__["clip_grad_norm_"]
+                original = self._original
+
+                def clip_grad_norm_(
+                    acc: Any, parameters: Any, max_norm: float, norm_type: float = 2
+                ) -> Any:
+                    params = list(parameters)
+                    for cb in list(self.callbacks):
+                        if cb._takes(acc, params, max_norm, norm_type):
+                            return cb._clip(acc, max_norm)
+                    return original(acc, params, max_norm, norm_type)
+
+                clip_grad_norm_.__doc__ = original.__doc__
+                Accelerator.clip_grad_norm_ = clip_grad_norm_  # type: ignore[method-assign]
+            self.callbacks.append(callback)
+
+    def remove(self, callback: GradWatchCallback) -> None:
+        with self._lock:
+            if callback not in self.callbacks:
+                return
+            self.callbacks.remove(callback)
+            if not self.callbacks and self._original is not None:
+                from accelerate import Accelerator
+
+                Accelerator.clip_grad_norm_ = self._original  # type: ignore[method-assign]
+                self._original = None
+
+
+_ROUTE = _AcceleratorRoute()

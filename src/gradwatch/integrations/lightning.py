@@ -5,6 +5,13 @@ and **before** gradient clipping, so the norms are pre-clip and unscaled: the ri
 
 The callback receives the unwrapped ``LightningModule``; under DDP the strategy's wrapper is
 found from it (:func:`gradwatch.model.wrapping_ddp`), so the parallelism reads ``ddp{n}``.
+
+Auditing: when the module logs Lightning's own total gradient norm (the
+``grad_2.0_norm_total`` entry of ``lightning.pytorch.utilities.grad_norm``, the documented way
+to log it from ``on_before_optimizer_step``), the value is handed to
+:meth:`GradWatch.audit_norm` (``source="lightning"``) with the step it was logged for: the
+module's ``log`` is wrapped from ``on_fit_start`` to ``on_fit_end`` to see the value as it is
+logged (no host read; a stale value of an earlier step is never audited).
 """
 
 from __future__ import annotations
@@ -12,10 +19,14 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from gradwatch.config import WatchConfig
 from gradwatch.integrations.common import log_figures
 from gradwatch.watcher import GradWatch
+
+#: The key of the total norm ``lightning.pytorch.utilities.grad_norm(module, 2)`` returns.
+LIGHTNING_TOTAL_NORM = "grad_2.0_norm_total"
 
 
 class GradWatchCallback(pl.Callback):
@@ -28,10 +39,32 @@ class GradWatchCallback(pl.Callback):
     def __init__(self, config: WatchConfig | None = None, **overrides: Any) -> None:
         self.config = config if config is not None else WatchConfig(**overrides)
         self.watch: GradWatch | None = None
+        self._step: int | None = None  # the step collected in the current optimizer step
+        self._wrapped: pl.LightningModule | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.watch is None and self.config.enabled:
             self.watch = GradWatch(pl_module, self.config)
+        if self.watch is not None and self._wrapped is None:
+            self._wrap_log(pl_module)
+
+    def _wrap_log(self, pl_module: pl.LightningModule) -> None:
+        """Audit Lightning's total gradient norm as the module logs it."""
+        original = pl_module.log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            watch, step = self.watch, self._step
+            if (
+                watch is not None
+                and step is not None
+                and name.endswith(LIGHTNING_TOTAL_NORM)
+                and isinstance(value, (torch.Tensor, float, int))
+            ):
+                watch.audit_norm(value, step=step, source="lightning")
+            return original(name, value, *args, **kwargs)
+
+        pl_module.log = log  # type: ignore[method-assign]
+        self._wrapped = pl_module
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -42,8 +75,17 @@ class GradWatchCallback(pl.Callback):
         if previous is not None:
             pl_module.log_dict(log_figures(previous), on_step=True, on_epoch=False)
         self.watch.collect(step=trainer.global_step)
+        self._step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        self._step = None  # a value logged outside the optimizer step is not audited
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._wrapped is not None:
+            self._wrapped.__dict__.pop("log", None)
+            self._wrapped = None
         if self.watch is not None:
             self.watch.close()
             self.watch = None

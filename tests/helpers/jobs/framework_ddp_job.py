@@ -1,8 +1,9 @@
 """torchrun job of tests/distributed/test_integrations.py: a framework trains a 2-rank DDP model
 with the gradwatch callback, and each rank writes what the watcher saw to ``<out>/<rank>.json``.
 
-Usage: ``torchrun --nproc_per_node=2 framework_ddp_job.py {huggingface|lightning} OUT``. The
-callbacks receive the unwrapped module while the framework trains its DDP wrapper.
+Usage: ``torchrun --nproc_per_node=2 framework_ddp_job.py {huggingface|lightning|hf-clip|hf-noclip}
+OUT``. The callbacks receive the unwrapped module while the framework trains its DDP wrapper.
+``hf-clip``/``hf-noclip``: :func:`run_huggingface_clip` (also called in-process, 1 rank).
 """
 
 from __future__ import annotations
@@ -85,6 +86,78 @@ def run_huggingface(out: Path) -> dict[str, Any]:
     return seen
 
 
+def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
+    """Train with the callback and ``max_grad_norm``, recording a float64 reference of every
+    step's pre-clip gradient norm (after backward, DDP's all-reduce included, before the
+    Trainer clips), the Trainer's logged ``grad_norm`` and gradwatch's history; then train the
+    same model without gradwatch. Returns the figures and the largest parameter difference."""
+    import math
+
+    import transformers
+
+    from gradwatch.history import read_history
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    references: list[float] = []
+
+    class Recording(transformers.Trainer):
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = super().training_step(*args, **kwargs)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            squares = (float(x) ** 2 for g in grads for x in g.double().flatten().tolist())
+            references.append(math.sqrt(math.fsum(squares)))
+            return loss
+
+    def train(callbacks: list[Any], tag: str) -> tuple[Any, nn.Module]:
+        torch.manual_seed(0)
+        model = RegressionModel()
+        args = transformers.TrainingArguments(
+            output_dir=str(out / tag),
+            max_steps=3,
+            per_device_train_batch_size=8,
+            logging_steps=1,
+            learning_rate=0.5,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+            max_grad_norm=max_grad_norm,
+        )
+        trainer = Recording(model=model, args=args, train_dataset=Regression(), callbacks=callbacks)
+        trainer.train()
+        return trainer, model
+
+    history = out / f"history-{os.environ.get('RANK', '0')}.jsonl"
+    callback = GradWatchCallback(groups=GROUPS, history_path=str(history))
+    routed: list[bool] = []
+    original_begin = callback.on_train_begin
+
+    def on_train_begin(*args: Any, **kwargs: Any) -> None:
+        original_begin(*args, **kwargs)
+        routed.append(callback.routed)
+
+    callback.on_train_begin = on_train_begin  # type: ignore[method-assign]
+    trainer, watched = train([callback], "watched")
+    refs = list(references)
+    references.clear()
+    _, plain = train([], "plain")
+    logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+    records = read_history(history) if history.exists() else []
+    diff = max(
+        float((a.detach() - b.detach()).abs().max())
+        for a, b in zip(watched.parameters(), plain.parameters(), strict=True)
+    )
+    return {
+        "references": refs,
+        "plain_references": list(references),
+        "logged": {str(k): v for k, v in logged.items()},
+        "history": [[r["step"], r["global_norm"], r.get("clip_coef")] for r in records],
+        "param_diff": diff,
+        "routed": routed[0],
+    }
+
+
 def run_lightning(out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -136,7 +209,12 @@ def run_lightning(out: Path) -> dict[str, Any]:
 def main() -> None:
     framework, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    run = {"huggingface": run_huggingface, "lightning": run_lightning}[framework]
+    run = {
+        "huggingface": run_huggingface,
+        "lightning": run_lightning,
+        "hf-clip": lambda o: run_huggingface_clip(o, 0.5),
+        "hf-noclip": lambda o: run_huggingface_clip(o, 0.0),
+    }[framework]
     seen = run(out)
     Path(out, f"{os.environ['RANK']}.json").write_text(json.dumps(seen))
 

@@ -1,0 +1,277 @@
+"""The norm auditor (gradwatch.audit, GradWatch.audit_norm): verdicts, diagnoses, metrics, bad
+input and the absence of host reads on the training thread."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import pytest
+import torch
+from pydantic import ValidationError
+from test_export import parse
+from torch import nn
+
+from gradwatch import GradWatch, NoOpWatch, WatchConfig
+from gradwatch.audit import MAX_PENDING, NormAuditor, bf16_round, diagnose, parallel_factors
+from gradwatch.testing import OpCounter, count_host_reads
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(__import__("os").environ):
+        if key.startswith("GRADWATCH_"):
+            monkeypatch.delenv(key)
+
+
+def model_with_grads(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    return model
+
+
+def ref_norm(model: nn.Module) -> float:
+    """Independent float64 reference: fsum of exact squares."""
+    squares = (
+        float(x) ** 2 for p in model.parameters() for x in p.grad.double().flatten().tolist()
+    )
+    return math.sqrt(math.fsum(squares))
+
+
+def scrape_until(url: str, name: str, labels: tuple, want: float, timeout: float = 10.0) -> dict:
+    """Scrape until ``name{labels}`` shows ``want`` (relative 1e-6; NaN matches NaN); returns
+    the samples."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            samples = parse(response.read().decode())
+        got = samples.get(name, {}).get(labels)
+        if got is not None and (
+            math.isclose(got, want, rel_tol=1e-6) or (math.isnan(want) and math.isnan(got))
+        ):
+            return samples
+        assert time.monotonic() < deadline, f"{name}{labels} is {got}, expected {want}"
+        time.sleep(0.05)
+
+
+TRAINER = (("source", "trainer"),)
+
+
+# -- pure verdicts and diagnoses ---------------------------------------------------------------
+
+
+def test_parallel_factors_from_descriptions() -> None:
+    assert parallel_factors("single", 1) == {}
+    assert parallel_factors("ddp2", 2) == {"world": 2, "replicas": 2}
+    assert parallel_factors("fsdp2x4", 4) == {"world": 4, "shards": 4}
+    assert parallel_factors("hsdp2x2", 4) == {"world": 4, "replicas": 2, "shards": 2}
+    assert parallel_factors("fsdp2x2+tp2", 4) == {"world": 4, "shards": 2, "tp": 2}
+
+
+@pytest.mark.parametrize(
+    ("ratio", "factors", "expect"),
+    [
+        (1 / math.sqrt(4), {"world": 4, "shards": 4}, "1/sqrt(4)"),
+        (1 / math.sqrt(2), {"world": 4, "replicas": 2, "shards": 2}, "1/sqrt(2)"),
+        (math.sqrt(2), {"world": 4, "shards": 2, "tp": 2}, "sqrt(2) (tp=2)"),
+        (4.0, {"world": 8, "shards": 2, "tp": 4}, "matches 4 (tp=4)"),
+        (2.0, {"world": 2, "replicas": 2}, "reduced twice"),
+        (math.sqrt(2), {"world": 2, "replicas": 2}, "sqrt(2) (2 replicas)"),
+        (4.0, {"world": 4, "replicas": 4}, "reduced twice"),
+        (1.37, {"world": 2, "replicas": 2}, None),
+        (0.5, {}, None),
+    ],
+)
+def test_diagnose_known_failures(ratio: float, factors: dict, expect: str | None) -> None:
+    got = diagnose(ratio, 3.0 * ratio, 3.0, factors, None)
+    if expect is None:
+        assert got is None
+    else:
+        assert got is not None and expect in got, got
+
+
+def test_diagnose_local_norm_and_bf16() -> None:
+    exact, local = 5.0, 3.3  # this rank's shard holds a part of the squares
+    got = diagnose(local / exact, local, exact, {"world": 2, "shards": 2}, local)
+    assert got is not None and "local norm" in got and "1/sqrt(2)" in got
+    exact = 1.2345678
+    rounded = bf16_round(exact)
+    assert rounded != exact and abs(rounded - exact) <= exact * 2**-8
+    got = diagnose(rounded / exact, rounded, exact, {}, None)
+    assert got is not None and "bfloat16" in got
+
+
+def test_auditor_judges_only_known_steps_and_bounds_pending() -> None:
+    auditor = NormAuditor(1e-3, {})
+    auditor.report(1, "trainer", 2.0)
+    auditor.report(2, "trainer", torch.tensor(4.0))
+    assert auditor.judge(1, 2.0005, None)[0].agrees  # 2.5e-4 relative: within 1e-3
+    (v,) = auditor.judge(2, 2.0, None)
+    assert not v.agrees and v.ratio == 2.0 and v.diagnosis is not None  # 2: reduced twice
+    assert auditor.judge() == []
+    for step in range(MAX_PENDING + 10):
+        auditor.report(1000 + step, "trainer", 1.0)
+    assert len(auditor._pending) == MAX_PENDING  # the oldest were dropped
+
+
+@pytest.mark.parametrize(
+    ("reported", "exact", "agrees"),
+    [(math.nan, 1.0, False), (math.inf, 1.0, False), (math.nan, math.nan, True), (0.0, 0.0, True)],
+)
+def test_auditor_nonfinite_and_zero(reported: float, exact: float, agrees: bool) -> None:
+    auditor = NormAuditor(1e-3, {})
+    auditor.report(0, "trainer", reported)
+    (v,) = auditor.judge(0, exact, None)
+    assert v.agrees is agrees and math.isnan(v.ratio)
+
+
+# -- GradWatch.audit_norm ------------------------------------------------------------------------
+
+
+def test_negative_tolerance_rejected_at_construction() -> None:
+    with pytest.raises(ValidationError, match="audit_tolerance"):
+        WatchConfig(audit_tolerance=-1e-3)
+    with pytest.raises(ValidationError, match="audit_tolerance"):
+        WatchConfig(audit_tolerance=math.nan)
+    assert WatchConfig().audit_tolerance == 1e-3
+
+
+def test_audit_of_a_correct_clip_agrees_and_exports_ratio_one() -> None:
+    model = model_with_grads()
+    ref = ref_norm(model)
+    with GradWatch(model, WatchConfig(port=0)) as watch:
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # torch's own, float32
+        watch.collect(0)
+        watch.audit_norm(total, step=0)
+        assert watch.flush()
+        samples = scrape_until(watch.metrics_url, "gradwatch_reported_norm_ratio", TRAINER, 1.0)
+    ratio = samples["gradwatch_reported_norm_ratio"][TRAINER]
+    assert abs(ratio - float(total) / ref) <= 1e-6
+    assert samples["gradwatch_norm_audit_disagreements_total"][TRAINER] == 0.0
+
+
+def test_audit_counts_a_double_reduction_and_logs_the_diagnosis_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = model_with_grads()
+    ref = ref_norm(model)
+    with (
+        caplog.at_level(logging.WARNING, logger="gradwatch"),
+        GradWatch(model, WatchConfig(port=0)) as watch,
+    ):
+        for step in range(3):
+            watch.collect(step)
+            watch.audit_norm(2.0 * ref, step=step, source="my_clip")  # a float
+        assert watch.flush()
+        labels = (("source", "my_clip"),)
+        samples = scrape_until(watch.metrics_url, "gradwatch_norm_audit_disagreements_total",
+                               labels, 3.0)  # fmt: skip
+        assert samples["gradwatch_reported_norm_ratio"][labels] == pytest.approx(2.0, rel=1e-6)
+    logs = [r.getMessage() for r in caplog.records if "my_clip" in r.getMessage()]
+    assert len(logs) == 1 and "reduced twice" in logs[0], logs
+
+
+def test_audit_nonfinite_and_unreadable_values_count_and_never_raise(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = model_with_grads()
+    with (
+        caplog.at_level(logging.WARNING, logger="gradwatch"),
+        GradWatch(model, WatchConfig(port=0)) as watch,
+    ):
+        watch.collect(0)
+        watch.audit_norm(math.nan, step=0)
+        watch.audit_norm(torch.tensor(math.inf), step=0)
+        # A tensor on another device: held, never read on the training thread (a meta tensor
+        # cannot be read at all: counted as an unreadable report).
+        watch.audit_norm(torch.empty((), device="meta"), step=0, source="meta")
+        watch.audit_norm(torch.ones(3), step=0, source="vector")
+        assert watch.flush()
+        scrape_until(watch.metrics_url, "gradwatch_norm_audit_disagreements_total", TRAINER, 2.0)
+        samples = scrape_until(watch.metrics_url, "gradwatch_norm_audit_disagreements_total",
+                               (("source", "vector"),), 1.0)  # fmt: skip
+        assert math.isnan(samples["gradwatch_reported_norm_ratio"][TRAINER])
+        assert samples["gradwatch_norm_audit_disagreements_total"][(("source", "meta"),)] == 1.0
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "reported nan" in text and "could not be read" in text and "3 elements" in text
+
+
+def test_audit_norm_reads_nothing_on_the_training_thread() -> None:
+    """audit_norm queues the value: no dispatched op, no host read, no collective."""
+    model = model_with_grads()
+    with GradWatch(model, WatchConfig()) as watch:
+        pending = watch.collect(0)
+        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        elsewhere = torch.empty((), device="meta")  # stands for a tensor on another device
+        with OpCounter() as counter, count_host_reads() as reads:
+            watch.audit_norm(total, step=0)
+            watch.audit_norm(elsewhere, step=0, source="meta")
+            watch.audit_norm(1.0, source="default_step")
+        assert counter.total == 0 and counter.collectives == 0 and sum(reads.values()) == 0
+        pending.result()  # judged here, where the step materializes
+
+
+def test_audit_reported_after_the_step_was_built_is_judged_at_flush() -> None:
+    model = model_with_grads()
+    ref = ref_norm(model)
+    with GradWatch(model, WatchConfig(port=0)) as watch:
+        watch.collect(5).result()
+        watch.audit_norm(ref * (1 + 1e-2), step=5)  # beyond the 1e-3 tolerance
+        assert watch.flush()
+        samples = scrape_until(watch.metrics_url, "gradwatch_norm_audit_disagreements_total",
+                               TRAINER, 1.0)  # fmt: skip
+        assert samples["gradwatch_reported_norm_ratio"][TRAINER] == pytest.approx(1.01, rel=1e-6)
+
+
+def test_audit_tolerance_is_configurable() -> None:
+    model = model_with_grads()
+    ref = ref_norm(model)
+    with GradWatch(model, WatchConfig(port=0, audit_tolerance=0.05)) as watch:
+        watch.collect(0)
+        watch.audit_norm(ref * 1.01, step=0)
+        assert watch.flush()
+        samples = scrape_until(watch.metrics_url, "gradwatch_reported_norm_ratio", TRAINER,
+                               float(ref * 1.01 / watch.last.global_norm))  # fmt: skip
+        assert samples["gradwatch_norm_audit_disagreements_total"][TRAINER] == 0.0
+
+
+def test_noop_and_disabled_watchers_accept_audit_norm() -> None:
+    model = model_with_grads()
+    NoOpWatch(model).audit_norm(1.0, step=0, source="trainer")
+    watch = GradWatch(model, WatchConfig(enabled=False))
+    watch.audit_norm(torch.tensor(1.0), step=0)
+    watch.close()
+
+
+def test_audit_sources_are_bounded() -> None:
+    """User-given source labels cannot grow the series without bound."""
+    from gradwatch.export.state import MAX_AUDIT_SOURCES, SelfStats
+
+    stats = SelfStats()
+    for i in range(MAX_AUDIT_SOURCES + 5):
+        stats.add_audit(f"s{i}", 1.0, i % 2 == 0)
+    samples = stats.view().samples()
+    assert len(samples["gradwatch_reported_norm_ratio"]) == MAX_AUDIT_SOURCES
+    counts = dict(samples["gradwatch_norm_audit_disagreements_total"])
+    assert counts[("s1",)] == 1.0 and counts[("s0",)] == 0.0
+
+
+def test_collect_costs_the_same_with_auditing() -> None:
+    """Auditing adds no op, host read or collective to collect(): the same dispatched ops
+    before and after the first audit_norm."""
+    model = model_with_grads()
+    with GradWatch(model, WatchConfig()) as watch:
+        watch.collect(0).result()  # warm-up: the norm plan is built once
+        counts = []
+        for step in (1, 2):
+            with OpCounter() as counter, count_host_reads() as reads:
+                watch.collect(step)
+                if step == 1:
+                    watch.audit_norm(1.0, step=step)
+            counts.append((dict(counter.ops), counter.scalar_reads, sum(reads.values())))
+        # (collect's own host reads are its CPU repair check, the same with or without audits)
+        assert counts[0] == counts[1] and counts[0][1] == 0
