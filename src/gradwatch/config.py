@@ -113,6 +113,12 @@ class WatchConfig(BaseSettings):
         history_max_bytes: the history file is rotated (one ``.1`` backup) past this size.
         enabled: ``False`` makes :func:`gradwatch.watch` return a no-op watcher and a
             directly constructed :class:`~gradwatch.GradWatch` inert.
+        rank_view: under DDP, measure each rank's gradients before the all-reduce (a comm
+            hook): non-finite origin ranks, replica spread, gradient noise scale. On by
+            default; a no-op without DDP. Ranks must agree (checked by the handshake).
+        batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
+            scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
+            in per-replica batches.
     """
 
     model_config = SettingsConfigDict(
@@ -150,6 +156,10 @@ class WatchConfig(BaseSettings):
     history_max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096, le=MAX_INT)
 
     enabled: bool = True
+
+    # -- the per-rank view (DDP comm hook; docs/distributed.md) --------------------------------
+    rank_view: bool = True
+    batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
 
     @classmethod
     def settings_customise_sources(
@@ -261,6 +271,7 @@ class WatchConfig(BaseSettings):
             "isolation_threshold",
             "every_n_steps",
             "divergence_every",
+            "rank_view",  # the packed vector's rank-view section
         )
         payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

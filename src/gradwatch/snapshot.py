@@ -76,6 +76,24 @@ class Snapshot:
             step was not clipped through gradwatch).
         amp_skipped: the AMP GradScaler found Inf/NaN and skips this optimizer step.
         timestamp: wall-clock time (seconds since the epoch) of the ``collect`` call.
+
+    The per-rank view (DDP, docs/distributed.md; absent/None/empty when not available):
+
+    Attributes:
+        rank_view: the per-rank (pre-reduction) figures below were measured on this step.
+        nonfinite_origin_ranks: ranks whose local gradients were already NaN/Inf before the
+            reduction (at most one above the slot world size, see docs/distributed.md).
+        nonfinite_origin_count: how many ranks that was (None without the view).
+        nonfinite_origin_hosts: the host of each of those ranks (same order);
+            nonfinite_origin_groups: the groups whose local gradients were non-finite there.
+        replica_grad_norm_min, replica_grad_norm_median, replica_grad_norm_max: spread of the
+            data-parallel replicas' local gradient norms (a replica's pipeline stages summed).
+        replica_grad_norm_max_rank: lowest rank of the replica holding the max.
+        replica_outlier_score: ``max |x_r - median| / median`` over the replica norms;
+            replica_outlier_rank: lowest rank of that replica.
+        gradient_noise_scale: B_simple of the whole model (EMA-smoothed; unit: that of
+            ``batch_size``, per-replica batches without it); NaN while undefined.
+        group_noise_scale: group -> B_simple.
     """
 
     step: int
@@ -93,11 +111,28 @@ class Snapshot:
     clip_coef: float | None = None
     amp_skipped: bool = False
     timestamp: float = 0.0
+    # -- the per-rank view (DDP comm hook; see docs/distributed.md)
+    rank_view: bool = False
+    nonfinite_origin_ranks: tuple[int, ...] = ()
+    nonfinite_origin_count: int | None = None
+    nonfinite_origin_hosts: tuple[str, ...] = ()
+    nonfinite_origin_groups: tuple[str, ...] = ()
+    replica_grad_norm_min: float | None = None
+    replica_grad_norm_median: float | None = None
+    replica_grad_norm_max: float | None = None
+    replica_grad_norm_max_rank: int | None = None
+    replica_outlier_score: float | None = None
+    replica_outlier_rank: int | None = None
+    gradient_noise_scale: float | None = None
+    group_noise_scale: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("groups", "param_norms", "ratios", "raw_ratios", "isolation_violated"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "nonfinite_params", tuple(self.nonfinite_params))
+        object.__setattr__(self, "group_noise_scale", _frozen(self.group_noise_scale))
+        for name in _TUPLES:
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def is_finite(self) -> bool:
@@ -151,6 +186,9 @@ class Snapshot:
                 for k, v in value.items()
             }
         out["nonfinite_params"] = list(self.nonfinite_params)
+        out["group_noise_scale"] = dict(self.group_noise_scale)
+        for name in _TUPLES:
+            out[name] = list(getattr(self, name))
         return out
 
     @classmethod
@@ -160,6 +198,10 @@ class Snapshot:
         kwargs["groups"] = {k: GroupStats(**v) for k, v in data.get("groups", {}).items()}
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in kwargs.items() if k in known})
+
+
+#: The rank view's tuple fields (JSON lists in a history record).
+_TUPLES = ("nonfinite_origin_ranks", "nonfinite_origin_hosts", "nonfinite_origin_groups")
 
 
 def _rebuild_snapshot(fields: dict[str, Any]) -> Snapshot:
