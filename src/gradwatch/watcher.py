@@ -326,8 +326,16 @@ class GradWatch:
         only a failed or timed-out gradwatch collective stops collection for the rest of the run.
         The returned result of a step not measured raises ``GradWatchError`` (never a made-up
         snapshot); the exporter shows ``gradwatch_collecting 0`` and no per-step gauge.
+        ``batch_size``: samples (or tokens) per replica of this step, for the gradient noise
+        scale (default ``WatchConfig.batch_size``); must be >= 1.
         """
-        return self._guarded(step, scaler, optimizer, None)[0]
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise ValueError(
+                f"gradwatch: collect(batch_size=...) must be a positive int, got {batch_size!r}"
+            )
+        return self._guarded(step, scaler, optimizer, None, batch_size)[0]
 
     def clip_grad_norm_(
         self,
