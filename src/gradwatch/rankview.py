@@ -115,9 +115,10 @@ def rank_view_fields(
                 view.finite_sums[k] / n if view.nonfinite_ranks[k] == 0 else math.nan
                 for k in range(g)
             ]
-        big_g = [snap.groups[name].norm ** 2 if name in snap.groups else 0.0 for name in groups]
-        out["group_noise_scale"] = {
-            name: noise.update(name, small_g[k], big_g[k], b, n) for k, name in enumerate(groups)
+        out["group_noise_scale"] = {  # the snapshot's groups only ("other" when it exists)
+            name: noise.update(name, small_g[k], snap.groups[name].norm ** 2, b, n)
+            for k, name in enumerate(groups)
+            if name in snap.groups
         }
         out["gradient_noise_scale"] = noise.update(
             WHOLE, math.fsum(small_g), snap.global_norm**2, b, n

@@ -76,6 +76,7 @@ PUBLISH_ERRORS = _name("gradwatch_publish_errors_total")
 DROPPED = _name("gradwatch_dropped_snapshots_total")
 BUILD_INFO = _name("gradwatch_build_info")
 RUN_INFO = _name("gradwatch_run_info")
+LAST_ORIGIN = _name("gradwatch_last_nonfinite_origin")
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ class EndpointView:
     version: str | None = None
     world_size: str | None = None
     parallelism: str | None = None
+    # the per-rank view: ranks (and hosts) where the last non-finite step started, its step
+    nonfinite_origin: tuple[tuple[str, str], ...] = ()
+    nonfinite_origin_step: int | None = None
 
     def staleness(self, now: float | None = None) -> float | None:
         """Seconds since the job collected the published step (None before the first one)."""
@@ -177,10 +181,15 @@ def parse_exposition(text: str) -> EndpointView:
     violated: dict[str, bool] = {}
     build: dict[str, str] = {}
     run: dict[str, str] = {}
+    origin: list[tuple[str, str]] = []
+    origin_step: int | None = None
     for s in samples:
         if not s.name.startswith("gradwatch_"):
             continue
-        if s.name == RATIO:
+        if s.name == LAST_ORIGIN:
+            origin.append((s.labels.get("rank", ""), s.labels.get("host", "")))
+            origin_step = int(s.value) if math.isfinite(s.value) else None
+        elif s.name == RATIO:
             ratios[f"{s.labels.get('numerator')}/{s.labels.get('denominator')}"] = s.value
         elif s.name == ISOLATION:
             violated[s.labels.get("group", "")] = s.value >= 0.5
@@ -231,6 +240,8 @@ def parse_exposition(text: str) -> EndpointView:
         version=build.get("version"),
         world_size=run.get("world_size"),
         parallelism=run.get("parallelism"),
+        nonfinite_origin=tuple(sorted(origin, key=lambda o: (len(o[0]), o[0]))),
+        nonfinite_origin_step=origin_step,
     )
 
 
