@@ -7,15 +7,18 @@ module measures the rank's own (accumulated, with ``no_sync()``) gradient, then 
 reduction DDP would have done (``allreduce_hook``: divide by the group size, all-reduce, SUM)
 or the user's own hook (:func:`ddp_comm_hook` with ``inner=``).
 
-**The math, per bucket.** ``n_g = torch._foreach_norm(bucket.gradients(), 2,
-dtype=torch.float64)`` (float64 accumulation, as the core engine's accelerator path,
-:mod:`gradwatch.stats`; no gradient-sized temporary), stacked, squared in float64 and added
-per group into one persistent ``G``-vector by ``index_add_`` with a per-bucket index built once
-(the bucket's parameters -> group). Four dispatched ops per bucket whatever the number of its
-parameters, no host read. A NaN/Inf gradient makes its group's square NaN/Inf: the non-finite
-flags are the squares themselves. Limit: the squares are plain float64, so a float64 gradient
-whose norm lies outside about ``[1e-154, 1e154]`` reads 0 or Inf here (float32/bf16/fp16
-gradients cannot reach that range).
+**The math, per bucket** (:class:`_BucketPlan`, built once per bucket layout): on CPU, a
+float32 bucket's flat buffer is read in place as rows of 512 elements normed in float32 (as the
+core engine's row path, :mod:`gradwatch.stats`: relative error below 5e-7), squared in float64
+and added per group by ``index_add_``; the few rows straddling two groups and the partial last
+row are read element by element. Elsewhere ``torch._foreach_norm(bucket.gradients(), 2,
+dtype=torch.float64)`` (float64 accumulation, as the core engine's accelerator path), squared
+and added per group. A constant number of dispatched ops per bucket whatever the number of its
+parameters, no gradient-sized temporary, no host read. A NaN/Inf gradient makes its group's
+square NaN/Inf: the non-finite flags are the squares themselves. Limits (no repair pass, unlike
+the core engine): float32 elements above about 1e19 make a row norm overflow (Inf) and below
+about 1e-19 underflow; float64 gradients whose norm lies outside about ``[1e-154, 1e154]`` read
+0 or Inf.
 
 **Per backward.** Bucket 0 comes first in every backward (DDP launches buckets in index
 order), so it resets the vector; the last bucket marks it complete. :meth:`LocalView.take`
@@ -63,8 +66,8 @@ class LocalView:
     def __init__(self, params: Sequence[Tensor], group_of: Sequence[int], groups: int) -> None:
         self.groups = groups
         self._group_of = {id(p): g for p, g in zip(params, group_of, strict=True)}
-        self._index: dict[tuple[int, ...], Tensor] = {}
-        self._acc: Tensor | None = None
+        self._plans: dict[tuple[int, ...], _BucketPlan] = {}
+        self._acc: Tensor | None = None  # G group squares and one discard slot
         self._complete = False
         self._ok = True
         self._logged = False
@@ -81,18 +84,18 @@ class LocalView:
             acc = self._acc
             if acc is None or acc.device != grads[0].device:
                 acc = self._acc = torch.zeros(
-                    self.groups, dtype=torch.float64, device=grads[0].device
+                    self.groups + 1, dtype=torch.float64, device=grads[0].device
                 )
             if bucket.index() == 0:
                 acc.zero_()
             key = tuple(map(id, bucket.parameters()))
-            index = self._index.get(key)
-            if index is None:
-                index = self._index[key] = torch.tensor(
-                    [self._group_of[k] for k in key], dtype=torch.long, device=acc.device
+            plan = self._plans.get(key)
+            if plan is None:
+                groups = [self._group_of[k] for k in key]
+                plan = self._plans[key] = _BucketPlan.build(
+                    bucket.buffer(), grads, groups, self.groups
                 )
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
-            acc.index_add_(0, index, torch.stack(norms).square_())
+            plan.add_squares(acc, bucket.buffer(), grads)
         except Exception as exc:  # never let monitoring break the job's reduction
             self._ok = False
             if not self._logged:
@@ -112,7 +115,100 @@ class LocalView:
         if not (self._complete and self._ok):
             return None
         self._complete = False
-        return self._acc
+        assert self._acc is not None
+        return self._acc[: self.groups]
+
+
+#: Rows of the CPU float32 path (as the core engine's row path, :data:`gradwatch.stats.ROW_NUMEL`).
+ROW = 512
+
+
+class _BucketPlan:
+    """How one bucket's gradients are summed per group, built once per bucket layout.
+
+    * **CPU float32 buckets whose gradients are views of the bucket's flat buffer** (DDP's
+      layout): the buffer is read in place as rows of :data:`ROW` elements, normed in float32
+      by one ``vector_norm(rows, dim=1)`` (relative error below 5e-7, as the core engine's row
+      path), squared in float64 and added to the group of the row by one ``index_add_``. Rows
+      that straddle two groups, and the partial last row, are read element by element instead
+      (one ``index_select`` of those few elements, squared in float64, one ``index_add_``);
+      their rows go to a discard slot. Seven ops per bucket.
+    * **Otherwise** (accelerators, float64, bf16/fp16, gradients that are no buffer views, or
+      more than a quarter of the buffer in straddling rows): ``torch._foreach_norm(grads, 2,
+      dtype=torch.float64)`` stacked, squared, added per parameter's group. Four ops.
+    """
+
+    def __init__(
+        self,
+        *,
+        per_param: Tensor,
+        rows: int = 0,
+        row_group: Tensor | None = None,
+        loose: Tensor | None = None,
+        loose_group: Tensor | None = None,
+    ) -> None:
+        self.per_param = per_param
+        self.rows = rows
+        self.row_group = row_group
+        self.loose = loose
+        self.loose_group = loose_group
+
+    @classmethod
+    def build(
+        cls, buffer: Tensor, grads: Sequence[Tensor], groups: list[int], discard: int
+    ) -> _BucketPlan:
+        device = buffer.device
+        per_param = torch.tensor(groups, dtype=torch.long, device=device)
+        if (
+            device.type != "cpu"
+            or buffer.dtype != torch.float32
+            or not buffer.is_contiguous()
+            or any(
+                g.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+                or not g.is_contiguous()
+                for g in grads
+            )
+        ):
+            return cls(per_param=per_param)
+        n = buffer.numel()
+        owner = torch.full((n,), discard, dtype=torch.long)
+        base = buffer.storage_offset()
+        for g, group in zip(grads, groups, strict=True):
+            start = g.storage_offset() - base
+            owner[start : start + g.numel()] = group
+        rows = n // ROW
+        by_row = owner[: rows * ROW].view(rows, ROW)
+        pure = (by_row == by_row[:, :1]).all(dim=1)
+        row_group = torch.where(pure, by_row[:, 0], discard)
+        loose = torch.cat(
+            [
+                (torch.nonzero(~pure).flatten()[:, None] * ROW + torch.arange(ROW)).flatten(),
+                torch.arange(rows * ROW, n),
+            ]
+        )
+        if loose.numel() > n // 4:
+            return cls(per_param=per_param)
+        return cls(
+            per_param=per_param,
+            rows=rows,
+            row_group=row_group,
+            loose=loose,
+            loose_group=owner[loose],
+        )
+
+    def add_squares(self, acc: Tensor, buffer: Tensor, grads: Sequence[Tensor]) -> None:
+        if self.row_group is None:
+            norms = torch._foreach_norm(list(grads), 2, dtype=torch.float64)
+            acc.index_add_(0, self.per_param, torch.stack(norms).square_())
+            return
+        assert self.loose is not None and self.loose_group is not None
+        if self.rows:
+            rows = buffer[: self.rows * ROW].view(self.rows, ROW)
+            norms = torch.linalg.vector_norm(rows, dim=1)
+            acc.index_add_(0, self.row_group, norms.to(torch.float64).square_())
+        if self.loose.numel():
+            values = buffer.index_select(0, self.loose).to(torch.float64)
+            acc.index_add_(0, self.loose_group, values.square_())
 
 
 class GradWatchCommHook:

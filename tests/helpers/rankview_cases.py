@@ -62,10 +62,13 @@ def capture_reduced(watch: Any) -> list[Any]:
 
 
 class Net(nn.Module):
+    """Wide enough (20K elements) that a float32 bucket takes the hook's row path; groups
+    alternate (weights, biases, other), so rows straddle groups too."""
+
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.a = nn.Linear(6, 8, dtype=dtype)
-        self.b = nn.Linear(8, 3, dtype=dtype)
+        self.a = nn.Linear(6, 2000, dtype=dtype)
+        self.b = nn.Linear(2000, 3, dtype=dtype)
         self.scale = nn.Parameter(torch.ones(3, dtype=dtype))  # group "other"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +157,7 @@ def case_exact(dtype: torch.dtype, **ddp_kwargs: Any) -> Callable[[int, int], di
                 with ddp.no_sync():
                     ddp(micro[0]).pow(2).sum().backward()
             ddp(micro[-1]).pow(2).sum().backward()
+            plans = watch._local_view._plans.values()
             with CollectiveSpy() as spy:
                 pending = watch.collect(step)
             snap = pending.result()
@@ -166,7 +170,8 @@ def case_exact(dtype: torch.dtype, **ddp_kwargs: Any) -> Callable[[int, int], di
             ]
             results.append({"max_rel_err": max(errs), "collectives": spy.collectives,
                             "ops": sorted(k for k in spy.ops if k.startswith("c10d")),
-                            "rank_view": snap.rank_view})  # fmt: skip
+                            "rank_view": snap.rank_view,
+                            "row_path": [p.row_group is not None for p in plans]})  # fmt: skip
         watch.close()
         return {"steps": results}
 

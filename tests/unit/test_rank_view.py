@@ -40,16 +40,22 @@ class FakeBucket:
     def gradients(self) -> list[torch.Tensor]:
         return self._grads
 
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
     def parameters(self) -> list[torch.Tensor]:
         return self._params
 
 
-def _params(n: int, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
+def _params(n: int, dtype: torch.dtype = torch.float32, big: int = 0) -> list[nn.Parameter]:
+    """``n`` parameters of 3 + i elements (``big``: every other one ``big`` + i elements, so
+    rows of the float32 path straddle parameters and groups), magnitudes 1e-2..1e2."""
     g = torch.Generator().manual_seed(n)
     out = []
     for i in range(n):
-        p = nn.Parameter(torch.zeros(3 + i, dtype=dtype))
-        p.grad = torch.randn(3 + i, generator=g, dtype=dtype) * 10.0 ** (i % 5 - 2)
+        size = big + i if big and i % 2 else 3 + i
+        p = nn.Parameter(torch.zeros(size, dtype=dtype))
+        p.grad = torch.randn(size, generator=g, dtype=dtype) * 10.0 ** (i % 5 - 2)
         out.append(p)
     return out
 
@@ -58,9 +64,14 @@ def _fsum(ts: list[torch.Tensor]) -> float:
     return math.fsum(x * x for t in ts for x in t.double().flatten().tolist())
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.float64, 1e-12)])
-def test_local_view_is_exact_per_group(dtype: torch.dtype, tol: float) -> None:
-    params = _params(7, dtype)
+@pytest.mark.parametrize(
+    ("dtype", "tol", "big"),
+    [(torch.float32, 1e-6, 0), (torch.float32, 1e-6, 6000), (torch.float64, 1e-12, 6000)],
+)
+def test_local_view_is_exact_per_group(dtype: torch.dtype, tol: float, big: int) -> None:
+    """Both paths: float64 foreach norms, and the CPU float32 rows over the bucket's buffer
+    (rows straddling groups and the partial last row read element by element)."""
+    params = _params(7, dtype, big)
     groups = [i % 3 for i in range(7)]
     view = LocalView(params, groups, 3)
     view.observe(FakeBucket(params[:4], 0, False))
@@ -68,15 +79,18 @@ def test_local_view_is_exact_per_group(dtype: torch.dtype, tol: float) -> None:
     view.observe(FakeBucket(params[4:], 1, True))
     got = view.take()
     assert got is not None and got.dtype == torch.float64
+    rows_path = [p.row_group is not None for p in view._plans.values()]
+    assert all(rows_path) == (dtype == torch.float32 and big > 0), rows_path
     for k in range(3):
         want = _fsum([p.grad for p, g in zip(params, groups, strict=True) if g == k])
         assert abs(got[k].item() - want) <= tol * want
     assert view.take() is None  # handed out once: a later collect without a backward gets None
 
 
-def test_local_view_flags_nonfinite_in_its_group_only() -> None:
-    params = _params(4)
-    params[2].grad[0] = math.inf  # type: ignore[index]
+@pytest.mark.parametrize("big", [0, 6000])
+def test_local_view_flags_nonfinite_in_its_group_only(big: int) -> None:
+    params = _params(4, big=big)
+    params[2].grad[-1] = math.inf  # type: ignore[index]
     view = LocalView(params, [0, 0, 1, 2], 3)
     view.observe(FakeBucket(params, 0, True))
     got = view.take()
@@ -98,7 +112,7 @@ def test_local_view_restarts_at_bucket_zero() -> None:
 def test_hook_ops_per_bucket_do_not_grow_with_parameters_and_never_read_the_host() -> None:
     totals = []
     for n in (3, 60):
-        params = _params(n)
+        params = _params(n, big=7000)
         view = LocalView(params, [i % 2 for i in range(n)], 2)
         bucket = FakeBucket(params, 0, True)
         view.observe(bucket)  # builds the bucket's group index once
