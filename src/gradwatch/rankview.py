@@ -1,8 +1,9 @@
 """Host-side formulas of the per-rank view: from a :class:`~gradwatch.reduce.RankView` and the
 step's (post-reduction) :class:`~gradwatch.snapshot.Snapshot` to the snapshot's rank-view fields.
 
-* **Non-finite origin**: the ranks whose local (pre-reduction) squared norm of some group was
-  NaN/Inf, their hosts (from the layout handshake) and those groups.
+* **Non-finite origin** (on a non-finite step only): the ranks whose local (pre-reduction)
+  squared norm of some group was NaN/Inf, their hosts (from the layout handshake) and those
+  groups.
 * **Replica spread**: a data-parallel replica's local squared norm is the sum over its ranks
   (pipeline stages of one replica add up) and groups; its norm is the square root. Reported:
   min, median, max of the replica norms, the lowest rank of the replica holding the max, and
@@ -78,20 +79,25 @@ def rank_view_fields(
     """The rank-view fields of ``snap`` (keyword arguments of :meth:`Snapshot.replace`)."""
     g = len(groups)
     out: dict[str, Any] = {"rank_view": True}
-    # -- non-finite origin
-    if view.per_rank is not None:
+    # -- non-finite origin: only on a step the exact reduced figures call non-finite (a local
+    # square can overflow to Inf where the exact engine does not, see gradwatch.ddp_hook)
+    if snap.is_finite:
+        out["nonfinite_origin_ranks"] = ()
+        out["nonfinite_origin_count"] = 0
+    elif view.per_rank is not None:
         origin = [r for r, row in enumerate(view.per_rank) if not all(map(math.isfinite, row))]
         out["nonfinite_origin_ranks"] = tuple(origin)
     else:
         out["nonfinite_origin_ranks"] = (
             (view.nonfinite_rank,) if view.nonfinite_rank is not None else ()
         )
-    out["nonfinite_origin_count"] = view.nonfinite_count
+    if not snap.is_finite:
+        out["nonfinite_origin_count"] = view.nonfinite_count
     out["nonfinite_origin_hosts"] = tuple(
         view.hosts[r] if r < len(view.hosts) else "" for r in out["nonfinite_origin_ranks"]
     )
     out["nonfinite_origin_groups"] = tuple(
-        groups[k] for k in range(g) if view.nonfinite_ranks[k] > 0
+        groups[k] for k in range(g) if view.nonfinite_ranks[k] > 0 and not snap.is_finite
     )
     # -- replica spread
     n = len(view.replica_groups)

@@ -214,3 +214,43 @@ def test_batch_size_must_be_positive(bad: int) -> None:
 def test_rank_view_is_in_the_handshake_hash() -> None:
     assert WatchConfig(rank_view=True).layout_hash() != WatchConfig(rank_view=False).layout_hash()
     assert WatchConfig(batch_size=8).layout_hash() == WatchConfig().layout_hash()  # rank 0's
+
+
+def test_rank_view_fields_survive_json_and_pickle() -> None:
+    import json
+    import pickle
+
+    from gradwatch import Snapshot
+
+    snap = Snapshot(
+        step=3, rank_view=True, nonfinite_origin_ranks=(2,), nonfinite_origin_count=1,
+        nonfinite_origin_hosts=("node-c",), nonfinite_origin_groups=("head",),
+        replica_grad_norm_min=1.0, replica_grad_norm_median=2.0, replica_grad_norm_max=math.inf,
+        replica_grad_norm_max_rank=2, replica_outlier_score=math.inf, replica_outlier_rank=2,
+        gradient_noise_scale=12.5, group_noise_scale={"head": math.nan},
+    )  # fmt: skip
+    back = Snapshot.from_dict(json.loads(json.dumps(snap.to_dict())))
+    assert back.nonfinite_origin_ranks == (2,) and back.nonfinite_origin_hosts == ("node-c",)
+    assert back.replica_grad_norm_max == math.inf and math.isnan(back.group_noise_scale["head"])
+    assert pickle.loads(pickle.dumps(snap)).gradient_noise_scale == 12.5
+    # An old history record (no rank-view keys) reads as "no view".
+    old = Snapshot.from_dict({"step": 1, "global_norm": 1.0})
+    assert old.rank_view is False and old.gradient_noise_scale is None
+
+
+def test_origin_is_reported_on_non_finite_steps_only() -> None:
+    """A local square can overflow where the exact reduced figures do not: no origin is named
+    on a step the reduced figures call finite."""
+    from gradwatch import Snapshot
+    from gradwatch.rankview import rank_view_fields
+
+    view = RankView(
+        per_rank=((1.0, math.inf), (1.0, 2.0)), finite_sums=(2.0, 2.0), nonfinite_ranks=(0, 1),
+        nonfinite_count=1, nonfinite_rank=None, replica_groups=((0,), (1,)), hosts=("a", "b"),
+    )  # fmt: skip
+    groups = ["w", "b"]
+    finite = rank_view_fields(view, Snapshot(step=0, global_norm=2.0), groups, NoiseScale(), 1)
+    assert finite["nonfinite_origin_ranks"] == () and finite["nonfinite_origin_count"] == 0
+    bad = rank_view_fields(view, Snapshot(step=0, global_norm=math.inf), groups, NoiseScale(), 1)
+    assert bad["nonfinite_origin_ranks"] == (0,) and bad["nonfinite_origin_hosts"] == ("a",)
+    assert bad["nonfinite_origin_groups"] == ("b",) and bad["nonfinite_origin_count"] == 1
