@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Snapshot": "gradwatch.snapshot",
     "Sink": "gradwatch.export",
     "total_norm": "gradwatch.stats",
+    "ddp_comm_hook": "gradwatch.ddp_hook",
 }
 
 __all__ = [
@@ -49,12 +50,14 @@ __all__ = [
     "UnsupportedParallelismError",
     "WatchConfig",
     "__version__",
+    "ddp_comm_hook",
     "total_norm",
     "watch",
 ]
 
 if TYPE_CHECKING:
     from gradwatch.config import WatchConfig
+    from gradwatch.ddp_hook import ddp_comm_hook
     from gradwatch.enable import NoOpWatch, watch
     from gradwatch.errors import (
         GradWatchError,

@@ -64,6 +64,19 @@ class AnomalyLog:
                 snap.world_size,
                 shown,
             )
+        if snap.nonfinite_origin_ranks and not snap.amp_skipped:
+            ranks = list(snap.nonfinite_origin_ranks)
+            self._log.warning(
+                "nonfinite-origin",
+                "gradwatch: step %d: non-finite gradients started before the reduction on "
+                "%d rank(s): rank(s) %s%s (host(s) %s), group(s) %s",
+                snap.step,
+                snap.nonfinite_origin_count or len(ranks),
+                ", ".join(map(str, ranks[:MAX_NAMES])),
+                f" (+{len(ranks) - MAX_NAMES} more)" if len(ranks) > MAX_NAMES else "",
+                ", ".join(dict.fromkeys(snap.nonfinite_origin_hosts)) or "unknown",
+                ", ".join(snap.nonfinite_origin_groups),
+            )
         for group, violated in snap.isolation_violated.items():
             if violated:
                 self._log.warning(

@@ -217,6 +217,12 @@ class WatchConfig(BaseSettings):
             (the default) generates one when the endpoint starts (:func:`new_run_id`).
         audit_tolerance: :meth:`~gradwatch.GradWatch.audit_norm` counts a reported norm as a
             disagreement when it differs from the exact one by more than this, relative.
+        rank_view: under DDP, measure each rank's gradients before the all-reduce (a comm
+            hook): non-finite origin ranks, replica spread, gradient noise scale. On by
+            default; a no-op without DDP. Ranks must agree (checked by the handshake).
+        batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
+            scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
+            in per-replica batches.
     """
 
     model_config = SettingsConfigDict(
@@ -290,6 +296,10 @@ class WatchConfig(BaseSettings):
         return value
     # -- norm auditing (GradWatch.audit_norm, gradwatch.audit) --
     audit_tolerance: Threshold = 1e-3
+
+    # -- the per-rank view (DDP comm hook; docs/distributed.md) --------------------------------
+    rank_view: bool = True
+    batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
 
     @classmethod
     def settings_customise_sources(
@@ -401,6 +411,7 @@ class WatchConfig(BaseSettings):
             "isolation_threshold",
             "every_n_steps",
             "divergence_every",
+            "rank_view",  # the packed vector's rank-view section
         )
         payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -30,6 +30,16 @@ divergence (filled on divergence steps only). The step slot detects ranks that c
 different steps. Payload: O(parameters), never O(elements); never bf16/fp16. Replica sums
 compare plain-band squares only (norms within [2^-450, 2^450]).
 
+**The rank view** (when every rank declares ``rank_view_groups=G > 0`` in the handshake:
+its DDP comm hook measures, see :mod:`gradwatch.ddp_hook`): after the step slot, each
+rank's pre-reduction figures (from :mod:`gradwatch.ddp_hook`) in its own slot: ``G`` local
+squared norms (one per group) and a "reported" flag, ``W x (G + 1)`` float64 in all; every
+other rank adds zeros there, so the SUM leaves each slot exactly as its rank wrote it (a NaN
+or Inf stays in its rank's slot). Above :data:`RANK_SLOTS_MAX_WORLD` ranks the slots are
+replaced by bounded sums (``2G + 3``: finite local squares per group, non-finite ranks per
+group, the count and the sum of the ids of non-finite ranks, the count of reporting ranks):
+never a second collective.
+
 **Reading it.** Only this module knows those offsets (:class:`_Sections`). The rest of gradwatch
 reads a :class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
 :class:`ReducedStats` of Python floats, for the summary) and :meth:`ReducedVector.device_bands`
@@ -42,6 +52,7 @@ import contextlib
 import json
 import logging
 import math
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -82,6 +93,15 @@ class Layout:
     replicas: int  # R: the largest number of identical copies of a piece
     world_size: int
     rank: int
+    # -- the rank view (additive): hosts and replicas from the handshake, the section's width
+    hosts: tuple[str, ...] = ()  # per rank: its host name (the handshake's "host")
+    replica_groups: tuple[tuple[int, ...], ...] = ()  # data-parallel replicas: ranks of each
+    rank_view_groups: int = 0  # G: groups per rank slot; 0 = no rank-view section
+
+    @property
+    def rank_view_slots(self) -> bool:
+        """One slot per rank (``W <= RANK_SLOTS_MAX_WORLD``), else bounded sums."""
+        return self.world_size <= RANK_SLOTS_MAX_WORLD
 
     @property
     def size(self) -> int:
@@ -90,6 +110,11 @@ class Layout:
     @property
     def packed_length(self) -> int:
         return _sections(self).length
+
+
+#: Up to this many ranks the rank view carries one slot per rank (``W x (G + 1)`` float64:
+#: 8 KiB at 256 ranks and 3 groups); beyond it, bounded sums of ``2G + 3`` values.
+RANK_SLOTS_MAX_WORLD = 256
 
 
 class _Sections(NamedTuple):
@@ -104,11 +129,21 @@ class _Sections(NamedTuple):
     replicas: slice  # R replica sums
     step: int  # the sum of the ranks' steps
     length: int
+    rank_view: slice = slice(0, 0)  # after the step: per-rank slots or bounded sums
+
+
+def _rank_view_width(layout: Layout) -> int:
+    g = layout.rank_view_groups
+    if g == 0:
+        return 0
+    return layout.world_size * (g + 1) if layout.rank_view_slots else 2 * g + 3
 
 
 def _sections(layout: Layout) -> _Sections:
     n, r = layout.size, layout.replicas
+    view = 5 * n + r + 1
     return _Sections(
+        rank_view=slice(view, view + _rank_view_width(layout)),
         squares=slice(0, n),
         squares_high=slice(n, 2 * n),
         squares_low=slice(2 * n, 3 * n),
@@ -117,7 +152,7 @@ def _sections(layout: Layout) -> _Sections:
         has_grad=slice(4 * n, 5 * n),
         replicas=slice(5 * n, 5 * n + r),
         step=5 * n + r,
-        length=5 * n + r + 1,
+        length=5 * n + r + 1 + _rank_view_width(layout),
     )
 
 
@@ -252,7 +287,23 @@ def build_layout(per_rank: Sequence[dict[str, Any]], rank: int) -> Layout:
         replicas=replicas,
         world_size=world,
         rank=rank,
+        hosts=tuple(str(d.get("host", "")) for d in per_rank),
+        replica_groups=_replica_groups(per_rank),
+        rank_view_groups=_rank_view_groups(per_rank),
     )
+
+
+def _rank_view_groups(per_rank: Sequence[dict[str, Any]]) -> int:
+    """G when every rank measures the rank view with the same G, else 0 (no section)."""
+    declared = {int(d.get("rank_view", 0)) for d in per_rank}
+    return declared.pop() if len(declared) == 1 else 0
+
+
+def _replica_groups(per_rank: Sequence[dict[str, Any]]) -> tuple[tuple[int, ...], ...]:
+    """The data-parallel replicas, each as its ranks: a rank's stage group (pipeline stages
+    hold one replica's parts), else the rank alone; ordered by lowest rank."""
+    groups = {tuple(sorted(d.get("stage") or [r])) for r, d in enumerate(per_rank)}
+    return tuple(sorted(groups))
 
 
 def _check_name_sets(
@@ -323,6 +374,7 @@ class Reducer:
         config_hash: str,
         timeout_seconds: float,
         stage_group: Any = None,
+        rank_view_groups: int = 0,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
@@ -334,6 +386,8 @@ class Reducer:
             "config": config_hash,
             "pieces": [[p.name, list(p.global_shape), list(p.key), p.numel] for p in pieces],
             "stage": None,
+            "host": socket.gethostname(),
+            "rank_view": rank_view_groups,
         }
         if self.distributed and dist.get_world_size() > 1:
             backend = str(dist.get_backend())
@@ -394,8 +448,36 @@ class Reducer:
         self._slot_local = local_idx[slot >= 0].to(dev)
         self._slot_global = (slot[slot >= 0] + at.replicas.start).to(dev)
 
+    def _pack_rank_view(self, packed: Tensor, rank_local: Tensor | None) -> None:
+        """Write this rank's pre-reduction group squares (``G`` float64, NaN/Inf as measured)
+        into its slot, with its "reported" flag; ``None`` (no hook ran since the last collect)
+        leaves zeros, so the view is absent for the step. A constant number of ops."""
+        lay = self.layout
+        g = lay.rank_view_groups
+        if g == 0 or rank_local is None:
+            return
+        view = packed[_sections(lay).rank_view]
+        local = rank_local.to(device=packed.device, dtype=torch.float64)
+        if lay.rank_view_slots:
+            start = lay.rank * (g + 1)
+            view[start : start + g].copy_(local)
+            view[start + g].fill_(1.0)
+            return
+        bad = ~torch.isfinite(local)
+        torch.where(bad, self._zero, local, out=view[:g])
+        view[g : 2 * g].copy_(bad)
+        any_bad = bad.any()
+        view[2 * g].copy_(any_bad)
+        view[2 * g + 1].copy_(any_bad * float(lay.rank))
+        view[2 * g + 2].fill_(1.0)
+
     def pack_and_reduce(
-        self, sq_local: Tensor, has_grad: Sequence[bool], step: int, with_replicas: bool
+        self,
+        sq_local: Tensor,
+        has_grad: Sequence[bool],
+        step: int,
+        with_replicas: bool,
+        rank_local: Tensor | None = None,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.stats`) and
@@ -417,6 +499,7 @@ class Reducer:
         packed.index_copy_(0, self._scatter, self._staging)
         if with_replicas and self._slot_local.numel():
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
+        self._pack_rank_view(packed, rank_local)
         return self._issue(packed, step)
 
     def reduce_failed(self, step: int) -> ReducedVector:
@@ -471,6 +554,7 @@ class ReducedStats:
     replica_squares: list[float]
     step_check: float
     world_size: int
+    rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
 
     @classmethod
     def from_values(cls, values: list[float], layout: Layout) -> ReducedStats:
@@ -490,6 +574,7 @@ class ReducedStats:
             replica_squares=values[at.replicas],
             step_check=values[at.step],
             world_size=layout.world_size,
+            rank_view=RankView.from_section(values[at.rank_view], layout),
         )
 
     def steps_agree(self, step: int) -> bool:
@@ -587,3 +672,66 @@ class ReducedVector:
                 values = self._packed.tolist()
             self._stats = ReducedStats.from_values(values, self._layout)
         return self._stats
+
+
+@dataclass(frozen=True)
+class RankView:
+    """The pre-reduction figures of one collect (host side), in group order.
+
+    Attributes:
+        per_rank: ``[rank][group]`` each rank's local squared norm of the group before the
+            reduction (NaN/Inf as measured); None in bounded mode (more than
+            :data:`RANK_SLOTS_MAX_WORLD` ranks).
+        finite_sums: per group, the sum over ranks of the finite local squares.
+        nonfinite_ranks: per group, how many ranks' local squares were NaN/Inf.
+        nonfinite_count: how many ranks had some non-finite local square.
+        nonfinite_rank: bounded mode: the one non-finite rank when ``nonfinite_count`` is 1
+            (the sum of the ids of non-finite ranks); slot mode: None (see ``per_rank``).
+        replica_groups, hosts: from the layout handshake.
+    """
+
+    per_rank: tuple[tuple[float, ...], ...] | None
+    finite_sums: tuple[float, ...]
+    nonfinite_ranks: tuple[int, ...]
+    nonfinite_count: int
+    nonfinite_rank: int | None
+    replica_groups: tuple[tuple[int, ...], ...]
+    hosts: tuple[str, ...]
+
+    @classmethod
+    def from_section(cls, values: list[float], layout: Layout) -> RankView | None:
+        """The view from its section of the host copy; None when there is no section or some
+        rank did not report (no hook ran there since its last collect)."""
+        g, world = layout.rank_view_groups, layout.world_size
+        if g == 0:
+            return None
+        if layout.rank_view_slots:
+            slots = [values[r * (g + 1) : (r + 1) * (g + 1)] for r in range(world)]
+            if any(s[g] != 1.0 for s in slots):
+                return None
+            per_rank = tuple(tuple(s[:g]) for s in slots)
+            bad = [[not math.isfinite(x) for x in row] for row in per_rank]
+            return cls(
+                per_rank=per_rank,
+                finite_sums=tuple(
+                    math.fsum(row[k] for row, b in zip(per_rank, bad, strict=True) if not b[k])
+                    for k in range(g)
+                ),
+                nonfinite_ranks=tuple(sum(b[k] for b in bad) for k in range(g)),
+                nonfinite_count=sum(any(b) for b in bad),
+                nonfinite_rank=None,
+                replica_groups=layout.replica_groups,
+                hosts=layout.hosts,
+            )
+        if values[2 * g + 2] != world:
+            return None
+        count = int(values[2 * g])
+        return cls(
+            per_rank=None,
+            finite_sums=tuple(values[:g]),
+            nonfinite_ranks=tuple(int(x) for x in values[g : 2 * g]),
+            nonfinite_count=count,
+            nonfinite_rank=int(values[2 * g + 1]) if count == 1 else None,
+            replica_groups=layout.replica_groups,
+            hosts=layout.hosts,
+        )

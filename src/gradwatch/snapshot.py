@@ -101,6 +101,24 @@ class Snapshot:
         spike_scores: group -> its score, likewise (empty when detection is off).
         global_spike: the global score exceeded ``spike_threshold``.
         spiking_groups: groups whose score exceeded ``spike_threshold``, in group order.
+
+    The per-rank view (DDP, docs/distributed.md; absent/None/empty when not available):
+
+    Attributes:
+        rank_view: the per-rank (pre-reduction) figures below were measured on this step.
+        nonfinite_origin_ranks: ranks whose local gradients were already NaN/Inf before the
+            reduction (at most one above the slot world size, see docs/distributed.md).
+        nonfinite_origin_count: how many ranks that was (None without the view).
+        nonfinite_origin_hosts: the host of each of those ranks (same order);
+            nonfinite_origin_groups: the groups whose local gradients were non-finite there.
+        replica_grad_norm_min, replica_grad_norm_median, replica_grad_norm_max: spread of the
+            data-parallel replicas' local gradient norms (a replica's pipeline stages summed).
+        replica_grad_norm_max_rank: lowest rank of the replica holding the max.
+        replica_outlier_score: ``max |x_r - median| / median`` over the replica norms;
+            replica_outlier_rank: lowest rank of that replica.
+        gradient_noise_scale: B_simple of the whole model (EMA-smoothed; unit: that of
+            ``batch_size``, per-replica batches without it); NaN while undefined.
+        group_noise_scale: group -> B_simple.
     """
 
     step: int
@@ -123,12 +141,26 @@ class Snapshot:
     spike_scores: Mapping[str, float] = field(default_factory=dict)
     global_spike: bool = False
     spiking_groups: tuple[str, ...] = ()
+    # -- the per-rank view (DDP comm hook; see docs/distributed.md)
+    rank_view: bool = False
+    nonfinite_origin_ranks: tuple[int, ...] = ()
+    nonfinite_origin_count: int | None = None
+    nonfinite_origin_hosts: tuple[str, ...] = ()
+    nonfinite_origin_groups: tuple[str, ...] = ()
+    replica_grad_norm_min: float | None = None
+    replica_grad_norm_median: float | None = None
+    replica_grad_norm_max: float | None = None
+    replica_grad_norm_max_rank: int | None = None
+    replica_outlier_score: float | None = None
+    replica_outlier_rank: int | None = None
+    gradient_noise_scale: float | None = None
+    group_noise_scale: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in _MAPPINGS:
             object.__setattr__(self, name, _frozen(getattr(self, name)))
-        object.__setattr__(self, "nonfinite_params", tuple(self.nonfinite_params))
-        object.__setattr__(self, "spiking_groups", tuple(self.spiking_groups))
+        for name in _TUPLES:
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def is_finite(self) -> bool:
@@ -184,7 +216,7 @@ class Snapshot:
         for name, value in changes.items():
             if name in _MAPPINGS:
                 value = _frozen(value)
-            elif name in ("nonfinite_params", "spiking_groups"):
+            elif name in _TUPLES:
                 value = tuple(value)
             object.__setattr__(new, name, value)
         return new
@@ -210,8 +242,8 @@ class Snapshot:
                 k: dataclasses.asdict(v) if isinstance(v, GroupStats) else v
                 for k, v in value.items()
             }
-        out["nonfinite_params"] = list(self.nonfinite_params)
-        out["spiking_groups"] = list(self.spiking_groups)
+        for name in _TUPLES:
+            out[name] = list(getattr(self, name))
         return out
 
     @classmethod
@@ -231,6 +263,16 @@ _MAPPINGS = (
     "raw_ratios",
     "isolation_violated",
     "spike_scores",
+    "group_noise_scale",
+)
+
+#: The tuple fields, made tuples on construction and written as JSON lists.
+_TUPLES = (
+    "nonfinite_params",
+    "spiking_groups",
+    "nonfinite_origin_ranks",
+    "nonfinite_origin_hosts",
+    "nonfinite_origin_groups",
 )
 
 

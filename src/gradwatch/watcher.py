@@ -32,6 +32,7 @@ from gradwatch.anomalies import AnomalyLog
 from gradwatch.audit import NormAuditor, Verdict, parallel_factors
 from gradwatch.clip import clip_coefficient, clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
+from gradwatch.ddp_hook import GradWatchCommHook, LocalView, detach
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.gradients import GradientReader
 from gradwatch.hooks import before_optimizer_step
@@ -39,10 +40,13 @@ from gradwatch.model import (
     ParameterSlots,
     describe_parallelism,
     empty_groups,
+    find_ddp,
     group_membership,
+    group_of,
     named_parameters,
     reject_fsdp1,
 )
+from gradwatch.rankview import NoiseScale, rank_view_fields
 from gradwatch.reduce import ReducedVector, Reducer, piece_of
 from gradwatch.snapshot import Snapshot
 from gradwatch.spikes import SpikeDetector
@@ -157,14 +161,22 @@ class GradWatch:
                 os.environ["WORLD_SIZE"],
             )
         self._gradients = GradientReader(self._params)
-        self._reducer = Reducer(
-            [piece_of(n, p) for n, p in zip(names, self._params, strict=True)],
-            version=_version(),
-            config_hash=cfg.layout_hash(),
-            timeout_seconds=cfg.collective_timeout_seconds,
-            stage_group=stage_group,
-        )
+        self._attach_rank_view(model, names)
+        try:
+            self._reducer = Reducer(
+                [piece_of(n, p) for n, p in zip(names, self._params, strict=True)],
+                version=_version(),
+                config_hash=cfg.layout_hash(),
+                timeout_seconds=cfg.collective_timeout_seconds,
+                stage_group=stage_group,
+                rank_view_groups=len(self._view_groups) if self._comm_hook is not None else 0,
+            )
+        except BaseException:
+            detach(self._comm_hook)
+            raise
         self._layout = self._reducer.layout
+        if self._comm_hook is not None and self._layout.rank_view_groups == 0:
+            self._log_rank_view_off()
         self._groups_of, self._group_order = group_membership(self._layout.names, cfg.groups)
         if self.rank == 0:
             for group in empty_groups(self._groups_of, cfg.groups):
@@ -197,6 +209,40 @@ class GradWatch:
         )
         if self.rank == 0:
             self._start_publishing(cfg)
+
+    # -- the per-rank view (DDP comm hook; gradwatch.ddp_hook, gradwatch.rankview) ---------------
+
+    def _attach_rank_view(self, model: nn.Module, names: list[str]) -> None:
+        """Under DDP with ``rank_view``: measure this rank's gradients in DDP's comm hook."""
+        from gradwatch.ddp_hook import attach
+        from gradwatch.model import wrapping_ddp
+
+        self._view_groups = (*self.config.groups, OTHER_GROUP)
+        self._local_view: LocalView | None = None
+        self._comm_hook: GradWatchCommHook | None = None
+        self._noise = NoiseScale()
+        if not self.config.rank_view or self.world_size < 2:
+            return
+        ddp = find_ddp(model) or wrapping_ddp(model)
+        if ddp is None:
+            return
+        position = {g: k for k, g in enumerate(self._view_groups)}
+        view = LocalView(
+            self._params, [position[group_of(n, self.config.groups)] for n in names],
+            len(self._view_groups),
+        )
+        self._comm_hook = attach(ddp, view)
+        if self._comm_hook is not None:
+            self._local_view = view
+
+    def _log_rank_view_off(self) -> None:
+        if self.rank == 0:
+            log.warning(
+                "gradwatch: the per-rank view is off: not every rank measures it (each rank "
+                "needs a DDP module with gradwatch's comm hook and rank_view=True)"
+            )
+        detach(self._comm_hook)
+        self._comm_hook = self._local_view = None
 
     def _inert(self, model: nn.Module) -> None:
         """``enabled=False`` (``GRADWATCH_ENABLED=0``): the same object, inert. No port, no
@@ -270,7 +316,14 @@ class GradWatch:
         when disabled)."""
         return self._layout.names if self._enabled else self._names
 
-    def collect(self, step: int, *, scaler: Any = None, optimizer: Any = None) -> PendingSnapshot:
+    def collect(
+        self,
+        step: int,
+        *,
+        scaler: Any = None,
+        optimizer: Any = None,
+        batch_size: int | None = None,
+    ) -> PendingSnapshot:
         """Queue the statistics of the current gradients for ``step``; never waits on the device.
 
         A step the schedule skips (``step % every_n_steps != 0``) is a no-op returning the last
@@ -284,9 +337,17 @@ class GradWatch:
         only a failed or timed-out gradwatch collective stops collection for the rest of the run.
         The returned result of a step not measured raises ``GradWatchError`` (never a made-up
         snapshot); the exporter shows ``gradwatch_collecting 0`` and no per-step gauge.
+        ``batch_size``: samples (or tokens) per replica of this step, for the gradient noise
+        scale (default ``WatchConfig.batch_size``); must be >= 1.
         """
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise ValueError(
+                f"gradwatch: collect(batch_size=...) must be a positive int, got {batch_size!r}"
+            )
         self._next_step = max(self._next_step, step + 1)
-        return self._guarded(step, scaler, optimizer, None)[0]
+        return self._guarded(step, scaler, optimizer, None, batch_size)[0]
 
     def clip_grad_norm_(
         self,
@@ -410,7 +471,12 @@ class GradWatch:
         self.collect(step, scaler=scaler, optimizer=optimizer)
 
     def _guarded(
-        self, step: int, scaler: Any, optimizer: Any, max_norm: float | None
+        self,
+        step: int,
+        scaler: Any,
+        optimizer: Any,
+        max_norm: float | None,
+        batch_size: int | None = None,
     ) -> tuple[PendingSnapshot, Tensor | None]:
         if max_norm is not None:
             self._clipped_step = step
@@ -432,7 +498,8 @@ class GradWatch:
             # A skipped step that clips still needs the whole-model norm (a rank-local one is
             # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
             pending, total = self._collect(
-                step, scaler, optimizer, max_norm, record=not skipped, attempt=attempt
+                step, scaler, optimizer, max_norm, record=not skipped, attempt=attempt,
+                batch_size=batch_size,
             )
         except Exception as exc:  # never let monitoring crash training
             self._last_failed_attempt = attempt
@@ -555,6 +622,8 @@ class GradWatch:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self._enabled:
+            detach(self._comm_hook)
         try:
             if self._publishing is not None:
                 self._audit(None, None)  # reports whose step was built: judged while served
@@ -589,6 +658,7 @@ class GradWatch:
         max_norm: float | None,
         record: bool = True,
         attempt: int = 0,
+        batch_size: int | None = None,
     ) -> tuple[PendingSnapshot, Tensor | None]:
         """One statistics pass and all-reduce. ``record=False`` (a clip on a step the schedule
         skips): no divergence measurement and no change to the collection count. ``attempt``
@@ -596,16 +666,22 @@ class GradWatch:
         grads = self._gradients.read()
         sq, plan = self._engine.squared_norms_and_plan(grads.tensors, self._reducer.device)
         scale = pending_scale(scaler, optimizer)
+        local = self._local_view.take() if self._local_view is not None else None
         if scale is not None:
             scale64 = scale.to(sq.device, torch.float64)
             sq = sq / (scale64 * scale64)
+            if local is not None:
+                local = local / (scale64 * scale64).to(local.device)
         has_grad = [g is not None for g in grads.tensors]
         every = self.config.divergence_every
         measure = (
             record and every > 0 and self._collections % every == 0 and self._layout.replicas > 1
         )
         self._collections += int(record)
-        reduced = self._reducer.pack_and_reduce(sq, has_grad, step, with_replicas=measure)
+        reduced = self._reducer.pack_and_reduce(
+            sq, has_grad, step, with_replicas=measure, rank_local=local
+        )
+        b = batch_size if batch_size is not None else self.config.batch_size
         total = None
         if max_norm is not None:
             total = clip_grads_(reduced, max_norm, grads, plan)
@@ -619,7 +695,8 @@ class GradWatch:
             PendingSnapshot(
                 step,
                 lambda: self._build(
-                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt, local_sq
+                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt,
+                    local_sq, b,
                 ),
             ),
             total,
@@ -636,6 +713,7 @@ class GradWatch:
         isolated: tuple[str, ...],
         attempt: int = 0,
         local_sq: Tensor | None = None,
+        batch_size: int | None = None,
     ) -> Snapshot:
         try:
             stats = reduced.stats()
@@ -682,6 +760,12 @@ class GradWatch:
             changes["clip_coef"] = clip_coefficient(max_norm, snap.global_norm)
         if amp and not snap.is_finite:
             changes["amp_skipped"] = True
+        if stats.rank_view is not None:
+            changes.update(
+                rank_view_fields(
+                    stats.rank_view, snap, self._view_groups, self._noise, batch_size or 1
+                )
+            )
         if changes:
             snap = snap.replace(**changes)
         # Host-side, after the one read: scored in collect order (attempt), see gradwatch.spikes.

@@ -526,6 +526,18 @@ def test_demo_refuses_an_injection_outside_the_run() -> None:
     assert "--spike-at" in r.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [(["--nan-rank", "1"], "needs --nan-at"), (["--nan-at", "3", "--nan-rank", "2"], "[0, 2)")],
+)
+def test_demo_refuses_a_nan_rank_without_step_or_outside_the_world(
+    args: list[str], words: str
+) -> None:
+    r = run_cli("demo", "--steps", "30", "--port", "0", *args, timeout=60)
+    assert r.returncode == 2, r
+    assert "--nan-rank" in r.stderr and words in r.stderr, r.stderr
+
+
 # -- gradwatch demo with torchrun -----------------------------------------------------------
 
 
@@ -547,6 +559,24 @@ def test_demo_shows_an_injected_nan_step() -> None:
     assert "non-finite steps: 1 (step 20)" in out
     assert "gradwatch_nonfinite_steps_total 1," in out
     assert "gradwatch_collections_total 30" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_demo_names_the_nan_rank_as_the_origin() -> None:
+    """--nan-rank 1: the NaN enters rank 1's local gradients before the all-reduce; the
+    summary (the job's record) and the endpoint (final scrape) name rank 1, and the live line
+    too."""
+    r = run_cli(
+        "demo", "--steps", "12", "--nan-at", "5", "--nan-rank", "1", "--port", "0",
+        "--step-sleep", "0.02", timeout=90,
+    )  # fmt: skip
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    out = r.stdout
+    assert "non-finite steps: 1 (step 5)" in out
+    assert "non-finite origin at step 5: rank(s) 1 (local gradients" in out
+    assert "endpoint: last non-finite origin (step 5): rank 1 (" in out
+    assert "(last at step 5 from rank 1)" in out
 
 
 @pytest.mark.distributed

@@ -50,6 +50,14 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_clip_coef",
         "gradwatch_param_grad_norm",
         "gradwatch_collecting",
+        # the per-rank view (DDP comm hook)
+        "gradwatch_nonfinite_origin_ranks",
+        "gradwatch_replica_grad_norm",
+        "gradwatch_replica_grad_norm_max_rank",
+        "gradwatch_replica_outlier_score",
+        "gradwatch_gradient_noise_scale",
+        "gradwatch_group_gradient_noise_scale",
+        "gradwatch_last_nonfinite_origin",
         # counters
         "gradwatch_collections_total",
         "gradwatch_nonfinite_steps_total",
@@ -100,6 +108,7 @@ REQUIRED_ALERTS = {
     "GradwatchNotCollecting": ("critical", False),
     "GradwatchGradNormSpike": ("warning", False),
     "GradwatchNormAuditDisagreement": ("critical", True),
+    "GradwatchReplicaOutlier": ("warning", True),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}

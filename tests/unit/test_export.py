@@ -217,6 +217,19 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         global_spike_score=math.nan,
         spike_scores={"host": 7.25, "seed": math.nan, "stem": -1.5, "other": 0.1 + 0.2},
         spiking_groups=("host",),
+        rank_view=True,
+        nonfinite_origin_ranks=(3, 1),
+        nonfinite_origin_count=2,
+        nonfinite_origin_hosts=("node-b", "node-a"),
+        nonfinite_origin_groups=("seed",),
+        replica_grad_norm_min=0.5,
+        replica_grad_norm_median=math.nan,
+        replica_grad_norm_max=math.inf,
+        replica_grad_norm_max_rank=1,
+        replica_outlier_score=math.inf,
+        replica_outlier_rank=1,
+        gradient_noise_scale=123.456789,
+        group_noise_scale={"host": math.nan, "seed": 1e-300},
     )
 
 
@@ -247,6 +260,23 @@ def expected_gauges(snap: Snapshot, ratio_pairs: dict[str, tuple[str, str]]) -> 
     }
     if snap.clip_coef is not None:
         out["gradwatch_clip_coef"] = {(): snap.clip_coef}
+    if snap.rank_view:  # the per-rank view
+        out["gradwatch_nonfinite_origin_ranks"] = {(): float(snap.nonfinite_origin_count or 0)}
+        if snap.replica_grad_norm_max is not None:
+            out["gradwatch_replica_grad_norm"] = {
+                (("stat", "min"),): snap.replica_grad_norm_min,
+                (("stat", "median"),): snap.replica_grad_norm_median,
+                (("stat", "max"),): snap.replica_grad_norm_max,
+            }
+            out["gradwatch_replica_grad_norm_max_rank"] = {
+                (): float(snap.replica_grad_norm_max_rank or 0)
+            }
+            out["gradwatch_replica_outlier_score"] = {(): snap.replica_outlier_score}
+        if snap.gradient_noise_scale is not None:
+            out["gradwatch_gradient_noise_scale"] = {(): snap.gradient_noise_scale}
+            out["gradwatch_group_gradient_noise_scale"] = {
+                (("group", g),): v for g, v in snap.group_noise_scale.items()
+            }
     return {name: series for name, series in out.items() if series}  # empty: absent
 
 
@@ -1194,10 +1224,12 @@ def test_every_metric_names_the_source_that_provides_it() -> None:
         "gradwatch_grad_norm_ratio_band",
     }
     assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.SNAPSHOT]} == {"gauge"}
-    assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.COUNTS]} == {
-        "counter",
-        "histogram",
-    }
+    # Running totals are counters; the one gauge is the last non-finite origin (an event kept
+    # across steps, so it lives with the counts rather than with one snapshot).
+    assert {
+        METRICS_BY_NAME[n].type
+        for n in by_source[MetricSource.COUNTS] - {"gradwatch_last_nonfinite_origin"}
+    } == {"counter", "histogram"}
 
 
 def test_counts_use_the_snapshots_step_classification() -> None:
@@ -1285,6 +1317,31 @@ gradwatch_param_grad_norm{param="seed.w"} +Inf
 gradwatch_param_grad_norm{param="backbone.0.weight"} 1.0000000000000002
 gradwatch_param_grad_norm{param="backbone.0.bias"} 0.5
 gradwatch_param_grad_norm{param="head.w"} 0.30000000000000004
+# HELP gradwatch_nonfinite_origin_ranks Ranks whose local gradients were already NaN or Inf before the data-parallel reduction, at the last published step.
+# TYPE gradwatch_nonfinite_origin_ranks gauge
+gradwatch_nonfinite_origin_ranks 2.0
+# HELP gradwatch_replica_grad_norm Spread of the data-parallel replicas' local gradient L2 norms before the reduction (stat: min, median, max) at the last published step.
+# TYPE gradwatch_replica_grad_norm gauge
+gradwatch_replica_grad_norm{stat="min"} 0.5
+gradwatch_replica_grad_norm{stat="median"} NaN
+gradwatch_replica_grad_norm{stat="max"} +Inf
+# HELP gradwatch_replica_grad_norm_max_rank Rank holding the largest local gradient norm (the lowest rank of that replica) at the last published step.
+# TYPE gradwatch_replica_grad_norm_max_rank gauge
+gradwatch_replica_grad_norm_max_rank 1.0
+# HELP gradwatch_replica_outlier_score Largest relative deviation of a replica's local gradient norm from the replicas' median, max |x - median| / median, at the last published step.
+# TYPE gradwatch_replica_outlier_score gauge
+gradwatch_replica_outlier_score +Inf
+# HELP gradwatch_gradient_noise_scale Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, EMA-smoothed, in samples (the unit of batch_size; per-replica batches when batch_size is unset).
+# TYPE gradwatch_gradient_noise_scale gauge
+gradwatch_gradient_noise_scale 123.456789
+# HELP gradwatch_group_gradient_noise_scale Gradient noise scale B_simple of one parameter group, EMA-smoothed, in samples (the unit of batch_size; per-replica batches when batch_size is unset).
+# TYPE gradwatch_group_gradient_noise_scale gauge
+gradwatch_group_gradient_noise_scale{group="host"} NaN
+gradwatch_group_gradient_noise_scale{group="seed"} 1e-300
+# HELP gradwatch_last_nonfinite_origin Step of the last step whose non-finite gradients started on this rank before the reduction.
+# TYPE gradwatch_last_nonfinite_origin gauge
+gradwatch_last_nonfinite_origin{host="node-a",rank="1"} 7.0
+gradwatch_last_nonfinite_origin{host="node-b",rank="3"} 7.0
 # HELP gradwatch_collections_total Snapshots published (collected steps that reached the exporter).
 # TYPE gradwatch_collections_total counter
 gradwatch_collections_total 2.0

@@ -119,6 +119,7 @@ class DemoOptions:
     step_sleep: float
     linger: float
     spike_at: int | None = None
+    nan_rank: int | None = None
 
 
 def port_in_use(port: int, bind: str) -> bool:
@@ -160,6 +161,7 @@ def job_args(opts: DemoOptions, workdir: Path) -> JobArgs:
         blend_at=opts.blend_at,
         ack=True,
         parent_pid=os.getpid(),
+        nan_rank=opts.nan_rank,
     )
 
 
@@ -352,6 +354,11 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
         )
     events = summary.events
     lines.append(f"non-finite steps: {_steps_text(events.nonfinite)}")
+    for step, ranks in sorted(summary.nonfinite_origins.items()):
+        lines.append(
+            f"non-finite origin at step {step}: rank(s) {', '.join(map(str, ranks))} "
+            "(local gradients before the all-reduce)"
+        )
     lines.append(f"exploding steps: {_steps_text(events.exploding)} (non-finite included)")
     if events.amp_skipped:  # the demo uses no GradScaler; a job reusing this summary may
         lines.append(f"AMP-skipped steps: {_steps_text(events.amp_skipped)}")
@@ -374,6 +381,11 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
                 if s.spikes
             )
         )
+        if final.nonfinite_origin:
+            lines.append(
+                f"endpoint: last non-finite origin (step {final.nonfinite_origin_step}): "
+                + ", ".join(f"rank {r} ({h})" for r, h in final.nonfinite_origin)
+            )
     else:
         lines.append(f"endpoint {url}: no final scrape (the endpoint did not answer)")
     return lines
@@ -571,6 +583,12 @@ def _check(opts: DemoOptions) -> None:
             raise typer.BadParameter(f"must be in [0, {opts.steps}]", param_hint=flag)
     if opts.seed_at is not None and opts.blend_at is not None and opts.blend_at < opts.seed_at:
         raise typer.BadParameter("must not be before --seed-at", param_hint="--blend-at")
+    if opts.nan_rank is not None:
+        hint = "--nan-rank"
+        if opts.nan_at is None:
+            raise typer.BadParameter("needs --nan-at (the step to inject at)", param_hint=hint)
+        if not 0 <= opts.nan_rank < opts.nproc:
+            raise typer.BadParameter(f"must be in [0, {opts.nproc}) (--nproc)", param_hint=hint)
     if not math.isfinite(opts.step_sleep) or not math.isfinite(opts.linger):
         raise typer.BadParameter("must be finite", param_hint="--step-sleep/--linger")
 
@@ -614,6 +632,13 @@ def demo(
         float, typer.Option(min=0.0, help="Keep serving this many seconds after the last step.")
     ] = 0.0,
     bind: Annotated[str, typer.Option(help="Address the endpoint binds to.")] = DEFAULT_BIND,
+    nan_rank: Annotated[
+        int | None,
+        typer.Option(
+            help="With --nan-at: the NaN enters this rank's local gradients only, before the "
+            "all-reduce; the summary and the endpoint name it as the origin."
+        ),
+    ] = None,
 ) -> None:
     """Run a small torchrun DDP job watched by gradwatch and show its endpoint live.
 
@@ -621,7 +646,7 @@ def demo(
     """  # noqa: E501 (one line per paragraph: the help is rewrapped to the terminal)
     opts = DemoOptions(
         nproc, steps, port, bind, nan_at, explode_at, seed_at, blend_at, step_sleep, linger,
-        spike_at=spike_at,
+        spike_at=spike_at, nan_rank=nan_rank,
     )
     _check(opts)
     console = Console(highlight=False, markup=False)

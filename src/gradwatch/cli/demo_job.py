@@ -208,13 +208,16 @@ def train(args: JobArgs) -> int:
                 y = torch.tanh(teacher(x)) + 0.1 * torch.randn(batch, 1, generator=data)
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            # --nan-rank: the NaN enters one rank's local gradients, before DDP's all-reduce
+            # spreads it to every rank (the per-rank view names that rank as the origin).
+            local_nan = args.nan_rank is not None and step in nan_at
+            (loss * NAN_FACTOR if local_nan and rank == args.nan_rank else loss).backward()
 
             factor = NAN_FACTOR if step in nan_at else EXPLODE_FACTOR if step in explode_at else 1.0
             if step in spike_at and factor == 1.0:
                 factor = SPIKE_FACTOR
             injected = factor != 1.0
-            if injected:
+            if injected and not local_nan:
                 with torch.no_grad():
                     for p in model.parameters():
                         if p.grad is not None:

@@ -91,6 +91,7 @@ class JobArgs:
     batch_size: int | None = None
     log_every: int = DEFAULT_LOG_EVERY
     spike_at: tuple[int, ...] = ()
+    nan_rank: int | None = None  # NaN on this rank's local gradients only (before the all-reduce)
 
     def to_argv(self) -> list[str]:
         """The arguments :meth:`from_argv` reads back into an equal :class:`JobArgs`."""
@@ -115,6 +116,7 @@ class JobArgs:
             ("--blend-at", self.blend_at),
             ("--parent-pid", self.parent_pid),
             ("--batch-size", self.batch_size),
+            ("--nan-rank", self.nan_rank),
         ):
             if value is not None:
                 argv += [flag, str(value)]
@@ -145,6 +147,7 @@ class JobArgs:
         p.add_argument("--parent-pid", type=int, default=None)
         p.add_argument("--batch-size", type=int, default=None)
         p.add_argument("--log-every", type=int, default=DEFAULT_LOG_EVERY)
+        p.add_argument("--nan-rank", type=int, default=None)
         ns = p.parse_args(list(argv))
         return cls(
             workdir=ns.workdir,
@@ -163,6 +166,7 @@ class JobArgs:
             batch_size=ns.batch_size,
             log_every=ns.log_every,
             spike_at=tuple(ns.spike_at),
+            nan_rank=ns.nan_rank,
         )
 
 
@@ -258,6 +262,8 @@ class Summary:
         isolation_violation_steps: isolated group -> steps where its isolation was violated
             (every isolated group present, violated or not).
         health_min: the lowest health (None when no step ran).
+        nonfinite_origins: step -> the ranks whose local gradients were non-finite before the
+            reduction (the per-rank view; steps with a known origin only).
     """
 
     steps: int
@@ -271,6 +277,7 @@ class Summary:
     events: StepEvents = field(default_factory=StepEvents)
     isolation_violation_steps: dict[str, list[int]] = field(default_factory=dict)
     health_min: HealthMin | None = None
+    nonfinite_origins: dict[int, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -302,6 +309,9 @@ class Summary:
                 g: [int(s) for s in steps] for g, steps in d["isolation_violation_steps"].items()
             },
             health_min=None if hmin is None else HealthMin(**hmin),
+            nonfinite_origins={
+                int(k): [int(r) for r in v] for k, v in d.get("nonfinite_origins", {}).items()
+            },
         )
 
 
@@ -325,6 +335,8 @@ class SummaryRecorder:
                 steps.append(snap.step)
         if s.health_min is None or snap.health < s.health_min.value:
             s.health_min = HealthMin(value=snap.health, step=snap.step)
+        if snap.nonfinite_origin_ranks:
+            s.nonfinite_origins[snap.step] = list(snap.nonfinite_origin_ranks)
 
 
 # -- the work directory ---------------------------------------------------------------------

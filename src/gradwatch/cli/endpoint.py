@@ -86,6 +86,7 @@ GROUP_NORM_HIST = _name("gradwatch_grad_norm_per_step")
 
 #: A histogram as scraped: ``(upper bound, cumulative count)`` per bucket, ``+Inf`` last.
 Buckets = tuple[tuple[float, float], ...]
+LAST_ORIGIN = _name("gradwatch_last_nonfinite_origin")
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,9 @@ class EndpointView:
     global_spike_score: float | None = None
     global_spikes: int = 0
     global_norm_buckets: Buckets = ()
+    # the per-rank view: ranks (and hosts) where the last non-finite step started, its step
+    nonfinite_origin: tuple[tuple[str, str], ...] = ()
+    nonfinite_origin_step: int | None = None
 
     def staleness(self, now: float | None = None) -> float | None:
         """Seconds since the job collected the published step (None before the first one)."""
@@ -196,6 +200,8 @@ def parse_exposition(text: str) -> EndpointView:
     build: dict[str, str] = {}
     run: dict[str, str] = {}
     buckets: dict[str | None, list[tuple[float, float]]] = {}  # None: the global histogram
+    origin: list[tuple[str, str]] = []
+    origin_step: int | None = None
     for s in samples:
         if not s.name.startswith("gradwatch_"):
             continue
@@ -204,6 +210,9 @@ def parse_exposition(text: str) -> EndpointView:
             buckets.setdefault(key, []).append((float(s.labels.get("le", "nan")), s.value))
         elif s.name.startswith((GLOBAL_NORM_HIST + "_", GROUP_NORM_HIST + "_")):
             continue  # _count and _sum: the buckets say it all
+        elif s.name == LAST_ORIGIN:
+            origin.append((s.labels.get("rank", ""), s.labels.get("host", "")))
+            origin_step = int(s.value) if math.isfinite(s.value) else None
         elif s.name == RATIO:
             ratios[f"{s.labels.get('numerator')}/{s.labels.get('denominator')}"] = s.value
         elif s.name == ISOLATION:
@@ -261,6 +270,8 @@ def parse_exposition(text: str) -> EndpointView:
         global_spike_score=single.get(GLOBAL_SPIKE_SCORE),
         global_spikes=count(GLOBAL_SPIKES),
         global_norm_buckets=tuple(sorted(buckets.get(None, ()))),
+        nonfinite_origin=tuple(sorted(origin, key=lambda o: (len(o[0]), o[0]))),
+        nonfinite_origin_step=origin_step,
     )
 
 

@@ -234,6 +234,11 @@ def anomalies_text(view: EndpointView) -> Text:
         f"non-finite steps {view.nonfinite_steps}",
         style="bold red" if view.nonfinite_steps else "green",
     )
+    if view.nonfinite_origin:  # the per-rank view named where the last one started
+        ranks = ", ".join(r for r, _ in view.nonfinite_origin)
+        text.append(
+            f" (last at step {view.nonfinite_origin_step} from rank {ranks})", style="bold red"
+        )
     text.append(", ")
     text.append(
         f"exploding steps {view.exploding_steps}",

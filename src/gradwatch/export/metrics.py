@@ -23,6 +23,7 @@ from gradwatch.export.publisher import MAX_PENDING
 from gradwatch.export.state import (
     COLLECT_SECONDS_BUCKETS,
     MAX_AUDIT_SOURCES,
+    MAX_ORIGIN_SERIES,
     MAX_PARAM_SERIES,
     NORM_BUCKETS,
 )
@@ -196,6 +197,79 @@ METRICS: tuple[MetricDef, ...] = (
         "(`MAX_PARAM_SERIES`): non-finite parameters first (by name), then the largest finite "
         "norms (ties by name). Series come and go as the ranking changes.",
         source=MetricSource.SNAPSHOT,
+    ),
+    # -- the per-rank view (DDP comm hook; absent without it: FSDP2, no DDP, rank_view off) ----
+    MetricDef(
+        "gradwatch_nonfinite_origin_ranks",
+        "gauge",
+        (),
+        "Ranks whose local gradients were already NaN or Inf before the data-parallel "
+        "reduction, at the last published step.",
+        "Needs the per-rank view (DDP with gradwatch's comm hook, docs/distributed.md); absent "
+        "otherwise. 0 on a finite step.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_replica_grad_norm",
+        "gauge",
+        ("stat",),
+        "Spread of the data-parallel replicas' local gradient L2 norms before the reduction "
+        "(stat: min, median, max) at the last published step.",
+        "A replica's norm covers its pipeline stages. Absent without the per-rank view and "
+        "above the slot world size (docs/distributed.md). NaN (median) or NaN/+Inf (max) when "
+        "some replica's local gradient was non-finite.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_replica_grad_norm_max_rank",
+        "gauge",
+        (),
+        "Rank holding the largest local gradient norm (the lowest rank of that replica) at "
+        "the last published step.",
+        "A non-finite local norm counts as the largest. Absent like gradwatch_replica_grad_norm.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_replica_outlier_score",
+        "gauge",
+        (),
+        "Largest relative deviation of a replica's local gradient norm from the replicas' "
+        "median, max |x - median| / median, at the last published step.",
+        "0 when all replicas agree; +Inf when a local norm is non-finite or the median is 0 "
+        "while some norm is not. The GradwatchReplicaOutlier alert fires on a persistent "
+        "outlier. Absent like gradwatch_replica_grad_norm.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_gradient_noise_scale",
+        "gauge",
+        (),
+        "Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, EMA-smoothed, "
+        "in samples (the unit of batch_size; per-replica batches when batch_size is unset).",
+        "McCandlish et al. 2018's unbiased estimators from the replicas' local and the reduced "
+        "gradients (docs/distributed.md). Needs the per-rank view and at least 2 replicas; "
+        "NaN while the smoothed |G|^2 estimate is not positive.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_group_gradient_noise_scale",
+        "gauge",
+        ("group",),
+        "Gradient noise scale B_simple of one parameter group, EMA-smoothed, in samples (the "
+        "unit of batch_size; per-replica batches when batch_size is unset).",
+        "As gradwatch_gradient_noise_scale, per group that had a gradient.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_last_nonfinite_origin",
+        "gauge",
+        ("rank", "host"),
+        "Step of the last step whose non-finite gradients started on this rank before the "
+        "reduction.",
+        f"One series per origin rank of the last such step only (the lowest {MAX_ORIGIN_SERIES} "
+        "ranks, `MAX_ORIGIN_SERIES`), kept until the next one: a bounded label set. Absent "
+        "before the first such step.",
+        source=MetricSource.COUNTS,
     ),
     # -- counters of published snapshots -------------------------------------------------------
     MetricDef(

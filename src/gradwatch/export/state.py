@@ -33,6 +33,10 @@ from gradwatch.snapshot import Snapshot, ratio_defined
 #: model can never create 10,000 series.
 MAX_PARAM_SERIES = 200
 
+#: At most this many ``gradwatch_last_nonfinite_origin{rank,host}`` series (the lowest ranks of
+#: the last event), however many ranks went non-finite at once.
+MAX_ORIGIN_SERIES = 8
+
 #: Upper bounds (seconds) of the ``gradwatch_collect_seconds`` buckets: collect() queues work
 #: and normally takes 0.1-10 ms; the upper buckets catch host syncs and pathological models.
 COLLECT_SECONDS_BUCKETS: tuple[float, ...] = (
@@ -93,12 +97,24 @@ class Counts:
     amp_skipped_steps: int = 0
     exploding_steps: int = 0
     isolation_violations: Mapping[str, int] = field(default_factory=dict)
+    # the per-rank view: the origin (rank, host) of the last non-finite step, and its step
+    last_origin: tuple[tuple[str, str], ...] = ()
+    last_origin_step: int = 0
 
     def after(self, snap: Snapshot) -> Counts:
         violations = dict(self.isolation_violations)
         for group, violated in snap.isolation_violated.items():
             violations[group] = violations.get(group, 0) + int(bool(violated))
+        origin, origin_step = self.last_origin, self.last_origin_step
+        if snap.nonfinite_origin_ranks:
+            hosts = (*snap.nonfinite_origin_hosts, *[""] * len(snap.nonfinite_origin_ranks))
+            pairs = sorted(zip(snap.nonfinite_origin_ranks, hosts, strict=False))
+            pairs = pairs[:MAX_ORIGIN_SERIES]
+            origin = tuple((str(r), h) for r, h in pairs)
+            origin_step = snap.step
         return Counts(
+            last_origin=origin,
+            last_origin_step=origin_step,
             collections=self.collections + 1,
             nonfinite_steps=self.nonfinite_steps + int(snap.nonfinite_step),
             amp_skipped_steps=self.amp_skipped_steps + int(snap.amp_skipped),
@@ -108,6 +124,9 @@ class Counts:
 
     def samples(self) -> dict[str, tuple[Sample, ...]]:
         return {
+            "gradwatch_last_nonfinite_origin": tuple(
+                (labels, float(self.last_origin_step)) for labels in self.last_origin
+            ),
             "gradwatch_collections_total": (((), float(self.collections)),),
             "gradwatch_nonfinite_steps_total": (((), float(self.nonfinite_steps)),),
             "gradwatch_amp_skipped_steps_total": (((), float(self.amp_skipped_steps)),),
@@ -196,6 +215,39 @@ def snapshot_samples(
         out["gradwatch_global_grad_norm_spike_score"] = (((), float(snap.global_spike_score)),)
         out["gradwatch_grad_norm_spike_score"] = tuple(
             ((g,), float(v)) for g, v in snap.spike_scores.items()
+        )
+    out.update(rank_view_samples(snap))
+    return out
+
+
+def rank_view_samples(snap: Snapshot) -> dict[str, tuple[Sample, ...]]:
+    """The per-rank view's gauges: absent (no key) when the snapshot has no view."""
+    if not snap.rank_view:
+        return {}
+    out: dict[str, tuple[Sample, ...]] = {}
+    if snap.nonfinite_origin_count is not None:
+        out["gradwatch_nonfinite_origin_ranks"] = (((), float(snap.nonfinite_origin_count)),)
+    if snap.replica_grad_norm_max is not None:
+        out["gradwatch_replica_grad_norm"] = tuple(
+            ((stat,), float(v))
+            for stat, v in (
+                ("min", snap.replica_grad_norm_min),
+                ("median", snap.replica_grad_norm_median),
+                ("max", snap.replica_grad_norm_max),
+            )
+            if v is not None
+        )
+    if snap.replica_grad_norm_max_rank is not None:
+        out["gradwatch_replica_grad_norm_max_rank"] = (
+            ((), float(snap.replica_grad_norm_max_rank)),
+        )
+    if snap.replica_outlier_score is not None:
+        out["gradwatch_replica_outlier_score"] = (((), float(snap.replica_outlier_score)),)
+    if snap.gradient_noise_scale is not None:
+        out["gradwatch_gradient_noise_scale"] = (((), float(snap.gradient_noise_scale)),)
+    if snap.group_noise_scale:
+        out["gradwatch_group_gradient_noise_scale"] = tuple(
+            ((g,), float(v)) for g, v in snap.group_noise_scale.items()
         )
     return out
 

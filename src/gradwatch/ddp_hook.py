@@ -1,0 +1,323 @@
+"""This rank's gradient statistics *before* the data-parallel reduction, from a DDP comm hook.
+
+Under DDP every figure computed after the all-reduce is the replicas' average: one rank's NaN
+is every rank's NaN, and a rank whose gradient is far from the others' disappears in the mean.
+DDP hands each gradient bucket to a communication hook before it reduces it; there, this
+module measures the rank's own (accumulated, with ``no_sync()``) gradient, then performs the
+reduction DDP would have done (``allreduce_hook``: divide by the group size, all-reduce, SUM)
+or the user's own hook (:func:`ddp_comm_hook` with ``inner=``).
+
+**The math, per bucket** (:class:`_BucketPlan`, built once per bucket layout): on CPU, a
+float32 bucket's flat buffer is read in place as rows of 512 elements normed in float32 (as the
+core engine's row path, :mod:`gradwatch.stats`: relative error below 5e-7), squared in float64
+and added per group by ``index_add_``; the few rows straddling two groups and the partial last
+row are read element by element. Elsewhere ``torch._foreach_norm(bucket.gradients(), 2,
+dtype=torch.float64)`` (float64 accumulation, as the core engine's accelerator path), squared
+and added per group. A constant number of dispatched ops per bucket whatever the number of its
+parameters, no gradient-sized temporary, no host read. A NaN/Inf gradient makes its group's
+square NaN/Inf: the non-finite flags are the squares themselves. Limits (no repair pass, unlike
+the core engine): float32 elements above about 1e19 make a row norm overflow (Inf) and below
+about 1e-19 underflow; float64 gradients whose norm lies outside about ``[1e-154, 1e154]`` read
+0 or Inf.
+
+**Per backward.** Bucket 0 comes first in every backward (DDP launches buckets in index
+order), so it resets the vector; the last bucket marks it complete. :meth:`LocalView.take`
+hands a complete vector to ``collect()`` once; a collect that follows no hooked backward gets
+None (the view is absent for that step, never a stale figure).
+
+**Registration.** :func:`attach` registers gradwatch's hook on a DDP module that has none and
+guards the module's ``register_comm_hook``: registering :func:`ddp_comm_hook` later composes the
+user's hook with gradwatch's instead of failing in DDP (which allows one hook), any other hook
+raises a :class:`~gradwatch.errors.GradWatchError` naming the wrapper. A module that already has
+a user hook is left alone (warned about, naming the wrapper); a second live ``GradWatch`` on the
+same module is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from gradwatch.errors import GradWatchError
+
+log = logging.getLogger("gradwatch")
+
+__all__ = ["LocalView", "attach", "ddp_comm_hook"]
+
+#: The wrapper's name in every message.
+WRAPPER = "gradwatch.ddp_comm_hook(watch, inner=your_hook)"
+
+_UNSET = object()
+
+
+class LocalView:
+    """This rank's pre-reduction squared norms per group, filled by the hook bucket by bucket.
+
+    ``group_of`` maps each watched parameter (by identity) to its group position in
+    ``[0, groups)``. Thread-safety: the hook runs in backward (the autograd thread), ``take``
+    on the training thread after backward returned.
+    """
+
+    def __init__(self, params: Sequence[Tensor], group_of: Sequence[int], groups: int) -> None:
+        self.groups = groups
+        self._group_of = {id(p): g for p, g in zip(params, group_of, strict=True)}
+        self._plans: dict[tuple[int, ...], _BucketPlan] = {}
+        self._acc: Tensor | None = None  # G group squares and one discard slot
+        self._complete = False
+        self._ok = True
+        self._logged = False
+
+    def observe(self, bucket: Any) -> None:
+        """Add one bucket's local squared norms (before its reduction) to the group vector."""
+        if bucket.index() == 0:
+            self._complete = False
+            self._ok = True
+        grads = bucket.gradients()
+        if not self._ok or not grads:
+            return
+        try:
+            acc = self._acc
+            if acc is None or acc.device != grads[0].device:
+                acc = self._acc = torch.zeros(
+                    self.groups + 1, dtype=torch.float64, device=grads[0].device
+                )
+            if bucket.index() == 0:
+                acc.zero_()
+            key = tuple(map(id, bucket.parameters()))
+            plan = self._plans.get(key)
+            if plan is None:
+                groups = [self._group_of[k] for k in key]
+                plan = self._plans[key] = _BucketPlan.build(
+                    bucket.buffer(), grads, groups, self.groups
+                )
+            plan.add_squares(acc, bucket.buffer(), grads)
+        except Exception as exc:  # never let monitoring break the job's reduction
+            self._ok = False
+            if not self._logged:
+                self._logged = True
+                log.error(
+                    "gradwatch: the per-rank view could not measure a gradient bucket (%s: %s); "
+                    "the view is absent for such steps (logged once)",
+                    type(exc).__name__,
+                    exc,
+                )
+            return
+        if bucket.is_last():
+            self._complete = True
+
+    def take(self) -> Tensor | None:
+        """The complete vector of the last hooked backward (once), else None."""
+        if not (self._complete and self._ok):
+            return None
+        self._complete = False
+        assert self._acc is not None
+        return self._acc[: self.groups]
+
+
+#: Rows of the CPU float32 path (as the core engine's row path, :data:`gradwatch.stats.ROW_NUMEL`).
+ROW = 512
+
+
+class _BucketPlan:
+    """How one bucket's gradients are summed per group, built once per bucket layout.
+
+    * **CPU float32 buckets whose gradients are views of the bucket's flat buffer** (DDP's
+      layout): the buffer is read in place as rows of :data:`ROW` elements, normed in float32
+      by one ``vector_norm(rows, dim=1)`` (relative error below 5e-7, as the core engine's row
+      path), squared in float64 and added to the group of the row by one ``index_add_``. Rows
+      that straddle two groups, and the partial last row, are read element by element instead
+      (one ``index_select`` of those few elements, squared in float64, one ``index_add_``);
+      their rows go to a discard slot. Seven ops per bucket.
+    * **Otherwise** (accelerators, float64, bf16/fp16, gradients that are no buffer views, or
+      more than a quarter of the buffer in straddling rows): ``torch._foreach_norm(grads, 2,
+      dtype=torch.float64)`` stacked, squared, added per parameter's group. Four ops.
+    """
+
+    def __init__(
+        self,
+        *,
+        per_param: Tensor,
+        rows: int = 0,
+        row_group: Tensor | None = None,
+        loose: Tensor | None = None,
+        loose_group: Tensor | None = None,
+    ) -> None:
+        self.per_param = per_param
+        self.rows = rows
+        self.row_group = row_group
+        self.loose = loose
+        self.loose_group = loose_group
+
+    @classmethod
+    def build(
+        cls, buffer: Tensor, grads: Sequence[Tensor], groups: list[int], discard: int
+    ) -> _BucketPlan:
+        device = buffer.device
+        per_param = torch.tensor(groups, dtype=torch.long, device=device)
+        if (
+            device.type != "cpu"
+            or buffer.dtype != torch.float32
+            or not buffer.is_contiguous()
+            or any(
+                g.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+                or not g.is_contiguous()
+                for g in grads
+            )
+        ):
+            return cls(per_param=per_param)
+        n = buffer.numel()
+        owner = torch.full((n,), discard, dtype=torch.long)
+        base = buffer.storage_offset()
+        for g, group in zip(grads, groups, strict=True):
+            start = g.storage_offset() - base
+            owner[start : start + g.numel()] = group
+        rows = n // ROW
+        by_row = owner[: rows * ROW].view(rows, ROW)
+        pure = (by_row == by_row[:, :1]).all(dim=1)
+        row_group = torch.where(pure, by_row[:, 0], discard)
+        loose = torch.cat(
+            [
+                (torch.nonzero(~pure).flatten()[:, None] * ROW + torch.arange(ROW)).flatten(),
+                torch.arange(rows * ROW, n),
+            ]
+        )
+        if loose.numel() > n // 4:
+            return cls(per_param=per_param)
+        return cls(
+            per_param=per_param,
+            rows=rows,
+            row_group=row_group,
+            loose=loose,
+            loose_group=owner[loose],
+        )
+
+    def add_squares(self, acc: Tensor, buffer: Tensor, grads: Sequence[Tensor]) -> None:
+        if self.row_group is None:
+            norms = torch._foreach_norm(list(grads), 2, dtype=torch.float64)
+            acc.index_add_(0, self.per_param, torch.stack(norms).square_())
+            return
+        assert self.loose is not None and self.loose_group is not None
+        if self.rows:
+            rows = buffer[: self.rows * ROW].view(self.rows, ROW)
+            norms = torch.linalg.vector_norm(rows, dim=1)
+            acc.index_add_(0, self.row_group, norms.to(torch.float64).square_())
+        if self.loose.numel():
+            values = buffer.index_select(0, self.loose).to(torch.float64)
+            acc.index_add_(0, self.loose_group, values.square_())
+
+
+class GradWatchCommHook:
+    """The hook DDP calls per bucket: measure into ``view``, then reduce like ``inner``
+    (default: DDP's own average, ``allreduce_hook``)."""
+
+    def __init__(self, view: LocalView | None, inner: Callable[..., Any] | None) -> None:
+        # DDP reads a hook's __name__ / __qualname__ (its logging): an instance has neither.
+        self.__name__ = self.__qualname__ = "gradwatch_comm_hook"
+        self.view = view
+        self.inner = inner
+        self.inner_state: Any = _UNSET  # the state the user registered, once composed
+
+    # Unannotated on purpose: DDP's register_comm_hook compares the annotations with
+    # dist.GradBucket / Future[Tensor] objects, and postponed annotations are strings.
+    def __call__(self, state, bucket):  # type: ignore[no-untyped-def]
+        view = self.view
+        if view is not None:
+            view.observe(bucket)
+        if self.inner_state is not _UNSET:
+            state = self.inner_state
+        if self.inner is None:
+            return allreduce_hook(state, bucket)
+        return self.inner(state, bucket)
+
+
+def ddp_comm_hook(
+    watch: Any, inner: Callable[..., Any] | None = None
+) -> Callable[..., torch.futures.Future[Tensor]]:
+    """A DDP communication hook measuring ``watch``'s per-rank view, then reducing with
+    ``inner`` (your hook: bf16 compression, PowerSGD, ...; default: DDP's average).
+
+    Register it in place of your hook, after constructing the :class:`~gradwatch.GradWatch`:
+    ``ddp.register_comm_hook(your_state, gradwatch.ddp_comm_hook(watch, inner=your_hook))``.
+    The statistics are of this rank's gradients before ``inner`` compresses them.
+    """
+    view = getattr(watch, "_local_view", None)
+    return GradWatchCommHook(view, inner)
+
+
+def _registered(ddp: nn.parallel.DistributedDataParallel) -> list[tuple[Any, Any]]:
+    return list(getattr(ddp, "_comm_hooks", []))
+
+
+def attach(ddp: nn.parallel.DistributedDataParallel, view: LocalView) -> GradWatchCommHook | None:
+    """Measure ``view`` in ``ddp``'s comm hook: gradwatch's own hook when the module has none
+    (or a closed watch's), None (warned) when the user registered another one. Raises
+    :class:`GradWatchError` when a live GradWatch already watches this module."""
+    ours = getattr(ddp, "_gradwatch_hook", None)
+    if isinstance(ours, GradWatchCommHook):
+        if ours.view is not None:
+            raise GradWatchError(
+                "gradwatch: another GradWatch already watches this DDP module through its "
+                "communication hook; close() it first, or pass rank_view=False to this one "
+                f"(one hook per module: compose your own with {WRAPPER})"
+            )
+        ours.view = view
+        return ours
+    hooks = _registered(ddp)
+    if hooks:
+        user = getattr(hooks[0][0], "__qualname__", repr(hooks[0][0]))
+        log.warning(
+            "gradwatch: this DDP module already has a communication hook (%s), and DDP allows "
+            "one: the per-rank view (non-finite origin, replica spread, noise scale) is off. To "
+            "keep your hook and get the view, construct GradWatch before registering your "
+            "hook and register %s in its place",
+            user,
+            WRAPPER,
+        )
+        return None
+    hook = GradWatchCommHook(view, None)
+    ddp.register_comm_hook(ddp.process_group, hook)
+    ddp._gradwatch_hook = hook  # type: ignore[attr-defined]
+    _guard(ddp, hook)
+    return hook
+
+
+def _guard(ddp: nn.parallel.DistributedDataParallel, hook: GradWatchCommHook) -> None:
+    """Later registrations on ``ddp``: gradwatch's wrapper composes with the registered hook;
+    anything else fails with a message naming the wrapper (DDP's own would only say "once")."""
+
+    def register_comm_hook(state: object, new: Callable[..., Any]) -> None:
+        if isinstance(new, GradWatchCommHook):
+            if new.view is not None and hook.view is not None and new.view is not hook.view:
+                raise GradWatchError(
+                    "gradwatch: this DDP module is watched by another GradWatch; pass that "
+                    f"watch to {WRAPPER}"
+                )
+            hook.inner, hook.inner_state = new.inner, state
+            return
+        raise GradWatchError(
+            "gradwatch: GradWatch registered its communication hook on this DDP module and DDP "
+            f"allows one: register {WRAPPER} instead of "
+            f"{getattr(new, '__qualname__', repr(new))}; it measures the per-rank view and "
+            "then runs your hook"
+        )
+
+    def register_builtin(comm_hook_type: object) -> None:
+        raise GradWatchError(
+            "gradwatch: GradWatch registered its communication hook on this DDP module and DDP "
+            f"allows one: a built-in hook ({comm_hook_type}) cannot be added; use its Python "
+            f"equivalent through {WRAPPER}"
+        )
+
+    ddp.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
+    ddp._register_builtin_comm_hook = register_builtin  # type: ignore[method-assign]
+
+
+def detach(hook: GradWatchCommHook | None) -> None:
+    """The watch closed: the hook stays registered (DDP cannot remove it) but only reduces."""
+    if hook is not None:
+        hook.view = None
