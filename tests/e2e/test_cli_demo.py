@@ -403,7 +403,9 @@ def test_scrape_a_real_endpoint(live_server: MetricsServer) -> None:
     assert view.groups["seed"].nonfinite == 1
     assert view.nonfinite_steps == 1 and view.exploding_steps == 1 and view.collections == 1
     assert view.isolation_violated == {"host": False}
-    assert view.ratios == {"seed/host": 0.0}
+    # The denominator (host) had no gradient: the ratio is undefined, exported as NaN (never a
+    # 0 that would read as dormant).
+    assert set(view.ratios) == {"seed/host"} and math.isnan(view.ratios["seed/host"])
     assert view.version is not None and view.parallelism == "ddp2"
 
 
