@@ -262,7 +262,11 @@ def _scrape(state: PublishedState) -> dict[str, dict[tuple[tuple[str, str], ...]
     stats = SelfStats()
     stats.set_collecting(True)
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(state, stats, world_size=1, parallelism="single"))
+    registry.register(
+        SnapshotCollector(
+            state, stats, world_size=1, parallelism="single", run_id="run", start_time=0.0
+        )
+    )
     text = generate_latest(registry).decode()
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(text):
@@ -446,7 +450,11 @@ def _view(state: PublishedState) -> EndpointView:
     stats = SelfStats()
     stats.set_collecting(True)
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(state, stats, world_size=1, parallelism="single"))
+    registry.register(
+        SnapshotCollector(
+            state, stats, world_size=1, parallelism="single", run_id="run", start_time=0.0
+        )
+    )
     return parse_exposition(generate_latest(registry).decode())
 
 
