@@ -303,6 +303,7 @@ class Plan:
     models: tuple[ModelSpec, ...]
     dist_steps: dict[str, int]
     scrapers: tuple[ScrapersPlan, ...]
+    scale_worlds: tuple[int, ...] = (8, 64, 1024, 16384)  # simulated ranks (benchmarks/scale.py)
 
 
 def full_plan() -> Plan:
@@ -335,4 +336,5 @@ def quick_plan() -> Plan:
         models=(ModelSpec("demo", "demo"),),
         dist_steps={"ddp": 8, "fsdp2": 8},
         scrapers=(ScrapersPlan(4, 0.3, 1, n_slowloris=4, n_ordinary=4),),
+        scale_worlds=(8,),
     )

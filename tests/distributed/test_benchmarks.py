@@ -49,8 +49,11 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     for heading in ("## Machine", "## Targets", "## Per-collect cost", "## Mixed sizes",
                     "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
-                    "## CUDA"):
+                    "## CUDA", "## Construction at scale"):
         assert heading in text
+    _header, scale_rows = _rows(text, "| case | ranks | mesh |")
+    assert {r[0] for r in scale_rows} == {"DDP", "FSDP2", "FSDP2 x TP", "HSDP",
+                                          "PP x FSDP2 x TP"}
     assert not re.search(r"\bissues?\b", text, re.IGNORECASE)  # targets stated as targets
     assert "Command: `python benchmarks/run.py --quick" in text
     header, rows = _rows(text, "| case | method |")
