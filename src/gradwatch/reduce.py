@@ -387,12 +387,14 @@ class Reducer:
                     f"gradwatch: construction handshake failed or timed out after "
                     f"{timeout_seconds}s: every rank must construct GradWatch ({exc})"
                 ) from exc
+            self.hosts = gathered.hosts  # per rank, from the handshake's fixed-size records
             try:
                 self.layout = derive_layout(gathered, dist.get_rank())
             except (LayoutMismatchError, UnsupportedParallelismError):
                 self.close()  # every rank raises the same error: release the group everywhere
                 raise
         else:
+            self.hosts = (record.host,)
             self.layout = derive_layout(handshake.local(desc, record), 0)
         lay = self.layout
         local_idx = torch.arange(len(lay.local_to_global))
