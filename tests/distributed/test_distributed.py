@@ -228,3 +228,12 @@ def test_mismatch_names_digest_groups_on_every_rank(w4: list) -> None:
         assert "digest group 1 (ranks 2)" in res["message"]
         assert "'1.weight'" in res["message"]
     assert len({r["message"] for r in per_rank}) == 1
+
+
+@pytest.mark.timeout(240)
+def test_rank_that_never_constructs_times_out_bounded(w2: list) -> None:
+    waiting, absent = _case(w2, "never_constructs")
+    assert absent["skipped"]
+    assert waiting["error_type"] == "GradWatchTimeoutError"
+    assert waiting["message"].startswith("gradwatch: construction handshake failed or timed out")
+    assert waiting["seconds"] < 10  # bounded by collective_timeout_seconds=3, not a hang

@@ -641,6 +641,21 @@ def case_timeout_absent(rank: int, world: int) -> dict:
     return out
 
 
+def case_never_constructs(rank: int, world: int) -> dict:
+    """The last rank never constructs GradWatch (and stays alive): the others get the bounded
+    handshake timeout error. Last of its suite: the absent rank never creates gradwatch's
+    process group, so later groups would not pair up."""
+    from gradwatch import GradWatch
+
+    if rank == world - 1:
+        out: dict[str, Any] = {"error_type": None, "skipped": True}
+    else:
+        out = expect_error(
+            lambda: GradWatch(nn.Linear(3, 2), config(collective_timeout_seconds=3)))
+    dist.barrier()
+    return out
+
+
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
     "w2": [
         ("ddp_fp32", case_ddp()),
@@ -662,6 +677,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("partial_grad", case_partial_grad),
         ("timeout_raise", case_timeout_raise),
         ("timeout_absent", case_timeout_absent),
+        ("never_constructs", case_never_constructs),  # last: see its docstring
     ],
     "w4": [
         ("ddp_fp32", case_ddp()),
