@@ -128,11 +128,11 @@ class RankRecord:
     host: str
 
     def pack(self) -> bytes:
-        coords = list(self.coords[:MAX_COORDS]) + [0] * (MAX_COORDS - min(len(self.coords),
-                                                                          MAX_COORDS))
+        coords = self.coords[:MAX_COORDS]
+        padded = (*coords, *(0,) * (MAX_COORDS - len(coords)))
         return _RECORD.pack(
             self.digest, self.length, self.stage_digest.ljust(8, b"\0"), self.stage_size,
-            len(self.coords) if not self.overflow else -1, int(self.overflow), *coords,
+            -1 if self.overflow else len(coords), int(self.overflow), *padded,
             self.host.encode()[:HOST_BYTES],
         )
 
