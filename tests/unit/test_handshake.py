@@ -89,6 +89,14 @@ def random_world(rng: random.Random) -> tuple[list[Rank], list[list[int] | None]
         per_rank.append(pieces)
         stage_lists.append(
             [s * inner + within for s in range(stages)] if stages > 1 else None)
+    if rng.random() < 0.5:
+        # Ranks need not be laid out stage-major and mesh-major: shuffle which rank is which.
+        order = list(range(world))
+        rng.shuffle(order)  # order[new] = old
+        new_of = {old: new for new, old in enumerate(order)}
+        per_rank = [per_rank[old] for old in order]
+        stage_lists = [sorted(new_of[o] for o in stage_lists[old])
+                       if stage_lists[old] is not None else None for old in order]
     return per_rank, stage_lists
 
 
