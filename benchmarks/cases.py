@@ -308,6 +308,7 @@ class Plan:
     dist_steps: dict[str, int]
     scrapers: tuple[ScrapersPlan, ...]
     spike_rounds: int = 30  # result() calls timed by the spike-detection case
+    scale_worlds: tuple[int, ...] = (8, 64, 1024, 16384)  # simulated ranks (benchmarks/scale.py)
 
 
 def full_plan() -> Plan:
@@ -341,4 +342,5 @@ def quick_plan() -> Plan:
         dist_steps={"ddp": 8, "fsdp2": 8},
         scrapers=(ScrapersPlan(4, 0.3, 1, n_slowloris=4, n_ordinary=4),),
         spike_rounds=3,
+        scale_worlds=(8,),
     )

@@ -32,10 +32,12 @@ from benchmarks.results import (
     NormCaseResult,
     NormMethod,
     RunResults,
+    ScaleResult,
     ScrapeLatencyResult,
     ScrapersResult,
     SpikeCostResult,
     StepMode,
+    Target,
     TargetCheck,
     Timing,
 )
@@ -212,6 +214,42 @@ def scrapers_table(results: Sequence[ScrapersResult | Failure]) -> str:
          "scraper clients' own CPU", "exporter process CPU"], rows)
 
 
+SCALE_TARGET_CASE = "PP x FSDP2 x TP"
+SCALE_TARGET_WORLD = 16384
+SCALE_SECONDS_TARGET = Target(10.0, " s")
+SCALE_GIB_TARGET = Target(1.0, " GiB")
+
+SCALE_TEXT = (
+    "Simulated ranks (`benchmarks/scale.py`): a 3,000-parameter transformer-like model (187 "
+    "layers of 16 parameters, d=4096, ffn=11008, vocab=50257: uneven and empty shards at "
+    "every size) under each parallelism. Every rank's pieces are built by the production "
+    "`piece_from_placements` and described by the production `handshake.describe` (ranks of "
+    "the same structure share one description, as their digests make them share it in a real "
+    "run; a self-check compares the shortcuts with torch's shard sizes and a full describe of "
+    "every rank on 8 ranks). *Layout step*: what each rank runs after the exchange: "
+    "decoding the records and distinct descriptions and deriving the layout, wall time on one "
+    "core and peak Python memory (tracemalloc). *Handshake per rank*: bytes of the tensors this "
+    "rank passes to the handshake's collectives, sent / received (a fixed-size record, plus "
+    "each distinct description once when they differ); *former handshake*: what the previous "
+    "all-gather of every rank's full JSON description received per rank. *Per-step vector*: "
+    "the one float64 all-reduce per collect (`5N + R + 1` values, R replica slots capped at "
+    "64). See [scale.md](scale.md) for the cost model.\n"
+)
+
+
+def scale_table(results: Sequence[ScaleResult]) -> str:
+    if not results:
+        return "skipped"
+    return table(
+        ["case", "ranks", "mesh", "distinct descriptions", "layout step", "peak memory",
+         "handshake per rank (sent / received)", "former handshake (received)",
+         "per-step vector (R)"],
+        [[r.case, f"{r.world:,}", r.mesh, r.distinct, f"{r.seconds:.2f} s",
+          fmt_bytes(r.peak_bytes), f"{fmt_bytes(r.sent_bytes)} / {fmt_bytes(r.received_bytes)}",
+          fmt_bytes(r.old_received_bytes), f"{fmt_bytes(r.packed_bytes)} ({r.replicas})"]
+         for r in results])
+
+
 def scrape_latency_table(results: Sequence[ScrapeLatencyResult]) -> str:
     return table(["parameters", "top-k", "collect+result ms", "scrape ms, new step (render)",
                   "max", "scrape ms, cached", "body", "scrapes"],
@@ -285,6 +323,14 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
         checks.append(TargetCheck(
             "spikes", f"spike detection at {sc.n_params:,} parameters, {sc.groups} groups: "
             f"{sc.target} of result()", sc.target, sc.share_pct, f"{sc.share_pct:.2f}%"))
+    for r in run.scale:
+        if r.case == SCALE_TARGET_CASE and r.world == SCALE_TARGET_WORLD:
+            subject = f"{r.case} layout step at {r.world:,} simulated ranks, one core"
+            checks.append(TargetCheck("scale", f"{subject}: {SCALE_SECONDS_TARGET}",
+                                      SCALE_SECONDS_TARGET, r.seconds, f"{r.seconds:.2f} s"))
+            gib = r.peak_bytes / 2**30
+            checks.append(TargetCheck("scale", f"{subject}: peak memory {SCALE_GIB_TARGET}",
+                                      SCALE_GIB_TARGET, gib, fmt_bytes(r.peak_bytes)))
     for s in _judged_scrapers(run):
         checks.append(TargetCheck(
             "scraping", f"DDP step time with {s.n_scrapers} scrapers: {s.target}", s.target,
@@ -561,6 +607,9 @@ def render(run: RunResults) -> str:
         "## Distributed (2 ranks, gloo, CPU, spawn, 1 thread per rank)\n",
         DISTRIBUTED_TEXT.format(demo=run.demo_model),
         dist_text + "\n",
+        "## Construction at scale (simulated ranks, one core)\n",
+        SCALE_TEXT,
+        scale_table(run.scale) + "\n",
         "## Scrapers during training\n",
         "2-rank DDP (gloo) job training the demo model (as above), `collect` every step, rank 0 "
         "serving `param_metrics_top_k=50`; the clients are threads of a process of their own on "

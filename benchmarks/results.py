@@ -359,6 +359,24 @@ class Failure:
 # -- a whole run ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ScaleResult:
+    """One simulated world of the scale section: the handshake's layout step."""
+
+    case: str
+    world: int
+    n_params: int
+    mesh: str
+    distinct: int  # distinct descriptions (digest groups)
+    seconds: float  # the layout step on one core
+    peak_bytes: int  # its peak Python memory (tracemalloc)
+    sent_bytes: int  # handshake bytes per rank
+    received_bytes: int
+    old_received_bytes: int  # the former all-gather of every rank's JSON description
+    packed_bytes: int  # the per-step all-reduce vector
+    replicas: int  # replica slots in it
+
+
 @dataclass
 class RunResults:
     """Everything one run measured, and how it ran (filled section by section)."""
@@ -380,3 +398,4 @@ class RunResults:
     load_start: tuple[float, float, float] = (0.0, 0.0, 0.0)
     load_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
     machine: str = ""
+    scale: list[ScaleResult] = field(default_factory=list)

@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the `benchmarks` package 
 
 import torch  # noqa: E402
 
-from benchmarks import distributed, measure, report  # noqa: E402
+from benchmarks import distributed, measure, report, scale  # noqa: E402
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
 from benchmarks.results import Failure, RunResults  # noqa: E402
 
@@ -83,6 +83,7 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
         plan.scrape_params, plan.scrape_rounds))
     run.spike_cost = section("spike detection", lambda: measure.spike_cost(
         plan.scrape_params, plan.spike_rounds))
+    run.scale = section("scale", lambda: scale.measure(plan.scale_worlds))
     if distributed_sections:
         run.distributed = section("distributed", lambda: distributed.overhead(
             plan.models, plan.dist_steps))

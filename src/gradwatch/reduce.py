@@ -5,8 +5,9 @@ parameter's name, its global shape, and a piece key. A plain tensor is one piece
 DTensor's piece key is its coordinates on the mesh dimensions where its placement is a Shard
 (``_StridedShard`` included). Ranks holding the same key of the same name hold identical copies
 (DDP replicas, the replicate dim of HSDP, TP-replicated weights, copies on other coordinates of a
-larger world mesh that the tensor's own mesh does not cover). One handshake (an all-gather of
-JSON bytes, no numpy) shares the descriptions; every rank then derives the same global layout:
+larger world mesh that the tensor's own mesh does not cover). The handshake
+(:mod:`gradwatch.handshake`: fixed-size digests first, each distinct description once) shares
+the descriptions; every rank then derives the same global layout:
 
 * the global parameter list, in order of first appearance over ranks 0..W-1;
 * for each piece, its *contributor*: the lowest rank holding it. Only contributors add the piece's
@@ -15,6 +16,10 @@ JSON bytes, no numpy) shares the descriptions; every rank then derives the same 
   configuration hashes or versions, a name with different global shapes, pieces that do not tile
   the parameter (numel of distinct pieces != global numel), a name held by two ranks of the same
   pipeline stage group.
+
+:func:`build_layout` states these semantics over every rank's full description;
+:func:`derive_layout` computes the same layout from the handshake's distinct descriptions
+without walking world x parameters entries.
 
 **Per collect.** Each rank fills one float64 vector of length ``5N + R + 1``:
 ``[sq contributions (N) | high band (N) | low band (N) | non-finite flags (N) | has-gradient
@@ -25,10 +30,11 @@ and all-reduces it once with SUM over gradwatch's own process group (created at 
 with ``collective_timeout_seconds``). Non-finite and has-gradient flags are *not* masked, so a
 NaN on any replica is seen even though its squared norm is not counted. The replica slots hold,
 for each piece with the maximal number of holders R, its squared norm at the slot of the holder's
-position: identical replicas give identical slot sums, and their relative spread is the replica
-divergence (filled on divergence steps only). The step slot detects ranks that collected
-different steps. Payload: O(parameters), never O(elements); never bf16/fp16. Replica sums
-compare plain-band squares only (norms within [2^-450, 2^450]).
+position (at most ``handshake.MAX_REPLICA_SLOTS`` slots: the lowest-ranked holders): identical
+replicas give identical slot sums, and their relative spread is the replica divergence (filled
+on divergence steps only). The step slot detects ranks that collected different steps.
+Payload: O(parameters), never O(elements); never bf16/fp16. Replica sums compare plain-band
+squares only (norms within [2^-450, 2^450]).
 
 **The rank view** (when every rank declares ``rank_view_groups=G > 0`` in the handshake:
 its DDP comm hook measures, see :mod:`gradwatch.ddp_hook`): after the step slot, each
@@ -52,9 +58,8 @@ import contextlib
 import json
 import logging
 import math
-import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -62,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gradwatch import handshake
 from gradwatch.errors import (
     GradWatchTimeoutError,
     LayoutMismatchError,
@@ -79,6 +85,10 @@ class LocalPiece:
     global_shape: tuple[int, ...]
     key: tuple[Any, ...]  # identifies the piece; equal keys on two ranks = identical copies
     numel: int  # elements of the local piece (0 for an empty shard)
+    # A DTensor's mesh (None: plain tensor, or a key given as is) and this rank's coordinates
+    # on it: the handshake describes the piece relative to the mesh (see gradwatch.handshake).
+    mesh: Any = field(default=None, compare=False)
+    coords: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,9 +180,29 @@ def piece_of(name: str, param: Tensor) -> LocalPiece:
     if spec is None or not hasattr(param, "_local_tensor"):
         return LocalPiece(name, tuple(param.shape), ("whole",), param.numel())
     mesh = param.device_mesh
-    coords = mesh.get_coordinate()
+    return piece_from_placements(
+        name,
+        tuple(param.shape),
+        param.placements,
+        mesh,
+        mesh.get_coordinate(),
+        param._local_tensor.numel(),
+    )
+
+
+def piece_from_placements(
+    name: str,
+    global_shape: tuple[int, ...],
+    placements: Sequence[Any],
+    mesh: Any,
+    coords: Sequence[int] | None,
+    numel: int,
+) -> LocalPiece:
+    """The piece of a DTensor from its placements, its mesh (any hashable identity) and this
+    rank's coordinates on it (None: not in the mesh); pure, so simulations describe fake
+    ranks with the code real ones use."""
     key: list[Any] = []
-    for dim, placement in enumerate(param.placements):
+    for dim, placement in enumerate(placements):
         if placement.is_partial():
             raise UnsupportedParallelismError(
                 f"gradwatch: parameter {name!r} has a Partial placement on mesh dim {dim}; "
@@ -180,27 +210,22 @@ def piece_of(name: str, param: Tensor) -> LocalPiece:
             )
         if placement.is_replicate():
             continue
-        key.append([dim, coords[dim] if coords is not None else -1, repr(placement)])
-    return LocalPiece(name, tuple(param.shape), tuple(key), param._local_tensor.numel())
-
-
-def _all_gather_bytes(payload: bytes, group: Any, device: torch.device) -> list[bytes]:
-    """All-gather variable-length bytes with two tensor collectives (no pickle, no numpy)."""
-    world = dist.get_world_size(group)
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    max_len = max(int(x.item()) for x in lengths)
-    buf = torch.zeros(max_len, dtype=torch.uint8, device=device)
-    if payload:
-        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    bufs = [torch.zeros_like(buf) for _ in range(world)]
-    dist.all_gather(bufs, buf, group=group)
-    return [bytes(b[: int(n.item())].cpu().tolist()) for b, n in zip(bufs, lengths, strict=True)]
+        key.append((dim, coords[dim] if coords is not None else -1, repr(placement)))
+    return LocalPiece(
+        name,
+        tuple(global_shape),
+        tuple(key),
+        numel,
+        mesh=mesh,
+        coords=tuple(coords) if coords is not None else (-1,) * len(placements),
+    )
 
 
 def build_layout(per_rank: Sequence[dict[str, Any]], rank: int) -> Layout:
-    """Derive the global layout from every rank's description (pure; identical on every rank).
+    """Derive the global layout from every rank's full description (pure; identical on every
+    rank): the reference semantics, walking world x parameters entries. The handshake derives
+    the same layout from distinct descriptions only (:func:`derive_layout`; tests prove them
+    equal).
 
     ``per_rank[r]`` = ``{"version", "config", "pieces": [[name, shape, key, numel], ...],
     "stage": [ranks of r's stage group] or None}``.
@@ -268,6 +293,7 @@ def build_layout(per_rank: Sequence[dict[str, Any]], rank: int) -> Layout:
                 "elements; its placements are not understood (please report this layout)"
             )
     replicas = max((len(h) for h in holders.values()), default=1)
+    cap = handshake.MAX_REPLICA_SLOTS
     local_to_global, contributes, slots = [], [], []
     for name, _shape, key, numel in per_rank[rank]["pieces"]:
         local_to_global.append(index[name])
@@ -277,14 +303,15 @@ def build_layout(per_rank: Sequence[dict[str, Any]], rank: int) -> Layout:
             continue
         h = holders[(name, json.dumps(key))]
         contributes.append(h[0] == rank)
-        slots.append(h.index(rank) if replicas > 1 and len(h) == replicas else -1)
+        at = h.index(rank)
+        slots.append(at if replicas > 1 and len(h) == replicas and at < cap else -1)
     return Layout(
         names=tuple(names),
         numels=tuple(numels),
         local_to_global=tuple(local_to_global),
         contributes=tuple(contributes),
         replica_slot=tuple(slots),
-        replicas=replicas,
+        replicas=min(replicas, cap),
         world_size=world,
         rank=rank,
         hosts=tuple(str(d.get("host", "")) for d in per_rank),
@@ -304,6 +331,19 @@ def _replica_groups(per_rank: Sequence[dict[str, Any]]) -> tuple[tuple[int, ...]
     hold one replica's parts), else the rank alone; ordered by lowest rank."""
     groups = {tuple(sorted(d.get("stage") or [r])) for r, d in enumerate(per_rank)}
     return tuple(sorted(groups))
+
+
+def derive_layout(gathered: handshake.Gathered, rank: int) -> Layout:
+    """The layout from the handshake's distinct descriptions and per-rank records (pure;
+    equal to :func:`build_layout` on the full descriptions)."""
+    return Layout(
+        *handshake.derive(gathered, rank),
+        world_size=len(gathered.rank_group),
+        rank=rank,
+        hosts=gathered.hosts,
+        replica_groups=handshake.replica_groups(gathered),
+        rank_view_groups=handshake.rank_view_groups(gathered),
+    )
 
 
 def _check_name_sets(
@@ -381,41 +421,38 @@ class Reducer:
         self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
         self.group: Any = None
         self.device = torch.device("cpu")
-        desc = {
-            "version": version,
-            "config": config_hash,
-            "pieces": [[p.name, list(p.global_shape), list(p.key), p.numel] for p in pieces],
-            "stage": None,
-            "host": socket.gethostname(),
-            "rank_view": rank_view_groups,
-        }
+        stage_ranks = None
+        if self.distributed and dist.get_world_size() > 1 and stage_group is not None:
+            stage_ranks = dist.get_process_group_ranks(stage_group)
+        desc, record = handshake.describe(
+            pieces, version=version, config_hash=config_hash, stage_ranks=stage_ranks,
+            rank_view=rank_view_groups,
+        )
         if self.distributed and dist.get_world_size() > 1:
             backend = str(dist.get_backend())
             if "nccl" in backend and torch.cuda.is_available():
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            if stage_group is not None:
-                desc["stage"] = sorted(dist.get_process_group_ranks(stage_group))
-            raw = json.dumps(desc, sort_keys=True).encode()
             try:
                 # gradwatch's own group: its timeout bounds every wait, and its traffic never
                 # interleaves with the job's collectives on the default group. Every rank of
                 # the world creates it here, in the same order relative to the job's groups.
                 self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
-                gathered = _all_gather_bytes(raw, self.group, self.device)
+                gathered = handshake.exchange(desc, record, self.group, self.device)
             except RuntimeError as exc:
                 self.close()
                 raise GradWatchTimeoutError(
                     f"gradwatch: construction handshake failed or timed out after "
                     f"{timeout_seconds}s: every rank must construct GradWatch ({exc})"
                 ) from exc
-            per_rank = [json.loads(b) for b in gathered]
+            self.hosts = gathered.hosts  # per rank, from the handshake's fixed-size records
             try:
-                self.layout = build_layout(per_rank, dist.get_rank())
-            except LayoutMismatchError:
+                self.layout = derive_layout(gathered, dist.get_rank())
+            except (LayoutMismatchError, UnsupportedParallelismError):
                 self.close()  # every rank raises the same error: release the group everywhere
                 raise
         else:
-            self.layout = build_layout([json.loads(json.dumps(desc))], 0)
+            self.hosts = (record.host,)
+            self.layout = derive_layout(handshake.local(desc, record), 0)
         lay = self.layout
         local_idx = torch.arange(len(lay.local_to_global))
         to_global = torch.tensor(lay.local_to_global, dtype=torch.long)

@@ -49,10 +49,13 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     for heading in ("## Machine", "## Targets", "## Per-collect cost", "## Mixed sizes",
                     "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
-                    "## Spike detection", "## CUDA"):
+                    "## Spike detection", "## CUDA", "## Construction at scale"):
         assert heading in text
     header, rows = _rows(text, "| parameters | groups | window |")
     assert len(rows) == 1 and rows[0][1] == str(cases.SPIKE_GROUPS) and rows[0][5].endswith("%")
+    _header, scale_rows = _rows(text, "| case | ranks | mesh |")
+    assert {r[0] for r in scale_rows} == {"DDP", "FSDP2", "FSDP2 x TP", "HSDP",
+                                          "PP x FSDP2 x TP"}
     assert not re.search(r"\bissues?\b", text, re.IGNORECASE)  # targets stated as targets
     assert "Command: `python benchmarks/run.py --quick" in text
     header, rows = _rows(text, "| case | method |")

@@ -93,9 +93,12 @@ def test_four_ranks_match_unsharded(w4: list, case: str, tol: float, parallelism
 
 @pytest.mark.timeout(240)
 def test_handshake_only_at_construction(w2: list, w4: list) -> None:
-    for world, case in ((w2, "ddp_fp32"), (w2, "fsdp2_fp32_1e18"), (w4, "pipeline_ddp")):
+    # One all-gather of fixed-size digests; a second collective (each distinct description
+    # once) only where ranks differ in structure: pipeline stages, uneven shard sizes.
+    for world, case, expected in ((w2, "ddp_fp32", 1), (w2, "fsdp2_fp32_1e18", 2),
+                                  (w4, "pipeline_ddp", 2)):
         for res in _case(world, case):
-            assert res["ctor_collectives"] == 2  # the two all-gathers of the handshake
+            assert res["ctor_collectives"] == expected, case
     for res in _case(w2, "ddp_fp32") + _case(w4, "ddp_fp32"):
         assert res["per_collect"] == [1, 1, 1]
 
@@ -198,3 +201,39 @@ def test_missing_rank_times_out_with_gradwatch_error(w2: list, case: str) -> Non
     assert waiting["message"].startswith("gradwatch:")
     assert 2.5 < waiting["seconds"] < 20
     assert missing["error_type"] is None
+
+
+@pytest.mark.timeout(240)
+def test_handshake_bytes_constant_across_model_sizes(w2: list, w4: list) -> None:
+    """Ranks that agree send one fixed-size record and receive world x record, whatever the
+    number of parameters (50 or 2,000): one all-gather, no description on the wire."""
+    from gradwatch.handshake import RECORD_BYTES
+
+    for world, per_rank in ((2, _case(w2, "handshake_bytes")), (4, _case(w4, "handshake_bytes"))):
+        for res in per_rank:
+            for kind in ("replicated", "fsdp2"):
+                small, large = res[f"{kind}_50"], res[f"{kind}_2000"]
+                assert (small["n_params"], large["n_params"]) == (50, 2000)
+                for got in (small, large):
+                    assert len(got["ops"]) == 1, got["ops"]
+                    assert (got["sent"], got["received"]) == (RECORD_BYTES, world * RECORD_BYTES)
+
+
+@pytest.mark.timeout(240)
+def test_mismatch_names_digest_groups_on_every_rank(w4: list) -> None:
+    per_rank = _case(w4, "names_mismatch_one_rank")
+    for res in per_rank:
+        assert res["error_type"] == "LayoutMismatchError" and res["seconds"] < 10
+        assert "digest group 0 (ranks 0-1, 3)" in res["message"]
+        assert "digest group 1 (ranks 2)" in res["message"]
+        assert "'1.weight'" in res["message"]
+    assert len({r["message"] for r in per_rank}) == 1
+
+
+@pytest.mark.timeout(240)
+def test_rank_that_never_constructs_times_out_bounded(w2: list) -> None:
+    waiting, absent = _case(w2, "never_constructs")
+    assert absent["skipped"]
+    assert waiting["error_type"] == "GradWatchTimeoutError"
+    assert waiting["message"].startswith("gradwatch: construction handshake failed or timed out")
+    assert waiting["seconds"] < 10  # bounded by collective_timeout_seconds=3, not a hang

@@ -460,6 +460,59 @@ def case_names_mismatch(rank: int, world: int) -> dict:
     return expect_error(lambda: GradWatch(model, config()))
 
 
+def case_names_mismatch_one_rank(rank: int, world: int) -> dict:
+    """Rank 2 alone holds an extra layer: two digest groups, named in the error."""
+    from gradwatch import GradWatch
+
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(2 if rank == 2 else 1)])
+    return expect_error(lambda: GradWatch(model, config()))
+
+
+class ByteSpy(TorchDispatchMode):
+    """Per c10d op, the bytes of its smallest tensor argument (what this rank sends: the input
+    of an all-gather, the all-reduced buffer) and of its largest (what it receives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.sent = 0
+        self.received = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket)
+        if name.startswith("c10d"):
+            sizes = [t.numel() * t.element_size() for t in tree_leaves((args, kwargs or {}))
+                     if isinstance(t, torch.Tensor)]
+            self.ops.append(name)
+            self.sent += min(sizes, default=0)
+            self.received += max(sizes, default=0)
+        return func(*args, **(kwargs or {}))
+
+
+def case_handshake_bytes(rank: int, world: int) -> dict:
+    """Handshake bytes of 50- and 2,000-parameter models, plain replicas and FSDP2 with even
+    shards (every rank agrees on the structure)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gradwatch import GradWatch
+
+    out: dict[str, Any] = {}
+    for n in (50, 2000):
+        for kind in ("replicated", "fsdp2"):
+            torch.manual_seed(0)
+            model = nn.Module()
+            model.params = nn.ParameterList(
+                [nn.Parameter(torch.randn(2 * world, 3)) for _ in range(n)])
+            if kind == "fsdp2":
+                fully_shard(model)
+            with ByteSpy() as spy:
+                watch = GradWatch(model, config())
+            out[f"{kind}_{n}"] = {"sent": spy.sent, "received": spy.received, "ops": spy.ops,
+                                  "n_params": watch._layout.size}
+            watch.close()
+    return out
+
+
 def case_partial_param(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
@@ -588,6 +641,21 @@ def case_timeout_absent(rank: int, world: int) -> dict:
     return out
 
 
+def case_never_constructs(rank: int, world: int) -> dict:
+    """The last rank never constructs GradWatch (and stays alive): the others get the bounded
+    handshake timeout error. Last of its suite: the absent rank never creates gradwatch's
+    process group, so later groups would not pair up."""
+    from gradwatch import GradWatch
+
+    if rank == world - 1:
+        out: dict[str, Any] = {"error_type": None, "skipped": True}
+    else:
+        out = expect_error(
+            lambda: GradWatch(nn.Linear(3, 2), config(collective_timeout_seconds=3)))
+    dist.barrier()
+    return out
+
+
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
     "w2": [
         ("ddp_fp32", case_ddp()),
@@ -604,10 +672,12 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("config_mismatch", case_config_mismatch),
         ("shape_mismatch", case_shape_mismatch),
         ("names_mismatch", case_names_mismatch),
+        ("handshake_bytes", case_handshake_bytes),
         ("partial_param", case_partial_param),
         ("partial_grad", case_partial_grad),
         ("timeout_raise", case_timeout_raise),
         ("timeout_absent", case_timeout_absent),
+        ("never_constructs", case_never_constructs),  # last: see its docstring
     ],
     "w4": [
         ("ddp_fp32", case_ddp()),
@@ -616,6 +686,8 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("hsdp", case_hsdp),
         ("hsdp_tp_3d", case_tp_3d),
         ("pipeline_ddp", case_pipeline(with_ddp=True)),
+        ("handshake_bytes", case_handshake_bytes),
+        ("names_mismatch_one_rank", case_names_mismatch_one_rank),
     ],
 }
 

@@ -1,0 +1,313 @@
+"""Construction at scale, simulated: the handshake's layout step for thousands of ranks.
+
+No machine here has 16,384 ranks, so the ranks are simulated: for a 3,000-parameter
+transformer-like model under DDP, FSDP2, FSDP2 x TP, HSDP and PP x FSDP2 x TP, each rank's
+pieces are built by the production :func:`gradwatch.reduce.piece_from_placements` (real torch
+placements, local shard sizes by the chunking DTensor uses: uneven and empty shards included)
+and described by the production :func:`gradwatch.handshake.describe`. Ranks whose pieces are
+the same (same stage, same local shard sizes) share one description, as the digests make them
+share it in a real run; their records differ only in coordinates, stage group and host, which
+are filled per rank. :func:`self_check` proves those shortcuts on a small world: the local sizes
+equal torch's ``_compute_local_shape_and_global_offset`` and the records equal a full
+``describe`` of every rank.
+
+Measured: the layout step every rank runs after receiving the records (and, when descriptions
+differ, the distinct descriptions): decoding them and deriving the layout
+(:func:`gradwatch.handshake.simulate` + :func:`gradwatch.reduce.derive_layout`), its wall time
+on one core and its peak Python memory (tracemalloc), and the handshake bytes per rank
+(:func:`gradwatch.handshake.bytes_per_rank`), next to what the former handshake (every rank's
+JSON description all-gathered, padded to the longest) would have received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from benchmarks.results import ScaleResult
+from gradwatch import handshake
+from gradwatch.reduce import LocalPiece, derive_layout, piece_from_placements
+
+CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP")
+WORLDS = (8, 64, 1024, 16384)
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    tp: str  # "col" (rows split by TP), "row" (columns split), "rep" (replicated over TP),
+    # "none" (not TP-parallel: lives on the data-parallel sub-mesh)
+
+
+def transformer(layers: int = 187, d: int = 4096, ffn: int = 11008, vocab: int = 50257,
+                ctx: int = 4096) -> list[Param]:
+    """16 parameters per layer + 8 around them: 3,000 parameters at 187 layers."""
+    out = [Param("embed.weight", (vocab, d), "col"), Param("pos.weight", (ctx, d), "none"),
+           Param("embed_norm.weight", (d,), "none"), Param("embed_norm.bias", (d,), "none")]
+    for i in range(layers):
+        p = f"layers.{i}."
+        for x in "qkv":
+            out += [Param(f"{p}attn.{x}.weight", (d, d), "col"),
+                    Param(f"{p}attn.{x}.bias", (d,), "col")]
+        out += [Param(f"{p}attn.o.weight", (d, d), "row"), Param(f"{p}attn.o.bias", (d,), "rep")]
+        for n in ("ln1", "ln2"):
+            out += [Param(f"{p}{n}.weight", (d,), "none"), Param(f"{p}{n}.bias", (d,), "none")]
+        out += [Param(f"{p}mlp.up.weight", (ffn, d), "col"),
+                Param(f"{p}mlp.up.bias", (ffn,), "col"),
+                Param(f"{p}mlp.down.weight", (d, ffn), "row"),
+                Param(f"{p}mlp.down.bias", (d,), "rep")]
+    out += [Param("ln_f.weight", (d,), "none"), Param("ln_f.bias", (d,), "none"),
+            Param("head.weight", (vocab, d), "col"), Param("head.bias", (vocab,), "col")]
+    return out
+
+
+def chunk(size: int, parts: int, at: int) -> int:
+    """Elements at position ``at`` of ``size`` split in ``parts`` (torch.chunk / DTensor Shard:
+    ceil-sized chunks, the last ones short or empty)."""
+    full = -(-size // parts)
+    return max(0, min(size, full * (at + 1)) - full * at)
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One parallelism: the mesh of a rank and how each kind of parameter is placed on it."""
+
+    name: str
+    world: int
+    pp: int = 1
+    dp: int = 1  # FSDP shard degree
+    tp: int = 1
+    rep: int = 1  # HSDP replicate degree
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(stage, replicate, shard, tp) coordinates of ``rank``."""
+        rank, t = divmod(rank, self.tp)
+        rank, d = divmod(rank, self.dp)
+        p, r = divmod(rank, self.rep)
+        return p, r, d, t
+
+    def stage_params(self, params: Sequence[Param], stage: int) -> list[Param]:
+        if self.pp == 1:
+            return list(params)
+        per = -(-len(params) // self.pp)
+        return list(params[stage * per : (stage + 1) * per])
+
+    def placement(self, p: Param) -> tuple[Any, list[Any], str]:
+        """(mesh token, placements, how the local size is computed)."""
+        if self.name == "DDP":
+            return None, [], "whole"
+        if self.name == "FSDP2":
+            return "dp", [Shard(0)], "fsdp"
+        if self.name == "HSDP":
+            return "hsdp", [Replicate(), Shard(0)], "hsdp"
+        if p.tp == "none":
+            return "dp", [Shard(0)], "fsdp"
+        if p.tp == "col":
+            return "2d", [_StridedShard(0, split_factor=self.tp), Shard(0)], "col"
+        if p.tp == "row":
+            return "2d", [Shard(0), Shard(1)], "row"
+        return "2d", [Shard(0), Replicate()], "fsdp"
+
+    def local_numel(self, p: Param, how: str, rank: int) -> int:
+        _s, _r, d, t = self.coords(rank)
+        rows, rest = p.shape[0], _prod(p.shape[1:])
+        if how == "whole":
+            return rows * rest
+        if how == "hsdp" or how == "fsdp":
+            return chunk(rows, self.dp, d) * rest
+        if how == "col":  # FSDP2 shards dim 0 of the TP-local tensor
+            return chunk(chunk(rows, self.tp, t), self.dp, d) * rest
+        return chunk(rows, self.dp, d) * chunk(p.shape[1], self.tp, t) * _prod(p.shape[2:])
+
+    def mesh_coords(self, token: Any, rank: int) -> tuple[int, ...]:
+        _s, r, d, t = self.coords(rank)
+        return {"dp": (d,), "2d": (d, t), "hsdp": (r, d)}[token]
+
+    def mesh_shape(self, token: Any) -> tuple[int, ...]:
+        return {"dp": (self.dp,), "2d": (self.dp, self.tp), "hsdp": (self.rep, self.dp)}[token]
+
+    def stage_ranks(self, rank: int) -> list[int] | None:
+        if self.pp == 1:
+            return None
+        inner = rank % (self.world // self.pp)
+        return [q * (self.world // self.pp) + inner for q in range(self.pp)]
+
+
+def spec_for(case: str, world: int) -> Spec:
+    tp = 8 if world >= 64 else 2
+    if case == "DDP":
+        return Spec(case, world, rep=world)
+    if case == "FSDP2":
+        return Spec(case, world, dp=world)
+    if case == "FSDP2 x TP":
+        return Spec(case, world, dp=world // tp, tp=tp)
+    if case == "HSDP":
+        return Spec(case, world, rep=world // 8 if world >= 16 else 2,
+                    dp=8 if world >= 16 else world // 2)
+    pp = {8: 2, 64: 4, 1024: 8}.get(world, 16)
+    return Spec(case, world, pp=pp, dp=world // (pp * tp), tp=tp)
+
+
+def rank_pieces(spec: Spec, params: Sequence[Param], rank: int) -> list[LocalPiece]:
+    """One rank's pieces, built as the production code builds them."""
+    stage = spec.coords(rank)[0]
+    out = []
+    for p in spec.stage_params(params, stage):
+        token, placements, how = spec.placement(p)
+        numel = spec.local_numel(p, how, rank)
+        if token is None:
+            out.append(LocalPiece(p.name, p.shape, ("whole",), numel))
+        else:
+            out.append(piece_from_placements(p.name, p.shape, placements, token,
+                                             spec.mesh_coords(token, rank), numel))
+    return out
+
+
+def _describe(spec: Spec, pieces: Sequence[LocalPiece], rank: int) -> tuple[Any, Any]:
+    return handshake.describe(pieces, version="v", config_hash="c",
+                              stage_ranks=spec.stage_ranks(rank), host=f"node{rank // 8}")
+
+
+def simulated_ranks(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, Any]]:
+    """Every rank's (description, record): one full description per distinct structure."""
+    templates: dict[int, list[tuple[Param, str]]] = {}
+    for stage in range(spec.pp):
+        seen: dict[tuple[Any, ...], tuple[Param, str]] = {}
+        for p in spec.stage_params(params, stage):
+            _token, _pl, how = spec.placement(p)
+            seen.setdefault((p.shape, how), (p, how))
+        templates[stage] = list(seen.values())
+    memo: dict[tuple[Any, ...], tuple[Any, Any, list[Any]]] = {}
+    out = []
+    for rank in range(spec.world):
+        stage = spec.coords(rank)[0]
+        sig = (stage, tuple(spec.local_numel(p, how, rank) for p, how in templates[stage]))
+        hit = memo.get(sig)
+        if hit is None:
+            pieces = rank_pieces(spec, params, rank)
+            desc, record = _describe(spec, pieces, rank)
+            tokens = list(dict.fromkeys(p.mesh for p in pieces if p.mesh is not None))
+            memo[sig] = (desc, record, tokens)
+            out.append((desc, record))
+            continue
+        desc, record, tokens = hit
+        stage_ranks = spec.stage_ranks(rank)
+        coords = tuple(c for token in tokens for c in spec.mesh_coords(token, rank))
+        out.append((desc, dataclasses.replace(
+            record, coords=coords, host=f"node{rank // 8}",
+            stage_digest=handshake.stage_digest(stage_ranks) if stage_ranks else b"",
+        )))
+    return out
+
+
+def self_check(world: int = 8, params: Sequence[Param] | None = None) -> None:
+    """The simulation's shortcuts hold: local sizes equal torch's for every parameter kind and
+    coordinate, and every simulated record/description equals a full describe of the rank."""
+    params = list(params or transformer(layers=2, d=12, ffn=20, vocab=30, ctx=6))
+    for case in CASES:
+        spec = spec_for(case, world)
+        simulated = simulated_ranks(spec, params)
+        for rank in range(world):
+            pieces = rank_pieces(spec, params, rank)
+            for p, piece in zip(spec.stage_params(params, spec.coords(rank)[0]), pieces,
+                                strict=True):
+                token, placements, _how = spec.placement(p)
+                if token is not None:
+                    local, _ = _compute_local_shape_and_global_offset(
+                        p.shape, spec.mesh_shape(token), list(spec.mesh_coords(token, rank)),
+                        placements)
+                    assert _prod(local) == piece.numel, (case, rank, p, local, piece.numel)
+            assert simulated[rank] == _describe(spec, pieces, rank), (case, rank)
+
+
+def _old_handshake_bytes(pairs: Sequence[tuple[Any, Any]], spec: Spec,
+                         params: Sequence[Param]) -> int:
+    """Received per rank by the former handshake: every rank's JSON description (keys with
+    coordinates), all-gathered padded to the longest, plus the lengths."""
+    longest, seen = 0, set()
+    for rank, (_desc, record) in enumerate(pairs):
+        if record.digest in seen:
+            continue
+        seen.add(record.digest)
+        pieces = rank_pieces(spec, params, rank)
+        old = {"version": "v", "config": "c", "stage": spec.stage_ranks(rank),
+               "pieces": [[p.name, list(p.global_shape), list(p.key), p.numel] for p in pieces]}
+        longest = max(longest, len(json.dumps(old, sort_keys=True).encode()))
+    return len(pairs) * (longest + 8)
+
+
+def _layout_step(pairs: Sequence[tuple[Any, Any]], rank: int) -> Any:
+    return derive_layout(handshake.simulate(pairs), rank)
+
+
+def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
+    spec = spec_for(case, world)
+    pairs = simulated_ranks(spec, params)
+    rank = world - 1  # every rank does the same work; the last one holds the emptiest shards
+    gc.collect()
+    t0 = time.perf_counter()
+    layout = _layout_step(pairs, rank)
+    seconds = time.perf_counter() - t0
+    gc.collect()
+    tracemalloc.start()
+    try:
+        gathered = handshake.simulate(pairs)
+        derive_layout(gathered, rank)
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    sent, received = handshake.bytes_per_rank(gathered)
+    return ScaleResult(
+        case=case, world=world, n_params=len(params), mesh=_mesh_text(spec),
+        distinct=len(gathered.descriptions), seconds=seconds, peak_bytes=peak,
+        sent_bytes=sent, received_bytes=received,
+        old_received_bytes=_old_handshake_bytes(pairs, spec, params),
+        packed_bytes=8 * layout.packed_length, replicas=layout.replicas,
+    )
+
+
+def _mesh_text(spec: Spec) -> str:
+    if spec.name == "DDP":
+        return f"dp{spec.world}"
+    if spec.name == "HSDP":
+        return f"{spec.rep}x{spec.dp}"
+    parts = [f"pp{spec.pp}"] * (spec.pp > 1) + [f"dp{spec.dp}"] + [f"tp{spec.tp}"] * (spec.tp > 1)
+    return " x ".join(parts)
+
+
+def measure(worlds: Sequence[int] = WORLDS, cases: Sequence[str] = CASES,
+            progress: Callable[[str], None] = print) -> list[ScaleResult]:
+    self_check()
+    params = transformer()
+    out = []
+    for world in worlds:
+        for case in cases:
+            res = measure_case(case, world, params)
+            progress(f"  {case} at {world} ranks: {res.seconds:.2f} s, "
+                     f"{res.peak_bytes / 2**20:.0f} MiB, {res.distinct} distinct")
+            out.append(res)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    measure([int(w) for w in sys.argv[1:]] or WORLDS)

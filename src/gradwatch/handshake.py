@@ -1,0 +1,564 @@
+"""The construction handshake at any world size: digests first, descriptions once per structure.
+
+**Descriptions relative to meshes.** A rank describes each piece it holds by its name, global
+shape, local numel and *sharding spec*: the mesh dims whose placement is not ``Replicate`` and
+those placements, plus which of the rank's meshes the piece lives on (a slot index, in order of
+first appearance). The rank's coordinates on those meshes are *not* part of the description:
+they travel as fixed-size per-rank data. Ranks with the same structure (every rank of one
+pipeline stage, up to uneven shard sizes) therefore produce byte-identical descriptions.
+
+**Two phases.**
+
+1. One all-gather of a fixed-size record per rank (:data:`RECORD_BYTES`): the 16-byte BLAKE2b
+   digest of the rank's canonical description, its length, the rank's stage group (size and
+   an 8-byte digest of its sorted member list), its mesh coordinates and its host name.
+2. Only when the digests differ: one all-reduce (SUM) of a byte buffer holding each *distinct*
+   description once, written by the lowest rank of its digest group and zero elsewhere. When
+   every rank agrees (DDP, FSDP2, TP, HSDP with even shards), phase 2 is skipped: every rank
+   already holds the one description. Bytes sent per rank: ``RECORD_BYTES`` (+ the distinct
+   descriptions when they differ), whatever the number of parameters.
+
+**Deriving the layout** (:func:`derive`, pure, identical on every rank) works on the distinct
+descriptions plus the per-rank records, never on world x parameters entries: parameters with
+the same holders pattern (the same digest groups, specs and mesh slots) form a *class*; the
+ranks of a class are partitioned once by their piece keys (coordinates on the spec's dims), and
+every parameter of the class shares that partition. Work is about ``distinct descriptions x
+parameters + classes x world``. The result equals :func:`gradwatch.reduce.build_layout` on the
+full per-rank descriptions (tests prove it over generated layouts): global names in order of
+first appearance over ranks, the lowest holder of each piece as its only contributor, replica
+slots for the most replicated pieces, and the same consistency checks. Mismatches raise
+:class:`LayoutMismatchError` on every rank alike, naming the digest groups (their ranks) and
+one differing parameter.
+
+**Replica slots are capped** at :data:`MAX_REPLICA_SLOTS`: under DDP the number of identical
+copies R equals the world size, so beyond the cap the divergence compares the copies held by
+the lowest-ranked :data:`MAX_REPLICA_SLOTS` holders (a sample; the per-step payload stays
+bounded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+
+from gradwatch.errors import GradWatchError, LayoutMismatchError, UnsupportedParallelismError
+
+MAX_REPLICA_SLOTS = 64
+MAX_COORDS = 32  # mesh coordinates per rank, over all its meshes (a 3-D mesh and 2 sub-meshes: 6)
+HOST_BYTES = 64
+_RECORD = struct.Struct(f"<16sq8sqqq{MAX_COORDS}i{HOST_BYTES}s")
+RECORD_BYTES = _RECORD.size  # the fixed per-rank record of phase 1
+
+
+class PieceLike(Protocol):
+    """What :func:`describe` reads of a piece (:class:`gradwatch.reduce.LocalPiece`)."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    key: tuple[Any, ...]
+    numel: int
+    mesh: Any
+    coords: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Description:
+    """One rank's structural description (what the digest covers).
+
+    ``pieces``: ``(name, global shape, spec, mesh slot, local numel)``; with a mesh slot >= 0
+    the spec is ``((mesh dim, placement), ...)`` and the piece key on a rank is
+    ``((dim, coordinate on that dim, placement), ...)``; with slot -1 the spec *is* the key
+    (a plain tensor: ``("whole",)``). ``meshes``: the number of dims of each mesh slot.
+    """
+
+    version: str
+    config: str
+    stage: bool
+    meshes: tuple[int, ...]
+    pieces: tuple[tuple[str, tuple[int, ...], tuple[Any, ...], int, int], ...]
+    rank_view: int = 0  # G, the groups of the per-rank view this rank measures (0: none)
+
+    def encode(self) -> bytes:
+        """Canonical bytes: equal descriptions give equal bytes (and digests)."""
+        return json.dumps(
+            [self.version, self.config, self.stage, self.meshes, self.pieces, self.rank_view],
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Description:
+        version, config, stage, meshes, pieces, rank_view = json.loads(raw)
+        return cls(
+            version,
+            config,
+            bool(stage),
+            tuple(meshes),
+            tuple(
+                (name, tuple(shape), _hashable(spec), slot, numel)
+                for name, shape, spec, slot, numel in pieces
+            ),
+            int(rank_view),
+        )
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def digest(raw: bytes) -> bytes:
+    return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """The fixed-size per-rank data of phase 1."""
+
+    digest: bytes  # of the rank's encoded description
+    length: int  # bytes of the encoded description
+    stage_digest: bytes  # 8 bytes of the sorted stage group ranks; b"" when none declared
+    stage_size: int  # 0: no stage group declared
+    coords: tuple[int, ...]  # the rank's coordinates on its mesh slots, concatenated
+    overflow: bool  # more than MAX_COORDS coordinates (refused on every rank)
+    host: str
+
+    def pack(self) -> bytes:
+        coords = self.coords[:MAX_COORDS]
+        padded = (*coords, *(0,) * (MAX_COORDS - len(coords)))
+        return _RECORD.pack(
+            self.digest, self.length, self.stage_digest.ljust(8, b"\0"), self.stage_size,
+            -1 if self.overflow else len(coords), int(self.overflow), *padded,
+            self.host.encode()[:HOST_BYTES],
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> RankRecord:
+        fields = _RECORD.unpack(raw)
+        dg, length, stage_digest, stage_size, n, overflow = fields[:6]
+        coords = fields[6 : 6 + MAX_COORDS]
+        host = fields[6 + MAX_COORDS].rstrip(b"\0").decode(errors="replace")
+        return cls(dg, length, stage_digest if stage_size else b"", stage_size,
+                   tuple(coords[: max(n, 0)]), bool(overflow), host)
+
+
+def stage_digest(ranks: Sequence[int]) -> bytes:
+    return hashlib.blake2b(",".join(map(str, sorted(ranks))).encode(), digest_size=8).digest()
+
+
+def describe(
+    pieces: Sequence[PieceLike], *, version: str, config_hash: str,
+    stage_ranks: Sequence[int] | None = None, host: str | None = None, rank_view: int = 0,
+) -> tuple[Description, RankRecord]:
+    """A rank's description and its phase-1 record (pure but for the default host name)."""
+    slots: dict[Any, int] = {}
+    meshes: list[int] = []
+    coords: list[int] = []
+    described = []
+    for p in pieces:
+        if p.mesh is None:
+            described.append((p.name, tuple(p.global_shape), _hashable(p.key), -1, p.numel))
+            continue
+        slot = slots.get(p.mesh)
+        if slot is None:
+            slot = slots[p.mesh] = len(meshes)
+            meshes.append(len(p.coords))
+            coords.extend(p.coords)
+        spec = tuple((dim, placement) for dim, _coord, placement in p.key)
+        described.append((p.name, tuple(p.global_shape), spec, slot, p.numel))
+    desc = Description(version, config_hash, stage_ranks is not None, tuple(meshes),
+                       tuple(described), rank_view)
+    raw = desc.encode()
+    record = RankRecord(
+        digest=digest(raw),
+        length=len(raw),
+        stage_digest=stage_digest(stage_ranks) if stage_ranks is not None else b"",
+        stage_size=len(stage_ranks) if stage_ranks is not None else 0,
+        coords=tuple(coords),
+        overflow=len(coords) > MAX_COORDS,
+        host=socket.gethostname() if host is None else host,
+    )
+    return desc, record
+
+
+class Gathered(NamedTuple):
+    """What every rank knows after the handshake (identical on every rank)."""
+
+    descriptions: tuple[Description, ...]  # distinct, in order of their lowest rank
+    rank_group: tuple[int, ...]  # per rank: its index into descriptions
+    records: tuple[RankRecord, ...]  # per rank
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(r.host for r in self.records)
+
+
+def group_records(raw: bytes, world: int) -> tuple[tuple[RankRecord, ...], list[bytes],
+                                                    tuple[int, ...]]:
+    """Phase-1 result -> (records, distinct digests in order of their lowest rank, the digest
+    group of each rank)."""
+    records = tuple(
+        RankRecord.unpack(raw[r * RECORD_BYTES : (r + 1) * RECORD_BYTES]) for r in range(world)
+    )
+    order: dict[bytes, int] = {}
+    rank_group = tuple(order.setdefault(rec.digest, len(order)) for rec in records)
+    return records, list(order), rank_group
+
+
+def phase2_layout(records: Sequence[RankRecord], digests: Sequence[bytes],
+                  rank_group: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Where each distinct description sits in the phase-2 buffer: (offset, length, writer)."""
+    leaders: dict[int, int] = {}
+    for r, g in enumerate(rank_group):
+        leaders.setdefault(g, r)
+    spans, offset = [], 0
+    for g in range(len(digests)):
+        length = records[leaders[g]].length
+        spans.append((offset, length, leaders[g]))
+        offset += length
+    return spans
+
+
+def split_descriptions(buffer: bytes, digests: Sequence[bytes],
+                       spans: Sequence[tuple[int, int, int]]) -> tuple[Description, ...]:
+    out = []
+    for dg, (offset, length, _writer) in zip(digests, spans, strict=True):
+        raw = buffer[offset : offset + length]
+        if digest(raw) != dg:
+            raise GradWatchError(
+                "gradwatch: a layout description arrived corrupted in the construction handshake"
+            )
+        out.append(Description.decode(raw))
+    return tuple(out)
+
+
+def exchange(desc: Description, record: RankRecord, group: Any,
+             device: torch.device) -> Gathered:
+    """The two-phase exchange over ``group`` (every rank of the world calls it)."""
+    world = dist.get_world_size(group)
+    mine = torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8).to(device)
+    everyone = torch.empty(world * RECORD_BYTES, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    records, digests, rank_group = group_records(bytes(everyone.cpu().tolist()), world)
+    if len(digests) == 1:
+        return Gathered((desc,), rank_group, records)
+    spans = phase2_layout(records, digests, rank_group)
+    me = dist.get_rank(group)
+    buffer = torch.zeros(sum(length for _o, length, _w in spans), dtype=torch.uint8,
+                         device=device)
+    for offset, length, writer in spans:
+        if writer == me:
+            raw = desc.encode()
+            buffer[offset : offset + length] = torch.frombuffer(
+                bytearray(raw), dtype=torch.uint8).to(device)
+    dist.all_reduce(buffer, dist.ReduceOp.SUM, group=group)
+    return Gathered(split_descriptions(bytes(buffer.cpu().tolist()), digests, spans),
+                    rank_group, records)
+
+
+def simulate(per_rank: Sequence[tuple[Description, RankRecord]]) -> Gathered:
+    """What :func:`exchange` returns on every rank, computed in one process from every rank's
+    description and record (tests and the scale benchmark; the same decoding steps, no
+    collective). Equal descriptions may be shared objects: each distinct one is encoded once."""
+    raw = b"".join(record.pack() for _desc, record in per_rank)
+    records, digests, rank_group = group_records(raw, len(per_rank))
+    if len(digests) == 1:
+        return Gathered((per_rank[0][0],), rank_group, records)
+    spans = phase2_layout(records, digests, rank_group)
+    buffer = b"".join(per_rank[writer][0].encode() for _offset, _length, writer in spans)
+    return Gathered(split_descriptions(buffer, digests, spans), rank_group, records)
+
+
+def bytes_per_rank(gathered: Gathered) -> tuple[int, int]:
+    """(sent, received) bytes of one rank's handshake collectives, as the tensors passed to
+    them: the record and the gathered records, plus the phase-2 buffer (sent and received)
+    when the descriptions differ."""
+    world = len(gathered.rank_group)
+    phase2 = 0
+    if len(gathered.descriptions) > 1:
+        leaders = {}
+        for r, g in enumerate(gathered.rank_group):
+            leaders.setdefault(g, r)
+        phase2 = sum(gathered.records[r].length for r in leaders.values())
+    return RECORD_BYTES + phase2, world * RECORD_BYTES + phase2
+
+
+def local(desc: Description, record: RankRecord) -> Gathered:
+    """A world of one (no process group)."""
+    return Gathered((desc,), (0,), (record,))
+
+
+# -- the layout, derived (pure) --------------------------------------------------------------
+
+
+def replica_groups(gathered: Gathered) -> tuple[tuple[int, ...], ...]:
+    """The data-parallel replicas, each as its ranks: a rank's stage group (pipeline stages
+    hold one replica's parts), else the rank alone; ordered by lowest rank. O(world)."""
+    stages: dict[bytes, list[int]] = {}
+    groups: list[tuple[int, ...]] = []
+    for r, rec in enumerate(gathered.records):
+        if rec.stage_size:
+            stages.setdefault(rec.stage_digest, []).append(r)
+        else:
+            groups.append((r,))
+    groups += [tuple(members) for members in stages.values()]
+    return tuple(sorted(groups))
+
+
+def rank_view_groups(gathered: Gathered) -> int:
+    """G when every rank measures the per-rank view with the same G, else 0 (no section)."""
+    declared = {d.rank_view for d in gathered.descriptions}
+    return declared.pop() if len(declared) == 1 else 0
+
+
+class Derived(NamedTuple):
+    """The agreed layout's fields (see :class:`gradwatch.reduce.Layout`)."""
+
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    local_to_global: tuple[int, ...]
+    contributes: tuple[bool, ...]
+    replica_slot: tuple[int, ...]
+    replicas: int
+
+
+def ranks_text(ranks: Sequence[int], limit: int = 6) -> str:
+    """``0-3, 8, 10-11``: ranks as ranges (ascending input), at most ``limit`` ranges."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:limit])
+    more = sum(b - a + 1 for a, b in spans[limit:])
+    return f"ranks {text}" + (f" and {more} more" if more else "")
+
+
+def _groups_text(members: Sequence[Sequence[int]], which: Sequence[int]) -> str:
+    return "; ".join(f"digest group {g} ({ranks_text(members[g])})" for g in which)
+
+
+def derive(gathered: Gathered, rank: int) -> Derived:
+    """Every rank's layout from the distinct descriptions and the per-rank records (pure)."""
+    descs, rank_group, records = gathered
+    members: list[list[int]] = [[] for _ in descs]
+    for r, g in enumerate(rank_group):
+        members[g].append(r)
+    overflow = [r for r, rec in enumerate(records) if rec.overflow]
+    if overflow:
+        raise UnsupportedParallelismError(
+            f"gradwatch: {ranks_text(overflow)} hold parameters on meshes with more than "
+            f"{MAX_COORDS} coordinates in total"
+        )
+    if len({(d.version, d.config) for d in descs}) > 1:
+        detail = "; ".join(
+            f"digest group {g} ({ranks_text(members[g])}): version {d.version} config {d.config}"
+            for g, d in enumerate(descs)
+        )
+        raise LayoutMismatchError(
+            "gradwatch: ranks disagree on the gradwatch version or configuration "
+            f"(groups, thresholds, every_n_steps, divergence_every): {detail}"
+        )
+    # Names and shapes, in order of first appearance over ranks: only each group's lowest rank
+    # can introduce a name, and the groups are numbered in that order.
+    names: list[str] = []
+    index: dict[str, int] = {}
+    shapes: dict[str, tuple[tuple[int, ...], int]] = {}
+    name_sets: list[frozenset[str]] = []
+    for g, d in enumerate(descs):
+        held = [p[0] for p in d.pieces]
+        name_sets.append(frozenset(held))
+        if len(name_sets[g]) != len(held):
+            twice = next(n for i, n in enumerate(held) if n in held[:i])
+            raise LayoutMismatchError(
+                f"gradwatch: {ranks_text(members[g])} (digest group {g}) hold parameter "
+                f"{twice!r} twice: names must be unique"
+            )
+        for name, shape, _spec, _slot, _numel in d.pieces:
+            if name not in index:
+                index[name] = len(names)
+                names.append(name)
+                shapes[name] = (shape, g)
+            elif shapes[name][0] != shape:
+                first_shape, h = shapes[name]
+                raise LayoutMismatchError(
+                    f"gradwatch: parameter {name!r} has global shape {first_shape} on "
+                    f"{_groups_text(members, [h])} and {shape} on {_groups_text(members, [g])}: "
+                    "the ranks hold different models"
+                )
+    every = frozenset(names)
+    _check_name_sets(gathered, members, name_sets, every)
+    # Classes: parameters held (non-empty) by the same groups with the same specs and mesh
+    # slots share one partition of ranks into pieces.
+    sigs: dict[str, list[tuple[int, int, Any]]] = {}
+    numel_of: list[dict[str, int]] = []
+    for g, d in enumerate(descs):
+        numel_of.append({p[0]: p[4] for p in d.pieces})
+        for name, _shape, spec, slot, numel in d.pieces:
+            if numel:
+                sigs.setdefault(name, []).append((g, slot, spec))
+    classes: dict[tuple[Any, ...], list[str]] = {}
+    for name in names:
+        if name in sigs:
+            classes.setdefault(tuple(sigs[name]), []).append(name)
+    replicas = 1
+    mine: dict[tuple[Any, ...], tuple[int, int, int]] = {}  # class -> (lowest, position, size)
+    offsets = [_slot_offsets(d.meshes) for d in descs]
+    for sig, class_names in classes.items():
+        cells: dict[Any, list[int]] = {}
+        for g, slot, spec in sig:
+            if slot < 0:
+                cells.setdefault(spec, []).extend(members[g])
+                continue
+            base = offsets[g][slot]
+            dims = [(base + dim, dim, placement) for dim, placement in spec]
+            for r in members[g]:
+                c = records[r].coords
+                key = tuple((dim, c[at], placement) for at, dim, placement in dims)
+                cells.setdefault(key, []).append(r)
+        _check_cells(cells, class_names, sig, rank_group, members, numel_of, shapes)
+        for cell in cells.values():
+            if len(sig) > 1:
+                cell.sort()  # several groups' ranks interleave
+            replicas = max(replicas, len(cell))
+        for g, slot, spec in sig:
+            if g == rank_group[rank]:
+                if slot < 0:
+                    cell = cells[spec]
+                else:
+                    c, base = records[rank].coords, offsets[g][slot]
+                    cell = cells[tuple((dim, c[base + dim], pl) for dim, pl in spec)]
+                mine[sig] = (cell[0], cell.index(rank), len(cell))
+    numels = []
+    for name in names:
+        total = 1
+        for s in shapes[name][0]:
+            total *= s
+        numels.append(total)
+    local_to_global, contributes, slots = [], [], []
+    for name, _shape, _spec, _slot, numel in descs[rank_group[rank]].pieces:
+        local_to_global.append(index[name])
+        if numel == 0:
+            contributes.append(False)
+            slots.append(-1)
+            continue
+        lowest, position, size = mine[tuple(sigs[name])]
+        contributes.append(lowest == rank)
+        slots.append(
+            position if replicas > 1 and size == replicas and position < MAX_REPLICA_SLOTS
+            else -1
+        )
+    return Derived(tuple(names), tuple(numels), tuple(local_to_global), tuple(contributes),
+                   tuple(slots), min(replicas, MAX_REPLICA_SLOTS))
+
+
+def _slot_offsets(meshes: Sequence[int]) -> list[int]:
+    out, at = [], 0
+    for ndim in meshes:
+        out.append(at)
+        at += ndim
+    return out
+
+
+def _check_cells(
+    cells: dict[Any, list[int]], class_names: Sequence[str], sig: Sequence[tuple[int, int, Any]],
+    rank_group: Sequence[int], members: Sequence[Sequence[int]],
+    numel_of: Sequence[dict[str, int]], shapes: dict[str, tuple[tuple[int, ...], int]],
+) -> None:
+    """Holders of one piece agree on its size; distinct pieces tile each parameter once."""
+    groups = [g for g, _slot, _spec in sig]
+    per_group = {g: 0 for g in groups}  # distinct pieces whose lowest holder is in group g
+    seen_sets: set[tuple[int, ...]] = set()
+    for cell in cells.values():
+        if len(groups) == 1:
+            per_group[groups[0]] += 1
+            continue
+        in_cell = tuple(sorted({rank_group[r] for r in cell}))
+        per_group[rank_group[min(cell)]] += 1
+        if len(in_cell) > 1 and in_cell not in seen_sets:
+            seen_sets.add(in_cell)
+            for name in class_names:
+                sizes = {numel_of[g][name] for g in in_cell}
+                if len(sizes) > 1:
+                    a, b = in_cell[0], next(g for g in in_cell if numel_of[g][name] !=
+                                            numel_of[in_cell[0]][name])
+                    raise LayoutMismatchError(
+                        f"gradwatch: {_groups_text(members, [a, b])} hold the same piece of "
+                        f"{name!r} with different sizes ({numel_of[a][name]} and "
+                        f"{numel_of[b][name]} elements)"
+                    )
+    for name in class_names:
+        total = 1
+        for s in shapes[name][0]:
+            total *= s
+        covered = sum(n * numel_of[g][name] for g, n in per_group.items())
+        if covered not in (0, total):
+            raise LayoutMismatchError(
+                f"gradwatch: the shards of {name!r} cover {covered} of {total} elements; its "
+                "placements are not understood (please report this layout)"
+            )
+
+
+def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
+                     name_sets: Sequence[frozenset[str]], every: frozenset[str]) -> None:
+    """The same model everywhere, or disjoint stages covering it (see
+    :func:`gradwatch.reduce.build_layout`), decided per digest group and per distinct stage
+    group composition."""
+    _descs, rank_group, records = gathered
+    declared = [r for r, rec in enumerate(records) if rec.stage_size]
+    if declared and len(declared) != len(records):
+        missing = [r for r, rec in enumerate(records) if not rec.stage_size]
+        raise LayoutMismatchError(
+            f"gradwatch: {ranks_text(declared)} passed a stage_group and {ranks_text(missing)} "
+            "did not: every rank must pass its stage group, or none"
+        )
+    if not declared:
+        for g, held in enumerate(name_sets):
+            if held != every:
+                missing_names = sorted(every - held)[:5]
+                others = [h for h, s in enumerate(name_sets) if s != held][:1]
+                raise LayoutMismatchError(
+                    f"gradwatch: {_groups_text(members, [g])} do not hold parameters "
+                    f"{missing_names} that {_groups_text(members, others)} hold: the ranks "
+                    "hold different models (pipeline stages and hand-split models must pass "
+                    "stage_group=)"
+                )
+        return
+    stages: dict[bytes, list[int]] = {}
+    for r, rec in enumerate(records):
+        stages.setdefault(rec.stage_digest, []).append(r)
+    checked: set[tuple[int, ...]] = set()
+    for dg, stage in stages.items():
+        size = records[stage[0]].stage_size
+        if stage_digest(stage) != dg or any(records[o].stage_size != size for o in stage):
+            raise LayoutMismatchError(
+                f"gradwatch: the stage groups are inconsistent ({ranks_text(stage)} declare a "
+                f"stage group of {size} ranks that is not exactly them)"
+            )
+        composition = tuple(rank_group[o] for o in stage)
+        if composition in checked:
+            continue
+        checked.add(composition)
+        seen: dict[str, int] = {}
+        for o in stage:
+            for name in sorted(name_sets[rank_group[o]]):
+                if name in seen:
+                    raise LayoutMismatchError(
+                        f"gradwatch: parameter name {name!r} is held by ranks {seen[name]} and "
+                        f"{o} of the same stage group ({ranks_text(stage)}); pipeline stages "
+                        "must hold disjoint parameter names"
+                    )
+                seen[name] = o
+        if set(seen) != every:
+            missing_names = sorted(every - set(seen))[:5]
+            raise LayoutMismatchError(
+                f"gradwatch: stage group ({ranks_text(stage)}) does not hold parameters "
+                f"{missing_names} that other stage groups hold: the ranks hold different models"
+            )

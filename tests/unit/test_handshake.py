@@ -1,0 +1,276 @@
+"""The scalable handshake: the layout derived from distinct descriptions + per-rank records
+equals build_layout's on every rank's full description, over generated layouts (DDP, FSDP2 with
+uneven and empty shards, sub-mesh copies, FSDP2 x TP strided shards, HSDP, pipeline stages),
+and disagreements raise LayoutMismatchError on both paths."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from gradwatch import handshake
+from gradwatch.errors import LayoutMismatchError
+from gradwatch.reduce import LocalPiece, build_layout, derive_layout, piece_from_placements
+
+Rank = list[LocalPiece]
+
+
+def unravel(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(rank % size)
+        rank //= size
+    return tuple(reversed(out))
+
+
+def numel_of(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+             placements: list[Any]) -> int:
+    local, _ = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+    total = 1
+    for s in local:
+        total *= s
+    return total
+
+
+def random_world(rng: random.Random) -> tuple[list[Rank], list[list[int] | None]]:
+    """Every rank's pieces (built by the production piece_from_placements) and stage lists."""
+    stages = rng.choice([1, 1, 2, 3])
+    mesh_shape = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.choice([1, 2, 3])))
+    inner = 1
+    for s in mesh_shape:
+        inner *= s
+    # Parameter templates per stage: (shape, placements on the inner mesh, sub-mesh dims).
+    templates = []
+    for _ in range(rng.randint(1, 6)):
+        shape = tuple(rng.choice([1, 2, 3, 5, 7, 8]) for _ in range(rng.choice([1, 2])))
+        kind = rng.choice(["whole", "mesh", "mesh", "sub"])
+        dims = list(range(len(mesh_shape)))
+        if kind == "sub":
+            dims = sorted(rng.sample(dims, rng.randint(1, len(dims))))
+        placements: list[Any] = []
+        for _ in dims:
+            choice = rng.choice(["rep", "shard", "shard", "strided"])
+            tdim = rng.randrange(len(shape))
+            if choice == "rep":
+                placements.append(Replicate())
+            elif choice == "shard":
+                placements.append(Shard(tdim))
+            else:
+                placements.append(_StridedShard(tdim, split_factor=rng.choice([1, 2])))
+        templates.append((shape, kind, dims, placements))
+    world = stages * inner
+    per_rank: list[Rank] = []
+    stage_lists: list[list[int] | None] = []
+    for r in range(world):
+        stage, within = divmod(r, inner)
+        coord = unravel(within, mesh_shape)
+        pieces: Rank = []
+        for i, (shape, kind, dims, placements) in enumerate(templates):
+            name = f"s{stage}.p{i}" if stages > 1 else f"p{i}"
+            if kind == "whole":
+                n = 1
+                for s in shape:
+                    n *= s
+                pieces.append(LocalPiece(name, shape, ("whole",), n))
+                continue
+            sub_shape = tuple(mesh_shape[d] for d in dims)
+            sub_coord = tuple(coord[d] for d in dims)
+            try:
+                n = numel_of(shape, sub_shape, sub_coord, placements)
+            except Exception:
+                n = 1  # a placement torch cannot lay out here: an arbitrary (maybe bad) piece
+            pieces.append(piece_from_placements(name, shape, placements, ("mesh", tuple(dims)),
+                                                sub_coord, n))
+        per_rank.append(pieces)
+        stage_lists.append(
+            [s * inner + within for s in range(stages)] if stages > 1 else None)
+    if rng.random() < 0.5:
+        # Ranks need not be laid out stage-major and mesh-major: shuffle which rank is which.
+        order = list(range(world))
+        rng.shuffle(order)  # order[new] = old
+        new_of = {old: new for new, old in enumerate(order)}
+        per_rank = [per_rank[old] for old in order]
+        stage_lists = [sorted(new_of[o] for o in stage_lists[old])
+                       if stage_lists[old] is not None else None for old in order]
+    return per_rank, stage_lists
+
+
+def reference(per_rank: list[Rank], stages: list[list[int] | None], config: list[str],
+              rank: int) -> Any:
+    descs = [
+        {"version": "v", "config": config[r], "stage": stages[r], "host": f"h{r}",
+         "pieces": [[p.name, list(p.global_shape), [list(k) if isinstance(k, tuple) else k
+                                                    for k in p.key], p.numel]
+                    for p in pieces]}
+        for r, pieces in enumerate(per_rank)
+    ]
+    return build_layout(descs, rank)
+
+
+def scalable(per_rank: list[Rank], stages: list[list[int] | None], config: list[str],
+             rank: int) -> Any:
+    pairs = [
+        handshake.describe(pieces, version="v", config_hash=config[r], stage_ranks=stages[r],
+                           host=f"h{r}")
+        for r, pieces in enumerate(per_rank)
+    ]
+    return derive_layout(handshake.simulate(pairs), rank)
+
+
+def outcome(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except LayoutMismatchError:
+        return "LayoutMismatchError"
+
+
+def mutate(rng: random.Random, per_rank: list[Rank], stages: list, config: list[str]) -> None:
+    r = rng.randrange(len(per_rank))
+    what = rng.choice(["config", "numel", "shape", "drop", "dup", "stage"])
+    pieces = per_rank[r]
+    if what == "config":
+        config[r] = "other"
+    elif what == "stage" and stages[r] is not None:
+        stages[r] = stages[r][:-1] or None
+    elif pieces:
+        i = rng.randrange(len(pieces))
+        p = pieces[i]
+        if what == "numel":
+            pieces[i] = LocalPiece(p.name, p.global_shape, p.key, p.numel + 1, p.mesh, p.coords)
+        elif what == "shape":
+            pieces[i] = LocalPiece(p.name, (*p.global_shape, 2), p.key, p.numel * 2, p.mesh,
+                                   p.coords)
+        elif what == "drop":
+            del pieces[i]
+        else:
+            pieces.append(p)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_derived_layout_equals_build_layout(seed: int) -> None:
+    rng = random.Random(seed)
+    per_rank, stages = random_world(rng)
+    config = ["c"] * len(per_rank)
+    if seed % 3 == 2:
+        mutate(rng, per_rank, stages, config)
+    outcomes = set()
+    for rank in range(len(per_rank)):
+        want = outcome(reference, per_rank, stages, config, rank)
+        got = outcome(scalable, per_rank, stages, config, rank)
+        assert got == want, (seed, rank)
+        outcomes.add(str(got))
+    if "LayoutMismatchError" in outcomes:
+        assert outcomes == {"LayoutMismatchError"}  # every rank refuses alike
+
+
+def test_generated_layouts_cover_the_interesting_cases() -> None:
+    """The generator is not vacuous: valid and refused worlds, replicas, empty shards, strided
+    shards and stages all occur over the seeds the equivalence test uses."""
+    seen = set()
+    for seed in range(300):
+        rng = random.Random(seed)
+        per_rank, stages = random_world(rng)
+        config = ["c"] * len(per_rank)
+        if seed % 3 == 2:
+            mutate(rng, per_rank, stages, config)
+        pieces = [p for rank in per_rank for p in rank]
+        try:
+            lay = reference(per_rank, stages, config, 0)
+            seen.add("valid")
+            if lay.replicas > 1:
+                seen.add("replicas")
+            if stages[0] is not None:
+                seen.add("stages")
+        except LayoutMismatchError:
+            seen.add("refused")
+        if any(p.numel == 0 for p in pieces):
+            seen.add("empty")
+        if any("_StridedShard" in str(p.key) for p in pieces):
+            seen.add("strided")
+    assert seen == {"valid", "refused", "replicas", "empty", "strided", "stages"}
+
+
+def describe_world(per_rank: list[Rank], stages: list | None = None,
+                   config: list[str] | None = None) -> handshake.Gathered:
+    return handshake.simulate([
+        handshake.describe(pieces, version="v", config_hash=(config or ["c"] * 99)[r],
+                           stage_ranks=(stages or [None] * 99)[r], host=f"h{r}")
+        for r, pieces in enumerate(per_rank)
+    ])
+
+
+def fsdp(world: int, names: int, shape: tuple[int, ...] = (8, 3)) -> list[Rank]:
+    return [
+        [piece_from_placements(f"p{i}", shape, [Shard(0)], "dp", (r,),
+                               numel_of(shape, (world,), (r,), [Shard(0)]))
+         for i in range(names)]
+        for r in range(world)
+    ]
+
+
+def test_agreeing_ranks_share_one_description_and_send_fixed_bytes() -> None:
+    for names in (50, 2000):
+        gathered = describe_world(fsdp(4, names))
+        assert len(gathered.descriptions) == 1
+        assert handshake.bytes_per_rank(gathered) == (handshake.RECORD_BYTES,
+                                                      4 * handshake.RECORD_BYTES)
+    assert describe_world(fsdp(2, 3)).hosts == ("h0", "h1")
+
+
+def test_uneven_shards_make_few_digest_groups() -> None:
+    # 6 rows over 4 ranks: 2, 2, 2, 0 rows: two structures, sent once each.
+    gathered = describe_world(fsdp(4, 5, (6, 3)))
+    assert gathered.rank_group == (0, 0, 0, 1)
+    sent, received = handshake.bytes_per_rank(gathered)
+    assert sent == received - 3 * handshake.RECORD_BYTES > handshake.RECORD_BYTES
+    assert derive_layout(gathered, 3).contributes == (False,) * 5
+
+
+def test_replica_slots_are_capped() -> None:
+    world = handshake.MAX_REPLICA_SLOTS + 6
+    per_rank = [[LocalPiece("w", (2,), ("whole",), 2)] for _ in range(world)]
+    gathered = describe_world(per_rank)
+    lays = [derive_layout(gathered, r) for r in (0, handshake.MAX_REPLICA_SLOTS - 1,
+                                                 handshake.MAX_REPLICA_SLOTS)]
+    assert lays[0].replicas == handshake.MAX_REPLICA_SLOTS
+    assert [lay.replica_slot for lay in lays] == [(0,), (handshake.MAX_REPLICA_SLOTS - 1,),
+                                                  (-1,)]
+
+
+def test_mismatch_names_digest_groups_and_a_parameter() -> None:
+    per_rank = fsdp(4, 3)
+    per_rank[2] = per_rank[2][:2]  # rank 2 lacks p2
+    with pytest.raises(LayoutMismatchError) as err:
+        derive_layout(describe_world(per_rank), 0)
+    text = str(err.value)
+    assert "digest group 1 (ranks 2)" in text and "'p2'" in text
+    assert "digest group 0 (ranks 0-1, 3)" in text and "different models" in text
+    config = ["a", "a", "b", "a"]
+    with pytest.raises(LayoutMismatchError, match=r"digest group 1 \(ranks 2\): version v "
+                                                  r"config b"):
+        derive_layout(describe_world(fsdp(4, 3), config=config), 1)
+
+
+def test_ranks_text() -> None:
+    assert handshake.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    assert handshake.ranks_text(list(range(0, 20, 2)), limit=2) == "ranks 0, 2 and 8 more"
+
+
+def test_record_round_trip_and_coordinate_overflow() -> None:
+    desc, record = handshake.describe(
+        [piece_from_placements("w", (4,), [Shard(0)] * 3, ("m", i), (1, 0, 1), 1)
+         for i in range(11)],
+        version="v", config_hash="c", host="node-1")
+    assert record.overflow  # 11 meshes x 3 coordinates > MAX_COORDS
+    with pytest.raises(Exception, match="more than 32 coordinates"):
+        derive_layout(handshake.simulate([(desc, record)]), 0)
+    desc, record = handshake.describe(fsdp(2, 2)[1], version="v", config_hash="c",
+                                      stage_ranks=[1, 3], host="node-2")
+    again = handshake.RankRecord.unpack(record.pack())
+    assert again == record and again.coords == (1,) and again.host == "node-2"
+    assert handshake.Description.decode(desc.encode()) == desc
