@@ -133,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"step {step}: gradients multiplied by {factor}", flush=True)
 
             pending = watch.collect(step=step)
+            # The loop's own norm (what it would clip with or log), audited against gradwatch's
+            # exact one: gradwatch_reported_norm_ratio{source="loop"} reads 1.
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]
+            )
+            watch.audit_norm(norm, step=step, source="loop")
             if not injected:
                 optimizer.step()
             if rank == 0 and args.log_every > 0 and step % args.log_every == 0:
