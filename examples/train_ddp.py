@@ -136,10 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     print(f"step {step}: gradients multiplied by {factor}", flush=True)
 
+            # The loop's own norm (what it would clip with or log, before any clipping), audited
+            # against gradwatch's exact one: gradwatch_reported_norm_ratio{source="loop"} reads 1.
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]
+            )
             if args.clip_norm > 0:  # clips and collects in one pass (pre-clip norms, clip_coef)
                 watch.clip_grad_norm_(args.clip_norm, step=step)
             else:
                 watch.collect(step=step)
+            watch.audit_norm(norm, step=step, source="loop")
             if not injected:
                 optimizer.step()
             snap = None

@@ -106,8 +106,20 @@ def bf16_round(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float64).to(torch.bfloat16))
 
 
-def diagnose(ratio: float, reported: float, exact: float, factors: dict[str, int],
-             local: float | None) -> str | None:  # fmt: skip
+def near_bf16(reported: float, exact: float) -> bool:
+    """``reported`` is a bfloat16 value within a few bf16 ulps (2^-7 relative) of ``exact``:
+    a norm accumulated or stored in bf16 (exact rounding or bf16 sums)."""
+    return (
+        math.isfinite(exact)
+        and exact > 0
+        and reported == bf16_round(reported)
+        and abs(reported - exact) <= 2**-7 * exact
+    )
+
+
+def diagnose(
+    ratio: float, reported: float, exact: float, factors: dict[str, int], local: float | None
+) -> str | None:
     """The known failure a disagreeing ``ratio`` points to, as a sentence, or None.
 
     In order: this rank's local norm (an exact match when ``local`` is given and differs from
@@ -121,10 +133,11 @@ def diagnose(ratio: float, reported: float, exact: float, factors: dict[str, int
 
     local_differs = local is not None and math.isfinite(local) and abs(local - exact) > 1e-6 * exact
     if local_differs and abs(reported - local) <= 1e-6 * max(local, 1e-300):  # type: ignore[operator]
+        kind = "shards" if "shards" in factors else "ranks"
         n = factors.get("shards") or factors.get("world", 1)
         return (
             f"the reported norm is this rank's local norm (ratio {ratio:.4g}, about "
-            f"1/sqrt({n}) = {1 / math.sqrt(n):.4g} for {n} shards): the squared norms were "
+            f"1/sqrt({n}) = {1 / math.sqrt(n):.4g} for {n} {kind}): the squared norms were "
             "not all-reduced across ranks (e.g. summing local shard norms of FSDP2 "
             "DTensors without the reduction)"
         )
@@ -143,8 +156,8 @@ def diagnose(ratio: float, reported: float, exact: float, factors: dict[str, int
         )
     if tp and near(float(tp)):
         return (
-            f"ratio {ratio:.4g} matches {tp} (tp={tp}): the norm summed over tensor-parallel ranks "
-            "without taking their square root per rank, or reduced tp times"
+            f"ratio {ratio:.4g} matches {tp} (tp={tp}): norms (not squared norms) added over "
+            "tensor-parallel ranks that hold replicated gradients"
         )
     for kind in ("replicas", "world"):
         n = factors.get(kind)
@@ -160,10 +173,10 @@ def diagnose(ratio: float, reported: float, exact: float, factors: dict[str, int
             f"ratio {ratio:.4g} matches {factor}: gradients reduced twice (e.g. already averaged "
             "DDP gradients all-reduced again with a sum)"
         )
-    if math.isfinite(exact) and reported == bf16_round(exact):
+    if near_bf16(reported, exact):
         return (
-            f"ratio {ratio:.6g}: the reported norm is the exact one rounded to bfloat16 "
-            "(computed or stored in bf16, relative error up to 2^-9)"
+            f"ratio {ratio:.6g}: the reported norm is a bfloat16 number within bfloat16 "
+            "precision of the exact one (computed or stored in bf16: 8 significant bits)"
         )
     return None
 
@@ -190,8 +203,9 @@ class NormAuditor:
             self._pending.append((step, source, value))
             self.active = True
 
-    def judge(self, step: int | None = None, exact: float = math.nan,
-              local: float | None = None) -> list[Verdict]:  # fmt: skip
+    def judge(
+        self, step: int | None = None, exact: float = math.nan, local: float | None = None
+    ) -> list[Verdict]:
         """Record ``step``'s exact (and this rank's local) norm when given, then judge every
         pending report whose step is known. Host reads of reported tensors happen here."""
         with self._lock:
@@ -208,8 +222,9 @@ class NormAuditor:
             known = {r[0]: self._known[r[0]] for r in ready}
         return [self._verdict(s, src, v, *known[s]) for s, src, v in ready]
 
-    def _verdict(self, step: int, source: str, value: Any, exact: float,
-                 local: float | None) -> Verdict:  # fmt: skip
+    def _verdict(
+        self, step: int, source: str, value: Any, exact: float, local: float | None
+    ) -> Verdict:
         reported, unreadable = read_norm(value)
         if unreadable is not None:
             return Verdict(source, step, math.nan, exact, math.nan, False, unreadable)

@@ -103,6 +103,13 @@ def test_diagnose_local_norm_and_bf16() -> None:
     assert rounded != exact and abs(rounded - exact) <= exact * 2**-8
     got = diagnose(rounded / exact, rounded, exact, {}, None)
     assert got is not None and "bfloat16" in got
+    # A bf16-accumulated norm (bf16 sums, not only the final rounding) is recognized too.
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    exact = math.sqrt(math.fsum(float(x) ** 2 for x in g.double().tolist()))
+    in_bf16 = float(g.bfloat16().norm())
+    got = diagnose(in_bf16 / exact, in_bf16, exact, {}, None)
+    assert in_bf16 != exact and got is not None and "bfloat16" in got, (in_bf16, exact)
+    assert diagnose(1.003, 1.003 * exact, exact, {}, None) is None  # not a bf16 value
 
 
 def test_auditor_judges_only_known_steps_and_bounds_pending() -> None:
