@@ -254,3 +254,19 @@ def test_origin_is_reported_on_non_finite_steps_only() -> None:
     bad = rank_view_fields(view, Snapshot(step=0, global_norm=math.inf), groups, NoiseScale(), 1)
     assert bad["nonfinite_origin_ranks"] == (0,) and bad["nonfinite_origin_hosts"] == ("a",)
     assert bad["nonfinite_origin_groups"] == ("b",) and bad["nonfinite_origin_count"] == 1
+
+
+def test_endpoint_view_and_top_line_name_the_last_origin() -> None:
+    from gradwatch.cli.endpoint import parse_exposition
+    from gradwatch.cli.render import anomalies_text
+
+    text = (
+        "# TYPE gradwatch_nonfinite_steps_total counter\n"
+        "gradwatch_nonfinite_steps_total 1.0\n"
+        "# TYPE gradwatch_last_nonfinite_origin gauge\n"
+        'gradwatch_last_nonfinite_origin{rank="3",host="node-b"} 42.0\n'
+    )
+    view = parse_exposition(text)
+    assert view.nonfinite_origin == (("3", "node-b"),) and view.nonfinite_origin_step == 42
+    assert "(last at step 42 from rank 3)" in anomalies_text(view).plain
+    assert parse_exposition("gradwatch_step 1.0\n").nonfinite_origin == ()
