@@ -56,6 +56,7 @@ from gradwatch.errors import (
     LayoutMismatchError,
     UnsupportedParallelismError,
 )
+from gradwatch.stats import host_to_device
 
 log = logging.getLogger("gradwatch")
 
@@ -119,6 +120,53 @@ def _sections(layout: Layout) -> _Sections:
         step=5 * n + r,
         length=5 * n + r + 1,
     )
+
+
+#: has-gradient patterns kept on the device (oldest dropped first).
+_FLAG_PATTERNS = 16
+
+
+def gradient_device(tensors: Sequence[Tensor]) -> torch.device | None:
+    """The accelerator the parameters live on (the first one not on the CPU or ``meta``), or
+    None when they are all on the CPU: what the reducer's device follows."""
+    for t in tensors:
+        if t.device.type not in ("cpu", "meta"):
+            return t.device
+    return None
+
+
+def _bound_device() -> torch.device | None:
+    """The device the default process group was bound to (``init_process_group(device_id=)``),
+    if any (``ProcessGroup.bound_device_id``)."""
+    with contextlib.suppress(Exception):
+        bound = dist.distributed_c10d._get_default_group().bound_device_id
+        if bound is not None:
+            return torch.device(bound)
+    return None
+
+
+def reducer_device(
+    gradients: torch.device | None, backend: str | None, bound: torch.device | None
+) -> torch.device:
+    """Where the packed vector lives, so no collect copies between host and device.
+
+    The gradients' accelerator when they have one, whatever the backend and world size (a
+    single-GPU job reduces and clips on its GPU); under NCCL the process group's bound device
+    comes first (``device_id=``), then the gradients', and ``current_device()`` only as the
+    last resort (gradients on the CPU, e.g. FSDP2 CPU offload): ranks that bind their GPU by
+    ``device_id=`` or ``model.to(cuda:k)`` without ``set_device`` would otherwise all pick
+    cuda:0. Without NCCL and without accelerator gradients: the CPU.
+    """
+    if backend is not None and "nccl" in backend:
+        if bound is not None:
+            return bound
+        if gradients is not None and gradients.type == "cuda":
+            return gradients
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    if gradients is not None:
+        return gradients
+    return torch.device("cpu")
 
 
 def piece_of(name: str, param: Tensor) -> LocalPiece:
@@ -323,22 +371,24 @@ class Reducer:
         config_hash: str,
         timeout_seconds: float,
         stage_group: Any = None,
+        device: torch.device | None = None,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
         self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
         self.group: Any = None
-        self.device = torch.device("cpu")
         desc = {
             "version": version,
             "config": config_hash,
             "pieces": [[p.name, list(p.global_shape), list(p.key), p.numel] for p in pieces],
             "stage": None,
         }
-        if self.distributed and dist.get_world_size() > 1:
-            backend = str(dist.get_backend())
-            if "nccl" in backend and torch.cuda.is_available():
-                self.device = torch.device("cuda", torch.cuda.current_device())
+        multi = self.distributed and dist.get_world_size() > 1
+        backend = str(dist.get_backend()) if multi else None
+        self.device = reducer_device(device, backend, _bound_device() if multi else None)
+        if multi:
+            # The handshake runs once, on the device NCCL needs, on the CPU otherwise.
+            handshake_device = self.device if "nccl" in str(backend) else torch.device("cpu")
             if stage_group is not None:
                 desc["stage"] = sorted(dist.get_process_group_ranks(stage_group))
             raw = json.dumps(desc, sort_keys=True).encode()
@@ -347,7 +397,7 @@ class Reducer:
                 # interleaves with the job's collectives on the default group. Every rank of
                 # the world creates it here, in the same order relative to the job's groups.
                 self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
-                gathered = _all_gather_bytes(raw, self.group, self.device)
+                gathered = _all_gather_bytes(raw, self.group, handshake_device)
             except RuntimeError as exc:
                 self.close()
                 raise GradWatchTimeoutError(
@@ -376,7 +426,12 @@ class Reducer:
         self._staging = torch.zeros(5 * n_local + 1, dtype=torch.float64, device=dev)
         self._staged_squares = self._staging[: 3 * n_local]
         self._staged_flags = self._staging[3 * n_local : 4 * n_local]
-        self._staged_tail = self._staging[4 * n_local :]
+        self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
+        self._staged_step = self._staging[5 * n_local :]
+        # has-gradient patterns already on the device (which gradients are None changes rarely:
+        # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
+        self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
+        self._has_grad_key: tuple[bool, ...] | None = None
         self._contributes = contrib.repeat(3).to(dev)
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
         self._allreduce_options = dist.AllreduceOptions()
@@ -413,11 +468,31 @@ class Reducer:
         torch.where(self._contributes, sq_local, self._zero, out=self._staged_squares)
         plain = sq_local[: self._n_local]  # NaN/Inf only ever sit in the plain band
         torch.sub(plain, plain, out=self._staged_flags).nan_to_num_(nan=1.0)
-        self._staged_tail.copy_(torch.tensor([*has_grad, step], dtype=torch.float64))
+        self._stage_tail(has_grad, step)
         packed.index_copy_(0, self._scatter, self._staging)
         if with_replicas and self._slot_local.numel():
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
         return self._issue(packed, step)
+
+    def _stage_tail(self, has_grad: Sequence[bool], step: int) -> None:
+        """Write the has-gradient flags and the step into the staging vector by device-side
+        ops only: the step by ``fill_`` (a kernel argument, no host memory), the flags from a
+        persistent device tensor per pattern. A pattern seen for the first time is built on the
+        host and sent by one ``non_blocking`` copy from pinned memory (the caching host
+        allocator keeps that memory alive until the copy ran); a repeated pattern costs nothing,
+        the current one not even a copy. ``torch.tensor(list)`` copied into a CUDA vector would
+        be a blocking copy from pageable memory: the host would wait for the whole backward."""
+        key = tuple(has_grad)
+        if key != self._has_grad_key:
+            flags = self._has_grad_flags.get(key)
+            if flags is None:
+                flags = host_to_device(key, torch.float64, self.device)
+                if len(self._has_grad_flags) >= _FLAG_PATTERNS:
+                    self._has_grad_flags.pop(next(iter(self._has_grad_flags)))
+                self._has_grad_flags[key] = flags
+            self._staged_has_grad.copy_(flags)
+            self._has_grad_key = key
+        self._staged_step.fill_(float(step))
 
     def reduce_failed(self, step: int) -> ReducedVector:
         """Issue this collect's all-reduce for a rank whose local pass failed: zeros but a NaN

@@ -272,20 +272,33 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
         buckets=list(buckets.values()),
         needs_repair=needs_repair,
         repair_floor=(
-            torch.tensor(floor, dtype=torch.float64, device=out_device) if needs_repair else None
+            host_to_device(floor, torch.float64, out_device) if needs_repair else None
         ),
         repair_ceiling=(
-            torch.tensor(ceiling, dtype=torch.float64, device=out_device)
+            host_to_device(ceiling, torch.float64, out_device)
             if any(c < math.inf for c in ceiling)
             else None
         ),
     )
     for bucket in plan.buckets:
         if bucket.whole:
-            bucket.whole_index = torch.tensor(bucket.whole, dtype=torch.long, device=out_device)
+            bucket.whole_index = host_to_device(bucket.whole, torch.long, out_device)
         if bucket.rows or bucket.packed:
             _build_rows(bucket, tensors, plan)
     return plan
+
+
+def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A plan's index or bound list on ``device`` without a host wait: built on the host, then
+    (accelerators) one ``non_blocking`` copy from pinned memory. ``torch.tensor(list,
+    device=cuda)`` copies from pageable memory, which blocks until the device is idle: on a plan
+    change (which gradients are None changed) the host would wait for the whole backward."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    # Accelerator path (untested on this project's CPU machines): the caching host allocator
+    # keeps the pinned block alive until the copy has run.
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _aligned(numel: int) -> int:
@@ -342,7 +355,7 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
     if len(owner) >= CSR_MIN_ROWS:
         bucket.sum_rows = _segment_sum_matrix(owner, plan.n, bucket.device)
     else:
-        bucket.owner = torch.tensor(owner, dtype=torch.long, device=bucket.device)
+        bucket.owner = host_to_device(owner, torch.long, bucket.device)
 
 
 def _segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor:

@@ -42,7 +42,7 @@ from gradwatch.model import (
     named_parameters,
     reject_fsdp1,
 )
-from gradwatch.reduce import ReducedVector, Reducer, piece_of
+from gradwatch.reduce import ReducedVector, Reducer, gradient_device, piece_of
 from gradwatch.snapshot import Snapshot
 from gradwatch.stats import MetaGradientError, NormEngine
 from gradwatch.summary import summarize
@@ -161,6 +161,7 @@ class GradWatch:
             config_hash=cfg.layout_hash(),
             timeout_seconds=cfg.collective_timeout_seconds,
             stage_group=stage_group,
+            device=gradient_device(self._params),
         )
         self._layout = self._reducer.layout
         self._groups_of, self._group_order = group_membership(self._layout.names, cfg.groups)
