@@ -48,6 +48,7 @@ __all__ = [
     "DoctorError",
     "DoctorOptions",
     "parse_dtypes",
+    "parse_families",
     "resolve_device",
     "run_checks",
 ]
@@ -93,6 +94,31 @@ class DoctorOptions:
     dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())
     quick: bool = False
     timeout: float = 60.0  # bounds the distributed handshake and every collective
+    only: tuple[str, ...] = ()  # check families to run (FAMILIES); empty: all
+
+
+#: The check families, in table order (``--checks``).
+FAMILIES = (
+    "environment",
+    "exactness",
+    "syncs",
+    "memory",
+    "cost",
+    "threading",
+    "endpoint",
+    "distributed",
+)
+
+
+def parse_families(spec: str | None) -> tuple[str, ...]:
+    """``syncs,distributed`` -> those families; None -> () (all)."""
+    if spec is None:
+        return ()
+    names = tuple(dict.fromkeys(s.strip().lower() for s in spec.split(",") if s.strip()))
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown or not names:
+        raise DoctorError(f"--checks {spec}: expected a comma list of {', '.join(FAMILIES)}")
+    return names
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -658,7 +684,7 @@ def check_distributed(device: torch.device, options: DoctorOptions) -> Check:
         reference = reference_norm([g for r in range(world) for g in _rank_grads(r, options.quick)])
         try:
             watch = GradWatch(
-                _Holder(grads, prefix=f"rank{rank}."),
+                _Holder(grads, prefix=f"rank{rank}_p"),
                 WatchConfig(collective_timeout_seconds=options.timeout),
                 stage_group=dist.group.WORLD,
             )
@@ -692,6 +718,10 @@ def _one_line(exc: BaseException) -> str:
 # -- all of them ---------------------------------------------------------------------------------
 
 
+def _family(step: str) -> str:
+    return "environment" if step.startswith("foreach_norm") else step.split("[", 1)[0]
+
+
 def run_checks(
     options: DoctorOptions, progress: Callable[[Check], None] | None = None
 ) -> list[Check]:
@@ -715,6 +745,8 @@ def run_checks(
         ("threading", lambda: check_threading(device)),
         ("endpoint", lambda: check_endpoint(device)),
     ]
+    if options.only:
+        steps = [(n, f) for n, f in steps if _family(n) in options.only]
     checks: list[Check] = []
 
     def add(result: Check | list[Check]) -> None:
@@ -729,6 +761,8 @@ def run_checks(
                 add(step())
             except Exception as exc:
                 add(Check(name, FAIL, f"raised {_one_line(exc)}", "no error"))
+    if options.only and "distributed" not in options.only:
+        return checks
     try:  # last: it alone creates a process group
         add(check_distributed(device, options))
     except Exception as exc:

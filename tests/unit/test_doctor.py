@@ -123,6 +123,8 @@ def test_device_index_out_of_range_exits_2(monkeypatch: pytest.MonkeyPatch) -> N
         (["--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
         (["--device", "cuda:x"], "--device cuda:x"),
         (["--dtype", "int8"], "--dtype int8: expected a comma list of"),
+        (["--checks", "speed"], "--checks speed: expected a comma list of environment"),
+        (["--timeout", "0"], "--timeout"),
     ],
 )
 def test_bad_input_exits_2(

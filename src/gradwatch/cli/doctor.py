@@ -64,6 +64,14 @@ def doctor_command(
     quick: Annotated[
         bool, typer.Option("--quick", help="Smaller cost and memory cases, fewer rounds.")
     ] = False,
+    only: Annotated[
+        str | None,
+        typer.Option(
+            "--checks",
+            help="Run only these check families, comma separated: environment, exactness, "
+            "syncs, memory, cost, threading, endpoint, distributed (default: all).",
+        ),
+    ] = None,
     timeout: Annotated[
         float,
         typer.Option(
@@ -74,11 +82,22 @@ def doctor_command(
         ),
     ] = 60.0,
 ) -> None:
-    from gradwatch.doctor import DoctorError, DoctorOptions, parse_dtypes, resolve_device, to_json
+    from gradwatch.doctor import (
+        DoctorError,
+        DoctorOptions,
+        parse_dtypes,
+        parse_families,
+        resolve_device,
+        to_json,
+    )
 
     try:
         options = DoctorOptions(
-            device=resolve_device(device), dtypes=parse_dtypes(dtype), quick=quick, timeout=timeout
+            device=resolve_device(device),
+            dtypes=parse_dtypes(dtype),
+            quick=quick,
+            timeout=timeout,
+            only=parse_families(only),
         )
     except DoctorError as exc:
         typer.echo(f"gradwatch doctor: {exc}", err=True)
