@@ -42,6 +42,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -618,10 +619,13 @@ class ReducedVector:
             if work is not None:
                 work.wait()
                 self._work = None
+            # CUDA path, untested on this project's CPU machines. The event is recorded on the
+            # stream of the vector's own device (Event.record() alone uses the *current*
+            # device's stream, which may be another GPU's).
             self._pinned = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._pinned.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(packed.device))
 
     def _wait_collective(self) -> None:
         if self._work is not None:
@@ -634,6 +638,22 @@ class ReducedVector:
                     f"rank failed, skipped collect() or is stuck ({exc})"
                 ) from exc
             self._work = None
+
+    def _wait_event(self) -> None:
+        """Wait for the copy to pinned memory with the collective's timeout, polling with a
+        growing sleep (``Event.synchronize()`` has no timeout, and a non-blocking event spins
+        a core while the publisher thread waits)."""
+        deadline = time.monotonic() + self._timeout
+        pause = 1e-4
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise GradWatchTimeoutError(
+                    f"gradwatch: the reduced vector of step {self._step} did not reach the host "
+                    f"within {self._timeout}s (collective_timeout_seconds): the device is stuck "
+                    "or another rank stopped collecting"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     def _device(self) -> Tensor:
         # On accelerators the collective was already ordered before later kernels (no host
@@ -655,7 +675,7 @@ class ReducedVector:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
             if self._packed.device.type != "cpu":
-                self._event.synchronize()
+                self._wait_event()
                 values = self._pinned.tolist()
             else:
                 self._wait_collective()

@@ -100,3 +100,20 @@ def test_reducer_device_follows_the_gradients_and_the_bound_device() -> None:
     assert reducer_device(None, None, None) == cpu
     params = [torch.empty(2, device="meta"), torch.empty(2)]
     assert gradient_device(params) is None
+
+
+def test_foreach_scratch_is_bounded_by_splitting_huge_buckets() -> None:
+    from gradwatch.stats import foreach_splits
+
+    # 1,000 tensors with one of 1B elements: one call would need 1,000 x 15,259 partial sums.
+    numels = [1000] * 500 + [10**9] + [1000] * 499
+    splits = foreach_splits(numels)
+    covered = [i for part in splits for i in range(len(numels))[part]]
+    assert covered == list(range(len(numels)))  # every tensor once, in order
+    for part in splits:
+        chunk = numels[part]
+        scratch = len(chunk) * max(-(-n // 65536) for n in chunk)
+        assert scratch <= 1 << 20 or len(chunk) == 1
+    assert len(splits) <= 3
+    assert foreach_splits([5] * 10) == [slice(0, 10)]  # small buckets stay one call
+    assert foreach_splits([]) == []
