@@ -204,6 +204,14 @@ def test_doctor_cuda_every_check_passes() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_warm_collect_makes_no_cuda_sync() -> None:
-    check = doctor.check_syncs(torch.device("cuda"))
-    assert check.status == "PASS", check
+@pytest.mark.parametrize(
+    "family", ["environment", "exactness", "syncs", "memory", "cost", "threading", "endpoint"]
+)
+def test_cuda_check_family_passes(family: str) -> None:
+    """Each family on the GPU, as its own test (a failure names the family)."""
+    options = doctor.DoctorOptions(
+        device=doctor.resolve_device("cuda"), only=(family,), quick=True
+    )
+    checks = doctor.run_checks(options)
+    assert checks, family
+    assert all(c.status == "PASS" for c in checks), checks
