@@ -42,6 +42,8 @@ import contextlib
 import json
 import logging
 import math
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -356,6 +358,94 @@ def _check_name_sets(
             )
 
 
+#: Backends whose monitoring-only collects all-reduce on a separate gloo group from a background
+#: thread, so a rank that stops collecting never stalls the training stream (an NCCL collective
+#: awaited by the training stream would, and the NCCL watchdog would then abort the job). Clips
+#: keep the job's backend. Tests add "gloo" to run the same path on CPU.
+MONITOR_ON_HOST_BACKENDS: tuple[str, ...] = ("nccl",)
+
+
+def _wait_event(event: Any, timeout: float, what: str) -> None:
+    """Wait for a CUDA event for at most ``timeout`` seconds, polling with a sleep that grows to
+    10 ms (``Event.synchronize()`` has no timeout; spinning on ``query()`` would hold a core)."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-4
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise GradWatchTimeoutError(
+                f"gradwatch: {what} did not reach the host within {timeout}s "
+                "(collective_timeout_seconds): the device is stuck"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+class _HostWork:
+    """The monitoring all-reduce of one collect, once the host thread issued it: ``wait``
+    bounds the whole wait (copy to the host, issue, collective) by one timeout."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._work: Any = None
+        self._error: BaseException | None = None
+
+    def _issued(self, work: Any, error: BaseException | None) -> None:
+        self._work, self._error = work, error
+        self._ready.set()
+
+    def wait(self, timeout: timedelta) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        if not self._ready.wait(timeout.total_seconds()):
+            raise RuntimeError("the monitoring all-reduce was not issued in time")
+        if self._error is not None:
+            raise RuntimeError(f"the monitoring all-reduce failed: {self._error}")
+        left = max(0.001, deadline - time.monotonic())
+        self._work.wait(timedelta(seconds=left))
+
+
+class _HostReducer:
+    """Issues the monitoring-only all-reduces on a gloo group, in collect order, from one daemon
+    thread: it waits (bounded) for each vector's copy to pinned host memory, then issues the
+    asynchronous gloo all-reduce. Nothing here ever touches the training stream."""
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        self._group = group
+        self._timeout = timeout
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.SUM
+        self._thread: threading.Thread | None = None
+
+    def submit(self, host: Tensor, event: Any) -> _HostWork:
+        work = _HostWork()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="gradwatch-host-reduce", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((host, event, work))
+        return work
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            host, event, work = item
+            try:
+                if event is not None:
+                    _wait_event(event, self._timeout, "the packed vector")
+                work._issued(self._group.allreduce([host], self._options), None)
+            except Exception as exc:  # reported by result(), never raised in training
+                work._issued(None, exc)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=1.0)
+            self._thread = None
+
+
 class Reducer:
     """Packs local squared norms into the agreed vector and all-reduces it once.
 
@@ -378,6 +468,8 @@ class Reducer:
         self.timeout = timeout_seconds
         self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
         self.group: Any = None
+        self.host_group: Any = None  # gloo group of the monitoring-only collects (NCCL jobs)
+        self._host: _HostReducer | None = None
         desc = {
             "version": version,
             "config": config_hash,
@@ -398,6 +490,11 @@ class Reducer:
                 # interleaves with the job's collectives on the default group. Every rank of
                 # the world creates it here, in the same order relative to the job's groups.
                 self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
+                if any(b in str(backend) for b in MONITOR_ON_HOST_BACKENDS):
+                    self.host_group = dist.new_group(
+                        backend="gloo", timeout=timedelta(seconds=timeout_seconds)
+                    )
+                    self._host = _HostReducer(self.host_group, timeout_seconds)
                 gathered = _all_gather_bytes(raw, self.group, handshake_device)
             except RuntimeError as exc:
                 self.close()
@@ -451,12 +548,20 @@ class Reducer:
         self._slot_global = (slot[slot >= 0] + at.replicas.start).to(dev)
 
     def pack_and_reduce(
-        self, sq_local: Tensor, has_grad: Sequence[bool], step: int, with_replicas: bool
+        self,
+        sq_local: Tensor,
+        has_grad: Sequence[bool],
+        step: int,
+        with_replicas: bool,
+        device_collective: bool = True,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.stats`) and
         ``has_grad`` (one bool per local piece), and issue the all-reduce
         (asynchronously where the backend allows). Never waits on gloo.
+        ``device_collective=False`` (a collect that does not clip): on backends of
+        :data:`MONITOR_ON_HOST_BACKENDS` the all-reduce runs on the host gloo group instead,
+        issued from a background thread.
 
         A constant number of ops (about 7), whatever the number of parameters: pieces this rank
         does not count (replicated copies owned by another rank) are zeroed by ``where`` (not
@@ -473,7 +578,7 @@ class Reducer:
         packed.index_copy_(0, self._scatter, self._staging)
         if with_replicas and self._slot_local.numel():
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
-        return self._issue(packed, step)
+        return self._issue(packed, step, on_host=not device_collective)
 
     def _stage_tail(self, has_grad: Sequence[bool], step: int) -> None:
         """Write the has-gradient flags and the step into the staging vector by device-side
@@ -495,15 +600,31 @@ class Reducer:
             self._has_grad_key = key
         self._staged_step.fill_(float(step))
 
-    def reduce_failed(self, step: int) -> ReducedVector:
+    def reduce_failed(self, step: int, device_collective: bool = True) -> ReducedVector:
         """Issue this collect's all-reduce for a rank whose local pass failed: zeros but a NaN
         step slot, so the ranks' collective sequences stay aligned and every rank's
-        :meth:`ReducedStats.steps_agree` is False for this step (nothing is published)."""
+        :meth:`ReducedStats.steps_agree` is False for this step (nothing is published).
+        ``device_collective``: the route the failed collect would have taken (a clip's is the
+        job's backend, a monitoring collect's the host group), so the sequences match."""
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
         packed[_sections(self.layout).step] = math.nan
-        return self._issue(packed, step)
+        return self._issue(packed, step, on_host=not device_collective)
 
-    def _issue(self, packed: Tensor, step: int) -> ReducedVector:
+    def _issue(self, packed: Tensor, step: int, on_host: bool = False) -> ReducedVector:
+        if on_host and self._host is not None:
+            # The monitoring-only path: a copy to (pinned) host memory queued on the vector's
+            # stream, the gloo all-reduce issued by the host thread once it landed.
+            host = torch.empty(
+                packed.shape, dtype=packed.dtype, pin_memory=packed.device.type != "cpu"
+            )
+            host.copy_(packed, non_blocking=True)
+            event = None
+            if packed.device.type != "cpu":  # CUDA path: untested on this project's machines
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(packed.device))
+            self.issued += 1
+            work = self._host.submit(host, event)
+            return ReducedVector(host, work, self.timeout, step, self.layout)
         work = None
         if self.group is not None:
             # The process group's own method: the same c10d op as dist.all_reduce without its
@@ -514,10 +635,15 @@ class Reducer:
         return ReducedVector(packed, work, self.timeout, step, self.layout)
 
     def close(self) -> None:
-        if self.group is not None:
-            with contextlib.suppress(Exception):  # best effort at shutdown
-                dist.destroy_process_group(self.group)
-            self.group = None
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+        for name in ("host_group", "group"):
+            group = getattr(self, name)
+            if group is not None:
+                with contextlib.suppress(Exception):  # best effort at shutdown
+                    dist.destroy_process_group(group)
+                setattr(self, name, None)
 
 
 @dataclass(frozen=True)
@@ -639,22 +765,6 @@ class ReducedVector:
                 ) from exc
             self._work = None
 
-    def _wait_event(self) -> None:
-        """Wait for the copy to pinned memory with the collective's timeout, polling with a
-        growing sleep (``Event.synchronize()`` has no timeout, and a non-blocking event spins
-        a core while the publisher thread waits)."""
-        deadline = time.monotonic() + self._timeout
-        pause = 1e-4
-        while not self._event.query():
-            if time.monotonic() > deadline:
-                raise GradWatchTimeoutError(
-                    f"gradwatch: the reduced vector of step {self._step} did not reach the host "
-                    f"within {self._timeout}s (collective_timeout_seconds): the device is stuck "
-                    "or another rank stopped collecting"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
-
     def _device(self) -> Tensor:
         # On accelerators the collective was already ordered before later kernels (no host
         # wait); on gloo this waits for the all-reduce, which CPU work would wait for anyway.
@@ -675,7 +785,7 @@ class ReducedVector:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
             if self._packed.device.type != "cpu":
-                self._wait_event()
+                _wait_event(self._event, self._timeout, f"the vector of step {self._step}")
                 values = self._pinned.tolist()
             else:
                 self._wait_collective()

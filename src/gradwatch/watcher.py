@@ -366,7 +366,7 @@ class GradWatch:
             )
         except Exception as exc:  # never let monitoring crash training
             self._last_failed_attempt = attempt
-            return self._failed(step, exc, issued), None
+            return self._failed(step, exc, issued, clip=max_norm is not None), None
         if skipped:
             return self._pending_last(step), total
         self._latest = pending
@@ -375,7 +375,9 @@ class GradWatch:
             self._publishing.submit(pending)
         return pending, total
 
-    def _failed(self, step: int, exc: Exception, issued: int) -> PendingSnapshot:
+    def _failed(
+        self, step: int, exc: Exception, issued: int, clip: bool = False
+    ) -> PendingSnapshot:
         """A collect whose local pass raised: count and log it, keep the ranks' collective
         sequences aligned, and return a result that says the step was not measured.
 
@@ -405,7 +407,7 @@ class GradWatch:
             )
         if self._reducer.issued == issued:
             try:
-                self._reducer.reduce_failed(step)
+                self._reducer.reduce_failed(step, device_collective=clip)
             except Exception as inner:
                 self._stop("collective", f"{type(inner).__name__}: {inner}", step)
         return self._not_measured(step, f"collect(step={step}) failed: {why}")
@@ -531,7 +533,9 @@ class GradWatch:
             record and every > 0 and self._collections % every == 0 and self._layout.replicas > 1
         )
         self._collections += int(record)
-        reduced = self._reducer.pack_and_reduce(sq, has_grad, step, with_replicas=measure)
+        reduced = self._reducer.pack_and_reduce(
+            sq, has_grad, step, with_replicas=measure, device_collective=max_norm is not None
+        )
         total = None
         if max_norm is not None:
             total = clip_grads_(reduced, max_norm, grads, plan)
