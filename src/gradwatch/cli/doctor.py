@@ -11,6 +11,7 @@ does not exist, an unknown dtype) with a one-line message.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Annotated, Any
 
 import typer
@@ -106,8 +107,14 @@ def doctor_command(
 
     if not json_output:
         typer.echo(f"gradwatch doctor on {options.device} (each check: PASS, FAIL or SKIP)")
+    started = time.monotonic()
     checks = run_checks(options)
-    typer.echo(to_json(checks, options.device) if json_output else _table(checks))
+    elapsed = time.monotonic() - started
+    if json_output:
+        typer.echo(to_json(checks, options.device, elapsed))
+    else:
+        typer.echo(_table(checks))
+        typer.echo(f"\n{len(checks)} checks in {elapsed:.1f} s")
     failed = [c.name for c in checks if c.status == "FAIL"]
     if failed:
         typer.echo(f"gradwatch doctor: FAILED: {', '.join(failed)}", err=True)
