@@ -490,7 +490,9 @@ class Reducer:
                 # interleaves with the job's collectives on the default group. Every rank of
                 # the world creates it here, in the same order relative to the job's groups.
                 self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
-                if any(b in str(backend) for b in MONITOR_ON_HOST_BACKENDS):
+                # Gloo with CUDA gradients too: its work.wait() would block the training thread.
+                on_host = any(b in str(backend) for b in MONITOR_ON_HOST_BACKENDS)
+                if on_host or self.device.type != "cpu":
                     self.host_group = dist.new_group(
                         backend="gloo", timeout=timedelta(seconds=timeout_seconds)
                     )
