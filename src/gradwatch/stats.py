@@ -598,6 +598,16 @@ class NormEngine:
         very tensors by (device, dtype), which clipping reuses (:mod:`gradwatch.clip`)."""
         if out_device is None:
             out_device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+        if out_device.type != "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
+            # Gradients on the CPU, output on an accelerator (FSDP2 CPU offload): norm and
+            # repair on the host, then one non-blocking copy from pinned memory. Normed with a
+            # CUDA output, each bucket's result would cross by a blocking pageable copy and the
+            # repair check would read its index list back from the device. (CUDA path:
+            # untested on this project's machines.)
+            sq, plan = self.squared_norms_and_plan(tensors, torch.device("cpu"))
+            staged = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
+            staged.copy_(sq)
+            return staged.to(out_device, non_blocking=True), plan
         plan = self.plan_for(tensors, out_device)
         try:
             sq = _fast_squared_norms(plan, tensors)
