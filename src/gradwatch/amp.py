@@ -5,6 +5,14 @@ underflow; until ``scaler.unscale_(optimizer)`` (explicit, or inside ``scaler.st
 gradients are multiplied by it. gradwatch divides squared norms by ``scale**2`` on the device
 (the scale is a device tensor: no sync), unless the optimizer's gradients were already
 unscaled, so a user who calls ``scaler.unscale_`` before clipping is not unscaled twice.
+
+After ``scaler.update()`` the gradients are unscaled too, but the scaler's per-optimizer state
+is reset exactly as at the start of an iteration, so its state cannot tell the two apart (a
+collect there would divide unscaled gradients by the new scale squared). The first time
+gradwatch sees a scaler it therefore wraps the instance's ``update`` and ``scale`` (instance
+attributes, like the ``step`` wrapper of :mod:`gradwatch.hooks`): from ``update()`` to the next
+``scale()`` the gradients count as unscaled. A collect between the very first ``update()`` and
+the first ``scale()`` after it, before gradwatch ever saw the scaler, is not recognized.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ def pending_scale(scaler: Any, optimizer: Any = None) -> Tensor | None:
     """
     if scaler is None or not scaler.is_enabled():
         return None
+    track_updates(scaler)
+    if scaler.__dict__.get(_UNSCALED, False):
+        return None  # update() ran and no scale() since: these gradients were unscaled
     scale = getattr(scaler, "_scale", None)
     if scale is None:  # scaler.scale() never ran: nothing was scaled
         return None
@@ -37,3 +48,27 @@ def pending_scale(scaler: Any, optimizer: Any = None) -> Tensor | None:
     if any(stage is not OptState.READY for stage in stages):
         return None  # unscale_ already divided the gradients in place
     return scale
+
+
+_UNSCALED = "_gradwatch_unscaled"  # instance flag: update() ran, no scale() since
+
+
+def track_updates(scaler: Any) -> None:
+    """Wrap ``scaler.update`` and ``scaler.scale`` once (idempotent) to maintain the flag
+    :func:`pending_scale` reads. ``state_dict()`` is unaffected (it reads named fields)."""
+    if "_gradwatch_tracked" in scaler.__dict__:
+        return
+    update, scale = scaler.update, scaler.scale
+
+    def update_and_mark(*args: Any, **kwargs: Any) -> Any:
+        out = update(*args, **kwargs)
+        scaler.__dict__[_UNSCALED] = True
+        return out
+
+    def scale_and_mark(*args: Any, **kwargs: Any) -> Any:
+        scaler.__dict__[_UNSCALED] = False
+        return scale(*args, **kwargs)
+
+    scaler.update = update_and_mark
+    scaler.scale = scale_and_mark
+    scaler.__dict__["_gradwatch_tracked"] = True

@@ -58,6 +58,9 @@ import contextlib
 import json
 import logging
 import math
+import queue
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -73,6 +76,7 @@ from gradwatch.errors import (
     LayoutMismatchError,
     UnsupportedParallelismError,
 )
+from gradwatch.stats import host_to_device
 
 log = logging.getLogger("gradwatch")
 
@@ -164,6 +168,53 @@ def _sections(layout: Layout) -> _Sections:
         step=5 * n + r,
         length=5 * n + r + 1 + _rank_view_width(layout),
     )
+
+
+#: has-gradient patterns kept on the device (oldest dropped first).
+_FLAG_PATTERNS = 16
+
+
+def gradient_device(tensors: Sequence[Tensor]) -> torch.device | None:
+    """The accelerator the parameters live on (the first one not on the CPU or ``meta``), or
+    None when they are all on the CPU: what the reducer's device follows."""
+    for t in tensors:
+        if t.device.type not in ("cpu", "meta"):
+            return t.device
+    return None
+
+
+def _bound_device() -> torch.device | None:
+    """The device the default process group was bound to (``init_process_group(device_id=)``),
+    if any (``ProcessGroup.bound_device_id``)."""
+    with contextlib.suppress(Exception):
+        bound = dist.distributed_c10d._get_default_group().bound_device_id
+        if bound is not None:
+            return torch.device(bound)
+    return None
+
+
+def reducer_device(
+    gradients: torch.device | None, backend: str | None, bound: torch.device | None
+) -> torch.device:
+    """Where the packed vector lives, so no collect copies between host and device.
+
+    The gradients' accelerator when they have one, whatever the backend and world size (a
+    single-GPU job reduces and clips on its GPU); under NCCL the process group's bound device
+    comes first (``device_id=``), then the gradients', and ``current_device()`` only as the
+    last resort (gradients on the CPU, e.g. FSDP2 CPU offload): ranks that bind their GPU by
+    ``device_id=`` or ``model.to(cuda:k)`` without ``set_device`` would otherwise all pick
+    cuda:0. Without NCCL and without accelerator gradients: the CPU.
+    """
+    if backend is not None and "nccl" in backend:
+        if bound is not None:
+            return bound
+        if gradients is not None and gradients.type == "cuda":
+            return gradients
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    if gradients is not None:
+        return gradients
+    return torch.device("cpu")
 
 
 def piece_of(name: str, param: Tensor) -> LocalPiece:
@@ -398,6 +449,94 @@ def _check_name_sets(
             )
 
 
+#: Backends whose monitoring-only collects all-reduce on a separate gloo group from a background
+#: thread, so a rank that stops collecting never stalls the training stream (an NCCL collective
+#: awaited by the training stream would, and the NCCL watchdog would then abort the job). Clips
+#: keep the job's backend. Tests add "gloo" to run the same path on CPU.
+MONITOR_ON_HOST_BACKENDS: tuple[str, ...] = ("nccl",)
+
+
+def _wait_event(event: Any, timeout: float, what: str) -> None:
+    """Wait for a CUDA event for at most ``timeout`` seconds, polling with a sleep that grows to
+    10 ms (``Event.synchronize()`` has no timeout; spinning on ``query()`` would hold a core)."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-4
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise GradWatchTimeoutError(
+                f"gradwatch: {what} did not reach the host within {timeout}s "
+                "(collective_timeout_seconds): the device is stuck"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+class _HostWork:
+    """The monitoring all-reduce of one collect, once the host thread issued it: ``wait``
+    bounds the whole wait (copy to the host, issue, collective) by one timeout."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._work: Any = None
+        self._error: BaseException | None = None
+
+    def _issued(self, work: Any, error: BaseException | None) -> None:
+        self._work, self._error = work, error
+        self._ready.set()
+
+    def wait(self, timeout: timedelta) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        if not self._ready.wait(timeout.total_seconds()):
+            raise RuntimeError("the monitoring all-reduce was not issued in time")
+        if self._error is not None:
+            raise RuntimeError(f"the monitoring all-reduce failed: {self._error}")
+        left = max(0.001, deadline - time.monotonic())
+        self._work.wait(timedelta(seconds=left))
+
+
+class _HostReducer:
+    """Issues the monitoring-only all-reduces on a gloo group, in collect order, from one daemon
+    thread: it waits (bounded) for each vector's copy to pinned host memory, then issues the
+    asynchronous gloo all-reduce. Nothing here ever touches the training stream."""
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        self._group = group
+        self._timeout = timeout
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.SUM
+        self._thread: threading.Thread | None = None
+
+    def submit(self, host: Tensor, event: Any) -> _HostWork:
+        work = _HostWork()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="gradwatch-host-reduce", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((host, event, work))
+        return work
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            host, event, work = item
+            try:
+                if event is not None:
+                    _wait_event(event, self._timeout, "the packed vector")
+                work._issued(self._group.allreduce([host], self._options), None)
+            except Exception as exc:  # reported by result(), never raised in training
+                work._issued(None, exc)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=1.0)
+            self._thread = None
+
+
 class Reducer:
     """Packs local squared norms into the agreed vector and all-reduces it once.
 
@@ -415,29 +554,40 @@ class Reducer:
         timeout_seconds: float,
         stage_group: Any = None,
         rank_view_groups: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
         self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
         self.group: Any = None
-        self.device = torch.device("cpu")
+        self.host_group: Any = None  # gloo group of the monitoring-only collects (NCCL jobs)
+        self._host: _HostReducer | None = None
+        multi = self.distributed and dist.get_world_size() > 1
         stage_ranks = None
-        if self.distributed and dist.get_world_size() > 1 and stage_group is not None:
+        if multi and stage_group is not None:
             stage_ranks = dist.get_process_group_ranks(stage_group)
         desc, record = handshake.describe(
             pieces, version=version, config_hash=config_hash, stage_ranks=stage_ranks,
             rank_view=rank_view_groups,
         )
-        if self.distributed and dist.get_world_size() > 1:
-            backend = str(dist.get_backend())
-            if "nccl" in backend and torch.cuda.is_available():
-                self.device = torch.device("cuda", torch.cuda.current_device())
+        backend = str(dist.get_backend()) if multi else None
+        self.device = reducer_device(device, backend, _bound_device() if multi else None)
+        if multi:
+            # The handshake runs once, on the device NCCL needs, on the CPU otherwise.
+            handshake_device = self.device if "nccl" in str(backend) else torch.device("cpu")
             try:
                 # gradwatch's own group: its timeout bounds every wait, and its traffic never
                 # interleaves with the job's collectives on the default group. Every rank of
                 # the world creates it here, in the same order relative to the job's groups.
                 self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
-                gathered = handshake.exchange(desc, record, self.group, self.device)
+                # Gloo with CUDA gradients too: its work.wait() would block the training thread.
+                on_host = any(b in str(backend) for b in MONITOR_ON_HOST_BACKENDS)
+                if on_host or self.device.type != "cpu":
+                    self.host_group = dist.new_group(
+                        backend="gloo", timeout=timedelta(seconds=timeout_seconds)
+                    )
+                    self._host = _HostReducer(self.host_group, timeout_seconds)
+                gathered = handshake.exchange(desc, record, self.group, handshake_device)
             except RuntimeError as exc:
                 self.close()
                 raise GradWatchTimeoutError(
@@ -467,7 +617,12 @@ class Reducer:
         self._staging = torch.zeros(5 * n_local + 1, dtype=torch.float64, device=dev)
         self._staged_squares = self._staging[: 3 * n_local]
         self._staged_flags = self._staging[3 * n_local : 4 * n_local]
-        self._staged_tail = self._staging[4 * n_local :]
+        self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
+        self._staged_step = self._staging[5 * n_local :]
+        # has-gradient patterns already on the device (which gradients are None changes rarely:
+        # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
+        self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
+        self._has_grad_key: tuple[bool, ...] | None = None
         self._contributes = contrib.repeat(3).to(dev)
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
         self._allreduce_options = dist.AllreduceOptions()
@@ -515,11 +670,15 @@ class Reducer:
         step: int,
         with_replicas: bool,
         rank_local: Tensor | None = None,
+        device_collective: bool = True,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.stats`) and
         ``has_grad`` (one bool per local piece), and issue the all-reduce
         (asynchronously where the backend allows). Never waits on gloo.
+        ``device_collective=False`` (a collect that does not clip): on backends of
+        :data:`MONITOR_ON_HOST_BACKENDS` the all-reduce runs on the host gloo group instead,
+        issued from a background thread.
 
         A constant number of ops (about 7), whatever the number of parameters: pieces this rank
         does not count (replicated copies owned by another rank) are zeroed by ``where`` (not
@@ -532,22 +691,58 @@ class Reducer:
         torch.where(self._contributes, sq_local, self._zero, out=self._staged_squares)
         plain = sq_local[: self._n_local]  # NaN/Inf only ever sit in the plain band
         torch.sub(plain, plain, out=self._staged_flags).nan_to_num_(nan=1.0)
-        self._staged_tail.copy_(torch.tensor([*has_grad, step], dtype=torch.float64))
+        self._stage_tail(has_grad, step)
         packed.index_copy_(0, self._scatter, self._staging)
         if with_replicas and self._slot_local.numel():
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
         self._pack_rank_view(packed, rank_local)
-        return self._issue(packed, step)
+        return self._issue(packed, step, on_host=not device_collective)
 
-    def reduce_failed(self, step: int) -> ReducedVector:
+    def _stage_tail(self, has_grad: Sequence[bool], step: int) -> None:
+        """Write the has-gradient flags and the step into the staging vector by device-side
+        ops only: the step by ``fill_`` (a kernel argument, no host memory), the flags from a
+        persistent device tensor per pattern. A pattern seen for the first time is built on the
+        host and sent by one ``non_blocking`` copy from pinned memory (the caching host
+        allocator keeps that memory alive until the copy ran); a repeated pattern costs nothing,
+        the current one not even a copy. ``torch.tensor(list)`` copied into a CUDA vector would
+        be a blocking copy from pageable memory: the host would wait for the whole backward."""
+        key = tuple(has_grad)
+        if key != self._has_grad_key:
+            flags = self._has_grad_flags.get(key)
+            if flags is None:
+                flags = host_to_device(key, torch.float64, self.device)
+                if len(self._has_grad_flags) >= _FLAG_PATTERNS:
+                    self._has_grad_flags.pop(next(iter(self._has_grad_flags)))
+                self._has_grad_flags[key] = flags
+            self._staged_has_grad.copy_(flags)
+            self._has_grad_key = key
+        self._staged_step.fill_(float(step))
+
+    def reduce_failed(self, step: int, device_collective: bool = True) -> ReducedVector:
         """Issue this collect's all-reduce for a rank whose local pass failed: zeros but a NaN
         step slot, so the ranks' collective sequences stay aligned and every rank's
-        :meth:`ReducedStats.steps_agree` is False for this step (nothing is published)."""
+        :meth:`ReducedStats.steps_agree` is False for this step (nothing is published).
+        ``device_collective``: the route the failed collect would have taken (a clip's is the
+        job's backend, a monitoring collect's the host group), so the sequences match."""
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
         packed[_sections(self.layout).step] = math.nan
-        return self._issue(packed, step)
+        return self._issue(packed, step, on_host=not device_collective)
 
-    def _issue(self, packed: Tensor, step: int) -> ReducedVector:
+    def _issue(self, packed: Tensor, step: int, on_host: bool = False) -> ReducedVector:
+        if on_host and self._host is not None:
+            # The monitoring-only path: a copy to (pinned) host memory queued on the vector's
+            # stream, the gloo all-reduce issued by the host thread once it landed.
+            host = torch.empty(
+                packed.shape, dtype=packed.dtype, pin_memory=packed.device.type != "cpu"
+            )
+            host.copy_(packed, non_blocking=True)
+            event = None
+            if packed.device.type != "cpu":  # CUDA path: untested on this project's machines
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(packed.device))
+            self.issued += 1
+            work = self._host.submit(host, event)
+            return ReducedVector(host, work, self.timeout, step, self.layout)
         work = None
         if self.group is not None:
             # The process group's own method: the same c10d op as dist.all_reduce without its
@@ -558,10 +753,15 @@ class Reducer:
         return ReducedVector(packed, work, self.timeout, step, self.layout)
 
     def close(self) -> None:
-        if self.group is not None:
-            with contextlib.suppress(Exception):  # best effort at shutdown
-                dist.destroy_process_group(self.group)
-            self.group = None
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+        for name in ("host_group", "group"):
+            group = getattr(self, name)
+            if group is not None:
+                with contextlib.suppress(Exception):  # best effort at shutdown
+                    dist.destroy_process_group(group)
+                setattr(self, name, None)
 
 
 @dataclass(frozen=True)
@@ -665,10 +865,13 @@ class ReducedVector:
             if work is not None:
                 work.wait()
                 self._work = None
+            # CUDA path, untested on this project's CPU machines. The event is recorded on the
+            # stream of the vector's own device (Event.record() alone uses the *current*
+            # device's stream, which may be another GPU's).
             self._pinned = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._pinned.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(packed.device))
 
     def _wait_collective(self) -> None:
         if self._work is not None:
@@ -702,7 +905,7 @@ class ReducedVector:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
             if self._packed.device.type != "cpu":
-                self._event.synchronize()
+                _wait_event(self._event, self._timeout, f"the vector of step {self._step}")
                 values = self._pinned.tolist()
             else:
                 self._wait_collective()

@@ -151,6 +151,7 @@ class _Bucket:
     dtype: torch.dtype
     whole: list[int] = field(default_factory=list)  # positions normed by a float64 foreach op
     whole_index: Tensor | None = None  # ``whole``, on the output device
+    whole_splits: list[slice] = field(default_factory=list)  # one foreach call per slice
     rows: list[int] = field(default_factory=list)  # positions normed in place as float32 rows
     row_counts: list[int] = field(default_factory=list)  # full rows of each, for as_strided
     row_strides: list[tuple[int, ...]] = field(default_factory=list)  # as planned (checked)
@@ -272,20 +273,59 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
         buckets=list(buckets.values()),
         needs_repair=needs_repair,
         repair_floor=(
-            torch.tensor(floor, dtype=torch.float64, device=out_device) if needs_repair else None
+            host_to_device(floor, torch.float64, out_device) if needs_repair else None
         ),
         repair_ceiling=(
-            torch.tensor(ceiling, dtype=torch.float64, device=out_device)
+            host_to_device(ceiling, torch.float64, out_device)
             if any(c < math.inf for c in ceiling)
             else None
         ),
     )
     for bucket in plan.buckets:
         if bucket.whole:
-            bucket.whole_index = torch.tensor(bucket.whole, dtype=torch.long, device=out_device)
+            bucket.whole_index = host_to_device(bucket.whole, torch.long, out_device)
+            bucket.whole_splits = foreach_splits([tensors[i].numel() for i in bucket.whole])
         if bucket.rows or bucket.packed:
             _build_rows(bucket, tensors, plan)
     return plan
+
+
+def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A plan's index or bound list on ``device`` without a host wait: built on the host, then
+    (accelerators) one ``non_blocking`` copy from pinned memory. ``torch.tensor(list,
+    device=cuda)`` copies from pageable memory, which blocks until the device is idle: on a plan
+    change (which gradients are None changed) the host would wait for the whole backward."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    # Accelerator path (untested on this project's CPU machines): the caching host allocator
+    # keeps the pinned block alive until the copy has run.
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+#: Elements of one foreach-norm scratch (float64s): 8 MiB. CUDA's ``_foreach_norm(dtype=...)``
+#: allocates ``tensors x ceil(largest numel / 65536)`` partial sums per call (multi-tensor
+#: apply chunks of 65,536 elements): one 1B-element tensor among 1,000 would cost 128 MB.
+FOREACH_SCRATCH = 1 << 20
+_FOREACH_CHUNK = 65536
+
+
+def foreach_splits(numels: Sequence[int], cap: int = FOREACH_SCRATCH) -> list[slice]:
+    """Consecutive slices of ``numels`` whose foreach-norm scratch, ``len(slice) x
+    ceil(max numel / 65536)``, stays within ``cap`` (a single tensor always forms a slice).
+    The norms are per tensor, so splitting changes no value, only the peak memory."""
+    splits: list[slice] = []
+    start, widest = 0, 0
+    for i, numel in enumerate(numels):
+        chunks = max(1, -(-numel // _FOREACH_CHUNK))
+        wider = max(widest, chunks)
+        if i > start and (i - start + 1) * wider > cap:
+            splits.append(slice(start, i))
+            start, wider = i, chunks
+        widest = wider
+    if numels:
+        splits.append(slice(start, len(numels)))
+    return splits
 
 
 def _aligned(numel: int) -> int:
@@ -342,7 +382,7 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
     if len(owner) >= CSR_MIN_ROWS:
         bucket.sum_rows = _segment_sum_matrix(owner, plan.n, bucket.device)
     else:
-        bucket.owner = torch.tensor(owner, dtype=torch.long, device=bucket.device)
+        bucket.owner = host_to_device(owner, torch.long, bucket.device)
 
 
 def _segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor:
@@ -504,7 +544,13 @@ def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Ten
             sq.add_(summed)
         if bucket.whole:
             items = [tensors[i] for i in bucket.whole]
-            norms = torch.stack(torch._foreach_norm(items, 2, dtype=torch.float64))
+            norms = torch.stack(
+                [
+                    norm
+                    for part in bucket.whole_splits
+                    for norm in torch._foreach_norm(items[part], 2, dtype=torch.float64)
+                ]
+            )
             assert bucket.whole_index is not None
             sq.index_copy_(0, bucket.whole_index, norms.to(out_device).square())
     return banded
@@ -552,6 +598,16 @@ class NormEngine:
         very tensors by (device, dtype), which clipping reuses (:mod:`gradwatch.clip`)."""
         if out_device is None:
             out_device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+        if out_device.type != "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
+            # Gradients on the CPU, output on an accelerator (FSDP2 CPU offload): norm and
+            # repair on the host, then one non-blocking copy from pinned memory. Normed with a
+            # CUDA output, each bucket's result would cross by a blocking pageable copy and the
+            # repair check would read its index list back from the device. (CUDA path:
+            # untested on this project's machines.)
+            sq, plan = self.squared_norms_and_plan(tensors, torch.device("cpu"))
+            staged = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
+            staged.copy_(sq)
+            return staged.to(out_device, non_blocking=True), plan
         plan = self.plan_for(tensors, out_device)
         try:
             sq = _fast_squared_norms(plan, tensors)

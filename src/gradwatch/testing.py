@@ -9,6 +9,12 @@
   (``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.item``).
 * :func:`largest_allocation`: the largest allocation one op made, from ``torch.profiler``,
   which also sees memory allocated *inside* a kernel.
+* :class:`BlockingCopyCounter` (:func:`count_blocking_copies`): the patterns that synchronize a
+  CUDA device although no scalar is read, visible on a CPU too: a tensor built from Python data
+  (``torch.tensor(list)``: ``aten.lift_fresh``; on CUDA its copy to the device is a blocking
+  copy from pageable memory) and a copy that crosses between host and device, or copies such a
+  Python-built tensor, without ``non_blocking=True`` (``copy_`` / ``_to_copy`` end in
+  ``cudaStreamSynchronize`` then).
 
 Example: ``with OpCounter() as ops: watch.collect(step).result()`` then ``ops.scalar_reads``,
 ``ops.collectives``, ``ops.total``. Test-time tools: they patch ``torch.Tensor`` methods
@@ -26,7 +32,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpCounter", "count_host_reads", "largest_allocation"]
+__all__ = [
+    "BlockingCopyCounter",
+    "OpCounter",
+    "count_blocking_copies",
+    "count_host_reads",
+    "largest_allocation",
+]
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -119,3 +131,52 @@ def largest_allocation(fn: Any) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return max((max(0, e.cpu_memory_usage) for e in prof.events()), default=0)
+
+
+class BlockingCopyCounter(TorchDispatchMode):
+    """Counts tensors built from Python data and blocking host<->device copies (see the module
+    docstring); :meth:`describe` names the ops, for a failing test's message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.python_tensors = 0
+        self.blocking_copies = 0
+        self.seen: Counter[str] = Counter()
+        self._fresh: set[int] = set()  # storages of tensors built from Python data
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        out = func(*args, **kwargs)
+        if name in ("aten.lift_fresh", "aten.lift_fresh_copy"):
+            self.python_tensors += 1
+            self.seen[name] += 1
+            ptr = _storage_ptr(out)
+            if ptr is not None:
+                self._fresh.add(ptr)
+        elif name in ("aten.copy_", "aten._to_copy"):
+            src = args[1] if name == "aten.copy_" else args[0]
+            if name == "aten.copy_":
+                dst_device = args[0].device
+            else:
+                dst_device = kwargs.get("device") or src.device
+            non_blocking = bool(
+                args[2] if name == "aten.copy_" and len(args) > 2 else kwargs.get("non_blocking")
+            )
+            crosses = (src.device.type == "cpu") != (torch.device(dst_device).type == "cpu")
+            if not non_blocking and (crosses or _storage_ptr(src) in self._fresh):
+                self.blocking_copies += 1
+                self.seen[f"{name} from {src.device} to {dst_device}"] += 1
+        return out
+
+    @property
+    def total(self) -> int:
+        return self.python_tensors + self.blocking_copies
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} x{n}" for k, n in sorted(self.seen.items()))
+
+
+def count_blocking_copies() -> BlockingCopyCounter:
+    """``with count_blocking_copies() as copies: watch.collect(step)`` then ``copies.total``."""
+    return BlockingCopyCounter()

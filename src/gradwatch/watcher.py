@@ -47,7 +47,7 @@ from gradwatch.model import (
     reject_fsdp1,
 )
 from gradwatch.rankview import NoiseScale, rank_view_fields
-from gradwatch.reduce import ReducedVector, Reducer, piece_of
+from gradwatch.reduce import ReducedVector, Reducer, gradient_device, piece_of
 from gradwatch.snapshot import Snapshot
 from gradwatch.spikes import SpikeDetector
 from gradwatch.stats import BANDS, MetaGradientError, NormEngine, norm_from_bands
@@ -170,6 +170,7 @@ class GradWatch:
                 timeout_seconds=cfg.collective_timeout_seconds,
                 stage_group=stage_group,
                 rank_view_groups=len(self._view_groups) if self._comm_hook is not None else 0,
+                device=gradient_device(self._params),
             )
         except BaseException:
             detach(self._comm_hook)
@@ -503,7 +504,7 @@ class GradWatch:
             )
         except Exception as exc:  # never let monitoring crash training
             self._last_failed_attempt = attempt
-            return self._failed(step, exc, issued), None
+            return self._failed(step, exc, issued, clip=max_norm is not None), None
         if skipped:
             return self._pending_last(step), total
         self._latest = pending
@@ -512,7 +513,9 @@ class GradWatch:
             self._publishing.submit(pending)
         return pending, total
 
-    def _failed(self, step: int, exc: Exception, issued: int) -> PendingSnapshot:
+    def _failed(
+        self, step: int, exc: Exception, issued: int, clip: bool = False
+    ) -> PendingSnapshot:
         """A collect whose local pass raised: count and log it, keep the ranks' collective
         sequences aligned, and return a result that says the step was not measured.
 
@@ -542,7 +545,7 @@ class GradWatch:
             )
         if self._reducer.issued == issued:
             try:
-                self._reducer.reduce_failed(step)
+                self._reducer.reduce_failed(step, device_collective=clip)
             except Exception as inner:
                 self._stop("collective", f"{type(inner).__name__}: {inner}", step)
         return self._not_measured(step, f"collect(step={step}) failed: {why}")
@@ -679,7 +682,8 @@ class GradWatch:
         )
         self._collections += int(record)
         reduced = self._reducer.pack_and_reduce(
-            sq, has_grad, step, with_replicas=measure, rank_local=local
+            sq, has_grad, step, with_replicas=measure, rank_local=local,
+            device_collective=max_norm is not None,
         )
         b = batch_size if batch_size is not None else self.config.batch_size
         total = None

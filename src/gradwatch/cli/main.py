@@ -1,7 +1,8 @@
 """The ``gradwatch`` console script (typer): one subcommand per module of this package.
 
 ``demo`` (:mod:`gradwatch.cli.demo`), ``top`` (:mod:`gradwatch.cli.top`), ``config``
-(:mod:`gradwatch.cli.config_cmd`) and ``plot`` (:mod:`gradwatch.cli.plot`). Each module exposes a
+(:mod:`gradwatch.cli.config_cmd`), ``plot`` (:mod:`gradwatch.cli.plot`) and ``doctor``
+(:mod:`gradwatch.cli.doctor`). Each module exposes a
 ``register(app)`` function; this module only assembles them, so the commands stay independent.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from gradwatch.cli import config_cmd, demo, plot, top
+from gradwatch.cli import config_cmd, demo, doctor, plot, top
 
 app = typer.Typer(
     name="gradwatch",
@@ -22,7 +23,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-for module in (demo, top, config_cmd, plot):
+for module in (demo, top, config_cmd, plot, doctor):
     module.register(app)
 
 

@@ -1,0 +1,82 @@
+"""``gradwatch doctor`` under torchrun: one collect across 2 gloo ranks equals the
+single-process float64 reference with one collective; a world whose second rank never comes is
+reported as a failed rendezvous within the doctor's timeout instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from promserver import free_port, start_torchrun, stop_group
+
+pytestmark = [pytest.mark.distributed]
+TIMEOUT = 180
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("GRADWATCH_")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def test_doctor_under_torchrun_two_gloo_ranks(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    proc = start_torchrun(
+        [
+            "--redirects=3",
+            f"--log-dir={logs}",
+            "-m",
+            "gradwatch.cli.main",
+            "doctor",
+            "--device=cpu",
+            "--json",
+            "--quick",
+            "--checks=syncs,distributed",
+            "--timeout=60",
+        ],
+        _clean_env(),
+        tmp_path / "torchrun.log",
+        tmp_path,
+    )
+    try:
+        assert proc.wait(timeout=TIMEOUT) == 0, (tmp_path / "torchrun.log").read_text()
+    finally:
+        stop_group(proc)
+    outputs = sorted(logs.rglob("stdout.log"))
+    assert len(outputs) == 2, outputs
+    for out in outputs:
+        doc = json.loads(out.read_text())
+        status = {c["name"]: c for c in doc["checks"]}
+        assert status["distributed"]["status"] == "PASS", status["distributed"]
+        assert "1 collective(s), 2 ranks" in status["distributed"]["measured"]
+        assert status["distributed"]["detail"] == "gloo"
+        assert status["syncs"]["status"] == "PASS"
+        assert doc["ok"] is True
+
+
+def test_a_missing_rank_is_reported_within_the_timeout() -> None:
+    env = _clean_env()
+    env.update(
+        RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "gradwatch.cli.main", "doctor", "--device=cpu", "--json",
+         "--checks=distributed", "--timeout=5"],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    (check,) = doc["checks"]
+    assert check["name"] == "distributed" and check["status"] == "FAIL"
+    assert check["measured"].startswith("rendezvous failed"), check
+    assert "FAILED: distributed" in result.stderr
+    assert elapsed < 90, elapsed  # bounded by --timeout (plus start-up), never a hang

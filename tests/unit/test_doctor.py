@@ -1,0 +1,217 @@
+"""``gradwatch doctor``: the real console script on the CPU (table and JSON: every check present
+and passing), its bad input (exit 2, one line), and the checks' own verdicts: a check that
+cannot fail proves nothing, so each failure mode is shown to be detected."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gradwatch import doctor
+from gradwatch.cli.main import app
+
+TIMEOUT = 240  # a loaded shared CPU; the doctor's own budget is 60 s
+#: Every check the CPU run reports (the distributed one is SKIP outside torchrun).
+CPU_CHECKS = [
+    "environment",
+    *[f"environment.foreach_norm_fp64[{d}]" for d in ("float32", "bfloat16", "float16", "float64")],
+    "exactness[float32 elements of 1e20]",
+    "exactness[float32 elements of 1e-25]",
+    "exactness[bfloat16 constants over 2^24 elements]",
+    "exactness[float16 near its max]",
+    "exactness[float64 elements of 1e160]",
+    "exactness[float64 elements of 1e-160]",
+    "exactness[NaN/Inf positions, float32]",
+    "syncs",
+    "memory",
+    "cost[float32, collect()+result() vs get_total_norm]",
+    "cost[float32, clip_grad_norm_ vs torch's]",
+    "cost[bfloat16, collect()+result() vs _foreach_norm(dtype=f32)]",
+    "cost[bfloat16, clip_grad_norm_ vs torch's]",
+    "threading",
+    "endpoint",
+]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("GRADWATCH_")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, "-m", "gradwatch.cli.main", "doctor", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
+def _passed(name: str, status: str | None) -> bool:
+    """PASS; a cost check may also be SKIP, the doctor's own verdict when the machine was too
+    busy to judge speed (median/best spread above its bound; a FAIL still fails)."""
+    return status == "PASS" or (name.startswith("cost[") and status == "SKIP")
+
+
+def _rows(table: str) -> dict[str, str]:
+    """check name -> status, from the printed table."""
+    rows = {}
+    for line in table.splitlines():
+        for status in ("PASS", "FAIL", "SKIP"):
+            name, sep, _ = line.partition(f"  {status}  ")
+            if sep:
+                rows[name.strip()] = status
+    return rows
+
+
+def test_doctor_cpu_table_every_check_passes() -> None:
+    result = run("--device", "cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _rows(result.stdout)
+    for name in CPU_CHECKS:
+        assert _passed(name, rows.get(name)), (name, result.stdout)
+    assert rows["distributed"] == "SKIP"  # not under torchrun: tests/distributed runs it
+
+
+def test_doctor_cpu_json_every_check_passes() -> None:
+    result = run("--device", "cpu", "--json", "--quick")
+    assert result.returncode == 0, result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    status = {c["name"]: c["status"] for c in doc["checks"]}
+    for name in CPU_CHECKS:
+        assert _passed(name, status.get(name)), (name, doc)
+    assert status["distributed"] == "SKIP"
+    assert doc["ok"] is True and doc["failed"] == []
+    assert doc["environment"]["torch"] == torch.__version__
+    assert all(c["measured"] and c["threshold"] for c in doc["checks"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: see the next test")
+def test_device_cuda_without_cuda_exits_2_one_line() -> None:
+    result = run("--device", "cuda")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "CUDA is not available" in result.stderr
+    assert result.stdout == ""
+
+
+def test_device_cuda_without_cuda_exits_2_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(app, ["doctor", "--device", "cuda"])
+    assert result.exit_code == 2
+    assert "--device cuda: CUDA is not available" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_device_index_out_of_range_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    result = CliRunner().invoke(app, ["doctor", "--device", "cuda:2"])
+    assert result.exit_code == 2
+    assert "cuda:2: device index out of range (2 CUDA device(s): cuda:0..cuda:1)" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert doctor.resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N"),
+        (["--device", "cuda:x"], "--device cuda:x"),
+        (["--dtype", "int8"], "--dtype int8: expected a comma list of"),
+        (["--checks", "speed"], "--checks speed: expected a comma list of environment"),
+        (["--timeout", "0"], "--timeout"),
+    ],
+)
+def test_bad_input_exits_2(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    result = CliRunner().invoke(app, ["doctor", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_a_failing_check_exits_1_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = doctor.Check("syncs", doctor.FAIL, "1 blocking host copies", "0")
+    good = doctor.Check("memory", doctor.PASS, "1 MiB", "< 2 MiB")
+    monkeypatch.setattr(doctor, "run_checks", lambda options: [good, bad])
+    result = CliRunner().invoke(app, ["doctor", "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "gradwatch doctor: FAILED: syncs" in result.output
+
+
+def test_reference_norm_is_exact_over_float64s_range() -> None:
+    import math
+
+    for value in (1e300, 1e-300, 3.0):
+        t = torch.full((3000,), value, dtype=torch.float64)
+        assert doctor.reference_norm([t]) == pytest.approx(value * math.sqrt(3000), rel=1e-14)
+    assert math.isnan(doctor.reference_norm([torch.tensor([1.0, math.nan, math.inf])]))
+    assert doctor.reference_norm([torch.tensor([1.0, -math.inf])]) == math.inf
+
+
+def test_exactness_check_fails_on_a_wrong_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exactness check compares against its own reference: a 1e-5 error is a FAIL."""
+    real = doctor.reference_norm
+    monkeypatch.setattr(doctor, "reference_norm", lambda ts: real(ts) * (1 + 1e-5))
+    checks = doctor.check_exactness(torch.device("cpu"), (torch.float64,))
+    assert [c.status for c in checks if c.name.startswith("exactness[float64")] == ["FAIL"] * 2
+
+
+def test_sync_check_fails_on_a_python_built_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-step tail built by torch.tensor(list), as it once was, is caught."""
+    from gradwatch import reduce
+
+    original = reduce.Reducer._stage_tail
+
+    def python_tail(self, has_grad, step):  # type: ignore[no-untyped-def]
+        original(self, has_grad, step)
+        self._staged_step.copy_(torch.tensor([float(step)], dtype=torch.float64))
+
+    monkeypatch.setattr(reduce.Reducer, "_stage_tail", python_tail)
+    check = doctor.check_syncs(torch.device("cpu"))
+    assert check.status == "FAIL"
+    assert "1 Python-built tensors, 1 blocking host copies" in check.measured
+
+
+def test_memory_check_fails_on_a_gradient_sized_temporary(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwatch import stats
+
+    original = stats.NormEngine.squared_norms_and_plan
+
+    def wasteful(self, tensors, out_device):  # type: ignore[no-untyped-def]
+        torch.cat([t.reshape(-1).double() for t in tensors if t is not None])
+        return original(self, tensors, out_device)
+
+    monkeypatch.setattr(stats.NormEngine, "squared_norms_and_plan", wasteful)
+    assert doctor.check_memory(torch.device("cpu"), quick=True).status == "FAIL"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_doctor_cuda_every_check_passes() -> None:
+    result = run("--device", "cuda", "--json")
+    doc = json.loads(result.stdout)
+    failed = [c for c in doc["checks"] if c["status"] == "FAIL"]
+    assert result.returncode == 0 and not failed, failed
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "family", ["environment", "exactness", "syncs", "memory", "cost", "threading", "endpoint"]
+)
+def test_cuda_check_family_passes(family: str) -> None:
+    """Each family on the GPU, as its own test (a failure names the family)."""
+    options = doctor.DoctorOptions(
+        device=doctor.resolve_device("cuda"), only=(family,), quick=True
+    )
+    checks = doctor.run_checks(options)
+    assert checks, family
+    assert all(c.status == "PASS" for c in checks), checks
