@@ -1,6 +1,6 @@
-"""Worker side of tests/distributed/test_rank_view.py: the per-rank view (DDP comm hook) in
-spawned gloo worlds. Every case is collective (all ranks run it; a barrier separates cases);
-each rank writes ``{case: result}`` to ``<out>/<rank>.json``. Assertions live in the test
+"""Worker side of tests/distributed/test_rank_view_distributed.py: the per-rank view (DDP comm
+hook) in spawned gloo worlds. Every case is collective (all ranks run it; a barrier separates
+cases); each rank writes ``{case: result}`` to ``<out>/<rank>.json``. Assertions live in the test
 module; cases measure.
 
 References are independent of gradwatch: each rank's *local* gradient is recomputed on a plain
