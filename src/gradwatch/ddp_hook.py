@@ -280,7 +280,17 @@ def attach(ddp: nn.parallel.DistributedDataParallel, view: LocalView) -> GradWat
         )
         return None
     hook = GradWatchCommHook(view, None)
-    ddp.register_comm_hook(ddp.process_group, hook)
+    try:
+        ddp.register_comm_hook(ddp.process_group, hook)
+    except RuntimeError as exc:  # a built-in hook (not listed in _comm_hooks) is registered
+        log.warning(
+            "gradwatch: could not register gradwatch's DDP communication hook (%s): the "
+            "per-rank view is off. To keep your hook and get the view, construct GradWatch "
+            "before registering your hook and register %s in its place",
+            exc,
+            WRAPPER,
+        )
+        return None
     ddp._gradwatch_hook = hook  # type: ignore[attr-defined]
     _guard(ddp, hook)
     return hook

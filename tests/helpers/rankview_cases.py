@@ -1,6 +1,6 @@
-"""Worker side of tests/distributed/test_rank_view.py: the per-rank view (DDP comm hook) in
-spawned gloo worlds. Every case is collective (all ranks run it; a barrier separates cases);
-each rank writes ``{case: result}`` to ``<out>/<rank>.json``. Assertions live in the test
+"""Worker side of tests/distributed/test_rank_view_distributed.py: the per-rank view (DDP comm
+hook) in spawned gloo worlds. Every case is collective (all ranks run it; a barrier separates
+cases); each rank writes ``{case: result}`` to ``<out>/<rank>.json``. Assertions live in the test
 module; cases measure.
 
 References are independent of gradwatch: each rank's *local* gradient is recomputed on a plain
@@ -344,6 +344,23 @@ def case_user_hook_before(rank: int, world: int) -> dict:
     return out
 
 
+def case_builtin_hook_before(rank: int, world: int) -> dict:
+    """A built-in hook (C++, not listed by DDP) registered before GradWatch: a warning naming
+    the wrapper and no view, never a construction error."""
+    from gradwatch import GradWatch
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Net())
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    with Capture() as logs:
+        watch = GradWatch(ddp, config())
+    ddp(batch(rank, 0)).pow(2).sum().backward()
+    snap = watch.collect(0).result()
+    watch.close()
+    return {"logs": logs.lines, "rank_view": snap.rank_view, "metrics": metric_samples(snap),
+            "global_norm": snap.global_norm}  # fmt: skip
+
+
 def case_second_watch(rank: int, world: int) -> dict:
     """A second live GradWatch on the same DDP module is refused naming the wrapper; after the
     first one closes, a new one measures again through the same registered hook."""
@@ -398,6 +415,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("noise_scale", case_noise_scale),
         ("user_hook_after", case_user_hook_after),
         ("user_hook_before", case_user_hook_before),
+        ("builtin_hook_before", case_builtin_hook_before),
         ("second_watch", case_second_watch),
         ("rank_view_mismatch", case_rank_view_mismatch),
         ("fsdp2_absent", case_fsdp2_absent),

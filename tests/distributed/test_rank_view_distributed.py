@@ -139,8 +139,9 @@ def test_user_hook_after_gradwatch_names_the_wrapper_which_composes(w2: list) ->
 
 
 @pytest.mark.timeout(300)
-def test_user_hook_before_gradwatch_warns_and_the_view_is_absent(w2: list) -> None:
-    for rank, res in enumerate(_case(w2, "user_hook_before")):
+@pytest.mark.parametrize("case", ["user_hook_before", "builtin_hook_before"])
+def test_user_hook_before_gradwatch_warns_and_the_view_is_absent(w2: list, case: str) -> None:
+    for rank, res in enumerate(_case(w2, case)):
         assert res["rank_view"] is False
         assert res["metrics"] == {}  # absent, not zero
         assert math.isfinite(res["global_norm"])
