@@ -218,8 +218,10 @@ class WatchConfig(BaseSettings):
         audit_tolerance: :meth:`~gradwatch.GradWatch.audit_norm` counts a reported norm as a
             disagreement when it differs from the exact one by more than this, relative.
         rank_view: under DDP, measure each rank's gradients before the all-reduce (a comm
-            hook): non-finite origin ranks, replica spread, gradient noise scale. On by
-            default; a no-op without DDP. Ranks must agree (checked by the handshake).
+            hook): non-finite origin ranks, replica spread, gradient noise scale. Off by
+            default (its hook costs a DDP step more than the +2% it aims at, see
+            docs/distributed.md); a no-op without DDP. Ranks must agree (checked by the
+            handshake).
         batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
             scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
             in per-replica batches.
@@ -298,7 +300,7 @@ class WatchConfig(BaseSettings):
     audit_tolerance: Threshold = 1e-3
 
     # -- the per-rank view (DDP comm hook; docs/distributed.md) --------------------------------
-    rank_view: bool = True
+    rank_view: bool = False
     batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
 
     @classmethod

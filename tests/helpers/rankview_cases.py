@@ -23,10 +23,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_cases import CollectiveSpy, Stage, config, fsum_sq
+from dist_cases import CollectiveSpy, Stage, fsum_sq
+from dist_cases import config as dist_config
 from torch import nn
 
 GROUPS = ("weights", "biases", "other")
+
+
+def config(**overrides: Any) -> Any:
+    """The distributed tests' config with the per-rank view on (it is opt-in)."""
+    overrides.setdefault("rank_view", True)
+    return dist_config(**overrides)
 
 
 class Capture(logging.Handler):

@@ -161,6 +161,7 @@ def train(args: JobArgs) -> int:
         isolated=ISOLATED,
         port=args.port,
         bind_address=args.bind,
+        rank_view=True,  # opt-in: the demo shows where a NaN started and the noise scale
     )
     try:
         watch = GradWatch(model, cfg)
