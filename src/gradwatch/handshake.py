@@ -23,8 +23,9 @@ descriptions plus the per-rank records, never on world x parameters entries: par
 the same holders pattern (the same digest groups, specs and mesh slots) form a *class*; the
 ranks of a class are partitioned once by their piece keys (coordinates on the spec's dims), and
 every parameter of the class shares that partition. Work is about ``distinct descriptions x
-parameters + classes x world``. The result equals :func:`gradwatch.reduce.build_layout` on the
-full per-rank descriptions (tests prove it over generated layouts): global names in order of
+parameters + classes x world``. The result equals the tests' reference layout builder
+(``tests/helpers/layout_reference.py``) on the full per-rank descriptions (tests prove it over
+generated layouts): global names in order of
 first appearance over ranks, the lowest holder of each piece as its only contributor, replica
 slots for the most replicated pieces, and the same consistency checks. Mismatches raise
 :class:`LayoutMismatchError` on every rank alike, naming the digest groups (their ranks) and
@@ -509,7 +510,7 @@ def _check_cells(
 def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
                      name_sets: Sequence[frozenset[str]], every: frozenset[str]) -> None:
     """The same model everywhere, or disjoint stages covering it (see
-    :func:`gradwatch.reduce.build_layout`), decided per digest group and per distinct stage
+    the tests' reference layout builder), decided per digest group and per distinct stage
     group composition."""
     _descs, rank_group, records = gathered
     declared = [r for r, rec in enumerate(records) if rec.stage_size]

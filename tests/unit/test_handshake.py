@@ -9,13 +9,14 @@ import random
 from typing import Any
 
 import pytest
+from layout_reference import build_layout
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from gradwatch import handshake
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.reduce import LocalPiece, build_layout, derive_layout, piece_from_placements
+from gradwatch.reduce import LocalPiece, derive_layout, piece_from_placements
 
 Rank = list[LocalPiece]
 

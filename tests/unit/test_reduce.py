@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from layout_reference import build_layout
 
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.reduce import LocalPiece, ReducedStats, Reducer, build_layout
+from gradwatch.reduce import LocalPiece, ReducedStats, Reducer
 
 
 def desc(pieces, stage=None, config="c", version="v"):
