@@ -572,3 +572,44 @@ def test_nonfinite_and_spike_descriptions_name_groups_from_the_counters() -> Non
         description = found[name]["annotations"]["description"]
         assert counter in description and "query" in description, name
         assert "gradwatch_nonfinite_tensors" not in description, name  # not the last step
+
+
+@pytest.mark.parametrize(
+    ("title", "metric"),
+    [("Non-finite steps", "gradwatch_nonfinite_steps_total"),
+     ("Exploding steps", "gradwatch_exploding_steps_total")],
+)
+def test_step_count_panels_count_a_restarted_runs_first_steps(
+    tmp_path: Path, title: str, metric: str
+) -> None:
+    """Run A counts a step and stops; run B, on the same target, counts one before its first
+    scrape, so Prometheus sees 1, 1, 1 across the restart. The stat counts both steps over the
+    whole range and only B's over a range that starts after A's (promtool evaluates the
+    panel's own query). ``increase()`` alone would show 1 for the whole range."""
+    panel = next(p for p in dashboard()["panels"] if p.get("title") == title)
+    (target,) = panel["targets"]
+    labels = 'job="train",instance="n0:9977"'
+    info = f'gradwatch_run_info{{{labels},world_size="2",parallelism="ddp2",run_id="%s"}}'
+    spec = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                # A: t=0..4m (a step counted at 2m); down at 5-6m; B: 7-12m, 1 from the start.
+                {"series": f"{metric}{{{labels}}}", "values": "0 0 1 1 1 stale _ 1 1 1 1 1 1"},
+                {"series": info % "A", "values": "1 1 1 1 1 stale"},
+                {"series": info % "B", "values": "_ _ _ _ _ _ _ 1 1 1 1 1 1"},
+            ],
+            "promql_expr_test": [
+                {"expr": substitute_grafana_vars(target["expr"]).replace("1h", range_),
+                 "eval_time": "12m",
+                 "exp_samples": [{"labels": f"{{{labels}}}", "value": want}]}
+                for range_, want in (("1h", 2), ("9m", 1))
+            ],
+        }],
+    }  # fmt: skip
+    path = tmp_path / "panel.test.yml"
+    path.write_text(yaml.safe_dump(spec))
+    result = run_promtool("test", "rules", path.name, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
