@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from jobs.framework_ddp_job import Regression, RegressionModel
+from promserver import free_port
 from torch import nn
 
 import gradwatch
@@ -396,29 +396,31 @@ def test_clip_total_does_not_overflow_for_huge_float64_norms() -> None:
 FRAMEWORK_JOB = Path(__file__).resolve().parents[1] / "helpers" / "jobs" / "framework_ddp_job.py"
 
 
+def _run_framework_job(mode: str, out: Path, timeout: float) -> None:
+    """``framework_ddp_job.py mode out`` under torchrun on 2 gloo ranks; fails with its output."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env.pop("GRADWATCH_PORT", None)
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--max_restarts=0", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            str(FRAMEWORK_JOB), mode, str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("framework", ["huggingface", "lightning"])
 def test_framework_ddp_reads_ddp2(tmp_path: Path, framework: str) -> None:
     """The Trainer and Lightning hand the callback the unwrapped module while their DDP wrapper
     trains it: the parallelism label reads ddp2, as for a model wrapped by the user."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    env.pop("GRADWATCH_PORT", None)
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            "--max_restarts=0", "--master_addr=127.0.0.1", f"--master_port={port}",
-            str(FRAMEWORK_JOB), framework, str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_framework_job(framework, tmp_path, timeout=280)
     for rank in range(2):
         seen = json.loads((tmp_path / f"{rank}.json").read_text())
         assert seen["wrapper"] == "DistributedDataParallel"
@@ -524,23 +526,7 @@ def test_huggingface_route_declines_an_engine_that_clips(
 def test_huggingface_trainer_pre_clip_exact_ddp2(tmp_path: Path, mode: str) -> None:
     """The same under torchrun, 2 gloo ranks: the Trainer's DDP wrapper all-reduces, the
     routed clip uses the whole-model norm, rank 0's history equals the reference."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    env.pop("GRADWATCH_PORT", None)
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            "--max_restarts=0", "--master_addr=127.0.0.1", f"--master_port={port}",
-            str(FRAMEWORK_JOB), mode, str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=380,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_framework_job(mode, tmp_path, timeout=380)
     seen = json.loads((tmp_path / "0.json").read_text())
     _check_pre_clip(seen, 0.5 if mode == "hf-clip" else 0.0, world_size=2)
     other = json.loads((tmp_path / "1.json").read_text())

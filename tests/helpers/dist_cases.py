@@ -22,7 +22,7 @@ import os
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -693,18 +693,31 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
 
 
 def worker(rank: int, world: int, port: int, out: str, suite: str) -> None:
+    run_suite(rank, world, port, out, SUITES[suite])
+
+
+def run_suite(
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    cases: Sequence[tuple[str, Callable[[int, int], dict]]],
+    error_key: str = "error",
+) -> None:
+    """One gloo rank running ``cases`` in order, a barrier after each; each case's result (or
+    its exception under ``error_key``) goes to ``out/<rank>.json`` as soon as it is known."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     results: dict[str, Any] = {}
     try:
-        for name, case in SUITES[suite]:
+        for name, case in cases:
             t0 = time.monotonic()
             try:
                 results[name] = case(rank, world)
             except Exception as exc:
-                results[name] = {"error": f"{type(exc).__name__}: {exc}",
+                results[name] = {error_key: f"{type(exc).__name__}: {exc}",
                                  "traceback": traceback.format_exc()}
             results[name]["case_seconds"] = time.monotonic() - t0
             Path(out, f"{rank}.json").write_text(json.dumps(results, default=str))

@@ -10,20 +10,15 @@ References are independent of gradwatch: each rank's *local* gradient is recompu
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_cases import CollectiveSpy, Stage, fsum_sq
+from dist_cases import CollectiveSpy, Stage, fsum_sq, run_suite
 from dist_cases import config as dist_config
 from torch import nn
 
@@ -440,22 +435,5 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
 
 
 def worker(rank: int, world: int, port: int, out: str, suite: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    results: dict[str, Any] = {}
-    try:
-        for name, case in SUITES[suite]:
-            t0 = time.monotonic()
-            try:
-                results[name] = case(rank, world)
-            except Exception as exc:
-                results[name] = {"error_in_case": f"{type(exc).__name__}: {exc}",
-                                 "traceback": traceback.format_exc()}  # fmt: skip
-            results[name]["case_seconds"] = time.monotonic() - t0
-            Path(out, f"{rank}.json").write_text(json.dumps(results, default=str))
-            dist.barrier()
-    finally:
-        Path(out, f"{rank}.json").write_text(json.dumps(results, default=str))
-        dist.destroy_process_group()
+    # An unexpected exception goes under "error_in_case": "error" is what some cases expect.
+    run_suite(rank, world, port, out, SUITES[suite], error_key="error_in_case")

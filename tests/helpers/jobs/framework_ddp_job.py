@@ -215,8 +215,16 @@ def main() -> None:
         "hf-clip": lambda o: run_huggingface_clip(o, 0.5),
         "hf-noclip": lambda o: run_huggingface_clip(o, 0.0),
     }[framework]
-    seen = run(out)
-    Path(out, f"{os.environ['RANK']}.json").write_text(json.dumps(seen))
+    try:
+        seen = run(out)
+        Path(out, f"{os.environ['RANK']}.json").write_text(json.dumps(seen))
+    finally:
+        # As a torchrun script should: the frameworks leave the default group to the script, and
+        # gloo groups still alive at interpreter exit can abort the process there.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
