@@ -588,15 +588,15 @@ class Reducer:
         return ReducedVector(packed, work, self.timeout, step, self.layout)
 
     def close(self) -> None:
+        """Stop using gradwatch's process groups. They are *not* destroyed here: ranks close at
+        different moments, and destroying a gloo group while a peer may still be receiving the
+        last message of its final collective can abort that peer's process. The job's
+        ``destroy_process_group()`` (or process exit) releases them with every other group."""
         if self._host is not None:
             self._host.close()
             self._host = None
-        for name in ("host_group", "group"):
-            group = getattr(self, name)
-            if group is not None:
-                with contextlib.suppress(Exception):  # best effort at shutdown
-                    dist.destroy_process_group(group)
-                setattr(self, name, None)
+        self.host_group = None
+        self.group = None
 
 
 @dataclass(frozen=True)
