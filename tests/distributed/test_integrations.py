@@ -330,15 +330,11 @@ def test_huggingface_trainer_callback(tmp_path) -> None:
     assert [r["step"] for r in read_history(history)] == [1, 2, 3, 4]
 
 
-@pytest.mark.timeout(300)
-def test_lightning_callback(tmp_path) -> None:
+def _lightning_module() -> type:
+    """The tests' Lightning module: a backbone and a seed layer, MSE loss, SGD."""
     import lightning.pytorch as pl
 
-    from gradwatch.integrations.lightning import GradWatchCallback
-
-    grads_seen: list[float] = []
-
-    class Module(pl.LightningModule):
+    class Base(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.backbone = nn.Linear(16, 8)
@@ -348,11 +344,23 @@ def test_lightning_callback(tmp_path) -> None:
             out = self.seed(torch.tanh(self.backbone(batch["x"])))
             return nn.functional.mse_loss(out, batch["labels"])
 
-        def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
-            grads_seen.append(ref_norm([p.grad for p in self.parameters()]))
-
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
             return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Base
+
+
+@pytest.mark.timeout(300)
+def test_lightning_callback(tmp_path) -> None:
+    import lightning.pytorch as pl
+
+    from gradwatch.integrations.lightning import GradWatchCallback
+
+    grads_seen: list[float] = []
+
+    class Module(_lightning_module()):
+        def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
+            grads_seen.append(ref_norm([p.grad for p in self.parameters()]))
 
     callback = GradWatchCallback(groups={"host": ["backbone.*"], "seed": ["seed.*"]})
     trainer = pl.Trainer(
@@ -544,23 +552,11 @@ def test_lightning_callback_audits_lightnings_logged_norm(tmp_path: Path, factor
 
     from gradwatch.integrations.lightning import GradWatchCallback
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = nn.Linear(16, 8)
-            self.seed = nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-            out = self.seed(torch.tanh(self.backbone(batch["x"])))
-            return nn.functional.mse_loss(out, batch["labels"])
-
+    class Module(_lightning_module()):
         def on_before_optimizer_step(self, optimizer) -> None:  # type: ignore[no-untyped-def]
             norms = grad_norm(self, norm_type=2)
             norms["grad_2.0_norm_total"] = norms["grad_2.0_norm_total"] * factor
             self.log_dict(norms)
-
-        def configure_optimizers(self):  # type: ignore[no-untyped-def]
-            return torch.optim.SGD(self.parameters(), lr=0.01)
 
     seen: dict[str, float] = {}
 

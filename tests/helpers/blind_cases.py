@@ -3,18 +3,14 @@ every rank's collective sequence aligned, and models changed after construction.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_cases import run_suite
 from torch import nn
 
 
@@ -131,21 +127,4 @@ CASES: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    results: dict[str, Any] = {}
-    try:
-        for name, case in CASES:
-            try:
-                results[name] = case(rank, world)
-            except Exception as exc:
-                results[name] = {
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc(),
-                }
-            dist.barrier()
-    finally:
-        Path(out, f"{rank}.json").write_text(json.dumps(results, default=str))
-        dist.destroy_process_group()
+    run_suite(rank, world, port, out, CASES)
