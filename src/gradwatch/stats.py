@@ -152,6 +152,9 @@ class _Bucket:
     whole: list[int] = field(default_factory=list)  # positions normed by a float64 foreach op
     whole_index: Tensor | None = None  # ``whole``, on the output device
     whole_splits: list[slice] = field(default_factory=list)  # one foreach call per slice
+    rescaled: list[int] = field(default_factory=list)  # float64 positions normed rescaled
+    rescale: RescalePlan | None = None  # how (accelerators; see rescaled_norms)
+    rescaled_index: Tensor | None = None  # their indices in all three bands, on out_device
     rows: list[int] = field(default_factory=list)  # positions normed in place as float32 rows
     row_counts: list[int] = field(default_factory=list)  # full rows of each, for as_strided
     row_strides: list[tuple[int, ...]] = field(default_factory=list)  # as planned (checked)
@@ -172,7 +175,7 @@ class _Bucket:
     @property
     def positions(self) -> list[int]:
         """Every position of this bucket (any order)."""
-        return [*self.packed, *self.rows, *self.whole]
+        return [*self.packed, *self.rows, *self.whole, *self.rescaled]
 
 
 @dataclass
@@ -211,12 +214,17 @@ def _layout_key(tensors: Sequence[Tensor | None]) -> list:
     return [None if t is None else (t.dtype, t.shape) for t in tensors]
 
 
-def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> NormPlan:
+def build_plan(
+    tensors: Sequence[Tensor | None], out_device: torch.device, rescale_float64: bool = False
+) -> NormPlan:
     """Sorts tensors into buckets and paths; O(len(tensors)) Python and a few index tensors,
     so it is cached and rebuilt only when the gradient layout changes.
 
     Row-path tensors are placed first, so their partial last rows get pack slots before the
     mid-size tensors fill the buffer; whatever does not fit takes the float64 path.
+    Float64 tensors off the CPU take the rescaled path (:func:`rescaled_norms`); with
+    ``rescale_float64`` CPU ones do too (instead of the repair), which is how tests exercise
+    the accelerator path on a CPU.
     """
     buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
     floor = [0.0] * len(tensors)
@@ -248,6 +256,12 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
                 continue
         elif fast and t.numel() <= WHOLE_NUMEL:
             mid_size.append(i)
+            continue
+        # Float64 off the CPU: rescaled. A huge non-dense one cannot be chunked by views and
+        # takes the unrescaled foreach norm below (exact within about [1e-154, 1e154]).
+        chunkable = t.numel() <= RESCALE_SCRATCH or flat_view(t) is not None
+        if t.dtype == torch.float64 and (rescale_float64 or not on_cpu) and chunkable:
+            bucket.rescaled.append(i)
             continue
         bucket.whole.append(i)
         if on_cpu and t.dtype == torch.float64:
@@ -287,6 +301,11 @@ def build_plan(tensors: Sequence[Tensor | None], out_device: torch.device) -> No
             bucket.whole_splits = foreach_splits([tensors[i].numel() for i in bucket.whole])
         if bucket.rows or bucket.packed:
             _build_rows(bucket, tensors, plan)
+        if bucket.rescaled:
+            rescaled = [tensors[i] for i in bucket.rescaled]
+            bucket.rescale = build_rescale_plan(rescaled)  # type: ignore[arg-type]
+            index = host_to_device(bucket.rescaled, torch.long, out_device)
+            bucket.rescaled_index = torch.cat([index + band * plan.n for band in range(BANDS)])
     return plan
 
 
@@ -326,6 +345,158 @@ def foreach_splits(numels: Sequence[int], cap: int = FOREACH_SCRATCH) -> list[sl
     if numels:
         splits.append(slice(start, len(numels)))
     return splits
+
+
+#: Float64 tensors on accelerators are normed through one persistent scratch of at most this
+#: many float64s (8 MiB, as the foreach scratch bound above): larger tensors are read in chunks.
+RESCALE_SCRATCH = FOREACH_SCRATCH
+
+
+@dataclass
+class _RescaleBatch:
+    """One fill of the rescale scratch: ``slots[j]`` (a view of the scratch shaped like its
+    source) receives ``sources[j]``: a tensor's position in the plan's list (the whole tensor),
+    or ``(position, start, numel)``, a chunk of its flat view. Its rows are ``rows`` of the
+    plan's row vectors; ``zero`` when other batches leave data in its padding."""
+
+    slots: list[Tensor]
+    sources: list[int | tuple[int, int, int]]
+    used: int
+    rows: slice
+    zero: bool = False
+
+
+@dataclass
+class RescalePlan:
+    """How :func:`rescaled_norms` reads ``k`` float64 tensors: batches of row-aligned slots in
+    one scratch, and the owner (0..k-1) of every row. Built once per layout."""
+
+    k: int
+    scratch: Tensor
+    batches: list[_RescaleBatch]
+    owner: Tensor  # int64, one per row
+    row_norms: Tensor  # float64, one per row (persistent: no per-step allocation)
+
+
+def build_rescale_plan(
+    tensors: Sequence[Tensor], scratch_numel: int = RESCALE_SCRATCH
+) -> RescalePlan:
+    """Lays ``tensors`` (float64, one device, each dense or of at most ``scratch_numel``
+    elements) into row-aligned slots of a scratch of at most ``scratch_numel`` elements (a
+    multiple of :data:`ROW_NUMEL`), batch after batch; a tensor larger than the scratch is cut
+    into chunks of its flat view. O(len(tensors)) Python, once per layout."""
+    assert scratch_numel % ROW_NUMEL == 0 and tensors
+    device = tensors[0].device
+    need = sum(_aligned(t.numel()) for t in tensors)
+    scratch = torch.zeros(min(scratch_numel, need), dtype=torch.float64, device=device)
+    batches: list[_RescaleBatch] = []
+    owner: list[int] = []
+    slots: list[Tensor] = []
+    sources: list[int | tuple[int, int, int]] = []
+    used = 0
+    gaps = False
+
+    def close() -> None:
+        nonlocal slots, sources, used, gaps
+        if slots:
+            first = batches[-1].rows.stop if batches else 0
+            rows = slice(first, first + used // ROW_NUMEL)
+            batches.append(_RescaleBatch(slots, sources, used, rows, gaps))
+        slots, sources, used, gaps = [], [], 0, False
+
+    for pos, t in enumerate(tensors):
+        numel = t.numel()
+        pieces = (
+            [(0, numel)]
+            if numel <= scratch_numel
+            else [(a, min(scratch_numel, numel - a)) for a in range(0, numel, scratch_numel)]
+        )
+        for start, m in pieces:
+            if used + _aligned(m) > scratch_numel:
+                close()
+            view = scratch[used : used + m]
+            slots.append(view.view(t.shape) if len(pieces) == 1 else view)
+            sources.append(pos if len(pieces) == 1 else (pos, start, m))
+            gaps = gaps or m % ROW_NUMEL != 0
+            owner.extend([pos] * (_aligned(m) // ROW_NUMEL))
+            used += _aligned(m)
+    close()
+    if len(batches) == 1:
+        batches[0].zero = False  # one layout: its padding is never written, stays zero
+    return RescalePlan(
+        k=len(tensors),
+        scratch=scratch,
+        batches=batches,
+        owner=host_to_device(owner, torch.long, device),
+        row_norms=torch.empty(len(owner), dtype=torch.float64, device=device),
+    )
+
+
+def _scale_of(maxima: Tensor) -> Tensor:
+    """``maxima`` where they are finite and positive, else 1: the divisor that brings values
+    into [-1, 1] without creating a NaN, and leaves NaN/Inf and zeros as they are."""
+    return torch.where((maxima > 0) & (maxima < math.inf), maxima, 1.0)
+
+
+def rescaled_norms(plan: RescalePlan, tensors: Sequence[Tensor]) -> Tensor:
+    """The float64 L2 norm of each of ``tensors`` (float64, laid out by ``plan``), exact over
+    float64's whole range, on their device, with no host read and no gradient-sized
+    temporary (the accelerator path for float64; on CPU, tests call it directly).
+
+    Per batch, one ``_foreach_copy_`` fills the scratch; each row of :data:`ROW_NUMEL` elements
+    is divided by its max-abs ``r`` and normed, so ``row = r * ||row / r||`` never forms a
+    square outside [2^-1074, 512]. Per tensor, the largest row norm ``M`` (``scatter_reduce``)
+    scales again: ``norm = M * sqrt(sum((row / M)^2))``. A constant number of ops per batch and
+    per call, whatever the number of tensors (tensors larger than the scratch add one view per
+    chunk). A zero tensor gives 0; NaN gives NaN and Inf (without NaN) Inf, as the divisors of
+    non-finite or zero maxima are 1 (:func:`_scale_of`).
+    """
+    flats: dict[int, Tensor] = {}
+    for batch in plan.batches:
+        if batch.zero:
+            plan.scratch[: batch.used].zero_()  # padding the previous batch wrote into
+        sources: list[Tensor] = []
+        for src in batch.sources:
+            if isinstance(src, int):
+                sources.append(tensors[src])
+                continue
+            pos, start, numel = src
+            flat = flats.get(pos)
+            if flat is None:
+                flat = flats[pos] = flat_view(tensors[pos])  # type: ignore[assignment]
+                if flat is None:
+                    raise _StalePlan  # no longer dense: plan again
+            sources.append(flat[start : start + numel])
+        torch._foreach_copy_(batch.slots, sources)
+        rows = plan.scratch[: batch.used].view(-1, ROW_NUMEL)
+        scale = _scale_of(torch.linalg.vector_norm(rows, math.inf, dim=1))
+        rows.div_(scale.unsqueeze(1))
+        out = plan.row_norms[batch.rows]
+        torch.linalg.vector_norm(rows, 2, dim=1, out=out)
+        out.mul_(scale)
+    row_norms = plan.row_norms
+    zeros = torch.zeros(plan.k, dtype=torch.float64, device=row_norms.device)
+    top = _scale_of(zeros.scatter_reduce(0, plan.owner, row_norms, "amax"))
+    ratios = (row_norms / top.index_select(0, plan.owner)).square_()
+    return zeros.index_add_(0, plan.owner, ratios).sqrt_().mul_(top)
+
+
+def bands_of_norms_device(norms: Tensor) -> Tensor:
+    """:func:`bands_of_norm` of a float64 vector of ``k`` norms, on its device, branchless:
+    ``[plain | high | low]`` (``3 * k`` values, each tensor's square in exactly one band; NaN,
+    Inf and 0 in ``plain``). ``norm >= 2^450`` is ``frexp`` exponent ``> 450``, ``norm <
+    2^-451`` exponent ``< -450``: the same bands as the host form."""
+    finite = norms < math.inf  # False for NaN and Inf
+    high = finite & (norms >= 2.0**BAND_EXPONENT)
+    low = norms < 2.0 ** -(BAND_EXPONENT + 1)
+    zero = torch.zeros((), dtype=norms.dtype, device=norms.device)
+    return torch.cat(
+        [
+            torch.where(high | low, zero, norms.square()),
+            torch.where(high, (norms * 2.0 ** -(HIGH_SHIFT // 2)).square(), zero),
+            torch.where(low, (norms * 2.0 ** (LOW_SHIFT // 2)).square(), zero),
+        ]
+    )
 
 
 def _aligned(numel: int) -> int:
@@ -553,6 +724,11 @@ def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Ten
             )
             assert bucket.whole_index is not None
             sq.index_copy_(0, bucket.whole_index, norms.to(out_device).square())
+        if bucket.rescale is not None:
+            items = [tensors[i] for i in bucket.rescaled]
+            bands = bands_of_norms_device(rescaled_norms(bucket.rescale, items))  # type: ignore[arg-type]
+            assert bucket.rescaled_index is not None
+            banded.index_copy_(0, bucket.rescaled_index, bands.to(out_device))
     return banded
 
 
@@ -561,11 +737,14 @@ class NormEngine:
 
     Sync behaviour: on accelerators no host read at all; on CPU at most one host read per call
     (the repair mask), counted in :attr:`host_reads`. Not thread-safe: use from one thread.
+    ``rescale_float64``: CPU float64 tensors take the accelerator's rescaled path instead of
+    the repair (for tests of that path on a CPU; see :func:`build_plan`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rescale_float64: bool = False) -> None:
         self._plan: NormPlan | None = None
         self._key: tuple | None = None
+        self._rescale_float64 = rescale_float64
         self.host_reads = 0
 
     def plan_for(
@@ -574,7 +753,7 @@ class NormEngine:
         key = (out_device, _layout_key(tensors))
         if replan or self._plan is None or key != self._key:
             self._plan = None  # free the old plan's buffers before allocating the new ones
-            self._plan = build_plan(tensors, out_device)
+            self._plan = build_plan(tensors, out_device, self._rescale_float64)
             self._key = key
         return self._plan
 
