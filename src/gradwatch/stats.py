@@ -7,9 +7,20 @@ tensors of up to :data:`WHOLE_NUMEL` elements (each larger one costs two ops: a 
 
 The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` groups tensors:
 
-* **Accelerators** (CUDA and others): ``torch._foreach_norm(tensors, 2, dtype=torch.float64)``,
+* **Accelerators** (CUDA and others), float32/bf16/fp16:
+  ``torch._foreach_norm(tensors, 2, dtype=torch.float64)``,
   one fused kernel per bucket that accumulates in float64 (PyTorch's documented behaviour; not
   tested on this project's CPU-only machines). No host read.
+* **Float64 on accelerators** (:func:`rescaled_norms`): a float64 square overflows above about
+  1e154 and underflows below about 1e-154, and the CPU repair below needs a host read. So each
+  float64 bucket is copied, one ``_foreach_copy_`` per fill, into row-aligned slots of one
+  persistent scratch of :data:`RESCALE_SCRATCH` elements (larger tensors in chunks of their
+  flat view); every row of :data:`ROW_NUMEL` is divided by its max-abs ``r`` and normed,
+  ``row = r * ||row / r||``; per tensor, with ``M`` its largest row norm,
+  ``norm = M * sqrt(sum((row / M)^2))``. No square leaves [2^-1074, 512] before the bands,
+  which :func:`bands_of_norms_device` fills by ``where``: branchless, no host read, a constant
+  number of ops per fill, exact to float64 rounding over the whole finite range. The same code
+  runs on CPU with ``NormEngine(rescale_float64=True)`` (tests).
 * **CPU float32/bf16/fp16, tensors of at most** :data:`WHOLE_NUMEL` **elements**: copied
   (widened) by one ``_foreach_copy_`` into zero-padded, row-aligned slots of one persistent
   float32 pack buffer (at most :data:`PACK_NUMEL` elements; beyond it, one float64-accumulating
@@ -28,7 +39,8 @@ The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` gro
 * **Per-tensor sums**: all row norms of a bucket are squared in float64 and summed per tensor
   by one sparse-CSR matrix-vector product built with the plan: three ops per bucket, whatever
   the number of tensors.
-* **Repair (CPU only)**: float32 squares overflow for |g| > 1.8e19 and underflow for
+* **Repair (CPU only; accelerators accumulate float32/bf16/fp16 in float64 and rescale
+  float64 as above)**: float32 squares overflow for |g| > 1.8e19 and underflow for
   |g| < 1e-19. A tensor whose fast squared norm is non-finite or below :data:`TINY_NORM`^2 is
   recomputed exactly in float64, in chunks of :data:`RECOMPUTE_CHUNK` elements (bounded
   temporaries). Finding those tensors costs one host read of a boolean vector, which on CPU is
@@ -843,9 +855,9 @@ def total_norm(tensors: Tensor | Sequence[Tensor]) -> Tensor:
 
     A drop-in for ``torch.nn.utils.get_total_norm(tensors)`` (norm_type 2) that never overflows
     or underflows: exact to about 3e-7 relative for float32/bf16/fp16 inputs (see the module
-    docstring) and to float64 rounding for float64 inputs over the whole finite range (CPU; on
-    accelerators float64 norms outside about [1e-154, 1e154] are not repaired). A norm beyond
-    float64 is +inf, like torch's. Non-finite inputs give NaN/Inf like torch's. Sparse gradients
+    docstring) and to float64 rounding for float64 inputs over the whole finite range (CPU by
+    a repair, accelerators by :func:`rescaled_norms`). A norm beyond float64 is +inf, like
+    torch's. Non-finite inputs give NaN/Inf like torch's. Sparse gradients
     use their values; complex ones their absolute values. On CPU it reads the host once.
     """
     if isinstance(tensors, Tensor):

@@ -219,3 +219,24 @@ def test_plan_routes_float64_by_device_and_flag() -> None:
     n = len(ts)
     assert same(norm_from_bands(float(sq[0]), float(sq[n]), float(sq[2 * n])), exact(small))
     assert same(float(sq[1]), float(strided.numel()))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_float64_rescaled_without_sync() -> None:
+    """On a GPU the default engine rescales float64 (no flag) and, warm, makes no
+    synchronization (``set_sync_debug_mode("error")`` raises on any)."""
+    ts = [t.cuda() for name, case in CASES.items() if name != "beyond float64" for t in case]
+    engine = NormEngine()
+    engine.squared_norms(ts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sq = engine.squared_norms(ts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    n = len(ts)
+    host = sq.cpu()
+    for i, t in enumerate(ts):
+        got = norm_from_bands(float(host[i]), float(host[n + i]), float(host[2 * n + i]))
+        assert same(got, exact(t.cpu())), i
