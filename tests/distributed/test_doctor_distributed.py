@@ -80,3 +80,53 @@ def test_a_missing_rank_is_reported_within_the_timeout() -> None:
     assert check["measured"].startswith("rendezvous failed"), check
     assert "FAILED: distributed" in result.stderr
     assert elapsed < 90, elapsed  # bounded by --timeout (plus start-up), never a hang
+
+
+#: A rank whose gradwatch configuration differs from the others' (``exploding_threshold`` is
+#: in the configuration every rank must agree on), then the real command line.
+_MISCONFIGURED_RANK = (
+    "import functools, sys\n"
+    "import gradwatch.doctor as d\n"
+    "d.WatchConfig = functools.partial(d.WatchConfig, exploding_threshold=1e9)\n"
+    "from gradwatch.cli.main import main\n"
+    "sys.argv[0] = 'gradwatch'\n"
+    "main()\n"
+)
+
+
+def test_mismatched_ranks_report_the_handshake_error_within_the_timeout() -> None:
+    """Two ranks that disagree on gradwatch's configuration: both report the handshake's
+    LayoutMismatchError as a FAIL of ``distributed`` (exit 1), bounded, never a hang."""
+    env = _clean_env()
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    args = ["doctor", "--device=cpu", "--json", "--checks=distributed", "--timeout=30"]
+    commands = [
+        [sys.executable, "-m", "gradwatch.cli.main", *args],
+        [sys.executable, "-c", _MISCONFIGURED_RANK, *args],
+    ]
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, cmd in enumerate(commands)
+    ]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    elapsed = time.monotonic() - started
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 1, out + err
+        (check,) = json.loads(out)["checks"]
+        assert check["name"] == "distributed" and check["status"] == "FAIL", check
+        assert check["measured"].startswith("handshake failed: LayoutMismatchError"), check
+        assert "FAILED: distributed" in err
+    assert elapsed < 120, elapsed  # bounded by --timeout (plus start-up), never a hang
