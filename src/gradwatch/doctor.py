@@ -280,13 +280,28 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["cuda_devices"] = [
             torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
         ]
-        with contextlib.suppress(Exception):
-            env["cuda_driver"] = torch.cuda.get_device_properties(0).__dict__.get("driver")
+        env["cuda_driver"] = cuda_driver_version()
         with contextlib.suppress(Exception):
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     else:
         env["cuda_devices"] = []
     return env
+
+
+def cuda_driver_version(library: str = "libcuda.so.1") -> str | None:
+    """The CUDA driver's version (``cuDriverGetVersion``: 12040 -> ``"12.4"``), or None when
+    the driver library cannot be loaded or queried. torch exposes only the version it was
+    built with (``torch.version.cuda``), not the installed driver's."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(library)
+        version = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
 
 
 def check_environment(device: torch.device) -> Check:
@@ -524,6 +539,12 @@ def check_cost(device: torch.device, dtype: torch.dtype, quick: bool) -> list[Ch
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
             return torch.linalg.vector_norm(torch.stack(norms)).item()
 
+    # On CPU one thread, as the benchmarks measure single-process cases (benchmarks/run.py):
+    # the figures are comparable with docs/performance.md's, and an intra-op pool shared with
+    # other processes would time the machine's load rather than the method.
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     try:
         pairs: list[dict[str, Callable[[], Any]]] = [
             {
@@ -548,13 +569,15 @@ def check_cost(device: torch.device, dtype: torch.dtype, quick: bool) -> list[Ch
             t.update(best)
             spreads.append(spread)
     finally:
+        torch.set_num_threads(threads)
         watch.close()
     gbps = total / t["read"] / 1e9
     dn = _dname(dtype)
     norm_ratio = t["gradwatch"] / t["get_total_norm"]
     clip_ratio = t["gradwatch_clip"] / t["torch_clip"]
     detail = (
-        f"{len(grads)} tensors, {_mib(total)}; gradwatch reads at "
+        f"{len(grads)} tensors, {_mib(total)}{', 1 thread' if device.type == 'cpu' else ''}; "
+        f"gradwatch reads at "
         f"{total / t['gradwatch'] / 1e9:.3g} GB/s, a plain one-pass read at {gbps:.3g} GB/s "
         f"({t['gradwatch'] / t['read']:.3g}x the read); median/best spread {spreads[0]:.3g} "
         f"(a verdict needs <= {NOISE_BOUND:g})"

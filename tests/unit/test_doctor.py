@@ -215,3 +215,56 @@ def test_cuda_check_family_passes(family: str) -> None:
     checks = doctor.run_checks(options)
     assert checks, family
     assert all(c.status == "PASS" for c in checks), checks
+
+
+def test_cpu_cost_is_measured_on_one_thread_like_the_benchmarks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU cost check times every method with one intra-op thread, as benchmarks/run.py
+    does for single-process cases (so its figures compare with docs/performance.md's), and
+    gives the job's thread count back afterwards, even when the measurement raises."""
+    seen: list[int] = []
+
+    def fake_best(fns, rounds, device, budget):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return {k: 1e-3 for k in fns}, 1.0
+
+    monkeypatch.setattr(doctor, "_best_times", fake_best)
+    monkeypatch.setattr(doctor, "_mixed", lambda dtype, device, big: [torch.ones(10)])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        checks = doctor.check_cost(torch.device("cpu"), torch.float32, quick=True)
+        assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+        assert all(c.status == "PASS" for c in checks) and "1 thread" in checks[0].detail
+
+        def broken(fns, rounds, device, budget):  # type: ignore[no-untyped-def]
+            raise RuntimeError("measurement failed")
+
+        monkeypatch.setattr(doctor, "_best_times", broken)
+        with pytest.raises(RuntimeError):
+            doctor.check_cost(torch.device("cpu"), torch.float32, quick=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cuda_driver_version_from_the_driver_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment row's driver version comes from ``cuDriverGetVersion`` (torch reports
+    only its build's CUDA version); no driver library, or a failing call, gives None."""
+    import ctypes
+
+    class Driver:
+        def __init__(self, status: int) -> None:
+            self.status = status
+
+        def cuDriverGetVersion(self, ref) -> int:  # type: ignore[no-untyped-def]
+            ref._obj.value = 12040
+            return self.status
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver(0))
+    assert doctor.cuda_driver_version() == "12.4"
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver(100))  # CUDA_ERROR_NO_DEVICE
+    assert doctor.cuda_driver_version() is None
+    monkeypatch.undo()
+    assert doctor.cuda_driver_version("libgradwatch-no-such-driver.so") is None
