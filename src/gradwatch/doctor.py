@@ -215,9 +215,22 @@ class _Holder(nn.Module):
             self.register_parameter(f"{prefix}{i}", p)
 
 
+def _config(**overrides: Any) -> WatchConfig:
+    """The checks' configuration: defaults and ``overrides`` only. Every field is given
+    explicitly, so the job's ``GRADWATCH_*`` environment (read by ``WatchConfig()``) cannot
+    change what a check measures: ``GRADWATCH_EVERY_N_STEPS=10`` would turn the measured
+    collect into a skipped one (a vacuous PASS), ``GRADWATCH_PORT`` would start an endpoint
+    inside the timed calls. Only the endpoint check reads the configured port."""
+    fields = {
+        name: info.get_default(call_default_factory=True)
+        for name, info in WatchConfig.model_fields.items()
+    }
+    return WatchConfig(**{**fields, **overrides})
+
+
 @contextlib.contextmanager
 def _watching(grads: Sequence[Tensor], **config: Any) -> Iterator[GradWatch]:
-    watch = GradWatch(_Holder(grads), WatchConfig(**config))
+    watch = GradWatch(_Holder(grads), _config(**config))
     try:
         yield watch
     finally:
@@ -523,7 +536,7 @@ def check_cost(device: torch.device, dtype: torch.dtype, quick: bool) -> list[Ch
     huge = 1e30  # max_norm: coefficient 1, so repeated clips leave the gradients unchanged
     model = _Holder(grads)
     params = list(model.parameters())
-    watch = GradWatch(model, WatchConfig())
+    watch = GradWatch(model, _config())
     step = iter(range(1, 1 << 30))
     baseline_name = "get_total_norm"
 
@@ -642,15 +655,26 @@ def check_threading(device: torch.device) -> Check:
 
 
 def check_endpoint(device: torch.device) -> Check:
-    """Bind an ephemeral port, publish one step, scrape it, parse it with prometheus_client's
-    text parser and compare the served global norm with the snapshot's."""
+    """Bind the configured port (``GRADWATCH_PORT`` and ``GRADWATCH_BIND_ADDRESS``, as the
+    job's ``WatchConfig()`` reads them; without a configured port an ephemeral one on
+    127.0.0.1), publish one step, scrape it, parse it with prometheus_client's text parser and
+    compare the served global norm with the snapshot's. TLS and web-config settings are not
+    applied (the scrape is plain HTTP)."""
+    threshold = "binds the configured port, parses, serves the global norm"
     if int(os.environ.get("RANK", "0")) != 0:
         return Check("endpoint", SKIP, "not rank 0", "rank 0 serves")
     from prometheus_client.parser import text_string_to_metric_families
 
+    configured = WatchConfig()  # defaults < GRADWATCH_* environment, as the job gets them
+    port, address = configured.port, configured.bind_address
+    if not port:
+        port, address = 0, "127.0.0.1"
+    where = f"{address}:{port or 'ephemeral'}"
     grads = _mixed(torch.float32, device, 1 << 12, seed=5)
-    with _watching(grads, port=0, bind_address="127.0.0.1") as watch:
+    with _watching(grads, port=port, bind_address=address) as watch:
         url = watch.metrics_url
+        if url is None:
+            return Check("endpoint", FAIL, f"could not bind {where}", threshold)
         snap = watch.collect(0).result()
         if not watch.flush(10.0):
             return Check("endpoint", FAIL, "the publisher did not publish in 10 s", "served")
@@ -660,10 +684,10 @@ def check_endpoint(device: torch.device) -> Check:
     family = families.get("gradwatch_grad_norm")
     served = [s.value for s in family.samples] if family is not None else []
     ok = bool(served) and any(_rel_err(v, snap.global_norm) <= 1e-12 for v in served)
-    measured = f"{len(families)} metric families parsed from {url}"
+    measured = f"{len(families)} metric families parsed from {url} (bound {where})"
     if not ok:
         measured += f"; gradwatch_grad_norm {served} vs snapshot {snap.global_norm}"
-    return Check("endpoint", PASS if ok else FAIL, measured, "parses, serves the global norm")
+    return Check("endpoint", PASS if ok else FAIL, measured, threshold)
 
 
 # -- distributed --------------------------------------------------------------------------------
@@ -702,7 +726,7 @@ def check_distributed(device: torch.device, options: DoctorOptions) -> Check:
         try:
             watch = GradWatch(
                 _Holder(grads, prefix=f"rank{rank}_p"),
-                WatchConfig(collective_timeout_seconds=options.timeout),
+                _config(collective_timeout_seconds=options.timeout),
                 stage_group=dist.group.WORLD,
             )
         except Exception as exc:  # LayoutMismatchError, GradWatchTimeoutError: named

@@ -268,3 +268,41 @@ def test_cuda_driver_version_from_the_driver_library(monkeypatch: pytest.MonkeyP
     assert doctor.cuda_driver_version() is None
     monkeypatch.undo()
     assert doctor.cuda_driver_version("libgradwatch-no-such-driver.so") is None
+
+
+def test_checks_ignore_the_jobs_gradwatch_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's GRADWATCH_* settings cannot change what a check measures: with
+    GRADWATCH_EVERY_N_STEPS the measured collect would be skipped (a vacuous PASS), with
+    GRADWATCH_PORT every check would serve an endpoint. The checks' configuration is defaults
+    and their own settings only, so the sync check reads the same with and without them."""
+    cpu = torch.device("cpu")
+    clean = doctor.check_syncs(cpu)
+    monkeypatch.setenv("GRADWATCH_EVERY_N_STEPS", "7")
+    monkeypatch.setenv("GRADWATCH_PORT", "1")
+    config = doctor._config(collective_timeout_seconds=5.0)
+    assert config.every_n_steps == 1 and config.port is None
+    assert config.collective_timeout_seconds == 5.0
+    assert doctor.check_syncs(cpu) == clean
+
+
+def test_endpoint_check_binds_the_configured_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With GRADWATCH_PORT (and GRADWATCH_BIND_ADDRESS) set, the endpoint check serves and
+    scrapes on that port; a port already taken is a FAIL naming it, not a silent fallback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]
+        monkeypatch.setenv("GRADWATCH_BIND_ADDRESS", "127.0.0.1")
+        monkeypatch.setenv("GRADWATCH_PORT", str(free))
+        check = doctor.check_endpoint(torch.device("cpu"))
+        assert check.status == "PASS", check
+        assert f"127.0.0.1:{free}/metrics" in check.measured, check
+        monkeypatch.setenv("GRADWATCH_PORT", str(busy))
+        options = doctor.DoctorOptions(device=torch.device("cpu"), only=("endpoint",))
+        (failed,) = doctor.run_checks(options)
+    assert failed.status == "FAIL" and str(busy) in failed.measured, failed
