@@ -420,9 +420,14 @@ def _warm(watch: GradWatch, steps: int = 3) -> None:
         watch.collect(s).result()
 
 
-def check_syncs(device: torch.device) -> Check:
-    """Zero device synchronizations in a warm ``collect()``."""
+def check_syncs(device: torch.device, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> Check:
+    """Zero device synchronizations in a warm ``collect()``, on the float32 mix plus, for each
+    other gradient dtype of ``dtypes``, a few tensors of it (every dtype's path: float64's
+    rescaling on accelerators included)."""
     grads = _mixed(torch.float32, device, 1 << 16)
+    for dtype in dtypes:
+        if dtype != torch.float32:
+            grads += [g.to(dtype) for g in _mixed(torch.float32, device, 70_000)[46:52]]
     with _watching(grads) as watch:
         _warm(watch)
         if device.type == "cuda":
@@ -782,7 +787,7 @@ def run_checks(
             for d in options.dtypes
         ],
         ("exactness", lambda: check_exactness(device, options.dtypes)),
-        ("syncs", lambda: check_syncs(device)),
+        ("syncs", lambda: check_syncs(device, options.dtypes)),
         ("memory", lambda: check_memory(device, options.quick)),
         *[
             (f"cost[{_dname(d)}]", lambda d=d: check_cost(device, d, options.quick))
