@@ -17,10 +17,11 @@ The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` gro
   persistent scratch of :data:`RESCALE_SCRATCH` elements (larger tensors in chunks of their
   flat view); every row of :data:`ROW_NUMEL` is divided by its max-abs ``r`` and normed,
   ``row = r * ||row / r||``; per tensor, with ``M`` its largest row norm,
-  ``norm = M * sqrt(sum((row / M)^2))``. No square leaves [2^-1074, 512] before the bands,
-  which :func:`bands_of_norms_device` fills by ``where``: branchless, no host read, a constant
-  number of ops per fill, exact to float64 rounding over the whole finite range. The same code
-  runs on CPU with ``NormEngine(rescale_float64=True)`` (tests).
+  ``norm = M * sqrt(sum((row / M)^2))``. No square exceeds 512, and those that underflow are
+  negligible next to the largest. :func:`bands_of_norms_device` places the squares by
+  ``where``. Branchless, no host read, a constant number of ops per fill, exact to float64
+  rounding over the whole finite range. The same code runs on CPU with
+  ``NormEngine(rescale_float64=True)`` (tests).
 * **CPU float32/bf16/fp16, tensors of at most** :data:`WHOLE_NUMEL` **elements**: copied
   (widened) by one ``_foreach_copy_`` into zero-padded, row-aligned slots of one persistent
   float32 pack buffer (at most :data:`PACK_NUMEL` elements; beyond it, one float64-accumulating
@@ -271,8 +272,8 @@ def build_plan(
             continue
         # Float64 off the CPU: rescaled. A huge non-dense one cannot be chunked by views and
         # takes the unrescaled foreach norm below (exact within about [1e-154, 1e154]).
-        chunkable = t.numel() <= RESCALE_SCRATCH or flat_view(t) is not None
-        if t.dtype == torch.float64 and (rescale_float64 or not on_cpu) and chunkable:
+        rescaled = t.dtype == torch.float64 and (rescale_float64 or not on_cpu)
+        if rescaled and (t.numel() <= RESCALE_SCRATCH or flat_view(t) is not None):
             bucket.rescaled.append(i)
             continue
         bucket.whole.append(i)
@@ -456,12 +457,14 @@ def rescaled_norms(plan: RescalePlan, tensors: Sequence[Tensor]) -> Tensor:
     temporary (the accelerator path for float64; on CPU, tests call it directly).
 
     Per batch, one ``_foreach_copy_`` fills the scratch; each row of :data:`ROW_NUMEL` elements
-    is divided by its max-abs ``r`` and normed, so ``row = r * ||row / r||`` never forms a
-    square outside [2^-1074, 512]. Per tensor, the largest row norm ``M`` (``scatter_reduce``)
-    scales again: ``norm = M * sqrt(sum((row / M)^2))``. A constant number of ops per batch and
-    per call, whatever the number of tensors (tensors larger than the scratch add one view per
-    chunk). A zero tensor gives 0; NaN gives NaN and Inf (without NaN) Inf, as the divisors of
-    non-finite or zero maxima are 1 (:func:`_scale_of`).
+    is divided by its max-abs ``r`` and normed, ``row = r * ||row / r||``: every square is at
+    most 1 (a row's sum at most 512), and those that underflow are below 2^-1022 of the row's
+    largest, so nothing overflows and nothing that matters is lost. Per tensor, the largest
+    row norm ``M`` (``scatter_reduce``) scales again: ``norm = M * sqrt(sum((row / M)^2))``.
+    A constant number of ops per batch and per call, whatever the number of tensors (tensors
+    larger than the scratch add one view per chunk). A zero tensor gives 0; NaN gives NaN and
+    Inf (without NaN) Inf, as the divisors of non-finite or zero maxima are 1
+    (:func:`_scale_of`).
     """
     flats: dict[int, Tensor] = {}
     for batch in plan.batches:
