@@ -85,9 +85,10 @@ def test_a_missing_rank_is_reported_within_the_timeout() -> None:
 #: A rank whose gradwatch configuration differs from the others' (``exploding_threshold`` is
 #: in the configuration every rank must agree on), then the real command line.
 _MISCONFIGURED_RANK = (
-    "import functools, sys\n"
+    "import sys\n"
     "import gradwatch.doctor as d\n"
-    "d.WatchConfig = functools.partial(d.WatchConfig, exploding_threshold=1e9)\n"
+    "config = d._config\n"
+    "d._config = lambda **kw: config(**{**kw, 'exploding_threshold': 1e9})\n"
     "from gradwatch.cli.main import main\n"
     "sys.argv[0] = 'gradwatch'\n"
     "main()\n"
