@@ -27,7 +27,7 @@ CPU_CHECKS = [
     "exactness[float16 near its max]",
     "exactness[float64 elements of 1e160]",
     "exactness[float64 elements of 1e-160]",
-    "exactness[NaN/Inf positions, float32]",
+    *[f"exactness[NaN/Inf positions, {d}]" for d in ("float32", "bfloat16", "float16", "float64")],
     "syncs",
     "memory",
     "cost[float32, collect()+result() vs get_total_norm]",
