@@ -309,6 +309,46 @@ class DistributedCase:
         return (self.timing(mode).median - self.timing(StepMode.PLAIN).median) * 1e3
 
 
+class RankViewMode(Enum):
+    """The kinds of DDP step the per-rank view's benchmark times against each other."""
+
+    WATCHED = "gradwatch without the per-rank view (DDP's built-in all-reduce)"
+    HOOK_ONLY = "gradwatch's comm hook registered, measuring nothing"
+    RANK_VIEW = "gradwatch with `rank_view=True`"
+    #: prototype: the post-reduction statistics in the hook's completion callback
+    IN_CALLBACK = "`rank_view=True`, post-reduction pass in the hook's callback (prototype)"
+    #: prototype: the reducer issues no all-reduce (pure replication needs none)
+    NO_COLLECTIVE = "gradwatch without the view, no all-reduce (prototype)"
+
+
+@dataclass(frozen=True)
+class RankViewResult:
+    """Rank 0's step times of every :class:`RankViewMode` (2 ranks, DDP, demo model), in
+    palindromic blocks (each mode once, then in reverse order)."""
+
+    model: str
+    n_params: int
+    blocks: int
+    #: per-step seconds of each mode, in the order they ran (two per block)
+    step_times: dict[RankViewMode, tuple[float, ...]]
+    buckets: int  # DDP buckets of one backward
+    hook_ops: int  # aten ops the rank view's measurement dispatched over those buckets
+
+    def timing(self, mode: RankViewMode) -> Timing:
+        return Timing.of(self.step_times[mode])
+
+    def ratio(self, mode: RankViewMode, over: RankViewMode) -> Overhead:
+        """``mode``'s extra step time over ``over``'s, in percent: median and quartiles over
+        blocks of (sum of its two steps) / (sum of ``over``'s two) - 1."""
+        a, b = self.step_times[over], self.step_times[mode]
+        paired = Timing.of([
+            (b[2 * k] + b[2 * k + 1]) / (a[2 * k] + a[2 * k + 1]) - 1
+            for k in range(min(len(a), len(b)) // 2)
+        ])
+        p25, p75 = paired.quartiles
+        return Overhead(paired.median * 100, p25 * 100, p75 * 100)
+
+
 @dataclass(frozen=True)
 class DistributedFailure:
     """A wrapper whose run failed: reported, so the other sections are not lost."""
@@ -390,6 +430,7 @@ class RunResults:
     spike_cost: SpikeCostResult | None = None  # None: not measured
     distributed: list[DistributedCase | DistributedFailure] | None = None  # None: skipped
     scrapers: list[ScrapersResult | Failure] | None = None  # None: skipped
+    rank_view: RankViewResult | Failure | None = None  # None: skipped
     cuda_device: str | None = None  # None: no GPU
     cuda_cases: list[NormCaseResult] = field(default_factory=list)
     demo_model: str = ""  # the demo model's size, as the distributed section describes it

@@ -36,10 +36,12 @@ same module is refused.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -66,7 +68,7 @@ class LocalView:
     def __init__(self, params: Sequence[Tensor], group_of: Sequence[int], groups: int) -> None:
         self.groups = groups
         self._group_of = {id(p): g for p, g in zip(params, group_of, strict=True)}
-        self._plans: dict[tuple[int, ...], _BucketPlan] = {}
+        self._plans: dict[int, _BucketPlan] = {}  # by bucket index
         self._acc: Tensor | None = None  # G group squares and one discard slot
         self._complete = False
         self._ok = True
@@ -74,28 +76,31 @@ class LocalView:
 
     def observe(self, bucket: Any) -> None:
         """Add one bucket's local squared norms (before its reduction) to the group vector."""
-        if bucket.index() == 0:
+        index = bucket.index()
+        if index == 0:
             self._complete = False
             self._ok = True
-        grads = bucket.gradients()
-        if not self._ok or not grads:
+        if not self._ok:
             return
         try:
+            buffer = bucket.buffer()
+            plan = self._plans.get(index)
+            if plan is None or plan.source() is not buffer:
+                # A new bucket layout (the first backward, or DDP rebuilt its buckets): the
+                # only time the parameters are read; steady steps key on the buffer alone.
+                grads = bucket.gradients()
+                if not grads:
+                    return
+                groups = [self._group_of[id(p)] for p in bucket.parameters()]
+                plan = self._plans[index] = _BucketPlan.build(buffer, grads, groups, self.groups)
             acc = self._acc
-            if acc is None or acc.device != grads[0].device:
+            if acc is None or acc.device != buffer.device:
                 acc = self._acc = torch.zeros(
-                    self.groups + 1, dtype=torch.float64, device=grads[0].device
+                    self.groups + 1, dtype=torch.float64, device=buffer.device
                 )
-            if bucket.index() == 0:
+            if index == 0:
                 acc.zero_()
-            key = tuple(map(id, bucket.parameters()))
-            plan = self._plans.get(key)
-            if plan is None:
-                groups = [self._group_of[k] for k in key]
-                plan = self._plans[key] = _BucketPlan.build(
-                    bucket.buffer(), grads, groups, self.groups
-                )
-            plan.add_squares(acc, bucket.buffer(), grads)
+            plan.add_squares(acc, buffer, bucket)
         except Exception as exc:  # never let monitoring break the job's reduction
             self._ok = False
             if not self._logged:
@@ -141,12 +146,17 @@ class _BucketPlan:
     def __init__(
         self,
         *,
+        source: Tensor,
         per_param: Tensor,
         rows: int = 0,
         row_group: Tensor | None = None,
         loose: Tensor | None = None,
         loose_group: Tensor | None = None,
     ) -> None:
+        # The bucket buffer the plan was built for, by identity: DDP keeps a bucket's buffer
+        # (and its Python object) for as long as the bucket layout lasts, and a weak reference
+        # cannot outlive it, so a live match means the same layout (no buffer kept alive here).
+        self.source = weakref.ref(source)
         self.per_param = per_param
         self.rows = rows
         self.row_group = row_group
@@ -169,7 +179,7 @@ class _BucketPlan:
                 for g in grads
             )
         ):
-            return cls(per_param=per_param)
+            return cls(source=buffer, per_param=per_param)
         n = buffer.numel()
         owner = torch.full((n,), discard, dtype=torch.long)
         base = buffer.storage_offset()
@@ -187,8 +197,9 @@ class _BucketPlan:
             ]
         )
         if loose.numel() > n // 4:
-            return cls(per_param=per_param)
+            return cls(source=buffer, per_param=per_param)
         return cls(
+            source=buffer,
             per_param=per_param,
             rows=rows,
             row_group=row_group,
@@ -196,9 +207,12 @@ class _BucketPlan:
             loose_group=owner[loose],
         )
 
-    def add_squares(self, acc: Tensor, buffer: Tensor, grads: Sequence[Tensor]) -> None:
+    def add_squares(self, acc: Tensor, buffer: Tensor, bucket: Any) -> None:
+        """Add the squares of ``bucket`` (whose flat buffer is ``buffer``) into ``acc``; its
+        gradient views are asked for only on the foreach path (DDP makes two view ops per
+        parameter for them)."""
         if self.row_group is None:
-            norms = torch._foreach_norm(list(grads), 2, dtype=torch.float64)
+            norms = torch._foreach_norm(bucket.gradients(), 2, dtype=torch.float64)
             acc.index_add_(0, self.per_param, torch.stack(norms).square_())
             return
         assert self.loose is not None and self.loose_group is not None
@@ -231,8 +245,30 @@ class GradWatchCommHook:
         if self.inner_state is not _UNSET:
             state = self.inner_state
         if self.inner is None:
-            return allreduce_hook(state, bucket)
+            return _average(state, bucket)
         return self.inner(state, bucket)
+
+
+def _first(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
+    return fut.value()[0]
+
+
+_SUM = dist.AllreduceOptions()
+_SUM.reduceOp = dist.ReduceOp.SUM
+_SUM.asyncOp = True
+
+
+def _average(group: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+    """DDP's own reduction, as ``allreduce_hook`` does it (divide by the group size, SUM
+    all-reduce, the bucket as the future's value), through the process group's own method: the
+    same c10d op without ``dist.all_reduce``'s Python checks, all of which hold for a DDP
+    bucket (one dense tensor, a group this rank belongs to, no coalescing during backward).
+    Complex buckets (rare) take ``allreduce_hook`` itself (it reduces their real view)."""
+    buffer = bucket.buffer()
+    if group is None or buffer.is_complex():
+        return allreduce_hook(group, bucket)
+    buffer.div_(group.size())
+    return group.allreduce([buffer], _SUM).get_future().then(_first)
 
 
 def ddp_comm_hook(

@@ -14,10 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from benchmarks import cases, distributed, report  # noqa: E402
+from benchmarks import cases, distributed, rankview_bench, report  # noqa: E402
 from benchmarks.results import (  # noqa: E402
     DistributedCase,
     NormMethod,
+    RankViewMode,
+    RankViewResult,
+    RunResults,
     ScrapersResult,
     StepMode,
 )
@@ -49,7 +52,8 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     for heading in ("## Machine", "## Targets", "## Per-collect cost", "## Mixed sizes",
                     "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
-                    "## Spike detection", "## CUDA", "## Construction at scale"):
+                    "## Spike detection", "## CUDA", "## Construction at scale",
+                    "## Per-rank view and the DDP path"):
         assert heading in text
     header, rows = _rows(text, "| parameters | groups | window |")
     assert len(rows) == 1 and rows[0][1] == str(cases.SPIKE_GROUPS) and rows[0][5].endswith("%")
@@ -118,3 +122,22 @@ def test_quick_distributed_sections() -> None:
     header, rows = _rows(report.scrapers_table([scrapers]), "| scrapers |")
     assert rows[0][0] == "2" and int(rows[0][8].split()[0]) > 0  # scrapes were served
     assert rows[0][1] == "nice 19"  # the clients stand in for remote machines
+
+
+@pytest.mark.distributed
+def test_quick_rank_view_section() -> None:
+    """The per-rank view section (what `make bench` runs) on 2 blocks: every kind timed in
+    every block, the comparisons rendered as ratios with their IQR, the target row judged."""
+    found = rankview_bench.rank_view(2)
+    assert isinstance(found, RankViewResult)
+    assert all(len(found.timing(m)) == 4 for m in RankViewMode)  # two per block
+    assert found.buckets >= 1 and found.hook_ops > 0
+    _header, rows = _rows(report.rank_view_table(found), "| step |")
+    assert len(rows) == 1 + len(report.RANK_VIEW_COMPARISONS)
+    for r in rows[1:]:
+        assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)", r[3]), r
+    run = RunResults(command="x", rounds=(1, 1), rank_view=found)
+    row = [c for c in report.target_checks(run) if "per-rank view" in c.subject]
+    assert len(row) == 1 and "within +2% of the step watched without it" in row[0].subject
+    text = report.miss_notes(run)
+    assert row[0].met or "DDP step with the per-rank view" in text

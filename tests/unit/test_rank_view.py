@@ -270,3 +270,25 @@ def test_endpoint_view_and_top_line_name_the_last_origin() -> None:
     assert view.nonfinite_origin == (("3", "node-b"),) and view.nonfinite_origin_step == 42
     assert "(last at step 42 from rank 3)" in anomalies_text(view).plain
     assert parse_exposition("gradwatch_step 1.0\n").nonfinite_origin == ()
+
+
+def test_bucket_plan_is_kept_per_buffer_and_rebuilt_for_a_new_layout() -> None:
+    """Steady steps key on the bucket's buffer alone (no parameter list, no gradient views on
+    the row path); a new buffer at the same index (DDP rebuilt its buckets) gets a new plan, and
+    the figures stay exact."""
+    params = _params(6, big=6000)
+    view = LocalView(params, [i % 3 for i in range(6)], 3)
+    bucket = FakeBucket(params[:4], 0, True)
+    view.observe(bucket)
+    reads: list[str] = []
+    bucket.parameters = lambda: reads.append("parameters") or params[:4]  # type: ignore[method-assign]
+    bucket.gradients = lambda: reads.append("gradients") or bucket._grads  # type: ignore[method-assign]
+    view.observe(bucket)
+    assert reads == [] and view.take() is not None
+    rebuilt = FakeBucket(params[2:], 0, True)  # same index, another layout and buffer
+    view.observe(rebuilt)
+    got = view.take()
+    assert got is not None
+    for k in range(3):
+        want = _fsum([p.grad for i, p in enumerate(params) if i >= 2 and i % 3 == k])
+        assert abs(got[k].item() - want) <= 1e-6 * want
