@@ -312,7 +312,7 @@ class Plan:
     scrapers: tuple[ScrapersPlan, ...]
     spike_rounds: int = 30  # result() calls timed by the spike-detection case
     scale_worlds: tuple[int, ...] = (8, 64, 1024, 16384)  # simulated ranks (benchmarks/scale.py)
-    rank_view_blocks: int = 150  # palindromic blocks of the per-rank view section
+    rank_view_blocks: int = 300  # palindromic blocks of the per-rank view section
 
 
 def full_plan() -> Plan:

@@ -85,7 +85,7 @@ class _InCallbackSquares:
 
         def reduced(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
             out = fut.value()[0]
-            plan.add_squares(acc, out, bucket)
+            plan.add_squares(acc, out)
             return out
 
         return group.allreduce([buffer], _SUM).get_future().then(reduced)

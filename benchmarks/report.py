@@ -263,7 +263,10 @@ RANK_VIEW_TEXT = (
     "to `collect()` in place of its own pass; the no-collective one is today's gradwatch whose "
     "reducer issues no all-reduce (each rank keeps its own packed vector). The view's "
     "measurement dispatched {ops} aten ops over the {buckets} DDP buckets of one backward "
-    "(`gradwatch.testing.OpCounter`), no host read.\n"
+    "(`gradwatch.testing.OpCounter`), no host read. What gradwatch does with these figures "
+    "(docs/distributed.md, *Cost*): the view stays opt-in; a prototype replaces today's path "
+    "only when it is cheaper beyond the IQR (the verdict column) and keeps every guarantee of "
+    "today's path; so far neither has been made the DDP path.\n"
 )
 
 

@@ -4,10 +4,13 @@ Under DDP every figure computed after the all-reduce is the replicas' average: o
 is every rank's NaN, and a rank whose gradient is far from the others' disappears in the mean.
 DDP hands each gradient bucket to a communication hook before it reduces it; there, this
 module measures the rank's own (accumulated, with ``no_sync()``) gradient, then performs the
-reduction DDP would have done (``allreduce_hook``: divide by the group size, all-reduce, SUM)
-or the user's own hook (:func:`ddp_comm_hook` with ``inner=``).
+reduction DDP would have done (``allreduce_hook``'s: divide by the group size, all-reduce,
+SUM, issued through the process group's own method) or the user's own hook
+(:func:`ddp_comm_hook` with ``inner=``).
 
-**The math, per bucket** (:class:`_BucketPlan`, built once per bucket layout): on CPU, a
+**The math, per bucket** (:class:`_BucketPlan`, built once per bucket layout and found again
+by the bucket's flat buffer, so a steady step asks DDP for neither the parameter list nor the
+gradient views, which cost two view ops per parameter): on CPU, a
 float32 bucket's flat buffer is read in place as rows of 512 elements normed in float32 (as the
 core engine's row path, :mod:`gradwatch.stats`: relative error below 5e-7), squared in float64
 and added per group by ``index_add_``; the few rows straddling two groups and the partial last
@@ -91,6 +94,8 @@ class LocalView:
                 grads = bucket.gradients()
                 if not grads:
                     return
+                if index == 0:  # a rebuild replaces every bucket: drop every old plan
+                    self._plans.clear()
                 groups = [self._group_of[id(p)] for p in bucket.parameters()]
                 plan = self._plans[index] = _BucketPlan.build(buffer, grads, groups, self.groups)
             acc = self._acc
@@ -100,7 +105,7 @@ class LocalView:
                 )
             if index == 0:
                 acc.zero_()
-            plan.add_squares(acc, buffer, bucket)
+            plan.add_squares(acc, buffer)
         except Exception as exc:  # never let monitoring break the job's reduction
             self._ok = False
             if not self._logged:
@@ -148,6 +153,7 @@ class _BucketPlan:
         *,
         source: Tensor,
         per_param: Tensor,
+        grads: Sequence[Tensor] = (),
         rows: int = 0,
         row_group: Tensor | None = None,
         loose: Tensor | None = None,
@@ -158,6 +164,9 @@ class _BucketPlan:
         # cannot outlive it, so a live match means the same layout (no buffer kept alive here).
         self.source = weakref.ref(source)
         self.per_param = per_param
+        # Foreach path: the bucket's gradient views, kept (DDP makes two view ops per parameter
+        # each time it is asked for them); views of the buffer, so they read its current values.
+        self.grads = list(grads)
         self.rows = rows
         self.row_group = row_group
         self.loose = loose
@@ -179,7 +188,7 @@ class _BucketPlan:
                 for g in grads
             )
         ):
-            return cls(source=buffer, per_param=per_param)
+            return cls(source=buffer, per_param=per_param, grads=grads)
         n = buffer.numel()
         owner = torch.full((n,), discard, dtype=torch.long)
         base = buffer.storage_offset()
@@ -197,7 +206,7 @@ class _BucketPlan:
             ]
         )
         if loose.numel() > n // 4:
-            return cls(source=buffer, per_param=per_param)
+            return cls(source=buffer, per_param=per_param, grads=grads)
         return cls(
             source=buffer,
             per_param=per_param,
@@ -207,12 +216,10 @@ class _BucketPlan:
             loose_group=owner[loose],
         )
 
-    def add_squares(self, acc: Tensor, buffer: Tensor, bucket: Any) -> None:
-        """Add the squares of ``bucket`` (whose flat buffer is ``buffer``) into ``acc``; its
-        gradient views are asked for only on the foreach path (DDP makes two view ops per
-        parameter for them)."""
+    def add_squares(self, acc: Tensor, buffer: Tensor) -> None:
+        """Add the squares of the bucket whose flat buffer is ``buffer`` into ``acc``."""
         if self.row_group is None:
-            norms = torch._foreach_norm(bucket.gradients(), 2, dtype=torch.float64)
+            norms = torch._foreach_norm(self.grads, 2, dtype=torch.float64)
             acc.index_add_(0, self.per_param, torch.stack(norms).square_())
             return
         assert self.loose is not None and self.loose_group is not None
