@@ -33,6 +33,7 @@ from benchmarks.results import (
     NormCaseResult,
     NormMethod,
     Overhead,
+    PairedRatio,
     RankViewMode,
     RankViewResult,
     RunResults,
@@ -239,13 +240,16 @@ def fmt_ratio(ov: Overhead) -> str:
             f"to {ov.p75_pct:+.1f}%)")
 
 
-def beyond_noise(ov: Overhead) -> str:
-    """Whether a paired ratio's whole interquartile range lies on one side of 1."""
-    if ov.p75_pct < 0:
-        return "cheaper, beyond the IQR"
-    if ov.p25_pct > 0:
-        return "dearer, beyond the IQR"
-    return "within the IQR of no change"
+def verdict_of(r: PairedRatio) -> str:
+    """Whether a paired ratio differs from 1 beyond noise: by the 95% interval of its median,
+    and whether the blocks' interquartile range also lies on one side."""
+    ci = f"95% CI of the median {r.ci_low_pct:+.1f}% to {r.ci_high_pct:+.1f}%"
+    if r.beyond_noise == 0:
+        return f"no difference beyond noise ({ci})"
+    side = "cheaper" if r.beyond_noise < 0 else "dearer"
+    iqr = r.p75_pct < 0 if r.beyond_noise < 0 else r.p25_pct > 0
+    return (f"{side} beyond noise ({ci}); the blocks' IQR "
+            f"{'too' if iqr else 'straddles 0'}")
 
 
 RANK_VIEW_TEXT = (
@@ -257,7 +261,10 @@ RANK_VIEW_TEXT = (
     "forward, backward, `collect`, optimizer step and `result()` on the training thread (all "
     "of gradwatch's work inside the step); rank 0's times. Ratio = median over blocks of (the "
     "kind's two steps) / (the compared kind's two steps), with the interquartile range over "
-    "blocks. The kinds: {kinds}. The two prototypes exist in the benchmark only: the "
+    "blocks; the verdict says whether the median differs from 1 beyond noise, by a 95% "
+    "bootstrap interval of the median over blocks (the IQR is the spread of single blocks, "
+    "not the uncertainty of the median). The kinds: {kinds}. The two prototypes exist in the "
+    "benchmark only: the "
     "in-callback one computes the post-reduction per-parameter squares in the comm hook's "
     "completion callback (the reduced bucket, with the view's per-bucket plan) and hands them "
     "to `collect()` in place of its own pass; the no-collective one is today's gradwatch whose "
@@ -265,7 +272,7 @@ RANK_VIEW_TEXT = (
     "measurement dispatched {ops} aten ops over the {buckets} DDP buckets of one backward "
     "(`gradwatch.testing.OpCounter`), no host read. What gradwatch does with these figures "
     "(docs/distributed.md, *Cost*): the view stays opt-in; a prototype replaces today's path "
-    "only when it is cheaper beyond the IQR (the verdict column) and keeps every guarantee of "
+    "only when it is cheaper beyond noise (the verdict column) and keeps every guarantee of "
     "today's path; so far neither has been made the DDP path.\n"
 )
 
@@ -279,7 +286,7 @@ def rank_view_table(r: RankViewResult | Failure) -> str:
     for mode, over, shows in RANK_VIEW_COMPARISONS:
         ov = r.ratio(mode, over)
         rows.append([mode.value, fmt_timing(r.timing(mode)), over.value, fmt_ratio(ov),
-                     beyond_noise(ov), shows])
+                     verdict_of(ov), shows])
     return table(["step", "step ms (p25-p75)", "compared with", "ratio (IQR over blocks)",
                   "verdict", "what it shows"], rows)
 
@@ -534,9 +541,10 @@ def _rank_view_miss(r: RankViewResult) -> list[str]:
         f"* **DDP step with the per-rank view ({ov.median_pct:+.1f}%, target "
         f"{RANK_VIEW_TARGET}): not met.** Measured in the same run: the comm hook alone, "
         f"measuring nothing, {hook.median_pct:+.1f}% (IQR {hook.p25_pct:+.1f}% to "
-        f"{hook.p75_pct:+.1f}%) over DDP's built-in reduction: per bucket, a Python call from "
-        "the autograd thread and a Python completion callback on gloo's thread, both taking "
-        "the GIL, where DDP's built-in all-reduce runs in C++; the view's own measurement "
+        f"{hook.p75_pct:+.1f}%) over DDP's built-in reduction (what differs: per bucket, a "
+        "Python call from the autograd thread and a Python completion callback on gloo's "
+        "thread, both taking the GIL, where DDP's built-in all-reduce stays in C++; DDP "
+        "accepts no other kind of hook from Python); the view's own measurement "
         f"({r.hook_ops} aten ops over {r.buckets} buckets, no host read) "
         f"{own.median_pct:+.1f}% (IQR {own.p25_pct:+.1f}% to {own.p75_pct:+.1f}%) over the "
         f"hook alone. About {extra:.2f} ms in medians on a "

@@ -1,4 +1,5 @@
-"""gradwatch benchmarks: per-collect cost, targets, distributed overhead, scrape latency.
+"""gradwatch benchmarks: per-collect cost, targets, distributed overhead, the per-rank view,
+scrape latency.
 
 Usage: ``python benchmarks/run.py --out docs/performance.md`` (``make bench``, under 10 minutes
 on a 2-core machine); ``--quick`` runs tiny sizes (tests/distributed/test_benchmarks.py runs it so

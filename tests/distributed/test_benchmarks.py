@@ -136,8 +136,34 @@ def test_quick_rank_view_section() -> None:
     assert len(rows) == 1 + len(report.RANK_VIEW_COMPARISONS)
     for r in rows[1:]:
         assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)", r[3]), r
+        assert "beyond noise (95% CI of the median" in r[4], r
     run = RunResults(command="x", rounds=(1, 1), rank_view=found)
     row = [c for c in report.target_checks(run) if "per-rank view" in c.subject]
     assert len(row) == 1 and "within +2% of the step watched without it" in row[0].subject
     text = report.miss_notes(run)
     assert row[0].met or "DDP step with the per-rank view" in text
+
+
+def test_rank_view_ratio_and_its_noise_verdict() -> None:
+    """The paired ratio over blocks against a known answer: a kind 10% slower in every block
+    is dearer beyond noise by exactly +10%; a kind equal to its comparison in distribution
+    (same samples, shuffled within a noisy spread) is not."""
+    import random
+
+    rng = random.Random(1)
+    base = [0.010 * (1 + 0.3 * rng.random()) for _ in range(200)]
+    times = {m: tuple(base) for m in RankViewMode}
+    times[RankViewMode.RANK_VIEW] = tuple(1.1 * t for t in base)
+    shuffled = list(base)
+    rng.shuffle(shuffled)
+    times[RankViewMode.IN_CALLBACK] = tuple(shuffled)
+    r = RankViewResult(model="m", n_params=1, blocks=100, step_times=times, buckets=1,
+                       hook_ops=1)
+    slower = r.ratio(RankViewMode.RANK_VIEW, RankViewMode.WATCHED)
+    assert abs(slower.median_pct - 10) < 1e-9 and slower.beyond_noise == 1
+    assert report.verdict_of(slower).startswith("dearer beyond noise")
+    same = r.ratio(RankViewMode.IN_CALLBACK, RankViewMode.WATCHED)
+    assert same.ci_low_pct < 0 < same.ci_high_pct and same.beyond_noise == 0
+    assert report.verdict_of(same).startswith("no difference beyond noise")
+    run = RunResults(command="x", rounds=(1, 1), rank_view=r)
+    assert not next(c for c in report.target_checks(run) if "per-rank view" in c.subject).met
