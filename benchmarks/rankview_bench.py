@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from benchmarks.cases import ModelSpec, build_model, wrap
 from benchmarks.distributed import WORLD, _free_port, _init
 from benchmarks.results import RankViewMode, RankViewResult
-from gradwatch.ddp_hook import _SUM
+from gradwatch.ddp_hook import _sum_options
 
 #: One block: each kind once, then in reverse order, so a linear drift cancels within a block.
 BLOCK = (*RankViewMode, *reversed(RankViewMode))
@@ -88,7 +88,7 @@ class _InCallbackSquares:
             plan.add_squares(acc, out)
             return out
 
-        return group.allreduce([buffer], _SUM).get_future().then(reduced)
+        return group.allreduce([buffer], _sum_options()).get_future().then(reduced)
 
     def squared_norms_and_plan(self, tensors: Any, out_device: Any = None) -> tuple[Tensor, None]:
         return self._acc[: 3 * self._n].clone(), None

@@ -38,6 +38,7 @@ same module is refused.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -260,9 +261,13 @@ def _first(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
     return fut.value()[0]
 
 
-_SUM = dist.AllreduceOptions()
-_SUM.reduceOp = dist.ReduceOp.SUM
-_SUM.asyncOp = True
+@functools.cache
+def _sum_options() -> Any:
+    """A SUM all-reduce's options, as ``dist.all_reduce(async_op=True)`` builds them
+    (``asyncOp`` defaults to True where it exists); built on first use, once."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    return options
 
 
 def _average(group: Any, bucket: Any) -> torch.futures.Future[Tensor]:
@@ -275,7 +280,7 @@ def _average(group: Any, bucket: Any) -> torch.futures.Future[Tensor]:
     if group is None or buffer.is_complex():
         return allreduce_hook(group, bucket)
     buffer.div_(group.size())
-    return group.allreduce([buffer], _SUM).get_future().then(_first)
+    return group.allreduce([buffer], _sum_options()).get_future().then(_first)
 
 
 def ddp_comm_hook(
