@@ -67,7 +67,7 @@ class _InCallbackSquares:
         self._plan_type = _BucketPlan
         self._n = len(params)
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._plans: dict[tuple[int, ...], Any] = {}
+        self._plans: dict[int, Any] = {}  # by bucket index
         self._acc = torch.zeros(3 * self._n + 1, dtype=torch.float64)  # + one discard slot
 
     def hook(self, state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
@@ -76,11 +76,11 @@ class _InCallbackSquares:
         buffer.div_(group.size())
         if bucket.index() == 0:
             self._acc.zero_()
-        key = tuple(map(id, bucket.parameters()))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._plan_type.build(
-                buffer, bucket.gradients(), [self._index[k] for k in key], 3 * self._n)
+        plan = self._plans.get(bucket.index())
+        if plan is None or plan.source() is not buffer:  # found again by buffer, as the view's
+            positions = [self._index[id(p)] for p in bucket.parameters()]
+            plan = self._plans[bucket.index()] = self._plan_type.build(
+                buffer, bucket.gradients(), positions, 3 * self._n)
         acc = self._acc
 
         def reduced(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
