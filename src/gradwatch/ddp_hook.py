@@ -143,7 +143,8 @@ class _BucketPlan:
       path), squared in float64 and added to the group of the row by one ``index_add_``. Rows
       that straddle two groups, and the partial last row, are read element by element instead
       (one ``index_select`` of those few elements, squared in float64, one ``index_add_``);
-      their rows go to a discard slot. Seven ops per bucket.
+      their rows go to a discard slot. At most eight ops per bucket (the whole-row view is
+      made once, with the plan).
     * **Otherwise** (accelerators, float64, bf16/fp16, gradients that are no buffer views, or
       more than a quarter of the buffer in straddling rows): ``torch._foreach_norm(grads, 2,
       dtype=torch.float64)`` stacked, squared, added per parameter's group. Four ops.
@@ -169,6 +170,9 @@ class _BucketPlan:
         # each time it is asked for them); views of the buffer, so they read its current values.
         self.grads = list(grads)
         self.rows = rows
+        # Row path: the buffer's whole rows as a (rows, ROW) view, made once (two view ops less
+        # per bucket and step); a view of the buffer, so it reads the buffer's current values.
+        self.row_view = source[: rows * ROW].view(rows, ROW) if rows else None
         self.row_group = row_group
         self.loose = loose
         self.loose_group = loose_group
@@ -224,9 +228,8 @@ class _BucketPlan:
             acc.index_add_(0, self.per_param, torch.stack(norms).square_())
             return
         assert self.loose is not None and self.loose_group is not None
-        if self.rows:
-            rows = buffer[: self.rows * ROW].view(self.rows, ROW)
-            norms = torch.linalg.vector_norm(rows, dim=1)
+        if self.row_view is not None:
+            norms = torch.linalg.vector_norm(self.row_view, dim=1)
             acc.index_add_(0, self.row_group, norms.to(torch.float64).square_())
         if self.loose.numel():
             values = buffer.index_select(0, self.loose).to(torch.float64)
