@@ -18,12 +18,19 @@ The kinds (:class:`~benchmarks.results.RankViewMode`), each a DDP copy of the sa
   under pure replication.
 
 Every step is forward, backward, ``collect``, optimizer step and ``result()`` on the training
-thread (all of gradwatch's work inside the timed step). Rank 0's times are kept.
+thread (all of gradwatch's work inside the timed step; ``collect_only=True``: the documented
+loop, ``collect`` only, rank 0's exporter thread building the results). Each block runs every
+kind once, then in reverse order, so a linear drift cancels within a block. Rank 0's times are
+kept.
 
 Standalone::
 
     PYTHONPATH=src:. python -c \
         "from benchmarks.rankview_bench import rank_view; print(rank_view(20))"
+
+The collect-only comparison of the no-collective prototype (figures in docs/distributed.md)::
+
+    rank_view(300, (RankViewMode.WATCHED, RankViewMode.NO_COLLECTIVE), collect_only=True)
 """
 
 from __future__ import annotations
@@ -44,9 +51,6 @@ from benchmarks.cases import ModelSpec, build_model, wrap
 from benchmarks.distributed import WORLD, _free_port, _init
 from benchmarks.results import RankViewMode, RankViewResult
 from gradwatch.ddp_hook import _sum_options
-
-#: One block: each kind once, then in reverse order, so a linear drift cancels within a block.
-BLOCK = (*RankViewMode, *reversed(RankViewMode))
 
 
 class _InCallbackSquares:
@@ -94,7 +98,7 @@ class _InCallbackSquares:
         return self._acc[: 3 * self._n].clone(), None
 
 
-def _job(mode: RankViewMode) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+def _job(mode: RankViewMode, endpoint: bool) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     from gradwatch import GradWatch, WatchConfig, ddp_comm_hook
 
     torch.manual_seed(0)
@@ -102,7 +106,11 @@ def _job(mode: RankViewMode) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     model = wrap(model, "ddp")
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     view = mode in (RankViewMode.RANK_VIEW, RankViewMode.IN_CALLBACK)
-    watch = GradWatch(model, WatchConfig(rank_view=view, collective_timeout_seconds=120))
+    # ``endpoint``: rank 0 serves the endpoint, so its exporter thread builds the results, as
+    # deployed (the collect-only loop).
+    watch = GradWatch(model, WatchConfig(
+        rank_view=view, collective_timeout_seconds=120, port=0 if endpoint else None,
+        bind_address="127.0.0.1"))
     ddp: Any = model
     if mode is RankViewMode.HOOK_ONLY:
         ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(watch))
@@ -139,15 +147,17 @@ def _hook_ops(watch: Any, step: Callable[[], None]) -> tuple[int, int]:
     return counted["buckets"], counted["ops"]
 
 
-def _worker(rank: int, port: int, blocks: int, out: str) -> None:
+def _worker(rank: int, port: int, blocks: int, out: str, kinds: tuple[RankViewMode, ...],
+            collect_only: bool) -> None:
     import torch.distributed as dist
 
     _init(rank, port)
     # The no-collective prototype's statistics are this rank's alone: its step check disagrees
     # with the world size, which gradwatch logs (once); the timing is what matters here.
     logging.getLogger("gradwatch").setLevel(logging.ERROR)
+    block = (*kinds, *reversed(kinds))
     try:
-        jobs = {mode: _job(mode) for mode in RankViewMode}
+        jobs = {mode: _job(mode, collect_only and rank == 0) for mode in kinds}
         _, width, batch = build_model(ModelSpec("demo", "demo model"))
         gen = torch.Generator().manual_seed(10 + rank)
         x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 1, generator=gen)
@@ -158,40 +168,48 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
             nn.functional.mse_loss(model(x), y).backward()
             pending = watch.collect(i)
             opt.step()
-            pending.result()
+            if not collect_only:
+                pending.result()
 
-        for i in range(3 * len(BLOCK)):  # warm-up (DDP rebuilds its buckets after one step)
-            step(BLOCK[i % len(BLOCK)], i)
-        times: dict[RankViewMode, list[float]] = {m: [] for m in RankViewMode}
-        for i in range(blocks * len(BLOCK)):
-            mode = BLOCK[i % len(BLOCK)]
+        for i in range(3 * len(block)):  # warm-up (DDP rebuilds its buckets after one step)
+            step(block[i % len(block)], i)
+        times: dict[RankViewMode, list[float]] = {m: [] for m in kinds}
+        for i in range(blocks * len(block)):
+            mode = block[i % len(block)]
             dist.barrier()
             t0 = time.perf_counter()
             step(mode, 1000 + i)
             times[mode].append(time.perf_counter() - t0)
         dist.barrier()
-        buckets, ops = _hook_ops(jobs[RankViewMode.RANK_VIEW][2],
-                                 lambda: step(RankViewMode.RANK_VIEW, 10**6))
+        buckets = ops = 0
+        if RankViewMode.RANK_VIEW in jobs:
+            buckets, ops = _hook_ops(jobs[RankViewMode.RANK_VIEW][2],
+                                     lambda: step(RankViewMode.RANK_VIEW, 10**6))
         for _, _, watch in jobs.values():
             watch.close()
         if rank == 0:
-            n_params = sum(p.numel() for p in jobs[RankViewMode.WATCHED][0].parameters()
+            n_params = sum(p.numel() for p in next(iter(jobs.values()))[0].parameters()
                            if p.requires_grad)
             Path(out).write_bytes(pickle.dumps(RankViewResult(
                 model="demo model", n_params=n_params, blocks=blocks,
                 step_times={m: tuple(ts) for m, ts in times.items()},
-                buckets=buckets, hook_ops=ops)))
+                buckets=buckets, hook_ops=ops, collect_only=collect_only)))
     finally:
         dist.destroy_process_group()
 
 
-def rank_view(blocks: int = 120) -> RankViewResult:
-    """``blocks`` palindromic blocks of every :class:`RankViewMode` on 2 spawned ranks."""
+def rank_view(blocks: int = 120, kinds: tuple[RankViewMode, ...] = tuple(RankViewMode),
+              collect_only: bool = False) -> RankViewResult:
+    """``blocks`` palindromic blocks of ``kinds`` (``make bench``: every
+    :class:`RankViewMode`) on 2 spawned ranks. ``collect_only``: the documented loop instead
+    (``collect`` only, rank 0's exporter thread builds the results; standalone, not in
+    ``make bench``)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.pickle")
-        mp.spawn(_worker, args=(_free_port(), blocks, path), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(_free_port(), blocks, path, tuple(kinds), collect_only),
+                 nprocs=WORLD, join=True)
         # our own child wrote it, into our own temporary directory
         result: RankViewResult = pickle.loads(Path(path).read_bytes())
     return result

@@ -273,7 +273,10 @@ RANK_VIEW_TEXT = (
     "(`gradwatch.testing.OpCounter`), no host read. What gradwatch does with these figures "
     "(docs/distributed.md, *Cost*): the view stays opt-in; a prototype replaces today's path "
     "only when it is cheaper beyond noise (the verdict column) and keeps every guarantee of "
-    "today's path; so far neither has been made the DDP path.\n"
+    "today's path; so far neither has been made the DDP path. The no-collective prototype in the "
+    "documented collect-only loop (results built by rank 0's exporter thread) is a standalone "
+    "run of the same module (`rank_view(..., collect_only=True)`; its figures and command are "
+    "in docs/distributed.md).\n"
 )
 
 

@@ -335,6 +335,9 @@ class RankViewResult:
     step_times: dict[RankViewMode, tuple[float, ...]]
     buckets: int  # DDP buckets of one backward
     hook_ops: int  # aten ops the rank view's measurement dispatched over those buckets
+    #: the documented loop (``collect`` only, rank 0's exporter thread builds the results)
+    #: instead of ``result()`` on the training thread
+    collect_only: bool = False
 
     def timing(self, mode: RankViewMode) -> Timing:
         return Timing.of(self.step_times[mode])

@@ -142,6 +142,11 @@ def test_quick_rank_view_section() -> None:
     assert len(row) == 1 and "within +2% of the step watched without it" in row[0].subject
     text = report.miss_notes(run)
     assert row[0].met or "DDP step with the per-rank view" in text
+    # The standalone collect-only comparison (figures quoted in docs/distributed.md).
+    kinds = (RankViewMode.WATCHED, RankViewMode.NO_COLLECTIVE)
+    loop = rankview_bench.rank_view(1, kinds, collect_only=True)
+    assert loop.collect_only and set(loop.step_times) == set(kinds)
+    assert all(len(loop.timing(m)) == 2 for m in kinds)
 
 
 def test_rank_view_ratio_and_its_noise_verdict() -> None:
