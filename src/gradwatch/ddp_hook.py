@@ -163,7 +163,10 @@ class _BucketPlan:
     ) -> None:
         # The bucket buffer the plan was built for, by identity: DDP keeps a bucket's buffer
         # (and its Python object) for as long as the bucket layout lasts, and a weak reference
-        # cannot outlive it, so a live match means the same layout (no buffer kept alive here).
+        # cannot outlive it, so a live match means the same layout. (A torch that handed out a
+        # new Python object per call would only cost a rebuild per step, never a wrong plan.)
+        # The plan's views below hold the old storage only until a rebuild replaces bucket 0,
+        # which drops every old plan.
         self.source = weakref.ref(source)
         self.per_param = per_param
         # Foreach path: the bucket's gradient views, kept (DDP makes two view ops per parameter
