@@ -32,6 +32,9 @@ FLOAT64_COPIES_TARGET = Target(3, "x", at_most=False)
 CLIP_TARGET = Target(10, "%")
 #: a 2-rank DDP step with gradwatch collecting every step within +3% of the step without it
 DDP_OVERHEAD_TARGET = Target(3, "%")
+#: a 2-rank DDP step with the per-rank view (rank_view=True) within +2% of the step watched
+#: without it
+RANK_VIEW_TARGET = Target(2, "%")
 #: a 2-rank DDP step with 20 scrapers on the endpoint within +5% of the step without them
 SCRAPERS_TARGET = Target(5, "%")
 #: Spike detection's host cost in ``result()``, as a share of ``result()`` (10,000 parameters).
@@ -309,6 +312,7 @@ class Plan:
     scrapers: tuple[ScrapersPlan, ...]
     spike_rounds: int = 30  # result() calls timed by the spike-detection case
     scale_worlds: tuple[int, ...] = (8, 64, 1024, 16384)  # simulated ranks (benchmarks/scale.py)
+    rank_view_blocks: int = 300  # palindromic blocks of the per-rank view section
 
 
 def full_plan() -> Plan:
@@ -343,4 +347,5 @@ def quick_plan() -> Plan:
         scrapers=(ScrapersPlan(4, 0.3, 1, n_slowloris=4, n_ordinary=4),),
         spike_rounds=3,
         scale_worlds=(8,),
+        rank_view_blocks=2,
     )

@@ -1,90 +1,215 @@
-"""The per-rank view's cost: the DDP step of the demo model with and without
-``WatchConfig.rank_view``, on 2 gloo ranks (one thread each), interleaved.
+"""The per-rank view's cost, and two alternatives measured against today's path: the DDP step
+of the demo model on 2 gloo ranks (one thread each), every kind of step in the same process,
+interleaved in palindromic blocks so drift and cache effects hit every kind alike.
 
-Run directly (not part of ``make bench``)::
+The kinds (:class:`~benchmarks.results.RankViewMode`), each a DDP copy of the same model:
+
+* ``WATCHED``: gradwatch as it runs by default (no comm hook: DDP's built-in all-reduce).
+* ``HOOK_ONLY``: gradwatch's comm hook registered but measuring nothing (``ddp_comm_hook`` of a
+  watch without the view): what the Python hook itself costs over DDP's built-in reduction.
+* ``RANK_VIEW``: ``WatchConfig(rank_view=True)``: the hook measures each bucket before the
+  all-reduce; ``collect()`` reads every gradient again for the post-reduction statistics.
+* ``IN_CALLBACK`` (prototype, this module only): as ``RANK_VIEW``, but the hook's completion
+  callback computes the post-reduction per-parameter squares from the reduced bucket (hot in
+  cache) with the same per-bucket plan, so ``collect()`` skips its own pass and only packs and
+  issues the collective.
+* ``NO_COLLECTIVE`` (prototype, this module only): as ``WATCHED``, but the reducer issues no
+  all-reduce (each rank keeps its own packed vector): what skipping the collective would save
+  under pure replication.
+
+Every step is forward, backward, ``collect``, optimizer step and ``result()`` on the training
+thread (all of gradwatch's work inside the timed step; ``collect_only=True``: the documented
+loop, ``collect`` only, rank 0's exporter thread building the results). Each block runs every
+kind once, then in reverse order, so a linear drift cancels within a block. Rank 0's times are
+kept.
+
+Standalone::
 
     PYTHONPATH=src:. python -c \
-        "from benchmarks.rankview_bench import rank_view_overhead; print(rank_view_overhead(150))"
+        "from benchmarks.rankview_bench import rank_view; print(rank_view(20))"
+
+The collect-only comparison of the no-collective prototype (figures in docs/distributed.md)::
+
+    rank_view(300, (RankViewMode.WATCHED, RankViewMode.NO_COLLECTIVE), collect_only=True)
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import pickle
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from benchmarks.cases import ModelSpec, build_model, wrap
 from benchmarks.distributed import WORLD, _free_port, _init
+from benchmarks.results import RankViewMode, RankViewResult
+from gradwatch.ddp_hook import _sum_options
 
 
-def _rank_view_worker(rank: int, port: int, steps: int, out: str) -> None:
-    """Two DDP copies of the demo model, one watched with the per-rank view and one without,
-    stepped alternately (palindromic pairs) so drift and cache effects hit both alike."""
+class _InCallbackSquares:
+    """Prototype: the post-reduction per-parameter squared norms, computed in the comm hook's
+    completion callback from the reduced bucket, handed to ``collect()`` in place of the
+    engine's pass (its ``squared_norms_and_plan``).
+
+    The reduction is ``allreduce_hook``'s (divide by the group size, all-reduce) with one
+    callback; per bucket, the rank view's own plan (:class:`gradwatch.ddp_hook._BucketPlan`)
+    with parameters in place of groups: rows of 512 float32 elements normed in place, squared in
+    float64 and added per parameter by ``index_add_``, straddling rows element by element. The
+    squares land in the plain band of a ``3N`` banded vector (no repair pass: a benchmark
+    prototype, not the engine's exactness contract for extreme magnitudes)."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        from gradwatch.ddp_hook import _BucketPlan
+
+        self._plan_type = _BucketPlan
+        self._n = len(params)
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._plans: dict[int, Any] = {}  # by bucket index
+        self._acc = torch.zeros(3 * self._n + 1, dtype=torch.float64)  # + one discard slot
+
+    def hook(self, state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+        group = state
+        buffer = bucket.buffer()
+        buffer.div_(group.size())
+        if bucket.index() == 0:
+            self._acc.zero_()
+        plan = self._plans.get(bucket.index())
+        if plan is None or plan.source() is not buffer:  # found again by buffer, as the view's
+            positions = [self._index[id(p)] for p in bucket.parameters()]
+            plan = self._plans[bucket.index()] = self._plan_type.build(
+                buffer, bucket.gradients(), positions, 3 * self._n)
+        acc = self._acc
+
+        def reduced(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
+            out = fut.value()[0]
+            plan.add_squares(acc, out)
+            return out
+
+        return group.allreduce([buffer], _sum_options()).get_future().then(reduced)
+
+    def squared_norms_and_plan(self, tensors: Any, out_device: Any = None) -> tuple[Tensor, None]:
+        return self._acc[: 3 * self._n].clone(), None
+
+
+def _job(mode: RankViewMode, endpoint: bool) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    from gradwatch import GradWatch, WatchConfig, ddp_comm_hook
+
+    torch.manual_seed(0)
+    model, _, _ = build_model(ModelSpec("demo", "demo model"))
+    model = wrap(model, "ddp")
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    view = mode in (RankViewMode.RANK_VIEW, RankViewMode.IN_CALLBACK)
+    # ``endpoint``: rank 0 serves the endpoint, so its exporter thread builds the results, as
+    # deployed (the collect-only loop).
+    watch = GradWatch(model, WatchConfig(
+        rank_view=view, collective_timeout_seconds=120, port=0 if endpoint else None,
+        bind_address="127.0.0.1"))
+    ddp: Any = model
+    if mode is RankViewMode.HOOK_ONLY:
+        ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(watch))
+    elif mode is RankViewMode.IN_CALLBACK:
+        squares = _InCallbackSquares(watch._params)
+        ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(watch, inner=squares.hook))
+        watch._engine = squares
+    elif mode is RankViewMode.NO_COLLECTIVE:
+        watch._reducer.group = None  # _issue() then returns this rank's own packed vector
+    return model, opt, watch
+
+
+def _hook_ops(watch: Any, step: Callable[[], None]) -> tuple[int, int]:
+    """(buckets, aten ops) of one backward's rank-view measurement
+    (:meth:`gradwatch.ddp_hook.LocalView.observe`, all buckets) under
+    :class:`gradwatch.testing.OpCounter`."""
+    from gradwatch.ddp_hook import LocalView
+    from gradwatch.testing import OpCounter
+
+    observe = LocalView.observe
+    counted = {"buckets": 0, "ops": 0}
+
+    def counting(self: LocalView, bucket: Any) -> None:
+        with OpCounter() as ops:
+            observe(self, bucket)
+        counted["buckets"] += 1
+        counted["ops"] += ops.total
+
+    LocalView.observe = counting  # type: ignore[method-assign]
+    try:
+        step()
+    finally:
+        LocalView.observe = observe  # type: ignore[method-assign]
+    return counted["buckets"], counted["ops"]
+
+
+def _worker(rank: int, port: int, blocks: int, out: str, kinds: tuple[RankViewMode, ...],
+            collect_only: bool) -> None:
     import torch.distributed as dist
 
-    from gradwatch import GradWatch, WatchConfig
-
     _init(rank, port)
+    # The no-collective prototype's statistics are this rank's alone: its step check disagrees
+    # with the world size, which gradwatch logs (once); the timing is what matters here.
+    logging.getLogger("gradwatch").setLevel(logging.ERROR)
+    block = (*kinds, *reversed(kinds))
     try:
-        jobs = []
-        for view in (False, True):
-            torch.manual_seed(0)
-            model, width, batch = build_model(ModelSpec("demo", "demo model"))
-            model = wrap(model, "ddp")
-            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-            watch = GradWatch(model, WatchConfig(rank_view=view, collective_timeout_seconds=120))
-            jobs.append((model, opt, watch))
+        jobs = {mode: _job(mode, collect_only and rank == 0) for mode in kinds}
+        _, width, batch = build_model(ModelSpec("demo", "demo model"))
         gen = torch.Generator().manual_seed(10 + rank)
         x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 1, generator=gen)
 
-        def step(k: int, i: int) -> float:
-            model, opt, watch = jobs[k]
-            dist.barrier()
-            t0 = time.perf_counter()
+        def step(mode: RankViewMode, i: int) -> None:
+            model, opt, watch = jobs[mode]
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(model(x), y).backward()
             pending = watch.collect(i)
             opt.step()
-            pending.result()
-            return time.perf_counter() - t0
+            if not collect_only:
+                pending.result()
 
-        for i in range(8):  # warm-up (DDP rebuilds its buckets after the first iteration)
-            step(i % 2, i)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for i in range(steps):
-            order = (0, 1) if i % 2 == 0 else (1, 0)
-            for k in order:
-                times[bool(k)].append(step(k, 100 + i))
-        for _, _, watch in jobs:
+        for i in range(3 * len(block)):  # warm-up (DDP rebuilds its buckets after one step)
+            step(block[i % len(block)], i)
+        times: dict[RankViewMode, list[float]] = {m: [] for m in kinds}
+        for i in range(blocks * len(block)):
+            mode = block[i % len(block)]
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(mode, 1000 + i)
+            times[mode].append(time.perf_counter() - t0)
+        dist.barrier()
+        buckets = ops = 0
+        if RankViewMode.RANK_VIEW in jobs:
+            buckets, ops = _hook_ops(jobs[RankViewMode.RANK_VIEW][2],
+                                     lambda: step(RankViewMode.RANK_VIEW, 10**6))
+        for _, _, watch in jobs.values():
             watch.close()
         if rank == 0:
-            Path(out).write_text(json.dumps({str(k): v for k, v in times.items()}))
+            n_params = sum(p.numel() for p in next(iter(jobs.values()))[0].parameters()
+                           if p.requires_grad)
+            Path(out).write_bytes(pickle.dumps(RankViewResult(
+                model="demo model", n_params=n_params, blocks=blocks,
+                step_times={m: tuple(ts) for m, ts in times.items()},
+                buckets=buckets, hook_ops=ops, collect_only=collect_only)))
     finally:
         dist.destroy_process_group()
 
 
-def rank_view_overhead(steps: int = 200) -> dict[str, float]:
-    """The DDP step (forward, backward, collect, optimizer step, result) of the demo model with
-    the per-rank view over the same step without it, on 2 ranks: medians (ms) and their ratio
-    (target: at most 1.02)."""
-    import statistics
-
+def rank_view(blocks: int = 120, kinds: tuple[RankViewMode, ...] = tuple(RankViewMode),
+              collect_only: bool = False) -> RankViewResult:
+    """``blocks`` palindromic blocks of ``kinds`` (``make bench``: every
+    :class:`RankViewMode`) on 2 spawned ranks. ``collect_only``: the documented loop instead
+    (``collect`` only, rank 0's exporter thread builds the results; standalone, not in
+    ``make bench``)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "out.json")
-        mp.spawn(_rank_view_worker, args=(_free_port(), steps, path), nprocs=WORLD, join=True)
-        times = json.loads(Path(path).read_text())
-    without, with_view = statistics.median(times["False"]), statistics.median(times["True"])
-    pairs = [b / a for a, b in zip(times["False"], times["True"], strict=True)]
-    return {
-        "step_ms_without_view": without * 1e3,
-        "step_ms_with_view": with_view * 1e3,
-        "ratio_of_medians": with_view / without,
-        "median_paired_ratio": statistics.median(pairs),
-    }
+        path = os.path.join(tmp, "out.pickle")
+        mp.spawn(_worker, args=(_free_port(), blocks, path, tuple(kinds), collect_only),
+                 nprocs=WORLD, join=True)
+        # our own child wrote it, into our own temporary directory
+        result: RankViewResult = pickle.loads(Path(path).read_bytes())
+    return result

@@ -19,6 +19,7 @@ from benchmarks.cases import (
     FLOAT64_COPIES_TARGET,
     ITEM_LOOP_PARAMS,
     ITEM_LOOP_TARGET,
+    RANK_VIEW_TARGET,
     SCRAPE_SPACING,
     SCRAPERS_TARGET,
     scrape_rate,
@@ -31,6 +32,10 @@ from benchmarks.results import (
     MixedSizesResult,
     NormCaseResult,
     NormMethod,
+    Overhead,
+    PairedRatio,
+    RankViewMode,
+    RankViewResult,
     RunResults,
     ScaleResult,
     ScrapeLatencyResult,
@@ -214,6 +219,81 @@ def scrapers_table(results: Sequence[ScrapersResult | Failure]) -> str:
          "scraper clients' own CPU", "exporter process CPU"], rows)
 
 
+#: Each kind of step of the per-rank view section, the kind it is compared with, and what the
+#: comparison shows.
+RANK_VIEW_COMPARISONS: tuple[tuple[RankViewMode, RankViewMode, str], ...] = (
+    (RankViewMode.HOOK_ONLY, RankViewMode.WATCHED,
+     "a Python comm hook in place of DDP's built-in C++ all-reduce"),
+    (RankViewMode.RANK_VIEW, RankViewMode.WATCHED,
+     f"the per-rank view's cost (target {RANK_VIEW_TARGET})"),
+    (RankViewMode.RANK_VIEW, RankViewMode.HOOK_ONLY, "the view's own measurement in the hook"),
+    (RankViewMode.IN_CALLBACK, RankViewMode.RANK_VIEW,
+     "post-reduction pass in the hook's callback instead of a separate pass in `collect()`"),
+    (RankViewMode.NO_COLLECTIVE, RankViewMode.WATCHED,
+     "no all-reduce on a step of pure replication"),
+)
+
+
+def fmt_ratio(ov: Overhead) -> str:
+    """A paired ratio as ``1.023x (+2.3%, IQR -1.0% to +5.1%)``."""
+    return (f"{1 + ov.median_pct / 100:.3f}x ({ov.median_pct:+.1f}%, IQR {ov.p25_pct:+.1f}% "
+            f"to {ov.p75_pct:+.1f}%)")
+
+
+def verdict_of(r: PairedRatio) -> str:
+    """Whether a paired ratio differs from 1 beyond noise: by the 95% interval of its median,
+    and whether the blocks' interquartile range also lies on one side."""
+    ci = f"95% CI of the median {r.ci_low_pct:+.1f}% to {r.ci_high_pct:+.1f}%"
+    if r.beyond_noise == 0:
+        return f"no difference beyond noise ({ci})"
+    side = "cheaper" if r.beyond_noise < 0 else "dearer"
+    iqr = r.p75_pct < 0 if r.beyond_noise < 0 else r.p25_pct > 0
+    return (f"{side} beyond noise ({ci}); the blocks' IQR "
+            f"{'too' if iqr else 'straddles 0'}")
+
+
+RANK_VIEW_TEXT = (
+    "The per-rank view's cost, and two alternatives to today's path, in one 2-rank DDP job "
+    "(gloo, CPU, spawn, 1 thread per rank) training the demo model ({demo}); "
+    "`benchmarks/rankview_bench.py`. Each kind of step runs on a DDP copy of the same model in "
+    "the same processes, in {blocks} palindromic blocks (each kind once, then in reverse "
+    "order: a linear drift cancels within a block), a barrier before each timed step; a step is "
+    "forward, backward, `collect`, optimizer step and `result()` on the training thread (all "
+    "of gradwatch's work inside the step); rank 0's times. Ratio = median over blocks of (the "
+    "kind's two steps) / (the compared kind's two steps), with the interquartile range over "
+    "blocks; the verdict says whether the median differs from 1 beyond noise, by a 95% "
+    "bootstrap interval of the median over blocks (the IQR is the spread of single blocks, "
+    "not the uncertainty of the median). The kinds: {kinds}. The two prototypes exist in the "
+    "benchmark only: the "
+    "in-callback one computes the post-reduction per-parameter squares in the comm hook's "
+    "completion callback (the reduced bucket, with the view's per-bucket plan) and hands them "
+    "to `collect()` in place of its own pass; the no-collective one is today's gradwatch whose "
+    "reducer issues no all-reduce (each rank keeps its own packed vector). The view's "
+    "measurement dispatched {ops} aten ops over the {buckets} DDP buckets of one backward "
+    "(`gradwatch.testing.OpCounter`), no host read. What gradwatch does with these figures "
+    "(docs/distributed.md, *Cost*): the view stays opt-in; a prototype replaces today's path "
+    "only when it is cheaper beyond noise (the verdict column) and keeps every guarantee of "
+    "today's path; so far neither has been made the DDP path. The no-collective prototype in the "
+    "documented collect-only loop (results built by rank 0's exporter thread) is a standalone "
+    "run of the same module (`rank_view(..., collect_only=True)`; its figures and command are "
+    "in docs/distributed.md).\n"
+)
+
+
+def rank_view_table(r: RankViewResult | Failure) -> str:
+    if isinstance(r, Failure):
+        return f"failed: {r.error}"
+    rows: list[list[object]] = [
+        [RankViewMode.WATCHED.value, fmt_timing(r.timing(RankViewMode.WATCHED)), "-", "-", "-",
+         "the baseline"]]
+    for mode, over, shows in RANK_VIEW_COMPARISONS:
+        ov = r.ratio(mode, over)
+        rows.append([mode.value, fmt_timing(r.timing(mode)), over.value, fmt_ratio(ov),
+                     verdict_of(ov), shows])
+    return table(["step", "step ms (p25-p75)", "compared with", "ratio (IQR over blocks)",
+                  "verdict", "what it shows"], rows)
+
+
 SCALE_TARGET_CASE = "PP x FSDP2 x TP"
 SCALE_TARGET_WORLD = 16384
 SCALE_SECONDS_TARGET = Target(10.0, " s")
@@ -312,6 +392,12 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
                 "distributed", f"DDP step overhead, gradwatch every step, {r.model}, "
                 f"{mode.watched}: {DDP_OVERHEAD_TARGET}", DDP_OVERHEAD_TARGET, ov.median_pct,
                 f"{ov.median_pct:+.1f}% (IQR {ov.p25_pct:+.1f}% to {ov.p75_pct:+.1f}%)"))
+    if isinstance(run.rank_view, RankViewResult):
+        ov = run.rank_view.ratio(RankViewMode.RANK_VIEW, RankViewMode.WATCHED)
+        checks.append(TargetCheck(
+            "distributed", f"DDP step with the per-rank view, {run.rank_view.model}: within "
+            f"+{RANK_VIEW_TARGET.limit:g}% of the step watched without it ({RANK_VIEW_TARGET})",
+            RANK_VIEW_TARGET, ov.median_pct, fmt_ratio(ov)))
     for c in run.clipping:
         for v in c.variants:
             extra = c.extra_pct(v)
@@ -398,6 +484,8 @@ def miss_notes(run: RunResults) -> str:
                 "exporter thread building the snapshot under the GIL, and gloo's threads, on a "
                 "machine where each rank has one core. The interquartile range shows how much "
                 f"of it is this shared 2-core machine's noise.{_floor_note(r)}")
+    if isinstance(run.rank_view, RankViewResult):
+        out += _rank_view_miss(run.rank_view)
     for c in run.clipping:
         extras = [c.extra_pct(v) for v in c.variants if not c.target.met(c.extra_pct(v))]
         if not extras:
@@ -442,6 +530,30 @@ def miss_notes(run: RunResults) -> str:
                    f"{min(speedups):.2f}x to {max(speedups):.2f}x); see the notes on "
                    "`.item()` loops and float64 copies on CPU.")
     return "\n".join(out) if out else "Every target was met in this run."
+
+
+def _rank_view_miss(r: RankViewResult) -> list[str]:
+    ov = r.ratio(RankViewMode.RANK_VIEW, RankViewMode.WATCHED)
+    if RANK_VIEW_TARGET.met(ov.median_pct):
+        return []
+    hook = r.ratio(RankViewMode.HOOK_ONLY, RankViewMode.WATCHED)
+    own = r.ratio(RankViewMode.RANK_VIEW, RankViewMode.HOOK_ONLY)
+    extra = (r.timing(RankViewMode.RANK_VIEW).median
+             - r.timing(RankViewMode.WATCHED).median) * 1e3
+    return [
+        f"* **DDP step with the per-rank view ({ov.median_pct:+.1f}%, target "
+        f"{RANK_VIEW_TARGET}): not met.** Measured in the same run: the comm hook alone, "
+        f"measuring nothing, {hook.median_pct:+.1f}% (IQR {hook.p25_pct:+.1f}% to "
+        f"{hook.p75_pct:+.1f}%) over DDP's built-in reduction (what differs: per bucket, a "
+        "Python call from the autograd thread and a Python completion callback on gloo's "
+        "thread, both taking the GIL, where DDP's built-in all-reduce stays in C++; DDP "
+        "accepts no other kind of hook from Python); the view's own measurement "
+        f"({r.hook_ops} aten ops over {r.buckets} buckets, no host read) "
+        f"{own.median_pct:+.1f}% (IQR {own.p25_pct:+.1f}% to {own.p75_pct:+.1f}%) over the "
+        f"hook alone. About {extra:.2f} ms in medians on a "
+        f"{r.timing(RankViewMode.WATCHED).median * 1e3:.1f} ms step; the interquartile range "
+        "shows how much of it is this shared 2-core machine's noise. The view stays opt-in "
+        "(`rank_view=False` by default) for that reason."]
 
 
 # -- the whole page ---------------------------------------------------------------------------
@@ -561,6 +673,16 @@ def render(run: RunResults) -> str:
     skipped = "skipped: --no-distributed"
     dist_text = skipped if run.distributed is None else distributed_table(run.distributed)
     scrapers_text = skipped if run.scrapers is None else scrapers_table(run.scrapers)
+    if run.rank_view is None:
+        rank_view_text = skipped + "\n"
+    elif isinstance(run.rank_view, Failure):
+        rank_view_text = rank_view_table(run.rank_view) + "\n"
+    else:
+        rank_view_text = RANK_VIEW_TEXT.format(
+            demo=run.demo_model, blocks=run.rank_view.blocks, ops=run.rank_view.hook_ops,
+            buckets=run.rank_view.buckets,
+            kinds="; ".join(f"*{m.value}*" for m in RankViewMode),
+        ) + "\n" + rank_view_table(run.rank_view) + "\n"
     if run.cuda_device is None:
         cuda_text = ("skipped: `torch.cuda.is_available()` is False on this machine (no GPU), "
                      "so no GPU figure is published. On a machine with CUDA the same cases run "
@@ -607,6 +729,8 @@ def render(run: RunResults) -> str:
         "## Distributed (2 ranks, gloo, CPU, spawn, 1 thread per rank)\n",
         DISTRIBUTED_TEXT.format(demo=run.demo_model),
         dist_text + "\n",
+        "## Per-rank view and the DDP path (2 ranks, gloo, CPU)\n",
+        rank_view_text,
         "## Construction at scale (simulated ranks, one core)\n",
         SCALE_TEXT,
         scale_table(run.scale) + "\n",

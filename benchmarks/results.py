@@ -7,6 +7,8 @@ the spawned distributed workers pickle theirs back to the parent.
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -309,6 +311,73 @@ class DistributedCase:
         return (self.timing(mode).median - self.timing(StepMode.PLAIN).median) * 1e3
 
 
+class RankViewMode(Enum):
+    """The kinds of DDP step the per-rank view's benchmark times against each other."""
+
+    WATCHED = "gradwatch without the per-rank view (DDP's built-in all-reduce)"
+    HOOK_ONLY = "gradwatch's comm hook registered, measuring nothing"
+    RANK_VIEW = "gradwatch with `rank_view=True`"
+    #: prototype: the post-reduction statistics in the hook's completion callback
+    IN_CALLBACK = "`rank_view=True`, post-reduction pass in the hook's callback (prototype)"
+    #: prototype: the reducer issues no all-reduce (pure replication needs none)
+    NO_COLLECTIVE = "gradwatch without the view, no all-reduce (prototype)"
+
+
+@dataclass(frozen=True)
+class RankViewResult:
+    """Rank 0's step times of every :class:`RankViewMode` (2 ranks, DDP, demo model), in
+    palindromic blocks (each mode once, then in reverse order)."""
+
+    model: str
+    n_params: int
+    blocks: int
+    #: per-step seconds of each mode, in the order they ran (two per block)
+    step_times: dict[RankViewMode, tuple[float, ...]]
+    buckets: int  # DDP buckets of one backward
+    hook_ops: int  # aten ops the rank view's measurement dispatched over those buckets
+    #: the documented loop (``collect`` only, rank 0's exporter thread builds the results)
+    #: instead of ``result()`` on the training thread
+    collect_only: bool = False
+
+    def timing(self, mode: RankViewMode) -> Timing:
+        return Timing.of(self.step_times[mode])
+
+    def ratio(self, mode: RankViewMode, over: RankViewMode) -> PairedRatio:
+        """``mode``'s extra step time over ``over``'s, in percent: median and quartiles over
+        blocks of (sum of its two steps) / (sum of ``over``'s two) - 1, and a 95% bootstrap
+        interval of that median (1,000 resamples of the blocks, seeded: the report is
+        reproducible from the samples)."""
+        a, b = self.step_times[over], self.step_times[mode]
+        ratios = [
+            (b[2 * k] + b[2 * k + 1]) / (a[2 * k] + a[2 * k + 1]) - 1
+            for k in range(min(len(a), len(b)) // 2)
+        ]
+        paired = Timing.of(ratios)
+        p25, p75 = paired.quartiles
+        rng = random.Random(0)
+        medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                         for _ in range(1000))
+        return PairedRatio(paired.median * 100, p25 * 100, p75 * 100,
+                           medians[25] * 100, medians[974] * 100)
+
+
+@dataclass(frozen=True)
+class PairedRatio(Overhead):
+    """An :class:`Overhead`, with a 95% bootstrap interval of its median (percent): the
+    interquartile range is the spread of single blocks, the interval the uncertainty of the
+    median itself."""
+
+    ci_low_pct: float = math.nan
+    ci_high_pct: float = math.nan
+
+    @property
+    def beyond_noise(self) -> int:
+        """-1: cheaper (the whole interval below 0), +1: dearer, 0: no difference shown."""
+        if self.ci_high_pct < 0:
+            return -1
+        return 1 if self.ci_low_pct > 0 else 0
+
+
 @dataclass(frozen=True)
 class DistributedFailure:
     """A wrapper whose run failed: reported, so the other sections are not lost."""
@@ -390,6 +459,7 @@ class RunResults:
     spike_cost: SpikeCostResult | None = None  # None: not measured
     distributed: list[DistributedCase | DistributedFailure] | None = None  # None: skipped
     scrapers: list[ScrapersResult | Failure] | None = None  # None: skipped
+    rank_view: RankViewResult | Failure | None = None  # None: skipped
     cuda_device: str | None = None  # None: no GPU
     cuda_cases: list[NormCaseResult] = field(default_factory=list)
     demo_model: str = ""  # the demo model's size, as the distributed section describes it

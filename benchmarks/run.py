@@ -1,4 +1,5 @@
-"""gradwatch benchmarks: per-collect cost, targets, distributed overhead, scrape latency.
+"""gradwatch benchmarks: per-collect cost, targets, distributed overhead, the per-rank view,
+scrape latency.
 
 Usage: ``python benchmarks/run.py --out docs/performance.md`` (``make bench``, under 10 minutes
 on a 2-core machine); ``--quick`` runs tiny sizes (tests/distributed/test_benchmarks.py runs it so
@@ -29,7 +30,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the `benchmarks` package 
 
 import torch  # noqa: E402
 
-from benchmarks import distributed, measure, report, scale  # noqa: E402
+from benchmarks import distributed, measure, rankview_bench, report, scale  # noqa: E402
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
 from benchmarks.results import Failure, RunResults  # noqa: E402
 
@@ -87,6 +88,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
     if distributed_sections:
         run.distributed = section("distributed", lambda: distributed.overhead(
             plan.models, plan.dist_steps))
+        run.rank_view = section("rank view", lambda: _reported(
+            lambda: rankview_bench.rank_view(plan.rank_view_blocks)))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))
             for sp in plan.scrapers])

@@ -4,10 +4,13 @@ Under DDP every figure computed after the all-reduce is the replicas' average: o
 is every rank's NaN, and a rank whose gradient is far from the others' disappears in the mean.
 DDP hands each gradient bucket to a communication hook before it reduces it; there, this
 module measures the rank's own (accumulated, with ``no_sync()``) gradient, then performs the
-reduction DDP would have done (``allreduce_hook``: divide by the group size, all-reduce, SUM)
-or the user's own hook (:func:`ddp_comm_hook` with ``inner=``).
+reduction DDP would have done (``allreduce_hook``'s: divide by the group size, all-reduce,
+SUM, issued through the process group's own method) or the user's own hook
+(:func:`ddp_comm_hook` with ``inner=``).
 
-**The math, per bucket** (:class:`_BucketPlan`, built once per bucket layout): on CPU, a
+**The math, per bucket** (:class:`_BucketPlan`, built once per bucket layout and found again
+by the bucket's flat buffer, so a steady step asks DDP for neither the parameter list nor the
+gradient views, which cost two view ops per parameter): on CPU, a
 float32 bucket's flat buffer is read in place as rows of 512 elements normed in float32 (as the
 core engine's row path, :mod:`gradwatch.stats`: relative error below 5e-7), squared in float64
 and added per group by ``index_add_``; the few rows straddling two groups and the partial last
@@ -35,11 +38,14 @@ same module is refused.
 
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -66,7 +72,7 @@ class LocalView:
     def __init__(self, params: Sequence[Tensor], group_of: Sequence[int], groups: int) -> None:
         self.groups = groups
         self._group_of = {id(p): g for p, g in zip(params, group_of, strict=True)}
-        self._plans: dict[tuple[int, ...], _BucketPlan] = {}
+        self._plans: dict[int, _BucketPlan] = {}  # by bucket index
         self._acc: Tensor | None = None  # G group squares and one discard slot
         self._complete = False
         self._ok = True
@@ -74,28 +80,33 @@ class LocalView:
 
     def observe(self, bucket: Any) -> None:
         """Add one bucket's local squared norms (before its reduction) to the group vector."""
-        if bucket.index() == 0:
+        index = bucket.index()
+        if index == 0:
             self._complete = False
             self._ok = True
-        grads = bucket.gradients()
-        if not self._ok or not grads:
+        if not self._ok:
             return
         try:
+            buffer = bucket.buffer()
+            plan = self._plans.get(index)
+            if plan is None or plan.source() is not buffer:
+                # A new bucket layout (the first backward, or DDP rebuilt its buckets): the
+                # only time the parameters are read; steady steps key on the buffer alone.
+                grads = bucket.gradients()
+                if not grads:
+                    return
+                if index == 0:  # a rebuild replaces every bucket: drop every old plan
+                    self._plans.clear()
+                groups = [self._group_of[id(p)] for p in bucket.parameters()]
+                plan = self._plans[index] = _BucketPlan.build(buffer, grads, groups, self.groups)
             acc = self._acc
-            if acc is None or acc.device != grads[0].device:
+            if acc is None or acc.device != buffer.device:
                 acc = self._acc = torch.zeros(
-                    self.groups + 1, dtype=torch.float64, device=grads[0].device
+                    self.groups + 1, dtype=torch.float64, device=buffer.device
                 )
-            if bucket.index() == 0:
+            if index == 0:
                 acc.zero_()
-            key = tuple(map(id, bucket.parameters()))
-            plan = self._plans.get(key)
-            if plan is None:
-                groups = [self._group_of[k] for k in key]
-                plan = self._plans[key] = _BucketPlan.build(
-                    bucket.buffer(), grads, groups, self.groups
-                )
-            plan.add_squares(acc, bucket.buffer(), grads)
+            plan.add_squares(acc, buffer)
         except Exception as exc:  # never let monitoring break the job's reduction
             self._ok = False
             if not self._logged:
@@ -132,7 +143,8 @@ class _BucketPlan:
       path), squared in float64 and added to the group of the row by one ``index_add_``. Rows
       that straddle two groups, and the partial last row, are read element by element instead
       (one ``index_select`` of those few elements, squared in float64, one ``index_add_``);
-      their rows go to a discard slot. Seven ops per bucket.
+      their rows go to a discard slot. At most eight ops per bucket (the whole-row view is
+      made once, with the plan).
     * **Otherwise** (accelerators, float64, bf16/fp16, gradients that are no buffer views, or
       more than a quarter of the buffer in straddling rows): ``torch._foreach_norm(grads, 2,
       dtype=torch.float64)`` stacked, squared, added per parameter's group. Four ops.
@@ -141,14 +153,29 @@ class _BucketPlan:
     def __init__(
         self,
         *,
+        source: Tensor,
         per_param: Tensor,
+        grads: Sequence[Tensor] = (),
         rows: int = 0,
         row_group: Tensor | None = None,
         loose: Tensor | None = None,
         loose_group: Tensor | None = None,
     ) -> None:
+        # The bucket buffer the plan was built for, by identity: DDP keeps a bucket's buffer
+        # (and its Python object) for as long as the bucket layout lasts, and a weak reference
+        # cannot outlive it, so a live match means the same layout. (A torch that handed out a
+        # new Python object per call would only cost a rebuild per step, never a wrong plan.)
+        # The plan's views below hold the old storage only until a rebuild replaces bucket 0,
+        # which drops every old plan.
+        self.source = weakref.ref(source)
         self.per_param = per_param
+        # Foreach path: the bucket's gradient views, kept (DDP makes two view ops per parameter
+        # each time it is asked for them); views of the buffer, so they read its current values.
+        self.grads = list(grads)
         self.rows = rows
+        # Row path: the buffer's whole rows as a (rows, ROW) view, made once (two view ops less
+        # per bucket and step); a view of the buffer, so it reads the buffer's current values.
+        self.row_view = source[: rows * ROW].view(rows, ROW) if rows else None
         self.row_group = row_group
         self.loose = loose
         self.loose_group = loose_group
@@ -169,7 +196,7 @@ class _BucketPlan:
                 for g in grads
             )
         ):
-            return cls(per_param=per_param)
+            return cls(source=buffer, per_param=per_param, grads=grads)
         n = buffer.numel()
         owner = torch.full((n,), discard, dtype=torch.long)
         base = buffer.storage_offset()
@@ -187,8 +214,9 @@ class _BucketPlan:
             ]
         )
         if loose.numel() > n // 4:
-            return cls(per_param=per_param)
+            return cls(source=buffer, per_param=per_param, grads=grads)
         return cls(
+            source=buffer,
             per_param=per_param,
             rows=rows,
             row_group=row_group,
@@ -196,15 +224,15 @@ class _BucketPlan:
             loose_group=owner[loose],
         )
 
-    def add_squares(self, acc: Tensor, buffer: Tensor, grads: Sequence[Tensor]) -> None:
+    def add_squares(self, acc: Tensor, buffer: Tensor) -> None:
+        """Add the squares of the bucket whose flat buffer is ``buffer`` into ``acc``."""
         if self.row_group is None:
-            norms = torch._foreach_norm(list(grads), 2, dtype=torch.float64)
+            norms = torch._foreach_norm(self.grads, 2, dtype=torch.float64)
             acc.index_add_(0, self.per_param, torch.stack(norms).square_())
             return
         assert self.loose is not None and self.loose_group is not None
-        if self.rows:
-            rows = buffer[: self.rows * ROW].view(self.rows, ROW)
-            norms = torch.linalg.vector_norm(rows, dim=1)
+        if self.row_view is not None:
+            norms = torch.linalg.vector_norm(self.row_view, dim=1)
             acc.index_add_(0, self.row_group, norms.to(torch.float64).square_())
         if self.loose.numel():
             values = buffer.index_select(0, self.loose).to(torch.float64)
@@ -231,8 +259,34 @@ class GradWatchCommHook:
         if self.inner_state is not _UNSET:
             state = self.inner_state
         if self.inner is None:
-            return allreduce_hook(state, bucket)
+            return _average(state, bucket)
         return self.inner(state, bucket)
+
+
+def _first(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
+    return fut.value()[0]
+
+
+@functools.cache
+def _sum_options() -> Any:
+    """A SUM all-reduce's options, as ``dist.all_reduce(async_op=True)`` builds them
+    (``asyncOp`` defaults to True where it exists); built on first use, once."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    return options
+
+
+def _average(group: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+    """DDP's own reduction, as ``allreduce_hook`` does it (divide by the group size, SUM
+    all-reduce, the bucket as the future's value), through the process group's own method: the
+    same c10d op without ``dist.all_reduce``'s Python checks, all of which hold for a DDP
+    bucket (one dense tensor, a group this rank belongs to, no coalescing during backward).
+    Complex buckets (rare) take ``allreduce_hook`` itself (it reduces their real view)."""
+    buffer = bucket.buffer()
+    if group is None or buffer.is_complex():
+        return allreduce_hook(group, bucket)
+    buffer.div_(group.size())
+    return group.allreduce([buffer], _sum_options()).get_future().then(_first)
 
 
 def ddp_comm_hook(

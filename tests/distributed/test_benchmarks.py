@@ -14,10 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from benchmarks import cases, distributed, report  # noqa: E402
+from benchmarks import cases, distributed, rankview_bench, report  # noqa: E402
 from benchmarks.results import (  # noqa: E402
     DistributedCase,
     NormMethod,
+    RankViewMode,
+    RankViewResult,
+    RunResults,
     ScrapersResult,
     StepMode,
 )
@@ -49,7 +52,8 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     for heading in ("## Machine", "## Targets", "## Per-collect cost", "## Mixed sizes",
                     "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
-                    "## Spike detection", "## CUDA", "## Construction at scale"):
+                    "## Spike detection", "## CUDA", "## Construction at scale",
+                    "## Per-rank view and the DDP path"):
         assert heading in text
     header, rows = _rows(text, "| parameters | groups | window |")
     assert len(rows) == 1 and rows[0][1] == str(cases.SPIKE_GROUPS) and rows[0][5].endswith("%")
@@ -118,3 +122,53 @@ def test_quick_distributed_sections() -> None:
     header, rows = _rows(report.scrapers_table([scrapers]), "| scrapers |")
     assert rows[0][0] == "2" and int(rows[0][8].split()[0]) > 0  # scrapes were served
     assert rows[0][1] == "nice 19"  # the clients stand in for remote machines
+
+
+@pytest.mark.distributed
+def test_quick_rank_view_section() -> None:
+    """The per-rank view section (what `make bench` runs) on 2 blocks: every kind timed in
+    every block, the comparisons rendered as ratios with their IQR, the target row judged."""
+    found = rankview_bench.rank_view(2)
+    assert isinstance(found, RankViewResult)
+    assert all(len(found.timing(m)) == 4 for m in RankViewMode)  # two per block
+    assert found.buckets >= 1 and found.hook_ops > 0
+    _header, rows = _rows(report.rank_view_table(found), "| step |")
+    assert len(rows) == 1 + len(report.RANK_VIEW_COMPARISONS)
+    for r in rows[1:]:
+        assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)", r[3]), r
+        assert "beyond noise (95% CI of the median" in r[4], r
+    run = RunResults(command="x", rounds=(1, 1), rank_view=found)
+    row = [c for c in report.target_checks(run) if "per-rank view" in c.subject]
+    assert len(row) == 1 and "within +2% of the step watched without it" in row[0].subject
+    text = report.miss_notes(run)
+    assert row[0].met or "DDP step with the per-rank view" in text
+    # The standalone collect-only comparison (figures quoted in docs/distributed.md).
+    kinds = (RankViewMode.WATCHED, RankViewMode.NO_COLLECTIVE)
+    loop = rankview_bench.rank_view(1, kinds, collect_only=True)
+    assert loop.collect_only and set(loop.step_times) == set(kinds)
+    assert all(len(loop.timing(m)) == 2 for m in kinds)
+
+
+def test_rank_view_ratio_and_its_noise_verdict() -> None:
+    """The paired ratio over blocks against a known answer: a kind 10% slower in every block
+    is dearer beyond noise by exactly +10%; a kind equal to its comparison in distribution
+    (same samples, shuffled within a noisy spread) is not."""
+    import random
+
+    rng = random.Random(1)
+    base = [0.010 * (1 + 0.3 * rng.random()) for _ in range(200)]
+    times = {m: tuple(base) for m in RankViewMode}
+    times[RankViewMode.RANK_VIEW] = tuple(1.1 * t for t in base)
+    shuffled = list(base)
+    rng.shuffle(shuffled)
+    times[RankViewMode.IN_CALLBACK] = tuple(shuffled)
+    r = RankViewResult(model="m", n_params=1, blocks=100, step_times=times, buckets=1,
+                       hook_ops=1)
+    slower = r.ratio(RankViewMode.RANK_VIEW, RankViewMode.WATCHED)
+    assert abs(slower.median_pct - 10) < 1e-9 and slower.beyond_noise == 1
+    assert report.verdict_of(slower).startswith("dearer beyond noise")
+    same = r.ratio(RankViewMode.IN_CALLBACK, RankViewMode.WATCHED)
+    assert same.ci_low_pct < 0 < same.ci_high_pct and same.beyond_noise == 0
+    assert report.verdict_of(same).startswith("no difference beyond noise")
+    run = RunResults(command="x", rounds=(1, 1), rank_view=r)
+    assert not next(c for c in report.target_checks(run) if "per-rank view" in c.subject).met

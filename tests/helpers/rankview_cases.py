@@ -101,6 +101,20 @@ def group_reference(model: nn.Module, batches: list[torch.Tensor]) -> list[float
     return [out[g] for g in GROUPS]
 
 
+def average_error(model: nn.Module, batches: list[torch.Tensor]) -> float:
+    """Largest error of ``model``'s reduced gradients (after a DDP backward) against the
+    float64 mean over ranks of each rank's local gradients (a plain copy, same batches),
+    relative to the largest reference element: the hook reduced as DDP would."""
+    plain = type(model)(next(model.parameters()).dtype)
+    plain.load_state_dict(model.state_dict())
+    for x in batches:
+        plain(x).pow(2).sum().backward()
+    local = torch.cat([p.grad.double().flatten() for p in plain.parameters()])
+    mean = torch.tensor(gather(local.tolist()), dtype=torch.float64).mean(0)
+    got = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    return float((got - mean).abs().max() / mean.abs().max())
+
+
 def gather(obj: Any) -> list[Any]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, obj)
@@ -159,6 +173,7 @@ def case_exact(dtype: torch.dtype, **ddp_kwargs: Any) -> Callable[[int, int], di
                 with ddp.no_sync():
                     ddp(micro[0]).pow(2).sum().backward()
             ddp(micro[-1]).pow(2).sum().backward()
+            avg_err = average_error(model, micro)
             plans = watch._local_view._plans.values()
             with CollectiveSpy() as spy:
                 pending = watch.collect(step)
@@ -172,7 +187,7 @@ def case_exact(dtype: torch.dtype, **ddp_kwargs: Any) -> Callable[[int, int], di
             ]
             results.append({"max_rel_err": max(errs), "collectives": spy.collectives,
                             "ops": sorted(k for k in spy.ops if k.startswith("c10d")),
-                            "rank_view": snap.rank_view,
+                            "rank_view": snap.rank_view, "avg_err": avg_err,
                             "row_path": [p.row_group is not None for p in plans]})  # fmt: skip
         watch.close()
         return {"steps": results}

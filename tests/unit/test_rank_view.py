@@ -38,7 +38,9 @@ class FakeBucket:
         return self._last
 
     def gradients(self) -> list[torch.Tensor]:
-        return self._grads
+        # Fresh views of the buffer at each call, as DDP makes them (dispatched view ops).
+        sizes = [p.numel() for p in self._params]
+        return [v.view_as(p) for v, p in zip(self.flat.split(sizes), self._params, strict=True)]
 
     def buffer(self) -> torch.Tensor:
         return self.flat
@@ -270,3 +272,34 @@ def test_endpoint_view_and_top_line_name_the_last_origin() -> None:
     assert view.nonfinite_origin == (("3", "node-b"),) and view.nonfinite_origin_step == 42
     assert "(last at step 42 from rank 3)" in anomalies_text(view).plain
     assert parse_exposition("gradwatch_step 1.0\n").nonfinite_origin == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the row and foreach paths
+def test_bucket_plan_is_kept_per_buffer_and_rebuilt_for_a_new_layout(dtype: torch.dtype) -> None:
+    """Steady steps key on the bucket's buffer alone (DDP is asked for neither the parameter
+    list nor the gradient views); a new buffer at the same index (DDP rebuilt its buckets) gets
+    a new plan, and the figures stay exact."""
+    params = _params(6, dtype, big=6000)
+    view = LocalView(params, [i % 3 for i in range(6)], 3)
+    bucket = FakeBucket(params[:4], 0, True)
+    view.observe(bucket)
+    asked: list[str] = []
+    fresh = bucket.gradients
+    bucket.parameters = lambda: asked.append("parameters") or params[:4]  # type: ignore[method-assign]
+    bucket.gradients = lambda: asked.append("gradients") or fresh()  # type: ignore[method-assign]
+    bucket.flat.mul_(2.0)  # a new backward's values in the same buffer
+    view.observe(bucket)
+    assert asked == []
+    got = view.take()
+    assert got is not None
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    for k in range(3):
+        want = 4 * _fsum([p.grad for i, p in enumerate(params[:4]) if i % 3 == k])
+        assert abs(got[k].item() - want) <= tol * want
+    rebuilt = FakeBucket(params[2:], 0, True)  # same index, another layout and buffer
+    view.observe(rebuilt)
+    got = view.take()
+    assert got is not None
+    for k in range(3):
+        want = _fsum([p.grad for i, p in enumerate(params) if i >= 2 and i % 3 == k])
+        assert abs(got[k].item() - want) <= tol * want
