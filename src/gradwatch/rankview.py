@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 NOISE_SCALE_EMA_DECAY = 0.95
 #: The key of the whole model in :class:`NoiseScale`.
 WHOLE = ""
+#: The unit of the gradient noise scale (its metrics' HELP and ``gradwatch top`` say it).
+NOISE_SCALE_UNIT = "samples (the unit of batch_size; per-replica batches when batch_size is unset)"
+#: Outlier score above which a replica is an outlier (its local norm more than twice the
+#: replicas' median): the GradwatchReplicaOutlier alert's threshold, highlighted by ``top``.
+REPLICA_OUTLIER_THRESHOLD = 1.0
 
 
 class NoiseScale:

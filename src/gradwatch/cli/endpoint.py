@@ -87,6 +87,13 @@ GROUP_NORM_HIST = _name("gradwatch_grad_norm_per_step")
 #: A histogram as scraped: ``(upper bound, cumulative count)`` per bucket, ``+Inf`` last.
 Buckets = tuple[tuple[float, float], ...]
 LAST_ORIGIN = _name("gradwatch_last_nonfinite_origin")
+# the per-rank view's gauges (absent without it: read as None/empty, never as zeros)
+ORIGIN_RANKS = _name("gradwatch_nonfinite_origin_ranks")
+REPLICA_NORM = _name("gradwatch_replica_grad_norm")
+REPLICA_MAX_RANK = _name("gradwatch_replica_grad_norm_max_rank")
+OUTLIER_SCORE = _name("gradwatch_replica_outlier_score")
+NOISE_SCALE = _name("gradwatch_gradient_noise_scale")
+GROUP_NOISE_SCALE = _name("gradwatch_group_gradient_noise_scale")
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,13 @@ class EndpointView:
     # the per-rank view: ranks (and hosts) where the last non-finite step started, its step
     nonfinite_origin: tuple[tuple[str, str], ...] = ()
     nonfinite_origin_step: int | None = None
+    # the per-rank view at the published step: None/empty when the endpoint does not export it
+    nonfinite_origin_ranks: int | None = None
+    replica_norm: Mapping[str, float] = field(default_factory=dict)  # stat -> local norm
+    replica_max_rank: int | None = None
+    replica_outlier_score: float | None = None
+    noise_scale: float | None = None
+    group_noise_scale: Mapping[str, float] = field(default_factory=dict)
 
     def staleness(self, now: float | None = None) -> float | None:
         """Seconds since the job collected the published step (None before the first one)."""
@@ -202,6 +216,8 @@ def parse_exposition(text: str) -> EndpointView:
     buckets: dict[str | None, list[tuple[float, float]]] = {}  # None: the global histogram
     origin: list[tuple[str, str]] = []
     origin_step: int | None = None
+    replica_norm: dict[str, float] = {}
+    group_noise: dict[str, float] = {}
     for s in samples:
         if not s.name.startswith("gradwatch_"):
             continue
@@ -213,6 +229,10 @@ def parse_exposition(text: str) -> EndpointView:
         elif s.name == LAST_ORIGIN:
             origin.append((s.labels.get("rank", ""), s.labels.get("host", "")))
             origin_step = int(s.value) if math.isfinite(s.value) else None
+        elif s.name == REPLICA_NORM:
+            replica_norm[s.labels.get("stat", "")] = s.value
+        elif s.name == GROUP_NOISE_SCALE:  # labelled by group, but not a group's own gauge
+            group_noise[s.labels.get("group", "")] = s.value
         elif s.name == RATIO:
             ratios[f"{s.labels.get('numerator')}/{s.labels.get('denominator')}"] = s.value
         elif s.name == ISOLATION:
@@ -272,12 +292,23 @@ def parse_exposition(text: str) -> EndpointView:
         global_norm_buckets=tuple(sorted(buckets.get(None, ()))),
         nonfinite_origin=tuple(sorted(origin, key=lambda o: (len(o[0]), o[0]))),
         nonfinite_origin_step=origin_step,
+        nonfinite_origin_ranks=_opt_int(single.get(ORIGIN_RANKS)),
+        replica_norm=replica_norm,
+        replica_max_rank=_opt_int(single.get(REPLICA_MAX_RANK)),
+        replica_outlier_score=single.get(OUTLIER_SCORE),
+        noise_scale=single.get(NOISE_SCALE),
+        group_noise_scale=group_noise,
     )
 
 
 def _int(value: float) -> int:
     """A counter's value as an int (0 when not finite)."""
     return int(value) if math.isfinite(value) else 0
+
+
+def _opt_int(value: float | None) -> int | None:
+    """A gauge holding a count or a rank as an int (None when absent or not finite)."""
+    return int(value) if value is not None and math.isfinite(value) else None
 
 
 def scrape(url: str, timeout: float = DEFAULT_TIMEOUT) -> EndpointView:

@@ -6,7 +6,9 @@ renderable ``gradwatch top`` and ``gradwatch demo`` display. Reading the endpoin
   ``▁▂▃▄▅▆▇█``;
 * :func:`render_view`: summary line, groups table, ratios, spike scores and the anomaly
   counters; :func:`anomalies_text` (with :func:`spikes_text`), :func:`spike_scores_text` and
-  :func:`isolation_text` are its one-line parts, which the demo's plain progress lines reuse.
+  :func:`isolation_text` are its one-line parts, which the demo's plain progress lines reuse;
+  :func:`replica_text` and :func:`noise_scale_text` draw the per-rank view (replica spread,
+  outlier score, gradient noise scale) when the endpoint exports it, and nothing when not.
 
 Sparklines of norms use a log scale: gradient norms move by decades (an exploding step is 1e6
 times the others) and a linear scale would flatten everything but the spike. A non-finite value
@@ -33,6 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gradwatch.cli.endpoint import Buckets, EndpointView
+from gradwatch.rankview import NOISE_SCALE_UNIT, REPLICA_OUTLIER_THRESHOLD
 
 #: The eight block characters of a sparkline, lowest first.
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -289,6 +292,48 @@ def isolation_text(view: EndpointView) -> Text | None:
     return text
 
 
+def replica_text(view: EndpointView) -> Text | None:
+    """``replicas: local norm min 0.98 / median 1 / max 3.1 (rank 3), outlier score 2.1``: the
+    spread of the data-parallel replicas' pre-reduction norms (the per-rank view); the score is
+    highlighted above :data:`~gradwatch.rankview.REPLICA_OUTLIER_THRESHOLD`, the alert's
+    threshold. None when the endpoint exports none of it (no per-rank view): never zeros."""
+    stats = [(k, view.replica_norm[k]) for k in ("min", "median", "max") if k in view.replica_norm]
+    score = view.replica_outlier_score
+    if not stats and score is None and view.replica_max_rank is None:
+        return None
+    text = Text("replicas: ")
+    parts: list[Text] = []
+    if stats:
+        spread = Text("local norm " + " / ".join(f"{k} {fmt(v)}" for k, v in stats))
+        if any(not math.isfinite(v) for _, v in stats):
+            spread.stylize("bold red")
+        parts.append(spread)
+    if view.replica_max_rank is not None:
+        parts.append(Text(f"max at rank {view.replica_max_rank}"))
+    if score is not None:
+        outlier = score > REPLICA_OUTLIER_THRESHOLD  # +Inf (a non-finite local norm) too
+        part = Text(f"outlier score {fmt(score, 3)}", style="bold red" if outlier else "green")
+        if outlier:
+            part.append(f" (> {REPLICA_OUTLIER_THRESHOLD:g}: outlier replica)")
+        parts.append(part)
+    text.append_text(Text(", ").join(parts))
+    return text
+
+
+def noise_scale_text(view: EndpointView) -> Text | None:
+    """``gradient noise scale: model 1.2e+03, stem 850 [unit]``: B_simple of the whole model and
+    per group (the per-rank view; ``nan`` while undefined), with the unit its metrics' HELP
+    states. None when the endpoint exports none."""
+    scales = [("model", view.noise_scale)] if view.noise_scale is not None else []
+    scales += list(view.group_noise_scale.items())
+    if not scales:
+        return None
+    text = Text("gradient noise scale: ")
+    text.append(", ".join(f"{name} {fmt(value, 3)}" for name, value in scales))
+    text.append(f"  [{NOISE_SCALE_UNIT}]", style="dim")
+    return text
+
+
 def _norm_style(value: float | None) -> str:
     if value is None:
         return ""
@@ -356,6 +401,9 @@ def render_view(view: EndpointView, trends: Trends, *, now: float | None = None)
     scores = spike_scores_text(view)
     if scores is not None:
         parts.append(scores)
+    for line in (replica_text(view), noise_scale_text(view)):  # the per-rank view, if any
+        if line is not None:
+            parts.append(line)
     parts.append(anomalies_text(view))
     isolation = isolation_text(view)
     if isolation is not None:

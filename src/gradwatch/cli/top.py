@@ -5,6 +5,10 @@ it (:mod:`gradwatch.cli.render`), the code ``gradwatch demo`` uses too: the step
 and health with trends, each group's norm with a sparkline of recent scrapes, the ratios, the
 non-finite/exploding/spike step counters, the spike scores and the staleness (now minus
 ``gradwatch_last_collect_timestamp_seconds``: a job that stopped collecting shows it at once).
+With the per-rank view (DDP, docs/distributed.md) it adds the replicas' local norm spread, the
+outlier score (highlighted above the GradwatchReplicaOutlier alert's threshold), the gradient
+noise scale with its unit, and the origin rank of the last non-finite step; an endpoint without
+the view shows none of these lines.
 Each trend point covers every step published since the previous refresh (from the counters and
 the per-step norm histograms), so a one-step NaN (``!``) or spike (``^``) between two refreshes
 stays in the trend line.

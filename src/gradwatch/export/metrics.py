@@ -27,6 +27,7 @@ from gradwatch.export.state import (
     MAX_PARAM_SERIES,
     NORM_BUCKETS,
 )
+from gradwatch.rankview import NOISE_SCALE_UNIT
 
 __all__ = ["METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "MetricType"]
 
@@ -245,7 +246,7 @@ METRICS: tuple[MetricDef, ...] = (
         "gauge",
         (),
         "Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, EMA-smoothed, "
-        "in samples (the unit of batch_size; per-replica batches when batch_size is unset).",
+        f"in {NOISE_SCALE_UNIT}.",
         "McCandlish et al. 2018's unbiased estimators from the replicas' local and the reduced "
         "gradients (docs/distributed.md). Needs the per-rank view and at least 2 replicas; "
         "NaN while the smoothed |G|^2 estimate is not positive.",
@@ -255,8 +256,8 @@ METRICS: tuple[MetricDef, ...] = (
         "gradwatch_group_gradient_noise_scale",
         "gauge",
         ("group",),
-        "Gradient noise scale B_simple of one parameter group, EMA-smoothed, in samples (the "
-        "unit of batch_size; per-replica batches when batch_size is unset).",
+        "Gradient noise scale B_simple of one parameter group, EMA-smoothed, "
+        f"in {NOISE_SCALE_UNIT}.",
         "As gradwatch_gradient_noise_scale, per group that had a gradient.",
         source=MetricSource.SNAPSHOT,
     ),
