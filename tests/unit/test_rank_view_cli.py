@@ -5,10 +5,12 @@ the endpoint or the history carries the view, and nothing at all (never zeros) w
 from __future__ import annotations
 
 import io
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from rich.console import Console
@@ -146,3 +148,129 @@ def test_top_shows_the_part_of_the_view_the_endpoint_exports() -> None:
     assert replica_text(view) is None
     line = noise_scale_text(view)
     assert line is not None and line.plain.startswith("gradient noise scale: model 1.23e+03  [")
+
+
+# -- gradwatch plot -----------------------------------------------------------------------------
+
+NAN_AT = 12
+STEPS = 30
+
+
+def median_at(step: int) -> float:
+    return 1.0 + 0.05 * step
+
+
+def view_records() -> list[dict[str, Any]]:
+    """A DDP history with the view: rank 1 fed a NaN at NAN_AT (the view names it), rank 3 an
+    outlier from step 20; as read back from a history file (through JSON)."""
+    out = []
+    for i in range(STEPS):
+        bad = i == NAN_AT
+        s = snap(i, math.nan if bad else 1.5, **{
+            **VIEW,
+            "nonfinite_params": ("w",) if bad else (),
+            "nonfinite_origin_ranks": (1,) if bad else (),
+            "nonfinite_origin_count": 1 if bad else 0,
+            "replica_grad_norm_min": 0.9 * median_at(i),
+            "replica_grad_norm_median": median_at(i),
+            "replica_grad_norm_max": (3.0 if i >= 20 else 1.1) * median_at(i),
+            "gradient_noise_scale": 100.0 + i,
+            "group_noise_scale": {"w": 50.0 + i, "b": math.nan},
+        })  # fmt: skip
+        out.append(json.loads(json.dumps(s.to_dict())))
+    return out
+
+
+def labelled(ax: Any) -> dict[str, list[float]]:
+    """The y data of each labelled line of ``ax``."""
+    return {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()
+            if not line.get_label().startswith("_")}  # fmt: skip
+
+
+def test_plot_draws_the_rank_view_panels_and_names_the_origin(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from gradwatch.cli.plot import PANELS, draw_history, render_history
+
+    records = view_records()
+    fig, summary = draw_history(records, width=8, height=8, dpi=40)
+    assert summary.panels == PANELS
+    norms, _, replicas, noise, health = fig.axes[: len(PANELS)]
+    assert [ax.get_ylabel() for ax in (replicas, noise, health)] == [
+        "replica local norm", "noise scale", "health",
+    ]  # fmt: skip
+    lines = labelled(replicas)
+    assert lines["median"] == pytest.approx([median_at(i) for i in range(STEPS)])
+    assert lines["max"][25] == pytest.approx(3.0 * median_at(25))
+    assert replicas.get_yscale() == "log" and noise.get_yscale() == "log"
+    scales = labelled(noise)
+    assert set(scales) == {"model", "w"}  # b is NaN (undefined) throughout: nothing to draw
+    assert scales["model"] == pytest.approx([100.0 + i for i in range(STEPS)])
+    assert NOISE_SCALE_UNIT in noise.get_title(loc="left")
+    assert summary.origins == {NAN_AT: (1,)}
+    notes = [(t.get_text(), t.xy[0]) for t in norms.texts if t.get_text().startswith("rank")]
+    assert notes == [("rank 1", NAN_AT)]
+    # and the file
+    out = render_history(records, tmp_path / "p.png", width=8, height=8, dpi=40)
+    assert out.panels == PANELS and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_plot_without_the_view_draws_as_before() -> None:
+    """Records without the view, and records written before it existed (no such keys): the
+    three panels, no annotation."""
+    pytest.importorskip("matplotlib")
+    from gradwatch.cli.plot import draw_history
+
+    plain = [json.loads(json.dumps(snap(i).to_dict())) for i in range(5)]
+    old = [{k: v for k, v in r.items() if "replica" not in k and "noise" not in k
+            and "origin" not in k and k != "rank_view"} for r in plain]  # fmt: skip
+    for records in (plain, old):
+        fig, summary = draw_history(records, width=6, height=4, dpi=40)
+        assert summary.panels == ("norms", "ratios", "health")
+        assert [ax.get_ylabel() for ax in fig.axes] == [
+            "gradient L2 norm", "normalized ratio", "health",
+        ]  # fmt: skip
+        assert summary.origins == {}
+        assert not [t for t in fig.axes[0].texts if t.get_text().startswith("rank")]
+
+
+def test_plot_skips_malformed_view_values() -> None:
+    pytest.importorskip("matplotlib")
+    from gradwatch.cli.plot import draw_history
+
+    records = view_records()
+    for step, value in ((2, "1.5"), (3, True), (4, None), (5, [1.0])):
+        records[step]["replica_grad_norm_median"] = value
+    records[6]["gradient_noise_scale"] = {"x": 1.0}
+    records[7]["group_noise_scale"] = [1.0, 2.0]
+    records[8]["group_noise_scale"] = {"w": "800"}
+    records[NAN_AT]["nonfinite_origin_ranks"] = [1, "a"]  # not ranks: no annotation
+    records[14]["nonfinite_origin_ranks"] = [2]  # a finite step names no origin
+    fig, summary = draw_history(records, width=8, height=8, dpi=40)
+    assert summary.panels[2:4] == ("replicas", "noise scale")
+    median = labelled(fig.axes[2])["median"]
+    assert all(math.isnan(median[s]) for s in (2, 3, 4, 5))
+    assert median[1] == pytest.approx(median_at(1)) and median[9] == pytest.approx(median_at(9))
+    scales = labelled(fig.axes[3])
+    assert math.isnan(scales["model"][6]) and scales["model"][9] == pytest.approx(109.0)
+    assert math.isnan(scales["w"][7]) and math.isnan(scales["w"][8])
+    assert scales["w"][9] == pytest.approx(59.0)
+    assert summary.origins == {}
+    assert not [t for t in fig.axes[0].texts if t.get_text().startswith("rank")]
+    # a view whose every figure is absent draws no panel for it
+    for r in records:
+        for key in ("replica_grad_norm_min", "replica_grad_norm_median", "replica_grad_norm_max",
+                    "gradient_noise_scale"):  # fmt: skip
+            r[key] = None
+        r["group_noise_scale"] = {}
+    assert draw_history(records, width=6, height=4, dpi=40)[1].panels == (
+        "norms", "ratios", "health",
+    )  # fmt: skip
+
+
+def test_origin_label_names_a_few_ranks_and_counts_the_rest() -> None:
+    from gradwatch.cli.plot import ORIGIN_RANKS_SHOWN, origin_label
+
+    assert origin_label([3]) == "rank 3"
+    assert origin_label([0, 2]) == "ranks 0, 2"
+    many = list(range(ORIGIN_RANKS_SHOWN + 3))
+    assert origin_label(many).endswith(f"{ORIGIN_RANKS_SHOWN - 1} +3")

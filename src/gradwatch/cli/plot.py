@@ -11,6 +11,16 @@ Three panels sharing the step axis:
    of vanishing);
 3. the health score in [0, 1].
 
+When the records carry the per-rank view (DDP, docs/distributed.md: ``replica_grad_norm_*`` or
+``gradient_noise_scale`` set), panels are added above the health score: the data-parallel
+replicas' local (pre-reduction) gradient norms, min / median / max with the band between min and
+max shaded (log scale), and the gradient noise scale B_simple, whole model and per group (log
+scale, in :data:`~gradwatch.rankview.NOISE_SCALE_UNIT`; a non-positive or undefined estimate is
+a gap). Each panel is drawn only when some record has its figures, so a history without the view
+(or written before it existed) is drawn as three panels. A non-finite step whose origin ranks are
+known (``nonfinite_origin_ranks``) is annotated with them (``rank 1``) at the top of the norms
+panel. A value of the wrong type in a record is skipped (a gap), never drawn as a number.
+
 Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding steps (orange)
 are vertical lines across every panel, so a spike in one panel lines up with the others. Spikes
 found by adaptive spike detection (``Snapshot.spike_step``: the global norm or a group's norm far
@@ -37,7 +47,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import TypeAdapter, ValidationError
@@ -53,7 +63,11 @@ from gradwatch.config import (
     ratio_key,
 )
 from gradwatch.history import read_history, rotated_path
+from gradwatch.rankview import NOISE_SCALE_UNIT
 from gradwatch.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 #: Exit status for bad input (missing/empty history, missing matplotlib, bad options).
 EXIT_INVALID = 2
@@ -71,7 +85,8 @@ HELP = "\n\n".join(
         "Plot a gradwatch history file (WatchConfig.history_path) to a PNG.",
         "Panels: global and group gradient norms (log scale), normalized ratios with each pair's "
         "healthy band and dormant line (from GRADWATCH_RATIOS; default 0.05-0.2 and 0.01), and "
-        "the health score. Non-finite (red), "
+        "the health score; with the per-rank view (DDP), the replicas' local norms (min/median/"
+        "max) and the gradient noise scale. Non-finite (red), "
         "AMP-skipped (grey) and exploding (orange) steps are marked on every panel. HISTORY.1 "
         "(the rotated backup) is read first; torn lines are skipped.",
         "Needs matplotlib: pip install 'torch-gradwatch[plot]'. The image is width*dpi x "
@@ -97,6 +112,10 @@ class PlotSummary:
     title: str
     #: The band drawn for each ratio, ``"num/den"`` -> ``(low, high, dormant)``.
     bands: dict[str, Band] | None = None
+    #: The panels drawn, top to bottom (see :data:`PANELS`).
+    panels: tuple[str, ...] = ()
+    #: Non-finite steps annotated with the ranks their NaN/Inf started on (the per-rank view).
+    origins: dict[int, tuple[int, ...]] | None = None
 
     @property
     def nonfinite_steps(self) -> int:
@@ -114,6 +133,11 @@ class PlotSummary:
     def spike_steps(self) -> int:
         return len(self.events.spikes)
 
+
+#: Every panel, top to bottom; the per-rank view's two are drawn only for records that carry it.
+PANELS = ("norms", "ratios", "replicas", "noise scale", "health")
+#: Origin ranks named in one annotation; more are counted (``ranks 0, 1, 2, 3 +4``).
+ORIGIN_RANKS_SHOWN = 4
 
 #: Color and marker of a spike in the norms panel.
 SPIKE_COLOR = "magenta"
@@ -189,6 +213,52 @@ def _float(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
+
+
+def _number(value: Any) -> float:
+    """A record's numeric field, or NaN when it is absent or of another type (a bool, a string
+    or a list is not a figure gradwatch wrote: skipped, not parsed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    return float(value)
+
+
+def _group_noise(record: dict[str, Any]) -> dict[str, float]:
+    """``group_noise_scale`` of a record (empty when absent or not a mapping)."""
+    value = record.get("group_noise_scale")
+    if not isinstance(value, dict):
+        return {}
+    return {str(g): _number(v) for g, v in value.items()}
+
+
+#: The per-rank view's replica spread fields of a history record, in drawing order.
+REPLICA_FIELDS = ("replica_grad_norm_min", "replica_grad_norm_median", "replica_grad_norm_max")
+
+
+def origin_ranks(records: Sequence[dict[str, Any]]) -> dict[int, tuple[int, ...]]:
+    """Step -> the ranks where its NaN/Inf started, for every non-finite step (by
+    ``Snapshot.nonfinite_step``) whose record names them; a malformed list is skipped."""
+    out: dict[int, tuple[int, ...]] = {}
+    for record in records:
+        ranks = record.get("nonfinite_origin_ranks")
+        if not isinstance(ranks, list) or not ranks:
+            continue
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            continue
+        try:
+            snap = Snapshot.from_dict(record)
+        except (TypeError, ValueError, AttributeError):
+            continue
+        if snap.nonfinite_step:
+            out[snap.step] = tuple(ranks)
+    return out
+
+
+def origin_label(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 0, 2``, ``ranks 0, 1, 2, 3 +4``."""
+    shown = ", ".join(str(r) for r in ranks[:ORIGIN_RANKS_SHOWN])
+    more = f" +{len(ranks) - ORIGIN_RANKS_SHOWN}" if len(ranks) > ORIGIN_RANKS_SHOWN else ""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {shown}{more}"
 
 
 def _positive(values: Sequence[float]) -> list[float]:
@@ -281,6 +351,24 @@ def render_history(
     appending to the same file) is still drawn, and counted in :attr:`PlotSummary.restarts`.
     Raises ``ImportError`` without matplotlib and ``OSError`` when the file cannot be written.
     """
+    fig, summary = draw_history(
+        records, width=width, height=height, dpi=dpi, title=title, bands=bands
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=dpi, format="png")
+    return summary
+
+
+def draw_history(
+    records: Sequence[dict[str, Any]],
+    *,
+    width: float = 12.0,
+    height: float = 8.0,
+    dpi: int = 100,
+    title: str | None = None,
+    bands: dict[str, Band] | None = None,
+) -> tuple[Figure, PlotSummary]:
+    """The figure :func:`render_history` saves, and what it drew (no file written)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -301,12 +389,33 @@ def render_history(
         return _float(stats.get("norm")) if isinstance(stats, dict) else math.nan
 
     classes = classify(recs)
+    # the per-rank view, when some record carries it (a panel per kind of figure present)
+    replica = {f: [_number(r.get(f)) for r in recs] for f in REPLICA_FIELDS}
+    noise = [_number(r.get("gradient_noise_scale")) for r in recs]
+    group_noise = [_group_noise(r) for r in recs]
+    noise_groups: list[str] = []
+    for scales in group_noise:
+        noise_groups.extend(g for g, v in scales.items() if g not in noise_groups and v == v)
+    drawn = {
+        "replicas": any(v == v for values in replica.values() for v in values),
+        "noise scale": any(v == v for v in noise) or bool(noise_groups),
+    }
+    panels = tuple(p for p in PANELS if drawn.get(p, True))
+    heights = {"norms": 3, "ratios": 2, "replicas": 2, "noise scale": 2, "health": 1.2}
 
     fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
-    ax_norm, ax_ratio, ax_health = fig.subplots(
-        3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.2]}
-    )
+    axes = dict(
+        zip(
+            panels,
+            fig.subplots(
+                len(panels), 1, sharex=True,
+                gridspec_kw={"height_ratios": [heights[p] for p in panels]},
+            ),
+            strict=True,
+        )
+    )  # fmt: skip
+    ax_norm, ax_ratio, ax_health = axes["norms"], axes["ratios"], axes["health"]
 
     # 1. norms
     ax_norm.plot(steps, _positive(global_norm), color="black", lw=1.8, label="global")
@@ -389,6 +498,30 @@ def render_history(
         )
     ax_ratio.legend(handles=handles, loc="upper left", fontsize="small", ncols=3)
 
+    # the per-rank view: the replicas' local norms, and the gradient noise scale
+    if "replicas" in axes:
+        ax = axes["replicas"]
+        low_r, mid_r, high_r = (_positive(replica[f]) for f in REPLICA_FIELDS)
+        ax.fill_between(steps, low_r, high_r, color="tab:purple", alpha=0.15, lw=0)
+        ax.plot(steps, high_r, color="tab:purple", lw=1.1, label="max")
+        ax.plot(steps, mid_r, color="black", lw=1.3, label="median")
+        ax.plot(steps, low_r, color="tab:purple", lw=1.1, ls="--", label="min")
+        ax.set_yscale("log")
+        ax.set_ylabel("replica local norm")
+        ax.legend(loc="upper left", fontsize="small", ncols=3)
+    if "noise scale" in axes:
+        ax = axes["noise scale"]
+        if any(v == v for v in noise):
+            ax.plot(steps, _positive(noise), color="black", lw=1.5, label="model")
+        for g in noise_groups:
+            values = [scales.get(g, math.nan) for scales in group_noise]
+            ax.plot(steps, _positive(values), lw=1.1, label=g)
+        ax.set_yscale("log")
+        ax.set_ylabel("noise scale")
+        ax.set_title(f"gradient noise scale B_simple, in {NOISE_SCALE_UNIT}", loc="left",
+                     fontsize="small")  # fmt: skip
+        ax.legend(loc="upper left", fontsize="small", ncols=min(len(noise_groups) + 1, 6))
+
     # 3. health
     ax_health.plot(steps, [_float(r.get("health")) for r in recs], color="tab:blue", lw=1.2)
     ax_health.set_ylim(-0.05, 1.05)
@@ -400,7 +533,7 @@ def render_history(
     amp_skipped = (classes.amp_skipped, "grey", "-", f"AMP-skipped ({len(classes.amp_skipped)})")
     exploding = (classes.exploding, "tab:orange", ":", f"exploding ({len(classes.exploding)})")
     events = (nonfinite, amp_skipped, exploding)
-    for ax in (ax_norm, ax_ratio, ax_health):
+    for ax in axes.values():
         for at, color, style, _ in (exploding, nonfinite, amp_skipped):
             if at:
                 ax.vlines(
@@ -412,6 +545,13 @@ def render_history(
         if at:
             ax_norm.plot(at, [1.0] * len(at), "x", color=color, ms=7, mew=2,
                          transform=ax_norm.get_xaxis_transform(), clip_on=False)  # fmt: skip
+    origins = origin_ranks(recs)
+    for step, ranks in origins.items():  # where a NaN/Inf started, when the view knows it
+        ax_norm.annotate(
+            origin_label(ranks), xy=(step, 1.0), xycoords=ax_norm.get_xaxis_transform(),
+            xytext=(4, -4), textcoords="offset points", rotation=90, ha="left", va="top",
+            color="tab:red", fontsize="small",
+        )  # fmt: skip
     legend_events = [
         Line2D([], [], color=c, ls=ls, lw=1.5, label=label) for at, c, ls, label in events if at
     ]
@@ -423,9 +563,7 @@ def render_history(
         f"gradwatch history: {len(recs)} snapshots, steps {first}-{last}, {counts_text(classes)}"
     )
     fig.suptitle(title)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=dpi, format="png")
-    return PlotSummary(
+    return fig, PlotSummary(
         records=len(recs),
         first_step=first,
         last_step=last,
@@ -434,6 +572,8 @@ def render_history(
         pixels=(round(width * dpi), round(height * dpi)),
         title=title,
         bands=levels,
+        panels=panels,
+        origins=origins,
     )
 
 
