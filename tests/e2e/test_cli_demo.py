@@ -588,8 +588,8 @@ def test_top_watches_a_lingering_demo_then_ctrl_c_stops_it(
 ) -> None:
     demo = start_background(
         background,
-        "demo", "--steps", "20", "--nan-at", "5", "--port", "0", "--step-sleep", "0.02",
-        "--linger", "60",
+        "demo", "--steps", "20", "--nan-at", "5", "--nan-rank", "1", "--port", "0",
+        "--step-sleep", "0.02", "--linger", "60",
     )  # fmt: skip
     url = demo.wait_for("metrics: ", timeout=60).split("metrics: ", 1)[1].strip()
     demo.wait_for("for 60s more", timeout=60)  # training done; still serving
@@ -601,6 +601,10 @@ def test_top_watches_a_lingering_demo_then_ctrl_c_stops_it(
     assert r.returncode == 0, r
     assert r.stdout.count("--- refresh") == 2
     for expected in ("host", "seed", "stem (isolated)", "step 19", "non-finite steps 1"):
+        assert expected in r.stdout, (expected, r.stdout)
+    # the per-rank view (--nan-rank turns it on): the origin, the replica spread, the noise scale
+    for expected in ("from rank 1)", "replicas: local norm min ", "outlier score ",
+                     "gradient noise scale: model "):  # fmt: skip
         assert expected in r.stdout, (expected, r.stdout)
 
     assert job_processes(demo.proc.pid), "the demo's ranks should be running (lingering)"
