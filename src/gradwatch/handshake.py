@@ -194,9 +194,15 @@ class Gathered(NamedTuple):
     descriptions: tuple[Description, ...]  # distinct, in order of their lowest rank
     rank_group: tuple[int, ...]  # per rank: its index into descriptions
     records: tuple[RankRecord, ...]  # per rank
+    # True: phase 0 found every rank agreeing and every record was derived locally (no record
+    # on the wire; host names only when the per-rank view is on, "" otherwise)
+    agreed: bool = False
 
     @property
     def hosts(self) -> tuple[str, ...]:
+        """Per rank; empty when the agreed path did not gather them (no per-rank view)."""
+        if self.agreed and not self.descriptions[0].rank_view:
+            return ()
         return tuple(r.host for r in self.records)
 
 
@@ -239,10 +245,127 @@ def split_descriptions(buffer: bytes, digests: Sequence[bytes],
     return tuple(out)
 
 
-def exchange(desc: Description, record: RankRecord, group: Any,
-             device: torch.device) -> Gathered:
-    """The two-phase exchange over ``group`` (every rank of the world calls it)."""
+def mesh_slots(pieces: Sequence[PieceLike]) -> tuple[Any, ...]:
+    """The meshes of a rank's pieces in the order :func:`describe` numbers their slots."""
+    return tuple(dict.fromkeys(p.mesh for p in pieces if p.mesh is not None))
+
+
+def rank_grid(mesh: Any) -> torch.Tensor | None:
+    """Every copy of ``mesh`` over the world, as ranks of shape ``(copies, *mesh shape)``.
+
+    A torch ``DeviceMesh`` (a root mesh, a sub-mesh or a flattened one) knows the ranks of all
+    its copies (``_layout.remap_to_tensor(_rank_map)``: one row per copy, the rank's own copy
+    among them), so every rank can place every other rank on its copy without asking it. Other
+    objects may carry the grid as a ``rank_grid`` tensor (simulated meshes). None when neither
+    is readable (private torch API: phase 0 then falls back to the records)."""
+    try:
+        layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+        if layout is not None and rank_map is not None:
+            return layout.remap_to_tensor(rank_map).cpu()
+        grid = getattr(mesh, "rank_grid", None)
+        return grid.cpu() if isinstance(grid, torch.Tensor) and grid.dim() >= 1 else None
+    except Exception:
+        return None
+
+
+def coordinate_table(meshes: Sequence[Any], world: int) -> torch.Tensor | None:
+    """Every rank's coordinates on ``meshes`` (the slots of :func:`describe`), concatenated:
+    an int64 ``(world, coordinates)`` tensor, the coordinates a rank's record would carry
+    (``-1`` on a mesh that does not hold the rank, as :func:`piece_from_placements` writes);
+    None when some mesh's grid is unreadable or not a partition of ranks below ``world``."""
+    columns = []
+    for mesh in meshes:
+        grid = rank_grid(mesh)
+        if grid is None or grid.dim() < 2:
+            return None
+        shape = tuple(grid.shape[1:])
+        flat = grid.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= world):
+            return None
+        if flat.numel() and int(torch.bincount(flat, minlength=world).max()) > 1:
+            return None  # a rank on two copies: its copy is ambiguous
+        cells = max(1, flat.numel() // max(1, grid.shape[0]))
+        position = torch.full((world,), -1, dtype=torch.int64)
+        position[flat] = torch.arange(flat.numel(), dtype=torch.int64) % cells
+        stride = cells
+        for size in shape:
+            stride //= size
+            columns.append(torch.where(position >= 0, (position // stride) % size, -1))
+    if not columns:
+        return torch.zeros((world, 0), dtype=torch.int64)
+    return torch.stack(columns, dim=1)
+
+
+# Phase 0's vector: (description digest, coordinate-table digest) as 32-bit words, and the
+# "my row of the table is my record" flag; all-reduced by MAX next to their negations, so one
+# collective yields each word's maximum and minimum over the world.
+_DIGEST_WORDS = 4
+AGREE_WORDS = 2 * _DIGEST_WORDS + 1
+PHASE0_BYTES = 2 * AGREE_WORDS * 8  # int64
+
+
+def agreement_words(record: RankRecord, stage: bool, table: torch.Tensor | None,
+                    rank: int) -> list[int]:
+    """One rank's phase-0 words (before the negated copy). The flag is 1 when the rank can take
+    the agreed path: no stage group (stage groups travel in the records) and the coordinate
+    table derived from its meshes holds, at its own row, exactly its record's coordinates."""
+    ok = (not stage and table is not None and rank < table.shape[0]
+          and tuple(table[rank].tolist()) == record.coords)
+    table_digest = digest(table.numpy().tobytes()) if ok and table is not None else bytes(16)
+    words = [*struct.unpack("<4I", record.digest), *struct.unpack("<4I", table_digest)]
+    return [*words, int(ok)]
+
+
+def agreed(reduced: Sequence[int]) -> bool:
+    """Phase 0's verdict from the all-reduced ``[words, -words]`` (identical on every rank):
+    every word equal on every rank (the same description and the same coordinate table, up to
+    BLAKE2b collisions) and every rank's flag set. Then every record is known: each rank's row
+    of the shared table was checked by that rank against its own coordinates."""
+    top, low = reduced[:AGREE_WORDS], [-x for x in reduced[AGREE_WORDS:]]
+    return list(top) == low and low[-1] == 1
+
+
+def agreed_records(record: RankRecord, table: torch.Tensor,
+                   hosts: Sequence[str] | None) -> tuple[RankRecord, ...]:
+    """Every rank's record on the agreed path: the shared digest and length, no stage group,
+    the coordinates from the table, the host names when gathered ("" otherwise)."""
+    rows = table.tolist()
+    return tuple(
+        RankRecord(record.digest, record.length, b"", 0, tuple(row),
+                   len(row) > MAX_COORDS, hosts[r] if hosts is not None else "")
+        for r, row in enumerate(rows)
+    )
+
+
+def _host_bytes(host: str) -> bytes:
+    return host.encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
+
+
+def _split_hosts(raw: bytes, world: int) -> tuple[str, ...]:
+    return tuple(raw[r * HOST_BYTES : (r + 1) * HOST_BYTES].rstrip(b"\0").decode(
+        errors="replace") for r in range(world))
+
+
+def exchange(desc: Description, record: RankRecord, group: Any, device: torch.device,
+             meshes: Sequence[Any] | None = None) -> Gathered:
+    """The exchange over ``group`` (every rank of the world calls it; ``group`` spans the
+    world, so its ranks are global ranks). ``meshes``: the rank's mesh slots
+    (:func:`mesh_slots`); None: never take the agreed path."""
     world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    table = coordinate_table(meshes, world) if meshes is not None else None
+    words = agreement_words(record, desc.stage, table, me)
+    vote = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64, device=device)
+    dist.all_reduce(vote, dist.ReduceOp.MAX, group=group)
+    if agreed(vote.cpu().tolist()) and table is not None:
+        hosts = None
+        if desc.rank_view:  # equal on every rank: it is part of the agreed description
+            mine = torch.frombuffer(bytearray(_host_bytes(record.host)),
+                                    dtype=torch.uint8).to(device)
+            everyone = torch.empty(world * HOST_BYTES, dtype=torch.uint8, device=device)
+            dist.all_gather_into_tensor(everyone, mine, group=group)
+            hosts = _split_hosts(bytes(everyone.cpu().tolist()), world)
+        return Gathered((desc,), (0,) * world, agreed_records(record, table, hosts), True)
     mine = torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8).to(device)
     everyone = torch.empty(world * RECORD_BYTES, dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(everyone, mine, group=group)
@@ -250,7 +373,6 @@ def exchange(desc: Description, record: RankRecord, group: Any,
     if len(digests) == 1:
         return Gathered((desc,), rank_group, records)
     spans = phase2_layout(records, digests, rank_group)
-    me = dist.get_rank(group)
     buffer = torch.zeros(sum(length for _o, length, _w in spans), dtype=torch.uint8,
                          device=device)
     for offset, length, writer in spans:
@@ -263,12 +385,28 @@ def exchange(desc: Description, record: RankRecord, group: Any,
                     rank_group, records)
 
 
-def simulate(per_rank: Sequence[tuple[Description, RankRecord]]) -> Gathered:
+def simulate(per_rank: Sequence[tuple[Description, RankRecord]],
+             meshes: Sequence[Any] | None = None) -> Gathered:
     """What :func:`exchange` returns on every rank, computed in one process from every rank's
     description and record (tests and the scale benchmark; the same decoding steps, no
-    collective). Equal descriptions may be shared objects: each distinct one is encoded once."""
+    collective). ``meshes``: the mesh slots every rank holds (one shared list: ranks of one
+    structure hold copies of the same meshes, whose grids are equal); None: no rank can derive
+    the coordinate table (the records path). Equal descriptions may be shared objects: each
+    distinct one is encoded once."""
+    world = len(per_rank)
+    table = coordinate_table(meshes, world) if meshes is not None else None
+    top = [-(2**62)] * AGREE_WORDS
+    low = [2**62] * AGREE_WORDS
+    for r, (desc, record) in enumerate(per_rank):
+        words = agreement_words(record, desc.stage, table, r)
+        top = [max(a, b) for a, b in zip(top, words, strict=True)]
+        low = [min(a, b) for a, b in zip(low, words, strict=True)]
+    if agreed([*top, *(-x for x in low)]) and table is not None:
+        desc, record = per_rank[0]
+        hosts = [rec.host for _d, rec in per_rank] if desc.rank_view else None
+        return Gathered((desc,), (0,) * world, agreed_records(record, table, hosts), True)
     raw = b"".join(record.pack() for _desc, record in per_rank)
-    records, digests, rank_group = group_records(raw, len(per_rank))
+    records, digests, rank_group = group_records(raw, world)
     if len(digests) == 1:
         return Gathered((per_rank[0][0],), rank_group, records)
     spans = phase2_layout(records, digests, rank_group)
@@ -278,16 +416,22 @@ def simulate(per_rank: Sequence[tuple[Description, RankRecord]]) -> Gathered:
 
 def bytes_per_rank(gathered: Gathered) -> tuple[int, int]:
     """(sent, received) bytes of one rank's handshake collectives, as the tensors passed to
-    them: the record and the gathered records, plus the phase-2 buffer (sent and received)
-    when the descriptions differ."""
+    them (an all-reduced buffer counts as sent and as received): phase 0's vote; on the agreed
+    path the host names when the per-rank view is on (one all-gather: ``HOST_BYTES`` sent,
+    ``W x HOST_BYTES`` received); otherwise the records' all-gather and, when the descriptions
+    differ, the phase-2 buffer."""
     world = len(gathered.rank_group)
+    if gathered.agreed:
+        hosts = gathered.descriptions[0].rank_view > 0
+        return PHASE0_BYTES + HOST_BYTES * hosts, PHASE0_BYTES + world * HOST_BYTES * hosts
     phase2 = 0
     if len(gathered.descriptions) > 1:
         leaders = {}
         for r, g in enumerate(gathered.rank_group):
             leaders.setdefault(g, r)
         phase2 = sum(gathered.records[r].length for r in leaders.values())
-    return RECORD_BYTES + phase2, world * RECORD_BYTES + phase2
+    return (PHASE0_BYTES + RECORD_BYTES + phase2,
+            PHASE0_BYTES + world * RECORD_BYTES + phase2)
 
 
 def local(desc: Description, record: RankRecord) -> Gathered:
@@ -348,7 +492,8 @@ def _groups_text(members: Sequence[Sequence[int]], which: Sequence[int]) -> str:
 
 def derive(gathered: Gathered, rank: int) -> Derived:
     """Every rank's layout from the distinct descriptions and the per-rank records (pure)."""
-    descs, rank_group, records = gathered
+    descs, rank_group, records = (gathered.descriptions, gathered.rank_group,
+                                  gathered.records)
     members: list[list[int]] = [[] for _ in descs]
     for r, g in enumerate(rank_group):
         members[g].append(r)
@@ -512,7 +657,7 @@ def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
     """The same model everywhere, or disjoint stages covering it (see
     the tests' reference layout builder), decided per digest group and per distinct stage
     group composition."""
-    _descs, rank_group, records = gathered
+    rank_group, records = gathered.rank_group, gathered.records
     declared = [r for r, rec in enumerate(records) if rec.stage_size]
     if declared and len(declared) != len(records):
         missing = [r for r, rec in enumerate(records) if not rec.stage_size]

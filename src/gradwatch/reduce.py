@@ -422,14 +422,16 @@ class Reducer:
                         backend="gloo", timeout=timedelta(seconds=timeout_seconds)
                     )
                     self._host = _HostReducer(self.host_group, timeout_seconds)
-                gathered = handshake.exchange(desc, record, self.group, handshake_device)
+                gathered = handshake.exchange(desc, record, self.group, handshake_device,
+                                              meshes=handshake.mesh_slots(pieces))
             except RuntimeError as exc:
                 self.close()
                 raise GradWatchTimeoutError(
                     f"gradwatch: construction handshake failed or timed out after "
                     f"{timeout_seconds}s: every rank must construct GradWatch ({exc})"
                 ) from exc
-            self.hosts = gathered.hosts  # per rank, from the handshake's fixed-size records
+            # per rank, from the handshake (empty when no per-rank view asked for them)
+            self.hosts = gathered.hosts
             try:
                 self.layout = derive_layout(gathered, dist.get_rank())
             except (LayoutMismatchError, UnsupportedParallelismError):

@@ -5,10 +5,12 @@ and disagreements raise LayoutMismatchError on both paths."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
 import pytest
+import torch
 from layout_reference import build_layout
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -113,14 +115,49 @@ def reference(per_rank: list[Rank], stages: list[list[int] | None], config: list
     return build_layout(descs, rank)
 
 
+class GridMesh:
+    """A simulated mesh: the ranks of all its copies, as a torch DeviceMesh knows them."""
+
+    def __init__(self, rank_grid: torch.Tensor) -> None:
+        self.rank_grid = rank_grid
+
+
+def grids_of(per_rank: list[Rank]) -> list[GridMesh] | None:
+    """The mesh slots of rank 0 as grids built from every rank's coordinates on them (ranks at
+    one coordinate ascending, one per copy); None when they do not form whole copies."""
+    out = []
+    for token in handshake.mesh_slots(per_rank[0]):
+        at: dict[tuple[int, ...], list[int]] = {}
+        for r, pieces in enumerate(per_rank):
+            coords = next((p.coords for p in pieces if p.mesh == token), None)
+            if coords is not None:
+                at.setdefault(coords, []).append(r)
+        shape = tuple(max(c[d] for c in at) + 1 for d in range(len(next(iter(at)))))
+        copies = {len(ranks) for ranks in at.values()}
+        cells = 1
+        for size in shape:
+            cells *= size
+        if len(copies) != 1 or len(at) != cells or min(min(c) for c in at) < 0:
+            return None
+        grid = torch.empty((copies.pop(), *shape), dtype=torch.int64)
+        for coords, ranks in at.items():
+            for k, r in enumerate(ranks):
+                grid[(k, *coords)] = r
+        out.append(GridMesh(grid))
+    return out
+
+
 def scalable(per_rank: list[Rank], stages: list[list[int] | None], config: list[str],
-             rank: int) -> Any:
+             rank: int, meshes: list[GridMesh] | None = None, agreed: list | None = None) -> Any:
     pairs = [
         handshake.describe(pieces, version="v", config_hash=config[r], stage_ranks=stages[r],
                            host=f"h{r}")
         for r, pieces in enumerate(per_rank)
     ]
-    return derive_layout(handshake.simulate(pairs), rank)
+    gathered = handshake.simulate(pairs, meshes)
+    if agreed is not None:
+        agreed.append(gathered.agreed)
+    return derive_layout(gathered, rank)
 
 
 def outcome(fn: Any, *args: Any) -> Any:
@@ -160,13 +197,29 @@ def test_derived_layout_equals_build_layout(seed: int) -> None:
     if seed % 3 == 2:
         mutate(rng, per_rank, stages, config)
     outcomes = set()
+    meshes = grids_of(per_rank)
+    paths: list[bool] = []
     for rank in range(len(per_rank)):
         want = outcome(reference, per_rank, stages, config, rank)
         got = outcome(scalable, per_rank, stages, config, rank)
         assert got == want, (seed, rank)
+        # The agreed path (coordinates derived from the meshes' grids, no records exchanged)
+        # derives the same layout, or falls back to the records.
+        if meshes is not None:
+            got = outcome(scalable, per_rank, stages, config, rank, meshes, paths)
+            assert strip_hosts(got) == strip_hosts(want), (seed, rank)
         outcomes.add(str(got))
+    one_structure = len({handshake.describe(p, version="v", config_hash=c)[0]
+                         for p, c in zip(per_rank, config, strict=True)}) == 1
+    agreeable = one_structure and stages[0] is None and meshes is not None
+    assert paths == [agreeable] * len(paths), seed
     if "LayoutMismatchError" in outcomes:
         assert outcomes == {"LayoutMismatchError"}  # every rank refuses alike
+
+
+def strip_hosts(lay: Any) -> Any:
+    """The layout without host names (the agreed path gathers them only for the rank view)."""
+    return lay if isinstance(lay, str) else dataclasses.replace(lay, hosts=())
 
 
 def test_generated_layouts_cover_the_interesting_cases() -> None:
@@ -187,22 +240,28 @@ def test_generated_layouts_cover_the_interesting_cases() -> None:
                 seen.add("replicas")
             if stages[0] is not None:
                 seen.add("stages")
+            paths: list[bool] = []
+            if (meshes := grids_of(per_rank)) is not None:
+                scalable(per_rank, stages, config, 0, meshes, paths)
+            if paths == [True]:
+                seen.add("agreed")
         except LayoutMismatchError:
             seen.add("refused")
         if any(p.numel == 0 for p in pieces):
             seen.add("empty")
         if any("_StridedShard" in str(p.key) for p in pieces):
             seen.add("strided")
-    assert seen == {"valid", "refused", "replicas", "empty", "strided", "stages"}
+    assert seen == {"valid", "refused", "replicas", "empty", "strided", "stages", "agreed"}
 
 
 def describe_world(per_rank: list[Rank], stages: list | None = None,
-                   config: list[str] | None = None) -> handshake.Gathered:
+                   config: list[str] | None = None,
+                   meshes: list[Any] | None = None) -> handshake.Gathered:
     return handshake.simulate([
         handshake.describe(pieces, version="v", config_hash=(config or ["c"] * 99)[r],
                            stage_ranks=(stages or [None] * 99)[r], host=f"h{r}")
         for r, pieces in enumerate(per_rank)
-    ])
+    ], meshes)
 
 
 def fsdp(world: int, names: int, shape: tuple[int, ...] = (8, 3)) -> list[Rank]:
@@ -214,13 +273,98 @@ def fsdp(world: int, names: int, shape: tuple[int, ...] = (8, 3)) -> list[Rank]:
     ]
 
 
-def test_agreeing_ranks_share_one_description_and_send_fixed_bytes() -> None:
-    for names in (50, 2000):
-        gathered = describe_world(fsdp(4, names))
-        assert len(gathered.descriptions) == 1
-        assert handshake.bytes_per_rank(gathered) == (handshake.RECORD_BYTES,
-                                                      4 * handshake.RECORD_BYTES)
+def dp_grid(world: int) -> list[GridMesh]:
+    return [GridMesh(torch.arange(world).reshape(1, world))]
+
+
+def test_agreeing_ranks_send_and_receive_fixed_bytes_at_any_world_size() -> None:
+    """Phase 0 alone: the same bytes sent and received per rank whatever the number of
+    parameters and ranks; the records path (no readable mesh grids) receives W records."""
+    for world in (2, 4, 64):
+        for names in (50, 2000):
+            per_rank = fsdp(world, names, (world * 2, 3))
+            gathered = describe_world(per_rank, meshes=dp_grid(world))
+            assert gathered.agreed and len(gathered.descriptions) == 1
+            assert handshake.bytes_per_rank(gathered) == (handshake.PHASE0_BYTES,
+                                                          handshake.PHASE0_BYTES)
+            assert gathered.hosts == ()  # not gathered: no per-rank view
+            assert [r.coords for r in gathered.records] == [(r,) for r in range(world)]
+            fallback = describe_world(per_rank)
+            assert not fallback.agreed
+            assert handshake.bytes_per_rank(fallback) == (
+                handshake.PHASE0_BYTES + handshake.RECORD_BYTES,
+                handshake.PHASE0_BYTES + world * handshake.RECORD_BYTES)
+            assert derive_layout(gathered, world - 1) == dataclasses.replace(
+                derive_layout(fallback, world - 1), hosts=())
     assert describe_world(fsdp(2, 3)).hosts == ("h0", "h1")
+
+
+def test_agreed_path_gathers_host_names_only_for_the_rank_view() -> None:
+    pairs = [handshake.describe(pieces, version="v", config_hash="c", host=f"h{r}",
+                                rank_view=3)
+             for r, pieces in enumerate(fsdp(4, 5))]
+    gathered = handshake.simulate(pairs, dp_grid(4))
+    assert gathered.agreed and gathered.hosts == ("h0", "h1", "h2", "h3")
+    assert handshake.bytes_per_rank(gathered) == (
+        handshake.PHASE0_BYTES + handshake.HOST_BYTES,
+        handshake.PHASE0_BYTES + 4 * handshake.HOST_BYTES)
+    assert derive_layout(gathered, 2).rank_view_groups == 3
+
+
+def test_a_grid_that_misplaces_a_rank_falls_back_to_the_records() -> None:
+    """Rank 1's row of the derived table is not its own coordinate (ranks 1 and 2 swapped):
+    its flag is off, every rank takes the records path, and the layout is unchanged."""
+    per_rank = fsdp(4, 3)
+    wrong = [GridMesh(torch.tensor([[0, 2, 1, 3]]))]
+    gathered = describe_world(per_rank, meshes=wrong)
+    assert not gathered.agreed
+    assert derive_layout(gathered, 1) == derive_layout(describe_world(per_rank), 1)
+    unreadable = [object()]
+    assert not describe_world(per_rank, meshes=unreadable).agreed
+
+
+def test_phase0_verdict() -> None:
+    rec = handshake.describe(fsdp(2, 2)[0], version="v", config_hash="c", host="h")[1]
+    table = torch.tensor([[0], [1]])
+    words = handshake.agreement_words(rec, False, table, 0)
+    assert len(words) == handshake.AGREE_WORDS and words[-1] == 1
+    assert handshake.agreed([*words, *(-w for w in words)])
+    other = [*words[:-2], words[-2] + 1, 1]  # another table digest on some rank
+    top = [max(a, b) for a, b in zip(words, other, strict=True)]
+    low = [min(a, b) for a, b in zip(words, other, strict=True)]
+    assert not handshake.agreed([*top, *(-x for x in low)])
+    assert handshake.agreement_words(rec, True, table, 0)[-1] == 0  # stage groups: records
+    assert handshake.agreement_words(rec, False, table, 1)[-1] == 0  # not its coordinates
+    assert handshake.agreement_words(rec, False, None, 0)[-1] == 0
+
+
+def test_coordinate_table_of_device_meshes_equals_every_ranks_coordinates() -> None:
+    """Real torch DeviceMeshes (a fake process group per rank, one process): the table one
+    rank derives from its root mesh, sub-meshes, a flattened mesh and a permuted mesh equals
+    the coordinates every other rank reads from its own copies (``get_coordinate``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = 8
+    tables, coords = [], []
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            root = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+            permuted = DeviceMesh("cpu", torch.tensor([[3, 0, 6, 1], [2, 7, 4, 5]]))
+            meshes = [root, root["tp"], root["dp", "tp"], root["pp", "tp"],
+                      root["dp", "tp"]._flatten("dptp"), permuted]
+            table = handshake.coordinate_table(meshes, world)
+            assert table is not None
+            tables.append(table)
+            coords.append(tuple(c for m in meshes for c in m.get_coordinate()))
+        finally:
+            dist.destroy_process_group()
+    for rank in range(world):
+        assert torch.equal(tables[rank], tables[0])
+        assert tuple(tables[0][rank].tolist()) == coords[rank], rank
+    assert tables[0].shape == (world, 3 + 1 + 2 + 2 + 1 + 2)
 
 
 def test_uneven_shards_make_few_digest_groups() -> None:
