@@ -490,25 +490,44 @@ class ByteSpy(TorchDispatchMode):
 
 
 def case_handshake_bytes(rank: int, world: int) -> dict:
-    """Handshake bytes of 50- and 2,000-parameter models, plain replicas and FSDP2 with even
-    shards (every rank agrees on the structure)."""
+    """Handshake bytes of 50- and 2,000-parameter models every rank agrees on: plain replicas,
+    FSDP2 with even shards, FSDP2 over TP on a (world/2, 2) mesh, and DDP with the per-rank
+    view on (which gathers the host names)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from gradwatch import GradWatch
 
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {}
     for n in (50, 2000):
-        for kind in ("replicated", "fsdp2"):
+        for kind in ("replicated", "fsdp2", "fsdp2_tp", "ddp_rank_view"):
             torch.manual_seed(0)
-            model = nn.Module()
+            model: nn.Module = nn.Module()
             model.params = nn.ParameterList(
                 [nn.Parameter(torch.randn(2 * world, 3)) for _ in range(n)])
+            overrides: dict[str, Any] = {}
             if kind == "fsdp2":
                 fully_shard(model)
+            elif kind == "fsdp2_tp":
+                for i, p in enumerate(list(model.params)):
+                    model.params[i] = nn.Parameter(distribute_tensor(p.data, mesh["tp"],
+                                                                     [Shard(0)]))
+                fully_shard(model, mesh=mesh["dp"])
+            elif kind == "ddp_rank_view":
+                model = nn.parallel.DistributedDataParallel(model)
+                overrides["rank_view"] = True
             with ByteSpy() as spy:
-                watch = GradWatch(model, config())
-            out[f"{kind}_{n}"] = {"sent": spy.sent, "received": spy.received, "ops": spy.ops,
-                                  "n_params": watch._layout.size}
+                watch = GradWatch(model, config(**overrides))
+            out[f"{kind}_{n}"] = {
+                "sent": spy.sent, "received": spy.received, "ops": spy.ops,
+                "n_params": watch._layout.size,
+                "placements": sorted({repr(getattr(p, "placements", None))
+                                      for p in model.parameters()}),
+                "rank_view_groups": watch._layout.rank_view_groups,
+                "hosts": list(watch._layout.hosts),
+            }
             watch.close()
     return out
 
