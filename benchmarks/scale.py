@@ -1,7 +1,8 @@
 """Construction at scale, simulated: the handshake's layout step for thousands of ranks.
 
 No machine here has 16,384 ranks, so the ranks are simulated: for a 3,000-parameter
-transformer-like model under DDP, FSDP2, FSDP2 x TP, HSDP and PP x FSDP2 x TP, each rank's
+transformer-like model under DDP, FSDP2, FSDP2 x TP, HSDP and PP x FSDP2 x TP (and HSDP of
+the same model with its vocabulary padded so every shard is even), each rank's
 pieces are built by the production :func:`gradwatch.reduce.piece_from_placements` (real torch
 placements, local shard sizes by the chunking DTensor uses: uneven and empty shards included)
 and described by the production :func:`gradwatch.handshake.describe`. Ranks whose pieces are
@@ -11,10 +12,15 @@ are filled per rank. :func:`self_check` proves those shortcuts on a small world:
 equal torch's ``_compute_local_shape_and_global_offset`` and the records equal a full
 ``describe`` of every rank.
 
-Measured: the layout step every rank runs after receiving the records (and, when descriptions
-differ, the distinct descriptions): decoding them and deriving the layout
-(:func:`gradwatch.handshake.simulate` + :func:`gradwatch.reduce.derive_layout`), its wall time
-on one core and its peak Python memory (tracemalloc), and the handshake bytes per rank
+The meshes are simulated too: each carries the grid of its copies over the world
+(``rank_grid``, what the handshake reads of a torch DeviceMesh), from which phase 0 derives
+every rank's coordinates; the self-check proves the derived coordinates equal the records'.
+
+Measured: the layout step every rank runs after the exchange: phase 0's coordinate table and
+vote, decoding the records (and, when descriptions differ, the distinct descriptions) unless
+every rank agrees, and deriving the layout (:func:`gradwatch.handshake.simulate` +
+:func:`gradwatch.reduce.derive_layout`), its wall time on one core and its peak Python memory
+(tracemalloc), which handshake path the world takes, and the handshake bytes per rank
 (:func:`gradwatch.handshake.bytes_per_rank`), next to what the former handshake (every rank's
 JSON description all-gathered, padded to the longest) would have received.
 """
@@ -30,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -38,7 +45,12 @@ from benchmarks.results import ScaleResult
 from gradwatch import handshake
 from gradwatch.reduce import LocalPiece, derive_layout, piece_from_placements
 
-CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP")
+CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP", "HSDP, even shards")
+#: The case whose model pads its vocabulary to a multiple of 128 (50,304, as GPT-2 training
+#: code does): every sharded dimension then divides by the shard degree (8), every rank holds
+#: the same shard sizes and the world takes phase 0's agreed path at every size.
+EVEN_CASE = "HSDP, even shards"
+EVEN_VOCAB = 50304
 WORLDS = (8, 64, 1024, 16384)
 
 
@@ -144,6 +156,20 @@ class Spec:
     def mesh_shape(self, token: Any) -> tuple[int, ...]:
         return {"dp": (self.dp,), "2d": (self.dp, self.tp), "hsdp": (self.rep, self.dp)}[token]
 
+    def rank_grid(self, token: Any) -> torch.Tensor:
+        """Every copy of the ``token`` mesh over the world, as a torch DeviceMesh holds them
+        (``_layout.remap_to_tensor(_rank_map)``): ranks of shape ``(copies, *mesh shape)``,
+        copies ordered by the coordinates the mesh does not span."""
+        shape = self.mesh_shape(token)
+        copies: dict[tuple[int, ...], torch.Tensor] = {}
+        for rank in range(self.world):
+            s, r, _d, t = self.coords(rank)
+            other = {"dp": (s, r, t), "2d": (s, r), "hsdp": (s, t)}[token]
+            if other not in copies:
+                copies[other] = torch.full(shape, -1, dtype=torch.int64)
+            copies[other][self.mesh_coords(token, rank)] = rank
+        return torch.stack([copies[k] for k in sorted(copies)])
+
     def stage_ranks(self, rank: int) -> list[int] | None:
         if self.pp == 1:
             return None
@@ -159,8 +185,8 @@ def spec_for(case: str, world: int) -> Spec:
         return Spec(case, world, dp=world)
     if case == "FSDP2 x TP":
         return Spec(case, world, dp=world // tp, tp=tp)
-    if case == "HSDP":
-        return Spec(case, world, rep=world // 8 if world >= 16 else 2,
+    if case in ("HSDP", EVEN_CASE):
+        return Spec("HSDP", world, rep=world // 8 if world >= 16 else 2,
                     dp=8 if world >= 16 else world // 2)
     pp = {8: 2, 64: 4, 1024: 8}.get(world, 16)
     return Spec(case, world, pp=pp, dp=world // (pp * tp), tp=tp)
@@ -236,6 +262,12 @@ def self_check(world: int = 8, params: Sequence[Param] | None = None) -> None:
                         placements)
                     assert _prod(local) == piece.numel, (case, rank, p, local, piece.numel)
             assert simulated[rank] == _describe(spec, pieces, rank), (case, rank)
+        # The simulated meshes place every rank where its record does (the agreed path's
+        # coordinate table is the records' coordinates).
+        table = handshake.coordinate_table(simulated_meshes(spec, params), world)
+        if spec.pp == 1:
+            assert table is not None
+            assert [tuple(row) for row in table.tolist()] == [rec.coords for _d, rec in simulated]
 
 
 def _old_handshake_bytes(pairs: Sequence[tuple[Any, Any]], spec: Spec,
@@ -254,22 +286,36 @@ def _old_handshake_bytes(pairs: Sequence[tuple[Any, Any]], spec: Spec,
     return len(pairs) * (longest + 8)
 
 
-def _layout_step(pairs: Sequence[tuple[Any, Any]], rank: int) -> Any:
-    return derive_layout(handshake.simulate(pairs), rank)
+@dataclass(frozen=True, eq=False)
+class SimulatedMesh:
+    """What the handshake reads of a DeviceMesh to place other ranks: the grid of its copies."""
+
+    rank_grid: torch.Tensor
+
+
+def simulated_meshes(spec: Spec, params: Sequence[Param]) -> list[SimulatedMesh]:
+    """The mesh slots of rank 0 (every rank of a non-pipeline case holds the same ones)."""
+    tokens = handshake.mesh_slots(rank_pieces(spec, params, 0))
+    return [SimulatedMesh(spec.rank_grid(token)) for token in tokens]
+
+
+def _layout_step(pairs: Sequence[tuple[Any, Any]], meshes: Sequence[Any], rank: int) -> Any:
+    return derive_layout(handshake.simulate(pairs, meshes), rank)
 
 
 def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
     spec = spec_for(case, world)
     pairs = simulated_ranks(spec, params)
+    meshes = simulated_meshes(spec, params)
     rank = world - 1  # every rank does the same work; the last one holds the emptiest shards
     gc.collect()
     t0 = time.perf_counter()
-    layout = _layout_step(pairs, rank)
+    layout = _layout_step(pairs, meshes, rank)
     seconds = time.perf_counter() - t0
     gc.collect()
     tracemalloc.start()
     try:
-        gathered = handshake.simulate(pairs)
+        gathered = handshake.simulate(pairs, meshes)
         derive_layout(gathered, rank)
         _current, peak = tracemalloc.get_traced_memory()
     finally:
@@ -281,6 +327,7 @@ def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
         sent_bytes=sent, received_bytes=received,
         old_received_bytes=_old_handshake_bytes(pairs, spec, params),
         packed_bytes=8 * layout.packed_length, replicas=layout.replicas,
+        agreed=gathered.agreed,
     )
 
 
@@ -296,13 +343,15 @@ def _mesh_text(spec: Spec) -> str:
 def measure(worlds: Sequence[int] = WORLDS, cases: Sequence[str] = CASES,
             progress: Callable[[str], None] = print) -> list[ScaleResult]:
     self_check()
-    params = transformer()
+    params, even = transformer(), transformer(vocab=EVEN_VOCAB)
     out = []
     for world in worlds:
         for case in cases:
-            res = measure_case(case, world, params)
+            res = measure_case(case, world, even if case == EVEN_CASE else params)
             progress(f"  {case} at {world} ranks: {res.seconds:.2f} s, "
-                     f"{res.peak_bytes / 2**20:.0f} MiB, {res.distinct} distinct")
+                     f"{res.peak_bytes / 2**20:.0f} MiB, {res.distinct} distinct, "
+                     f"{'agreed' if res.agreed else 'records'}: {res.sent_bytes} B sent, "
+                     f"{res.received_bytes} B received")
             out.append(res)
     return out
 

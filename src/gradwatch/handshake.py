@@ -305,13 +305,17 @@ PHASE0_BYTES = 2 * AGREE_WORDS * 8  # int64
 
 
 def agreement_words(record: RankRecord, stage: bool, table: torch.Tensor | None,
-                    rank: int) -> list[int]:
+                    rank: int, table_digest: bytes | None = None) -> list[int]:
     """One rank's phase-0 words (before the negated copy). The flag is 1 when the rank can take
     the agreed path: no stage group (stage groups travel in the records) and the coordinate
-    table derived from its meshes holds, at its own row, exactly its record's coordinates."""
+    table derived from its meshes holds, at its own row, exactly its record's coordinates.
+    ``table_digest``: the table's, when already computed (the simulation shares one table)."""
     ok = (not stage and table is not None and rank < table.shape[0]
           and tuple(table[rank].tolist()) == record.coords)
-    table_digest = digest(table.numpy().tobytes()) if ok and table is not None else bytes(16)
+    if not ok or table is None:
+        table_digest = bytes(16)
+    elif table_digest is None:
+        table_digest = digest(table.numpy().tobytes())
     words = [*struct.unpack("<4I", record.digest), *struct.unpack("<4I", table_digest)]
     return [*words, int(ok)]
 
@@ -395,10 +399,11 @@ def simulate(per_rank: Sequence[tuple[Description, RankRecord]],
     distinct one is encoded once."""
     world = len(per_rank)
     table = coordinate_table(meshes, world) if meshes is not None else None
+    shared = digest(table.numpy().tobytes()) if table is not None else None
     top = [-(2**62)] * AGREE_WORDS
     low = [2**62] * AGREE_WORDS
     for r, (desc, record) in enumerate(per_rank):
-        words = agreement_words(record, desc.stage, table, r)
+        words = agreement_words(record, desc.stage, table, r, shared)
         top = [max(a, b) for a, b in zip(top, words, strict=True)]
         low = [min(a, b) for a, b in zip(low, words, strict=True)]
     if agreed([*top, *(-x for x in low)]) and table is not None:
