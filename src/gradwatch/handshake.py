@@ -4,19 +4,37 @@
 shape, local numel and *sharding spec*: the mesh dims whose placement is not ``Replicate`` and
 those placements, plus which of the rank's meshes the piece lives on (a slot index, in order of
 first appearance). The rank's coordinates on those meshes are *not* part of the description:
-they travel as fixed-size per-rank data. Ranks with the same structure (every rank of one
+every rank derives them from the meshes when all ranks agree (phase 0), else they travel as
+fixed-size per-rank records. Ranks with the same structure (every rank of one
 pipeline stage, up to uneven shard sizes) therefore produce byte-identical descriptions.
 
-**Two phases.**
+**Phase 0, one fixed-size all-reduce** (:data:`PHASE0_BYTES` sent and received per rank,
+whatever the model and the world size). Every rank derives, from the meshes it holds, the
+coordinates of *every* rank on them: a torch ``DeviceMesh`` (root, sub-mesh or flattened) knows
+the ranks of all its copies (:func:`rank_grid`), so the rank's copy of a sub-mesh places the
+other ranks on theirs (:func:`coordinate_table`). Each rank then votes (:func:`agreement_words`)
+with the digest of its description, the digest of its coordinate table and a flag: "my row of
+the table is my own coordinates, and I declare no stage group". The vote is all-reduced by MAX
+next to its negation, so every rank learns each word's maximum and minimum: the same result
+everywhere, hence the same branch everywhere (:func:`agreed`). When every word agrees and
+every flag is set, every rank holds the one description and the one table, and each row of it
+was checked by its own rank: the per-rank records are derived locally (:func:`agreed_records`)
+and nothing more travels, except the host names when the per-rank view is on (one all-gather
+of :data:`HOST_BYTES` per rank: that view already carries per-rank slots, see
+:mod:`gradwatch.reduce`; without it host names are not needed and not gathered).
+
+**Otherwise, the records** (pipeline stages, uneven shards, a mismatch, a mesh whose grid is
+unreadable): the former two phases follow, on every rank alike.
 
 1. One all-gather of a fixed-size record per rank (:data:`RECORD_BYTES`): the 16-byte BLAKE2b
    digest of the rank's canonical description, its length, the rank's stage group (size and
    an 8-byte digest of its sorted member list), its mesh coordinates and its host name.
+   Received per rank: ``W x RECORD_BYTES`` (it grows with the world size).
 2. Only when the digests differ: one all-reduce (SUM) of a byte buffer holding each *distinct*
-   description once, written by the lowest rank of its digest group and zero elsewhere. When
-   every rank agrees (DDP, FSDP2, TP, HSDP with even shards), phase 2 is skipped: every rank
-   already holds the one description. Bytes sent per rank: ``RECORD_BYTES`` (+ the distinct
-   descriptions when they differ), whatever the number of parameters.
+   description once, written by the lowest rank of its digest group and zero elsewhere
+   (pipeline jobs have few distinct stages: its size does not grow with ``W``).
+
+At most three collectives at construction, the same on every rank.
 
 **Deriving the layout** (:func:`derive`, pure, identical on every rank) works on the distinct
 descriptions plus the per-rank records, never on world x parameters entries: parameters with
