@@ -375,7 +375,10 @@ def exchange(desc: Description, record: RankRecord, group: Any, device: torch.de
     (:func:`mesh_slots`); None: never take the agreed path."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
-    table = coordinate_table(meshes, world) if meshes is not None else None
+    try:
+        table = coordinate_table(meshes, world) if meshes is not None else None
+    except Exception:  # never skip the vote: the others would wait for this rank's words
+        table = None
     words = agreement_words(record, desc.stage, table, me)
     vote = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64, device=device)
     dist.all_reduce(vote, dist.ReduceOp.MAX, group=group)
