@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import socket
 import struct
 from collections.abc import Sequence
@@ -73,6 +74,9 @@ from gradwatch.errors import GradWatchError, LayoutMismatchError, UnsupportedPar
 MAX_REPLICA_SLOTS = 64
 MAX_COORDS = 32  # mesh coordinates per rank, over all its meshes (a 3-D mesh and 2 sub-meshes: 6)
 HOST_BYTES = 64
+#: A piece's local numel in a description when it equals what its sharding spec gives at the
+#: rank's coordinates (:func:`spec_numel`): "derived from the spec", the same on every rank.
+DERIVED = -1
 _RECORD = struct.Struct(f"<16sq8sqqq{MAX_COORDS}i{HOST_BYTES}s")
 RECORD_BYTES = _RECORD.size  # the fixed per-rank record of phase 1
 
@@ -86,6 +90,7 @@ class PieceLike(Protocol):
     numel: int
     mesh: Any
     coords: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -95,13 +100,15 @@ class Description:
     ``pieces``: ``(name, global shape, spec, mesh slot, local numel)``; with a mesh slot >= 0
     the spec is ``((mesh dim, placement), ...)`` and the piece key on a rank is
     ``((dim, coordinate on that dim, placement), ...)``; with slot -1 the spec *is* the key
-    (a plain tensor: ``("whole",)``). ``meshes``: the number of dims of each mesh slot.
+    (a plain tensor: ``("whole",)``). The local numel is :data:`DERIVED` when it equals
+    :func:`spec_numel` at the rank's coordinates. ``meshes``: the shape of each mesh slot
+    (``-1`` sizes when unknown: no numel is then derived on it).
     """
 
     version: str
     config: str
     stage: bool
-    meshes: tuple[int, ...]
+    meshes: tuple[tuple[int, ...], ...]
     pieces: tuple[tuple[str, tuple[int, ...], tuple[Any, ...], int, int], ...]
     rank_view: int = 0  # G, the groups of the per-rank view this rank measures (0: none)
 
@@ -119,7 +126,7 @@ class Description:
             version,
             config,
             bool(stage),
-            tuple(meshes),
+            tuple(tuple(m) for m in meshes),
             tuple(
                 (name, tuple(shape), _hashable(spec), slot, numel)
                 for name, shape, spec, slot, numel in pieces
@@ -134,6 +141,61 @@ def _hashable(value: Any) -> Any:
 
 def digest(raw: bytes) -> bytes:
     return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+_SHARD = re.compile(r"Shard\(dim=(\d+)\)")
+_STRIDED = re.compile(r"_StridedShard\(dim=(\d+), sf=(\d+)\)")
+
+
+def _placement_rule(placement: Any) -> tuple[int, int] | None:
+    """(tensor dim, split factor) of a ``Shard`` (factor 0) or ``_StridedShard`` placement,
+    from its ``repr`` as descriptions carry it; None for any other placement."""
+    if not isinstance(placement, str):
+        return None
+    if m := _SHARD.fullmatch(placement):
+        return int(m[1]), 0
+    if (m := _STRIDED.fullmatch(placement)) and int(m[2]) > 0:
+        return int(m[1]), int(m[2])
+    return None
+
+
+def _chunk(size: int, parts: int, at: int) -> int:
+    """Elements at position ``at`` of ``size`` split in ``parts``: ``torch.chunk`` sizes
+    (ceil-sized chunks, the last ones short or empty), as DTensor's ``Shard`` cuts."""
+    full = -(-size // parts)
+    return max(0, min(size, full * (at + 1)) - full * at)
+
+
+def spec_numel(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
+               mesh_shape: Sequence[int], coords: Sequence[int]) -> int | None:
+    """The local numel DTensor gives the rank at ``coords`` (one per spec entry) on a mesh of
+    ``mesh_shape`` (pure; tests hold it equal to torch's
+    ``_compute_local_shape_and_global_offset``). Mesh dims are applied in order: ``Shard(d)``
+    cuts the current size of tensor dim ``d`` into ``torch.chunk`` pieces; ``_StridedShard(d,
+    sf)`` first cuts it into ``sf`` pieces, cuts each of those into mesh-size pieces and
+    takes the rank's piece of each. Over every coordinate of the mesh the pieces tile the
+    tensor exactly once. None when a placement, a tensor dim or a coordinate is outside these
+    rules (the numel then stays explicit)."""
+    local = list(global_shape)
+    if len(coords) != len(spec):
+        return None
+    for (mesh_dim, placement), at in zip(spec, coords, strict=True):
+        rule = _placement_rule(placement)
+        if rule is None or not 0 <= mesh_dim < len(mesh_shape):
+            return None
+        tdim, factor = rule
+        parts = mesh_shape[mesh_dim]
+        if tdim >= len(local) or parts <= 0 or not 0 <= at < parts:
+            return None
+        size = local[tdim]
+        if factor == 0:
+            local[tdim] = _chunk(size, parts, at)
+        else:
+            local[tdim] = sum(_chunk(_chunk(size, factor, j), parts, at) for j in range(factor))
+    total = 1
+    for s in local:
+        total *= s
+    return total
 
 
 @dataclass(frozen=True)
@@ -177,7 +239,7 @@ def describe(
 ) -> tuple[Description, RankRecord]:
     """A rank's description and its phase-1 record (pure but for the default host name)."""
     slots: dict[Any, int] = {}
-    meshes: list[int] = []
+    meshes: list[tuple[int, ...]] = []
     coords: list[int] = []
     described = []
     for p in pieces:
@@ -185,12 +247,21 @@ def describe(
             described.append((p.name, tuple(p.global_shape), _hashable(p.key), -1, p.numel))
             continue
         slot = slots.get(p.mesh)
+        mesh_shape = tuple(p.mesh_shape)
         if slot is None:
             slot = slots[p.mesh] = len(meshes)
-            meshes.append(len(p.coords))
+            meshes.append(mesh_shape if len(mesh_shape) == len(p.coords)
+                          else (-1,) * len(p.coords))
             coords.extend(p.coords)
         spec = tuple((dim, placement) for dim, _coord, placement in p.key)
-        described.append((p.name, tuple(p.global_shape), spec, slot, p.numel))
+        # Uneven and empty shards of the standard rules are the same on every rank in this
+        # form (derive() recomputes each rank's numel from its coordinates); any other
+        # numel is written out, so ranks holding it differ and take the records path.
+        numel = p.numel
+        if mesh_shape == meshes[slot] and numel == spec_numel(
+                p.global_shape, spec, mesh_shape, [c for _d, c, _pl in p.key]):
+            numel = DERIVED
+        described.append((p.name, tuple(p.global_shape), spec, slot, numel))
     desc = Description(version, config_hash, stage_ranks is not None, tuple(meshes),
                        tuple(described), rank_view)
     raw = desc.encode()
@@ -567,25 +638,26 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                 )
     every = frozenset(names)
     _check_name_sets(gathered, members, name_sets, every)
-    # Classes: parameters held (non-empty) by the same groups with the same specs and mesh
-    # slots share one partition of ranks into pieces.
-    sigs: dict[str, list[tuple[int, int, Any]]] = {}
+    # Classes: parameters held (non-empty, or with numels derived from the spec) by the same
+    # groups with the same specs, mesh slots and numel kind share one partition of ranks into
+    # pieces.
+    sigs: dict[str, list[tuple[int, int, Any, bool]]] = {}
     numel_of: list[dict[str, int]] = []
     for g, d in enumerate(descs):
         numel_of.append({p[0]: p[4] for p in d.pieces})
         for name, _shape, spec, slot, numel in d.pieces:
             if numel:
-                sigs.setdefault(name, []).append((g, slot, spec))
+                sigs.setdefault(name, []).append((g, slot, spec, numel == DERIVED))
     classes: dict[tuple[Any, ...], list[str]] = {}
     for name in names:
         if name in sigs:
             classes.setdefault(tuple(sigs[name]), []).append(name)
     replicas = 1
-    mine: dict[tuple[Any, ...], tuple[int, int, int]] = {}  # class -> (lowest, position, size)
+    mine: dict[Any, tuple[int, int, int]] = {}  # class or name -> (lowest, position, size)
     offsets = [_slot_offsets(d.meshes) for d in descs]
     for sig, class_names in classes.items():
         cells: dict[Any, list[int]] = {}
-        for g, slot, spec in sig:
+        for g, slot, spec, _derived in sig:
             if slot < 0:
                 cells.setdefault(spec, []).extend(members[g])
                 continue
@@ -595,12 +667,26 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                 c = records[r].coords
                 key = tuple((dim, c[at], placement) for at, dim, placement in dims)
                 cells.setdefault(key, []).append(r)
-        _check_cells(cells, class_names, sig, rank_group, members, numel_of, shapes)
-        for cell in cells.values():
-            if len(sig) > 1:
+        if len(sig) > 1:
+            for cell in cells.values():
                 cell.sort()  # several groups' ranks interleave
-            replicas = max(replicas, len(cell))
-        for g, slot, spec in sig:
+        g0, slot0, spec0, _derived = sig[0]
+        if not any(derived for _g, _slot, _spec, derived in sig):
+            _check_cells(cells, class_names, sig, rank_group, members, numel_of, shapes)
+            replicas = max([replicas, *map(len, cells.values())])
+        elif len(sig) == 1 and _whole_grid(cells, spec0, descs[g0].meshes[slot0]):
+            # One group, every coordinate of the spec's dims held: the derived pieces tile
+            # every parameter exactly once (spec_numel's rule), and the ranks of a cell hold
+            # equal pieces, all empty or all not. Work: cells, not cells x parameters.
+            replicas = max(replicas, _largest_held(cells, class_names, shapes, spec0,
+                                                   descs[g0].meshes[slot0]))
+        else:
+            # Several groups, or a partial grid (the records path): piece by piece.
+            replicas = max(replicas, _check_pieces(
+                cells, class_names, sig, rank_group, members, numel_of, shapes, descs,
+                rank, mine))
+            continue
+        for g, slot, spec, _derived in sig:
             if g == rank_group[rank]:
                 if slot < 0:
                     cell = cells[spec]
@@ -608,20 +694,20 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                     c, base = records[rank].coords, offsets[g][slot]
                     cell = cells[tuple((dim, c[base + dim], pl) for dim, pl in spec)]
                 mine[sig] = (cell[0], cell.index(rank), len(cell))
-    numels = []
-    for name in names:
-        total = 1
-        for s in shapes[name][0]:
-            total *= s
-        numels.append(total)
+    numels = [_prod(shapes[name][0]) for name in names]
     local_to_global, contributes, slots = [], [], []
-    for name, _shape, _spec, _slot, numel in descs[rank_group[rank]].pieces:
+    g = rank_group[rank]
+    for name, shape, spec, slot, numel in descs[g].pieces:
         local_to_global.append(index[name])
+        if numel == DERIVED:
+            c, base = records[rank].coords, offsets[g][slot]
+            numel = spec_numel(shape, spec, descs[g].meshes[slot],
+                               [c[base + dim] for dim, _pl in spec]) or 0
         if numel == 0:
             contributes.append(False)
             slots.append(-1)
             continue
-        lowest, position, size = mine[tuple(sigs[name])]
+        lowest, position, size = mine.get(name) or mine[tuple(sigs[name])]
         contributes.append(lowest == rank)
         slots.append(
             position if replicas > 1 and size == replicas and position < MAX_REPLICA_SLOTS
@@ -631,21 +717,102 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                    tuple(slots), min(replicas, MAX_REPLICA_SLOTS))
 
 
-def _slot_offsets(meshes: Sequence[int]) -> list[int]:
-    out, at = [], 0
-    for ndim in meshes:
-        out.append(at)
-        at += ndim
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
     return out
 
 
+def _slot_offsets(meshes: Sequence[Sequence[int]]) -> list[int]:
+    out, at = [], 0
+    for shape in meshes:
+        out.append(at)
+        at += len(shape)
+    return out
+
+
+def _whole_grid(cells: dict[Any, list[int]], spec: Sequence[tuple[int, Any]],
+                mesh_shape: Sequence[int]) -> bool:
+    """The cells are every coordinate of the spec's mesh dims, once each (the cells' keys are
+    distinct, so counting the in-range ones suffices)."""
+    grid = _prod([mesh_shape[dim] for dim, _pl in spec])
+    return len(cells) == grid and all(
+        0 <= c < mesh_shape[dim] for key in cells for dim, c, _pl in key)
+
+
+def _largest_held(cells: dict[Any, list[int]], class_names: Sequence[str],
+                  shapes: dict[str, tuple[tuple[int, ...], int]],
+                  spec: Sequence[tuple[int, Any]], mesh_shape: Sequence[int]) -> int:
+    """The largest cell holding a non-empty piece of some parameter of the class (1 when
+    none does): over a whole grid a parameter with elements has a non-empty piece, so cells
+    of one size need no numel at all; otherwise cells are tried largest first."""
+    if not any(_prod(shapes[name][0]) for name in class_names):
+        return 1
+    sizes = {len(cell) for cell in cells.values()}
+    if len(sizes) == 1:
+        return sizes.pop()
+    for key, cell in sorted(cells.items(), key=lambda kv: -len(kv[1])):
+        at = [c for _dim, c, _pl in key]
+        if any(spec_numel(shapes[name][0], spec, mesh_shape, at) for name in class_names):
+            return len(cell)
+    return 1
+
+
+def _check_pieces(
+    cells: dict[Any, list[int]], class_names: Sequence[str],
+    sig: Sequence[tuple[int, int, Any, bool]], rank_group: Sequence[int],
+    members: Sequence[Sequence[int]], numel_of: Sequence[dict[str, int]],
+    shapes: dict[str, tuple[tuple[int, ...], int]], descs: Sequence[Description], rank: int,
+    mine: dict[Any, tuple[int, int, int]],
+) -> int:
+    """A class whose groups' numels may differ cell by cell (derived in some group): each
+    piece's holders are the ranks of its cell whose numel there is not zero; they agree on
+    its size and the pieces tile each parameter once. Records ``mine[name]`` for ``rank``;
+    returns the most holders of a piece (1 when none)."""
+    slot_of = {g: (slot, spec, derived) for g, slot, spec, derived in sig}
+    largest = 1
+    for name in class_names:
+        shape = shapes[name][0]
+        covered = 0
+        for key, cell in cells.items():
+            size: dict[int, int] = {}
+            for g in dict.fromkeys(rank_group[r] for r in cell):
+                slot, spec, derived = slot_of[g]
+                size[g] = numel_of[g][name] if not derived else spec_numel(
+                    shape, spec, descs[g].meshes[slot], [c for _dim, c, _pl in key]) or 0
+            held = [g for g, n in size.items() if n]
+            if not held:
+                continue
+            if any(size[g] != size[held[0]] for g in held):
+                a = held[0]
+                b = next(g for g in held if size[g] != size[a])
+                raise LayoutMismatchError(
+                    f"gradwatch: {_groups_text(members, [a, b])} hold the same piece of "
+                    f"{name!r} with different sizes ({size[a]} and {size[b]} elements)"
+                )
+            covered += size[held[0]]
+            holders = [r for r in cell if size[rank_group[r]]] if len(held) < len(size) else cell
+            largest = max(largest, len(holders))
+            if rank_group[rank] in size and rank in holders:
+                mine[name] = (holders[0], holders.index(rank), len(holders))
+        if covered not in (0, _prod(shape)):
+            raise LayoutMismatchError(
+                f"gradwatch: the shards of {name!r} cover {covered} of {_prod(shape)} "
+                "elements; its placements are not understood (please report this layout)"
+            )
+    return largest
+
+
 def _check_cells(
-    cells: dict[Any, list[int]], class_names: Sequence[str], sig: Sequence[tuple[int, int, Any]],
-    rank_group: Sequence[int], members: Sequence[Sequence[int]],
-    numel_of: Sequence[dict[str, int]], shapes: dict[str, tuple[tuple[int, ...], int]],
+    cells: dict[Any, list[int]], class_names: Sequence[str],
+    sig: Sequence[tuple[int, int, Any, bool]], rank_group: Sequence[int],
+    members: Sequence[Sequence[int]], numel_of: Sequence[dict[str, int]],
+    shapes: dict[str, tuple[tuple[int, ...], int]],
 ) -> None:
-    """Holders of one piece agree on its size; distinct pieces tile each parameter once."""
-    groups = [g for g, _slot, _spec in sig]
+    """Holders of one piece agree on its size; distinct pieces tile each parameter once (every
+    numel explicit)."""
+    groups = [g for g, _slot, _spec, _derived in sig]
     per_group = {g: 0 for g in groups}  # distinct pieces whose lowest holder is in group g
     seen_sets: set[tuple[int, ...]] = set()
     for cell in cells.values():

@@ -88,7 +88,7 @@ def random_world(rng: random.Random) -> tuple[list[Rank], list[list[int] | None]
             except Exception:
                 n = 1  # a placement torch cannot lay out here: an arbitrary (maybe bad) piece
             pieces.append(piece_from_placements(name, shape, placements, ("mesh", tuple(dims)),
-                                                sub_coord, n))
+                                                sub_coord, n, mesh_shape=sub_shape))
         per_rank.append(pieces)
         stage_lists.append(
             [s * inner + within for s in range(stages)] if stages > 1 else None)
@@ -179,10 +179,10 @@ def mutate(rng: random.Random, per_rank: list[Rank], stages: list, config: list[
         i = rng.randrange(len(pieces))
         p = pieces[i]
         if what == "numel":
-            pieces[i] = LocalPiece(p.name, p.global_shape, p.key, p.numel + 1, p.mesh, p.coords)
+            pieces[i] = dataclasses.replace(p, numel=p.numel + 1)
         elif what == "shape":
-            pieces[i] = LocalPiece(p.name, (*p.global_shape, 2), p.key, p.numel * 2, p.mesh,
-                                   p.coords)
+            pieces[i] = dataclasses.replace(p, global_shape=(*p.global_shape, 2),
+                                            numel=p.numel * 2)
         elif what == "drop":
             del pieces[i]
         else:
@@ -213,6 +213,8 @@ def test_derived_layout_equals_build_layout(seed: int) -> None:
                          for p, c in zip(per_rank, config, strict=True)}) == 1
     agreeable = one_structure and stages[0] is None and meshes is not None
     assert paths == [agreeable] * len(paths), seed
+    if seed % 3 != 2 and stages[0] is None and meshes is not None and standard(per_rank):
+        assert paths == [True] * len(per_rank), seed  # uneven and empty shards included
     if "LayoutMismatchError" in outcomes:
         assert outcomes == {"LayoutMismatchError"}  # every rank refuses alike
 
@@ -245,13 +247,17 @@ def test_generated_layouts_cover_the_interesting_cases() -> None:
                 scalable(per_rank, stages, config, 0, meshes, paths)
             if paths == [True]:
                 seen.add("agreed")
+                if any(len({p.numel for rank in per_rank for p in rank if p.name == name}) > 1
+                       for name in {p.name for p in per_rank[0]}):
+                    seen.add("agreed uneven")
         except LayoutMismatchError:
             seen.add("refused")
         if any(p.numel == 0 for p in pieces):
             seen.add("empty")
         if any("_StridedShard" in str(p.key) for p in pieces):
             seen.add("strided")
-    assert seen == {"valid", "refused", "replicas", "empty", "strided", "stages", "agreed"}
+    assert seen == {"valid", "refused", "replicas", "empty", "strided", "stages", "agreed",
+                    "agreed uneven"}
 
 
 def describe_world(per_rank: list[Rank], stages: list | None = None,
@@ -267,7 +273,7 @@ def describe_world(per_rank: list[Rank], stages: list | None = None,
 def fsdp(world: int, names: int, shape: tuple[int, ...] = (8, 3)) -> list[Rank]:
     return [
         [piece_from_placements(f"p{i}", shape, [Shard(0)], "dp", (r,),
-                               numel_of(shape, (world,), (r,), [Shard(0)]))
+                               numel_of(shape, (world,), (r,), [Shard(0)]), mesh_shape=(world,))
          for i in range(names)]
         for r in range(world)
     ]
@@ -367,13 +373,116 @@ def test_coordinate_table_of_device_meshes_equals_every_ranks_coordinates() -> N
     assert tables[0].shape == (world, 3 + 1 + 2 + 2 + 1 + 2)
 
 
-def test_uneven_shards_make_few_digest_groups() -> None:
-    # 6 rows over 4 ranks: 2, 2, 2, 0 rows: two structures, sent once each.
-    gathered = describe_world(fsdp(4, 5, (6, 3)))
-    assert gathered.rank_group == (0, 0, 0, 1)
-    sent, received = handshake.bytes_per_rank(gathered)
-    assert sent == received - 3 * handshake.RECORD_BYTES > handshake.RECORD_BYTES
-    assert derive_layout(gathered, 3).contributes == (False,) * 5
+def torch_numel(piece: LocalPiece) -> int | None:
+    """The local numel torch's DTensor rules give ``piece`` at its coordinates, from its key's
+    placements (None: torch cannot lay it out)."""
+    namespace = {"Shard": Shard, "_StridedShard": _StridedShard}
+    placements = [eval(pl, namespace) for _dim, _c, pl in piece.key]  # keys hold reprs
+    try:
+        return numel_of(piece.global_shape,
+                        tuple(piece.mesh_shape[d] for d, _c, _pl in piece.key),
+                        tuple(c for _d, c, _pl in piece.key), placements)
+    except Exception:
+        return None
+
+
+def standard(per_rank: list[Rank]) -> bool:
+    """Every DTensor piece's numel is what torch's rules give at the rank's coordinates."""
+    return all(p.numel == torch_numel(p) for pieces in per_rank for p in pieces
+               if p.mesh is not None)
+
+
+def test_spec_numel_equals_torch_and_tiles() -> None:
+    """handshake.spec_numel equals torch's _compute_local_shape_and_global_offset for Shard
+    and _StridedShard (any split factor, several mesh dims on one tensor dim, uneven and empty
+    shards), and over every coordinate its pieces tile the tensor exactly once."""
+    choices = [Replicate(), Shard(0), Shard(1), _StridedShard(0, split_factor=2),
+               _StridedShard(1, split_factor=3), _StridedShard(0, split_factor=1)]
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(400):
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 7, 9, 12]) for _ in range(rng.choice([1, 2])))
+        mesh_shape = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.choice([1, 2, 3])))
+        placements = [rng.choice(choices) for _ in mesh_shape]
+        if any(not isinstance(pl, Replicate) and pl.dim >= len(shape) for pl in placements):
+            spec = tuple((d, repr(pl)) for d, pl in enumerate(placements)
+                         if not isinstance(pl, Replicate))
+            assert handshake.spec_numel(shape, spec, mesh_shape, [0] * len(spec)) is None
+            continue
+        spec = tuple((d, repr(pl)) for d, pl in enumerate(placements)
+                     if not isinstance(pl, Replicate))
+        total = 0
+        cells = {}
+        for r in range(1 if not mesh_shape else torch.tensor(mesh_shape).prod().item()):
+            coord = unravel(r, mesh_shape)
+            want = numel_of(shape, mesh_shape, coord, placements)
+            at = [coord[d] for d, _pl in spec]
+            assert handshake.spec_numel(shape, spec, mesh_shape, at) == want, (
+                shape, mesh_shape, placements, coord)
+            cells[tuple(at)] = want
+            checked += 1
+        total = sum(cells.values())
+        assert total == numel_of(shape, (1,), (0,), [Replicate()]), (shape, placements)
+    assert checked > 1000
+    assert handshake.spec_numel((4,), ((0, "Partial(sum)"),), (2,), [0]) is None
+    assert handshake.spec_numel((4,), ((0, "Shard(dim=0)"),), (2,), [2]) is None
+    assert handshake.spec_numel((4,), ((0, "Shard(dim=0)"),), (-1,), [0]) is None
+
+
+def test_uneven_shards_agree() -> None:
+    """Standard uneven and empty shards (6 rows over 4 ranks: 2, 2, 2, 0; a 50,257-row
+    vocabulary over 4 ranks) describe alike on every rank: one description, phase 0 alone,
+    and the layout equals the reference's."""
+    for shape in ((6, 3), (50257, 8)):
+        per_rank = fsdp(4, 5, shape)
+        assert len({p.numel for pieces in per_rank for p in pieces}) > 1
+        gathered = describe_world(per_rank, meshes=dp_grid(4))
+        assert gathered.agreed and gathered.rank_group == (0, 0, 0, 0)
+        assert all(p[4] == handshake.DERIVED for p in gathered.descriptions[0].pieces)
+        assert handshake.bytes_per_rank(gathered) == (handshake.PHASE0_BYTES,) * 2
+        records = describe_world(per_rank)  # the records path: one description too
+        assert not records.agreed and len(records.descriptions) == 1
+        for rank in range(4):
+            want = reference(per_rank, [None] * 4, ["c"] * 4, rank)
+            assert derive_layout(gathered, rank) == strip_hosts(want)
+            assert derive_layout(records, rank) == want
+    assert derive_layout(describe_world(fsdp(4, 5, (6, 3)), meshes=dp_grid(4)),
+                         3).contributes == (False,) * 5
+
+
+def test_exotic_shards_keep_their_numel_and_take_the_records_path() -> None:
+    """Local sizes that tile the tensor but not by torch's rule (rows 3, 1, 1, 1 of 6; or
+    2, 2, 1, 1: two ranks standard, two not) stay explicit: the descriptions differ, every rank
+    falls back to the records, and the layout equals the reference's; sizes that do not tile
+    are refused alike."""
+    for rows in ((3, 1, 1, 1), (2, 2, 1, 1), (2, 2, 2, 1)):
+        per_rank = fsdp(4, 3, (6, 3))
+        per_rank = [[dataclasses.replace(p, numel=rows[r] * 3) for p in pieces]
+                    for r, pieces in enumerate(per_rank)]
+        gathered = describe_world(per_rank, meshes=dp_grid(4))
+        assert not gathered.agreed and len(gathered.descriptions) > 1
+        for rank in range(4):
+            want = outcome(reference, per_rank, [None] * 4, ["c"] * 4, rank)
+            assert outcome(derive_layout, gathered, rank) == want
+        assert (want == "LayoutMismatchError") == (sum(rows) != 6)
+
+
+def test_uneven_copies_count_replicas_over_non_empty_pieces_only() -> None:
+    """Coordinates held by unequal numbers of ranks (one rank at coordinate 0, two at 1 of a
+    2-rank mesh): the most replicated piece is the largest cell that holds elements of some
+    parameter, as the reference counts it."""
+    coords = [(0,), (1,), (1,)]
+    for shapes in (((1,),), ((1,), (3,))):
+        per_rank = [[piece_from_placements(f"p{i}", shape, [Shard(0)], "dp", c,
+                                           numel_of(shape, (2,), c, [Shard(0)]),
+                                           mesh_shape=(2,))
+                     for i, shape in enumerate(shapes)] for c in coords]
+        gathered = describe_world(per_rank)
+        assert len(gathered.descriptions) == 1
+        for rank in range(3):
+            want = reference(per_rank, [None] * 3, ["c"] * 3, rank)
+            assert derive_layout(gathered, rank) == want
+        assert want.replicas == len(shapes)
 
 
 def test_replica_slots_are_capped() -> None:
