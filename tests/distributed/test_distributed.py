@@ -207,16 +207,20 @@ def test_missing_rank_times_out_with_gradwatch_error(w2: list, case: str) -> Non
 @pytest.mark.timeout(240)
 def test_handshake_bytes_constant_across_model_sizes_and_world_sizes(w2: list, w4: list) -> None:
     """Ranks that agree send and receive the same bytes per rank at 2 and 4 ranks, whatever
-    the number of parameters (50 or 2,000): one fixed-size all-reduce (phase 0), no record and
-    no description on the wire. The per-rank view adds one all-gather of the host names."""
+    the number of parameters (50 or 2,000), FSDP2 with uneven and empty shards included: one
+    fixed-size all-reduce (phase 0), no record and no description on the wire. The per-rank
+    view adds one all-gather of the host names."""
     import socket
 
     from gradwatch.handshake import HOST_BYTES, PHASE0_BYTES
 
     seen: dict[str, set[tuple[int, int]]] = {}
     for world, per_rank in ((2, _case(w2, "handshake_bytes")), (4, _case(w4, "handshake_bytes"))):
-        for res in per_rank:
-            for kind in ("replicated", "fsdp2", "fsdp2_tp"):
+        # rows of 1 and 2W+1 over W ranks, x 3 columns: rank 3 of 4 holds only empty shards
+        uneven = {2: [[3, 9], [0, 6]], 4: [[3, 9], [0, 9], [0, 9], [0]]}[world]
+        for rank, res in enumerate(per_rank):
+            assert res["fsdp2_uneven_2000"]["local_numels"] == uneven[rank]
+            for kind in ("replicated", "fsdp2", "fsdp2_uneven", "fsdp2_tp"):
                 small, large = res[f"{kind}_50"], res[f"{kind}_2000"]
                 assert (small["n_params"], large["n_params"]) == (50, 2000)
                 for got in (small, large):
@@ -225,6 +229,8 @@ def test_handshake_bytes_constant_across_model_sizes_and_world_sizes(w2: list, w
                     seen.setdefault(kind, set()).add((got["sent"], got["received"]))
                     assert got["hosts"] == []  # not gathered without the per-rank view
             assert "Shard(dim=0)" in res["fsdp2_tp_50"]["placements"][0]
+            assert "_StridedShard" in str(res["fsdp2_tp_50"]["placements"])
+            assert len(res["fsdp2_tp_50"]["local_numels"]) > 1  # uneven strided shards
             for n in (50, 2000):
                 got = res[f"ddp_rank_view_{n}"]
                 assert got["rank_view_groups"] > 0

@@ -491,8 +491,9 @@ class ByteSpy(TorchDispatchMode):
 
 def case_handshake_bytes(rank: int, world: int) -> dict:
     """Handshake bytes of 50- and 2,000-parameter models every rank agrees on: plain replicas,
-    FSDP2 with even shards, FSDP2 over TP on a (world/2, 2) mesh, and DDP with the per-rank
-    view on (which gathers the host names)."""
+    FSDP2 with even shards, FSDP2 with uneven and empty shards (rows 2 x world + 1 and 1),
+    FSDP2 over TP on a (world/2, 2) mesh (the same uneven rows: strided shards), and DDP with
+    the per-rank view on (which gathers the host names)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -502,13 +503,14 @@ def case_handshake_bytes(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {}
     for n in (50, 2000):
-        for kind in ("replicated", "fsdp2", "fsdp2_tp", "ddp_rank_view"):
+        for kind in ("replicated", "fsdp2", "fsdp2_uneven", "fsdp2_tp", "ddp_rank_view"):
             torch.manual_seed(0)
             model: nn.Module = nn.Module()
-            model.params = nn.ParameterList(
-                [nn.Parameter(torch.randn(2 * world, 3)) for _ in range(n)])
+            rows = [2 * world + 1 if i % 2 else 1 for i in range(n)] \
+                if kind in ("fsdp2_uneven", "fsdp2_tp") else [2 * world] * n
+            model.params = nn.ParameterList([nn.Parameter(torch.randn(r, 3)) for r in rows])
             overrides: dict[str, Any] = {}
-            if kind == "fsdp2":
+            if kind in ("fsdp2", "fsdp2_uneven"):
                 fully_shard(model)
             elif kind == "fsdp2_tp":
                 for i, p in enumerate(list(model.params)):
@@ -527,6 +529,8 @@ def case_handshake_bytes(rank: int, world: int) -> dict:
                                       for p in model.parameters()}),
                 "rank_view_groups": watch._layout.rank_view_groups,
                 "hosts": list(watch._layout.hosts),
+                "local_numels": sorted({p.to_local().numel() if hasattr(p, "to_local")
+                                        else p.numel() for p in model.parameters()}),
             }
             watch.close()
     return out
