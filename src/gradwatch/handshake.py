@@ -76,7 +76,10 @@ MAX_COORDS = 32  # mesh coordinates per rank, over all its meshes (a 3-D mesh an
 HOST_BYTES = 64
 #: A piece's local numel in a description when it equals what its sharding spec gives at the
 #: rank's coordinates (:func:`spec_numel`): "derived from the spec", the same on every rank.
+#: DERIVED: torch's rule (``compute_local_shape_and_global_offset``); DERIVED_NESTED: the
+#: nested rule FSDP2 lays strided shards out by (see :func:`spec_numel`).
 DERIVED = -1
+DERIVED_NESTED = -2
 _RECORD = struct.Struct(f"<16sq8sqqq{MAX_COORDS}i{HOST_BYTES}s")
 RECORD_BYTES = _RECORD.size  # the fixed per-rank record of phase 1
 
@@ -100,9 +103,10 @@ class Description:
     ``pieces``: ``(name, global shape, spec, mesh slot, local numel)``; with a mesh slot >= 0
     the spec is ``((mesh dim, placement), ...)`` and the piece key on a rank is
     ``((dim, coordinate on that dim, placement), ...)``; with slot -1 the spec *is* the key
-    (a plain tensor: ``("whole",)``). The local numel is :data:`DERIVED` when it equals
-    :func:`spec_numel` at the rank's coordinates. ``meshes``: the shape of each mesh slot
-    (``-1`` sizes when unknown: no numel is then derived on it).
+    (a plain tensor: ``("whole",)``). The local numel is :data:`DERIVED_NESTED` or
+    :data:`DERIVED` when it equals :func:`spec_numel` (nested or not) at the rank's
+    coordinates. ``meshes``: the shape of each mesh slot (``-1`` sizes when unknown: no numel
+    is then derived on it).
     """
 
     version: str
@@ -167,18 +171,28 @@ def _chunk(size: int, parts: int, at: int) -> int:
 
 
 def spec_numel(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
-               mesh_shape: Sequence[int], coords: Sequence[int]) -> int | None:
-    """The local numel DTensor gives the rank at ``coords`` (one per spec entry) on a mesh of
-    ``mesh_shape`` (pure; tests hold it equal to torch's
-    ``_compute_local_shape_and_global_offset``). Mesh dims are applied in order: ``Shard(d)``
-    cuts the current size of tensor dim ``d`` into ``torch.chunk`` pieces; ``_StridedShard(d,
-    sf)`` first cuts it into ``sf`` pieces, cuts each of those into mesh-size pieces and
-    takes the rank's piece of each. Over every coordinate of the mesh the pieces tile the
-    tensor exactly once. None when a placement, a tensor dim or a coordinate is outside these
-    rules (the numel then stays explicit)."""
+               mesh_shape: Sequence[int], coords: Sequence[int],
+               nested: bool = False) -> int | None:
+    """The local numel of the rank at ``coords`` (one per spec entry) on a mesh of
+    ``mesh_shape`` (pure). Each step cuts the current size of one tensor dim, so over every
+    coordinate of the mesh the pieces tile the tensor exactly once.
+
+    Torch's rule (``nested=False``; tests hold it equal to
+    ``_compute_local_shape_and_global_offset``): mesh dims in order; ``Shard(d)`` cuts tensor
+    dim ``d`` into ``torch.chunk`` pieces; ``_StridedShard(d, sf)`` cuts it into ``sf``
+    pieces, each of those into mesh-size pieces, and takes the rank's piece of each.
+
+    The nested rule (``nested=True``): the ``Shard`` dims first, then the ``_StridedShard``
+    dims, each a plain ``torch.chunk`` cut: what FSDP2 holds when it shards a tensor-parallel
+    DTensor (it chunks the TP-local tensor; with uneven sizes torch's rule above may differ
+    from it by a row, tests show both).
+
+    None when a placement, a tensor dim or a coordinate is outside these rules (the numel
+    then stays explicit)."""
     local = list(global_shape)
     if len(coords) != len(spec):
         return None
+    steps = []
     for (mesh_dim, placement), at in zip(spec, coords, strict=True):
         rule = _placement_rule(placement)
         if rule is None or not 0 <= mesh_dim < len(mesh_shape):
@@ -187,6 +201,10 @@ def spec_numel(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
         parts = mesh_shape[mesh_dim]
         if tdim >= len(local) or parts <= 0 or not 0 <= at < parts:
             return None
+        steps.append((tdim, 0 if nested else factor, parts, at, nested and factor > 0))
+    if nested:
+        steps.sort(key=lambda step: step[4])  # stable: Shard dims, then strided ones
+    for tdim, factor, parts, at, _strided in steps:
         size = local[tdim]
         if factor == 0:
             local[tdim] = _chunk(size, parts, at)
@@ -258,9 +276,16 @@ def describe(
         # form (derive() recomputes each rank's numel from its coordinates); any other
         # numel is written out, so ranks holding it differ and take the records path.
         numel = p.numel
-        if mesh_shape == meshes[slot] and numel == spec_numel(
-                p.global_shape, spec, mesh_shape, [c for _d, c, _pl in p.key]):
-            numel = DERIVED
+        if mesh_shape == meshes[slot]:
+            at = [c for _d, c, _pl in p.key]
+            strided = any((_placement_rule(pl) or (0, 0))[1] for _d, pl in spec)
+            # Strided shards: FSDP2's nested layout first (every rank of an FSDP2 x TP job
+            # matches it), so ranks where both rules agree choose as the others do.
+            for kind in (DERIVED_NESTED, DERIVED) if strided else (DERIVED,):
+                if numel == spec_numel(p.global_shape, spec, mesh_shape, at,
+                                       nested=kind == DERIVED_NESTED):
+                    numel = kind
+                    break
         described.append((p.name, tuple(p.global_shape), spec, slot, numel))
     desc = Description(version, config_hash, stage_ranks is not None, tuple(meshes),
                        tuple(described), rank_view)
@@ -647,7 +672,7 @@ def derive(gathered: Gathered, rank: int) -> Derived:
         numel_of.append({p[0]: p[4] for p in d.pieces})
         for name, _shape, spec, slot, numel in d.pieces:
             if numel:
-                sigs.setdefault(name, []).append((g, slot, spec, numel == DERIVED))
+                sigs.setdefault(name, []).append((g, slot, spec, min(numel, 0)))
     classes: dict[tuple[Any, ...], list[str]] = {}
     for name in names:
         if name in sigs:
@@ -657,7 +682,7 @@ def derive(gathered: Gathered, rank: int) -> Derived:
     offsets = [_slot_offsets(d.meshes) for d in descs]
     for sig, class_names in classes.items():
         cells: dict[Any, list[int]] = {}
-        for g, slot, spec, _derived in sig:
+        for g, slot, spec, _kind in sig:
             if slot < 0:
                 cells.setdefault(spec, []).extend(members[g])
                 continue
@@ -670,8 +695,8 @@ def derive(gathered: Gathered, rank: int) -> Derived:
         if len(sig) > 1:
             for cell in cells.values():
                 cell.sort()  # several groups' ranks interleave
-        g0, slot0, spec0, _derived = sig[0]
-        if not any(derived for _g, _slot, _spec, derived in sig):
+        g0, slot0, spec0, kind0 = sig[0]
+        if not any(kind for _g, _slot, _spec, kind in sig):
             _check_cells(cells, class_names, sig, rank_group, members, numel_of, shapes)
             replicas = max([replicas, *map(len, cells.values())])
         elif len(sig) == 1 and _whole_grid(cells, spec0, descs[g0].meshes[slot0]):
@@ -679,14 +704,14 @@ def derive(gathered: Gathered, rank: int) -> Derived:
             # every parameter exactly once (spec_numel's rule), and the ranks of a cell hold
             # equal pieces, all empty or all not. Work: cells, not cells x parameters.
             replicas = max(replicas, _largest_held(cells, class_names, shapes, spec0,
-                                                   descs[g0].meshes[slot0]))
+                                                   descs[g0].meshes[slot0], kind0))
         else:
             # Several groups, or a partial grid (the records path): piece by piece.
             replicas = max(replicas, _check_pieces(
                 cells, class_names, sig, rank_group, members, numel_of, shapes, descs,
                 rank, mine))
             continue
-        for g, slot, spec, _derived in sig:
+        for g, slot, spec, _kind in sig:
             if g == rank_group[rank]:
                 if slot < 0:
                     cell = cells[spec]
@@ -699,10 +724,11 @@ def derive(gathered: Gathered, rank: int) -> Derived:
     g = rank_group[rank]
     for name, shape, spec, slot, numel in descs[g].pieces:
         local_to_global.append(index[name])
-        if numel == DERIVED:
+        if numel < 0:
             c, base = records[rank].coords, offsets[g][slot]
             numel = spec_numel(shape, spec, descs[g].meshes[slot],
-                               [c[base + dim] for dim, _pl in spec]) or 0
+                               [c[base + dim] for dim, _pl in spec],
+                               nested=numel == DERIVED_NESTED) or 0
         if numel == 0:
             contributes.append(False)
             slots.append(-1)
@@ -743,7 +769,8 @@ def _whole_grid(cells: dict[Any, list[int]], spec: Sequence[tuple[int, Any]],
 
 def _largest_held(cells: dict[Any, list[int]], class_names: Sequence[str],
                   shapes: dict[str, tuple[tuple[int, ...], int]],
-                  spec: Sequence[tuple[int, Any]], mesh_shape: Sequence[int]) -> int:
+                  spec: Sequence[tuple[int, Any]], mesh_shape: Sequence[int],
+                  kind: int) -> int:
     """The largest cell holding a non-empty piece of some parameter of the class (1 when
     none does): over a whole grid a parameter with elements has a non-empty piece, so cells
     of one size need no numel at all; otherwise cells are tried largest first."""
@@ -754,7 +781,8 @@ def _largest_held(cells: dict[Any, list[int]], class_names: Sequence[str],
         return sizes.pop()
     for key, cell in sorted(cells.items(), key=lambda kv: -len(kv[1])):
         at = [c for _dim, c, _pl in key]
-        if any(spec_numel(shapes[name][0], spec, mesh_shape, at) for name in class_names):
+        if any(spec_numel(shapes[name][0], spec, mesh_shape, at, nested=kind == DERIVED_NESTED)
+               for name in class_names):
             return len(cell)
     return 1
 
@@ -770,7 +798,7 @@ def _check_pieces(
     piece's holders are the ranks of its cell whose numel there is not zero; they agree on
     its size and the pieces tile each parameter once. Records ``mine[name]`` for ``rank``;
     returns the most holders of a piece (1 when none)."""
-    slot_of = {g: (slot, spec, derived) for g, slot, spec, derived in sig}
+    slot_of = {g: (slot, spec, kind) for g, slot, spec, kind in sig}
     largest = 1
     for name in class_names:
         shape = shapes[name][0]
@@ -778,9 +806,10 @@ def _check_pieces(
         for key, cell in cells.items():
             size: dict[int, int] = {}
             for g in dict.fromkeys(rank_group[r] for r in cell):
-                slot, spec, derived = slot_of[g]
-                size[g] = numel_of[g][name] if not derived else spec_numel(
-                    shape, spec, descs[g].meshes[slot], [c for _dim, c, _pl in key]) or 0
+                slot, spec, kind = slot_of[g]
+                size[g] = numel_of[g][name] if not kind else spec_numel(
+                    shape, spec, descs[g].meshes[slot], [c for _dim, c, _pl in key],
+                    nested=kind == DERIVED_NESTED) or 0
             held = [g for g, n in size.items() if n]
             if not held:
                 continue
@@ -812,7 +841,7 @@ def _check_cells(
 ) -> None:
     """Holders of one piece agree on its size; distinct pieces tile each parameter once (every
     numel explicit)."""
-    groups = [g for g, _slot, _spec, _derived in sig]
+    groups = [g for g, _slot, _spec, _kind in sig]
     per_group = {g: 0 for g in groups}  # distinct pieces whose lowest holder is in group g
     seen_sets: set[tuple[int, ...]] = set()
     for cell in cells.values():

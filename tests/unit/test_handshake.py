@@ -40,6 +40,16 @@ def numel_of(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[i
     return total
 
 
+def fsdp2_numel(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+                placements: list[Any]) -> int:
+    """The numel FSDP2 holds: it chunks the tensor-parallel local tensor, i.e. torch's rule
+    with the Shard dims first and the _StridedShard dims (as plain shards) after them."""
+    order = sorted(range(len(placements)), key=lambda i: isinstance(placements[i], _StridedShard))
+    plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements]
+    return numel_of(shape, tuple(mesh_shape[i] for i in order), tuple(coord[i] for i in order),
+                    [plain[i] for i in order])
+
+
 def random_world(rng: random.Random) -> tuple[list[Rank], list[list[int] | None]]:
     """Every rank's pieces (built by the production piece_from_placements) and stage lists."""
     stages = rng.choice([1, 1, 2, 3])
@@ -65,7 +75,9 @@ def random_world(rng: random.Random) -> tuple[list[Rank], list[list[int] | None]
                 placements.append(Shard(tdim))
             else:
                 placements.append(_StridedShard(tdim, split_factor=rng.choice([1, 2])))
-        templates.append((shape, kind, dims, placements))
+        # laid out by torch's rule (distribute_tensor) or as FSDP2 holds strided shards
+        layout = rng.choice([numel_of, fsdp2_numel])
+        templates.append((shape, kind, dims, placements, layout))
     world = stages * inner
     per_rank: list[Rank] = []
     stage_lists: list[list[int] | None] = []
@@ -73,7 +85,7 @@ def random_world(rng: random.Random) -> tuple[list[Rank], list[list[int] | None]
         stage, within = divmod(r, inner)
         coord = unravel(within, mesh_shape)
         pieces: Rank = []
-        for i, (shape, kind, dims, placements) in enumerate(templates):
+        for i, (shape, kind, dims, placements, layout) in enumerate(templates):
             name = f"s{stage}.p{i}" if stages > 1 else f"p{i}"
             if kind == "whole":
                 n = 1
@@ -84,7 +96,7 @@ def random_world(rng: random.Random) -> tuple[list[Rank], list[list[int] | None]
             sub_shape = tuple(mesh_shape[d] for d in dims)
             sub_coord = tuple(coord[d] for d in dims)
             try:
-                n = numel_of(shape, sub_shape, sub_coord, placements)
+                n = layout(shape, sub_shape, sub_coord, placements)
             except Exception:
                 n = 1  # a placement torch cannot lay out here: an arbitrary (maybe bad) piece
             pieces.append(piece_from_placements(name, shape, placements, ("mesh", tuple(dims)),
@@ -215,6 +227,7 @@ def test_derived_layout_equals_build_layout(seed: int) -> None:
     assert paths == [agreeable] * len(paths), seed
     if seed % 3 != 2 and stages[0] is None and meshes is not None and standard(per_rank):
         assert paths == [True] * len(per_rank), seed  # uneven and empty shards included
+    # (strided shards laid out by torch's rule where it differs from FSDP2's take the records)
     if "LayoutMismatchError" in outcomes:
         assert outcomes == {"LayoutMismatchError"}  # every rank refuses alike
 
@@ -373,22 +386,23 @@ def test_coordinate_table_of_device_meshes_equals_every_ranks_coordinates() -> N
     assert tables[0].shape == (world, 3 + 1 + 2 + 2 + 1 + 2)
 
 
-def torch_numel(piece: LocalPiece) -> int | None:
-    """The local numel torch's DTensor rules give ``piece`` at its coordinates, from its key's
-    placements (None: torch cannot lay it out)."""
+def fsdp2_layout_numel(piece: LocalPiece) -> int | None:
+    """The local numel of ``piece`` at its coordinates as FSDP2 lays it out (torch's rule when
+    no _StridedShard), from its key's placements (None: torch cannot lay it out)."""
     namespace = {"Shard": Shard, "_StridedShard": _StridedShard}
     placements = [eval(pl, namespace) for _dim, _c, pl in piece.key]  # keys hold reprs
     try:
-        return numel_of(piece.global_shape,
-                        tuple(piece.mesh_shape[d] for d, _c, _pl in piece.key),
-                        tuple(c for _d, c, _pl in piece.key), placements)
+        return fsdp2_numel(piece.global_shape,
+                           tuple(piece.mesh_shape[d] for d, _c, _pl in piece.key),
+                           tuple(c for _d, c, _pl in piece.key), placements)
     except Exception:
         return None
 
 
 def standard(per_rank: list[Rank]) -> bool:
-    """Every DTensor piece's numel is what torch's rules give at the rank's coordinates."""
-    return all(p.numel == torch_numel(p) for pieces in per_rank for p in pieces
+    """Every DTensor piece's numel is what the standard rules give at the rank's coordinates
+    (torch's; for strided shards FSDP2's nested layout)."""
+    return all(p.numel == fsdp2_layout_numel(p) for pieces in per_rank for p in pieces
                if p.mesh is not None)
 
 
@@ -427,6 +441,71 @@ def test_spec_numel_equals_torch_and_tiles() -> None:
     assert handshake.spec_numel((4,), ((0, "Partial(sum)"),), (2,), [0]) is None
     assert handshake.spec_numel((4,), ((0, "Shard(dim=0)"),), (2,), [2]) is None
     assert handshake.spec_numel((4,), ((0, "Shard(dim=0)"),), (-1,), [0]) is None
+
+
+def chunk(size: int, parts: int, at: int) -> int:
+    """torch.chunk's piece ``at`` of ``size`` in ``parts`` (empty pieces past the end)."""
+    pieces = torch.arange(size).chunk(parts) if size else ()
+    return len(pieces[at]) if at < len(pieces) else 0
+
+
+def test_nested_rule_is_fsdp2s_layout_and_tiles() -> None:
+    """spec_numel(nested=True) is FSDP2's layout of a tensor-parallel DTensor (the TP-local
+    rows chunked over the data-parallel dim: chunk(chunk(rows, tp, t), dp, d)); torch's rule
+    differs from it for some uneven sizes; both tile the tensor over every coordinate."""
+    differ = 0
+    for rows in range(0, 40):
+        for dp, tp in ((1, 2), (2, 2), (3, 2), (4, 2), (3, 3), (4, 3)):
+            spec = ((0, repr(_StridedShard(0, split_factor=tp))), (1, repr(Shard(0))))
+            nested = flat = 0
+            for d in range(dp):
+                for t in range(tp):
+                    got = handshake.spec_numel((rows, 2), spec, (dp, tp), [d, t], nested=True)
+                    assert got == 2 * chunk(chunk(rows, tp, t), dp, d), (rows, dp, tp, d, t)
+                    torch_rule = handshake.spec_numel((rows, 2), spec, (dp, tp), [d, t])
+                    differ += torch_rule != got
+                    nested, flat = nested + got, flat + torch_rule
+            assert nested == flat == 2 * rows
+    assert differ > 0
+
+
+def test_real_fsdp2_over_tp_uneven_shards_describe_alike() -> None:
+    """Real fully_shard over a tensor-parallel DTensor (a fake process group per rank, one
+    process; 8 ranks on a (4, 2) mesh, a 50,257-row vocabulary): the local sizes FSDP2 holds
+    differ from torch's rule on some ranks, match the nested rule on every rank, and every
+    rank describes the piece alike."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world, descs, torch_rule = 8, set(), 0
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+            model = nn.Module()
+            model.w = nn.Parameter(distribute_tensor(torch.zeros(50257, 3), mesh["tp"],
+                                                     [Shard(0)], src_data_rank=None))
+            fully_shard(model, mesh=mesh["dp"])
+            param = model.w
+            assert "_StridedShard" in repr(param.placements)
+            # The root mesh's coordinates: one process reuses rank 0's mesh for the
+            # parameter (the fake group's cache), real ranks each hold their own.
+            coord = mesh.get_coordinate()
+            piece = piece_from_placements("w", tuple(param.shape), param.placements, "2d",
+                                          coord, param.to_local().numel(),
+                                          mesh_shape=tuple(mesh.shape))
+            torch_rule += piece.numel != numel_of((50257, 3), (4, 2), tuple(coord),
+                                                  list(param.placements))
+            desc, _record = handshake.describe([piece], version="v", config_hash="c", host="h")
+            assert desc.pieces[0][4] == handshake.DERIVED_NESTED, rank
+            descs.add(desc)
+        finally:
+            dist.destroy_process_group()
+    assert len(descs) == 1 and torch_rule > 0
 
 
 def test_uneven_shards_agree() -> None:
