@@ -6,11 +6,14 @@ the same model with its vocabulary padded so every shard is even), each rank's
 pieces are built by the production :func:`gradwatch.reduce.piece_from_placements` (real torch
 placements, local shard sizes by the chunking DTensor uses: uneven and empty shards included)
 and described by the production :func:`gradwatch.handshake.describe`. Ranks whose pieces are
-the same (same stage, same local shard sizes) share one description, as the digests make them
-share it in a real run; their records differ only in coordinates, stage group and host, which
-are filled per rank. :func:`self_check` proves those shortcuts on a small world: the local sizes
-equal torch's ``_compute_local_shape_and_global_offset`` and the records equal a full
-``describe`` of every rank.
+the same (same stage, same local shard sizes) share one description object; their records
+differ only in coordinates, stage group and host, which are filled per rank. Standard uneven
+shards are described alike on every rank (their sizes are derived from the spec), so ranks of
+one stage share one digest, as in a real run. :func:`self_check` proves those shortcuts on a
+small world: the local sizes equal torch's ``_compute_local_shape_and_global_offset`` (for
+FSDP2 over TP, applied as FSDP2 shards: the TP shard first, then the data-parallel chunks of
+the TP-local rows), the records equal a full ``describe`` of every rank, and the ranks of one
+stage share one digest.
 
 The meshes are simulated too: each carries the grid of its copies over the world
 (``rank_grid``, what the handshake reads of a torch DeviceMesh), from which phase 0 derives
@@ -47,8 +50,9 @@ from gradwatch.reduce import LocalPiece, derive_layout, piece_from_placements
 
 CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP", "HSDP, even shards")
 #: The case whose model pads its vocabulary to a multiple of 128 (50,304, as GPT-2 training
-#: code does): every sharded dimension then divides by the shard degree (8), every rank holds
-#: the same shard sizes and the world takes phase 0's agreed path at every size.
+#: code does): every sharded dimension then divides by the shard degree (8) and every rank
+#: holds the same shard sizes (the unpadded HSDP case agrees as well: uneven shards are
+#: described alike; this one shows the padding changes nothing in the handshake).
 EVEN_CASE = "HSDP, even shards"
 EVEN_VOCAB = 50304
 WORLDS = (8, 64, 1024, 16384)
@@ -203,7 +207,8 @@ def rank_pieces(spec: Spec, params: Sequence[Param], rank: int) -> list[LocalPie
             out.append(LocalPiece(p.name, p.shape, ("whole",), numel))
         else:
             out.append(piece_from_placements(p.name, p.shape, placements, token,
-                                             spec.mesh_coords(token, rank), numel))
+                                             spec.mesh_coords(token, rank), numel,
+                                             mesh_shape=spec.mesh_shape(token)))
     return out
 
 
@@ -212,8 +217,9 @@ def _describe(spec: Spec, pieces: Sequence[LocalPiece], rank: int) -> tuple[Any,
                               stage_ranks=spec.stage_ranks(rank), host=f"node{rank // 8}")
 
 
-def simulated_ranks(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, Any]]:
-    """Every rank's (description, record): one full description per distinct structure."""
+def structures(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, ...]]:
+    """Per rank, its structure: its stage and its local shard sizes (ranks of one structure
+    hold the same pieces up to coordinates; cheap: one size per distinct parameter kind)."""
     templates: dict[int, list[tuple[Param, str]]] = {}
     for stage in range(spec.pp):
         seen: dict[tuple[Any, ...], tuple[Param, str]] = {}
@@ -221,11 +227,20 @@ def simulated_ranks(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, Any]
             _token, _pl, how = spec.placement(p)
             seen.setdefault((p.shape, how), (p, how))
         templates[stage] = list(seen.values())
-    memo: dict[tuple[Any, ...], tuple[Any, Any, list[Any]]] = {}
     out = []
     for rank in range(spec.world):
         stage = spec.coords(rank)[0]
-        sig = (stage, tuple(spec.local_numel(p, how, rank) for p, how in templates[stage]))
+        out.append((stage, tuple(spec.local_numel(p, how, rank) for p, how in templates[stage])))
+    return out
+
+
+def simulated_ranks(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, Any]]:
+    """Every rank's (description, record): one full description per distinct structure (its
+    digest tells whether ranks of several structures describe alike: standard uneven shards
+    do)."""
+    memo: dict[tuple[Any, ...], tuple[Any, Any, list[Any]]] = {}
+    out = []
+    for rank, sig in enumerate(structures(spec, params)):
         hit = memo.get(sig)
         if hit is None:
             pieces = rank_pieces(spec, params, rank)
@@ -257,11 +272,20 @@ def self_check(world: int = 8, params: Sequence[Param] | None = None) -> None:
                                 strict=True):
                 token, placements, _how = spec.placement(p)
                 if token is not None:
+                    # FSDP2 chunks the TP-local tensor: torch's rule with the TP dim first
+                    order = sorted(range(len(placements)),
+                                   key=lambda i: isinstance(placements[i], _StridedShard))
+                    shape, coords = spec.mesh_shape(token), spec.mesh_coords(token, rank)
                     local, _ = _compute_local_shape_and_global_offset(
-                        p.shape, spec.mesh_shape(token), list(spec.mesh_coords(token, rank)),
-                        placements)
+                        p.shape, [shape[i] for i in order], [coords[i] for i in order],
+                        [Shard(placements[i].dim) if isinstance(placements[i], _StridedShard)
+                         else placements[i] for i in order])
                     assert _prod(local) == piece.numel, (case, rank, p, local, piece.numel)
             assert simulated[rank] == _describe(spec, pieces, rank), (case, rank)
+        stages: dict[int, set[bytes]] = {}
+        for rank, (_desc, record) in enumerate(simulated):
+            stages.setdefault(spec.coords(rank)[0], set()).add(record.digest)
+        assert all(len(digests) == 1 for digests in stages.values()), case
         # The simulated meshes place every rank where its record does (the agreed path's
         # coordinate table is the records' coordinates).
         table = handshake.coordinate_table(simulated_meshes(spec, params), world)
@@ -273,12 +297,12 @@ def self_check(world: int = 8, params: Sequence[Param] | None = None) -> None:
 def _old_handshake_bytes(pairs: Sequence[tuple[Any, Any]], spec: Spec,
                          params: Sequence[Param]) -> int:
     """Received per rank by the former handshake: every rank's JSON description (keys with
-    coordinates), all-gathered padded to the longest, plus the lengths."""
+    coordinates, explicit local sizes), all-gathered padded to the longest, plus the lengths."""
     longest, seen = 0, set()
-    for rank, (_desc, record) in enumerate(pairs):
-        if record.digest in seen:
+    for rank, sig in enumerate(structures(spec, params)):
+        if sig in seen:
             continue
-        seen.add(record.digest)
+        seen.add(sig)
         pieces = rank_pieces(spec, params, rank)
         old = {"version": "v", "config": "c", "stage": spec.stage_ranks(rank),
                "pieces": [[p.name, list(p.global_shape), list(p.key), p.numel] for p in pieces]}

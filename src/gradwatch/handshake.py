@@ -3,10 +3,16 @@
 **Descriptions relative to meshes.** A rank describes each piece it holds by its name, global
 shape, local numel and *sharding spec*: the mesh dims whose placement is not ``Replicate`` and
 those placements, plus which of the rank's meshes the piece lives on (a slot index, in order of
-first appearance). The rank's coordinates on those meshes are *not* part of the description:
-every rank derives them from the meshes when all ranks agree (phase 0), else they travel as
-fixed-size per-rank records. Ranks with the same structure (every rank of one
-pipeline stage, up to uneven shard sizes) therefore produce byte-identical descriptions.
+first appearance) and that mesh's shape. The rank's coordinates on those meshes are *not* part
+of the description: every rank derives them from the meshes when all ranks agree (phase 0),
+else they travel as fixed-size per-rank records. Nor, usually, is the local numel: when it
+equals what the spec gives at the rank's coordinates (:func:`spec_numel`: torch's
+``compute_local_shape_and_global_offset`` rule, or for strided shards the nested layout FSDP2
+holds), the description says :data:`DERIVED` / :data:`DERIVED_NESTED` instead, the same on
+every rank, and :func:`derive` recomputes each rank's numel from its coordinates. Ranks with
+the same structure (every rank of one pipeline stage, uneven and empty shards included)
+therefore produce byte-identical descriptions; a numel no rule gives (an exotic layout) stays
+explicit, so its rank's digest differs and the records path below applies.
 
 **Phase 0, one fixed-size all-reduce** (:data:`PHASE0_BYTES` sent and received per rank,
 whatever the model and the world size). Every rank derives, from the meshes it holds, the
@@ -23,8 +29,8 @@ and nothing more travels, except the host names when the per-rank view is on (on
 of :data:`HOST_BYTES` per rank: that view already carries per-rank slots, see
 :mod:`gradwatch.reduce`; without it host names are not needed and not gathered).
 
-**Otherwise, the records** (pipeline stages, uneven shards, a mismatch, a mesh whose grid is
-unreadable): the former two phases follow, on every rank alike.
+**Otherwise, the records** (pipeline stages, shard sizes no rule gives, a mismatch, a mesh
+whose grid is unreadable): the former two phases follow, on every rank alike.
 
 1. One all-gather of a fixed-size record per rank (:data:`RECORD_BYTES`): the 16-byte BLAKE2b
    digest of the rank's canonical description, its length, the rank's stage group (size and
@@ -40,8 +46,14 @@ At most three collectives at construction, the same on every rank.
 descriptions plus the per-rank records, never on world x parameters entries: parameters with
 the same holders pattern (the same digest groups, specs and mesh slots) form a *class*; the
 ranks of a class are partitioned once by their piece keys (coordinates on the spec's dims), and
-every parameter of the class shares that partition. Work is about ``distinct descriptions x
-parameters + classes x world``. The result equals the tests' reference layout builder
+every parameter of the class shares that partition. Derived numels cost no ``world x
+parameters`` walk either: within one digest group the ranks of a cell share coordinates, hence
+equal pieces (all empty or all not); when the cells are the whole coordinate grid of the
+spec's mesh dims the rule's pieces tile every parameter exactly once (no sum needed), and the
+largest cell holding elements is found without a numel when the cells are of one size; only
+the rank's own pieces are computed. Classes mixing groups or partial grids (the records path)
+are checked piece by piece (``cells x parameters`` of that class). Work is about ``distinct
+descriptions x parameters + classes x world``. The result equals the tests' reference layout builder
 (``tests/helpers/layout_reference.py``) on the full per-rank descriptions (tests prove it over
 generated layouts): global names in order of
 first appearance over ranks, the lowest holder of each piece as its only contributor, replica
