@@ -93,11 +93,12 @@ def test_four_ranks_match_unsharded(w4: list, case: str, tol: float, parallelism
 
 @pytest.mark.timeout(240)
 def test_handshake_only_at_construction(w2: list, w4: list) -> None:
-    # One fixed-size all-reduce when every rank agrees; where ranks differ in structure
-    # (pipeline stages, uneven shard sizes) the all-gather of the records and the distinct
-    # descriptions once follow it: at most 3, the same count on every rank.
-    for world, case, expected in ((w2, "ddp_fp32", 1), (w2, "fsdp2_fp32_1e18", 3),
-                                  (w4, "pipeline_ddp", 3)):
+    # One fixed-size all-reduce when every rank agrees (uneven and empty FSDP2 shards
+    # included); where ranks differ in structure (pipeline stages) the all-gather of the
+    # records and the distinct descriptions once follow it: at most 3, the same count on
+    # every rank.
+    for world, case, expected in ((w2, "ddp_fp32", 1), (w2, "fsdp2_fp32_1e18", 1),
+                                  (w4, "fsdp2_fp64", 1), (w4, "pipeline_ddp", 3)):
         for res in _case(world, case):
             assert res["ctor_collectives"] == expected, case
     for res in _case(w2, "ddp_fp32") + _case(w4, "ddp_fp32"):
