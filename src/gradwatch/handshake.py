@@ -711,14 +711,18 @@ def derive(gathered: Gathered, rank: int) -> Derived:
         if not any(kind for _g, _slot, _spec, kind in sig):
             _check_cells(cells, class_names, sig, rank_group, members, numel_of, shapes)
             replicas = max([replicas, *map(len, cells.values())])
-        elif len(sig) == 1 and _whole_grid(cells, spec0, descs[g0].meshes[slot0]):
-            # One group, every coordinate of the spec's dims held: the derived pieces tile
-            # every parameter exactly once (spec_numel's rule), and the ranks of a cell hold
-            # equal pieces, all empty or all not. Work: cells, not cells x parameters.
+        elif all(kind == kind0 and spec == spec0 and descs[g].meshes[slot] ==
+                 descs[g0].meshes[slot0] for g, slot, spec, kind in sig) and _whole_grid(
+                     cells, spec0, descs[g0].meshes[slot0]):
+            # One rule on one mesh shape (one group, or groups differing elsewhere), every
+            # coordinate of the spec's dims held: the derived pieces tile every parameter
+            # exactly once (spec_numel's rule), and the ranks of a cell hold equal pieces,
+            # all empty or all not. Work: cells, not cells x parameters.
             replicas = max(replicas, _largest_held(cells, class_names, shapes, spec0,
                                                    descs[g0].meshes[slot0], kind0))
         else:
-            # Several groups, or a partial grid (the records path): piece by piece.
+            # Explicit and derived numels mixed, or a partial grid (the records path): piece
+            # by piece, cells x parameters of this class.
             replicas = max(replicas, _check_pieces(
                 cells, class_names, sig, rank_group, members, numel_of, shapes, descs,
                 rank, mine))
@@ -811,13 +815,15 @@ def _check_pieces(
     its size and the pieces tile each parameter once. Records ``mine[name]`` for ``rank``;
     returns the most holders of a piece (1 when none)."""
     slot_of = {g: (slot, spec, kind) for g, slot, spec, kind in sig}
+    in_cell = {key: tuple(dict.fromkeys(rank_group[r] for r in cell))
+               for key, cell in cells.items()}
     largest = 1
     for name in class_names:
         shape = shapes[name][0]
         covered = 0
         for key, cell in cells.items():
             size: dict[int, int] = {}
-            for g in dict.fromkeys(rank_group[r] for r in cell):
+            for g in in_cell[key]:
                 slot, spec, kind = slot_of[g]
                 size[g] = numel_of[g][name] if not kind else spec_numel(
                     shape, spec, descs[g].meshes[slot], [c for _dim, c, _pl in key],

@@ -425,7 +425,7 @@ def test_spec_numel_equals_torch_and_tiles() -> None:
             continue
         spec = tuple((d, repr(pl)) for d, pl in enumerate(placements)
                      if not isinstance(pl, Replicate))
-        total = 0
+        nested_total = 0
         cells = {}
         for r in range(1 if not mesh_shape else torch.tensor(mesh_shape).prod().item()):
             coord = unravel(r, mesh_shape)
@@ -434,9 +434,13 @@ def test_spec_numel_equals_torch_and_tiles() -> None:
             assert handshake.spec_numel(shape, spec, mesh_shape, at) == want, (
                 shape, mesh_shape, placements, coord)
             cells[tuple(at)] = want
+            nested_total += handshake.spec_numel(shape, spec, mesh_shape, at, nested=True)
             checked += 1
         total = sum(cells.values())
-        assert total == numel_of(shape, (1,), (0,), [Replicate()]), (shape, placements)
+        whole = numel_of(shape, (1,), (0,), [Replicate()])
+        # each distinct coordinate of the spec's dims recurs once per replicated position
+        copies = torch.tensor(mesh_shape).prod().item() // len(cells)
+        assert total == whole and nested_total == whole * copies, (shape, placements)
     assert checked > 1000
     assert handshake.spec_numel((4,), ((0, "Partial(sum)"),), (2,), [0]) is None
     assert handshake.spec_numel((4,), ((0, "Shard(dim=0)"),), (2,), [2]) is None
@@ -562,6 +566,19 @@ def test_uneven_copies_count_replicas_over_non_empty_pieces_only() -> None:
             want = reference(per_rank, [None] * 3, ["c"] * 3, rank)
             assert derive_layout(gathered, rank) == want
         assert want.replicas == len(shapes)
+
+
+def test_groups_differing_elsewhere_share_derived_pieces() -> None:
+    """Ranks whose descriptions differ only outside their pieces (a per-rank view asked by two
+    ranks of four) hold the same derived uneven pieces: the layout equals the reference's."""
+    per_rank = fsdp(4, 5, (6, 3))
+    gathered = handshake.simulate([
+        handshake.describe(pieces, version="v", config_hash="c", host=f"h{r}",
+                           rank_view=3 if r < 2 else 0)
+        for r, pieces in enumerate(per_rank)], dp_grid(4))
+    assert not gathered.agreed and gathered.rank_group == (0, 0, 1, 1)
+    for rank in range(4):
+        assert derive_layout(gathered, rank) == reference(per_rank, [None] * 4, ["c"] * 4, rank)
 
 
 def test_replica_slots_are_capped() -> None:
