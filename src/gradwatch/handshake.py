@@ -47,17 +47,18 @@ descriptions plus the per-rank records, never on world x parameters entries: par
 the same holders pattern (the same digest groups, specs and mesh slots) form a *class*; the
 ranks of a class are partitioned once by their piece keys (coordinates on the spec's dims), and
 every parameter of the class shares that partition. Derived numels cost no ``world x
-parameters`` walk either: within one digest group the ranks of a cell share coordinates, hence
-equal pieces (all empty or all not); when the cells are the whole coordinate grid of the
+parameters`` walk either: the ranks of a cell share coordinates, hence (one rule, one mesh
+shape) equal pieces, all empty or all not; when the cells are the whole coordinate grid of the
 spec's mesh dims the rule's pieces tile every parameter exactly once (no sum needed), and the
-largest cell holding elements is found without a numel when the cells are of one size; only
-the rank's own pieces are computed. Classes mixing groups or partial grids (the records path)
-are checked piece by piece (``cells x parameters`` of that class). Work is about ``distinct
-descriptions x parameters + classes x world``. The result equals the tests' reference layout builder
-(``tests/helpers/layout_reference.py``) on the full per-rank descriptions (tests prove it over
-generated layouts): global names in order of
-first appearance over ranks, the lowest holder of each piece as its only contributor, replica
-slots for the most replicated pieces, and the same consistency checks. Mismatches raise
+largest cell holding elements is found without a numel when the cells are of one size; only the
+rank's own pieces are computed. Classes mixing explicit and derived numels, or covering part of
+a grid (the records path), are checked piece by piece (``cells x parameters`` of that class,
+vectorized over cells).
+Work is about ``distinct descriptions x parameters + classes x world``. The result equals the
+tests' reference layout builder (``tests/helpers/layout_reference.py``) on the full per-rank
+descriptions (tests prove it over generated layouts): global names in order of first appearance
+over ranks, the lowest holder of each piece as its only contributor, replica slots for the most
+replicated pieces, and the same consistency checks. Mismatches raise
 :class:`LayoutMismatchError` on every rank alike, naming the digest groups (their ranks) and
 one differing parameter.
 
@@ -805,55 +806,106 @@ def _largest_held(cells: dict[Any, list[int]], class_names: Sequence[str],
 
 def _check_pieces(
     cells: dict[Any, list[int]], class_names: Sequence[str],
-    sig: Sequence[tuple[int, int, Any, bool]], rank_group: Sequence[int],
+    sig: Sequence[tuple[int, int, Any, int]], rank_group: Sequence[int],
     members: Sequence[Sequence[int]], numel_of: Sequence[dict[str, int]],
     shapes: dict[str, tuple[tuple[int, ...], int]], descs: Sequence[Description], rank: int,
     mine: dict[Any, tuple[int, int, int]],
 ) -> int:
-    """A class whose groups' numels may differ cell by cell (derived in some group): each
-    piece's holders are the ranks of its cell whose numel there is not zero; they agree on
-    its size and the pieces tile each parameter once. Records ``mine[name]`` for ``rank``;
-    returns the most holders of a piece (1 when none)."""
-    slot_of = {g: (slot, spec, kind) for g, slot, spec, kind in sig}
-    in_cell = {key: tuple(dict.fromkeys(rank_group[r] for r in cell))
-               for key, cell in cells.items()}
+    """A class whose groups' numels may differ cell by cell (explicit and derived mixed, or a
+    partial grid): each piece's holders are the ranks of its cell whose numel there is not
+    zero; they agree on its size and the pieces tile each parameter once. Records
+    ``mine[name]`` for ``rank``; returns the most holders of a piece (1 when none).
+    Vectorized over cells (int64 tensors): a few tensor ops per parameter, not a Python step
+    per cell and parameter."""
+    keys = list(cells)
+    groups = list(dict.fromkeys(g for g, _slot, _spec, _kind in sig))
+    col = {g: i for i, g in enumerate(groups)}
+    pairs = [(k, col[rank_group[r]]) for k, key in enumerate(keys) for r in cells[key]]
+    count = torch.zeros(len(keys) * len(groups), dtype=torch.int64)
+    count.index_add_(0, torch.tensor([k * len(groups) + c for k, c in pairs], dtype=torch.int64),
+                     torch.ones(len(pairs), dtype=torch.int64))
+    count = count.view(len(keys), len(groups))
+    present = count > 0
+    where: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # derived group -> (cells, coords)
+    for g, _slot, spec, kind in sig:
+        if kind:
+            at = present[:, col[g]].nonzero().flatten()
+            where[g] = at, torch.tensor([[c for _d, c, _pl in keys[k]] for k in at.tolist()],
+                                        dtype=torch.int64).view(len(at), len(spec))
+    own_k = next((k for k, key in enumerate(keys) if rank in cells[key]), None)
     largest = 1
     for name in class_names:
         shape = shapes[name][0]
-        covered = 0
-        for key, cell in cells.items():
-            size: dict[int, int] = {}
-            for g in in_cell[key]:
-                slot, spec, kind = slot_of[g]
-                size[g] = numel_of[g][name] if not kind else spec_numel(
-                    shape, spec, descs[g].meshes[slot], [c for _dim, c, _pl in key],
-                    nested=kind == DERIVED_NESTED) or 0
-            held = [g for g, n in size.items() if n]
-            if not held:
-                continue
-            if any(size[g] != size[held[0]] for g in held):
-                a = held[0]
-                b = next(g for g in held if size[g] != size[a])
-                raise LayoutMismatchError(
-                    f"gradwatch: {_groups_text(members, [a, b])} hold the same piece of "
-                    f"{name!r} with different sizes ({size[a]} and {size[b]} elements)"
-                )
-            covered += size[held[0]]
-            holders = [r for r in cell if size[rank_group[r]]] if len(held) < len(size) else cell
-            largest = max(largest, len(holders))
-            if rank_group[rank] in size and rank in holders:
-                mine[name] = (holders[0], holders.index(rank), len(holders))
+        size = torch.zeros(len(keys), len(groups), dtype=torch.int64)
+        for g, slot, spec, kind in sig:
+            if kind:
+                at, coords = where[g]
+                size[at, col[g]] = _spec_numels(shape, spec, descs[g].meshes[slot], coords,
+                                                kind == DERIVED_NESTED)
+            else:
+                size[:, col[g]] = numel_of[g][name]
+        held = present & (size > 0)
+        top = torch.where(held, size, -1).max(1).values
+        low = torch.where(held, size, top.max() + 1).min(1).values
+        bad = (held.any(1) & (top != low)).nonzero().flatten()
+        if len(bad):
+            k = int(bad[0])
+            order = [g for g in dict.fromkeys(rank_group[r] for r in cells[keys[k]])
+                     if held[k, col[g]]]
+            a = order[0]
+            b = next(g for g in order if int(size[k, col[g]]) != int(size[k, col[a]]))
+            raise LayoutMismatchError(
+                f"gradwatch: {_groups_text(members, [a, b])} hold the same piece of "
+                f"{name!r} with different sizes ({int(size[k, col[a]])} and "
+                f"{int(size[k, col[b]])} elements)"
+            )
+        covered = int(top.clamp(min=0).sum())
         if covered not in (0, _prod(shape)):
             raise LayoutMismatchError(
                 f"gradwatch: the shards of {name!r} cover {covered} of {_prod(shape)} "
                 "elements; its placements are not understood (please report this layout)"
             )
+        largest = max(largest, int((count * held).sum(1).max()) if len(keys) else 1)
+        if own_k is not None and held[own_k, col[rank_group[rank]]]:
+            holders = [r for r in cells[keys[own_k]] if held[own_k, col[rank_group[r]]]]
+            mine[name] = (holders[0], holders.index(rank), len(holders))
     return largest
+
+
+def _spec_numels(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
+                 mesh_shape: Sequence[int], coords: torch.Tensor, nested: bool) -> torch.Tensor:
+    """:func:`spec_numel` at many coordinates at once (``coords``: int64 ``(n, len(spec))``,
+    every row valid: the ranks there derived their numel with it); tests hold the two equal."""
+    local = [torch.full((coords.shape[0],), s, dtype=torch.int64) for s in global_shape]
+    steps = []
+    for i, (mesh_dim, placement) in enumerate(spec):
+        tdim, factor = _placement_rule(placement) or (0, 0)
+        steps.append((tdim, 0 if nested else factor, mesh_shape[mesh_dim], coords[:, i],
+                      nested and factor > 0))
+    if nested:
+        steps.sort(key=lambda step: step[4])
+    for tdim, factor, parts, at, _strided in steps:
+        size = local[tdim]
+        if factor == 0:
+            local[tdim] = _chunks(size, parts, at)
+        else:
+            local[tdim] = sum((_chunks(_chunks(size, factor, torch.full_like(at, j)), parts, at)
+                               for j in range(factor)), torch.zeros_like(at))
+    total = torch.ones(coords.shape[0], dtype=torch.int64)
+    for s in local:
+        total = total * s
+    return total
+
+
+def _chunks(size: torch.Tensor, parts: int, at: torch.Tensor) -> torch.Tensor:
+    """:func:`_chunk` elementwise."""
+    full = (size + parts - 1) // parts
+    return (torch.minimum(size, full * (at + 1)) - full * at).clamp(min=0)
 
 
 def _check_cells(
     cells: dict[Any, list[int]], class_names: Sequence[str],
-    sig: Sequence[tuple[int, int, Any, bool]], rank_group: Sequence[int],
+    sig: Sequence[tuple[int, int, Any, int]], rank_group: Sequence[int],
     members: Sequence[Sequence[int]], numel_of: Sequence[dict[str, int]],
     shapes: dict[str, tuple[tuple[int, ...], int]],
 ) -> None:

@@ -438,6 +438,12 @@ def test_spec_numel_equals_torch_and_tiles() -> None:
             checked += 1
         total = sum(cells.values())
         whole = numel_of(shape, (1,), (0,), [Replicate()])
+        # the vectorized form derive() uses on mixed classes gives the same numbers
+        at_all = torch.tensor(list(cells), dtype=torch.int64).view(len(cells), len(spec))
+        for nested in (False, True):
+            assert handshake._spec_numels(shape, spec, mesh_shape, at_all, nested).tolist() == [
+                handshake.spec_numel(shape, spec, mesh_shape, list(at), nested=nested)
+                for at in cells]
         # each distinct coordinate of the spec's dims recurs once per replicated position
         copies = torch.tensor(mesh_shape).prod().item() // len(cells)
         assert total == whole and nested_total == whole * copies, (shape, placements)
@@ -592,11 +598,13 @@ def test_replica_slots_are_capped() -> None:
                                                   (-1,)]
 
 
-def test_mismatch_names_digest_groups_and_a_parameter() -> None:
-    per_rank = fsdp(4, 3)
+@pytest.mark.parametrize("shape", [(8, 3), (6, 3)])  # even; uneven with an empty shard
+def test_mismatch_names_digest_groups_and_a_parameter(shape: tuple[int, ...]) -> None:
+    per_rank = fsdp(4, 3, shape)
     per_rank[2] = per_rank[2][:2]  # rank 2 lacks p2
+    assert not describe_world(per_rank, meshes=dp_grid(4)).agreed
     with pytest.raises(LayoutMismatchError) as err:
-        derive_layout(describe_world(per_rank), 0)
+        derive_layout(describe_world(per_rank, meshes=dp_grid(4)), 0)
     text = str(err.value)
     assert "digest group 1 (ranks 2)" in text and "'p2'" in text
     assert "digest group 0 (ranks 0-1, 3)" in text and "different models" in text
