@@ -679,7 +679,7 @@ def derive(gathered: Gathered, rank: int) -> Derived:
     # Classes: parameters held (non-empty, or with numels derived from the spec) by the same
     # groups with the same specs, mesh slots and numel kind share one partition of ranks into
     # pieces.
-    sigs: dict[str, list[tuple[int, int, Any, bool]]] = {}
+    sigs: dict[str, list[tuple[int, int, Any, int]]] = {}
     numel_of: list[dict[str, int]] = []
     for g, d in enumerate(descs):
         numel_of.append({p[0]: p[4] for p in d.pieces})
