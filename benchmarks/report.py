@@ -302,18 +302,24 @@ SCALE_GIB_TARGET = Target(1.0, " GiB")
 SCALE_TEXT = (
     "Simulated ranks (`benchmarks/scale.py`): a 3,000-parameter transformer-like model (187 "
     "layers of 16 parameters, d=4096, ffn=11008, vocab=50257: uneven and empty shards at "
-    "every size) under each parallelism. Every rank's pieces are built by the production "
-    "`piece_from_placements` and described by the production `handshake.describe` (ranks of "
-    "the same structure share one description, as their digests make them share it in a real "
-    "run; a self-check compares the shortcuts with torch's shard sizes and a full describe of "
-    "every rank on 8 ranks). *Layout step*: what each rank runs after the exchange: "
-    "decoding the records and distinct descriptions and deriving the layout, wall time on one "
-    "core and peak Python memory (tracemalloc). *Handshake per rank*: bytes of the tensors this "
-    "rank passes to the handshake's collectives, sent / received (a fixed-size record, plus "
-    "each distinct description once when they differ); *former handshake*: what the previous "
-    "all-gather of every rank's full JSON description received per rank. *Per-step vector*: "
-    "the one float64 all-reduce per collect (`5N + R + 1` values, R replica slots capped at "
-    "64). See [scale.md](scale.md) for the cost model.\n"
+    "every size) under each parallelism, and HSDP of the same model with its vocabulary padded "
+    "to 50,304 (every shard even). Every rank's pieces are built by the production "
+    "`piece_from_placements` and described by the production `handshake.describe` (ranks with "
+    "the same shard sizes share one description object; standard uneven and empty shards are "
+    "described alike, their sizes derived from the spec, so every rank of a stage has one "
+    "digest, as in a real run; a self-check compares the shortcuts with torch's shard sizes, "
+    "FSDP2 over TP as FSDP2 shards it, and a full describe of every rank on 8 ranks); each "
+    "simulated mesh carries the grid of its copies, as a torch "
+    "DeviceMesh does. *Layout step*: what each rank runs after phase 0's vote: the coordinate "
+    "table, decoding the records and distinct descriptions (records path only) and deriving "
+    "the layout, wall time on one core and peak Python memory (tracemalloc). *Handshake "
+    "path*: *agreed* when every rank holds the same description and no stage group (phase 0's "
+    "fixed-size all-reduce alone), else *records* (the per-rank records all-gathered, plus "
+    "each distinct description once when they differ). *Handshake per rank*: bytes of the "
+    "tensors this rank passes to the handshake's collectives, sent / received; *former "
+    "handshake*: what the previous all-gather of every rank's full JSON description received "
+    "per rank. *Per-step vector*: the one float64 all-reduce per collect (`5N + R + 1` values, "
+    "R replica slots capped at 64). See [scale.md](scale.md) for the cost model.\n"
 )
 
 
@@ -321,10 +327,11 @@ def scale_table(results: Sequence[ScaleResult]) -> str:
     if not results:
         return "skipped"
     return table(
-        ["case", "ranks", "mesh", "distinct descriptions", "layout step", "peak memory",
-         "handshake per rank (sent / received)", "former handshake (received)",
+        ["case", "ranks", "mesh", "distinct descriptions", "handshake path", "layout step",
+         "peak memory", "handshake per rank (sent / received)", "former handshake (received)",
          "per-step vector (R)"],
-        [[r.case, f"{r.world:,}", r.mesh, r.distinct, f"{r.seconds:.2f} s",
+        [[r.case, f"{r.world:,}", r.mesh, r.distinct,
+          "agreed (phase 0 only)" if r.agreed else "records", f"{r.seconds:.2f} s",
           fmt_bytes(r.peak_bytes), f"{fmt_bytes(r.sent_bytes)} / {fmt_bytes(r.received_bytes)}",
           fmt_bytes(r.old_received_bytes), f"{fmt_bytes(r.packed_bytes)} ({r.replicas})"]
          for r in results])

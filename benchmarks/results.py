@@ -444,6 +444,7 @@ class ScaleResult:
     old_received_bytes: int  # the former all-gather of every rank's JSON description
     packed_bytes: int  # the per-step all-reduce vector
     replicas: int  # replica slots in it
+    agreed: bool = False  # phase 0 alone (every rank agrees), else the records path
 
 
 @dataclass

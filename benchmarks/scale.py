@@ -1,20 +1,29 @@
 """Construction at scale, simulated: the handshake's layout step for thousands of ranks.
 
 No machine here has 16,384 ranks, so the ranks are simulated: for a 3,000-parameter
-transformer-like model under DDP, FSDP2, FSDP2 x TP, HSDP and PP x FSDP2 x TP, each rank's
+transformer-like model under DDP, FSDP2, FSDP2 x TP, HSDP and PP x FSDP2 x TP (and HSDP of
+the same model with its vocabulary padded so every shard is even), each rank's
 pieces are built by the production :func:`gradwatch.reduce.piece_from_placements` (real torch
 placements, local shard sizes by the chunking DTensor uses: uneven and empty shards included)
 and described by the production :func:`gradwatch.handshake.describe`. Ranks whose pieces are
-the same (same stage, same local shard sizes) share one description, as the digests make them
-share it in a real run; their records differ only in coordinates, stage group and host, which
-are filled per rank. :func:`self_check` proves those shortcuts on a small world: the local sizes
-equal torch's ``_compute_local_shape_and_global_offset`` and the records equal a full
-``describe`` of every rank.
+the same (same stage, same local shard sizes) share one description object; their records
+differ only in coordinates, stage group and host, which are filled per rank. Standard uneven
+shards are described alike on every rank (their sizes are derived from the spec), so ranks of
+one stage share one digest, as in a real run. :func:`self_check` proves those shortcuts on a
+small world: the local sizes equal torch's ``_compute_local_shape_and_global_offset`` (for
+FSDP2 over TP, applied as FSDP2 shards: the TP shard first, then the data-parallel chunks of
+the TP-local rows), the records equal a full ``describe`` of every rank, and the ranks of one
+stage share one digest.
 
-Measured: the layout step every rank runs after receiving the records (and, when descriptions
-differ, the distinct descriptions): decoding them and deriving the layout
-(:func:`gradwatch.handshake.simulate` + :func:`gradwatch.reduce.derive_layout`), its wall time
-on one core and its peak Python memory (tracemalloc), and the handshake bytes per rank
+The meshes are simulated too: each carries the grid of its copies over the world
+(``rank_grid``, what the handshake reads of a torch DeviceMesh), from which phase 0 derives
+every rank's coordinates; the self-check proves the derived coordinates equal the records'.
+
+Measured: the layout step every rank runs after the exchange: phase 0's coordinate table and
+vote, decoding the records (and, when descriptions differ, the distinct descriptions) unless
+every rank agrees, and deriving the layout (:func:`gradwatch.handshake.simulate` +
+:func:`gradwatch.reduce.derive_layout`), its wall time on one core and its peak Python memory
+(tracemalloc), which handshake path the world takes, and the handshake bytes per rank
 (:func:`gradwatch.handshake.bytes_per_rank`), next to what the former handshake (every rank's
 JSON description all-gathered, padded to the longest) would have received.
 """
@@ -30,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -38,7 +48,13 @@ from benchmarks.results import ScaleResult
 from gradwatch import handshake
 from gradwatch.reduce import LocalPiece, derive_layout, piece_from_placements
 
-CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP")
+CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP", "HSDP, even shards")
+#: The case whose model pads its vocabulary to a multiple of 128 (50,304, as GPT-2 training
+#: code does): every sharded dimension then divides by the shard degree (8) and every rank
+#: holds the same shard sizes (the unpadded HSDP case agrees as well: uneven shards are
+#: described alike; this one shows the padding changes nothing in the handshake).
+EVEN_CASE = "HSDP, even shards"
+EVEN_VOCAB = 50304
 WORLDS = (8, 64, 1024, 16384)
 
 
@@ -144,6 +160,20 @@ class Spec:
     def mesh_shape(self, token: Any) -> tuple[int, ...]:
         return {"dp": (self.dp,), "2d": (self.dp, self.tp), "hsdp": (self.rep, self.dp)}[token]
 
+    def rank_grid(self, token: Any) -> torch.Tensor:
+        """Every copy of the ``token`` mesh over the world, as a torch DeviceMesh holds them
+        (``_layout.remap_to_tensor(_rank_map)``): ranks of shape ``(copies, *mesh shape)``,
+        copies ordered by the coordinates the mesh does not span."""
+        shape = self.mesh_shape(token)
+        copies: dict[tuple[int, ...], torch.Tensor] = {}
+        for rank in range(self.world):
+            s, r, _d, t = self.coords(rank)
+            other = {"dp": (s, r, t), "2d": (s, r), "hsdp": (s, t)}[token]
+            if other not in copies:
+                copies[other] = torch.full(shape, -1, dtype=torch.int64)
+            copies[other][self.mesh_coords(token, rank)] = rank
+        return torch.stack([copies[k] for k in sorted(copies)])
+
     def stage_ranks(self, rank: int) -> list[int] | None:
         if self.pp == 1:
             return None
@@ -159,8 +189,8 @@ def spec_for(case: str, world: int) -> Spec:
         return Spec(case, world, dp=world)
     if case == "FSDP2 x TP":
         return Spec(case, world, dp=world // tp, tp=tp)
-    if case == "HSDP":
-        return Spec(case, world, rep=world // 8 if world >= 16 else 2,
+    if case in ("HSDP", EVEN_CASE):
+        return Spec("HSDP", world, rep=world // 8 if world >= 16 else 2,
                     dp=8 if world >= 16 else world // 2)
     pp = {8: 2, 64: 4, 1024: 8}.get(world, 16)
     return Spec(case, world, pp=pp, dp=world // (pp * tp), tp=tp)
@@ -177,7 +207,8 @@ def rank_pieces(spec: Spec, params: Sequence[Param], rank: int) -> list[LocalPie
             out.append(LocalPiece(p.name, p.shape, ("whole",), numel))
         else:
             out.append(piece_from_placements(p.name, p.shape, placements, token,
-                                             spec.mesh_coords(token, rank), numel))
+                                             spec.mesh_coords(token, rank), numel,
+                                             mesh_shape=spec.mesh_shape(token)))
     return out
 
 
@@ -186,8 +217,9 @@ def _describe(spec: Spec, pieces: Sequence[LocalPiece], rank: int) -> tuple[Any,
                               stage_ranks=spec.stage_ranks(rank), host=f"node{rank // 8}")
 
 
-def simulated_ranks(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, Any]]:
-    """Every rank's (description, record): one full description per distinct structure."""
+def structures(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, ...]]:
+    """Per rank, its structure: its stage and its local shard sizes (ranks of one structure
+    hold the same pieces up to coordinates; cheap: one size per distinct parameter kind)."""
     templates: dict[int, list[tuple[Param, str]]] = {}
     for stage in range(spec.pp):
         seen: dict[tuple[Any, ...], tuple[Param, str]] = {}
@@ -195,11 +227,20 @@ def simulated_ranks(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, Any]
             _token, _pl, how = spec.placement(p)
             seen.setdefault((p.shape, how), (p, how))
         templates[stage] = list(seen.values())
-    memo: dict[tuple[Any, ...], tuple[Any, Any, list[Any]]] = {}
     out = []
     for rank in range(spec.world):
         stage = spec.coords(rank)[0]
-        sig = (stage, tuple(spec.local_numel(p, how, rank) for p, how in templates[stage]))
+        out.append((stage, tuple(spec.local_numel(p, how, rank) for p, how in templates[stage])))
+    return out
+
+
+def simulated_ranks(spec: Spec, params: Sequence[Param]) -> list[tuple[Any, Any]]:
+    """Every rank's (description, record): one full description per distinct structure (its
+    digest tells whether ranks of several structures describe alike: standard uneven shards
+    do)."""
+    memo: dict[tuple[Any, ...], tuple[Any, Any, list[Any]]] = {}
+    out = []
+    for rank, sig in enumerate(structures(spec, params)):
         hit = memo.get(sig)
         if hit is None:
             pieces = rank_pieces(spec, params, rank)
@@ -231,22 +272,37 @@ def self_check(world: int = 8, params: Sequence[Param] | None = None) -> None:
                                 strict=True):
                 token, placements, _how = spec.placement(p)
                 if token is not None:
+                    # FSDP2 chunks the TP-local tensor: torch's rule with the TP dim first
+                    order = sorted(range(len(placements)),
+                                   key=lambda i: isinstance(placements[i], _StridedShard))
+                    shape, coords = spec.mesh_shape(token), spec.mesh_coords(token, rank)
                     local, _ = _compute_local_shape_and_global_offset(
-                        p.shape, spec.mesh_shape(token), list(spec.mesh_coords(token, rank)),
-                        placements)
+                        p.shape, [shape[i] for i in order], [coords[i] for i in order],
+                        [Shard(placements[i].dim) if isinstance(placements[i], _StridedShard)
+                         else placements[i] for i in order])
                     assert _prod(local) == piece.numel, (case, rank, p, local, piece.numel)
             assert simulated[rank] == _describe(spec, pieces, rank), (case, rank)
+        stages: dict[int, set[bytes]] = {}
+        for rank, (_desc, record) in enumerate(simulated):
+            stages.setdefault(spec.coords(rank)[0], set()).add(record.digest)
+        assert all(len(digests) == 1 for digests in stages.values()), case
+        # The simulated meshes place every rank where its record does (the agreed path's
+        # coordinate table is the records' coordinates).
+        table = handshake.coordinate_table(simulated_meshes(spec, params), world)
+        if spec.pp == 1:
+            assert table is not None
+            assert [tuple(row) for row in table.tolist()] == [rec.coords for _d, rec in simulated]
 
 
 def _old_handshake_bytes(pairs: Sequence[tuple[Any, Any]], spec: Spec,
                          params: Sequence[Param]) -> int:
     """Received per rank by the former handshake: every rank's JSON description (keys with
-    coordinates), all-gathered padded to the longest, plus the lengths."""
+    coordinates, explicit local sizes), all-gathered padded to the longest, plus the lengths."""
     longest, seen = 0, set()
-    for rank, (_desc, record) in enumerate(pairs):
-        if record.digest in seen:
+    for rank, sig in enumerate(structures(spec, params)):
+        if sig in seen:
             continue
-        seen.add(record.digest)
+        seen.add(sig)
         pieces = rank_pieces(spec, params, rank)
         old = {"version": "v", "config": "c", "stage": spec.stage_ranks(rank),
                "pieces": [[p.name, list(p.global_shape), list(p.key), p.numel] for p in pieces]}
@@ -254,22 +310,36 @@ def _old_handshake_bytes(pairs: Sequence[tuple[Any, Any]], spec: Spec,
     return len(pairs) * (longest + 8)
 
 
-def _layout_step(pairs: Sequence[tuple[Any, Any]], rank: int) -> Any:
-    return derive_layout(handshake.simulate(pairs), rank)
+@dataclass(frozen=True, eq=False)
+class SimulatedMesh:
+    """What the handshake reads of a DeviceMesh to place other ranks: the grid of its copies."""
+
+    rank_grid: torch.Tensor
+
+
+def simulated_meshes(spec: Spec, params: Sequence[Param]) -> list[SimulatedMesh]:
+    """The mesh slots of rank 0 (every rank of a non-pipeline case holds the same ones)."""
+    tokens = handshake.mesh_slots(rank_pieces(spec, params, 0))
+    return [SimulatedMesh(spec.rank_grid(token)) for token in tokens]
+
+
+def _layout_step(pairs: Sequence[tuple[Any, Any]], meshes: Sequence[Any], rank: int) -> Any:
+    return derive_layout(handshake.simulate(pairs, meshes), rank)
 
 
 def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
     spec = spec_for(case, world)
     pairs = simulated_ranks(spec, params)
+    meshes = simulated_meshes(spec, params)
     rank = world - 1  # every rank does the same work; the last one holds the emptiest shards
     gc.collect()
     t0 = time.perf_counter()
-    layout = _layout_step(pairs, rank)
+    layout = _layout_step(pairs, meshes, rank)
     seconds = time.perf_counter() - t0
     gc.collect()
     tracemalloc.start()
     try:
-        gathered = handshake.simulate(pairs)
+        gathered = handshake.simulate(pairs, meshes)
         derive_layout(gathered, rank)
         _current, peak = tracemalloc.get_traced_memory()
     finally:
@@ -281,6 +351,7 @@ def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
         sent_bytes=sent, received_bytes=received,
         old_received_bytes=_old_handshake_bytes(pairs, spec, params),
         packed_bytes=8 * layout.packed_length, replicas=layout.replicas,
+        agreed=gathered.agreed,
     )
 
 
@@ -296,13 +367,15 @@ def _mesh_text(spec: Spec) -> str:
 def measure(worlds: Sequence[int] = WORLDS, cases: Sequence[str] = CASES,
             progress: Callable[[str], None] = print) -> list[ScaleResult]:
     self_check()
-    params = transformer()
+    params, even = transformer(), transformer(vocab=EVEN_VOCAB)
     out = []
     for world in worlds:
         for case in cases:
-            res = measure_case(case, world, params)
+            res = measure_case(case, world, even if case == EVEN_CASE else params)
             progress(f"  {case} at {world} ranks: {res.seconds:.2f} s, "
-                     f"{res.peak_bytes / 2**20:.0f} MiB, {res.distinct} distinct")
+                     f"{res.peak_bytes / 2**20:.0f} MiB, {res.distinct} distinct, "
+                     f"{'agreed' if res.agreed else 'records'}: {res.sent_bytes} B sent, "
+                     f"{res.received_bytes} B received")
             out.append(res)
     return out
 

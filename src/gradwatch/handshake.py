@@ -3,31 +3,62 @@
 **Descriptions relative to meshes.** A rank describes each piece it holds by its name, global
 shape, local numel and *sharding spec*: the mesh dims whose placement is not ``Replicate`` and
 those placements, plus which of the rank's meshes the piece lives on (a slot index, in order of
-first appearance). The rank's coordinates on those meshes are *not* part of the description:
-they travel as fixed-size per-rank data. Ranks with the same structure (every rank of one
-pipeline stage, up to uneven shard sizes) therefore produce byte-identical descriptions.
+first appearance) and that mesh's shape. The rank's coordinates on those meshes are *not* part
+of the description: every rank derives them from the meshes when all ranks agree (phase 0),
+else they travel as fixed-size per-rank records. Nor, usually, is the local numel: when it
+equals what the spec gives at the rank's coordinates (:func:`spec_numel`: torch's
+``compute_local_shape_and_global_offset`` rule, or for strided shards the nested layout FSDP2
+holds), the description says :data:`DERIVED` / :data:`DERIVED_NESTED` instead, the same on
+every rank, and :func:`derive` recomputes each rank's numel from its coordinates. Ranks with
+the same structure (every rank of one pipeline stage, uneven and empty shards included)
+therefore produce byte-identical descriptions; a numel no rule gives (an exotic layout) stays
+explicit, so its rank's digest differs and the records path below applies.
 
-**Two phases.**
+**Phase 0, one fixed-size all-reduce** (:data:`PHASE0_BYTES` sent and received per rank,
+whatever the model and the world size). Every rank derives, from the meshes it holds, the
+coordinates of *every* rank on them: a torch ``DeviceMesh`` (root, sub-mesh or flattened) knows
+the ranks of all its copies (:func:`rank_grid`), so the rank's copy of a sub-mesh places the
+other ranks on theirs (:func:`coordinate_table`). Each rank then votes (:func:`agreement_words`)
+with the digest of its description, the digest of its coordinate table and a flag: "my row of
+the table is my own coordinates, and I declare no stage group". The vote is all-reduced by MAX
+next to its negation, so every rank learns each word's maximum and minimum: the same result
+everywhere, hence the same branch everywhere (:func:`agreed`). When every word agrees and
+every flag is set, every rank holds the one description and the one table, and each row of it
+was checked by its own rank: the per-rank records are derived locally (:func:`agreed_records`)
+and nothing more travels, except the host names when the per-rank view is on (one all-gather
+of :data:`HOST_BYTES` per rank: that view already carries per-rank slots, see
+:mod:`gradwatch.reduce`; without it host names are not needed and not gathered).
+
+**Otherwise, the records** (pipeline stages, shard sizes no rule gives, a mismatch, a mesh
+whose grid is unreadable): the former two phases follow, on every rank alike.
 
 1. One all-gather of a fixed-size record per rank (:data:`RECORD_BYTES`): the 16-byte BLAKE2b
    digest of the rank's canonical description, its length, the rank's stage group (size and
    an 8-byte digest of its sorted member list), its mesh coordinates and its host name.
+   Received per rank: ``W x RECORD_BYTES`` (it grows with the world size).
 2. Only when the digests differ: one all-reduce (SUM) of a byte buffer holding each *distinct*
-   description once, written by the lowest rank of its digest group and zero elsewhere. When
-   every rank agrees (DDP, FSDP2, TP, HSDP with even shards), phase 2 is skipped: every rank
-   already holds the one description. Bytes sent per rank: ``RECORD_BYTES`` (+ the distinct
-   descriptions when they differ), whatever the number of parameters.
+   description once, written by the lowest rank of its digest group and zero elsewhere
+   (pipeline jobs have few distinct stages: its size does not grow with ``W``).
+
+At most three collectives at construction, the same on every rank.
 
 **Deriving the layout** (:func:`derive`, pure, identical on every rank) works on the distinct
 descriptions plus the per-rank records, never on world x parameters entries: parameters with
 the same holders pattern (the same digest groups, specs and mesh slots) form a *class*; the
 ranks of a class are partitioned once by their piece keys (coordinates on the spec's dims), and
-every parameter of the class shares that partition. Work is about ``distinct descriptions x
-parameters + classes x world``. The result equals the tests' reference layout builder
-(``tests/helpers/layout_reference.py``) on the full per-rank descriptions (tests prove it over
-generated layouts): global names in order of
-first appearance over ranks, the lowest holder of each piece as its only contributor, replica
-slots for the most replicated pieces, and the same consistency checks. Mismatches raise
+every parameter of the class shares that partition. Derived numels cost no ``world x
+parameters`` walk either: the ranks of a cell share coordinates, hence (one rule, one mesh
+shape) equal pieces, all empty or all not; when the cells are the whole coordinate grid of the
+spec's mesh dims the rule's pieces tile every parameter exactly once (no sum needed), and the
+largest cell holding elements is found without a numel when the cells are of one size; only the
+rank's own pieces are computed. Classes mixing explicit and derived numels, or covering part of
+a grid (the records path), are checked piece by piece (``cells x parameters`` of that class,
+vectorized over cells).
+Work is about ``distinct descriptions x parameters + classes x world``. The result equals the
+tests' reference layout builder (``tests/helpers/layout_reference.py``) on the full per-rank
+descriptions (tests prove it over generated layouts): global names in order of first appearance
+over ranks, the lowest holder of each piece as its only contributor, replica slots for the most
+replicated pieces, and the same consistency checks. Mismatches raise
 :class:`LayoutMismatchError` on every rank alike, naming the digest groups (their ranks) and
 one differing parameter.
 
@@ -41,6 +72,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import socket
 import struct
 from collections.abc import Sequence
@@ -55,6 +87,12 @@ from gradwatch.errors import GradWatchError, LayoutMismatchError, UnsupportedPar
 MAX_REPLICA_SLOTS = 64
 MAX_COORDS = 32  # mesh coordinates per rank, over all its meshes (a 3-D mesh and 2 sub-meshes: 6)
 HOST_BYTES = 64
+#: A piece's local numel in a description when it equals what its sharding spec gives at the
+#: rank's coordinates (:func:`spec_numel`): "derived from the spec", the same on every rank.
+#: DERIVED: torch's rule (``compute_local_shape_and_global_offset``); DERIVED_NESTED: the
+#: nested rule FSDP2 lays strided shards out by (see :func:`spec_numel`).
+DERIVED = -1
+DERIVED_NESTED = -2
 _RECORD = struct.Struct(f"<16sq8sqqq{MAX_COORDS}i{HOST_BYTES}s")
 RECORD_BYTES = _RECORD.size  # the fixed per-rank record of phase 1
 
@@ -68,6 +106,7 @@ class PieceLike(Protocol):
     numel: int
     mesh: Any
     coords: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -77,13 +116,16 @@ class Description:
     ``pieces``: ``(name, global shape, spec, mesh slot, local numel)``; with a mesh slot >= 0
     the spec is ``((mesh dim, placement), ...)`` and the piece key on a rank is
     ``((dim, coordinate on that dim, placement), ...)``; with slot -1 the spec *is* the key
-    (a plain tensor: ``("whole",)``). ``meshes``: the number of dims of each mesh slot.
+    (a plain tensor: ``("whole",)``). The local numel is :data:`DERIVED_NESTED` or
+    :data:`DERIVED` when it equals :func:`spec_numel` (nested or not) at the rank's
+    coordinates. ``meshes``: the shape of each mesh slot (``-1`` sizes when unknown: no numel
+    is then derived on it).
     """
 
     version: str
     config: str
     stage: bool
-    meshes: tuple[int, ...]
+    meshes: tuple[tuple[int, ...], ...]
     pieces: tuple[tuple[str, tuple[int, ...], tuple[Any, ...], int, int], ...]
     rank_view: int = 0  # G, the groups of the per-rank view this rank measures (0: none)
 
@@ -101,7 +143,7 @@ class Description:
             version,
             config,
             bool(stage),
-            tuple(meshes),
+            tuple(tuple(m) for m in meshes),
             tuple(
                 (name, tuple(shape), _hashable(spec), slot, numel)
                 for name, shape, spec, slot, numel in pieces
@@ -116,6 +158,75 @@ def _hashable(value: Any) -> Any:
 
 def digest(raw: bytes) -> bytes:
     return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+_SHARD = re.compile(r"Shard\(dim=(\d+)\)")
+_STRIDED = re.compile(r"_StridedShard\(dim=(\d+), sf=(\d+)\)")
+
+
+def _placement_rule(placement: Any) -> tuple[int, int] | None:
+    """(tensor dim, split factor) of a ``Shard`` (factor 0) or ``_StridedShard`` placement,
+    from its ``repr`` as descriptions carry it; None for any other placement."""
+    if not isinstance(placement, str):
+        return None
+    if m := _SHARD.fullmatch(placement):
+        return int(m[1]), 0
+    if (m := _STRIDED.fullmatch(placement)) and int(m[2]) > 0:
+        return int(m[1]), int(m[2])
+    return None
+
+
+def _chunk(size: int, parts: int, at: int) -> int:
+    """Elements at position ``at`` of ``size`` split in ``parts``: ``torch.chunk`` sizes
+    (ceil-sized chunks, the last ones short or empty), as DTensor's ``Shard`` cuts."""
+    full = -(-size // parts)
+    return max(0, min(size, full * (at + 1)) - full * at)
+
+
+def spec_numel(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
+               mesh_shape: Sequence[int], coords: Sequence[int],
+               nested: bool = False) -> int | None:
+    """The local numel of the rank at ``coords`` (one per spec entry) on a mesh of
+    ``mesh_shape`` (pure). Each step cuts the current size of one tensor dim, so over every
+    coordinate of the mesh the pieces tile the tensor exactly once.
+
+    Torch's rule (``nested=False``; tests hold it equal to
+    ``_compute_local_shape_and_global_offset``): mesh dims in order; ``Shard(d)`` cuts tensor
+    dim ``d`` into ``torch.chunk`` pieces; ``_StridedShard(d, sf)`` cuts it into ``sf``
+    pieces, each of those into mesh-size pieces, and takes the rank's piece of each.
+
+    The nested rule (``nested=True``): the ``Shard`` dims first, then the ``_StridedShard``
+    dims, each a plain ``torch.chunk`` cut: what FSDP2 holds when it shards a tensor-parallel
+    DTensor (it chunks the TP-local tensor; with uneven sizes torch's rule above may differ
+    from it by a row, tests show both).
+
+    None when a placement, a tensor dim or a coordinate is outside these rules (the numel
+    then stays explicit)."""
+    local = list(global_shape)
+    if len(coords) != len(spec):
+        return None
+    steps = []
+    for (mesh_dim, placement), at in zip(spec, coords, strict=True):
+        rule = _placement_rule(placement)
+        if rule is None or not 0 <= mesh_dim < len(mesh_shape):
+            return None
+        tdim, factor = rule
+        parts = mesh_shape[mesh_dim]
+        if tdim >= len(local) or parts <= 0 or not 0 <= at < parts:
+            return None
+        steps.append((tdim, 0 if nested else factor, parts, at, nested and factor > 0))
+    if nested:
+        steps.sort(key=lambda step: step[4])  # stable: Shard dims, then strided ones
+    for tdim, factor, parts, at, _strided in steps:
+        size = local[tdim]
+        if factor == 0:
+            local[tdim] = _chunk(size, parts, at)
+        else:
+            local[tdim] = sum(_chunk(_chunk(size, factor, j), parts, at) for j in range(factor))
+    total = 1
+    for s in local:
+        total *= s
+    return total
 
 
 @dataclass(frozen=True)
@@ -159,7 +270,7 @@ def describe(
 ) -> tuple[Description, RankRecord]:
     """A rank's description and its phase-1 record (pure but for the default host name)."""
     slots: dict[Any, int] = {}
-    meshes: list[int] = []
+    meshes: list[tuple[int, ...]] = []
     coords: list[int] = []
     described = []
     for p in pieces:
@@ -167,12 +278,28 @@ def describe(
             described.append((p.name, tuple(p.global_shape), _hashable(p.key), -1, p.numel))
             continue
         slot = slots.get(p.mesh)
+        mesh_shape = tuple(p.mesh_shape)
         if slot is None:
             slot = slots[p.mesh] = len(meshes)
-            meshes.append(len(p.coords))
+            meshes.append(mesh_shape if len(mesh_shape) == len(p.coords)
+                          else (-1,) * len(p.coords))
             coords.extend(p.coords)
         spec = tuple((dim, placement) for dim, _coord, placement in p.key)
-        described.append((p.name, tuple(p.global_shape), spec, slot, p.numel))
+        # Uneven and empty shards of the standard rules are the same on every rank in this
+        # form (derive() recomputes each rank's numel from its coordinates); any other
+        # numel is written out, so ranks holding it differ and take the records path.
+        numel = p.numel
+        if mesh_shape == meshes[slot]:
+            at = [c for _d, c, _pl in p.key]
+            strided = any((_placement_rule(pl) or (0, 0))[1] for _d, pl in spec)
+            # Strided shards: FSDP2's nested layout first (every rank of an FSDP2 x TP job
+            # matches it), so ranks where both rules agree choose as the others do.
+            for kind in (DERIVED_NESTED, DERIVED) if strided else (DERIVED,):
+                if numel == spec_numel(p.global_shape, spec, mesh_shape, at,
+                                       nested=kind == DERIVED_NESTED):
+                    numel = kind
+                    break
+        described.append((p.name, tuple(p.global_shape), spec, slot, numel))
     desc = Description(version, config_hash, stage_ranks is not None, tuple(meshes),
                        tuple(described), rank_view)
     raw = desc.encode()
@@ -194,9 +321,15 @@ class Gathered(NamedTuple):
     descriptions: tuple[Description, ...]  # distinct, in order of their lowest rank
     rank_group: tuple[int, ...]  # per rank: its index into descriptions
     records: tuple[RankRecord, ...]  # per rank
+    # True: phase 0 found every rank agreeing and every record was derived locally (no record
+    # on the wire; host names only when the per-rank view is on, "" otherwise)
+    agreed: bool = False
 
     @property
     def hosts(self) -> tuple[str, ...]:
+        """Per rank; empty when the agreed path did not gather them (no per-rank view)."""
+        if self.agreed and not self.descriptions[0].rank_view:
+            return ()
         return tuple(r.host for r in self.records)
 
 
@@ -239,10 +372,134 @@ def split_descriptions(buffer: bytes, digests: Sequence[bytes],
     return tuple(out)
 
 
-def exchange(desc: Description, record: RankRecord, group: Any,
-             device: torch.device) -> Gathered:
-    """The two-phase exchange over ``group`` (every rank of the world calls it)."""
+def mesh_slots(pieces: Sequence[PieceLike]) -> tuple[Any, ...]:
+    """The meshes of a rank's pieces in the order :func:`describe` numbers their slots."""
+    return tuple(dict.fromkeys(p.mesh for p in pieces if p.mesh is not None))
+
+
+def rank_grid(mesh: Any) -> torch.Tensor | None:
+    """Every copy of ``mesh`` over the world, as ranks of shape ``(copies, *mesh shape)``.
+
+    A torch ``DeviceMesh`` (a root mesh, a sub-mesh or a flattened one) knows the ranks of all
+    its copies (``_layout.remap_to_tensor(_rank_map)``: one row per copy, the rank's own copy
+    among them), so every rank can place every other rank on its copy without asking it. Other
+    objects may carry the grid as a ``rank_grid`` tensor (simulated meshes). None when neither
+    is readable (private torch API: phase 0 then falls back to the records)."""
+    try:
+        layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+        if layout is not None and rank_map is not None:
+            return layout.remap_to_tensor(rank_map).cpu()
+        grid = getattr(mesh, "rank_grid", None)
+        return grid.cpu() if isinstance(grid, torch.Tensor) and grid.dim() >= 1 else None
+    except Exception:
+        return None
+
+
+def coordinate_table(meshes: Sequence[Any], world: int) -> torch.Tensor | None:
+    """Every rank's coordinates on ``meshes`` (the slots of :func:`describe`), concatenated:
+    an int64 ``(world, coordinates)`` tensor, the coordinates a rank's record would carry
+    (``-1`` on a mesh that does not hold the rank, as :func:`piece_from_placements` writes);
+    None when some mesh's grid is unreadable or not a partition of ranks below ``world``."""
+    columns = []
+    for mesh in meshes:
+        grid = rank_grid(mesh)
+        if grid is None or grid.dim() < 2:
+            return None
+        shape = tuple(grid.shape[1:])
+        flat = grid.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= world):
+            return None
+        if flat.numel() and int(torch.bincount(flat, minlength=world).max()) > 1:
+            return None  # a rank on two copies: its copy is ambiguous
+        cells = max(1, flat.numel() // max(1, grid.shape[0]))
+        position = torch.full((world,), -1, dtype=torch.int64)
+        position[flat] = torch.arange(flat.numel(), dtype=torch.int64) % cells
+        stride = cells
+        for size in shape:
+            stride //= size
+            columns.append(torch.where(position >= 0, (position // stride) % size, -1))
+    if not columns:
+        return torch.zeros((world, 0), dtype=torch.int64)
+    return torch.stack(columns, dim=1)
+
+
+# Phase 0's vector: (description digest, coordinate-table digest) as 32-bit words, and the
+# "my row of the table is my record" flag; all-reduced by MAX next to their negations, so one
+# collective yields each word's maximum and minimum over the world.
+_DIGEST_WORDS = 4
+AGREE_WORDS = 2 * _DIGEST_WORDS + 1
+PHASE0_BYTES = 2 * AGREE_WORDS * 8  # int64
+
+
+def agreement_words(record: RankRecord, stage: bool, table: torch.Tensor | None,
+                    rank: int, table_digest: bytes | None = None) -> list[int]:
+    """One rank's phase-0 words (before the negated copy). The flag is 1 when the rank can take
+    the agreed path: no stage group (stage groups travel in the records) and the coordinate
+    table derived from its meshes holds, at its own row, exactly its record's coordinates.
+    ``table_digest``: the table's, when already computed (the simulation shares one table)."""
+    ok = (not stage and table is not None and rank < table.shape[0]
+          and tuple(table[rank].tolist()) == record.coords)
+    if not ok or table is None:
+        table_digest = bytes(16)
+    elif table_digest is None:
+        table_digest = digest(table.numpy().tobytes())
+    words = [*struct.unpack("<4I", record.digest), *struct.unpack("<4I", table_digest)]
+    return [*words, int(ok)]
+
+
+def agreed(reduced: Sequence[int]) -> bool:
+    """Phase 0's verdict from the all-reduced ``[words, -words]`` (identical on every rank):
+    every word equal on every rank (the same description and the same coordinate table, up to
+    BLAKE2b collisions) and every rank's flag set. Then every record is known: each rank's row
+    of the shared table was checked by that rank against its own coordinates."""
+    top, low = reduced[:AGREE_WORDS], [-x for x in reduced[AGREE_WORDS:]]
+    return list(top) == low and low[-1] == 1
+
+
+def agreed_records(record: RankRecord, table: torch.Tensor,
+                   hosts: Sequence[str] | None) -> tuple[RankRecord, ...]:
+    """Every rank's record on the agreed path: the shared digest and length, no stage group,
+    the coordinates from the table, the host names when gathered ("" otherwise)."""
+    rows = table.tolist()
+    return tuple(
+        RankRecord(record.digest, record.length, b"", 0, tuple(row),
+                   len(row) > MAX_COORDS, hosts[r] if hosts is not None else "")
+        for r, row in enumerate(rows)
+    )
+
+
+def _host_bytes(host: str) -> bytes:
+    return host.encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
+
+
+def _split_hosts(raw: bytes, world: int) -> tuple[str, ...]:
+    return tuple(raw[r * HOST_BYTES : (r + 1) * HOST_BYTES].rstrip(b"\0").decode(
+        errors="replace") for r in range(world))
+
+
+def exchange(desc: Description, record: RankRecord, group: Any, device: torch.device,
+             meshes: Sequence[Any] | None = None) -> Gathered:
+    """The exchange over ``group`` (every rank of the world calls it; ``group`` spans the
+    world, so its ranks are global ranks). ``meshes``: the rank's mesh slots
+    (:func:`mesh_slots`); None: never take the agreed path."""
     world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    try:
+        table = coordinate_table(meshes, world) if meshes is not None else None
+    except Exception:  # never skip the vote: the others would wait for this rank's words
+        table = None
+    words = agreement_words(record, desc.stage, table, me)
+    vote = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64, device=device)
+    dist.all_reduce(vote, dist.ReduceOp.MAX, group=group)
+    if agreed(vote.cpu().tolist()) and table is not None:
+        hosts = None
+        if desc.rank_view:  # equal on every rank: it is part of the agreed description
+            mine = torch.frombuffer(bytearray(_host_bytes(record.host)),
+                                    dtype=torch.uint8).to(device)
+            everyone = torch.empty(world * HOST_BYTES, dtype=torch.uint8, device=device)
+            dist.all_gather_into_tensor(everyone, mine, group=group)
+            hosts = _split_hosts(bytes(everyone.cpu().tolist()), world)
+        return Gathered((desc,), (0,) * world, agreed_records(record, table, hosts), True)
     mine = torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8).to(device)
     everyone = torch.empty(world * RECORD_BYTES, dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(everyone, mine, group=group)
@@ -250,7 +507,6 @@ def exchange(desc: Description, record: RankRecord, group: Any,
     if len(digests) == 1:
         return Gathered((desc,), rank_group, records)
     spans = phase2_layout(records, digests, rank_group)
-    me = dist.get_rank(group)
     buffer = torch.zeros(sum(length for _o, length, _w in spans), dtype=torch.uint8,
                          device=device)
     for offset, length, writer in spans:
@@ -263,12 +519,29 @@ def exchange(desc: Description, record: RankRecord, group: Any,
                     rank_group, records)
 
 
-def simulate(per_rank: Sequence[tuple[Description, RankRecord]]) -> Gathered:
+def simulate(per_rank: Sequence[tuple[Description, RankRecord]],
+             meshes: Sequence[Any] | None = None) -> Gathered:
     """What :func:`exchange` returns on every rank, computed in one process from every rank's
     description and record (tests and the scale benchmark; the same decoding steps, no
-    collective). Equal descriptions may be shared objects: each distinct one is encoded once."""
+    collective). ``meshes``: the mesh slots every rank holds (one shared list: ranks of one
+    structure hold copies of the same meshes, whose grids are equal); None: no rank can derive
+    the coordinate table (the records path). Equal descriptions may be shared objects: each
+    distinct one is encoded once."""
+    world = len(per_rank)
+    table = coordinate_table(meshes, world) if meshes is not None else None
+    shared = digest(table.numpy().tobytes()) if table is not None else None
+    top = [-(2**62)] * AGREE_WORDS
+    low = [2**62] * AGREE_WORDS
+    for r, (desc, record) in enumerate(per_rank):
+        words = agreement_words(record, desc.stage, table, r, shared)
+        top = [max(a, b) for a, b in zip(top, words, strict=True)]
+        low = [min(a, b) for a, b in zip(low, words, strict=True)]
+    if agreed([*top, *(-x for x in low)]) and table is not None:
+        desc, record = per_rank[0]
+        hosts = [rec.host for _d, rec in per_rank] if desc.rank_view else None
+        return Gathered((desc,), (0,) * world, agreed_records(record, table, hosts), True)
     raw = b"".join(record.pack() for _desc, record in per_rank)
-    records, digests, rank_group = group_records(raw, len(per_rank))
+    records, digests, rank_group = group_records(raw, world)
     if len(digests) == 1:
         return Gathered((per_rank[0][0],), rank_group, records)
     spans = phase2_layout(records, digests, rank_group)
@@ -278,16 +551,22 @@ def simulate(per_rank: Sequence[tuple[Description, RankRecord]]) -> Gathered:
 
 def bytes_per_rank(gathered: Gathered) -> tuple[int, int]:
     """(sent, received) bytes of one rank's handshake collectives, as the tensors passed to
-    them: the record and the gathered records, plus the phase-2 buffer (sent and received)
-    when the descriptions differ."""
+    them (an all-reduced buffer counts as sent and as received): phase 0's vote; on the agreed
+    path the host names when the per-rank view is on (one all-gather: ``HOST_BYTES`` sent,
+    ``W x HOST_BYTES`` received); otherwise the records' all-gather and, when the descriptions
+    differ, the phase-2 buffer."""
     world = len(gathered.rank_group)
+    if gathered.agreed:
+        hosts = gathered.descriptions[0].rank_view > 0
+        return PHASE0_BYTES + HOST_BYTES * hosts, PHASE0_BYTES + world * HOST_BYTES * hosts
     phase2 = 0
     if len(gathered.descriptions) > 1:
         leaders = {}
         for r, g in enumerate(gathered.rank_group):
             leaders.setdefault(g, r)
         phase2 = sum(gathered.records[r].length for r in leaders.values())
-    return RECORD_BYTES + phase2, world * RECORD_BYTES + phase2
+    return (PHASE0_BYTES + RECORD_BYTES + phase2,
+            PHASE0_BYTES + world * RECORD_BYTES + phase2)
 
 
 def local(desc: Description, record: RankRecord) -> Gathered:
@@ -348,7 +627,8 @@ def _groups_text(members: Sequence[Sequence[int]], which: Sequence[int]) -> str:
 
 def derive(gathered: Gathered, rank: int) -> Derived:
     """Every rank's layout from the distinct descriptions and the per-rank records (pure)."""
-    descs, rank_group, records = gathered
+    descs, rank_group, records = (gathered.descriptions, gathered.rank_group,
+                                  gathered.records)
     members: list[list[int]] = [[] for _ in descs]
     for r, g in enumerate(rank_group):
         members[g].append(r)
@@ -396,25 +676,26 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                 )
     every = frozenset(names)
     _check_name_sets(gathered, members, name_sets, every)
-    # Classes: parameters held (non-empty) by the same groups with the same specs and mesh
-    # slots share one partition of ranks into pieces.
-    sigs: dict[str, list[tuple[int, int, Any]]] = {}
+    # Classes: parameters held (non-empty, or with numels derived from the spec) by the same
+    # groups with the same specs, mesh slots and numel kind share one partition of ranks into
+    # pieces.
+    sigs: dict[str, list[tuple[int, int, Any, int]]] = {}
     numel_of: list[dict[str, int]] = []
     for g, d in enumerate(descs):
         numel_of.append({p[0]: p[4] for p in d.pieces})
         for name, _shape, spec, slot, numel in d.pieces:
             if numel:
-                sigs.setdefault(name, []).append((g, slot, spec))
+                sigs.setdefault(name, []).append((g, slot, spec, min(numel, 0)))
     classes: dict[tuple[Any, ...], list[str]] = {}
     for name in names:
         if name in sigs:
             classes.setdefault(tuple(sigs[name]), []).append(name)
     replicas = 1
-    mine: dict[tuple[Any, ...], tuple[int, int, int]] = {}  # class -> (lowest, position, size)
+    mine: dict[Any, tuple[int, int, int]] = {}  # class or name -> (lowest, position, size)
     offsets = [_slot_offsets(d.meshes) for d in descs]
     for sig, class_names in classes.items():
         cells: dict[Any, list[int]] = {}
-        for g, slot, spec in sig:
+        for g, slot, spec, _kind in sig:
             if slot < 0:
                 cells.setdefault(spec, []).extend(members[g])
                 continue
@@ -424,12 +705,30 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                 c = records[r].coords
                 key = tuple((dim, c[at], placement) for at, dim, placement in dims)
                 cells.setdefault(key, []).append(r)
-        _check_cells(cells, class_names, sig, rank_group, members, numel_of, shapes)
-        for cell in cells.values():
-            if len(sig) > 1:
+        if len(sig) > 1:
+            for cell in cells.values():
                 cell.sort()  # several groups' ranks interleave
-            replicas = max(replicas, len(cell))
-        for g, slot, spec in sig:
+        g0, slot0, spec0, kind0 = sig[0]
+        if not any(kind for _g, _slot, _spec, kind in sig):
+            _check_cells(cells, class_names, sig, rank_group, members, numel_of, shapes)
+            replicas = max([replicas, *map(len, cells.values())])
+        elif all(kind == kind0 and spec == spec0 and descs[g].meshes[slot] ==
+                 descs[g0].meshes[slot0] for g, slot, spec, kind in sig) and _whole_grid(
+                     cells, spec0, descs[g0].meshes[slot0]):
+            # One rule on one mesh shape (one group, or groups differing elsewhere), every
+            # coordinate of the spec's dims held: the derived pieces tile every parameter
+            # exactly once (spec_numel's rule), and the ranks of a cell hold equal pieces,
+            # all empty or all not. Work: cells, not cells x parameters.
+            replicas = max(replicas, _largest_held(cells, class_names, shapes, spec0,
+                                                   descs[g0].meshes[slot0], kind0))
+        else:
+            # Explicit and derived numels mixed, or a partial grid (the records path): piece
+            # by piece, cells x parameters of this class.
+            replicas = max(replicas, _check_pieces(
+                cells, class_names, sig, rank_group, members, numel_of, shapes, descs,
+                rank, mine))
+            continue
+        for g, slot, spec, _kind in sig:
             if g == rank_group[rank]:
                 if slot < 0:
                     cell = cells[spec]
@@ -437,20 +736,21 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                     c, base = records[rank].coords, offsets[g][slot]
                     cell = cells[tuple((dim, c[base + dim], pl) for dim, pl in spec)]
                 mine[sig] = (cell[0], cell.index(rank), len(cell))
-    numels = []
-    for name in names:
-        total = 1
-        for s in shapes[name][0]:
-            total *= s
-        numels.append(total)
+    numels = [_prod(shapes[name][0]) for name in names]
     local_to_global, contributes, slots = [], [], []
-    for name, _shape, _spec, _slot, numel in descs[rank_group[rank]].pieces:
+    g = rank_group[rank]
+    for name, shape, spec, slot, numel in descs[g].pieces:
         local_to_global.append(index[name])
+        if numel < 0:
+            c, base = records[rank].coords, offsets[g][slot]
+            numel = spec_numel(shape, spec, descs[g].meshes[slot],
+                               [c[base + dim] for dim, _pl in spec],
+                               nested=numel == DERIVED_NESTED) or 0
         if numel == 0:
             contributes.append(False)
             slots.append(-1)
             continue
-        lowest, position, size = mine[tuple(sigs[name])]
+        lowest, position, size = mine.get(name) or mine[tuple(sigs[name])]
         contributes.append(lowest == rank)
         slots.append(
             position if replicas > 1 and size == replicas and position < MAX_REPLICA_SLOTS
@@ -460,21 +760,158 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                    tuple(slots), min(replicas, MAX_REPLICA_SLOTS))
 
 
-def _slot_offsets(meshes: Sequence[int]) -> list[int]:
-    out, at = [], 0
-    for ndim in meshes:
-        out.append(at)
-        at += ndim
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
     return out
 
 
+def _slot_offsets(meshes: Sequence[Sequence[int]]) -> list[int]:
+    out, at = [], 0
+    for shape in meshes:
+        out.append(at)
+        at += len(shape)
+    return out
+
+
+def _whole_grid(cells: dict[Any, list[int]], spec: Sequence[tuple[int, Any]],
+                mesh_shape: Sequence[int]) -> bool:
+    """The cells are every coordinate of the spec's mesh dims, once each (the cells' keys are
+    distinct, so counting the in-range ones suffices)."""
+    grid = _prod([mesh_shape[dim] for dim, _pl in spec])
+    return len(cells) == grid and all(
+        0 <= c < mesh_shape[dim] for key in cells for dim, c, _pl in key)
+
+
+def _largest_held(cells: dict[Any, list[int]], class_names: Sequence[str],
+                  shapes: dict[str, tuple[tuple[int, ...], int]],
+                  spec: Sequence[tuple[int, Any]], mesh_shape: Sequence[int],
+                  kind: int) -> int:
+    """The largest cell holding a non-empty piece of some parameter of the class (1 when
+    none does): over a whole grid a parameter with elements has a non-empty piece, so cells
+    of one size need no numel at all; otherwise cells are tried largest first."""
+    if not any(_prod(shapes[name][0]) for name in class_names):
+        return 1
+    sizes = {len(cell) for cell in cells.values()}
+    if len(sizes) == 1:
+        return sizes.pop()
+    for key, cell in sorted(cells.items(), key=lambda kv: -len(kv[1])):
+        at = [c for _dim, c, _pl in key]
+        if any(spec_numel(shapes[name][0], spec, mesh_shape, at, nested=kind == DERIVED_NESTED)
+               for name in class_names):
+            return len(cell)
+    return 1
+
+
+def _check_pieces(
+    cells: dict[Any, list[int]], class_names: Sequence[str],
+    sig: Sequence[tuple[int, int, Any, int]], rank_group: Sequence[int],
+    members: Sequence[Sequence[int]], numel_of: Sequence[dict[str, int]],
+    shapes: dict[str, tuple[tuple[int, ...], int]], descs: Sequence[Description], rank: int,
+    mine: dict[Any, tuple[int, int, int]],
+) -> int:
+    """A class whose groups' numels may differ cell by cell (explicit and derived mixed, or a
+    partial grid): each piece's holders are the ranks of its cell whose numel there is not
+    zero; they agree on its size and the pieces tile each parameter once. Records
+    ``mine[name]`` for ``rank``; returns the most holders of a piece (1 when none).
+    Vectorized over cells (int64 tensors): a few tensor ops per parameter, not a Python step
+    per cell and parameter."""
+    keys = list(cells)
+    groups = list(dict.fromkeys(g for g, _slot, _spec, _kind in sig))
+    col = {g: i for i, g in enumerate(groups)}
+    pairs = [(k, col[rank_group[r]]) for k, key in enumerate(keys) for r in cells[key]]
+    count = torch.zeros(len(keys) * len(groups), dtype=torch.int64)
+    count.index_add_(0, torch.tensor([k * len(groups) + c for k, c in pairs], dtype=torch.int64),
+                     torch.ones(len(pairs), dtype=torch.int64))
+    count = count.view(len(keys), len(groups))
+    present = count > 0
+    where: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # derived group -> (cells, coords)
+    for g, _slot, spec, kind in sig:
+        if kind:
+            at = present[:, col[g]].nonzero().flatten()
+            where[g] = at, torch.tensor([[c for _d, c, _pl in keys[k]] for k in at.tolist()],
+                                        dtype=torch.int64).view(len(at), len(spec))
+    own_k = next((k for k, key in enumerate(keys) if rank in cells[key]), None)
+    largest = 1
+    for name in class_names:
+        shape = shapes[name][0]
+        size = torch.zeros(len(keys), len(groups), dtype=torch.int64)
+        for g, slot, spec, kind in sig:
+            if kind:
+                at, coords = where[g]
+                size[at, col[g]] = _spec_numels(shape, spec, descs[g].meshes[slot], coords,
+                                                kind == DERIVED_NESTED)
+            else:
+                size[:, col[g]] = numel_of[g][name]
+        held = present & (size > 0)
+        top = torch.where(held, size, -1).max(1).values
+        low = torch.where(held, size, top.max() + 1).min(1).values
+        bad = (held.any(1) & (top != low)).nonzero().flatten()
+        if len(bad):
+            k = int(bad[0])
+            order = [g for g in dict.fromkeys(rank_group[r] for r in cells[keys[k]])
+                     if held[k, col[g]]]
+            a = order[0]
+            b = next(g for g in order if int(size[k, col[g]]) != int(size[k, col[a]]))
+            raise LayoutMismatchError(
+                f"gradwatch: {_groups_text(members, [a, b])} hold the same piece of "
+                f"{name!r} with different sizes ({int(size[k, col[a]])} and "
+                f"{int(size[k, col[b]])} elements)"
+            )
+        covered = int(top.clamp(min=0).sum())
+        if covered not in (0, _prod(shape)):
+            raise LayoutMismatchError(
+                f"gradwatch: the shards of {name!r} cover {covered} of {_prod(shape)} "
+                "elements; its placements are not understood (please report this layout)"
+            )
+        largest = max(largest, int((count * held).sum(1).max()) if len(keys) else 1)
+        if own_k is not None and held[own_k, col[rank_group[rank]]]:
+            holders = [r for r in cells[keys[own_k]] if held[own_k, col[rank_group[r]]]]
+            mine[name] = (holders[0], holders.index(rank), len(holders))
+    return largest
+
+
+def _spec_numels(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
+                 mesh_shape: Sequence[int], coords: torch.Tensor, nested: bool) -> torch.Tensor:
+    """:func:`spec_numel` at many coordinates at once (``coords``: int64 ``(n, len(spec))``,
+    every row valid: the ranks there derived their numel with it); tests hold the two equal."""
+    local = [torch.full((coords.shape[0],), s, dtype=torch.int64) for s in global_shape]
+    steps = []
+    for i, (mesh_dim, placement) in enumerate(spec):
+        tdim, factor = _placement_rule(placement) or (0, 0)
+        steps.append((tdim, 0 if nested else factor, mesh_shape[mesh_dim], coords[:, i],
+                      nested and factor > 0))
+    if nested:
+        steps.sort(key=lambda step: step[4])
+    for tdim, factor, parts, at, _strided in steps:
+        size = local[tdim]
+        if factor == 0:
+            local[tdim] = _chunks(size, parts, at)
+        else:
+            local[tdim] = sum((_chunks(_chunks(size, factor, torch.full_like(at, j)), parts, at)
+                               for j in range(factor)), torch.zeros_like(at))
+    total = torch.ones(coords.shape[0], dtype=torch.int64)
+    for s in local:
+        total = total * s
+    return total
+
+
+def _chunks(size: torch.Tensor, parts: int, at: torch.Tensor) -> torch.Tensor:
+    """:func:`_chunk` elementwise."""
+    full = (size + parts - 1) // parts
+    return (torch.minimum(size, full * (at + 1)) - full * at).clamp(min=0)
+
+
 def _check_cells(
-    cells: dict[Any, list[int]], class_names: Sequence[str], sig: Sequence[tuple[int, int, Any]],
-    rank_group: Sequence[int], members: Sequence[Sequence[int]],
-    numel_of: Sequence[dict[str, int]], shapes: dict[str, tuple[tuple[int, ...], int]],
+    cells: dict[Any, list[int]], class_names: Sequence[str],
+    sig: Sequence[tuple[int, int, Any, int]], rank_group: Sequence[int],
+    members: Sequence[Sequence[int]], numel_of: Sequence[dict[str, int]],
+    shapes: dict[str, tuple[tuple[int, ...], int]],
 ) -> None:
-    """Holders of one piece agree on its size; distinct pieces tile each parameter once."""
-    groups = [g for g, _slot, _spec in sig]
+    """Holders of one piece agree on its size; distinct pieces tile each parameter once (every
+    numel explicit)."""
+    groups = [g for g, _slot, _spec, _kind in sig]
     per_group = {g: 0 for g in groups}  # distinct pieces whose lowest holder is in group g
     seen_sets: set[tuple[int, ...]] = set()
     for cell in cells.values():
@@ -512,7 +949,7 @@ def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
     """The same model everywhere, or disjoint stages covering it (see
     the tests' reference layout builder), decided per digest group and per distinct stage
     group composition."""
-    _descs, rank_group, records = gathered
+    rank_group, records = gathered.rank_group, gathered.records
     declared = [r for r, rec in enumerate(records) if rec.stage_size]
     if declared and len(declared) != len(records):
         missing = [r for r, rec in enumerate(records) if not rec.stage_size]

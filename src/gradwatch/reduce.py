@@ -92,6 +92,7 @@ class LocalPiece:
     # on it: the handshake describes the piece relative to the mesh (see gradwatch.handshake).
     mesh: Any = field(default=None, compare=False)
     coords: tuple[int, ...] = ()
+    mesh_shape: tuple[int, ...] = ()  # the mesh's shape (empty: unknown)
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,7 @@ def piece_of(name: str, param: Tensor) -> LocalPiece:
         mesh,
         mesh.get_coordinate(),
         param._local_tensor.numel(),
+        mesh_shape=tuple(mesh.shape),
     )
 
 
@@ -247,10 +249,12 @@ def piece_from_placements(
     mesh: Any,
     coords: Sequence[int] | None,
     numel: int,
+    mesh_shape: Sequence[int] = (),
 ) -> LocalPiece:
-    """The piece of a DTensor from its placements, its mesh (any hashable identity) and this
-    rank's coordinates on it (None: not in the mesh); pure, so simulations describe fake
-    ranks with the code real ones use."""
+    """The piece of a DTensor from its placements, its mesh (any hashable identity), this
+    rank's coordinates on it (None: not in the mesh) and the mesh's shape (empty: unknown;
+    with it the handshake describes standard uneven shards alike on every rank); pure, so
+    simulations describe fake ranks with the code real ones use."""
     key: list[Any] = []
     for dim, placement in enumerate(placements):
         if placement.is_partial():
@@ -268,6 +272,7 @@ def piece_from_placements(
         numel,
         mesh=mesh,
         coords=tuple(coords) if coords is not None else (-1,) * len(placements),
+        mesh_shape=tuple(mesh_shape),
     )
 
 
@@ -422,14 +427,16 @@ class Reducer:
                         backend="gloo", timeout=timedelta(seconds=timeout_seconds)
                     )
                     self._host = _HostReducer(self.host_group, timeout_seconds)
-                gathered = handshake.exchange(desc, record, self.group, handshake_device)
+                gathered = handshake.exchange(desc, record, self.group, handshake_device,
+                                              meshes=handshake.mesh_slots(pieces))
             except RuntimeError as exc:
                 self.close()
                 raise GradWatchTimeoutError(
                     f"gradwatch: construction handshake failed or timed out after "
                     f"{timeout_seconds}s: every rank must construct GradWatch ({exc})"
                 ) from exc
-            self.hosts = gathered.hosts  # per rank, from the handshake's fixed-size records
+            # per rank, from the handshake (empty when no per-rank view asked for them)
+            self.hosts = gathered.hosts
             try:
                 self.layout = derive_layout(gathered, dist.get_rank())
             except (LayoutMismatchError, UnsupportedParallelismError):

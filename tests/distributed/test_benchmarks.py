@@ -59,7 +59,11 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     assert len(rows) == 1 and rows[0][1] == str(cases.SPIKE_GROUPS) and rows[0][5].endswith("%")
     _header, scale_rows = _rows(text, "| case | ranks | mesh |")
     assert {r[0] for r in scale_rows} == {"DDP", "FSDP2", "FSDP2 x TP", "HSDP",
-                                          "PP x FSDP2 x TP"}
+                                          "PP x FSDP2 x TP", "HSDP, even shards"}
+    paths = {r[0]: r[4] for r in scale_rows}
+    for case in ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "HSDP, even shards"):
+        assert paths[case] == "agreed (phase 0 only)", case  # uneven shards agree too
+    assert paths["PP x FSDP2 x TP"] == "records"  # stages differ
     assert not re.search(r"\bissues?\b", text, re.IGNORECASE)  # targets stated as targets
     assert "Command: `python benchmarks/run.py --quick" in text
     header, rows = _rows(text, "| case | method |")

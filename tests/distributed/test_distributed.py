@@ -93,10 +93,12 @@ def test_four_ranks_match_unsharded(w4: list, case: str, tol: float, parallelism
 
 @pytest.mark.timeout(240)
 def test_handshake_only_at_construction(w2: list, w4: list) -> None:
-    # One all-gather of fixed-size digests; a second collective (each distinct description
-    # once) only where ranks differ in structure: pipeline stages, uneven shard sizes.
-    for world, case, expected in ((w2, "ddp_fp32", 1), (w2, "fsdp2_fp32_1e18", 2),
-                                  (w4, "pipeline_ddp", 2)):
+    # One fixed-size all-reduce when every rank agrees (uneven and empty FSDP2 shards
+    # included); where ranks differ in structure (pipeline stages) the all-gather of the
+    # records and the distinct descriptions once follow it: at most 3, the same count on
+    # every rank.
+    for world, case, expected in ((w2, "ddp_fp32", 1), (w2, "fsdp2_fp32_1e18", 1),
+                                  (w4, "fsdp2_fp64", 1), (w4, "pipeline_ddp", 3)):
         for res in _case(world, case):
             assert res["ctor_collectives"] == expected, case
     for res in _case(w2, "ddp_fp32") + _case(w4, "ddp_fp32"):
@@ -204,19 +206,40 @@ def test_missing_rank_times_out_with_gradwatch_error(w2: list, case: str) -> Non
 
 
 @pytest.mark.timeout(240)
-def test_handshake_bytes_constant_across_model_sizes(w2: list, w4: list) -> None:
-    """Ranks that agree send one fixed-size record and receive world x record, whatever the
-    number of parameters (50 or 2,000): one all-gather, no description on the wire."""
-    from gradwatch.handshake import RECORD_BYTES
+def test_handshake_bytes_constant_across_model_sizes_and_world_sizes(w2: list, w4: list) -> None:
+    """Ranks that agree send and receive the same bytes per rank at 2 and 4 ranks, whatever
+    the number of parameters (50 or 2,000), FSDP2 with uneven and empty shards included: one
+    fixed-size all-reduce (phase 0), no record and no description on the wire. The per-rank
+    view adds one all-gather of the host names."""
+    import socket
 
+    from gradwatch.handshake import HOST_BYTES, PHASE0_BYTES
+
+    seen: dict[str, set[tuple[int, int]]] = {}
     for world, per_rank in ((2, _case(w2, "handshake_bytes")), (4, _case(w4, "handshake_bytes"))):
-        for res in per_rank:
-            for kind in ("replicated", "fsdp2"):
+        # rows of 1 and 2W+1 over W ranks, x 3 columns: rank 3 of 4 holds only empty shards
+        uneven = {2: [[3, 9], [0, 6]], 4: [[3, 9], [0, 9], [0, 9], [0]]}[world]
+        for rank, res in enumerate(per_rank):
+            assert res["fsdp2_uneven_2000"]["local_numels"] == uneven[rank]
+            for kind in ("replicated", "fsdp2", "fsdp2_uneven", "fsdp2_tp"):
                 small, large = res[f"{kind}_50"], res[f"{kind}_2000"]
                 assert (small["n_params"], large["n_params"]) == (50, 2000)
                 for got in (small, large):
-                    assert len(got["ops"]) == 1, got["ops"]
-                    assert (got["sent"], got["received"]) == (RECORD_BYTES, world * RECORD_BYTES)
+                    assert got["ops"] == ["c10d.allreduce_"], got["ops"]
+                    assert (got["sent"], got["received"]) == (PHASE0_BYTES, PHASE0_BYTES)
+                    seen.setdefault(kind, set()).add((got["sent"], got["received"]))
+                    assert got["hosts"] == []  # not gathered without the per-rank view
+            assert "Shard(dim=0)" in res["fsdp2_tp_50"]["placements"][0]
+            assert "_StridedShard" in str(res["fsdp2_tp_50"]["placements"])
+            assert len(res["fsdp2_tp_50"]["local_numels"]) > 1  # uneven strided shards
+            for n in (50, 2000):
+                got = res[f"ddp_rank_view_{n}"]
+                assert got["rank_view_groups"] > 0
+                assert got["ops"] == ["c10d.allreduce_", "c10d._allgather_base_"], got["ops"]
+                assert (got["sent"], got["received"]) == (PHASE0_BYTES + HOST_BYTES,
+                                                          PHASE0_BYTES + world * HOST_BYTES)
+                assert got["hosts"] == [socket.gethostname()] * world
+    assert all(len(pairs) == 1 for pairs in seen.values()), seen  # equal at 2 and 4 ranks
 
 
 @pytest.mark.timeout(240)

@@ -490,25 +490,48 @@ class ByteSpy(TorchDispatchMode):
 
 
 def case_handshake_bytes(rank: int, world: int) -> dict:
-    """Handshake bytes of 50- and 2,000-parameter models, plain replicas and FSDP2 with even
-    shards (every rank agrees on the structure)."""
+    """Handshake bytes of 50- and 2,000-parameter models every rank agrees on: plain replicas,
+    FSDP2 with even shards, FSDP2 with uneven and empty shards (rows 2 x world + 1 and 1),
+    FSDP2 over TP on a (world/2, 2) mesh (the same uneven rows: strided shards), and DDP with
+    the per-rank view on (which gathers the host names)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from gradwatch import GradWatch
 
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {}
     for n in (50, 2000):
-        for kind in ("replicated", "fsdp2"):
+        for kind in ("replicated", "fsdp2", "fsdp2_uneven", "fsdp2_tp", "ddp_rank_view"):
             torch.manual_seed(0)
-            model = nn.Module()
-            model.params = nn.ParameterList(
-                [nn.Parameter(torch.randn(2 * world, 3)) for _ in range(n)])
-            if kind == "fsdp2":
+            model: nn.Module = nn.Module()
+            rows = [2 * world + 1 if i % 2 else 1 for i in range(n)] \
+                if kind in ("fsdp2_uneven", "fsdp2_tp") else [2 * world] * n
+            model.params = nn.ParameterList([nn.Parameter(torch.randn(r, 3)) for r in rows])
+            overrides: dict[str, Any] = {}
+            if kind in ("fsdp2", "fsdp2_uneven"):
                 fully_shard(model)
+            elif kind == "fsdp2_tp":
+                for i, p in enumerate(list(model.params)):
+                    model.params[i] = nn.Parameter(distribute_tensor(p.data, mesh["tp"],
+                                                                     [Shard(0)]))
+                fully_shard(model, mesh=mesh["dp"])
+            elif kind == "ddp_rank_view":
+                model = nn.parallel.DistributedDataParallel(model)
+                overrides["rank_view"] = True
             with ByteSpy() as spy:
-                watch = GradWatch(model, config())
-            out[f"{kind}_{n}"] = {"sent": spy.sent, "received": spy.received, "ops": spy.ops,
-                                  "n_params": watch._layout.size}
+                watch = GradWatch(model, config(**overrides))
+            out[f"{kind}_{n}"] = {
+                "sent": spy.sent, "received": spy.received, "ops": spy.ops,
+                "n_params": watch._layout.size,
+                "placements": sorted({repr(getattr(p, "placements", None))
+                                      for p in model.parameters()}),
+                "rank_view_groups": watch._layout.rank_view_groups,
+                "hosts": list(watch._layout.hosts),
+                "local_numels": sorted({p.to_local().numel() if hasattr(p, "to_local")
+                                        else p.numel() for p in model.parameters()}),
+            }
             watch.close()
     return out
 
