@@ -273,10 +273,10 @@ RANK_VIEW_TEXT = (
     "(`gradwatch.testing.OpCounter`), no host read. What gradwatch does with these figures "
     "(docs/distributed.md, *Cost*): the view stays opt-in; a prototype replaces today's path "
     "only when it is cheaper beyond noise (the verdict column) and keeps every guarantee of "
-    "today's path; so far neither has been made the DDP path. The no-collective prototype in the "
-    "documented collect-only loop (results built by rank 0's exporter thread) is a standalone "
-    "run of the same module (`rank_view(..., collect_only=True)`; its figures and command are "
-    "in docs/distributed.md).\n"
+    "today's path; so far neither has been made the DDP path. The second table times the same "
+    "kinds (but the in-callback prototype) in the documented loop: `collect` only, rank 0's "
+    "exporter thread building the results (`rank_view(..., LOOP_KINDS, collect_only=True)`), "
+    "the same number of blocks; each loop has its row in the Targets table.\n"
 )
 
 
@@ -287,6 +287,8 @@ def rank_view_table(r: RankViewResult | Failure) -> str:
         [RankViewMode.WATCHED.value, fmt_timing(r.timing(RankViewMode.WATCHED)), "-", "-", "-",
          "the baseline"]]
     for mode, over, shows in RANK_VIEW_COMPARISONS:
+        if mode not in r.step_times or over not in r.step_times:
+            continue  # a kind this loop does not time
         ov = r.ratio(mode, over)
         rows.append([mode.value, fmt_timing(r.timing(mode)), over.value, fmt_ratio(ov),
                      verdict_of(ov), shows])
@@ -399,10 +401,10 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
                 "distributed", f"DDP step overhead, gradwatch every step, {r.model}, "
                 f"{mode.watched}: {DDP_OVERHEAD_TARGET}", DDP_OVERHEAD_TARGET, ov.median_pct,
                 f"{ov.median_pct:+.1f}% (IQR {ov.p25_pct:+.1f}% to {ov.p75_pct:+.1f}%)"))
-    if isinstance(run.rank_view, RankViewResult):
-        ov = run.rank_view.ratio(RankViewMode.RANK_VIEW, RankViewMode.WATCHED)
+    for rv in _rank_view_results(run):
+        ov = rv.ratio(RankViewMode.RANK_VIEW, RankViewMode.WATCHED)
         checks.append(TargetCheck(
-            "distributed", f"DDP step with the per-rank view, {run.rank_view.model}: within "
+            "distributed", f"DDP step with the per-rank view, {rv.model}, {rv.loop}: within "
             f"+{RANK_VIEW_TARGET.limit:g}% of the step watched without it ({RANK_VIEW_TARGET})",
             RANK_VIEW_TARGET, ov.median_pct, fmt_ratio(ov)))
     for c in run.clipping:
@@ -491,8 +493,8 @@ def miss_notes(run: RunResults) -> str:
                 "exporter thread building the snapshot under the GIL, and gloo's threads, on a "
                 "machine where each rank has one core. The interquartile range shows how much "
                 f"of it is this shared 2-core machine's noise.{_floor_note(r)}")
-    if isinstance(run.rank_view, RankViewResult):
-        out += _rank_view_miss(run.rank_view)
+    for rv in _rank_view_results(run):
+        out += _rank_view_miss(rv)
     for c in run.clipping:
         extras = [c.extra_pct(v) for v in c.variants if not c.target.met(c.extra_pct(v))]
         if not extras:
@@ -539,6 +541,11 @@ def miss_notes(run: RunResults) -> str:
     return "\n".join(out) if out else "Every target was met in this run."
 
 
+def _rank_view_results(run: RunResults) -> list[RankViewResult]:
+    """The per-rank view's measured loops (result() on the training thread, collect only)."""
+    return [r for r in (run.rank_view, run.rank_view_loop) if isinstance(r, RankViewResult)]
+
+
 def _rank_view_miss(r: RankViewResult) -> list[str]:
     ov = r.ratio(RankViewMode.RANK_VIEW, RankViewMode.WATCHED)
     if RANK_VIEW_TARGET.met(ov.median_pct):
@@ -548,7 +555,7 @@ def _rank_view_miss(r: RankViewResult) -> list[str]:
     extra = (r.timing(RankViewMode.RANK_VIEW).median
              - r.timing(RankViewMode.WATCHED).median) * 1e3
     return [
-        f"* **DDP step with the per-rank view ({ov.median_pct:+.1f}%, target "
+        f"* **DDP step with the per-rank view, {r.loop} ({ov.median_pct:+.1f}%, target "
         f"{RANK_VIEW_TARGET}): not met.** Measured in the same run: the comm hook alone, "
         f"measuring nothing, {hook.median_pct:+.1f}% (IQR {hook.p25_pct:+.1f}% to "
         f"{hook.p75_pct:+.1f}%) over DDP's built-in reduction (what differs: per bucket, a "
@@ -690,6 +697,10 @@ def render(run: RunResults) -> str:
             buckets=run.rank_view.buckets,
             kinds="; ".join(f"*{m.value}*" for m in RankViewMode),
         ) + "\n" + rank_view_table(run.rank_view) + "\n"
+        if run.rank_view_loop is not None:
+            rank_view_text += (
+                "\nThe documented loop (`collect` only; rank 0's exporter thread builds the "
+                "results):\n\n" + rank_view_table(run.rank_view_loop) + "\n")
     if run.cuda_device is None:
         cuda_text = ("skipped: `torch.cuda.is_available()` is False on this machine (no GPU), "
                      "so no GPU figure is published. On a machine with CUDA the same cases run "

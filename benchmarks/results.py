@@ -342,6 +342,13 @@ class RankViewResult:
     def timing(self, mode: RankViewMode) -> Timing:
         return Timing.of(self.step_times[mode])
 
+    @property
+    def loop(self) -> str:
+        """Where ``result()`` ran, as the DDP overhead rows name it."""
+        if self.collect_only:
+            return "`collect` only"
+        return "`collect`+`result()` on the training thread"
+
     def ratio(self, mode: RankViewMode, over: RankViewMode) -> PairedRatio:
         """``mode``'s extra step time over ``over``'s, in percent: median and quartiles over
         blocks of (sum of its two steps) / (sum of ``over``'s two) - 1, and a 95% bootstrap
@@ -461,6 +468,9 @@ class RunResults:
     distributed: list[DistributedCase | DistributedFailure] | None = None  # None: skipped
     scrapers: list[ScrapersResult | Failure] | None = None  # None: skipped
     rank_view: RankViewResult | Failure | None = None  # None: skipped
+    #: the same comparisons in the documented loop (``collect`` only; rank 0's exporter thread
+    #: builds the results)
+    rank_view_loop: RankViewResult | Failure | None = None  # None: skipped
     cuda_device: str | None = None  # None: no GPU
     cuda_cases: list[NormCaseResult] = field(default_factory=list)
     demo_model: str = ""  # the demo model's size, as the distributed section describes it

@@ -90,6 +90,9 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
             plan.models, plan.dist_steps))
         run.rank_view = section("rank view", lambda: _reported(
             lambda: rankview_bench.rank_view(plan.rank_view_blocks)))
+        run.rank_view_loop = section("rank view, collect only", lambda: _reported(
+            lambda: rankview_bench.rank_view(
+                plan.rank_view_blocks, rankview_bench.LOOP_KINDS, collect_only=True)))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))
             for sp in plan.scrapers])

@@ -146,11 +146,19 @@ def test_quick_rank_view_section() -> None:
     assert len(row) == 1 and "within +2% of the step watched without it" in row[0].subject
     text = report.miss_notes(run)
     assert row[0].met or "DDP step with the per-rank view" in text
-    # The standalone collect-only comparison (figures quoted in docs/distributed.md).
-    kinds = (RankViewMode.WATCHED, RankViewMode.NO_COLLECTIVE)
+    # The documented collect-only loop: its own table (comparisons of the kinds it times) and
+    # its own target row.
+    kinds = rankview_bench.LOOP_KINDS
     loop = rankview_bench.rank_view(1, kinds, collect_only=True)
     assert loop.collect_only and set(loop.step_times) == set(kinds)
     assert all(len(loop.timing(m)) == 2 for m in kinds)
+    _header, loop_rows = _rows(report.rank_view_table(loop), "| step |")
+    timed = [c for c in report.RANK_VIEW_COMPARISONS if c[0] in kinds and c[1] in kinds]
+    assert len(loop_rows) == 1 + len(timed) and len(timed) < len(report.RANK_VIEW_COMPARISONS)
+    both = RunResults(command="x", rounds=(1, 1), rank_view=found, rank_view_loop=loop)
+    rows = [c.subject for c in report.target_checks(both) if "per-rank view" in c.subject]
+    assert len(rows) == 2
+    assert "on the training thread" in rows[0] and "`collect` only" in rows[1]
 
 
 def test_rank_view_ratio_and_its_noise_verdict() -> None:
