@@ -12,15 +12,14 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, generate_latest
+from exposition import exposition_text
 from rich.console import Console
 
 from gradwatch import GroupStats, Snapshot, WatchConfig
 from gradwatch.cli.endpoint import EndpointView, parse_exposition
 from gradwatch.cli.render import Trends, noise_scale_text, replica_text
 from gradwatch.cli.top import render_frame
-from gradwatch.export.collector import SnapshotCollector
-from gradwatch.export.state import PublishedState, SelfStats
+from gradwatch.export.state import PublishedState
 from gradwatch.rankview import NOISE_SCALE_UNIT, REPLICA_OUTLIER_THRESHOLD
 
 RULES = Path(__file__).parents[2] / "deploy" / "prometheus" / "gradwatch-rules.yml"
@@ -59,15 +58,7 @@ def exposition(s: Snapshot) -> str:
     """The endpoint's text after publishing ``s`` (the real exporter's state and collector)."""
     state = PublishedState(WatchConfig(groups={"w": ["w*"], "b": ["b*"]}))
     state.write(s)
-    stats = SelfStats()
-    stats.set_collecting(True)
-    registry = CollectorRegistry()
-    registry.register(
-        SnapshotCollector(
-            state, stats, world_size=4, parallelism="ddp4", run_id="run", start_time=0.0
-        )
-    )
-    return generate_latest(registry).decode()
+    return exposition_text(state, world_size=4, parallelism="ddp4")
 
 
 def frame_text(view: EndpointView) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from exposition import exposition_text
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
@@ -259,15 +260,7 @@ def test_watcher_snapshot_carries_scores_and_spiking_groups() -> None:
 
 
 def _scrape(state: PublishedState) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    stats = SelfStats()
-    stats.set_collecting(True)
-    registry = CollectorRegistry()
-    registry.register(
-        SnapshotCollector(
-            state, stats, world_size=1, parallelism="single", run_id="run", start_time=0.0
-        )
-    )
-    text = generate_latest(registry).decode()
+    text = exposition_text(state)
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
