@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import math
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -95,13 +96,6 @@ def chunk(size: int, parts: int, at: int) -> int:
     return max(0, min(size, full * (at + 1)) - full * at)
 
 
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
-
-
 @dataclass(frozen=True)
 class Spec:
     """One parallelism: the mesh of a rank and how each kind of parameter is placed on it."""
@@ -144,14 +138,14 @@ class Spec:
 
     def local_numel(self, p: Param, how: str, rank: int) -> int:
         _s, _r, d, t = self.coords(rank)
-        rows, rest = p.shape[0], _prod(p.shape[1:])
+        rows, rest = p.shape[0], math.prod(p.shape[1:])
         if how == "whole":
             return rows * rest
         if how == "hsdp" or how == "fsdp":
             return chunk(rows, self.dp, d) * rest
         if how == "col":  # FSDP2 shards dim 0 of the TP-local tensor
             return chunk(chunk(rows, self.tp, t), self.dp, d) * rest
-        return chunk(rows, self.dp, d) * chunk(p.shape[1], self.tp, t) * _prod(p.shape[2:])
+        return chunk(rows, self.dp, d) * chunk(p.shape[1], self.tp, t) * math.prod(p.shape[2:])
 
     def mesh_coords(self, token: Any, rank: int) -> tuple[int, ...]:
         _s, r, d, t = self.coords(rank)
@@ -280,7 +274,7 @@ def self_check(world: int = 8, params: Sequence[Param] | None = None) -> None:
                         p.shape, [shape[i] for i in order], [coords[i] for i in order],
                         [Shard(placements[i].dim) if isinstance(placements[i], _StridedShard)
                          else placements[i] for i in order])
-                    assert _prod(local) == piece.numel, (case, rank, p, local, piece.numel)
+                    assert math.prod(local) == piece.numel, (case, rank, p, local, piece.numel)
             assert simulated[rank] == _describe(spec, pieces, rank), (case, rank)
         stages: dict[int, set[bytes]] = {}
         for rank, (_desc, record) in enumerate(simulated):

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import socket
 import struct
@@ -223,10 +224,7 @@ def spec_numel(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
             local[tdim] = _chunk(size, parts, at)
         else:
             local[tdim] = sum(_chunk(_chunk(size, factor, j), parts, at) for j in range(factor))
-    total = 1
-    for s in local:
-        total *= s
-    return total
+    return math.prod(local)
 
 
 @dataclass(frozen=True)
