@@ -734,7 +734,7 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                     c, base = records[rank].coords, offsets[g][slot]
                     cell = cells[tuple((dim, c[base + dim], pl) for dim, pl in spec)]
                 mine[sig] = (cell[0], cell.index(rank), len(cell))
-    numels = [_prod(shapes[name][0]) for name in names]
+    numels = [math.prod(shapes[name][0]) for name in names]
     local_to_global, contributes, slots = [], [], []
     g = rank_group[rank]
     for name, shape, spec, slot, numel in descs[g].pieces:
@@ -758,13 +758,6 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                    tuple(slots), min(replicas, MAX_REPLICA_SLOTS))
 
 
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
-
-
 def _slot_offsets(meshes: Sequence[Sequence[int]]) -> list[int]:
     out, at = [], 0
     for shape in meshes:
@@ -777,7 +770,7 @@ def _whole_grid(cells: dict[Any, list[int]], spec: Sequence[tuple[int, Any]],
                 mesh_shape: Sequence[int]) -> bool:
     """The cells are every coordinate of the spec's mesh dims, once each (the cells' keys are
     distinct, so counting the in-range ones suffices)."""
-    grid = _prod([mesh_shape[dim] for dim, _pl in spec])
+    grid = math.prod([mesh_shape[dim] for dim, _pl in spec])
     return len(cells) == grid and all(
         0 <= c < mesh_shape[dim] for key in cells for dim, c, _pl in key)
 
@@ -789,7 +782,7 @@ def _largest_held(cells: dict[Any, list[int]], class_names: Sequence[str],
     """The largest cell holding a non-empty piece of some parameter of the class (1 when
     none does): over a whole grid a parameter with elements has a non-empty piece, so cells
     of one size need no numel at all; otherwise cells are tried largest first."""
-    if not any(_prod(shapes[name][0]) for name in class_names):
+    if not any(math.prod(shapes[name][0]) for name in class_names):
         return 1
     sizes = {len(cell) for cell in cells.values()}
     if len(sizes) == 1:
@@ -858,9 +851,9 @@ def _check_pieces(
                 f"{int(size[k, col[b]])} elements)"
             )
         covered = int(top.clamp(min=0).sum())
-        if covered not in (0, _prod(shape)):
+        if covered not in (0, math.prod(shape)):
             raise LayoutMismatchError(
-                f"gradwatch: the shards of {name!r} cover {covered} of {_prod(shape)} "
+                f"gradwatch: the shards of {name!r} cover {covered} of {math.prod(shape)} "
                 "elements; its placements are not understood (please report this layout)"
             )
         largest = max(largest, int((count * held).sum(1).max()) if len(keys) else 1)
