@@ -17,10 +17,13 @@ from gradwatch.history import HistoryWriter, rotated_path
 TIMEOUT = 120
 
 
-def run(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
-    """``gradwatch ARGS`` in a fresh interpreter (``prelude`` runs first, e.g. to hide a module)."""
+def run(
+    *args: str, prelude: str = "", extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``gradwatch ARGS`` in a fresh interpreter (``prelude`` runs first, e.g. to hide a module;
+    ``extra_env`` is added to the environment)."""
     code = f"{prelude}\nfrom gradwatch.cli.main import main\nmain()"
-    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | (extra_env or {})
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,
@@ -146,22 +149,13 @@ def test_plot_with_configured_bands_and_a_bad_band(tmp_path: Path) -> None:
     write_history(history, range(20))
     out = tmp_path / "o.png"
     good = '[["seed", "host"], {"numerator": "host", "denominator": "seed", "low": 2, "high": 9}]'
-    proc = run_env({"GRADWATCH_RATIOS": good}, "plot", str(history), "-o", str(out))
+    proc = run("plot", str(history), "-o", str(out), extra_env={"GRADWATCH_RATIOS": good})
     assert proc.returncode == 0, proc.stderr
     bad = '[{"numerator": "seed", "denominator": "host", "low": 0.3, "high": 0.2}]'
-    proc = run_env({"GRADWATCH_RATIOS": bad}, "plot", str(history), "-o", str(tmp_path / "x.png"))
+    proc = run("plot", str(history), "-o", str(tmp_path / "x.png"),
+               extra_env={"GRADWATCH_RATIOS": bad})
     assert proc.returncode == 2
     assert "GRADWATCH_RATIOS" in proc.stderr and "low" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "x.png").exists()
 
 
-def run_env(extra: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    code = "from gradwatch.cli.main import main\nmain()"
-    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | extra
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=env,
-    )
