@@ -199,6 +199,11 @@ class WatchConfig(BaseSettings):
             (0 disables it).
         collective_timeout_seconds: how long one gradwatch collective may wait for the other
             ranks before it gives up with :class:`~gradwatch.errors.GradWatchTimeoutError`.
+        always_reduce: all-reduce the statistics on every collect. By default a collect skips
+            the all-reduce when DDP already made every rank's gradients the same (every
+            parameter whole on every rank, reduced by DDP over the whole world) and the rank
+            view is off; it still all-reduces on divergence steps, which also check that the
+            ranks collected the same step (docs/distributed.md, *When gradwatch all-reduces*).
         port: ``None`` = no endpoint; ``0`` = an ephemeral port; otherwise that TCP port.
         bind_address: address the endpoint binds to (``0.0.0.0``, the exporter convention).
         certfile, keyfile, client_cafile: TLS for the endpoint (``client_cafile`` = mutual TLS).
@@ -247,6 +252,7 @@ class WatchConfig(BaseSettings):
     collective_timeout_seconds: float = Field(
         default=300.0, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False
     )
+    always_reduce: bool = False
 
     port: int | None = Field(default=None, ge=0, le=65535)
     bind_address: str = "0.0.0.0"
@@ -413,6 +419,7 @@ class WatchConfig(BaseSettings):
             "isolation_threshold",
             "every_n_steps",
             "divergence_every",
+            "always_reduce",  # which collects all-reduce
             "rank_view",  # the packed vector's rank-view section
         )
         payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)

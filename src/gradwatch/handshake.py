@@ -129,17 +129,22 @@ class Description:
     meshes: tuple[tuple[int, ...], ...]
     pieces: tuple[tuple[str, tuple[int, ...], tuple[Any, ...], int, int], ...]
     rank_view: int = 0  # G, the groups of the per-rank view this rank measures (0: none)
+    # DDP all-reduces every described gradient over the world on this rank
+    # (gradwatch.model.ddp_reduces_every_gradient): with every rank agreeing and every piece
+    # replicated on every rank, a collect may skip gradwatch's all-reduce (gradwatch.reduce)
+    synced: bool = False
 
     def encode(self) -> bytes:
         """Canonical bytes: equal descriptions give equal bytes (and digests)."""
         return json.dumps(
-            [self.version, self.config, self.stage, self.meshes, self.pieces, self.rank_view],
+            [self.version, self.config, self.stage, self.meshes, self.pieces, self.rank_view,
+             self.synced],
             separators=(",", ":"),
         ).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Description:
-        version, config, stage, meshes, pieces, rank_view = json.loads(raw)
+        version, config, stage, meshes, pieces, rank_view, synced = json.loads(raw)
         return cls(
             version,
             config,
@@ -150,6 +155,7 @@ class Description:
                 for name, shape, spec, slot, numel in pieces
             ),
             int(rank_view),
+            bool(synced),
         )
 
 
@@ -265,6 +271,7 @@ def stage_digest(ranks: Sequence[int]) -> bytes:
 def describe(
     pieces: Sequence[PieceLike], *, version: str, config_hash: str,
     stage_ranks: Sequence[int] | None = None, host: str | None = None, rank_view: int = 0,
+    synced: bool = False,
 ) -> tuple[Description, RankRecord]:
     """A rank's description and its phase-1 record (pure but for the default host name)."""
     slots: dict[Any, int] = {}
@@ -299,7 +306,7 @@ def describe(
                     break
         described.append((p.name, tuple(p.global_shape), spec, slot, numel))
     desc = Description(version, config_hash, stage_ranks is not None, tuple(meshes),
-                       tuple(described), rank_view)
+                       tuple(described), rank_view, synced)
     raw = desc.encode()
     record = RankRecord(
         digest=digest(raw),
@@ -587,6 +594,22 @@ def replica_groups(gathered: Gathered) -> tuple[tuple[int, ...], ...]:
             groups.append((r,))
     groups += [tuple(members) for members in stages.values()]
     return tuple(sorted(groups))
+
+
+def replicated_and_synced(gathered: Gathered) -> bool:
+    """Every rank holds every parameter whole and declares its gradients all-reduced over the
+    world by DDP: after backward each rank's gradients are the reduced ones, so the statistics
+    a rank computes alone equal the all-reduced statistics. One description shared by every
+    rank, of whole plain tensors only, declared synced: identical on every rank by
+    construction."""
+    if len(gathered.rank_group) < 2 or len(gathered.descriptions) != 1:
+        return False
+    desc = gathered.descriptions[0]
+    return (
+        desc.synced
+        and not desc.stage
+        and all(slot < 0 and spec == ("whole",) for _n, _s, spec, slot, _numel in desc.pieces)
+    )
 
 
 def rank_view_groups(gathered: Gathered) -> int:

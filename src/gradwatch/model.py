@@ -200,6 +200,28 @@ def wrapping_ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None
     return None
 
 
+def ddp_reduces_every_gradient(
+    ddp: nn.parallel.DistributedDataParallel | None, params: Sequence[Tensor], world_size: int
+) -> bool:
+    """Does ``ddp`` all-reduce the gradient of every parameter in ``params`` over the whole
+    world, so that after backward every rank holds the same gradients? False without DDP, when
+    its process group is smaller than the world, or when one of ``params`` is outside its
+    module, ignored (``_ddp_params_and_buffers_to_ignore``, delayed all-reduce) or a DTensor.
+    What lets a collect skip gradwatch's own all-reduce (:mod:`gradwatch.reduce`)."""
+    if ddp is None or world_size < 2:
+        return False
+    try:
+        if dist.get_world_size(ddp.process_group) != world_size:
+            return False
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+        # Frozen parameters count: DDP reduces none of them, and none gets a gradient.
+        synced = {id(p) for n, p in ddp.module.named_parameters() if n not in ignored}
+    except Exception:  # a DDP this torch lays out differently: keep the collective
+        log.debug("gradwatch: could not read the DDP module's parameters", exc_info=True)
+        return False
+    return all(id(p) in synced and not hasattr(p, "_local_tensor") for p in params)
+
+
 def _describe(
     model: nn.Module, params: list[Tensor], world_size: int, stage_group: Any, process_group: Any
 ) -> str:

@@ -111,6 +111,10 @@ class Layout:
     hosts: tuple[str, ...] = ()  # per rank: its host name (the handshake's "host")
     replica_groups: tuple[tuple[int, ...], ...] = ()  # data-parallel replicas: ranks of each
     rank_view_groups: int = 0  # G: groups per rank slot; 0 = no rank-view section
+    # Every rank holds every parameter whole and DDP all-reduces their gradients over the world
+    # (handshake.replicated_and_synced): a collect needs gradwatch's all-reduce only on
+    # divergence steps and with the rank view (Reducer.issues_collective)
+    replicated_synced: bool = False
 
     @property
     def rank_view_slots(self) -> bool:
@@ -286,6 +290,7 @@ def derive_layout(gathered: handshake.Gathered, rank: int) -> Layout:
         hosts=gathered.hosts,
         replica_groups=handshake.replica_groups(gathered),
         rank_view_groups=handshake.rank_view_groups(gathered),
+        replicated_synced=handshake.replicated_and_synced(gathered),
     )
 
 
@@ -394,6 +399,7 @@ class Reducer:
         timeout_seconds: float,
         stage_group: Any = None,
         rank_view_groups: int = 0,
+        synced: bool = False,
         device: torch.device | None = None,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -408,7 +414,7 @@ class Reducer:
             stage_ranks = dist.get_process_group_ranks(stage_group)
         desc, record = handshake.describe(
             pieces, version=version, config_hash=config_hash, stage_ranks=stage_ranks,
-            rank_view=rank_view_groups,
+            rank_view=rank_view_groups, synced=synced,
         )
         backend = str(dist.get_backend()) if multi else None
         self.device = reducer_device(device, backend, _bound_device() if multi else None)
@@ -530,7 +536,11 @@ class Reducer:
         lay = self.layout
         packed = torch.zeros(lay.packed_length, dtype=torch.float64, device=self.device)
         sq_local = sq_local.to(self.device)
-        torch.where(self._contributes, sq_local, self._zero, out=self._staged_squares)
+        alone = not self.issues_collective(with_replicas)
+        if alone:  # this rank's vector is the whole model's: every piece counts
+            self._staged_squares.copy_(sq_local)
+        else:
+            torch.where(self._contributes, sq_local, self._zero, out=self._staged_squares)
         plain = sq_local[: self._n_local]  # NaN/Inf only ever sit in the plain band
         torch.sub(plain, plain, out=self._staged_flags).nan_to_num_(nan=1.0)
         self._stage_tail(has_grad, step)
@@ -538,7 +548,17 @@ class Reducer:
         if with_replicas and self._slot_local.numel():
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
         self._pack_rank_view(packed, rank_local)
+        if alone:
+            return ReducedVector(packed, None, self.timeout, step, lay, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
+
+    def issues_collective(self, with_replicas: bool) -> bool:
+        """Does a collect all-reduce? Always, except when every rank holds every parameter
+        whole and DDP already all-reduced their gradients (:attr:`Layout.replicated_synced`)
+        and the rank view is off: then only on divergence steps (``with_replicas``), which
+        also check that the ranks collected the same step. Identical on every rank."""
+        lay = self.layout
+        return with_replicas or not lay.replicated_synced or lay.rank_view_groups > 0
 
     def _stage_tail(self, has_grad: Sequence[bool], step: int) -> None:
         """Write the has-gradient flags and the step into the staging vector by device-side
@@ -560,14 +580,20 @@ class Reducer:
             self._has_grad_key = key
         self._staged_step.fill_(float(step))
 
-    def reduce_failed(self, step: int, device_collective: bool = True) -> ReducedVector:
+    def reduce_failed(
+        self, step: int, device_collective: bool = True, with_replicas: bool = False
+    ) -> ReducedVector:
         """Issue this collect's all-reduce for a rank whose local pass failed: zeros but a NaN
         step slot, so the ranks' collective sequences stay aligned and every rank's
-        :meth:`ReducedStats.steps_agree` is False for this step (nothing is published).
+        :meth:`ReducedStats.failed_rank` is True for this step (nothing is published).
         ``device_collective``: the route the failed collect would have taken (a clip's is the
-        job's backend, a monitoring collect's the host group), so the sequences match."""
+        job's backend, a monitoring collect's the host group), so the sequences match. A
+        collect that would not have all-reduced (:meth:`issues_collective`) issues nothing:
+        the other ranks measured the same gradients alone."""
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
         packed[_sections(self.layout).step] = math.nan
+        if not self.issues_collective(with_replicas):
+            return ReducedVector(packed, None, self.timeout, step, self.layout, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
 
     def _issue(self, packed: Tensor, step: int, on_host: bool = False) -> ReducedVector:
@@ -622,7 +648,9 @@ class ReducedStats:
         replica_squares: per replica slot, the squared norm its holders add (``R`` values;
             filled on divergence steps only).
         step_check: the sum of the steps the ranks collected.
-        world_size: the number of ranks that added to the vector.
+        world_size: the number of ranks of the job.
+        ranks: the number of ranks whose vectors were summed: ``world_size``, or 1 when the
+            collect skipped the all-reduce (:meth:`Reducer.issues_collective`).
     """
 
     squares: list[float]
@@ -634,11 +662,15 @@ class ReducedStats:
     step_check: float
     world_size: int
     rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
+    ranks: int = 0  # 0: world_size
 
     @classmethod
-    def from_values(cls, values: list[float], layout: Layout) -> ReducedStats:
+    def from_values(
+        cls, values: list[float], layout: Layout, ranks: int | None = None
+    ) -> ReducedStats:
         """Split the host copy of a packed vector (pure; what :meth:`ReducedVector.stats`
-        does after its one host read)."""
+        does after its one host read). ``ranks``: how many ranks' vectors it sums (default:
+        all of them)."""
         at = _sections(layout)
         if len(values) != at.length:
             raise ValueError(
@@ -654,13 +686,15 @@ class ReducedStats:
             step_check=values[at.step],
             world_size=layout.world_size,
             rank_view=RankView.from_section(values[at.rank_view], layout),
+            ranks=layout.world_size if ranks is None else ranks,
         )
 
     def steps_agree(self, step: int) -> bool:
         """Did every rank collect ``step``? (A rank that collected another step changes the
         sum; a mismatch means the statistics mix steps. A rank whose local pass failed sends
-        NaN: see :meth:`failed_rank`.)"""
-        return self.step_check == step * self.world_size
+        NaN: see :meth:`failed_rank`. A collect without the all-reduce checks only this
+        rank's own step.)"""
+        return self.step_check == step * (self.ranks or self.world_size)
 
     @property
     def failed_rank(self) -> bool:
@@ -693,9 +727,16 @@ class ReducedVector:
     """
 
     def __init__(
-        self, packed: Tensor, work: Any, timeout: float, step: int, layout: Layout
+        self,
+        packed: Tensor,
+        work: Any,
+        timeout: float,
+        step: int,
+        layout: Layout,
+        ranks: int | None = None,
     ) -> None:
         self._packed = packed
+        self._ranks = ranks  # None: every rank's vector (see ReducedStats.ranks)
         self._work = work
         self._timeout = timeout
         self._step = step
@@ -752,7 +793,7 @@ class ReducedVector:
             else:
                 self._wait_collective()
                 values = self._packed.tolist()
-            self._stats = ReducedStats.from_values(values, self._layout)
+            self._stats = ReducedStats.from_values(values, self._layout, self._ranks)
         return self._stats
 
 

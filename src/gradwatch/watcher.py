@@ -38,6 +38,7 @@ from gradwatch.gradients import GradientReader
 from gradwatch.hooks import before_optimizer_step
 from gradwatch.model import (
     ParameterSlots,
+    ddp_reduces_every_gradient,
     describe_parallelism,
     empty_groups,
     find_ddp,
@@ -45,6 +46,7 @@ from gradwatch.model import (
     group_of,
     named_parameters,
     reject_fsdp1,
+    wrapping_ddp,
 )
 from gradwatch.rankview import NoiseScale, rank_view_fields
 from gradwatch.reduce import ReducedVector, Reducer, gradient_device, piece_of
@@ -161,7 +163,8 @@ class GradWatch:
                 os.environ["WORLD_SIZE"],
             )
         self._gradients = GradientReader(self._params)
-        self._attach_rank_view(model, names)
+        ddp = self._find_ddp(model)
+        self._attach_rank_view(ddp, names)
         try:
             self._reducer = Reducer(
                 [piece_of(n, p) for n, p in zip(names, self._params, strict=True)],
@@ -170,6 +173,8 @@ class GradWatch:
                 timeout_seconds=cfg.collective_timeout_seconds,
                 stage_group=stage_group,
                 rank_view_groups=len(self._view_groups) if self._comm_hook is not None else 0,
+                synced=not cfg.always_reduce and stage_group is None
+                and ddp_reduces_every_gradient(ddp, self._params, self.world_size),
                 device=gradient_device(self._params),
             )
         except BaseException:
@@ -213,19 +218,27 @@ class GradWatch:
 
     # -- the per-rank view (DDP comm hook; gradwatch.ddp_hook, gradwatch.rankview) ---------------
 
-    def _attach_rank_view(self, model: nn.Module, names: list[str]) -> None:
+    def _find_ddp(self, model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+        """The DDP module training ``model`` (inside it, or wrapping it), when it matters: more
+        than one rank, and the rank view or a collect without the all-reduce may use it."""
+        if self.world_size < 2 or (self.config.always_reduce and not self.config.rank_view):
+            return None
+        ddp = find_ddp(model)
+        if ddp is None and not any(hasattr(p, "_local_tensor") for p in self._params):
+            ddp = wrapping_ddp(model)  # one scan of live objects; DTensor models take no DDP
+        return ddp
+
+    def _attach_rank_view(
+        self, ddp: nn.parallel.DistributedDataParallel | None, names: list[str]
+    ) -> None:
         """Under DDP with ``rank_view``: measure this rank's gradients in DDP's comm hook."""
         from gradwatch.ddp_hook import attach
-        from gradwatch.model import wrapping_ddp
 
         self._view_groups = (*self.config.groups, OTHER_GROUP)
         self._local_view: LocalView | None = None
         self._comm_hook: GradWatchCommHook | None = None
         self._noise = NoiseScale()
-        if not self.config.rank_view or self.world_size < 2:
-            return
-        ddp = find_ddp(model) or wrapping_ddp(model)
-        if ddp is None:
+        if not self.config.rank_view or ddp is None:
             return
         position = {g: k for k, g in enumerate(self._view_groups)}
         view = LocalView(
@@ -492,6 +505,10 @@ class GradWatch:
         issued = self._reducer.issued
         self._attempts += 1
         attempt = self._attempts
+        # Decided before anything can fail, from counts equal on every rank: whether this
+        # collect measures the replicas' divergence also decides whether it all-reduces
+        # (Reducer.issues_collective), so a rank whose pass fails must decide as the others.
+        measure = self._divergence_step(record=not skipped)
         try:
             replaced = self._slots.first_replaced()
             if replaced is not None:
@@ -499,12 +516,14 @@ class GradWatch:
             # A skipped step that clips still needs the whole-model norm (a rank-local one is
             # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
             pending, total = self._collect(
-                step, scaler, optimizer, max_norm, record=not skipped, attempt=attempt,
+                step, scaler, optimizer, max_norm, measure=measure, attempt=attempt,
                 batch_size=batch_size,
             )
         except Exception as exc:  # never let monitoring crash training
             self._last_failed_attempt = attempt
-            return self._failed(step, exc, issued, clip=max_norm is not None), None
+            return self._failed(
+                step, exc, issued, clip=max_norm is not None, with_replicas=measure
+            ), None
         if skipped:
             return self._pending_last(step), total
         self._latest = pending
@@ -514,7 +533,12 @@ class GradWatch:
         return pending, total
 
     def _failed(
-        self, step: int, exc: Exception, issued: int, clip: bool = False
+        self,
+        step: int,
+        exc: Exception,
+        issued: int,
+        clip: bool = False,
+        with_replicas: bool = False,
     ) -> PendingSnapshot:
         """A collect whose local pass raised: count and log it, keep the ranks' collective
         sequences aligned, and return a result that says the step was not measured.
@@ -545,7 +569,9 @@ class GradWatch:
             )
         if self._reducer.issued == issued:
             try:
-                self._reducer.reduce_failed(step, device_collective=clip)
+                self._reducer.reduce_failed(
+                    step, device_collective=clip, with_replicas=with_replicas
+                )
             except Exception as inner:
                 self._stop("collective", f"{type(inner).__name__}: {inner}", step)
         return self._not_measured(step, f"collect(step={step}) failed: {why}")
@@ -659,13 +685,13 @@ class GradWatch:
         scaler: Any,
         optimizer: Any,
         max_norm: float | None,
-        record: bool = True,
+        measure: bool = False,
         attempt: int = 0,
         batch_size: int | None = None,
     ) -> tuple[PendingSnapshot, Tensor | None]:
-        """One statistics pass and all-reduce. ``record=False`` (a clip on a step the schedule
-        skips): no divergence measurement and no change to the collection count. ``attempt``
-        numbers this collect (see :meth:`_measured`)."""
+        """One statistics pass and all-reduce (see :meth:`Reducer.issues_collective`).
+        ``measure``: a divergence step (:meth:`_divergence_step`). ``attempt`` numbers this
+        collect (see :meth:`_measured`)."""
         grads = self._gradients.read()
         sq, plan = self._engine.squared_norms_and_plan(grads.tensors, self._reducer.device)
         scale = pending_scale(scaler, optimizer)
@@ -676,11 +702,6 @@ class GradWatch:
             if local is not None:
                 local = local / (scale64 * scale64).to(local.device)
         has_grad = [g is not None for g in grads.tensors]
-        every = self.config.divergence_every
-        measure = (
-            record and every > 0 and self._collections % every == 0 and self._layout.replicas > 1
-        )
-        self._collections += int(record)
         reduced = self._reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
             device_collective=max_norm is not None,
@@ -705,6 +726,17 @@ class GradWatch:
             ),
             total,
         )
+
+    def _divergence_step(self, record: bool) -> bool:
+        """Does this collect measure the replicas' divergence (every ``divergence_every``
+        recorded collects)? ``record=False`` (a clip on a step the schedule skips): no, and the
+        count is unchanged."""
+        every = self.config.divergence_every
+        measure = (
+            record and every > 0 and self._collections % every == 0 and self._layout.replicas > 1
+        )
+        self._collections += int(record)
+        return measure
 
     def _build(
         self,
