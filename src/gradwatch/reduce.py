@@ -1,4 +1,4 @@
-"""Distributed combination: one agreed layout, one packed float64 all-reduce per collect.
+"""Distributed combination: one agreed layout, at most one packed float64 all-reduce per collect.
 
 **Layout (construction, once).** Every rank describes the parameter *pieces* it holds: the
 parameter's name, its global shape, and a piece key. A plain tensor is one piece ("whole"); a
@@ -35,6 +35,13 @@ replicas give identical slot sums, and their relative spread is the replica dive
 on divergence steps only). The step slot detects ranks that collected different steps.
 Payload: O(parameters), never O(elements); never bf16/fp16. Replica sums compare plain-band
 squares only (norms within [2^-450, 2^450]).
+
+**Collects without the all-reduce.** When every rank holds every parameter whole and DDP
+all-reduced their gradients over the world (:attr:`Layout.replicated_synced`, agreed in the
+handshake), every rank's gradients are already the reduced ones: the all-reduce would only
+repeat DDP's. Such a collect packs *every* piece (no contributor mask: this rank's vector is
+the whole model's) and issues nothing (:meth:`Reducer.issues_collective`); divergence steps and
+the rank view still all-reduce, and they carry the step check.
 
 **The rank view** (when every rank declares ``rank_view_groups=G > 0`` in the handshake:
 its DDP comm hook measures, see :mod:`gradwatch.ddp_hook`): after the step slot, each

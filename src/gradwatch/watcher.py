@@ -7,8 +7,9 @@ publishing (the endpoint and/or the history file).
 
 ``collect(step)`` (training thread): read every ``.grad`` (:mod:`gradwatch.gradients`: a Python
 loop of attribute reads, no tensor ops), compute all squared norms with a constant number of ops
-(:mod:`gradwatch.stats`), pack them and issue one all-reduce; ``clip_grad_norm_`` also clips
-from that all-reduce (:mod:`gradwatch.clip`). It returns a :class:`PendingSnapshot` at once; the
+(:mod:`gradwatch.stats`), pack them and issue one all-reduce (none where DDP already reduced
+every gradient: :meth:`gradwatch.reduce.Reducer.issues_collective`); ``clip_grad_norm_`` also
+clips from that vector (:mod:`gradwatch.clip`). It returns a :class:`PendingSnapshot` at once; the
 host read of the reduced vector and the host-side summary (:mod:`gradwatch.summary`) happen in
 ``result()``, which the exporter calls from its own thread (the publisher, which also appends to
 the history file when ``history_path`` is set, with or without an endpoint).

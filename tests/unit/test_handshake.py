@@ -632,3 +632,48 @@ def test_record_round_trip_and_coordinate_overflow() -> None:
     again = handshake.RankRecord.unpack(record.pack())
     assert again == record and again.coords == (1,) and again.host == "node-2"
     assert handshake.Description.decode(desc.encode()) == desc
+
+
+def _replicas(world: int, names: int = 3) -> list[Rank]:
+    return [[LocalPiece(f"p{i}", (4, 2), ("whole",), 8) for i in range(names)]
+            for _ in range(world)]
+
+
+def _declared(per_rank: list[Rank], synced: list[bool],
+              stages: list | None = None) -> handshake.Gathered:
+    return handshake.simulate([
+        handshake.describe(pieces, version="v", config_hash="c", host=f"h{r}",
+                           synced=synced[r], stage_ranks=(stages or [None] * 99)[r])
+        for r, pieces in enumerate(per_rank)
+    ])
+
+
+def test_collects_skip_the_all_reduce_only_when_every_rank_holds_every_parameter_synced() -> None:
+    """Whole plain pieces on every rank, every rank declaring DDP's reduction over the world:
+    the same decision on every rank; anything else keeps the all-reduce."""
+    world = 4
+    both = _declared(_replicas(world), [True] * world)
+    assert {derive_layout(both, r).replicated_synced for r in range(world)} == {True}
+    one_not = _declared(_replicas(world), [True, True, False, True])
+    assert {derive_layout(one_not, r).replicated_synced for r in range(world)} == {False}
+    undeclared = _declared(_replicas(world), [False] * world)
+    assert not derive_layout(undeclared, 0).replicated_synced
+    alone = _declared(_replicas(1), [True])
+    assert not derive_layout(alone, 0).replicated_synced
+    # sharded pieces (FSDP2) never qualify, even declared
+    sharded = handshake.simulate([
+        handshake.describe(pieces, version="v", config_hash="c", host=f"h{r}", synced=True)
+        for r, pieces in enumerate(fsdp(world, 3))], dp_grid(world))
+    assert not derive_layout(sharded, 1).replicated_synced
+    # pipeline stages: different parameters per stage, declared synced within each stage
+    stage_pieces = [[LocalPiece(f"s{r // 2}.p", (4, 2), ("whole",), 8)] for r in range(world)]
+    stages = [[0, 2], [1, 3], [0, 2], [1, 3]]
+    staged = _declared(stage_pieces, [True] * world, stages)
+    assert not derive_layout(staged, 0).replicated_synced
+
+
+def test_the_synced_declaration_survives_encoding() -> None:
+    desc, _ = handshake.describe(_replicas(1)[0], version="v", config_hash="c", host="h",
+                                 synced=True)
+    assert handshake.Description.decode(desc.encode()) == desc
+    assert handshake.Description.decode(desc.encode()).synced is True
