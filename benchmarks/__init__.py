@@ -6,9 +6,9 @@
 * :mod:`benchmarks.measure`: timing (interleaved rounds, medians, quartiles), op counts, and the
   single-process measurements.
 * :mod:`benchmarks.distributed`: the multi-process measurements and their spawned workers.
-* :mod:`benchmarks.rankview_bench`: the per-rank view's cost on DDP, and the measured
-  alternatives to today's DDP path (a post-reduction pass in the comm hook's callback, no
-  all-reduce under pure replication), as benchmark-only prototypes.
+* :mod:`benchmarks.rankview_bench`: the per-rank view's cost on DDP, the default DDP path's
+  saving (no all-reduce under pure replication) over ``always_reduce=True``, and a
+  benchmark-only prototype (a post-reduction pass in the comm hook's callback).
 * :mod:`benchmarks.report`: the markdown of docs/performance.md, from the results alone.
 * :mod:`benchmarks.run`: the command line.
 """

@@ -1,8 +1,9 @@
 """The multi-process measurements: 2 ranks, gloo, CPU, spawned, one thread per rank.
 
 * :func:`overhead`: the step time of DDP and FSDP2 jobs without gradwatch, with it, and with
-  two floors that any monitor pays (one all-reduce of gradwatch's payload, one read of every
-  gradient), in palindromic blocks so a linear drift cancels within a block.
+  two floors (one all-reduce of a vector as long as gradwatch's packed one, which a collect that
+  all-reduces pays; one read of every gradient, which any norm pays), in palindromic blocks so
+  a linear drift cancels within a block.
 * :func:`scrapers_during_training`: the step time of a DDP job while scrapers hammer rank 0's
   endpoint, in alternating windows with and without them.
 
@@ -94,16 +95,25 @@ def _measure(spec: ModelSpec, wrapper: str, steps: int) -> DistributedCase:
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
 
-    # gradwatch's own collectives and payload, from one collect+result; the second one is
-    # counted (the first may set up gradwatch's process group). The all-reduce floor reduces a
-    # float64 vector of that payload on a group of its own.
+    # gradwatch's own collectives and payload, of one collect+result each: the first collect
+    # (a divergence step where the layout has replicas: every `divergence_every`-th collect,
+    # counted from the first) and the second (an ordinary collect; none under pure DDP
+    # replication).
     backward()
-    watch.collect(0).result()
+    with OpCounter() as ops:
+        watch.collect(0).result()
+    first = CollectiveCount(ops.collectives, ops.collective_bytes)
     with OpCounter() as ops:
         watch.collect(1).result()
     own = CollectiveCount(ops.collectives, ops.collective_bytes)
+    divergence = (first if watch._layout.replicas > 1 and watch.config.divergence_every > 0
+                  else None)
+    # The all-reduce floor: what a collect that all-reduces adds at least (every collect under
+    # FSDP2, the divergence steps under DDP): one all-reduce of a float64 vector as long as the
+    # packed one, on a group of its own. Sized by the layout, not by the payload counted above,
+    # which is 0 under DDP.
     floor_group = dist.new_group()
-    floor_buffer = torch.zeros(max(1, own.bytes // 8), dtype=torch.float64)
+    floor_buffer = torch.zeros(watch._layout.packed_length, dtype=torch.float64)
     waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-waiter")
     call_times: list[float] = []  # the collect() call on the training thread
 
@@ -149,7 +159,8 @@ def _measure(spec: ModelSpec, wrapper: str, steps: int) -> DistributedCase:
         n_tensors=len(watch.parameter_names),
         step_times={m: tuple(ts) for m, ts in times.items()},
         counts_plain=counted[StepMode.PLAIN], counts_watched=counted[StepMode.COLLECT_RESULT],
-        gradwatch_counts=own, collect_call=Timing.of(call_times))
+        gradwatch_counts=own, collect_call=Timing.of(call_times),
+        divergence_counts=divergence, divergence_every=watch.config.divergence_every)
 
 
 def _overhead_worker(rank: int, port: int, wrapper: str, specs: Sequence[ModelSpec],

@@ -1,21 +1,25 @@
-"""The per-rank view's cost, and two alternatives measured against today's path: the DDP step
-of the demo model on 2 gloo ranks (one thread each), every kind of step in the same process,
-interleaved in palindromic blocks so drift and cache effects hit every kind alike.
+"""The per-rank view's cost, the default DDP path's saving, and one alternative to the view's
+path: the DDP step of the demo model on 2 gloo ranks (one thread each), every kind of step in
+the same process, interleaved in palindromic blocks so drift and cache effects hit every kind
+alike.
 
 The kinds (:class:`~benchmarks.results.RankViewMode`), each a DDP copy of the same model:
 
-* ``WATCHED``: gradwatch as it runs by default (no comm hook: DDP's built-in all-reduce).
-* ``HOOK_ONLY``: gradwatch's comm hook registered but measuring nothing (``ddp_comm_hook`` of a
-  watch without the view): what the Python hook itself costs over DDP's built-in reduction.
+* ``WATCHED``: gradwatch as it runs by default (no comm hook: DDP's built-in all-reduce; under
+  this pure replication an ordinary collect issues no all-reduce of its own, the divergence
+  step, every ``divergence_every``-th collect, does).
+* ``ALWAYS_REDUCE``: ``WatchConfig(always_reduce=True)`` without the view: one all-reduce per
+  collect (the previous default), what the default's saving is measured against.
+* ``HOOK_ONLY``: as ``ALWAYS_REDUCE``, with gradwatch's comm hook registered but measuring
+  nothing (``ddp_comm_hook`` of a watch without the view): what the Python hook itself costs
+  over DDP's built-in reduction, over the same all-reduces as ``RANK_VIEW``.
 * ``RANK_VIEW``: ``WatchConfig(rank_view=True)``: the hook measures each bucket before the
-  all-reduce; ``collect()`` reads every gradient again for the post-reduction statistics.
+  all-reduce; ``collect()`` reads every gradient again for the post-reduction statistics and
+  all-reduces (the other ranks' local figures), on every collect.
 * ``IN_CALLBACK`` (prototype, this module only): as ``RANK_VIEW``, but the hook's completion
   callback computes the post-reduction per-parameter squares from the reduced bucket (hot in
   cache) with the same per-bucket plan, so ``collect()`` skips its own pass and only packs and
   issues the collective.
-* ``NO_COLLECTIVE`` (prototype, this module only): as ``WATCHED``, but the reducer issues no
-  all-reduce (each rank keeps its own packed vector): what skipping the collective would save
-  under pure replication.
 
 Every step is forward, backward, ``collect``, optimizer step and ``result()`` on the training
 thread (all of gradwatch's work inside the timed step; ``collect_only=True``: the documented
@@ -36,7 +40,6 @@ Standalone::
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import tempfile
@@ -55,8 +58,8 @@ from gradwatch.ddp_hook import _sum_options
 
 #: The kinds timed in the documented collect-only loop too (the in-callback prototype only
 #: moves work between two calls on the training thread: the other loop shows it).
-LOOP_KINDS = (RankViewMode.WATCHED, RankViewMode.HOOK_ONLY, RankViewMode.RANK_VIEW,
-              RankViewMode.NO_COLLECTIVE)
+LOOP_KINDS = (RankViewMode.WATCHED, RankViewMode.ALWAYS_REDUCE, RankViewMode.HOOK_ONLY,
+              RankViewMode.RANK_VIEW)
 
 
 class _InCallbackSquares:
@@ -114,9 +117,10 @@ def _job(mode: RankViewMode, endpoint: bool) -> tuple[nn.Module, torch.optim.Opt
     view = mode in (RankViewMode.RANK_VIEW, RankViewMode.IN_CALLBACK)
     # ``endpoint``: rank 0 serves the endpoint, so its exporter thread builds the results, as
     # deployed (the collect-only loop).
+    always = mode in (RankViewMode.ALWAYS_REDUCE, RankViewMode.HOOK_ONLY)
     watch = GradWatch(model, WatchConfig(
-        rank_view=view, collective_timeout_seconds=120, port=0 if endpoint else None,
-        bind_address="127.0.0.1"))
+        rank_view=view, always_reduce=always, collective_timeout_seconds=120,
+        port=0 if endpoint else None, bind_address="127.0.0.1"))
     ddp: Any = model
     if mode is RankViewMode.HOOK_ONLY:
         ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(watch))
@@ -124,8 +128,11 @@ def _job(mode: RankViewMode, endpoint: bool) -> tuple[nn.Module, torch.optim.Opt
         squares = _InCallbackSquares(watch._params)
         ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(watch, inner=squares.hook))
         watch._engine = squares
-    elif mode is RankViewMode.NO_COLLECTIVE:
-        watch._reducer.group = None  # _issue() then returns this rank's own packed vector
+    # The kinds' labels say which collects all-reduce: hold each watch to its label (an
+    # ordinary collect, not a divergence step).
+    if watch._reducer.issues_collective(False) is (mode is RankViewMode.WATCHED):
+        raise RuntimeError(f"{mode.name}: an ordinary collect would "
+                           f"{'' if mode is RankViewMode.WATCHED else 'not '}all-reduce")
     return model, opt, watch
 
 
@@ -158,9 +165,6 @@ def _worker(rank: int, port: int, blocks: int, out: str, kinds: tuple[RankViewMo
     import torch.distributed as dist
 
     _init(rank, port)
-    # The no-collective prototype's statistics are this rank's alone: its step check disagrees
-    # with the world size, which gradwatch logs (once); the timing is what matters here.
-    logging.getLogger("gradwatch").setLevel(logging.ERROR)
     block = (*kinds, *reversed(kinds))
     try:
         jobs = {mode: _job(mode, collect_only and rank == 0) for mode in kinds}

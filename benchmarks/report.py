@@ -166,8 +166,19 @@ DISTRIBUTED_COLUMNS = [
     "floor 1: one async all-reduce of the packed vector, nothing else",
     "floor 2: one read of every gradient (`get_total_norm`), nothing else",
     "steps", "collectives / bytes per step without", "... with gradwatch",
-    "gradwatch's own (collect+result)",
+    "gradwatch's own per collect (collect+result)",
 ]
+
+
+def gradwatch_collectives(r: DistributedCase) -> str:
+    """gradwatch's own collectives of an ordinary collect, and of a divergence step when it
+    differs (under pure DDP replication: none, and one every ``divergence_every``-th)."""
+    own, div = r.gradwatch_counts, r.divergence_counts
+    cell = f"{own.collectives} / {fmt_bytes(own.bytes)}"
+    if div is not None and div != own:
+        cell += (f" ({div.collectives} / {fmt_bytes(div.bytes)} on each divergence step, "
+                 f"1 collect in {r.divergence_every})")
+    return cell
 
 
 def distributed_table(results: Sequence[DistributedCase | DistributedFailure]) -> str:
@@ -184,12 +195,12 @@ def distributed_table(results: Sequence[DistributedCase | DistributedFailure]) -
                 cell += (f"; **{ov.median_pct:+.1f}%** ({ov.p25_pct:+.1f}% to "
                          f"{ov.p75_pct:+.1f}%)")
             cells.append(cell)
-        cp, cw, own = r.counts_plain, r.counts_watched, r.gradwatch_counts
+        cp, cw = r.counts_plain, r.counts_watched
         rows.append([
             r.wrapper, r.model, f"{r.n_params / 1e6:.3g}M / {r.n_tensors}", *cells, r.steps,
             f"{cp.collectives} / {fmt_bytes(cp.bytes)}",
             f"{cw.collectives} / {fmt_bytes(cw.bytes)}",
-            f"{own.collectives} / {fmt_bytes(own.bytes)}",
+            gradwatch_collectives(r),
         ])
     return table(DISTRIBUTED_COLUMNS, rows)
 
@@ -222,16 +233,21 @@ def scrapers_table(results: Sequence[ScrapersResult | Failure]) -> str:
 #: Each kind of step of the per-rank view section, the kind it is compared with, and what the
 #: comparison shows.
 RANK_VIEW_COMPARISONS: tuple[tuple[RankViewMode, RankViewMode, str], ...] = (
-    (RankViewMode.HOOK_ONLY, RankViewMode.WATCHED,
+    (RankViewMode.WATCHED, RankViewMode.ALWAYS_REDUCE,
+     "no all-reduce on an ordinary collect of pure replication: the default's saving"),
+    (RankViewMode.HOOK_ONLY, RankViewMode.ALWAYS_REDUCE,
      "a Python comm hook in place of DDP's built-in C++ all-reduce"),
     (RankViewMode.RANK_VIEW, RankViewMode.WATCHED,
-     f"the per-rank view's cost (target {RANK_VIEW_TARGET})"),
+     f"the per-rank view's cost over the default (target {RANK_VIEW_TARGET})"),
+    (RankViewMode.RANK_VIEW, RankViewMode.ALWAYS_REDUCE,
+     "the view's cost over the same all-reduces (context, not judged)"),
     (RankViewMode.RANK_VIEW, RankViewMode.HOOK_ONLY, "the view's own measurement in the hook"),
     (RankViewMode.IN_CALLBACK, RankViewMode.RANK_VIEW,
      "post-reduction pass in the hook's callback instead of a separate pass in `collect()`"),
-    (RankViewMode.NO_COLLECTIVE, RankViewMode.WATCHED,
-     "no all-reduce on a step of pure replication"),
 )
+
+#: The first row of each per-rank view table: every other kind's step time is in its row.
+RANK_VIEW_BASELINE = RankViewMode.ALWAYS_REDUCE
 
 
 def fmt_ratio(ov: Overhead) -> str:
@@ -253,7 +269,8 @@ def verdict_of(r: PairedRatio) -> str:
 
 
 RANK_VIEW_TEXT = (
-    "The per-rank view's cost, and two alternatives to today's path, in one 2-rank DDP job "
+    "The per-rank view's cost, the default DDP path's saving and one alternative to the "
+    "view's path, in one 2-rank DDP job "
     "(gloo, CPU, spawn, 1 thread per rank) training the demo model ({demo}); "
     "`benchmarks/rankview_bench.py`. Each kind of step runs on a DDP copy of the same model in "
     "the same processes, in {blocks} palindromic blocks (each kind once, then in reverse "
@@ -263,17 +280,25 @@ RANK_VIEW_TEXT = (
     "kind's two steps) / (the compared kind's two steps), with the interquartile range over "
     "blocks; the verdict says whether the median differs from 1 beyond noise, by a 95% "
     "bootstrap interval of the median over blocks (the IQR is the spread of single blocks, "
-    "not the uncertainty of the median). The kinds: {kinds}. The two prototypes exist in the "
-    "benchmark only: the "
-    "in-callback one computes the post-reduction per-parameter squares in the comm hook's "
-    "completion callback (the reduced bucket, with the view's per-bucket plan) and hands them "
-    "to `collect()` in place of its own pass; the no-collective one is today's gradwatch whose "
-    "reducer issues no all-reduce (each rank keeps its own packed vector). The view's "
+    "not the uncertainty of the median). The kinds: {kinds}. Without the view, gradwatch's "
+    "default under pure replication makes no all-reduce on an ordinary collect (each rank "
+    "packs every parameter from its own copy of DDP's reduced gradients; the divergence step, "
+    "every `divergence_every`-th collect, 100 by default, still all-reduces: "
+    "docs/distributed.md, *When gradwatch all-reduces*); `always_reduce=True` restores one "
+    "all-reduce per collect (the previous default) and is what the default's saving is "
+    "measured against. The view all-reduces on every collect: its target compares it with the "
+    "default, and, for context, it is compared with `always_reduce=True` too (its cost over "
+    "the same all-reduces). The comm hook alone runs with `always_reduce=True`, so the hook "
+    "and the view's own measurement are each compared over the same all-reduces. The "
+    "in-callback kind is a prototype that exists in the benchmark only: it computes the "
+    "post-reduction per-parameter squares in the comm hook's completion callback (the reduced "
+    "bucket, with the view's per-bucket plan) and hands them to `collect()` in place of its "
+    "own pass. The view's "
     "measurement dispatched {ops} aten ops over the {buckets} DDP buckets of one backward "
     "(`gradwatch.testing.OpCounter`), no host read. What gradwatch does with these figures "
-    "(docs/distributed.md, *Cost*): the view stays opt-in; a prototype replaces today's path "
-    "only when it is cheaper beyond noise (the verdict column) and keeps every guarantee of "
-    "today's path; so far neither has been made the DDP path. The second table times the same "
+    "(docs/distributed.md, *Cost*): the view stays opt-in; the prototype replaces the view's "
+    "path only when it is cheaper beyond noise (the verdict column) and keeps every guarantee "
+    "of that path; so far it has not. The second table times the same "
     "kinds (but the in-callback prototype) in the documented loop: `collect` only, rank 0's "
     "exporter thread building the results (`rank_view(..., LOOP_KINDS, collect_only=True)`), "
     "the same number of blocks; each loop has its row in the Targets table.\n"
@@ -283,9 +308,10 @@ RANK_VIEW_TEXT = (
 def rank_view_table(r: RankViewResult | Failure) -> str:
     if isinstance(r, Failure):
         return f"failed: {r.error}"
+    base = RANK_VIEW_BASELINE
     rows: list[list[object]] = [
-        [RankViewMode.WATCHED.value, fmt_timing(r.timing(RankViewMode.WATCHED)), "-", "-", "-",
-         "the baseline"]]
+        [base.value, fmt_timing(r.timing(base)), "-", "-", "-",
+         "the previous default: one all-reduce per collect"]]
     for mode, over, shows in RANK_VIEW_COMPARISONS:
         if mode not in r.step_times or over not in r.step_times:
             continue  # a kind this loop does not time
@@ -447,11 +473,24 @@ def _floor_note(r: DistributedCase) -> str:
     """What the two floors of a DDP case cost by themselves, for the notes."""
     ar = r.overhead(StepMode.FLOOR_ALL_REDUCE).median_pct
     rd = r.overhead(StepMode.FLOOR_READ).median_pct
-    return (
-        f" The floors measured in the same run: one async gloo all-reduce of the packed "
-        f"vector alone {ar:+.1f}% (the one collective per collect that gradwatch makes), one "
-        f"read of every gradient alone {rd:+.1f}% (no norm can skip it): together "
-        f"{ar + rd:+.1f}% before any of gradwatch's own work.")
+    read = (f" The floors measured in the same run: one read of every gradient alone "
+            f"{rd:+.1f}% (no norm can skip it)")
+    if r.gradwatch_counts.collectives == 0:
+        when = (f"only on the divergence step, 1 collect in {r.divergence_every}"
+                if r.divergence_counts is not None else "on no collect here")
+        return (f"{read}, the floor of an ordinary collect, which makes no collective here; "
+                f"one async gloo all-reduce of a vector as long as the packed one alone "
+                f"{ar:+.1f}%, which gradwatch adds {when}.")
+    return (f"{read}; one async gloo all-reduce of the packed vector alone {ar:+.1f}% (the "
+            f"collective every collect makes here): together {ar + rd:+.1f}% before any of "
+            "gradwatch's own work.")
+
+
+def _issuing(r: DistributedCase) -> str:
+    """What a collect starts besides its ops, for the DDP overhead note."""
+    if r.gradwatch_counts.collectives == 0:
+        return "; an ordinary collect makes no collective here"
+    return ", and issuing the gloo all-reduce, which by itself wakes gloo's threads"
 
 
 def miss_notes(run: RunResults) -> str:
@@ -488,11 +527,11 @@ def miss_notes(run: RunResults) -> str:
                 f"cost: about {r.extra_ms(mode):.1f} ms in medians, on a "
                 f"{r.timing(StepMode.PLAIN).median * 1e3:.1f} ms step. Of it, the `collect()` "
                 f"call on rank 0's training thread takes {r.collect_call.median * 1e3:.2f} ms "
-                "(about 20 dispatched ops on caches cold after backward, and issuing the gloo "
-                "all-reduce, which by itself wakes gloo's threads); the rest is rank 0's "
-                "exporter thread building the snapshot under the GIL, and gloo's threads, on a "
-                "machine where each rank has one core. The interquartile range shows how much "
-                f"of it is this shared 2-core machine's noise.{_floor_note(r)}")
+                f"(about 20 dispatched ops on caches cold after backward{_issuing(r)}); the "
+                "rest is rank 0's exporter thread building the snapshot under the GIL, and "
+                "gloo's threads, on a machine where each rank has one core. The interquartile "
+                "range shows how much of it is this shared 2-core machine's noise."
+                f"{_floor_note(r)}")
     for rv in _rank_view_results(run):
         out += _rank_view_miss(rv)
     for c in run.clipping:
@@ -546,24 +585,30 @@ def _rank_view_results(run: RunResults) -> list[RankViewResult]:
     return [r for r in (run.rank_view, run.rank_view_loop) if isinstance(r, RankViewResult)]
 
 
+def _iqr(ov: Overhead) -> str:
+    return f"{ov.median_pct:+.1f}% (IQR {ov.p25_pct:+.1f}% to {ov.p75_pct:+.1f}%)"
+
+
 def _rank_view_miss(r: RankViewResult) -> list[str]:
     ov = r.ratio(RankViewMode.RANK_VIEW, RankViewMode.WATCHED)
     if RANK_VIEW_TARGET.met(ov.median_pct):
         return []
-    hook = r.ratio(RankViewMode.HOOK_ONLY, RankViewMode.WATCHED)
+    reduce = r.ratio(RankViewMode.ALWAYS_REDUCE, RankViewMode.WATCHED)
+    hook = r.ratio(RankViewMode.HOOK_ONLY, RankViewMode.ALWAYS_REDUCE)
     own = r.ratio(RankViewMode.RANK_VIEW, RankViewMode.HOOK_ONLY)
     extra = (r.timing(RankViewMode.RANK_VIEW).median
              - r.timing(RankViewMode.WATCHED).median) * 1e3
     return [
         f"* **DDP step with the per-rank view, {r.loop} ({ov.median_pct:+.1f}%, target "
-        f"{RANK_VIEW_TARGET}): not met.** Measured in the same run: the comm hook alone, "
-        f"measuring nothing, {hook.median_pct:+.1f}% (IQR {hook.p25_pct:+.1f}% to "
-        f"{hook.p75_pct:+.1f}%) over DDP's built-in reduction (what differs: per bucket, a "
+        f"{RANK_VIEW_TARGET}): not met.** The view all-reduces on every collect, which the "
+        "default under pure replication does not. Measured in the same run: one all-reduce "
+        f"per collect (`always_reduce=True`) {_iqr(reduce)} over the default; the comm hook "
+        f"alone, measuring nothing, {_iqr(hook)} over DDP's built-in reduction, both with "
+        "`always_reduce=True` (what differs: per bucket, a "
         "Python call from the autograd thread and a Python completion callback on gloo's "
         "thread, both taking the GIL, where DDP's built-in all-reduce stays in C++; DDP "
         "accepts no other kind of hook from Python); the view's own measurement "
-        f"({r.hook_ops} aten ops over {r.buckets} buckets, no host read) "
-        f"{own.median_pct:+.1f}% (IQR {own.p25_pct:+.1f}% to {own.p75_pct:+.1f}%) over the "
+        f"({r.hook_ops} aten ops over {r.buckets} buckets, no host read) {_iqr(own)} over the "
         f"hook alone. About {extra:.2f} ms in medians on a "
         f"{r.timing(RankViewMode.WATCHED).median * 1e3:.1f} ms step; the interquartile range "
         "shows how much of it is this shared 2-core machine's noise. The view stays opt-in "
@@ -669,14 +714,22 @@ DISTRIBUTED_TEXT = (
     "without gradwatch; with `watch.collect(step)` after backward (the documented loop: the "
     "snapshot is built by rank 0's exporter thread, nobody waits on rank 1); with `collect` "
     "and `result()` after `optimizer.step()` on the training thread (all of gradwatch's work "
-    "in the step, the worst case); and two floors without gradwatch, which any monitor making "
-    "one collective per collect pays: one async all-reduce of a vector as long as gradwatch's "
-    "packed one, on a group of its own, awaited by another thread (as `collect`'s is by the "
-    "exporter thread), and one read of every gradient (`torch.nn.utils.get_total_norm`, no "
-    "host read). Overhead = median over blocks of (with / without - 1); its spread is the "
-    "interquartile range over blocks. Collectives and bytes per step counted in one untimed "
-    "step under a `TorchDispatchMode` (bytes = largest tensor argument of each c10d op: the "
-    "all-reduced bucket, the full all-gathered / reduce-scattered buffer).\n"
+    "in the step, the worst case); and two floors without gradwatch: one async all-reduce of "
+    "a float64 vector as long as gradwatch's packed one, on a group of its own, awaited by "
+    "another thread (as `collect`'s is by the exporter thread), which is what a collect that "
+    "all-reduces pays at least, and one read of every gradient "
+    "(`torch.nn.utils.get_total_norm`, no host read), which any norm pays. gradwatch runs "
+    "its default configuration: under FSDP2 every collect all-reduces gradwatch's packed "
+    "vector; under DDP (every rank holds every parameter whole and DDP already reduced the "
+    "gradients) an ordinary collect makes no collective, and only the divergence step (every "
+    "`divergence_every`-th collect, 100 by default; the timed DDP steps include theirs) "
+    "all-reduces, as every collect does with `always_reduce=True` or `rank_view=True` "
+    "(docs/distributed.md, *When gradwatch all-reduces*). Overhead = median over blocks of "
+    "(with / without - 1); its spread is the interquartile range over blocks. Collectives and "
+    "bytes per step counted in one untimed step under a `TorchDispatchMode` (bytes = largest "
+    "tensor argument of each c10d op: the all-reduced bucket, the full all-gathered / "
+    "reduce-scattered buffer); gradwatch's own, of one ordinary collect and `result()`, with "
+    "a divergence step's in parentheses where they differ.\n"
 )
 
 

@@ -41,6 +41,7 @@ class StepMode(Enum):
     COLLECT = "collect"
     COLLECT_RESULT = "collect+result"
     #: floor: one async all-reduce of a vector as long as gradwatch's packed one, nothing else
+    #: (what a collect that all-reduces pays at least)
     FLOOR_ALL_REDUCE = "all-reduce"
     #: floor: one read of every gradient (``get_total_norm``, no host read), nothing else
     FLOOR_READ = "read"
@@ -287,8 +288,12 @@ class DistributedCase:
     step_times: dict[StepMode, tuple[float, ...]]
     counts_plain: CollectiveCount
     counts_watched: CollectiveCount
-    gradwatch_counts: CollectiveCount  # of one collect()+result() alone
+    gradwatch_counts: CollectiveCount  # of one ordinary collect()+result() alone
     collect_call: Timing  # the collect() call on the training thread
+    #: of one collect()+result() on a divergence step (every ``divergence_every``-th collect);
+    #: None when the layout has no replicas (no such step)
+    divergence_counts: CollectiveCount | None = None
+    divergence_every: int = 0
 
     def timing(self, mode: StepMode) -> Timing:
         return Timing.of(self.step_times[mode])
@@ -314,13 +319,18 @@ class DistributedCase:
 class RankViewMode(Enum):
     """The kinds of DDP step the per-rank view's benchmark times against each other."""
 
-    WATCHED = "gradwatch without the per-rank view (DDP's built-in all-reduce)"
-    HOOK_ONLY = "gradwatch's comm hook registered, measuring nothing"
-    RANK_VIEW = "gradwatch with `rank_view=True`"
+    #: the default: under pure replication an ordinary collect makes no all-reduce (DDP's
+    #: built-in one reduced the gradients)
+    WATCHED = ("gradwatch without the per-rank view (default: no all-reduce under pure "
+               "replication)")
+    #: the previous default: one all-reduce per collect
+    ALWAYS_REDUCE = "gradwatch without the view, `always_reduce=True` (one all-reduce per collect)"
+    #: as ``ALWAYS_REDUCE``, the comm hook in place of DDP's built-in reduction: the same
+    #: all-reduces as ``RANK_VIEW``, so the two differ by the view's own measurement alone
+    HOOK_ONLY = "gradwatch's comm hook registered, measuring nothing (`always_reduce=True`)"
+    RANK_VIEW = "gradwatch with `rank_view=True` (one all-reduce per collect)"
     #: prototype: the post-reduction statistics in the hook's completion callback
     IN_CALLBACK = "`rank_view=True`, post-reduction pass in the hook's callback (prototype)"
-    #: prototype: the reducer issues no all-reduce (pure replication needs none)
-    NO_COLLECTIVE = "gradwatch without the view, no all-reduce (prototype)"
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,19 @@ def test_quick_distributed_sections() -> None:
         assert not r[1].startswith("failed"), r
         assert float(r[3].split()[0]) > 0 and float(r[4].split()[0]) > 0, r
         assert float(r[6].split()[0]) > 0 and float(r[7].split()[0]) > 0, r  # the floors
-        assert r[11].startswith("1 / ")  # one gradwatch collective per collect
+    # gradwatch's own collectives per ordinary collect: none under pure DDP replication (the
+    # divergence step, every 100th collect, all-reduces once); one under FSDP2.
+    assert re.fullmatch(r"0 / 0 B \(1 / [\d.]+ [KM]?B on each divergence step, 1 collect in "
+                        r"100\)", rows[0][11]), rows[0]
+    assert re.fullmatch(r"1 / [\d.]+ [KM]?B", rows[1][11]), rows[1]
     ddp = next(c for c in found if isinstance(c, DistributedCase) and c.wrapper == "ddp")
+    fsdp2 = next(c for c in found if isinstance(c, DistributedCase) and c.wrapper == "fsdp2")
+    assert ddp.gradwatch_counts.collectives == 0 and ddp.divergence_counts is not None
+    assert ddp.divergence_counts.collectives == 1 and ddp.divergence_counts.bytes > 0
+    assert fsdp2.gradwatch_counts.collectives == 1
+    # The watched DDP step adds no collective to DDP's own (an ordinary collect); FSDP2's one.
+    assert ddp.counts_watched.collectives == ddp.counts_plain.collectives
+    assert fsdp2.counts_watched.collectives == fsdp2.counts_plain.collectives + 1
     for floor in (StepMode.FLOOR_ALL_REDUCE, StepMode.FLOOR_READ):  # measured in the same run
         assert len(ddp.timing(floor)) > 0 and ddp.overhead(floor) is not None
     scrapers = distributed.scrapers_during_training(cases.ScrapersPlan(2, 0.3, 1))
@@ -138,6 +149,15 @@ def test_quick_rank_view_section() -> None:
     assert found.buckets >= 1 and found.hook_ops > 0
     _header, rows = _rows(report.rank_view_table(found), "| step |")
     assert len(rows) == 1 + len(report.RANK_VIEW_COMPARISONS)
+    # Every kind's step time is in the table; the default's saving is measured against
+    # `always_reduce=True`, the view's target against the default, and (context) the view
+    # against `always_reduce=True` too.
+    assert {r[0] for r in rows} == {m.value for m in RankViewMode}
+    compared = {(r[0], r[2]) for r in rows[1:]}
+    for mode, over in ((RankViewMode.WATCHED, RankViewMode.ALWAYS_REDUCE),
+                       (RankViewMode.RANK_VIEW, RankViewMode.WATCHED),
+                       (RankViewMode.RANK_VIEW, RankViewMode.ALWAYS_REDUCE)):
+        assert (mode.value, over.value) in compared
     for r in rows[1:]:
         assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)", r[3]), r
         assert "beyond noise (95% CI of the median" in r[4], r
@@ -159,6 +179,11 @@ def test_quick_rank_view_section() -> None:
     rows = [c.subject for c in report.target_checks(both) if "per-rank view" in c.subject]
     assert len(rows) == 2
     assert "on the training thread" in rows[0] and "`collect` only" in rows[1]
+    # The section's text says what is measured: the default makes no all-reduce on an
+    # ordinary collect, `always_reduce=True` is the comparison.
+    section = report.render(both).split("## Per-rank view and the DDP path")[1].split("\n## ")[0]
+    assert "default under pure replication makes no all-reduce on an ordinary collect" in section
+    assert "`always_reduce=True` restores one all-reduce per collect" in section
 
 
 def test_rank_view_ratio_and_its_noise_verdict() -> None:
