@@ -205,10 +205,12 @@ def ddp_reduces_every_gradient(
 ) -> bool:
     """Does ``ddp`` all-reduce the gradient of every parameter in ``params`` over the whole
     world, so that after backward every rank holds the same gradients? False without DDP, when
-    its process group is smaller than the world, or when one of ``params`` is outside its
-    module, ignored (``_ddp_params_and_buffers_to_ignore``, delayed all-reduce) or a DTensor.
-    What lets a collect skip gradwatch's own all-reduce (:mod:`gradwatch.reduce`)."""
-    if ddp is None or world_size < 2:
+    its process group is smaller than the world, when a communication hook is registered (a
+    hook may skip the all-reduce: PostLocalSGD after its start step), or when one of ``params``
+    is outside its module, ignored (``_ddp_params_and_buffers_to_ignore``, delayed all-reduce)
+    or a DTensor. What lets a collect skip gradwatch's own all-reduce (:mod:`gradwatch.reduce`).
+    """
+    if ddp is None or world_size < 2 or getattr(ddp, "_comm_hooks", None):
         return False
     try:
         if dist.get_world_size(ddp.process_group) != world_size:

@@ -115,6 +115,7 @@ def test_a_rank_that_stops_collecting_stalls_nobody(w2: list[dict[str, Any]]) ->
 
 @pytest.mark.parametrize(("suite", "name"), [("w2", "not_pure_ignored"),
                                              ("w2", "not_pure_no_ddp"),
+                                             ("w2", "not_pure_hooked"),
                                              ("w4", "not_pure_subgroup")])
 def test_gradients_ddp_does_not_reduce_over_the_world_keep_the_all_reduce(
     suite: str, name: str, request: pytest.FixtureRequest

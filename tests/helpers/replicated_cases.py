@@ -224,8 +224,9 @@ class _Ignored(Tail):
 
 def case_not_pure(kind: str) -> Callable[[int, int], dict]:
     """Jobs where some rank's gradients are not the reduced ones: one all-reduce per collect.
-    ``ignored``: a parameter DDP ignores; ``no_ddp``: plain replicas; ``subgroup``: DDP over
-    half the world (two DDP groups)."""
+    ``ignored``: a parameter DDP ignores; ``no_ddp``: plain replicas; ``hooked``: a comm hook
+    registered before GradWatch (a hook may skip the all-reduce); ``subgroup``: DDP over half
+    the world (two DDP groups)."""
 
     def run(rank: int, world: int) -> dict:
         torch.manual_seed(0)
@@ -234,6 +235,13 @@ def case_not_pure(kind: str) -> Callable[[int, int], dict]:
                 _Ignored(7, 3), find_unused_parameters=True)
         elif kind == "no_ddp":
             model = Tail(7, 3)
+        elif kind == "hooked":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+                allreduce_hook,
+            )
+
+            model = nn.parallel.DistributedDataParallel(Tail(7, 3), find_unused_parameters=True)
+            model.register_comm_hook(None, allreduce_hook)
         else:
             halves = [dist.new_group(list(range(h, h + world // 2)))
                       for h in (0, world // 2)]
@@ -261,6 +269,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("failing_rank", case_failing_rank),
         ("not_pure_ignored", case_not_pure("ignored")),
         ("not_pure_no_ddp", case_not_pure("no_ddp")),
+        ("not_pure_hooked", case_not_pure("hooked")),
         ("rank_stops", case_rank_stops),
     ],
     "w4": [
