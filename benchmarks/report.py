@@ -346,8 +346,9 @@ SCALE_TEXT = (
     "each distinct description once when they differ). *Handshake per rank*: bytes of the "
     "tensors this rank passes to the handshake's collectives, sent / received; *former "
     "handshake*: what the previous all-gather of every rank's full JSON description received "
-    "per rank. *Per-step vector*: the one float64 all-reduce per collect (`5N + R + 1` values, "
-    "R replica slots capped at 64). See [scale.md](scale.md) for the cost model.\n"
+    "per rank. *Per-step vector*: the float64 vector a collect all-reduces (`5N + R + 1` "
+    "values, R replica slots capped at 64; under plain DDP only on divergence steps). See "
+    "[scale.md](scale.md) for the cost model.\n"
 )
 
 
