@@ -5,7 +5,6 @@ averaged gradients again, and a correct ``torch.nn.utils.clip_grad_norm_`` on DD
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from logs import Capture
 from torch import nn
 from worlds import spawn_world
 
@@ -46,15 +46,6 @@ def _audit_series(url: str, source: str, steps: int) -> tuple[float, float]:
         if audited or time.monotonic() > deadline:
             return (math.nan if ratio is None else ratio), (math.nan if count is None else count)
         time.sleep(0.05)
-
-
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _model() -> nn.Module:
@@ -127,15 +118,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.pop("GRADWATCH_PORT", None)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    handler = _Messages()
-    logging.getLogger("gradwatch").addHandler(handler)
     try:
-        result = {
-            "fsdp2_local": _fsdp2_local_clip(rank, "fsdp_clip"),
-            "ddp_twice": _ddp_loop(rank, world, "ddp_twice", reduce_again=True),
-            "ddp_correct": _ddp_loop(rank, world, "torch_clip", reduce_again=False),
-            "messages": handler.messages,
-        }
+        with Capture() as handler:
+            result = {
+                "fsdp2_local": _fsdp2_local_clip(rank, "fsdp_clip"),
+                "ddp_twice": _ddp_loop(rank, world, "ddp_twice", reduce_again=True),
+                "ddp_correct": _ddp_loop(rank, world, "torch_clip", reduce_again=False),
+                "messages": handler.lines,
+            }
         Path(out, f"{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

@@ -6,14 +6,12 @@ scale against its true value, the bad inputs. Workers in rankview_cases.py; one 
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
 import rankview_cases
-from worlds import spawn_world
+from worlds import case_results, spawn_suite
 
 pytestmark = [pytest.mark.distributed]
 
@@ -23,28 +21,20 @@ FP64_TOL = 1e-12
 WRAPPER = "gradwatch.ddp_comm_hook(watch, inner=your_hook)"
 
 
-def _spawn(suite: str, world: int, out: Path) -> list[dict[str, Any]]:
-    spawn_world(rankview_cases.worker, world, (str(out), suite), timeout=WORLD_TIMEOUT)
-    return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.fixture(scope="module")
 def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn("w2", 2, tmp_path_factory.mktemp("rv2"))
+    return spawn_suite(rankview_cases.worker, "w2", 2, tmp_path_factory.mktemp("rv2"),
+                       WORLD_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def w4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn("w4", 4, tmp_path_factory.mktemp("rv4"))
+    return spawn_suite(rankview_cases.worker, "w4", 4, tmp_path_factory.mktemp("rv4"),
+                       WORLD_TIMEOUT)
 
 
 def _case(world: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    per_rank = [r[name] for r in world]
-    for rank, res in enumerate(per_rank):
-        assert "error_in_case" not in res, f"rank {rank}: {res['error_in_case']}\n" + str(
-            res.get("traceback")
-        )
-    return per_rank
+    return case_results(world, name, "error_in_case")
 
 
 def _metric(res: dict[str, Any], name: str) -> dict[tuple[str, ...], float]:

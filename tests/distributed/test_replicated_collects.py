@@ -5,13 +5,11 @@ steps that keep the all-reduce (step check, failing and stopped ranks)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import replicated_cases
-from worlds import spawn_world
+from worlds import case_results, spawn_suite
 
 pytestmark = [pytest.mark.distributed]
 
@@ -19,26 +17,20 @@ WORLD_TIMEOUT = 150.0
 TOL = {"alone_fp32": 1e-6, "alone_fp64": 1e-12}
 
 
-def _spawn(suite: str, world: int, out: Path) -> list[dict[str, Any]]:
-    spawn_world(replicated_cases.worker, world, (str(out), suite), timeout=WORLD_TIMEOUT)
-    return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.fixture(scope="module")
 def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn("w2", 2, tmp_path_factory.mktemp("w2"))
+    return spawn_suite(replicated_cases.worker, "w2", 2, tmp_path_factory.mktemp("w2"),
+                       WORLD_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def w4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _spawn("w4", 4, tmp_path_factory.mktemp("w4"))
+    return spawn_suite(replicated_cases.worker, "w4", 4, tmp_path_factory.mktemp("w4"),
+                       WORLD_TIMEOUT)
 
 
 def _case(world: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    per_rank = [r[name] for r in world]
-    for rank, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {rank}: {res['error']}\n{res.get('traceback', '')}"
-    return per_rank
+    return case_results(world, name)
 
 
 @pytest.mark.parametrize(("suite", "name"), [("w2", "alone_fp32"), ("w2", "alone_fp64"),

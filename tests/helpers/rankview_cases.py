@@ -10,7 +10,6 @@ References are independent of gradwatch: each rank's *local* gradient is recompu
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from dist_cases import CollectiveSpy, Stage, fsum_sq, run_suite
 from dist_cases import config as dist_config
+from logs import Capture
 from torch import nn
 
 GROUPS = ("weights", "biases", "other")
@@ -29,24 +29,6 @@ def config(**overrides: Any) -> Any:
     """The distributed tests' config with the per-rank view on (it is opt-in)."""
     overrides.setdefault("rank_view", True)
     return dist_config(**overrides)
-
-
-class Capture(logging.Handler):
-    """The gradwatch logger's records, as text."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def __enter__(self) -> Capture:
-        logging.getLogger("gradwatch").addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger("gradwatch").removeHandler(self)
 
 
 def capture_reduced(watch: Any) -> list[Any]:

@@ -9,7 +9,6 @@ results as JSON per rank; cases measure, the test module asserts). References ar
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -29,18 +28,8 @@ from dist_cases import (
     local_reference,
     run_suite,
 )
+from logs import Capture
 from torch import nn
-
-
-class _Records(logging.Handler):
-    """The messages gradwatch logs while installed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _ddp(dtype: torch.dtype = torch.float32) -> nn.parallel.DistributedDataParallel:
@@ -148,10 +137,7 @@ def case_nan_one_rank(rank: int, world: int) -> dict:
 def case_step_mismatch(rank: int, world: int) -> dict:
     """Ranks that collect different steps: not seen by a collect without the all-reduce, logged
     at the next divergence step (divergence every 2nd collect)."""
-    records = _Records()
-    logger = logging.getLogger("gradwatch")
-    logger.addHandler(records)
-    try:
+    with Capture() as records:
         ddp = _ddp()
         watch, _ = construct(ddp, config(divergence_every=2))
         logged = []
@@ -161,10 +147,8 @@ def case_step_mismatch(rank: int, world: int) -> dict:
             mine = step if k == 0 or rank == 0 else step + 10  # collects 1 and 2 disagree
             _snap, ops, _ = _collect(watch, mine)
             collectives.append(ops)
-            logged.append(any("different steps" in m for m in records.messages))
+            logged.append(any("different steps" in m for m in records.lines))
         watch.close()
-    finally:
-        logger.removeHandler(records)
     return {"collectives": collectives, "logged": logged}
 
 

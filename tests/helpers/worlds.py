@@ -4,8 +4,10 @@ another process took the port between choosing it and binding it (tests run besi
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -43,3 +45,25 @@ def spawn_world(
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+
+
+def spawn_suite(
+    worker: Callable[..., None], suite: str, world: int, out: Path, timeout: float
+) -> list[dict[str, Any]]:
+    """Run ``worker(rank, world, port, out, suite)`` on ``world`` ranks (:func:`spawn_world`);
+    return each rank's results, ``out/<rank>.json`` (``{case: result}``)."""
+    spawn_world(worker, world, (str(out), suite), timeout=timeout)
+    return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+
+
+def case_results(
+    world: list[dict[str, Any]], name: str, error_key: str = "error"
+) -> list[dict[str, Any]]:
+    """Case ``name``'s result on every rank, failing with the rank's traceback when the case
+    raised there (its exception recorded under ``error_key``)."""
+    per_rank = [r[name] for r in world]
+    for rank, res in enumerate(per_rank):
+        assert error_key not in res, (
+            f"rank {rank}: {res[error_key]}\n{res.get('traceback', '')}"
+        )
+    return per_rank
