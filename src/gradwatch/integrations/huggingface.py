@@ -3,7 +3,7 @@
 Timing: the Trainer clips gradients (``max_grad_norm``, default 1.0) *before* any callback
 runs, through ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)``, and offers no
 hook between backward and clipping. So the callback routes that call, for the Trainer's model
-only, to :meth:`GradWatch.clip_grad_norm_`: one pass and one all-reduce measure the pre-clip
+only, to :meth:`GradWatch.clip_grad_norm_`: one pass and at most one all-reduce measure the pre-clip
 gradients and clip them with the same ``max_grad_norm``, the same coefficient
 ``min(1, max_norm / (total + 1e-6))`` and the whole-model norm, and the total returned is the
 ``grad_norm`` the Trainer logs, so its ``grad_norm`` and gradwatch's global norm are one number.
