@@ -22,8 +22,8 @@ _EXPORTS: dict[str, str] = {
     "GradWatch": "gradwatch.watcher",
     "PendingSnapshot": "gradwatch.watcher",
     "WatchConfig": "gradwatch.config",
-    "NoOpWatch": "gradwatch.enable",
-    "watch": "gradwatch.enable",
+    "NoOpWatch": "gradwatch.watcher",
+    "watch": "gradwatch.watcher",
     "GradWatchError": "gradwatch.errors",
     "GradWatchTimeoutError": "gradwatch.errors",
     "LayoutMismatchError": "gradwatch.errors",
@@ -58,7 +58,6 @@ __all__ = [
 if TYPE_CHECKING:
     from gradwatch.config import WatchConfig
     from gradwatch.ddp_hook import ddp_comm_hook
-    from gradwatch.enable import NoOpWatch, watch
     from gradwatch.errors import (
         GradWatchError,
         GradWatchTimeoutError,
@@ -69,7 +68,7 @@ if TYPE_CHECKING:
     from gradwatch.export import Sink
     from gradwatch.snapshot import GroupStats, Snapshot
     from gradwatch.stats import total_norm
-    from gradwatch.watcher import GradWatch, PendingSnapshot
+    from gradwatch.watcher import GradWatch, NoOpWatch, PendingSnapshot, watch
 
 
 def __getattr__(name: str) -> Any:

@@ -51,6 +51,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Mapping
+from typing import Any
 
 from gradwatch.anomalies import RateLimitedLog
 from gradwatch.snapshot import Snapshot
@@ -134,11 +135,16 @@ class SpikeDetector:
         return self.threshold > 0
 
     def score(self, snap: Snapshot, order: int) -> Snapshot:
-        """``snap`` with ``global_spike_score``, ``spike_scores``, ``global_spike`` and
-        ``spiking_groups`` set; ``order`` numbers the collects (a later collect has a larger
-        one). Logs one rate-limited WARNING per spiking series."""
+        """``snap`` with its :meth:`fields` set."""
+        return snap.replace(**self.fields(snap, order)) if self.enabled else snap
+
+    def fields(self, snap: Snapshot, order: int) -> dict[str, Any]:
+        """``global_spike_score``, ``spike_scores``, ``global_spike`` and ``spiking_groups`` of
+        ``snap`` (keyword arguments of :meth:`Snapshot.replace`; empty when disabled); ``order``
+        numbers the collects (a later collect has a larger one). Logs one rate-limited WARNING
+        per spiking series."""
         if not self.enabled:
-            return snap
+            return {}
         series: dict[str | None, float] = {None: snap.global_norm}
         series.update((g, s.norm) for g, s in snap.groups.items())
         with self._lock:
@@ -165,12 +171,12 @@ class SpikeDetector:
         for key in ((None,) if global_spike else ()) + spiking:
             self._warn(snap.step, key, scores[key], series[key], *typical[key])
         group_scores: Mapping[str, float] = {g: scores[g] for g in snap.groups}
-        return snap.replace(
-            global_spike_score=scores[None],
-            spike_scores=group_scores,
-            global_spike=global_spike,
-            spiking_groups=spiking,
-        )
+        return {
+            "global_spike_score": scores[None],
+            "spike_scores": group_scores,
+            "global_spike": global_spike,
+            "spiking_groups": spiking,
+        }
 
     def _warn(
         self, step: int, group: str | None, score: float, norm: float, typical: float, n: int

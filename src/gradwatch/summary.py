@@ -14,10 +14,22 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from torch import Tensor
+
+from gradwatch.anomalies import AnomalyLog
+from gradwatch.audit import NormAuditor, parallel_factors
+from gradwatch.clip import clip_coefficient
 from gradwatch.config import WatchConfig, ratio_key
+from gradwatch.rankview import NoiseScale, rank_view_fields
+from gradwatch.reduce import ReducedStats
+from gradwatch.reporter import Reporter
+from gradwatch.resolve import Resolved
 from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot
-from gradwatch.stats import norm_from_bands, sqrt_sum
+from gradwatch.spikes import SpikeDetector
+from gradwatch.stats import BANDS, norm_from_bands, sqrt_sum
 
 
 def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:
@@ -181,3 +193,120 @@ def _violates(norm: float, threshold: float) -> bool:
     """An isolated group violates isolation when its norm exceeds the threshold; a NaN/Inf
     gradient in it is a gradient too, so it violates as well."""
     return not math.isfinite(norm) or norm > threshold
+
+
+@dataclass(frozen=True)
+class CollectedStep:
+    """What a collect knew that the reduced figures do not: its step, when it ran, and what
+    it was asked (clip, AMP, batch size), held until its snapshot is built."""
+
+    step: int
+    timestamp: float
+    attempt: int  # numbers the collects: orders spike windows
+    measure_divergence: bool
+    isolated: tuple[str, ...]  # the expectation at collect time, not at build time
+    max_norm: float | None = None
+    amp: bool = False
+    batch_size: int | None = None
+    local_sq: Tensor | None = None  # this rank's squares, for the audit's local-norm diagnosis
+
+
+class Summarizer:
+    """Builds each measured step's :class:`Snapshot`, once, from its reduced figures, and owns
+    the host-side state that reads a series of snapshots: spike windows, the anomaly warnings,
+    the noise-scale EMAs, the last replica divergence and the norm auditor.
+
+    Runs where results are materialized (the publisher thread, or whoever calls
+    ``result()``); never issues device work but the audit's one read of this rank's squares.
+
+    Args:
+        cfg: the watcher's configuration.
+        resolved: the model as resolved at construction (names, groups, layout).
+        reporter: where counters and once-logged warnings go.
+    """
+
+    def __init__(self, cfg: WatchConfig, resolved: Resolved, reporter: Reporter) -> None:
+        self.cfg = cfg
+        self._resolved = resolved
+        self._reporter = reporter
+        self._last_divergence = 0.0
+        self._anomalies = AnomalyLog(resolved.rank, cfg.isolation_threshold)
+        self._spikes = SpikeDetector(
+            cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup, resolved.rank
+        )
+        self._noise = NoiseScale()
+        self._auditor = NormAuditor(
+            cfg.audit_tolerance, parallel_factors(resolved.parallelism, resolved.world_size)
+        )
+        self.last: Snapshot | None = None  # the newest measured step
+
+    def build(self, stats: ReducedStats, step: CollectedStep) -> Snapshot:
+        """The snapshot of ``step`` from its reduced ``stats``: the summary, the clip
+        coefficient, AMP, the per-rank view and the spike scores; then anomalies are
+        warned, the audit judged and :attr:`last` advanced."""
+        r = self._resolved
+        if step.measure_divergence:
+            self._last_divergence = stats.replica_divergence()
+        snap = summarize(
+            step=step.step,
+            cfg=self.cfg,
+            names=r.layout.names,
+            groups_of=r.groups_of,
+            numels=r.layout.numels,
+            squares=stats.squares,
+            squares_high=stats.squares_high,
+            squares_low=stats.squares_low,
+            nonfinite_flags=stats.nonfinite,
+            has_grad=stats.has_grad,
+            group_order=r.group_order,
+            isolated=step.isolated,
+            world_size=stats.world_size,
+            parallelism=r.parallelism,
+            replica_divergence=self._last_divergence,
+            timestamp=step.timestamp,
+        )
+        changes: dict[str, Any] = {}
+        if step.max_norm is not None:
+            changes["clip_coef"] = clip_coefficient(step.max_norm, snap.global_norm)
+        if step.amp and not snap.is_finite:
+            changes["amp_skipped"] = True
+        if stats.rank_view is not None:
+            changes.update(
+                rank_view_fields(
+                    stats.rank_view, snap, r.view_groups, self._noise, step.batch_size or 1
+                )
+            )
+        # Host-side, after the one read: scored in collect order, see gradwatch.spikes.
+        changes.update(self._spikes.fields(snap, step.attempt))
+        if changes:
+            snap = snap.replace(**changes)
+        self._anomalies.report(snap)
+        if self.last is None or snap.step >= self.last.step:
+            self.last = snap
+        self.audit(snap, step.local_sq)
+        return snap
+
+    def report_norm(self, step: int, source: str, reported: Any) -> None:
+        """Hold a norm the training code reported for ``step`` until that step is built."""
+        self._auditor.report(step, source, reported)
+
+    def audit(self, snap: Snapshot | None = None, local_sq: Tensor | None = None) -> None:
+        """Judge the reported norms waiting for ``snap`` (or any built step when None)."""
+        auditor = self._auditor
+        try:
+            if snap is None:
+                verdicts = auditor.judge()
+            else:
+                local = None
+                if local_sq is not None and auditor.active:
+                    bands = local_sq.detach().view(BANDS, -1).sum(dim=1).tolist()
+                    local = norm_from_bands(*bands)
+                verdicts = auditor.judge(snap.step, snap.global_norm, local)
+            for v in verdicts:
+                self._reporter.audit(v.source, v.ratio, v.agrees)
+                if not v.agrees:
+                    self._reporter.log_once(
+                        f"audit:{v.source}:{v.kind}", "%s", v.message(self.cfg.audit_tolerance)
+                    )
+        except Exception as exc:  # never-crash boundary: an audit never breaks its step
+            self._reporter.log_once("audit-error", "gradwatch: a norm audit failed: %s", exc)

@@ -1,105 +1,44 @@
-"""The :class:`GradWatch` facade: resolve parameters once, collect cheaply every step.
+"""The :class:`GradWatch` facade, the no-op watcher and :func:`watch`.
 
-Construction (once, collective on every rank when a process group is initialized): resolve the
-model (:mod:`gradwatch.model`: names, groups, parallelism), describe the local pieces, agree on
-the global layout with one handshake (:mod:`gradwatch.reduce`), and on global rank 0 start
-publishing (the endpoint and/or the history file).
+Construction (once, collective on every rank when a process group is initialized) resolves the
+model, its DDP module and the reducer (:mod:`gradwatch.resolve`) and, on global rank 0, starts
+publishing (the endpoint and/or the history file). Every collect is run by the
+:class:`~gradwatch.step.Collector`; its result is built by the
+:class:`~gradwatch.summary.Summarizer` where it is first asked for (the publisher thread). Both
+stages report through one :class:`~gradwatch.reporter.Reporter`.
 
-``collect(step)`` (training thread): read every ``.grad`` (:mod:`gradwatch.gradients`: a Python
-loop of attribute reads, no tensor ops), compute all squared norms with a constant number of ops
-(:mod:`gradwatch.stats`), pack them and issue one all-reduce (none where DDP already reduced
-every gradient: :meth:`gradwatch.reduce.Reducer.issues_collective`); ``clip_grad_norm_`` also
-clips from that vector (:mod:`gradwatch.clip`). It returns a :class:`PendingSnapshot` at once; the
-host read of the reduced vector and the host-side summary (:mod:`gradwatch.summary`) happen in
-``result()``, which the exporter calls from its own thread (the publisher, which also appends to
-the history file when ``history_path`` is set, with or without an endpoint).
+The same training script runs with the monitor on or off: under ``enabled=False``
+(``GRADWATCH_ENABLED=0``) both :func:`watch` and ``GradWatch(...)`` give a :class:`NoOpWatch`,
+with the same methods, which does nothing but clip (with torch's own function) when asked to.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradwatch.amp import pending_scale
-from gradwatch.anomalies import AnomalyLog
-from gradwatch.audit import NormAuditor, Verdict, parallel_factors
-from gradwatch.clip import clip_coefficient, clip_grads_
-from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
-from gradwatch.ddp_hook import GradWatchCommHook, LocalView, detach
-from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
-from gradwatch.gradients import GradientReader
+from gradwatch.config import OTHER_GROUP, WatchConfig
+from gradwatch.configfile import load_config
+from gradwatch.ddp_hook import detach
 from gradwatch.hooks import before_optimizer_step
-from gradwatch.model import (
-    ParameterSlots,
-    ddp_reduces_every_gradient,
-    describe_parallelism,
-    empty_groups,
-    find_ddp,
-    group_membership,
-    group_of,
-    named_parameters,
-    reject_fsdp1,
-    wrapping_ddp,
-)
-from gradwatch.rankview import NoiseScale, rank_view_fields
-from gradwatch.reduce import ReducedVector, Reducer, gradient_device, piece_of
+from gradwatch.reporter import Reporter
+from gradwatch.resolve import resolve
 from gradwatch.snapshot import Snapshot
-from gradwatch.spikes import SpikeDetector
-from gradwatch.stats import BANDS, MetaGradientError, NormEngine, norm_from_bands
-from gradwatch.summary import summarize
+from gradwatch.step import Collected, Collector, PendingSnapshot
+from gradwatch.summary import Summarizer
 
 if TYPE_CHECKING:
     from gradwatch.export import Publishing, Sink
-    from gradwatch.export.state import SelfStats
+
+__all__ = ["GradWatch", "NoOpWatch", "PendingSnapshot", "watch"]
 
 log = logging.getLogger("gradwatch")
-
-
-def _version() -> str:
-    from gradwatch import __version__
-
-    return __version__
-
-
-class PendingSnapshot:
-    """The not-yet-materialized statistics of one collected step.
-
-    ``result()`` waits at most once (the collective and the device->host copy), builds the
-    :class:`Snapshot` on the host and caches it; it is safe to call from any thread. A step
-    that was not measured (its collect failed, or collection stopped) raises
-    :class:`~gradwatch.errors.GradWatchError` saying why: never a made-up snapshot.
-    """
-
-    def __init__(
-        self,
-        step: int,
-        builder: Callable[[], Snapshot] | None = None,
-        snapshot: Snapshot | None = None,
-    ) -> None:
-        self.step = step
-        self._builder = builder
-        self._snapshot = snapshot
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        return self._snapshot is not None
-
-    def result(self) -> Snapshot:
-        if self._snapshot is None:
-            with self._lock:
-                if self._snapshot is None:
-                    assert self._builder is not None
-                    self._snapshot = self._builder()
-                    self._builder = None
-        return self._snapshot
 
 
 class GradWatch:
@@ -108,12 +47,33 @@ class GradWatch:
     Args:
         model: the module, possibly wrapped (DDP, ``fully_shard``, ``torch.compile``,
             activation checkpointing). Its parameters are resolved once, here.
-        config: a :class:`WatchConfig`; ``None`` reads everything from ``GRADWATCH_*``.
+        config: a :class:`WatchConfig`; ``None`` reads everything from ``GRADWATCH_*``. A
+            disabled one (``enabled=False``) makes the constructor return a :class:`NoOpWatch`:
+            no port, no collective, no hook, logged once.
         process_group: the data-parallel group of ``model`` (informational; every rank of the
             world must construct a GradWatch, because the reduction spans the world).
         stage_group: the group of ranks holding *different* parts of the model (pipeline
             stages, hand-split model parallelism); their parameter names must be disjoint.
     """
+
+    def __new__(
+        cls,
+        model: nn.Module,
+        config: WatchConfig | None = None,
+        *,
+        process_group: Any = None,
+        stage_group: Any = None,
+    ) -> GradWatch:
+        cfg = config if config is not None else WatchConfig()
+        if not cfg.enabled:
+            log.warning(
+                "gradwatch: disabled (enabled=False, e.g. GRADWATCH_ENABLED=0): nothing is "
+                "collected, served or written"
+            )
+            return NoOpWatch(model, cfg)  # type: ignore[return-value]
+        watcher = super().__new__(cls)
+        watcher.config = cfg  # read once: __init__ receives the caller's None again
+        return watcher
 
     def __init__(
         self,
@@ -123,162 +83,32 @@ class GradWatch:
         process_group: Any = None,
         stage_group: Any = None,
     ) -> None:
-        self.config = config if config is not None else WatchConfig()
         cfg = self.config
         self._hooks: list[Any] = []
         self._closed = False
         self._publishing: Publishing | None = None  # rank 0; gradwatch.export imported lazily
-        self._latest: PendingSnapshot | None = None
-        self._last: Snapshot | None = None
-        self._isolated: tuple[str, ...] = tuple(cfg.isolated)
-        self._enabled = cfg.enabled
-        if not self._enabled:
-            self._inert(model)
-            return
-        reject_fsdp1(model)
-        names, self._params = named_parameters(model)
-        self._names = tuple(names)
-        self._slots = ParameterSlots(model, self._params, names)
-        self._local_names = names
-        on_meta = [n for n, p in zip(names, self._params, strict=True) if p.is_meta]
-        if on_meta:
-            log.warning(
-                "gradwatch: parameter %r (and %d more) is on the meta device: if the model is "
-                "materialized later (to_empty()), parameters it replaces are reported as "
-                "replaced; construct GradWatch after to_empty() and initialization",
-                on_meta[0],
-                len(on_meta) - 1,
-            )
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
-        self.world_size = dist.get_world_size() if distributed else 1
-        if self.rank == 0 and cfg.history_path is not None:
-            try:
-                check_history_path(cfg.history_path)
-            except ValueError as exc:
-                raise GradWatchError(f"gradwatch: {exc}") from None
-        if not distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            log.warning(
-                "gradwatch: WORLD_SIZE=%s but no process group is initialized: statistics are "
-                "this rank's only; call torch.distributed.init_process_group before GradWatch",
-                os.environ["WORLD_SIZE"],
-            )
-        self._gradients = GradientReader(self._params)
-        ddp = self._find_ddp(model)
-        self._attach_rank_view(ddp, names)
-        try:
-            self._reducer = Reducer(
-                [piece_of(n, p) for n, p in zip(names, self._params, strict=True)],
-                version=_version(),
-                config_hash=cfg.layout_hash(),
-                timeout_seconds=cfg.collective_timeout_seconds,
-                stage_group=stage_group,
-                rank_view_groups=len(self._view_groups) if self._comm_hook is not None else 0,
-                synced=not cfg.always_reduce and stage_group is None
-                and ddp_reduces_every_gradient(ddp, self._params, self.world_size),
-                device=gradient_device(self._params),
-            )
-        except BaseException:
-            detach(self._comm_hook)
-            raise
-        self._layout = self._reducer.layout
-        if self._comm_hook is not None and self._layout.rank_view_groups == 0:
-            self._log_rank_view_off()
-        self._groups_of, self._group_order = group_membership(self._layout.names, cfg.groups)
-        if self.rank == 0:
-            for group in empty_groups(self._groups_of, cfg.groups):
-                log.warning(
-                    "gradwatch: group %r matches no parameter of the model (patterns %s); it "
-                    "will read 0 every step. Parameter names look like %r",
-                    group,
-                    list(cfg.groups[group]),
-                    self._layout.names[0] if self._layout.names else "",
-                )
-        self.parallelism = describe_parallelism(
-            model, self._params, self.world_size, stage_group, process_group
-        )
-        self._engine = NormEngine()
-        self._collections = 0
-        self._attempts = 0  # collects that did work, numbered: orders failures and results
-        self._last_failed_attempt = 0
+        resolved = resolve(model, cfg, process_group=process_group, stage_group=stage_group)
+        self._resolved = resolved
+        self.rank = resolved.rank
+        self.world_size = resolved.world_size
+        self.parallelism = resolved.parallelism
+        self._reporter = Reporter(self.rank)
+        self._summarizer = Summarizer(cfg, resolved, self._reporter)
+        self._collector = Collector(cfg, resolved, self._summarizer, self._reporter)
+        self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
+        # The parts tests and the doctor look into.
+        self._reducer = resolved.reducer
+        self._layout = resolved.layout
+        self._engine = self._collector.engine
         self._clipped_step: int | None = None
-        self._last_divergence = 0.0
-        self._broken: str | None = None
-        self._logged: set[str] = set()
-        self._anomalies = AnomalyLog(self.rank, cfg.isolation_threshold)
-        self._spikes = SpikeDetector(
-            cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup, self.rank
-        )
         self._optimizer_steps = 0
         self._next_step = 0  # one past the highest step given to collect(): attach continues it
-        self._auditor = NormAuditor(
-            cfg.audit_tolerance, parallel_factors(self.parallelism, self.world_size)
-        )
         if self.rank == 0:
-            self._start_publishing(cfg)
+            self._open_publishing()
 
-    # -- the per-rank view (DDP comm hook; gradwatch.ddp_hook, gradwatch.rankview) ---------------
-
-    def _find_ddp(self, model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
-        """The DDP module training ``model`` (inside it, or wrapping it), when it matters: more
-        than one rank, and the rank view or a collect without the all-reduce may use it."""
-        if self.world_size < 2 or (self.config.always_reduce and not self.config.rank_view):
-            return None
-        ddp = find_ddp(model)
-        if ddp is None and not any(hasattr(p, "_local_tensor") for p in self._params):
-            ddp = wrapping_ddp(model)  # one scan of live objects; DTensor models take no DDP
-        return ddp
-
-    def _attach_rank_view(
-        self, ddp: nn.parallel.DistributedDataParallel | None, names: list[str]
-    ) -> None:
-        """Under DDP with ``rank_view``: measure this rank's gradients in DDP's comm hook."""
-        from gradwatch.ddp_hook import attach
-
-        self._view_groups = (*self.config.groups, OTHER_GROUP)
-        self._local_view: LocalView | None = None
-        self._comm_hook: GradWatchCommHook | None = None
-        self._noise = NoiseScale()
-        if not self.config.rank_view or ddp is None:
-            return
-        position = {g: k for k, g in enumerate(self._view_groups)}
-        view = LocalView(
-            self._params, [position[group_of(n, self.config.groups)] for n in names],
-            len(self._view_groups),
-        )
-        self._comm_hook = attach(ddp, view)
-        if self._comm_hook is not None:
-            self._local_view = view
-
-    def _log_rank_view_off(self) -> None:
-        if self.rank == 0:
-            log.warning(
-                "gradwatch: the per-rank view is off: not every rank measures it (each rank "
-                "needs a DDP module with gradwatch's comm hook and rank_view=True)"
-            )
-        detach(self._comm_hook)
-        self._comm_hook = self._local_view = None
-
-    def _inert(self, model: nn.Module) -> None:
-        """``enabled=False`` (``GRADWATCH_ENABLED=0``): the same object, inert. No port, no
-        collective, no hook; ``collect()`` returns an empty snapshot like
-        :class:`~gradwatch.enable.NoOpWatch` and ``clip_grad_norm_`` is torch's. Logged once."""
-        self._params = list(model.parameters())
-        self._names = ()
-        self._broken = None
-        self._clipped_step = None
-        self._optimizer_steps = 0
-        self._next_step = 0
-        self._auditor = None
-        self.rank = int(os.environ.get("RANK", "0"))
-        if dist.is_available() and dist.is_initialized():
-            self.rank = dist.get_rank()  # not a collective
-        self.world_size = 1
-        self.parallelism = "disabled"
-        log.warning(
-            "gradwatch: disabled (enabled=False, e.g. GRADWATCH_ENABLED=0): nothing is "
-            "collected, served or written"
-        )
+    @property
+    def _broken(self) -> str | None:
+        return self._collector.broken
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -294,18 +124,18 @@ class GradWatch:
 
         Materializes the newest pending result if nobody did (waits for it, once).
         """
-        latest = self._latest
+        latest = self._collector.latest
         if latest is not None:
             try:
                 return latest.result()
             except Exception as exc:  # a timed-out collective must not escape a property
-                self._log_once("last", "gradwatch: the last collect failed: %s", exc)
-        return self._last
+                self._reporter.log_once("last", "gradwatch: the last collect failed: %s", exc)
+        return self._summarizer.last
 
     @property
     def isolated(self) -> tuple[str, ...]:
         """The groups currently expected to receive no gradient (see :meth:`set_isolated`)."""
-        return self._isolated
+        return self._collector.isolated
 
     def set_isolated(self, groups: Iterable[str]) -> None:
         """Change which groups are expected to receive no gradient, from the next collect on.
@@ -323,13 +153,12 @@ class GradWatch:
                 f"gradwatch: set_isolated(groups=...) names unknown group(s) {unknown}; "
                 f"known: {sorted(known)}"
             )
-        self._isolated = wanted
+        self._collector.isolated = wanted
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
-        """Every parameter of the whole model (all ranks and stages), in layout order (empty
-        when disabled)."""
-        return self._layout.names if self._enabled else self._names
+        """Every parameter of the whole model (all ranks and stages), in layout order."""
+        return self._layout.names
 
     def collect(
         self,
@@ -362,7 +191,7 @@ class GradWatch:
                 f"gradwatch: collect(batch_size=...) must be a positive int, got {batch_size!r}"
             )
         self._next_step = max(self._next_step, step + 1)
-        return self._guarded(step, scaler, optimizer, None, batch_size)[0]
+        return self._run(step, scaler, optimizer, None, batch_size).pending
 
     def clip_grad_norm_(
         self,
@@ -393,10 +222,10 @@ class GradWatch:
             )
         if step is None:
             step = self._optimizer_steps
-        _, total = self._guarded(step, scaler, None, float(max_norm))
-        if total is None:  # skipped by the schedule, or collection disabled after an error
-            held = self._slots.current() if self._enabled else self._params
-            params = [p for p in held if p.grad is not None]
+        self._clipped_step = step
+        total = self._run(step, scaler, None, float(max_norm)).total
+        if total is None:  # collection stopped, or this collect failed
+            params = [p for p in self._resolved.slots.current() if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(
                 params, max_norm, norm_type, error_if_nonfinite
             ).to(torch.float64)
@@ -427,42 +256,14 @@ class GradWatch:
         non-finite or unreadable value is counted and logged, never raised. A step not measured
         (a schedule skip, a failed collect) is not audited.
         """
-        if self._auditor is None or self._closed:
+        if self._closed:
             return
         if step is None:
-            latest = self._latest
+            latest = self._collector.latest
             if latest is None:
                 return
             step = latest.step
-        self._auditor.report(int(step), str(source), reported)
-
-    def _audit(self, snap: Snapshot | None, local_sq: Tensor | None) -> None:
-        """Judge the reported norms waiting for ``snap`` (or any built step when None)."""
-        auditor = self._auditor
-        if auditor is None:
-            return
-        try:
-            if snap is None:
-                verdicts = auditor.judge()
-            else:
-                local = None
-                if local_sq is not None and auditor.active:
-                    bands = local_sq.detach().view(BANDS, -1).sum(dim=1).tolist()
-                    local = norm_from_bands(*bands)
-                verdicts = auditor.judge(snap.step, snap.global_norm, local)
-            for verdict in verdicts:
-                self._publish_verdict(verdict)
-        except Exception as exc:  # an audit never breaks the step it rides on
-            self._log_once("audit-error", "gradwatch: a norm audit failed: %s", exc)
-
-    def _publish_verdict(self, v: Verdict) -> None:
-        stats = self._self_stats()
-        if stats is not None:
-            stats.add_audit(v.source, v.ratio, v.agrees)
-        if not v.agrees:
-            self._log_once(
-                f"audit:{v.source}:{v.kind}", "%s", v.message(self.config.audit_tolerance)
-            )
+        self._summarizer.report_norm(int(step), str(source), reported)
 
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         """Collect automatically before every ``every_n_steps``-th ``optimizer.step()``.
@@ -474,9 +275,8 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
-        if self._enabled:
-            self._optimizer_steps = max(self._optimizer_steps, self._next_step)
-            self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
+        self._optimizer_steps = max(self._optimizer_steps, self._next_step)
+        self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
         step = self._optimizer_steps
@@ -484,129 +284,6 @@ class GradWatch:
         if self._clipped_step == step:
             return  # clip_grad_norm_ already collected this step (pre-clip)
         self.collect(step, scaler=scaler, optimizer=optimizer)
-
-    def _guarded(
-        self,
-        step: int,
-        scaler: Any,
-        optimizer: Any,
-        max_norm: float | None,
-        batch_size: int | None = None,
-    ) -> tuple[PendingSnapshot, Tensor | None]:
-        if max_norm is not None:
-            self._clipped_step = step
-        if not self._enabled:
-            return PendingSnapshot(step, snapshot=Snapshot(step=step)), None
-        skipped = step % self.config.every_n_steps != 0
-        if self._broken:
-            return self._not_measured(step, f"collection stopped: {self._broken}"), None
-        if self._closed or (skipped and max_norm is None):
-            return self._pending_last(step), None
-        started = time.perf_counter()
-        issued = self._reducer.issued
-        self._attempts += 1
-        attempt = self._attempts
-        # Decided before anything can fail, from counts equal on every rank: whether this
-        # collect measures the replicas' divergence also decides whether it all-reduces
-        # (Reducer.issues_collective), so a rank whose pass fails must decide as the others.
-        measure = self._divergence_step(record=not skipped)
-        try:
-            replaced = self._slots.first_replaced()
-            if replaced is not None:
-                raise _Replaced(replaced)
-            # A skipped step that clips still needs the whole-model norm (a rank-local one is
-            # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
-            pending, total = self._collect(
-                step, scaler, optimizer, max_norm, measure=measure, attempt=attempt,
-                batch_size=batch_size,
-            )
-        except Exception as exc:  # never let monitoring crash training
-            self._last_failed_attempt = attempt
-            return self._failed(
-                step, exc, issued, clip=max_norm is not None, with_replicas=measure
-            ), None
-        if skipped:
-            return self._pending_last(step), total
-        self._latest = pending
-        if self._publishing is not None:
-            self._publishing.observe_collect_seconds(time.perf_counter() - started)
-            self._publishing.submit(pending)
-        return pending, total
-
-    def _failed(
-        self,
-        step: int,
-        exc: Exception,
-        issued: int,
-        clip: bool = False,
-        with_replicas: bool = False,
-    ) -> PendingSnapshot:
-        """A collect whose local pass raised: count and log it, keep the ranks' collective
-        sequences aligned, and return a result that says the step was not measured.
-
-        Recovery is safe exactly when this rank issues the same collectives as the others: if
-        the failure came before this step's all-reduce, a failed-marked all-reduce of the same
-        shape stands in for it (every rank then sees "a rank failed" and publishes nothing for
-        the step); if it came after, the sequence is already complete. Collection stops for the
-        rest of the run only when the stand-in itself fails, or for an error every rank raises
-        identically before any collective (:class:`UnsupportedParallelismError`).
-        """
-        if isinstance(exc, UnsupportedParallelismError):
-            # Raised identically on every rank before any collective (a layout gradwatch
-            # cannot count, e.g. a Partial gradient): every rank stops together, no stand-in.
-            self._stop("collect", f"{type(exc).__name__}: {exc}", step)
-            return self._not_measured(step, f"collection stopped: {self._broken}")
-        kind, why = _classify(exc, self._local_names)
-        self._internal_error(kind)
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.error(
-                "gradwatch: collect(step=%d) failed on rank %d (%s): %s; steps are not "
-                "measured until it succeeds again (logged once)",
-                step,
-                self.rank,
-                kind,
-                why,
-            )
-        if self._reducer.issued == issued:
-            try:
-                self._reducer.reduce_failed(
-                    step, device_collective=clip, with_replicas=with_replicas
-                )
-            except Exception as inner:
-                self._stop("collective", f"{type(inner).__name__}: {inner}", step)
-        return self._not_measured(step, f"collect(step={step}) failed: {why}")
-
-    def _stop(self, kind: str, reason: str, step: int) -> None:
-        """Stop collecting for the rest of the run (the ranks' collective sequences may have
-        diverged): logged once, counted, ``gradwatch_collecting`` 0."""
-        if self._broken is None:
-            self._broken = reason
-            self._internal_error(kind)
-            log.error(
-                "gradwatch: collection stopped at step %d on rank %d for the rest of this run "
-                "(no per-step metrics from now on): %s",
-                step,
-                self.rank,
-                reason,
-            )
-
-    def _internal_error(self, kind: str) -> None:
-        stats = self._self_stats()
-        if stats is not None:
-            stats.add_internal_error(kind)
-
-    def _measured(self, attempt: int) -> None:
-        """A step was measured: collecting again, unless a later collect already failed (the
-        publisher builds results after the training thread moved on)."""
-        stats = self._self_stats()
-        if stats is not None and self._broken is None and attempt > self._last_failed_attempt:
-            stats.set_collecting(True)
-
-    def _self_stats(self) -> SelfStats | None:
-        """The exporter's self-stats (rank 0 with publishing), else None."""
-        publishing = self._publishing
-        return None if publishing is None else publishing.self_stats
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every snapshot published from now on to ``sink`` too (see
@@ -616,17 +293,10 @@ class GradWatch:
         :meth:`close` and when disabled. Errors a sink raises are logged once and counted, never
         raised here.
         """
-        if self.rank != 0 or self._closed or not self._enabled:
+        if self.rank != 0 or self._closed:
             return
         if self._publishing is None:
-            from gradwatch.export import open_publishing
-
-            self._publishing = open_publishing(
-                self.config,
-                world_size=self.world_size,
-                parallelism=self.parallelism,
-                extra_sinks=[sink],
-            )
+            self._open_publishing(extra_sinks=[sink])
         else:
             self._publishing.add_sink(sink)
 
@@ -640,7 +310,7 @@ class GradWatch:
             done = not self._closed
         else:
             done = bool(self._publishing.flush(timeout))
-        self._audit(None, None)  # reports that arrived after their step was built
+        self._summarizer.audit()  # reports that arrived after their step was built
         return done
 
     def close(self) -> None:
@@ -652,15 +322,14 @@ class GradWatch:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self._enabled:
-            detach(self._comm_hook)
+        self._collector.closed = True
+        detach(self._resolved.comm_hook)
         try:
             if self._publishing is not None:
-                self._audit(None, None)  # reports whose step was built: judged while served
+                self._summarizer.audit()  # reports whose step was built: judged while served
                 self._publishing.close()  # flushes first: pending steps reach every sink
         finally:
-            if self._enabled:
-                self._reducer.close()
+            self._reducer.close()
 
     def __enter__(self) -> GradWatch:
         return self
@@ -670,193 +339,129 @@ class GradWatch:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _start_publishing(self, cfg: WatchConfig) -> None:
+    def _run(
+        self,
+        step: int,
+        scaler: Any,
+        optimizer: Any,
+        max_norm: float | None,
+        batch_size: int | None = None,
+    ) -> Collected:
+        """One collect, its result handed to the publisher when it queued a new one."""
+        collected = self._collector.collect(step, scaler, optimizer, max_norm, batch_size)
+        if collected.seconds is not None and self._publishing is not None:
+            self._publishing.observe_collect_seconds(collected.seconds)
+            self._publishing.submit(collected.pending)
+        return collected
+
+    def _open_publishing(self, extra_sinks: Sequence[Sink] = ()) -> None:
         """Global rank 0: the endpoint (``port``) and/or the history file (``history_path``),
         fed by one publisher thread (:func:`gradwatch.export.open_publishing`), so the training
         thread only ever queues a pending result."""
         from gradwatch.export import open_publishing
 
         self._publishing = open_publishing(
-            cfg, world_size=self.world_size, parallelism=self.parallelism
-        )
-
-    def _collect(
-        self,
-        step: int,
-        scaler: Any,
-        optimizer: Any,
-        max_norm: float | None,
-        measure: bool = False,
-        attempt: int = 0,
-        batch_size: int | None = None,
-    ) -> tuple[PendingSnapshot, Tensor | None]:
-        """One statistics pass and all-reduce (see :meth:`Reducer.issues_collective`).
-        ``measure``: a divergence step (:meth:`_divergence_step`). ``attempt`` numbers this
-        collect (see :meth:`_measured`)."""
-        grads = self._gradients.read()
-        sq, plan = self._engine.squared_norms_and_plan(grads.tensors, self._reducer.device)
-        scale = pending_scale(scaler, optimizer)
-        local = self._local_view.take() if self._local_view is not None else None
-        if scale is not None:
-            scale64 = scale.to(sq.device, torch.float64)
-            sq = sq / (scale64 * scale64)
-            if local is not None:
-                local = local / (scale64 * scale64).to(local.device)
-        has_grad = [g is not None for g in grads.tensors]
-        reduced = self._reducer.pack_and_reduce(
-            sq, has_grad, step, with_replicas=measure, rank_local=local,
-            device_collective=max_norm is not None,
-        )
-        b = batch_size if batch_size is not None else self.config.batch_size
-        total = None
-        if max_norm is not None:
-            total = clip_grads_(reduced, max_norm, grads, plan)
-        amp = scaler is not None and scaler.is_enabled()
-        isolated = self._isolated  # the expectation at collect time, not at result() time
-        timestamp = time.time()
-        # This rank's local squares (a fresh tensor, never written again: holding it costs no
-        # op), for the audit's local-norm diagnosis (read in result(), only once audited).
-        local_sq = sq if self.world_size > 1 else None
-        return (
-            PendingSnapshot(
-                step,
-                lambda: self._build(
-                    reduced, step, measure, timestamp, max_norm, amp, isolated, attempt,
-                    local_sq, b,
-                ),
-            ),
-            total,
-        )
-
-    def _divergence_step(self, record: bool) -> bool:
-        """Does this collect measure the replicas' divergence (every ``divergence_every``
-        recorded collects)? ``record=False`` (a clip on a step the schedule skips): no, and the
-        count is unchanged."""
-        every = self.config.divergence_every
-        measure = (
-            record and every > 0 and self._collections % every == 0 and self._layout.replicas > 1
-        )
-        self._collections += int(record)
-        return measure
-
-    def _build(
-        self,
-        reduced: ReducedVector,
-        step: int,
-        measured: bool,
-        ts: float,
-        max_norm: float | None,
-        amp: bool,
-        isolated: tuple[str, ...],
-        attempt: int = 0,
-        local_sq: Tensor | None = None,
-        batch_size: int | None = None,
-    ) -> Snapshot:
-        try:
-            stats = reduced.stats()
-        except GradWatchTimeoutError as exc:
-            # Another rank failed or skipped this collective: later ones would never match.
-            self._stop("collective", f"{type(exc).__name__}: {exc}", step)
-            raise
-        if stats.failed_rank:
-            self._internal_error("other_rank")
-            raise GradWatchError(
-                f"gradwatch: step {step} was not measured: another rank's local pass failed "
-                "(its log says why)"
-            )
-        if not stats.steps_agree(step):
-            self._log_once(
-                "step-mismatch",
-                "gradwatch: ranks called collect() with different steps (rank %d: %d); the "
-                "statistics of this collect mix steps",
-                self.rank,
-                step,
-            )
-        if measured:
-            self._last_divergence = stats.replica_divergence()
-        snap = summarize(
-            step=step,
-            cfg=self.config,
-            names=self._layout.names,
-            groups_of=self._groups_of,
-            numels=self._layout.numels,
-            squares=stats.squares,
-            squares_high=stats.squares_high,
-            squares_low=stats.squares_low,
-            nonfinite_flags=stats.nonfinite,
-            has_grad=stats.has_grad,
-            group_order=self._group_order,
-            isolated=isolated,
-            world_size=stats.world_size,
+            self.config,
+            world_size=self.world_size,
             parallelism=self.parallelism,
-            replica_divergence=self._last_divergence,
-            timestamp=ts,
+            extra_sinks=extra_sinks,
         )
-        changes: dict[str, Any] = {}
-        if max_norm is not None:
-            changes["clip_coef"] = clip_coefficient(max_norm, snap.global_norm)
-        if amp and not snap.is_finite:
-            changes["amp_skipped"] = True
-        if stats.rank_view is not None:
-            changes.update(
-                rank_view_fields(
-                    stats.rank_view, snap, self._view_groups, self._noise, batch_size or 1
-                )
-            )
-        if changes:
-            snap = snap.replace(**changes)
-        # Host-side, after the one read: scored in collect order (attempt), see gradwatch.spikes.
-        snap = self._spikes.score(snap, attempt)
-        self._anomalies.report(snap)
-        self._measured(attempt)
-        if self._last is None or snap.step >= self._last.step:
-            self._last = snap
-        self._audit(snap, local_sq)
-        return snap
-
-    def _pending_last(self, step: int) -> PendingSnapshot:
-        """What a skipped step returns: the last collected step's pending result (before the
-        first collect, a result saying that nothing was measured yet)."""
-        if self._latest is not None:
-            return self._latest
-        return self._not_measured(step, "no step was collected yet (every_n_steps schedule)")
-
-    @staticmethod
-    def _not_measured(step: int, why: str) -> PendingSnapshot:
-        """A result that raises: step ``step`` was not measured, because ``why``."""
-
-        def fail() -> Snapshot:
-            raise GradWatchError(f"gradwatch: step {step} was not measured: {why}")
-
-        return PendingSnapshot(step, fail)
-
-    def _log_once(self, kind: str, msg: str, *args: object) -> None:
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.warning(msg, *args)
+        if self._publishing is not None:
+            self._reporter.stats = self._publishing.self_stats
 
 
-class _Replaced(GradWatchError):
-    """A parameter was replaced in its module after construction (see ParameterSlots)."""
+class NoOpWatch:
+    """Same methods as :class:`GradWatch`; collects nothing, opens no port, issues no collective.
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
+    What ``enabled=False`` gives, from :func:`watch` and from ``GradWatch(...)`` alike.
+    ``clip_grad_norm_`` is torch's (a rank-local norm), returned as float64 like GradWatch's.
+    """
+
+    metrics_url: str | None = None
+    parallelism = "disabled"
+    world_size = 1
+    parameter_names: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: WatchConfig | None = None,
+        *,
+        process_group: Any = None,
+        stage_group: Any = None,
+    ) -> None:
+        self.config = config if config is not None else WatchConfig(enabled=False)
+        self._model = model
+        self.rank = int(os.environ.get("RANK", "0"))
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()  # not a collective
+
+    @property
+    def last(self) -> Snapshot | None:
+        return None
+
+    def collect(self, step: int, **_: Any) -> PendingSnapshot:
+        return PendingSnapshot(step, snapshot=Snapshot(step=step))
+
+    def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
+        return None
+
+    @property
+    def isolated(self) -> tuple[str, ...]:
+        return tuple(self.config.isolated)
+
+    def set_isolated(self, groups: Any) -> None:
+        return None
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        **_: Any,
+    ) -> Tensor:
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type, error_if_nonfinite
+        ).to(torch.float64)
+
+    def audit_norm(
+        self, reported: Any, *, step: int | None = None, source: str = "trainer"
+    ) -> None:
+        return None
+
+    def add_sink(self, sink: Any) -> None:
+        return None
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return True
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> NoOpWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
-def _classify(exc: Exception, local_names: list[str]) -> tuple[str, str]:
-    """``(kind, reason)`` of a failed local pass: the ``kind`` label of
-    ``gradwatch_internal_errors_total`` and a sentence naming the parameter and the fix."""
-    if isinstance(exc, _Replaced):
-        return "parameters_replaced", (
-            f"parameter {exc.name!r} was replaced in its module after GradWatch was built "
-            "(to_empty() from meta, load_state_dict(assign=True), or assigning a new "
-            "nn.Parameter); construct GradWatch after the model is materialized and loaded"
-        )
-    if isinstance(exc, MetaGradientError):
-        name = local_names[exc.position]
-        return "meta_gradient", (
-            f"the gradient of parameter {name!r} is on the meta device; materialize the model "
-            "(to_empty() and initialization) before training, and construct GradWatch after it"
-        )
-    return "collect", f"{type(exc).__name__}: {exc}"
+def watch(
+    model: nn.Module,
+    *,
+    process_group: Any = None,
+    stage_group: Any = None,
+    **overrides: Any,
+) -> GradWatch | NoOpWatch:
+    """A watcher configured from ``GRADWATCH_*`` variables, with ``overrides`` winning.
+
+    Under torchrun, rank and world size come from the initialized process group (or the
+    ``RANK`` variable when none is initialized); only global rank 0 serves the endpoint.
+    Invalid settings raise :class:`gradwatch.configfile.ConfigError` (a ``GradWatchError`` and
+    a ``ValueError``) before training, one line per bad field naming it and where its value
+    came from, e.g. ``invalid value for port: ... (from env GRADWATCH_PORT='abc')``.
+    """
+    cfg = load_config(**overrides)
+    if not cfg.enabled:
+        return NoOpWatch(model, cfg)
+    return GradWatch(model, cfg, process_group=process_group, stage_group=stage_group)

@@ -109,12 +109,12 @@ def compare(snap: Any, ref_sq: dict[str, float | None], watch: Any) -> dict[str,
         step=snap.step,
         cfg=watch.config,
         names=names,
-        groups_of=watch._groups_of,
+        groups_of=watch._resolved.groups_of,
         numels=lay.numels,
         squares=squares,
         nonfinite_flags=[0.0] * len(names),
         has_grad=has,
-        group_order=watch._group_order,
+        group_order=watch._resolved.group_order,
     )
     errs: list[float] = []
     mismatches: list[str] = []

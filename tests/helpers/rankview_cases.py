@@ -156,7 +156,7 @@ def case_exact(dtype: torch.dtype, **ddp_kwargs: Any) -> Callable[[int, int], di
                     ddp(micro[0]).pow(2).sum().backward()
             ddp(micro[-1]).pow(2).sum().backward()
             avg_err = average_error(model, micro)
-            plans = watch._local_view._plans.values()
+            plans = watch._resolved.local_view._plans.values()
             with CollectiveSpy() as spy:
                 pending = watch.collect(step)
             snap = pending.result()

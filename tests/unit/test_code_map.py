@@ -1,5 +1,6 @@
-"""The code map in docs/design.md is true: every module of ``src/gradwatch`` has its line, and
-no module imports what its line says it must never import.
+"""The code map in docs/design.md is true: every module of ``src/gradwatch`` has its line, no
+module imports what its line says it must never import, and imports point down only: a module
+imports modules of its own layer or of a layer listed before it in the table, never after.
 
 The rules are read from the map itself (its "never imports" column), so the document and the
 check cannot drift apart. A cell lists backticked gradwatch modules (``export`` means the whole
@@ -29,6 +30,7 @@ EXTERNALS = ("torch", "prometheus_client")
 @dataclass(frozen=True)
 class Rule:
     module: str  # dotted, e.g. "gradwatch.export.http"
+    layer: int  # position of its layer, bottom (0) to top
     forbidden: frozenset[str]
     top_level_only: frozenset[str] = field(default_factory=frozenset)
     no_gradwatch_but: frozenset[str] | None = None
@@ -48,12 +50,15 @@ def code_map() -> dict[str, Rule]:
     text = DESIGN.read_text()
     section = text.split("## Code map", 1)[1].split("\n## ", 1)[0]
     rules: dict[str, Rule] = {}
+    layers: list[str] = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 3 or not cells[0].startswith("`"):
+        if len(cells) != 4 or not cells[1].startswith("`"):
             continue
-        path = cells[0].strip("`")
-        never = cells[2]
+        if cells[0] not in layers:
+            layers.append(cells[0])
+        path = cells[1].strip("`")
+        never = cells[3]
         everywhere, _, lazy = never.partition("lazily only:")
         externals = frozenset(
             w for w in EXTERNALS if re.search(rf"(^|[^`\w]){w}\b", everywhere) is not None
@@ -67,6 +72,7 @@ def code_map() -> dict[str, Rule]:
             everywhere = everywhere.split("any other gradwatch module but", 1)[0]
         rules[path] = Rule(
             module=_dotted(path),
+            layer=layers.index(cells[0]),
             forbidden=frozenset(_dotted(n) for n in _TICKED.findall(everywhere)),
             top_level_only=frozenset(_dotted(n) for n in _TICKED.findall(lazy)),
             no_gradwatch_but=but,
@@ -140,6 +146,30 @@ def test_module_imports_nothing_it_must_never_import(path: str) -> None:
     assert not bad, f"{path} imports {sorted(set(bad))}, which the code map forbids"
 
 
+def _rule_of(name: str, rules: dict[str, Rule]) -> Rule | None:
+    """The rule of the module ``name`` (dotted) falls under: its own line, or its package's."""
+    for rule in rules.values():
+        if _within(name, rule.module):
+            return rule
+    return None
+
+
+@pytest.mark.parametrize("path", modules())
+def test_module_imports_point_down_only(path: str) -> None:
+    rules = code_map()
+    rule = rules[path]
+    files = sorted((PACKAGE / path).glob("*.py")) if path.endswith("/") else [PACKAGE / path]
+    upward = []
+    for file in files:
+        for name, _ in imports(file):
+            if name == "gradwatch" or not _within(name, "gradwatch"):
+                continue
+            target = _rule_of(name, rules)
+            if target is not None and target.layer > rule.layer:
+                upward.append(name)
+    assert not upward, f"{path} imports {sorted(set(upward))} from a layer above its own"
+
+
 def test_the_rules_are_read() -> None:
     """The parser understands the map (a rule it silently dropped would pass everything)."""
     rules = code_map()
@@ -152,3 +182,5 @@ def test_the_rules_are_read() -> None:
     assert rules["config.py"].no_gradwatch_but == frozenset({"gradwatch.errors"})
     assert sum(r.no_torch for r in rules.values()) >= 10
     assert rules["export/server.py"].externals == frozenset({"torch", "prometheus_client"})
+    assert rules["errors.py"].layer == 0 and rules["watcher.py"].layer > rules["reduce.py"].layer
+    assert rules["summary.py"].layer > rules["stats.py"].layer

@@ -1,0 +1,182 @@
+"""Construction of a watcher: resolve the model, its DDP module and the reducer, once.
+
+Collective on every rank when a process group is initialized (the reducer's handshake, see
+:mod:`gradwatch.handshake`). The result, :class:`Resolved`, is what the later stages
+(:mod:`gradwatch.step`, :mod:`gradwatch.summary`) read; nothing in it changes after
+construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
+from gradwatch.ddp_hook import GradWatchCommHook, LocalView, attach, detach
+from gradwatch.errors import GradWatchError
+from gradwatch.gradients import GradientReader
+from gradwatch.model import (
+    ParameterSlots,
+    ddp_reduces_every_gradient,
+    describe_parallelism,
+    empty_groups,
+    find_ddp,
+    group_membership,
+    group_of,
+    named_parameters,
+    reject_fsdp1,
+    wrapping_ddp,
+)
+from gradwatch.reduce import Layout, Reducer, gradient_device, piece_of
+
+log = logging.getLogger("gradwatch")
+
+
+def _version() -> str:
+    from gradwatch import __version__
+
+    return __version__
+
+
+@dataclass
+class Resolved:
+    """One model, resolved: its parameters in local order, where each lives, the global layout
+    the ranks agreed on, the groups, and the per-rank view's hook (None when off)."""
+
+    params: list[Tensor]
+    local_names: list[str]
+    slots: ParameterSlots
+    rank: int
+    world_size: int
+    gradients: GradientReader
+    reducer: Reducer
+    layout: Layout
+    groups_of: list[str]
+    group_order: list[str]
+    parallelism: str
+    view_groups: tuple[str, ...]
+    comm_hook: GradWatchCommHook | None
+    local_view: LocalView | None
+
+
+def resolve(
+    model: nn.Module, cfg: WatchConfig, *, process_group: Any = None, stage_group: Any = None
+) -> Resolved:
+    """Resolve ``model`` under ``cfg`` (see :class:`gradwatch.watcher.GradWatch` for the
+    arguments); collective on every rank of an initialized process group."""
+    reject_fsdp1(model)
+    names, params = named_parameters(model)
+    slots = ParameterSlots(model, params, names)
+    on_meta = [n for n, p in zip(names, params, strict=True) if p.is_meta]
+    if on_meta:
+        log.warning(
+            "gradwatch: parameter %r (and %d more) is on the meta device: if the model is "
+            "materialized later (to_empty()), parameters it replaces are reported as "
+            "replaced; construct GradWatch after to_empty() and initialization",
+            on_meta[0],
+            len(on_meta) - 1,
+        )
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
+    world_size = dist.get_world_size() if distributed else 1
+    if rank == 0 and cfg.history_path is not None:
+        try:
+            check_history_path(cfg.history_path)
+        except ValueError as exc:
+            raise GradWatchError(f"gradwatch: {exc}") from None
+    if not distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        log.warning(
+            "gradwatch: WORLD_SIZE=%s but no process group is initialized: statistics are "
+            "this rank's only; call torch.distributed.init_process_group before GradWatch",
+            os.environ["WORLD_SIZE"],
+        )
+    gradients = GradientReader(params)
+    ddp = _find_ddp(model, params, cfg, world_size)
+    view_groups = (*cfg.groups, OTHER_GROUP)
+    local_view, comm_hook = _attach_rank_view(ddp, params, names, cfg, view_groups)
+    try:
+        reducer = Reducer(
+            [piece_of(n, p) for n, p in zip(names, params, strict=True)],
+            version=_version(),
+            config_hash=cfg.layout_hash(),
+            timeout_seconds=cfg.collective_timeout_seconds,
+            stage_group=stage_group,
+            rank_view_groups=len(view_groups) if comm_hook is not None else 0,
+            synced=not cfg.always_reduce and stage_group is None
+            and ddp_reduces_every_gradient(ddp, params, world_size),
+            device=gradient_device(params),
+        )
+    except BaseException:
+        detach(comm_hook)
+        raise
+    layout = reducer.layout
+    if comm_hook is not None and layout.rank_view_groups == 0:
+        if rank == 0:
+            log.warning(
+                "gradwatch: the per-rank view is off: not every rank measures it (each rank "
+                "needs a DDP module with gradwatch's comm hook and rank_view=True)"
+            )
+        detach(comm_hook)
+        comm_hook = local_view = None
+    groups_of, group_order = group_membership(layout.names, cfg.groups)
+    if rank == 0:
+        for group in empty_groups(groups_of, cfg.groups):
+            log.warning(
+                "gradwatch: group %r matches no parameter of the model (patterns %s); it "
+                "will read 0 every step. Parameter names look like %r",
+                group,
+                list(cfg.groups[group]),
+                layout.names[0] if layout.names else "",
+            )
+    return Resolved(
+        params=params,
+        local_names=names,
+        slots=slots,
+        rank=rank,
+        world_size=world_size,
+        gradients=gradients,
+        reducer=reducer,
+        layout=layout,
+        groups_of=groups_of,
+        group_order=group_order,
+        parallelism=describe_parallelism(model, params, world_size, stage_group, process_group),
+        view_groups=view_groups,
+        comm_hook=comm_hook,
+        local_view=local_view,
+    )
+
+
+def _find_ddp(
+    model: nn.Module, params: list[Tensor], cfg: WatchConfig, world_size: int
+) -> nn.parallel.DistributedDataParallel | None:
+    """The DDP module training ``model`` (inside it, or wrapping it), when it matters: more
+    than one rank, and the rank view or a collect without the all-reduce may use it."""
+    if world_size < 2 or (cfg.always_reduce and not cfg.rank_view):
+        return None
+    ddp = find_ddp(model)
+    if ddp is None and not any(hasattr(p, "_local_tensor") for p in params):
+        ddp = wrapping_ddp(model)  # one scan of live objects; DTensor models take no DDP
+    return ddp
+
+
+def _attach_rank_view(
+    ddp: nn.parallel.DistributedDataParallel | None,
+    params: list[Tensor],
+    names: list[str],
+    cfg: WatchConfig,
+    view_groups: tuple[str, ...],
+) -> tuple[LocalView | None, GradWatchCommHook | None]:
+    """Under DDP with ``rank_view``: measure this rank's gradients in DDP's comm hook."""
+    if not cfg.rank_view or ddp is None:
+        return None, None
+    position = {g: k for k, g in enumerate(view_groups)}
+    view = LocalView(
+        params, [position[group_of(n, cfg.groups)] for n in names], len(view_groups)
+    )
+    hook = attach(ddp, view)
+    return (view if hook is not None else None), hook
