@@ -3,7 +3,7 @@
 No machine here has 16,384 ranks, so the ranks are simulated: for a 3,000-parameter
 transformer-like model under DDP, FSDP2, FSDP2 x TP, HSDP and PP x FSDP2 x TP (and HSDP of
 the same model with its vocabulary padded so every shard is even), each rank's
-pieces are built by the production :func:`gradwatch.reduce.piece_from_placements` (real torch
+pieces are built by the production :func:`gradwatch.layout.piece_from_placements` (real torch
 placements, local shard sizes by the chunking DTensor uses: uneven and empty shards included)
 and described by the production :func:`gradwatch.handshake.describe`. Ranks whose pieces are
 the same (same stage, same local shard sizes) share one description object; their records
@@ -21,10 +21,10 @@ every rank's coordinates; the self-check proves the derived coordinates equal th
 
 Measured: the layout step every rank runs after the exchange: phase 0's coordinate table and
 vote, decoding the records (and, when descriptions differ, the distinct descriptions) unless
-every rank agrees, and deriving the layout (:func:`gradwatch.handshake.simulate` +
-:func:`gradwatch.reduce.derive_layout`), its wall time on one core and its peak Python memory
+every rank agrees, and deriving the layout (:func:`benchmarks.handshake_sim.simulate` +
+:func:`gradwatch.layout.derive_layout`), its wall time on one core and its peak Python memory
 (tracemalloc), which handshake path the world takes, and the handshake bytes per rank
-(:func:`gradwatch.handshake.bytes_per_rank`), next to what the former handshake (every rank's
+(:func:`benchmarks.handshake_sim.bytes_per_rank`), next to what the former handshake (every rank's
 JSON description all-gathered, padded to the longest) would have received.
 """
 
@@ -45,9 +45,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from benchmarks import handshake_sim
 from benchmarks.results import ScaleResult
 from gradwatch import handshake
-from gradwatch.reduce import LocalPiece, derive_layout, piece_from_placements
+from gradwatch.layout import LocalPiece, derive_layout, piece_from_placements
 
 CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP", "HSDP, even shards")
 #: The case whose model pads its vocabulary to a multiple of 128 (50,304, as GPT-2 training
@@ -318,7 +319,7 @@ def simulated_meshes(spec: Spec, params: Sequence[Param]) -> list[SimulatedMesh]
 
 
 def _layout_step(pairs: Sequence[tuple[Any, Any]], meshes: Sequence[Any], rank: int) -> Any:
-    return derive_layout(handshake.simulate(pairs, meshes), rank)
+    return derive_layout(handshake_sim.simulate(pairs, meshes), rank)
 
 
 def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
@@ -333,12 +334,12 @@ def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
     gc.collect()
     tracemalloc.start()
     try:
-        gathered = handshake.simulate(pairs, meshes)
+        gathered = handshake_sim.simulate(pairs, meshes)
         derive_layout(gathered, rank)
         _current, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    sent, received = handshake.bytes_per_rank(gathered)
+    sent, received = handshake_sim.bytes_per_rank(gathered)
     return ScaleResult(
         case=case, world=world, n_params=len(params), mesh=_mesh_text(spec),
         distinct=len(gathered.descriptions), seconds=seconds, peak_bytes=peak,

@@ -1,26 +1,5 @@
 """Distributed combination: one agreed layout, at most one packed float64 all-reduce per collect.
 
-**Layout (construction, once).** Every rank describes the parameter *pieces* it holds: the
-parameter's name, its global shape, and a piece key. A plain tensor is one piece ("whole"); a
-DTensor's piece key is its coordinates on the mesh dimensions where its placement is a Shard
-(``_StridedShard`` included). Ranks holding the same key of the same name hold identical copies
-(DDP replicas, the replicate dim of HSDP, TP-replicated weights, copies on other coordinates of a
-larger world mesh that the tensor's own mesh does not cover). The handshake
-(:mod:`gradwatch.handshake`: fixed-size digests first, each distinct description once) shares
-the descriptions; every rank then derives the same global layout:
-
-* the global parameter list, in order of first appearance over ranks 0..W-1;
-* for each piece, its *contributor*: the lowest rank holding it. Only contributors add the piece's
-  squared norm, so replicas are counted once, exactly (masking, not weighting by 1/k);
-* consistency checks raised identically on every rank (:class:`LayoutMismatchError`): differing
-  configuration hashes or versions, a name with different global shapes, pieces that do not tile
-  the parameter (numel of distinct pieces != global numel), a name held by two ranks of the same
-  pipeline stage group.
-
-:func:`derive_layout` computes it from the handshake's distinct descriptions without walking
-world x parameters entries; the tests hold it against an independent reference over every
-rank's full description (``tests/helpers/layout_reference.py``).
-
 **Per collect.** Each rank fills one float64 vector of length ``5N + R + 1``:
 ``[sq contributions (N) | high band (N) | low band (N) | non-finite flags (N) | has-gradient
 flags (N) | replica sums (R) | step]``. The three squared-norm sections are the engine's bands
@@ -30,7 +9,7 @@ and all-reduces it once with SUM over gradwatch's own process group (created at 
 with ``collective_timeout_seconds``). Non-finite and has-gradient flags are *not* masked, so a
 NaN on any replica is seen even though its squared norm is not counted. The replica slots hold,
 for each piece with the maximal number of holders R, its squared norm at the slot of the holder's
-position (at most ``handshake.MAX_REPLICA_SLOTS`` slots: the lowest-ranked holders): identical
+position (at most ``layout.MAX_REPLICA_SLOTS`` slots: the lowest-ranked holders): identical
 replicas give identical slot sums, and their relative spread is the replica divergence (filled
 on divergence steps only). The step slot detects ranks that collected different steps.
 Payload: O(parameters), never O(elements); never bf16/fp16. Replica sums compare plain-band
@@ -48,13 +27,15 @@ its DDP comm hook measures, see :mod:`gradwatch.ddp_hook`): after the step slot,
 rank's pre-reduction figures (from :mod:`gradwatch.ddp_hook`) in its own slot: ``G`` local
 squared norms (one per group) and a "reported" flag, ``W x (G + 1)`` float64 in all; every
 other rank adds zeros there, so the SUM leaves each slot exactly as its rank wrote it (a NaN
-or Inf stays in its rank's slot). Above :data:`RANK_SLOTS_MAX_WORLD` ranks the slots are
-replaced by bounded sums (``2G + 3``: finite local squares per group, non-finite ranks per
+or Inf stays in its rank's slot). Above :data:`~gradwatch.layout.RANK_SLOTS_MAX_WORLD` ranks
+the slots are replaced by bounded sums (``2G + 3``: finite local squares per group, non-finite
+ranks per
 group, the count and the sum of the ids of non-finite ranks, the count of reporting ranks):
 never a second collective.
 
-**Reading it.** Only this module knows those offsets (:class:`_Sections`). The rest of gradwatch
-reads a :class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
+**Reading it.** Only this module and :mod:`gradwatch.layout` (which defines them:
+:class:`~gradwatch.layout.Sections`) know those offsets. The rest of gradwatch reads a
+:class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
 :class:`ReducedStats` of Python floats, for the summary) and :meth:`ReducedVector.device_bands`
 / :meth:`ReducedVector.device_nonfinite` (device side, for clipping without a host read).
 """
@@ -68,9 +49,9 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,103 +63,10 @@ from gradwatch.errors import (
     LayoutMismatchError,
     UnsupportedParallelismError,
 )
+from gradwatch.layout import Layout, LocalPiece, derive_layout, sections
 from gradwatch.stats import host_to_device
 
 log = logging.getLogger("gradwatch")
-
-
-@dataclass(frozen=True)
-class LocalPiece:
-    """What one rank holds of one parameter."""
-
-    name: str
-    global_shape: tuple[int, ...]
-    key: tuple[Any, ...]  # identifies the piece; equal keys on two ranks = identical copies
-    numel: int  # elements of the local piece (0 for an empty shard)
-    # A DTensor's mesh (None: plain tensor, or a key given as is) and this rank's coordinates
-    # on it: the handshake describes the piece relative to the mesh (see gradwatch.handshake).
-    mesh: Any = field(default=None, compare=False)
-    coords: tuple[int, ...] = ()
-    mesh_shape: tuple[int, ...] = ()  # the mesh's shape (empty: unknown)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The agreed global layout, identical on every rank, plus this rank's view of it."""
-
-    names: tuple[str, ...]  # global parameter list
-    numels: tuple[int, ...]  # global numel of each parameter
-    local_to_global: tuple[int, ...]  # for each local parameter, its global index
-    contributes: tuple[bool, ...]  # for each local parameter: does this rank count its piece
-    replica_slot: tuple[int, ...]  # for each local parameter: replica slot or -1
-    replicas: int  # R: the largest number of identical copies of a piece
-    world_size: int
-    rank: int
-    # -- the rank view (additive): hosts and replicas from the handshake, the section's width
-    hosts: tuple[str, ...] = ()  # per rank: its host name (the handshake's "host")
-    replica_groups: tuple[tuple[int, ...], ...] = ()  # data-parallel replicas: ranks of each
-    rank_view_groups: int = 0  # G: groups per rank slot; 0 = no rank-view section
-    # Every rank holds every parameter whole and DDP all-reduces their gradients over the world
-    # (handshake.replicated_and_synced): a collect needs gradwatch's all-reduce only on
-    # divergence steps and with the rank view (Reducer.issues_collective)
-    replicated_synced: bool = False
-
-    @property
-    def rank_view_slots(self) -> bool:
-        """One slot per rank (``W <= RANK_SLOTS_MAX_WORLD``), else bounded sums."""
-        return self.world_size <= RANK_SLOTS_MAX_WORLD
-
-    @property
-    def size(self) -> int:
-        return len(self.names)
-
-    @property
-    def packed_length(self) -> int:
-        return _sections(self).length
-
-
-#: Up to this many ranks the rank view carries one slot per rank (``W x (G + 1)`` float64:
-#: 8 KiB at 256 ranks and 3 groups); beyond it, bounded sums of ``2G + 3`` values.
-RANK_SLOTS_MAX_WORLD = 256
-
-
-class _Sections(NamedTuple):
-    """Where each part of the packed vector lives: the one definition of its offsets."""
-
-    squares: slice  # N squared-norm contributions (only the piece's contributor adds)
-    squares_high: slice  # N, the high band (same contributors)
-    squares_low: slice  # N, the low band (same contributors)
-    bands: slice  # the three bands together, as the engine lays them out
-    nonfinite: slice  # N non-finite flags (every holder adds)
-    has_grad: slice  # N has-gradient flags (every holder adds)
-    replicas: slice  # R replica sums
-    step: int  # the sum of the ranks' steps
-    length: int
-    rank_view: slice = slice(0, 0)  # after the step: per-rank slots or bounded sums
-
-
-def _rank_view_width(layout: Layout) -> int:
-    g = layout.rank_view_groups
-    if g == 0:
-        return 0
-    return layout.world_size * (g + 1) if layout.rank_view_slots else 2 * g + 3
-
-
-def _sections(layout: Layout) -> _Sections:
-    n, r = layout.size, layout.replicas
-    view = 5 * n + r + 1
-    return _Sections(
-        rank_view=slice(view, view + _rank_view_width(layout)),
-        squares=slice(0, n),
-        squares_high=slice(n, 2 * n),
-        squares_low=slice(2 * n, 3 * n),
-        bands=slice(0, 3 * n),
-        nonfinite=slice(3 * n, 4 * n),
-        has_grad=slice(4 * n, 5 * n),
-        replicas=slice(5 * n, 5 * n + r),
-        step=5 * n + r,
-        length=5 * n + r + 1 + _rank_view_width(layout),
-    )
 
 
 #: has-gradient patterns kept on the device (oldest dropped first).
@@ -226,79 +114,6 @@ def reducer_device(
     if gradients is not None:
         return gradients
     return torch.device("cpu")
-
-
-def piece_of(name: str, param: Tensor) -> LocalPiece:
-    """Describe the local piece of ``param`` (a plain tensor or a DTensor).
-
-    Every mesh dimension whose placement is not ``Replicate`` contributes the rank's coordinate
-    to the key: ``Shard`` and ``_StridedShard`` (FSDP2 over a tensor-parallel dim; it is *not*
-    a ``Shard`` subclass and its ``is_shard()`` is False) and any placement this version does
-    not know. Treating an unknown placement as a shard is the safe side: if it was a copy after
-    all, the tiling check of :func:`derive_layout` refuses the layout on every rank instead of
-    double counting. ``Partial`` is refused (a squared norm of a partial sum is meaningless).
-    """
-    spec = getattr(param, "_spec", None)
-    if spec is None or not hasattr(param, "_local_tensor"):
-        return LocalPiece(name, tuple(param.shape), ("whole",), param.numel())
-    mesh = param.device_mesh
-    return piece_from_placements(
-        name,
-        tuple(param.shape),
-        param.placements,
-        mesh,
-        mesh.get_coordinate(),
-        param._local_tensor.numel(),
-        mesh_shape=tuple(mesh.shape),
-    )
-
-
-def piece_from_placements(
-    name: str,
-    global_shape: tuple[int, ...],
-    placements: Sequence[Any],
-    mesh: Any,
-    coords: Sequence[int] | None,
-    numel: int,
-    mesh_shape: Sequence[int] = (),
-) -> LocalPiece:
-    """The piece of a DTensor from its placements, its mesh (any hashable identity), this
-    rank's coordinates on it (None: not in the mesh) and the mesh's shape (empty: unknown;
-    with it the handshake describes standard uneven shards alike on every rank); pure, so
-    simulations describe fake ranks with the code real ones use."""
-    key: list[Any] = []
-    for dim, placement in enumerate(placements):
-        if placement.is_partial():
-            raise UnsupportedParallelismError(
-                f"gradwatch: parameter {name!r} has a Partial placement on mesh dim {dim}; "
-                "squared norms of partial sums are meaningless before the reduction"
-            )
-        if placement.is_replicate():
-            continue
-        key.append((dim, coords[dim] if coords is not None else -1, repr(placement)))
-    return LocalPiece(
-        name,
-        tuple(global_shape),
-        tuple(key),
-        numel,
-        mesh=mesh,
-        coords=tuple(coords) if coords is not None else (-1,) * len(placements),
-        mesh_shape=tuple(mesh_shape),
-    )
-
-
-def derive_layout(gathered: handshake.Gathered, rank: int) -> Layout:
-    """The layout from the handshake's distinct descriptions and per-rank records (pure;
-    equal to the tests' reference over the full descriptions)."""
-    return Layout(
-        *handshake.derive(gathered, rank),
-        world_size=len(gathered.rank_group),
-        rank=rank,
-        hosts=gathered.hosts,
-        replica_groups=handshake.replica_groups(gathered),
-        rank_view_groups=handshake.rank_view_groups(gathered),
-        replicated_synced=handshake.replicated_and_synced(gathered),
-    )
 
 
 #: Backends whose monitoring-only collects all-reduce on a separate gloo group from a background
@@ -463,7 +278,7 @@ class Reducer:
         to_global = torch.tensor(lay.local_to_global, dtype=torch.long)
         contrib = torch.tensor(lay.contributes, dtype=torch.bool)
         slot = torch.tensor(lay.replica_slot, dtype=torch.long)
-        at = _sections(lay)
+        at = sections(lay)
         dev = self.device
         n_local = len(lay.local_to_global)
         # Persistent staging vector [3 bands | non-finite flags | has-grad | step], filled by
@@ -503,7 +318,7 @@ class Reducer:
         g = lay.rank_view_groups
         if g == 0 or rank_local is None:
             return
-        view = packed[_sections(lay).rank_view]
+        view = packed[sections(lay).rank_view]
         local = rank_local.to(device=packed.device, dtype=torch.float64)
         if lay.rank_view_slots:
             start = lay.rank * (g + 1)
@@ -598,7 +413,7 @@ class Reducer:
         collect that would not have all-reduced (:meth:`issues_collective`) issues nothing:
         the other ranks measured the same gradients alone."""
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
-        packed[_sections(self.layout).step] = math.nan
+        packed[sections(self.layout).step] = math.nan
         if not self.issues_collective(with_replicas):
             return ReducedVector(packed, None, self.timeout, step, self.layout, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
@@ -678,7 +493,7 @@ class ReducedStats:
         """Split the host copy of a packed vector (pure; what :meth:`ReducedVector.stats`
         does after its one host read). ``ranks``: how many ranks' vectors it sums (default:
         all of them)."""
-        at = _sections(layout)
+        at = sections(layout)
         if len(values) != at.length:
             raise ValueError(
                 f"gradwatch: a packed vector of {len(values)} values, expected {at.length}"
@@ -784,12 +599,12 @@ class ReducedVector:
     def device_bands(self) -> Tensor:
         """The reduced squared norms as the engine's three bands (``3N``: plain, high, low;
         see :mod:`gradwatch.stats`), on the device (a view: no copy)."""
-        return self._device()[_sections(self._layout).bands]
+        return self._device()[sections(self._layout).bands]
 
     def device_nonfinite(self) -> Tensor:
         """Per parameter, the reduced non-finite flags (> 0: some rank saw NaN/Inf), on the
         device (a view: no copy)."""
-        return self._device()[_sections(self._layout).nonfinite]
+        return self._device()[sections(self._layout).nonfinite]
 
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""
@@ -811,7 +626,7 @@ class RankView:
     Attributes:
         per_rank: ``[rank][group]`` each rank's local squared norm of the group before the
             reduction (NaN/Inf as measured); None in bounded mode (more than
-            :data:`RANK_SLOTS_MAX_WORLD` ranks).
+            :data:`~gradwatch.layout.RANK_SLOTS_MAX_WORLD` ranks).
         finite_sums: per group, the sum over ranks of the finite local squares.
         nonfinite_ranks: per group, how many ranks' local squares were NaN/Inf.
         nonfinite_count: how many ranks had some non-finite local square.

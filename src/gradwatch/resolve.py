@@ -20,6 +20,7 @@ from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
 from gradwatch.ddp_hook import GradWatchCommHook, LocalView, attach, detach
 from gradwatch.errors import GradWatchError
 from gradwatch.gradients import GradientReader
+from gradwatch.layout import Layout, piece_of
 from gradwatch.model import (
     ParameterSlots,
     ddp_reduces_every_gradient,
@@ -32,7 +33,7 @@ from gradwatch.model import (
     reject_fsdp1,
     wrapping_ddp,
 )
-from gradwatch.reduce import Layout, Reducer, gradient_device, piece_of
+from gradwatch.reduce import Reducer, gradient_device
 
 log = logging.getLogger("gradwatch")
 

@@ -1,10 +1,10 @@
 """The reference layout: what every rank must derive, stated over every rank's full description.
 
-An independent statement of the layout semantics of :mod:`gradwatch.reduce` (global names in
+An independent statement of the layout semantics of :mod:`gradwatch.layout` (global names in
 order of first appearance, the lowest holder of each piece as its only contributor, replica
 slots for the most replicated pieces, the same consistency checks), walking world x parameters
 entries in plain Python. The product derives the layout from the handshake's distinct
-descriptions (:func:`gradwatch.reduce.derive_layout`); tests hold the two equal over generated
+descriptions (:func:`gradwatch.layout.derive_layout`); tests hold the two equal over generated
 layouts, and use this one to state expected layouts directly.
 """
 
@@ -14,9 +14,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from gradwatch import handshake
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.reduce import Layout
+from gradwatch.layout import MAX_REPLICA_SLOTS, Layout
 
 
 def build_layout(per_rank: Sequence[dict[str, Any]], rank: int) -> Layout:
@@ -91,7 +90,7 @@ def build_layout(per_rank: Sequence[dict[str, Any]], rank: int) -> Layout:
                 "elements; its placements are not understood (please report this layout)"
             )
     replicas = max((len(h) for h in holders.values()), default=1)
-    cap = handshake.MAX_REPLICA_SLOTS
+    cap = MAX_REPLICA_SLOTS
     local_to_global, contributes, slots = [], [], []
     for name, _shape, key, numel in per_rank[rank]["pieces"]:
         local_to_global.append(index[name])

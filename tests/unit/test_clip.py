@@ -12,7 +12,8 @@ from torch import nn
 
 from gradwatch.clip import CLIP_EPS, clip_coefficient, clip_grads_
 from gradwatch.gradients import GradientReader, LocalGradients
-from gradwatch.reduce import Reducer, piece_of
+from gradwatch.layout import piece_of
+from gradwatch.reduce import Reducer
 from gradwatch.stats import NormEngine
 
 

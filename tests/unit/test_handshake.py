@@ -16,9 +16,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from gradwatch import handshake
+from benchmarks import handshake_sim
+from gradwatch import handshake, layout
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.reduce import LocalPiece, derive_layout, piece_from_placements
+from gradwatch.layout import LocalPiece, derive_layout, piece_from_placements
 
 Rank = list[LocalPiece]
 
@@ -166,7 +167,7 @@ def scalable(per_rank: list[Rank], stages: list[list[int] | None], config: list[
                            host=f"h{r}")
         for r, pieces in enumerate(per_rank)
     ]
-    gathered = handshake.simulate(pairs, meshes)
+    gathered = handshake_sim.simulate(pairs, meshes)
     if agreed is not None:
         agreed.append(gathered.agreed)
     return derive_layout(gathered, rank)
@@ -276,7 +277,7 @@ def test_generated_layouts_cover_the_interesting_cases() -> None:
 def describe_world(per_rank: list[Rank], stages: list | None = None,
                    config: list[str] | None = None,
                    meshes: list[Any] | None = None) -> handshake.Gathered:
-    return handshake.simulate([
+    return handshake_sim.simulate([
         handshake.describe(pieces, version="v", config_hash=(config or ["c"] * 99)[r],
                            stage_ranks=(stages or [None] * 99)[r], host=f"h{r}")
         for r, pieces in enumerate(per_rank)
@@ -304,13 +305,13 @@ def test_agreeing_ranks_send_and_receive_fixed_bytes_at_any_world_size() -> None
             per_rank = fsdp(world, names, (world * 2, 3))
             gathered = describe_world(per_rank, meshes=dp_grid(world))
             assert gathered.agreed and len(gathered.descriptions) == 1
-            assert handshake.bytes_per_rank(gathered) == (handshake.PHASE0_BYTES,
+            assert handshake_sim.bytes_per_rank(gathered) == (handshake.PHASE0_BYTES,
                                                           handshake.PHASE0_BYTES)
             assert gathered.hosts == ()  # not gathered: no per-rank view
             assert [r.coords for r in gathered.records] == [(r,) for r in range(world)]
             fallback = describe_world(per_rank)
             assert not fallback.agreed
-            assert handshake.bytes_per_rank(fallback) == (
+            assert handshake_sim.bytes_per_rank(fallback) == (
                 handshake.PHASE0_BYTES + handshake.RECORD_BYTES,
                 handshake.PHASE0_BYTES + world * handshake.RECORD_BYTES)
             assert derive_layout(gathered, world - 1) == dataclasses.replace(
@@ -322,9 +323,9 @@ def test_agreed_path_gathers_host_names_only_for_the_rank_view() -> None:
     pairs = [handshake.describe(pieces, version="v", config_hash="c", host=f"h{r}",
                                 rank_view=3)
              for r, pieces in enumerate(fsdp(4, 5))]
-    gathered = handshake.simulate(pairs, dp_grid(4))
+    gathered = handshake_sim.simulate(pairs, dp_grid(4))
     assert gathered.agreed and gathered.hosts == ("h0", "h1", "h2", "h3")
-    assert handshake.bytes_per_rank(gathered) == (
+    assert handshake_sim.bytes_per_rank(gathered) == (
         handshake.PHASE0_BYTES + handshake.HOST_BYTES,
         handshake.PHASE0_BYTES + 4 * handshake.HOST_BYTES)
     assert derive_layout(gathered, 2).rank_view_groups == 3
@@ -441,7 +442,7 @@ def test_spec_numel_equals_torch_and_tiles() -> None:
         # the vectorized form derive() uses on mixed classes gives the same numbers
         at_all = torch.tensor(list(cells), dtype=torch.int64).view(len(cells), len(spec))
         for nested in (False, True):
-            assert handshake._spec_numels(shape, spec, mesh_shape, at_all, nested).tolist() == [
+            assert layout._spec_numels(shape, spec, mesh_shape, at_all, nested).tolist() == [
                 handshake.spec_numel(shape, spec, mesh_shape, list(at), nested=nested)
                 for at in cells]
         # each distinct coordinate of the spec's dims recurs once per replicated position
@@ -528,7 +529,7 @@ def test_uneven_shards_agree() -> None:
         gathered = describe_world(per_rank, meshes=dp_grid(4))
         assert gathered.agreed and gathered.rank_group == (0, 0, 0, 0)
         assert all(p[4] == handshake.DERIVED for p in gathered.descriptions[0].pieces)
-        assert handshake.bytes_per_rank(gathered) == (handshake.PHASE0_BYTES,) * 2
+        assert handshake_sim.bytes_per_rank(gathered) == (handshake.PHASE0_BYTES,) * 2
         records = describe_world(per_rank)  # the records path: one description too
         assert not records.agreed and len(records.descriptions) == 1
         for rank in range(4):
@@ -578,7 +579,7 @@ def test_groups_differing_elsewhere_share_derived_pieces() -> None:
     """Ranks whose descriptions differ only outside their pieces (a per-rank view asked by two
     ranks of four) hold the same derived uneven pieces: the layout equals the reference's."""
     per_rank = fsdp(4, 5, (6, 3))
-    gathered = handshake.simulate([
+    gathered = handshake_sim.simulate([
         handshake.describe(pieces, version="v", config_hash="c", host=f"h{r}",
                            rank_view=3 if r < 2 else 0)
         for r, pieces in enumerate(per_rank)], dp_grid(4))
@@ -588,13 +589,13 @@ def test_groups_differing_elsewhere_share_derived_pieces() -> None:
 
 
 def test_replica_slots_are_capped() -> None:
-    world = handshake.MAX_REPLICA_SLOTS + 6
+    world = layout.MAX_REPLICA_SLOTS + 6
     per_rank = [[LocalPiece("w", (2,), ("whole",), 2)] for _ in range(world)]
     gathered = describe_world(per_rank)
-    lays = [derive_layout(gathered, r) for r in (0, handshake.MAX_REPLICA_SLOTS - 1,
-                                                 handshake.MAX_REPLICA_SLOTS)]
-    assert lays[0].replicas == handshake.MAX_REPLICA_SLOTS
-    assert [lay.replica_slot for lay in lays] == [(0,), (handshake.MAX_REPLICA_SLOTS - 1,),
+    lays = [derive_layout(gathered, r) for r in (0, layout.MAX_REPLICA_SLOTS - 1,
+                                                 layout.MAX_REPLICA_SLOTS)]
+    assert lays[0].replicas == layout.MAX_REPLICA_SLOTS
+    assert [lay.replica_slot for lay in lays] == [(0,), (layout.MAX_REPLICA_SLOTS - 1,),
                                                   (-1,)]
 
 
@@ -615,8 +616,8 @@ def test_mismatch_names_digest_groups_and_a_parameter(shape: tuple[int, ...]) ->
 
 
 def test_ranks_text() -> None:
-    assert handshake.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
-    assert handshake.ranks_text(list(range(0, 20, 2)), limit=2) == "ranks 0, 2 and 8 more"
+    assert layout.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    assert layout.ranks_text(list(range(0, 20, 2)), limit=2) == "ranks 0, 2 and 8 more"
 
 
 def test_record_round_trip_and_coordinate_overflow() -> None:
@@ -626,7 +627,7 @@ def test_record_round_trip_and_coordinate_overflow() -> None:
         version="v", config_hash="c", host="node-1")
     assert record.overflow  # 11 meshes x 3 coordinates > MAX_COORDS
     with pytest.raises(Exception, match="more than 32 coordinates"):
-        derive_layout(handshake.simulate([(desc, record)]), 0)
+        derive_layout(handshake_sim.simulate([(desc, record)]), 0)
     desc, record = handshake.describe(fsdp(2, 2)[1], version="v", config_hash="c",
                                       stage_ranks=[1, 3], host="node-2")
     again = handshake.RankRecord.unpack(record.pack())
@@ -641,7 +642,7 @@ def _replicas(world: int, names: int = 3) -> list[Rank]:
 
 def _declared(per_rank: list[Rank], synced: list[bool],
               stages: list | None = None) -> handshake.Gathered:
-    return handshake.simulate([
+    return handshake_sim.simulate([
         handshake.describe(pieces, version="v", config_hash="c", host=f"h{r}",
                            synced=synced[r], stage_ranks=(stages or [None] * 99)[r])
         for r, pieces in enumerate(per_rank)
@@ -661,7 +662,7 @@ def test_collects_skip_the_all_reduce_only_when_every_rank_holds_every_parameter
     alone = _declared(_replicas(1), [True])
     assert not derive_layout(alone, 0).replicated_synced
     # sharded pieces (FSDP2) never qualify, even declared
-    sharded = handshake.simulate([
+    sharded = handshake_sim.simulate([
         handshake.describe(pieces, version="v", config_hash="c", host=f"h{r}", synced=True)
         for r, pieces in enumerate(fsdp(world, 3))], dp_grid(world))
     assert not derive_layout(sharded, 1).replicated_synced

@@ -14,8 +14,9 @@ from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.ddp_hook import LocalView
+from gradwatch.layout import Layout, sections
 from gradwatch.rankview import NoiseScale, _spread
-from gradwatch.reduce import Layout, RankView, Reducer
+from gradwatch.reduce import RankView, Reducer
 from gradwatch.testing import OpCounter, count_host_reads
 
 
@@ -166,10 +167,10 @@ def _layout(world: int, rank: int, groups: int) -> Layout:
 def test_rank_view_section_round_trip(monkeypatch: pytest.MonkeyPatch, bounded: bool) -> None:
     """Each rank packs its slot (or its share of the bounded sums); the SUM of the ranks'
     sections reads back as every rank's figures (slots) or their bounded summary."""
-    import gradwatch.reduce as reduce
+    import gradwatch.layout
 
     if bounded:
-        monkeypatch.setattr(reduce, "RANK_SLOTS_MAX_WORLD", 2)
+        monkeypatch.setattr(gradwatch.layout, "RANK_SLOTS_MAX_WORLD", 2)
     world, g = 3, 2
     local = [torch.tensor([1.0, 4.0]), torch.tensor([math.nan, 9.0]), torch.tensor([2.0, 3.0])]
     total = None
@@ -181,7 +182,7 @@ def test_rank_view_section_round_trip(monkeypatch: pytest.MonkeyPatch, bounded: 
         Reducer._pack_rank_view(stub, packed, local[rank])
         total = packed if total is None else total + packed
     assert total is not None
-    at = reduce._sections(_layout(world, 0, g))
+    at = sections(_layout(world, 0, g))
     view = RankView.from_section(total.tolist()[at.rank_view], _layout(world, 0, g))
     assert view is not None
     assert view.nonfinite_count == 1 and view.nonfinite_ranks == (1, 0)

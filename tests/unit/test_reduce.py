@@ -10,7 +10,8 @@ import torch
 from layout_reference import build_layout
 
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.reduce import LocalPiece, ReducedStats, Reducer
+from gradwatch.layout import LocalPiece
+from gradwatch.reduce import ReducedStats, Reducer
 
 
 def desc(pieces, stage=None, config="c", version="v"):
