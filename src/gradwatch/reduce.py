@@ -42,15 +42,10 @@ never a second collective.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import queue
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -58,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradwatch import handshake
+from gradwatch.collective import Collective, Pending, bound_device, reducer_device, wait_event
 from gradwatch.errors import (
     GradWatchTimeoutError,
     LayoutMismatchError,
@@ -82,128 +78,6 @@ def gradient_device(tensors: Sequence[Tensor]) -> torch.device | None:
     return None
 
 
-def _bound_device() -> torch.device | None:
-    """The device the default process group was bound to (``init_process_group(device_id=)``),
-    if any (``ProcessGroup.bound_device_id``)."""
-    with contextlib.suppress(Exception):
-        bound = dist.distributed_c10d._get_default_group().bound_device_id
-        if bound is not None:
-            return torch.device(bound)
-    return None
-
-
-def reducer_device(
-    gradients: torch.device | None, backend: str | None, bound: torch.device | None
-) -> torch.device:
-    """Where the packed vector lives, so no collect copies between host and device.
-
-    The gradients' accelerator when they have one, whatever the backend and world size (a
-    single-GPU job reduces and clips on its GPU); under NCCL the process group's bound device
-    comes first (``device_id=``), then the gradients', and ``current_device()`` only as the
-    last resort (gradients on the CPU, e.g. FSDP2 CPU offload): ranks that bind their GPU by
-    ``device_id=`` or ``model.to(cuda:k)`` without ``set_device`` would otherwise all pick
-    cuda:0. Without NCCL and without accelerator gradients: the CPU.
-    """
-    if backend is not None and "nccl" in backend:
-        if bound is not None:
-            return bound
-        if gradients is not None and gradients.type == "cuda":
-            return gradients
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-    if gradients is not None:
-        return gradients
-    return torch.device("cpu")
-
-
-#: Backends whose monitoring-only collects all-reduce on a separate gloo group from a background
-#: thread, so a rank that stops collecting never stalls the training stream (an NCCL collective
-#: awaited by the training stream would, and the NCCL watchdog would then abort the job). Clips
-#: keep the job's backend. Tests add "gloo" to run the same path on CPU.
-MONITOR_ON_HOST_BACKENDS: tuple[str, ...] = ("nccl",)
-
-
-def _wait_event(event: Any, timeout: float, what: str) -> None:
-    """Wait for a CUDA event for at most ``timeout`` seconds, polling with a sleep that grows to
-    10 ms (``Event.synchronize()`` has no timeout; spinning on ``query()`` would hold a core)."""
-    deadline = time.monotonic() + timeout
-    pause = 1e-4
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise GradWatchTimeoutError(
-                f"gradwatch: {what} did not reach the host within {timeout}s "
-                "(collective_timeout_seconds): the device is stuck"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-
-
-class _HostWork:
-    """The monitoring all-reduce of one collect, once the host thread issued it: ``wait``
-    bounds the whole wait (copy to the host, issue, collective) by one timeout."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Event()
-        self._work: Any = None
-        self._error: BaseException | None = None
-
-    def _issued(self, work: Any, error: BaseException | None) -> None:
-        self._work, self._error = work, error
-        self._ready.set()
-
-    def wait(self, timeout: timedelta) -> None:
-        deadline = time.monotonic() + timeout.total_seconds()
-        if not self._ready.wait(timeout.total_seconds()):
-            raise RuntimeError("the monitoring all-reduce was not issued in time")
-        if self._error is not None:
-            raise RuntimeError(f"the monitoring all-reduce failed: {self._error}")
-        left = max(0.001, deadline - time.monotonic())
-        self._work.wait(timedelta(seconds=left))
-
-
-class _HostReducer:
-    """Issues the monitoring-only all-reduces on a gloo group, in collect order, from one daemon
-    thread: it waits (bounded) for each vector's copy to pinned host memory, then issues the
-    asynchronous gloo all-reduce. Nothing here ever touches the training stream."""
-
-    def __init__(self, group: Any, timeout: float) -> None:
-        self._group = group
-        self._timeout = timeout
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._options = dist.AllreduceOptions()
-        self._options.reduceOp = dist.ReduceOp.SUM
-        self._thread: threading.Thread | None = None
-
-    def submit(self, host: Tensor, event: Any) -> _HostWork:
-        work = _HostWork()
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="gradwatch-host-reduce", daemon=True
-            )
-            self._thread.start()
-        self._queue.put((host, event, work))
-        return work
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            host, event, work = item
-            try:
-                if event is not None:
-                    _wait_event(event, self._timeout, "the packed vector")
-                work._issued(self._group.allreduce([host], self._options), None)
-            except Exception as exc:  # reported by result(), never raised in training
-                work._issued(None, exc)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=1.0)
-            self._thread = None
-
-
 class Reducer:
     """Packs local squared norms into the agreed vector and all-reduces it once.
 
@@ -226,10 +100,7 @@ class Reducer:
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
-        self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
-        self.group: Any = None
-        self.host_group: Any = None  # gloo group of the monitoring-only collects (NCCL jobs)
-        self._host: _HostReducer | None = None
+        self.collective = Collective()
         multi = self.distributed and dist.get_world_size() > 1
         stage_ranks = None
         if multi and stage_group is not None:
@@ -239,41 +110,57 @@ class Reducer:
             rank_view=rank_view_groups, synced=synced,
         )
         backend = str(dist.get_backend()) if multi else None
-        self.device = reducer_device(device, backend, _bound_device() if multi else None)
+        self.device = reducer_device(device, backend, bound_device() if multi else None)
         if multi:
-            # The handshake runs once, on the device NCCL needs, on the CPU otherwise.
-            handshake_device = self.device if "nccl" in str(backend) else torch.device("cpu")
-            try:
-                # gradwatch's own group: its timeout bounds every wait, and its traffic never
-                # interleaves with the job's collectives on the default group. Every rank of
-                # the world creates it here, in the same order relative to the job's groups.
-                self.group = dist.new_group(timeout=timedelta(seconds=timeout_seconds))
-                # Gloo with CUDA gradients too: its work.wait() would block the training thread.
-                on_host = any(b in str(backend) for b in MONITOR_ON_HOST_BACKENDS)
-                if on_host or self.device.type != "cpu":
-                    self.host_group = dist.new_group(
-                        backend="gloo", timeout=timedelta(seconds=timeout_seconds)
-                    )
-                    self._host = _HostReducer(self.host_group, timeout_seconds)
-                gathered = handshake.exchange(desc, record, self.group, handshake_device,
-                                              meshes=handshake.mesh_slots(pieces))
-            except RuntimeError as exc:
-                self.close()
-                raise GradWatchTimeoutError(
-                    f"gradwatch: construction handshake failed or timed out after "
-                    f"{timeout_seconds}s: every rank must construct GradWatch ({exc})"
-                ) from exc
-            # per rank, from the handshake (empty when no per-rank view asked for them)
-            self.hosts = gathered.hosts
-            try:
-                self.layout = derive_layout(gathered, dist.get_rank())
-            except (LayoutMismatchError, UnsupportedParallelismError):
-                self.close()  # every rank raises the same error: release the group everywhere
-                raise
+            self.layout = self._agree(desc, record, pieces, str(backend))
         else:
-            self.hosts = (record.host,)
             self.layout = derive_layout(handshake.local(desc, record), 0)
-        lay = self.layout
+        self._plan_packing(self.layout)
+
+    def _agree(
+        self,
+        desc: handshake.Description,
+        record: handshake.RankRecord,
+        pieces: Sequence[LocalPiece],
+        backend: str,
+    ) -> Layout:
+        """Open gradwatch's groups, run the handshake on them and derive the layout: the same
+        on every rank, or the same error raised on every rank."""
+        # The handshake runs once, on the device NCCL needs, on the CPU otherwise.
+        handshake_device = self.device if "nccl" in backend else torch.device("cpu")
+        try:
+            self.collective = Collective.open(self.timeout, backend, self.device)
+            gathered = handshake.exchange(desc, record, self.collective.group,
+                                          handshake_device, meshes=handshake.mesh_slots(pieces))
+        except RuntimeError as exc:
+            self.close()
+            raise GradWatchTimeoutError(
+                f"gradwatch: construction handshake failed or timed out after "
+                f"{self.timeout}s: every rank must construct GradWatch ({exc})"
+            ) from exc
+        try:
+            return derive_layout(gathered, dist.get_rank())
+        except (LayoutMismatchError, UnsupportedParallelismError):
+            self.close()  # every rank raises the same error: release the group everywhere
+            raise
+
+    @property
+    def issued(self) -> int:
+        """All-reduces issued: tells whether a failed collect issued its own."""
+        return self.collective.issued
+
+    @property
+    def group(self) -> Any:
+        return self.collective.group
+
+    @property
+    def host_group(self) -> Any:
+        """The gloo group of the monitoring-only collects (None: they take ``group``)."""
+        return self.collective.host_group
+
+    def _plan_packing(self, lay: Layout) -> None:
+        """The persistent buffers and indices that pack a collect in a constant number of
+        ops."""
         local_idx = torch.arange(len(lay.local_to_global))
         to_global = torch.tensor(lay.local_to_global, dtype=torch.long)
         contrib = torch.tensor(lay.contributes, dtype=torch.bool)
@@ -295,8 +182,6 @@ class Reducer:
         self._has_grad_key: tuple[bool, ...] | None = None
         self._contributes = contrib.repeat(3).to(dev)
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
-        self._allreduce_options = dist.AllreduceOptions()
-        self._allreduce_options.reduceOp = dist.ReduceOp.SUM
         self._scatter = torch.cat(
             [
                 to_global + at.squares.start,
@@ -371,7 +256,7 @@ class Reducer:
             packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
         self._pack_rank_view(packed, rank_local)
         if alone:
-            return ReducedVector(packed, None, self.timeout, step, lay, ranks=1)
+            return ReducedVector(packed, Pending(), self.timeout, step, lay, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
 
     def issues_collective(self, with_replicas: bool) -> bool:
@@ -415,43 +300,16 @@ class Reducer:
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
         packed[sections(self.layout).step] = math.nan
         if not self.issues_collective(with_replicas):
-            return ReducedVector(packed, None, self.timeout, step, self.layout, ranks=1)
+            return ReducedVector(packed, Pending(), self.timeout, step, self.layout, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
 
     def _issue(self, packed: Tensor, step: int, on_host: bool = False) -> ReducedVector:
-        if on_host and self._host is not None:
-            # The monitoring-only path: a copy to (pinned) host memory queued on the vector's
-            # stream, the gloo all-reduce issued by the host thread once it landed.
-            host = torch.empty(
-                packed.shape, dtype=packed.dtype, pin_memory=packed.device.type != "cpu"
-            )
-            host.copy_(packed, non_blocking=True)
-            event = None
-            if packed.device.type != "cpu":  # CUDA path: untested on this project's machines
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(packed.device))
-            self.issued += 1
-            work = self._host.submit(host, event)
-            return ReducedVector(host, work, self.timeout, step, self.layout)
-        work = None
-        if self.group is not None:
-            # The process group's own method: the same c10d op as dist.all_reduce without its
-            # Python checks (a measurable share of a small all-reduce on gloo), all of which
-            # hold by construction (one dense float64 tensor, a group this rank belongs to).
-            work = self.group.allreduce([packed], self._allreduce_options)
-        self.issued += 1
-        return ReducedVector(packed, work, self.timeout, step, self.layout)
+        result, pending = self.collective.issue(packed, on_host=on_host)
+        return ReducedVector(result, pending, self.timeout, step, self.layout)
 
     def close(self) -> None:
-        """Stop using gradwatch's process groups. They are *not* destroyed here: ranks close at
-        different moments, and destroying a gloo group while a peer may still be receiving the
-        last message of its final collective can abort that peer's process. The job's
-        ``destroy_process_group()`` (or process exit) releases them with every other group."""
-        if self._host is not None:
-            self._host.close()
-            self._host = None
-        self.host_group = None
-        self.group = None
+        """Stop using gradwatch's process groups (see :meth:`Collective.close`)."""
+        self.collective.close()
 
 
 @dataclass(frozen=True)
@@ -551,7 +409,7 @@ class ReducedVector:
     def __init__(
         self,
         packed: Tensor,
-        work: Any,
+        pending: Pending,
         timeout: float,
         step: int,
         layout: Layout,
@@ -559,7 +417,7 @@ class ReducedVector:
     ) -> None:
         self._packed = packed
         self._ranks = ranks  # None: every rank's vector (see ReducedStats.ranks)
-        self._work = work
+        self._pending: Pending | None = pending
         self._timeout = timeout
         self._step = step
         self._layout = layout
@@ -567,9 +425,7 @@ class ReducedVector:
         if packed.device.type != "cpu":
             # NCCL: make the compute stream wait for the collective (no host wait), then start
             # a non-blocking copy to pinned memory; stats() waits on the event, once.
-            if work is not None:
-                work.wait()
-                self._work = None
+            pending.order_on_stream()
             # CUDA path, untested on this project's CPU machines. The event is recorded on the
             # stream of the vector's own device (Event.record() alone uses the *current*
             # device's stream, which may be another GPU's).
@@ -579,16 +435,16 @@ class ReducedVector:
             self._event.record(torch.cuda.current_stream(packed.device))
 
     def _wait_collective(self) -> None:
-        if self._work is not None:
+        if self._pending is not None:
             try:
-                self._work.wait(timedelta(seconds=self._timeout))
+                self._pending.wait(self._timeout)
             except RuntimeError as exc:
                 raise GradWatchTimeoutError(
                     f"gradwatch: the all-reduce of step {self._step} failed or did not "
                     f"complete within {self._timeout}s (collective_timeout_seconds): another "
                     f"rank failed, skipped collect() or is stuck ({exc})"
                 ) from exc
-            self._work = None
+            self._pending = None
 
     def _device(self) -> Tensor:
         # On accelerators the collective was already ordered before later kernels (no host
@@ -610,7 +466,7 @@ class ReducedVector:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
             if self._packed.device.type != "cpu":
-                _wait_event(self._event, self._timeout, f"the vector of step {self._step}")
+                wait_event(self._event, self._timeout, f"the vector of step {self._step}")
                 values = self._pinned.tolist()
             else:
                 self._wait_collective()

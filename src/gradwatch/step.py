@@ -114,7 +114,7 @@ class Collector:
         self.broken: str | None = None  # why collection stopped for the rest of the run
         self.closed = False
         self._collections = 0
-        self._attempts = 0  # collects that did work, numbered: orders failures and results
+        self.attempts = 0  # collects that did work, numbered: orders failures and results
         self._last_failed_attempt = 0
 
     def collect(
@@ -135,8 +135,8 @@ class Collector:
         started = time.perf_counter()
         reducer = self.resolved.reducer
         issued = reducer.issued
-        self._attempts += 1
-        attempt = self._attempts
+        self.attempts += 1
+        attempt = self.attempts
         # Decided before anything can fail, from counts equal on every rank: whether this
         # collect measures the replicas' divergence also decides whether it all-reduces
         # (Reducer.issues_collective), so a rank whose pass fails must decide as the others.

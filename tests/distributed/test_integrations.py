@@ -203,9 +203,9 @@ def test_attach_and_clip_collect_once_per_step() -> None:
         backward(m)
         pre = ref_norm([p.grad for p in m.parameters()])
         watch.clip_grad_norm_(1e-3)
-        collections = watch._collections
+        collections = watch._collector.attempts
         opt.step()
-        assert watch._collections == collections  # the pre-hook did not collect again
+        assert watch._collector.attempts == collections  # the pre-hook did not collect again
         assert abs(watch.last.global_norm - pre) <= 1e-6 * pre  # pre-clip figures kept
 
 

@@ -24,10 +24,10 @@ def _norm(model: nn.Module) -> float:
 
 
 def run(rank: int) -> tuple[dict[str, Any], Any]:
-    from gradwatch import GradWatch, GradWatchError, GradWatchTimeoutError, WatchConfig, reduce
+    from gradwatch import GradWatch, GradWatchError, GradWatchTimeoutError, WatchConfig, collective
     from gradwatch.testing import OpCounter
 
-    reduce.MONITOR_ON_HOST_BACKENDS = ("nccl", "gloo")
+    collective.MONITOR_ON_HOST_BACKENDS = ("nccl", "gloo")
     torch.manual_seed(0)  # identical replicas: the whole-model norm is one copy's
     model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5))
     model(torch.randn(8, 40)).square().sum().backward()

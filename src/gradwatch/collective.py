@@ -1,0 +1,245 @@
+"""The one place gradwatch issues and waits for its all-reduce: three routes, one pending type.
+
+Every collect's packed vector takes one of three routes, decided identically on every rank:
+
+* **the device group**: gradwatch's own process group on the job's backend (created at
+  construction with ``collective_timeout_seconds``, so its traffic never interleaves with the
+  job's collectives on the default group), issued asynchronously on the training thread; a
+  clip takes it, as it needs the reduced norm on the device;
+* **the host group**: a gloo group for the monitoring-only all-reduces of NCCL jobs (and of
+  gloo jobs with accelerator gradients): the vector is copied to pinned host memory and a
+  daemon thread issues the all-reduce once the copy landed, so nothing waits on the training
+  stream;
+* **no collective**: one process, or a collect whose figures every rank already holds (see
+  :meth:`gradwatch.reduce.Reducer.issues_collective`).
+
+Each returns a :class:`Pending` whose :meth:`Pending.wait` bounds the whole wait (the copy to
+the host, the issue, the collective) by one timeout; :func:`wait_event` bounds the wait for a
+device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradwatch.errors import GradWatchTimeoutError
+
+#: Backends whose monitoring-only collects all-reduce on a separate gloo group from a background
+#: thread, so a rank that stops collecting never stalls the training stream (an NCCL collective
+#: awaited by the training stream would, and the NCCL watchdog would then abort the job). Clips
+#: keep the job's backend. Tests add "gloo" to run the same path on CPU.
+MONITOR_ON_HOST_BACKENDS: tuple[str, ...] = ("nccl",)
+
+
+def bound_device() -> torch.device | None:
+    """The device the default process group was bound to (``init_process_group(device_id=)``),
+    if any (``ProcessGroup.bound_device_id``)."""
+    with contextlib.suppress(Exception):
+        bound = dist.distributed_c10d._get_default_group().bound_device_id
+        if bound is not None:
+            return torch.device(bound)
+    return None
+
+
+def reducer_device(
+    gradients: torch.device | None, backend: str | None, bound: torch.device | None
+) -> torch.device:
+    """Where the packed vector lives, so no collect copies between host and device.
+
+    The gradients' accelerator when they have one, whatever the backend and world size (a
+    single-GPU job reduces and clips on its GPU); under NCCL the process group's bound device
+    comes first (``device_id=``), then the gradients', and ``current_device()`` only as the
+    last resort (gradients on the CPU, e.g. FSDP2 CPU offload): ranks that bind their GPU by
+    ``device_id=`` or ``model.to(cuda:k)`` without ``set_device`` would otherwise all pick
+    cuda:0. Without NCCL and without accelerator gradients: the CPU.
+    """
+    if backend is not None and "nccl" in backend:
+        if bound is not None:
+            return bound
+        if gradients is not None and gradients.type == "cuda":
+            return gradients
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    if gradients is not None:
+        return gradients
+    return torch.device("cpu")
+
+
+def wait_event(event: Any, timeout: float, what: str) -> None:
+    """Wait for a CUDA event for at most ``timeout`` seconds, polling with a sleep that grows to
+    10 ms (``Event.synchronize()`` has no timeout; spinning on ``query()`` would hold a core)."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-4
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise GradWatchTimeoutError(
+                f"gradwatch: {what} did not reach the host within {timeout}s "
+                "(collective_timeout_seconds): the device is stuck"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+class Pending:
+    """One issued all-reduce (or none), whatever its route; :meth:`wait` at most once.
+
+    ``work``: the c10d work of a device-group all-reduce, or None when there is nothing to wait
+    for. :meth:`queued` makes the pending result of a host-group all-reduce, which the host
+    thread issues later (:meth:`_issued`).
+    """
+
+    def __init__(self, work: Any = None) -> None:
+        self._ready = threading.Event()
+        self._work: Any = work
+        self._error: BaseException | None = None
+        self._ready.set()
+
+    @classmethod
+    def queued(cls) -> Pending:
+        pending = cls()
+        pending._ready.clear()
+        return pending
+
+    def _issued(self, work: Any, error: BaseException | None) -> None:
+        self._work, self._error = work, error
+        self._ready.set()
+
+    def order_on_stream(self) -> None:
+        """Accelerator backends: make the current stream wait for the collective (no host
+        wait); later device work, and the copy to the host, then follow it."""
+        if self._ready.is_set() and self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def wait(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds in all for the all-reduce to be issued and to
+        complete; RuntimeError when it failed or did not complete in time."""
+        deadline = time.monotonic() + timeout
+        if not self._ready.wait(timeout):
+            raise RuntimeError("the monitoring all-reduce was not issued in time")
+        if self._error is not None:
+            raise RuntimeError(f"the monitoring all-reduce failed: {self._error}")
+        if self._work is not None:
+            left = max(0.001, deadline - time.monotonic())
+            self._work.wait(timedelta(seconds=left))
+            self._work = None
+
+
+class _HostThread:
+    """Issues the monitoring-only all-reduces on a gloo group, in collect order, from one daemon
+    thread: it waits (bounded) for each vector's copy to pinned host memory, then issues the
+    asynchronous gloo all-reduce. Nothing here ever touches the training stream."""
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        self._group = group
+        self._timeout = timeout
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.SUM
+        self._thread: threading.Thread | None = None
+
+    def submit(self, host: Tensor, event: Any) -> Pending:
+        work = Pending.queued()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="gradwatch-host-reduce", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((host, event, work))
+        return work
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            host, event, work = item
+            try:
+                if event is not None:
+                    wait_event(event, self._timeout, "the packed vector")
+                work._issued(self._group.allreduce([host], self._options), None)
+            except Exception as exc:  # reported by result(), never raised in training
+                work._issued(None, exc)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=1.0)
+            self._thread = None
+
+
+class Collective:
+    """gradwatch's process groups and the all-reduces issued on them, in collect order.
+
+    ``Collective.open`` (every rank of the world, in the same order relative to the job's
+    groups) creates the device group and, where the monitoring all-reduce must not wait on the
+    training stream, the host group and its thread. ``Collective()`` alone is a world of one:
+    nothing is issued. Thread-safety: :meth:`issue` runs on the training thread; the returned
+    :class:`Pending` may be waited on from any thread.
+    """
+
+    def __init__(self, group: Any = None, host_group: Any = None, timeout: float = 0.0) -> None:
+        self.group = group
+        self.host_group = host_group  # gloo group of the monitoring-only collects
+        self.timeout = timeout
+        self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
+        self._host = _HostThread(host_group, timeout) if host_group is not None else None
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.SUM
+
+    @classmethod
+    def open(cls, timeout: float, backend: str, device: torch.device) -> Collective:
+        """The groups of a multi-rank job on ``backend`` whose packed vector lives on
+        ``device``; collective over the world (``new_group``)."""
+        span = timedelta(seconds=timeout)
+        group = dist.new_group(timeout=span)
+        host_group = None
+        # Gloo with CUDA gradients too: its work.wait() would block the training thread.
+        on_host = any(b in backend for b in MONITOR_ON_HOST_BACKENDS)
+        if on_host or device.type != "cpu":
+            host_group = dist.new_group(backend="gloo", timeout=span)
+        return cls(group, host_group, timeout)
+
+    def issue(self, packed: Tensor, on_host: bool = False) -> tuple[Tensor, Pending]:
+        """All-reduce (SUM) ``packed``: on the host group when ``on_host`` and there is one,
+        else on the device group (in place). Returns the tensor that will hold the sum (a host
+        copy on the host route) and its :class:`Pending`."""
+        self.issued += 1
+        if on_host and self._host is not None:
+            # A copy to (pinned) host memory queued on the vector's stream, the gloo
+            # all-reduce issued by the host thread once it landed.
+            host = torch.empty(
+                packed.shape, dtype=packed.dtype, pin_memory=packed.device.type != "cpu"
+            )
+            host.copy_(packed, non_blocking=True)
+            event = None
+            if packed.device.type != "cpu":  # the CUDA path: no CUDA device in CI
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(packed.device))
+            return host, self._host.submit(host, event)
+        if self.group is None:
+            return packed, Pending()
+        # The process group's own method: the same c10d op as dist.all_reduce without its
+        # Python checks (a measurable share of a small all-reduce on gloo), all of which hold
+        # by construction (one dense float64 tensor, a group this rank belongs to).
+        return packed, Pending(self.group.allreduce([packed], self._options))
+
+    def close(self) -> None:
+        """Stop using gradwatch's process groups. They are *not* destroyed here: ranks close at
+        different moments, and destroying a gloo group while a peer may still be receiving the
+        last message of its final collective can abort that peer's process. The job's
+        ``destroy_process_group()`` (or process exit) releases them with every other group."""
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+        self.host_group = None
+        self.group = None
