@@ -106,14 +106,14 @@ def _measure(spec: ModelSpec, wrapper: str, steps: int) -> DistributedCase:
     with OpCounter() as ops:
         watch.collect(1).result()
     own = CollectiveCount(ops.collectives, ops.collective_bytes)
-    divergence = (first if watch._layout.replicas > 1 and watch.config.divergence_every > 0
+    divergence = (first if watch._resolved.layout.replicas > 1 and watch.config.divergence_every > 0
                   else None)
     # The all-reduce floor: what a collect that all-reduces adds at least (every collect under
     # FSDP2, the divergence steps under DDP): one all-reduce of a float64 vector as long as the
     # packed one, on a group of its own. Sized by the layout, not by the payload counted above,
     # which is 0 under DDP.
     floor_group = dist.new_group()
-    floor_buffer = torch.zeros(watch._layout.packed_length, dtype=torch.float64)
+    floor_buffer = torch.zeros(watch._resolved.layout.packed_length, dtype=torch.float64)
     waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-waiter")
     call_times: list[float] = []  # the collect() call on the training thread
 

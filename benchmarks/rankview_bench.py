@@ -125,9 +125,9 @@ def _job(mode: RankViewMode, endpoint: bool) -> tuple[nn.Module, torch.optim.Opt
     if mode is RankViewMode.HOOK_ONLY:
         ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(watch))
     elif mode is RankViewMode.IN_CALLBACK:
-        squares = _InCallbackSquares(watch._params)
+        squares = _InCallbackSquares(watch._resolved.params)
         ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(watch, inner=squares.hook))
-        watch._engine = squares
+        watch._collector.engine = squares
     # The kinds' labels say which collects all-reduce: hold each watch to its label (an
     # ordinary collect, not a divergence step).
     if watch._reducer.issues_collective(False) is (mode is RankViewMode.WATCHED):

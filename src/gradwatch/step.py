@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from gradwatch.amp import pending_scale
 from gradwatch.clip import clip_grads_
-from gradwatch.config import WatchConfig
+from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.reduce import ReducedVector
 from gradwatch.reporter import Reporter
@@ -116,6 +116,19 @@ class Collector:
         self._collections = 0
         self.attempts = 0  # collects that did work, numbered: orders failures and results
         self._last_failed_attempt = 0
+
+    def set_isolated(self, groups: Iterable[str]) -> None:
+        """The groups expected to receive no gradient from the next collect on (see
+        :meth:`gradwatch.watcher.GradWatch.set_isolated`)."""
+        wanted = tuple(dict.fromkeys(groups))
+        known = set(self.cfg.groups) | {OTHER_GROUP}
+        unknown = [g for g in wanted if g not in known]
+        if unknown:
+            raise ValueError(
+                f"gradwatch: set_isolated(groups=...) names unknown group(s) {unknown}; "
+                f"known: {sorted(known)}"
+            )
+        self.isolated = wanted
 
     def collect(
         self,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradwatch.config import OTHER_GROUP, WatchConfig
+from gradwatch.config import WatchConfig
 from gradwatch.configfile import load_config
 from gradwatch.ddp_hook import detach
 from gradwatch.hooks import before_optimizer_step
@@ -96,19 +96,12 @@ class GradWatch:
         self._summarizer = Summarizer(cfg, resolved, self._reporter)
         self._collector = Collector(cfg, resolved, self._summarizer, self._reporter)
         self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
-        # The parts tests and the doctor look into.
         self._reducer = resolved.reducer
-        self._layout = resolved.layout
-        self._engine = self._collector.engine
         self._clipped_step: int | None = None
         self._optimizer_steps = 0
         self._next_step = 0  # one past the highest step given to collect(): attach continues it
         if self.rank == 0:
             self._open_publishing()
-
-    @property
-    def _broken(self) -> str | None:
-        return self._collector.broken
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -145,20 +138,12 @@ class GradWatch:
         Host-side only (no collective, nothing re-agreed across ranks); it starts with
         ``WatchConfig.isolated``. Unknown group names raise ``ValueError`` naming them.
         """
-        wanted = tuple(dict.fromkeys(groups))
-        known = set(self.config.groups) | {OTHER_GROUP}
-        unknown = [g for g in wanted if g not in known]
-        if unknown:
-            raise ValueError(
-                f"gradwatch: set_isolated(groups=...) names unknown group(s) {unknown}; "
-                f"known: {sorted(known)}"
-            )
-        self._collector.isolated = wanted
+        self._collector.set_isolated(groups)
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
         """Every parameter of the whole model (all ranks and stages), in layout order."""
-        return self._layout.names
+        return self._resolved.layout.names
 
     def collect(
         self,
@@ -340,11 +325,7 @@ class GradWatch:
     # -- internals ----------------------------------------------------------------------------
 
     def _run(
-        self,
-        step: int,
-        scaler: Any,
-        optimizer: Any,
-        max_norm: float | None,
+        self, step: int, scaler: Any, optimizer: Any, max_norm: float | None,
         batch_size: int | None = None,
     ) -> Collected:
         """One collect, its result handed to the publisher when it queued a new one."""
@@ -361,9 +342,7 @@ class GradWatch:
         from gradwatch.export import open_publishing
 
         self._publishing = open_publishing(
-            self.config,
-            world_size=self.world_size,
-            parallelism=self.parallelism,
+            self.config, world_size=self.world_size, parallelism=self.parallelism,
             extra_sinks=extra_sinks,
         )
         if self._publishing is not None:

@@ -61,7 +61,7 @@ def case_fsdp2_meta_to_empty(rank: int, world: int) -> dict[str, Any]:
         res = _outcome(watch.collect(step))
         res["reference"] = _grads_norm(model)
         out["steps"].append(res)
-    out["broken"] = watch._broken
+    out["broken"] = watch._collector.broken
     watch.close()
     return out
 
@@ -82,7 +82,7 @@ def case_plain_meta_to_empty(rank: int, world: int) -> dict[str, Any]:
     model(torch.randn(3, 6)).pow(2).sum().backward()
     t0 = time.monotonic()
     out = {"replaced": _outcome(watch.collect(0)), "seconds": time.monotonic() - t0}
-    out["broken"] = watch._broken
+    out["broken"] = watch._collector.broken
     watch.close()
     with GradWatch(model, WatchConfig(port=None, collective_timeout_seconds=20)) as again:
         out["after"] = _outcome(again.collect(0))
@@ -98,7 +98,7 @@ def case_one_rank_fails_once(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Linear(5, 3)
     watch = GradWatch(model, WatchConfig(port=None, collective_timeout_seconds=20))
-    real = watch._engine.squared_norms_and_plan
+    real = watch._collector.engine.squared_norms_and_plan
     out: dict[str, Any] = {"steps": []}
     for step in range(3):
         model.zero_grad(set_to_none=True)
@@ -108,13 +108,13 @@ def case_one_rank_fails_once(rank: int, world: int) -> dict[str, Any]:
             def boom(*args: Any, **kwargs: Any) -> Any:
                 raise RuntimeError("simulated one-off failure")
 
-            watch._engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
+            watch._collector.engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
         t0 = time.monotonic()
         res = _outcome(watch.collect(step))
         res["seconds"] = time.monotonic() - t0
-        watch._engine.squared_norms_and_plan = real  # type: ignore[method-assign]
+        watch._collector.engine.squared_norms_and_plan = real  # type: ignore[method-assign]
         out["steps"].append(res)
-    out["broken"] = watch._broken
+    out["broken"] = watch._collector.broken
     watch.close()
     return out
 

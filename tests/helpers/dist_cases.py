@@ -100,7 +100,7 @@ def compare(snap: Any, ref_sq: dict[str, float | None], watch: Any) -> dict[str,
     figures and key sets must match exactly (mismatches are listed)."""
     from gradwatch.summary import summarize
 
-    lay = watch._layout
+    lay = watch._resolved.layout
     names = list(lay.names)
     assert set(names) == set(ref_sq), (sorted(names), sorted(ref_sq))
     squares = [ref_sq[n] or 0.0 for n in names]
@@ -524,11 +524,11 @@ def case_handshake_bytes(rank: int, world: int) -> dict:
                 watch = GradWatch(model, config(**overrides))
             out[f"{kind}_{n}"] = {
                 "sent": spy.sent, "received": spy.received, "ops": spy.ops,
-                "n_params": watch._layout.size,
+                "n_params": watch._resolved.layout.size,
                 "placements": sorted({repr(getattr(p, "placements", None))
                                       for p in model.parameters()}),
-                "rank_view_groups": watch._layout.rank_view_groups,
-                "hosts": list(watch._layout.hosts),
+                "rank_view_groups": watch._resolved.layout.rank_view_groups,
+                "hosts": list(watch._resolved.layout.hosts),
                 "local_numels": sorted({p.to_local().numel() if hasattr(p, "to_local")
                                         else p.numel() for p in model.parameters()}),
             }
@@ -566,7 +566,7 @@ def case_partial_grad(rank: int, world: int) -> dict:
         outcome = pending.result().step
     except Exception as exc:  # the step was not measured: the result says so
         outcome = f"{type(exc).__name__}: {exc}"
-    out = {"collectives": spy.collectives, "broken": watch._broken, "result": outcome}
+    out = {"collectives": spy.collectives, "broken": watch._collector.broken, "result": outcome}
     watch.close()
     return out
 
@@ -620,7 +620,7 @@ def case_timeout_raise(rank: int, world: int) -> dict:
         def boom(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("simulated failure inside collect")
 
-        watch._engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
+        watch._collector.engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
     t0 = time.monotonic()
     out: dict[str, Any] = {"error_type": None}
     pending = watch.collect(0)
@@ -629,7 +629,7 @@ def case_timeout_raise(rank: int, world: int) -> dict:
     except Exception as exc:
         out = {"error_type": type(exc).__name__, "message": str(exc)}
     out["seconds"] = time.monotonic() - t0
-    out["broken"] = watch._broken is not None
+    out["broken"] = watch._collector.broken is not None
     # A later collect is a no-op on every rank: no collective, no new wait.
     with CollectiveSpy() as spy:
         watch.collect(1)

@@ -44,13 +44,13 @@ def run(rank: int) -> tuple[dict[str, Any], Any]:
     res["clip_norm"] = float(total)
     res["clip_snapshot_norm"] = watch.last.global_norm if watch.last else None
     if rank == 1:  # a one-off failure of rank 1's local pass: a stand-in on the host path
-        real = watch._engine.squared_norms_and_plan
+        real = watch._collector.engine.squared_norms_and_plan
 
         def boom(*args: Any, **kwargs: Any) -> Any:
-            watch._engine.squared_norms_and_plan = real
+            watch._collector.engine.squared_norms_and_plan = real
             raise RuntimeError("simulated failure inside collect")
 
-        watch._engine.squared_norms_and_plan = boom
+        watch._collector.engine.squared_norms_and_plan = boom
     try:
         watch.collect(2).result()
         res["failed_step"] = "measured"

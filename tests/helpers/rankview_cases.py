@@ -238,7 +238,7 @@ def case_pipeline_view(rank: int, world: int) -> dict:
     model(x).pow(2).sum().backward()
     nan = view_fields(watch.collect(1).result())
     out = {"outlier": outlier, "nan": nan, "coords": [k, replica],
-           "replica_groups": [list(r) for r in watch._layout.replica_groups]}  # fmt: skip
+           "replica_groups": [list(r) for r in watch._resolved.layout.replica_groups]}  # fmt: skip
     watch.close()
     return out
 

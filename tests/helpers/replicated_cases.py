@@ -67,7 +67,7 @@ def case_alone(dtype: torch.dtype) -> Callable[[int, int], dict]:
         watch, _ = construct(ddp, config(divergence_every=3))
         out: dict[str, Any] = {"collectives": [], "max_rel_err": [], "mismatches": [],
                                "global_norm": [], "divergence": [],
-                               "synced": watch._layout.replicated_synced}
+                               "synced": watch._resolved.layout.replicated_synced}
         for step in range(6):
             _backward(ddp, rank, step, dtype)
             ref = local_reference(ddp, clean)
@@ -113,7 +113,7 @@ def case_clip(rank: int, world: int) -> dict:
 def case_always_reduce(rank: int, world: int) -> dict:
     ddp = _ddp()
     watch, _ = construct(ddp, config(divergence_every=0, always_reduce=True))
-    out: dict[str, Any] = {"collectives": [], "synced": watch._layout.replicated_synced}
+    out: dict[str, Any] = {"collectives": [], "synced": watch._resolved.layout.replicated_synced}
     for step in range(2):
         _backward(ddp, rank, step)
         _snap, ops, _ = _collect(watch, step)
@@ -159,7 +159,7 @@ def case_failing_rank(rank: int, world: int) -> dict:
     ddp = _ddp()
     watch, _ = construct(ddp, config(divergence_every=2, collective_timeout_seconds=10))
     out: dict[str, Any] = {"collectives": [], "results": [], "seconds": [], "max_rel_err": []}
-    engine = watch._engine
+    engine = watch._collector.engine
     original = engine.squared_norms_and_plan
     for step in range(3):
         _backward(ddp, rank, step)
@@ -177,7 +177,7 @@ def case_failing_rank(rank: int, world: int) -> dict:
         out["results"].append(snap if isinstance(snap, str) else "measured")
         out["max_rel_err"].append(
             None if isinstance(snap, str) else compare(snap, ref, watch)["max_rel_err"])
-    out["broken"] = watch._broken
+    out["broken"] = watch._collector.broken
     watch.close()
     return out
 
@@ -235,7 +235,7 @@ def case_not_pure(kind: str) -> Callable[[int, int], dict]:
         watch, _ = construct(model, config(divergence_every=0))
         _backward(model, rank, 0)
         _snap, ops, _ = _collect(watch, 0)
-        synced = watch._layout.replicated_synced
+        synced = watch._resolved.layout.replicated_synced
         watch.close()
         return {"collectives": ops, "synced": synced}
 

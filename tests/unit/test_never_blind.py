@@ -71,12 +71,12 @@ def test_transient_local_failure_is_reported_then_collection_resumes(
         assert samples["gradwatch_collecting"][()] == 1.0
         assert errors(samples, "collect") == 0.0
 
-        real = watch._engine.squared_norms_and_plan
+        real = watch._collector.engine.squared_norms_and_plan
 
         def boom(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("simulated one-off failure")
 
-        watch._engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
+        watch._collector.engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
         with caplog.at_level(logging.ERROR, logger="gradwatch"):
             failed = [watch.collect(step) for step in (1, 2)]
         for pending in failed:
@@ -92,7 +92,7 @@ def test_transient_local_failure_is_reported_then_collection_resumes(
         assert "gradwatch_health_score" not in samples and "gradwatch_step" not in samples
         assert watch.last is first  # a measured snapshot, never a made-up one
 
-        watch._engine.squared_norms_and_plan = real  # type: ignore[method-assign]
+        watch._collector.engine.squared_norms_and_plan = real  # type: ignore[method-assign]
         backward(model, seed=1)
         snap = watch.collect(3).result()
         assert snap.step == 3
@@ -121,7 +121,7 @@ def test_meta_gradient_is_a_clear_error_not_a_silent_stop(
         samples = scrape(watch)
         assert samples["gradwatch_collecting"][()] == 0.0
         assert errors(samples, "meta_gradient") == 2.0
-        assert watch._broken is None  # not switched off: a materialized step is measured
+        assert watch._collector.broken is None  # not switched off: a materialized step is measured
 
 
 def assert_replaced(watch: GradWatch, model: nn.Module, name: str, step: int) -> None:
@@ -221,7 +221,7 @@ def test_last_and_result_never_fabricate(model: nn.Module) -> None:
     """Before any measurement, after a failure: ``last`` is None or a measured snapshot."""
     with GradWatch(model, WatchConfig(port=None)) as watch:
         assert watch.last is None
-        watch._engine.squared_norms_and_plan = None  # type: ignore[assignment]
+        watch._collector.engine.squared_norms_and_plan = None  # type: ignore[assignment]
         backward(model)
         pending = watch.collect(0)
         with pytest.raises(GradWatchError, match="step 0 was not measured"):
