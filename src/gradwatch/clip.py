@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gradwatch.bands import BANDS, banded_total_device
 from gradwatch.gradients import LocalGradients
 from gradwatch.reduce import ReducedVector
-from gradwatch.stats import BANDS, NormPlan, banded_total_device
+from gradwatch.stats import NormPlan
 
 #: Added to the total norm in the clip coefficient, like ``torch.nn.utils.clip_grad_norm_``.
 CLIP_EPS = 1e-6

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from gradwatch.errors import GradWatchError
+from gradwatch.rows import ROW_NUMEL
 
 log = logging.getLogger("gradwatch")
 
@@ -130,8 +131,8 @@ class LocalView:
         return self._acc[: self.groups]
 
 
-#: Rows of the CPU float32 path (as the core engine's row path, :data:`gradwatch.stats.ROW_NUMEL`).
-ROW = 512
+#: Rows of the CPU float32 path: the core engine's (:data:`gradwatch.rows.ROW_NUMEL`).
+ROW = ROW_NUMEL
 
 
 class _BucketPlan:

@@ -60,7 +60,7 @@ from gradwatch.errors import (
     UnsupportedParallelismError,
 )
 from gradwatch.layout import Layout, LocalPiece, derive_layout, sections
-from gradwatch.stats import host_to_device
+from gradwatch.rows import host_to_device
 
 log = logging.getLogger("gradwatch")
 

@@ -1,73 +1,24 @@
 """Local (per-rank) gradient math: exact squared L2 norms of many tensors, batched.
 
-Given the gradients a rank holds (plain tensors, or the local shards of DTensors), this module
-returns one float64 vector ``sq`` with ``sq[i] = ||g_i||_2^2``, computed without a float64 copy
-of any gradient and with a number of dispatched ops that does not grow with the number of
-tensors of up to :data:`WHOLE_NUMEL` elements (each larger one costs two ops: a view and a norm).
+Given the gradients a rank holds (plain tensors, or the local shards of DTensors),
+:class:`NormEngine` returns one float64 vector of their squared norms in three bands
+(:mod:`gradwatch.bands`), computed without a float64 copy of any gradient and with a number of
+dispatched ops that does not grow with the number of tensors of up to :data:`WHOLE_NUMEL`
+elements (each larger one costs two ops: a view and a norm). Per (device, dtype) bucket, like
+``torch.nn.utils.get_total_norm``:
 
-The math, per (device, dtype) bucket, like ``torch.nn.utils.get_total_norm`` groups tensors:
+* accelerators, float32/bf16/fp16: one ``torch._foreach_norm(..., dtype=torch.float64)``;
+* float64 on accelerators: rescaled rows in one persistent scratch (:func:`rescaled_norms`);
+* CPU float32/bf16/fp16: rows of :data:`ROW_NUMEL` elements normed in float32 (small tensors
+  packed into one buffer, large ones read in place), their squares summed per tensor in
+  float64 by one sparse-CSR product;
+* CPU repair: a tensor whose fast norm is non-finite or tiny is recomputed exactly in float64,
+  chunk by chunk.
 
-* **Accelerators** (CUDA and others), float32/bf16/fp16:
-  ``torch._foreach_norm(tensors, 2, dtype=torch.float64)``,
-  one fused kernel per bucket that accumulates in float64 (PyTorch's documented behaviour; not
-  tested on this project's CPU-only machines). No host read.
-* **Float64 on accelerators** (:func:`rescaled_norms`): a float64 square overflows above about
-  1e154 and underflows below about 1e-154, and the CPU repair below needs a host read. So each
-  float64 bucket is copied, one ``_foreach_copy_`` per fill, into row-aligned slots of one
-  persistent scratch of :data:`RESCALE_SCRATCH` elements (larger tensors in chunks of their
-  flat view); every row of :data:`ROW_NUMEL` is divided by its max-abs ``r`` and normed,
-  ``row = r * ||row / r||``; per tensor, with ``M`` its largest row norm,
-  ``norm = M * sqrt(sum((row / M)^2))``. No square exceeds 512, and those that underflow are
-  negligible next to the largest. :func:`bands_of_norms_device` places the squares by
-  ``where``. Branchless, no host read, a constant number of ops per fill, exact to float64
-  rounding over the whole finite range. The same code runs on CPU with
-  ``NormEngine(rescale_float64=True)`` (tests).
-* **CPU float32/bf16/fp16, tensors of at most** :data:`WHOLE_NUMEL` **elements**: copied
-  (widened) by one ``_foreach_copy_`` into zero-padded, row-aligned slots of one persistent
-  float32 pack buffer (at most :data:`PACK_NUMEL` elements; beyond it, one float64-accumulating
-  foreach op), normed there as rows of :data:`ROW_NUMEL`.
-* **CPU float32/bf16/fp16, larger dense tensors**: read in place as rows of :data:`ROW_NUMEL`
-  elements through one ``as_strided`` view (no copy); ``linalg.vector_norm(..., dim=1, out=)``
-  writes one float32 norm per row into the plan's norms vector. The partial last row gets a
-  pack slot. bf16/fp16 tensors are first widened to float32 :data:`CONVERT_CHUNK` elements at
-  a time into one reused 4 MiB buffer (``vector_norm(..., dtype=torch.float32)`` would allocate
-  a float32 copy of the whole tensor).
-  A float32 partial sum over 512 elements keeps the relative error below 5e-7 even for
-  constant gradients (measured: 4.7e-7 worst case over 47 constants at 2^24 elements; PyTorch's
-  vectorized reduction keeps many partial sums per row), where one float32 sum over the whole
-  tensor is off by up to 8e-4. Rows of 256 are slightly more exact (2.6e-7) but reduce more
-  slowly (the trade-off and its timings: docs/design.md).
-* **Per-tensor sums**: all row norms of a bucket are squared in float64 and summed per tensor
-  by one sparse-CSR matrix-vector product built with the plan: three ops per bucket, whatever
-  the number of tensors.
-* **Repair (CPU only; accelerators accumulate float32/bf16/fp16 in float64 and rescale
-  float64 as above)**: float32 squares overflow for |g| > 1.8e19 and underflow for
-  |g| < 1e-19. A tensor whose fast squared norm is non-finite or below :data:`TINY_NORM`^2 is
-  recomputed exactly in float64, in chunks of :data:`RECOMPUTE_CHUNK` elements (bounded
-  temporaries). Finding those tensors costs one host read of a boolean vector, which on CPU is
-  free; float64 gradients are recomputed by chunks rescaled by their max-abs (tensor ops),
-  combined by ``math.hypot`` on norms, never by squaring a Python float.
-
-**Bands.** A float64 gradient's squared norm may lie outside float64's range (norms above
-about 1e154 or below about 1e-154) while its norm does not. So the engine's output has three
-*bands* of ``n`` entries each, ``[plain | high | low]``: a tensor's squared norm ``s`` is in
-exactly one of them (the others hold 0): ``plain`` holds ``s`` itself when the norm is within
-``[2^-450, 2^450]`` (every float32/bf16/fp16 norm is), ``high`` holds ``s * 2^-1100`` above it
-and ``low`` holds ``s * 2^1200`` below it. Every band value is a normal float64 no larger than
-2^948, so band sums over many tensors and ranks (the all-reduce) neither overflow nor lose
-precision, and NaN/Inf always sit in ``plain``. :func:`norm_from_bands` (host) and
-:func:`norm_from_bands_device` turn band sums back into a norm, which float64 represents
-whenever the true norm is finite; a norm that truly overflows float64 is +inf.
-
-Non-finite detection comes from the norms themselves: a gradient holding NaN has a NaN norm, one
-holding Inf (and no NaN) has an Inf norm. No ``isnan`` masks of gradient size are built.
-
-**Combining squared norms** (:func:`sqrt_sum` on the host, for plain-band values only): a sum
-of plain squares may exceed float64 (squares given directly, near 1e308), so the largest is
-factored out: ``sqrt(sum(s)) = sqrt(m) * sqrt(sum(s / m))``. Every total gradwatch reports
-(:func:`total_norm`, the clipping total, the group and global norms of a snapshot) is
-:func:`sqrt_sum` of plain squares or a band combination (:func:`norm_from_bands`,
-:func:`norm_from_bands_device`).
+Non-finite detection comes from the norms themselves (a NaN gives a NaN norm, an Inf an Inf
+norm): no gradient-sized masks. Totals are :func:`sqrt_sum` of plain squares (the largest
+factored out, so a sum beyond float64 cannot overflow) or a band combination. The math, its
+exactness and its costs: docs/design.md, "The local math".
 """
 
 from __future__ import annotations
@@ -80,10 +31,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from gradwatch.bands import BANDS, banded_total_device, bands_of_norm, bands_of_norms_device
+from gradwatch.rescale import RESCALE_SCRATCH, RescalePlan, build_rescale_plan, rescaled_norms
+from gradwatch.rows import (
+    ROW_NUMEL,
+    StalePlan,
+    aligned,
+    flat_view,
+    foreach_splits,
+    host_to_device,
+)
+
 #: CPU tensors with at most this many elements are normed whole, with float64 accumulation.
 WHOLE_NUMEL = 65536
-#: Larger CPU tensors are normed in float32 over rows of this many elements.
-ROW_NUMEL = 512
 #: bf16/fp16 row-path tensors are widened to float32 this many elements at a time, into one
 #: reused scratch buffer (4 MiB). ``vector_norm(t, dtype=torch.float32)`` would allocate a float32
 #: copy of the whole tensor (twice its bytes, fresh memory each call). A multiple of ROW_NUMEL.
@@ -107,30 +67,7 @@ TINY_NORM_FLOAT64 = 1e-140
 #: Float64 tensors whose squared norm is above this are recomputed too (into the high band):
 #: plain-band values stay at most 2^900, so no sum of them can overflow.
 HUGE_SQUARE_FLOAT64 = 2.0**900
-#: Norms in ``[2^-BAND_EXPONENT, 2^BAND_EXPONENT]`` travel as plain squares.
-BAND_EXPONENT = 450
-#: The high band holds ``s * 2^-HIGH_SHIFT``, the low band ``s * 2^LOW_SHIFT`` (``s`` squared).
-HIGH_SHIFT = 1100
-LOW_SHIFT = 1200
-#: The number of bands: the engine's output is ``BANDS * n`` long.
-BANDS = 3
-
 _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def flat_view(t: Tensor) -> Tensor | None:
-    """A 1-D view of every element of ``t`` (order irrelevant to a norm), or None.
-
-    Contiguous tensors view directly; dense non-overlapping ones (channels_last, transposes)
-    are permuted to contiguous order first. Anything else returns None (it is normed whole).
-    """
-    if t.is_contiguous():
-        return t.view(-1)
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
-    permuted = t.permute(order)
-    if permuted.is_contiguous():
-        return permuted.view(-1)
-    return None
 
 
 def as_real_values(g: Tensor) -> Tensor:
@@ -213,15 +150,11 @@ class MetaGradientError(ValueError):
         self.position = position
 
 
-class _StalePlan(Exception):
-    """A row-path tensor's device or strides changed under an unchanged layout key."""
-
-
 def _layout_key(tensors: Sequence[Tensor | None]) -> list:
     # The cheap part of what a plan depends on, read for every tensor on every step: presence,
     # dtype and shape (pack slots are views of that shape). Devices and strides matter only for
     # row-path tensors, read in place through as_strided: _fill_row_norms checks those few and
-    # raises _StalePlan. A packed or whole-path tensor on another device or with other strides
+    # raises StalePlan. A packed or whole-path tensor on another device or with other strides
     # is still normed right (copy_ and foreach norms accept any), or raises, which replans.
     # Reading device and contiguity too would cost half as much again, per tensor per step.
     return [None if t is None else (t.dtype, t.shape) for t in tensors]
@@ -287,9 +220,9 @@ def build_plan(
         t = tensors[i]
         assert t is not None
         bucket = buckets[(t.device, t.dtype)]
-        if bucket.pack_used + _aligned(t.numel()) <= PACK_NUMEL:
+        if bucket.pack_used + aligned(t.numel()) <= PACK_NUMEL:
             bucket.packed.append(i)
-            bucket.pack_used += _aligned(t.numel())
+            bucket.pack_used += aligned(t.numel())
         else:
             bucket.whole.append(i)
         floor[i] = TINY_NORM * TINY_NORM
@@ -320,203 +253,6 @@ def build_plan(
             index = host_to_device(bucket.rescaled, torch.long, out_device)
             bucket.rescaled_index = torch.cat([index + band * plan.n for band in range(BANDS)])
     return plan
-
-
-def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A plan's index or bound list on ``device`` without a host wait: built on the host, then
-    (accelerators) one ``non_blocking`` copy from pinned memory. ``torch.tensor(list,
-    device=cuda)`` copies from pageable memory, which blocks until the device is idle: on a plan
-    change (which gradients are None changed) the host would wait for the whole backward."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    # Accelerator path (untested on this project's CPU machines): the caching host allocator
-    # keeps the pinned block alive until the copy has run.
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-#: Elements of one foreach-norm scratch (float64s): 8 MiB. CUDA's ``_foreach_norm(dtype=...)``
-#: allocates ``tensors x ceil(largest numel / 65536)`` partial sums per call (multi-tensor
-#: apply chunks of 65,536 elements): one 1B-element tensor among 1,000 would cost 128 MB.
-FOREACH_SCRATCH = 1 << 20
-_FOREACH_CHUNK = 65536
-
-
-def foreach_splits(numels: Sequence[int], cap: int = FOREACH_SCRATCH) -> list[slice]:
-    """Consecutive slices of ``numels`` whose foreach-norm scratch, ``len(slice) x
-    ceil(max numel / 65536)``, stays within ``cap`` (a single tensor always forms a slice).
-    The norms are per tensor, so splitting changes no value, only the peak memory."""
-    splits: list[slice] = []
-    start, widest = 0, 0
-    for i, numel in enumerate(numels):
-        chunks = max(1, -(-numel // _FOREACH_CHUNK))
-        wider = max(widest, chunks)
-        if i > start and (i - start + 1) * wider > cap:
-            splits.append(slice(start, i))
-            start, wider = i, chunks
-        widest = wider
-    if numels:
-        splits.append(slice(start, len(numels)))
-    return splits
-
-
-#: Float64 tensors on accelerators are normed through one persistent scratch of at most this
-#: many float64s (8 MiB, as the foreach scratch bound above): larger tensors are read in chunks.
-RESCALE_SCRATCH = FOREACH_SCRATCH
-
-
-@dataclass
-class _RescaleBatch:
-    """One fill of the rescale scratch: ``slots[j]`` (a view of the scratch shaped like its
-    source) receives ``sources[j]``: a tensor's position in the plan's list (the whole tensor),
-    or ``(position, start, numel)``, a chunk of its flat view. Its rows are ``rows`` of the
-    plan's row vectors; ``zero`` when other batches leave data in its padding."""
-
-    slots: list[Tensor]
-    sources: list[int | tuple[int, int, int]]
-    used: int
-    rows: slice
-    zero: bool = False
-
-
-@dataclass
-class RescalePlan:
-    """How :func:`rescaled_norms` reads ``k`` float64 tensors: batches of row-aligned slots in
-    one scratch, and the owner (0..k-1) of every row. Built once per layout."""
-
-    k: int
-    scratch: Tensor
-    batches: list[_RescaleBatch]
-    owner: Tensor  # int64, one per row
-    row_norms: Tensor  # float64, one per row (persistent: no per-step allocation)
-
-
-def build_rescale_plan(
-    tensors: Sequence[Tensor], scratch_numel: int = RESCALE_SCRATCH
-) -> RescalePlan:
-    """Lays ``tensors`` (float64, one device, each dense or of at most ``scratch_numel``
-    elements) into row-aligned slots of a scratch of at most ``scratch_numel`` elements (a
-    multiple of :data:`ROW_NUMEL`), batch after batch; a tensor larger than the scratch is cut
-    into chunks of its flat view. O(len(tensors)) Python, once per layout."""
-    assert scratch_numel % ROW_NUMEL == 0 and tensors
-    device = tensors[0].device
-    need = sum(_aligned(t.numel()) for t in tensors)
-    scratch = torch.zeros(min(scratch_numel, need), dtype=torch.float64, device=device)
-    batches: list[_RescaleBatch] = []
-    owner: list[int] = []
-    slots: list[Tensor] = []
-    sources: list[int | tuple[int, int, int]] = []
-    used = 0
-    gaps = False
-
-    def close() -> None:
-        nonlocal slots, sources, used, gaps
-        if slots:
-            first = batches[-1].rows.stop if batches else 0
-            rows = slice(first, first + used // ROW_NUMEL)
-            batches.append(_RescaleBatch(slots, sources, used, rows, gaps))
-        slots, sources, used, gaps = [], [], 0, False
-
-    for pos, t in enumerate(tensors):
-        numel = t.numel()
-        pieces = (
-            [(0, numel)]
-            if numel <= scratch_numel
-            else [(a, min(scratch_numel, numel - a)) for a in range(0, numel, scratch_numel)]
-        )
-        for start, m in pieces:
-            if used + _aligned(m) > scratch_numel:
-                close()
-            view = scratch[used : used + m]
-            slots.append(view.view(t.shape) if len(pieces) == 1 else view)
-            sources.append(pos if len(pieces) == 1 else (pos, start, m))
-            gaps = gaps or m % ROW_NUMEL != 0
-            owner.extend([pos] * (_aligned(m) // ROW_NUMEL))
-            used += _aligned(m)
-    close()
-    if len(batches) == 1:
-        batches[0].zero = False  # one layout: its padding is never written, stays zero
-    return RescalePlan(
-        k=len(tensors),
-        scratch=scratch,
-        batches=batches,
-        owner=host_to_device(owner, torch.long, device),
-        row_norms=torch.empty(len(owner), dtype=torch.float64, device=device),
-    )
-
-
-def _scale_of(maxima: Tensor) -> Tensor:
-    """``maxima`` where they are finite and positive, else 1: the divisor that brings values
-    into [-1, 1] without creating a NaN, and leaves NaN/Inf and zeros as they are."""
-    return torch.where((maxima > 0) & (maxima < math.inf), maxima, 1.0)
-
-
-def rescaled_norms(plan: RescalePlan, tensors: Sequence[Tensor]) -> Tensor:
-    """The float64 L2 norm of each of ``tensors`` (float64, laid out by ``plan``), exact over
-    float64's whole range, on their device, with no host read and no gradient-sized
-    temporary (the accelerator path for float64; on CPU, tests call it directly).
-
-    Per batch, one ``_foreach_copy_`` fills the scratch; each row of :data:`ROW_NUMEL` elements
-    is divided by its max-abs ``r`` and normed, ``row = r * ||row / r||``: every square is at
-    most 1 (a row's sum at most 512), and those that underflow are below 2^-1022 of the row's
-    largest, so nothing overflows and nothing that matters is lost. Per tensor, the largest
-    row norm ``M`` (``scatter_reduce``) scales again: ``norm = M * sqrt(sum((row / M)^2))``.
-    A constant number of ops per batch and per call, whatever the number of tensors (tensors
-    larger than the scratch add one view per chunk). A zero tensor gives 0; NaN gives NaN and
-    Inf (without NaN) Inf, as the divisors of non-finite or zero maxima are 1
-    (:func:`_scale_of`).
-    """
-    flats: dict[int, Tensor] = {}
-    for batch in plan.batches:
-        if batch.zero:
-            plan.scratch[: batch.used].zero_()  # padding the previous batch wrote into
-        sources: list[Tensor] = []
-        for src in batch.sources:
-            if isinstance(src, int):
-                sources.append(tensors[src])
-                continue
-            pos, start, numel = src
-            flat = flats.get(pos)
-            if flat is None:
-                flat = flats[pos] = flat_view(tensors[pos])  # type: ignore[assignment]
-                if flat is None:
-                    raise _StalePlan  # no longer dense: plan again
-            sources.append(flat[start : start + numel])
-        torch._foreach_copy_(batch.slots, sources)
-        rows = plan.scratch[: batch.used].view(-1, ROW_NUMEL)
-        scale = _scale_of(torch.linalg.vector_norm(rows, math.inf, dim=1))
-        rows.div_(scale.unsqueeze(1))
-        out = plan.row_norms[batch.rows]
-        torch.linalg.vector_norm(rows, 2, dim=1, out=out)
-        out.mul_(scale)
-    row_norms = plan.row_norms
-    zeros = torch.zeros(plan.k, dtype=torch.float64, device=row_norms.device)
-    top = _scale_of(zeros.scatter_reduce(0, plan.owner, row_norms, "amax"))
-    ratios = (row_norms / top.index_select(0, plan.owner)).square_()
-    return zeros.index_add_(0, plan.owner, ratios).sqrt_().mul_(top)
-
-
-def bands_of_norms_device(norms: Tensor) -> Tensor:
-    """:func:`bands_of_norm` of a float64 vector of ``k`` norms, on its device, branchless:
-    ``[plain | high | low]`` (``3 * k`` values, each tensor's square in exactly one band; NaN,
-    Inf and 0 in ``plain``). ``norm >= 2^450`` is ``frexp`` exponent ``> 450``, ``norm <
-    2^-451`` exponent ``< -450``: the same bands as the host form."""
-    finite = norms < math.inf  # False for NaN and Inf
-    high = finite & (norms >= 2.0**BAND_EXPONENT)
-    low = norms < 2.0 ** -(BAND_EXPONENT + 1)
-    zero = torch.zeros((), dtype=norms.dtype, device=norms.device)
-    return torch.cat(
-        [
-            torch.where(high | low, zero, norms.square()),
-            torch.where(high, (norms * 2.0 ** -(HIGH_SHIFT // 2)).square(), zero),
-            torch.where(low, (norms * 2.0 ** (LOW_SHIFT // 2)).square(), zero),
-        ]
-    )
-
-
-def _aligned(numel: int) -> int:
-    """``numel`` rounded up to whole rows."""
-    return -(-numel // ROW_NUMEL) * ROW_NUMEL
 
 
 def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPlan) -> None:
@@ -561,8 +297,8 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
         for i, shape in sources:
             numel = math.prod(shape)
             bucket.pack_slots.append(buffer[offset : offset + numel].view(shape))
-            owner.extend([i] * (_aligned(numel) // ROW_NUMEL))
-            offset += _aligned(numel)
+            owner.extend([i] * (aligned(numel) // ROW_NUMEL))
+            offset += aligned(numel)
         bucket.pack_rows = buffer.view(-1, ROW_NUMEL)
         bucket.pack_out = bucket.norms[at:]
     if len(owner) >= CSR_MIN_ROWS:
@@ -611,7 +347,7 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
         t = tensors[i]
         assert t is not None
         if t.stride() != stride or t.device != bucket.device:
-            raise _StalePlan  # as_strided would read the wrong memory: plan again
+            raise StalePlan  # as_strided would read the wrong memory: plan again
     if bucket.row_chunks:
         for i, chunks in zip(bucket.rows, bucket.row_chunks, strict=True):
             t = tensors[i]
@@ -655,53 +391,6 @@ def exact_norm(t: Tensor) -> float:
     if any(x != x for x in norms):
         return math.nan  # hypot would let an Inf hide a NaN
     return math.hypot(*norms)
-
-
-def bands_of_norm(norm: float) -> tuple[int, float]:
-    """The band (0 plain, 1 high, 2 low) of a tensor of norm ``norm`` and the value it holds
-    there (see the module docstring). NaN and Inf go to the plain band."""
-    if not math.isfinite(norm) or norm == 0.0:
-        return 0, norm * norm
-    exponent = math.frexp(norm)[1]
-    if exponent > BAND_EXPONENT:
-        scaled = math.ldexp(norm, -HIGH_SHIFT // 2)
-        return 1, scaled * scaled
-    if exponent < -BAND_EXPONENT:
-        scaled = math.ldexp(norm, LOW_SHIFT // 2)
-        return 2, scaled * scaled
-    return 0, norm * norm
-
-
-def norm_from_bands(plain: float, high: float, low: float) -> float:
-    """``sqrt(plain + high * 2^HIGH_SHIFT + low * 2^-LOW_SHIFT)`` without forming a value
-    outside float64: the largest non-zero band sets the scale. +Inf when the norm exceeds
-    float64; NaN/Inf in ``plain`` propagate."""
-    if high != 0.0:
-        inner = high + math.ldexp(plain, -HIGH_SHIFT) + math.ldexp(low, -HIGH_SHIFT - LOW_SHIFT)
-        # A product overflows to +inf (math.ldexp would raise): a norm beyond float64 is inf.
-        return math.sqrt(inner) * 2.0 ** (HIGH_SHIFT // 2)
-    if plain != 0.0:
-        return math.sqrt(plain + math.ldexp(low, -LOW_SHIFT))
-    return math.ldexp(math.sqrt(low), -LOW_SHIFT // 2)
-
-
-def norm_from_bands_device(plain: Tensor, high: Tensor, low: Tensor) -> Tensor:
-    """:func:`norm_from_bands` of 0-dim float64 tensors (band sums), on their device, no host
-    read: a constant number of ops. Powers of two beyond float64 are applied in two halves."""
-    half_high = 2.0 ** -(HIGH_SHIFT // 2)
-    half_low = 2.0 ** -(LOW_SHIFT // 2)
-    from_high = high + plain * half_high * half_high + low * half_low * half_high * half_high
-    from_high = from_high.sqrt() * (1.0 / half_high)
-    from_plain = (plain + low * half_low * half_low).sqrt()
-    from_low = low.sqrt() * half_low
-    return torch.where(high != 0, from_high, torch.where(plain != 0, from_plain, from_low))
-
-
-def banded_total_device(bands: Tensor, n: int) -> Tensor:
-    """The L2 norm of every tensor together from a banded vector (``BANDS * n`` long) of
-    squared norms, a 0-dim float64 tensor on its device, no host read."""
-    sums = bands.view(BANDS, n).sum(dim=1)
-    return norm_from_bands_device(sums[0], sums[1], sums[2])
 
 
 def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Tensor:
@@ -805,7 +494,7 @@ class NormEngine:
         plan = self.plan_for(tensors, out_device)
         try:
             sq = _fast_squared_norms(plan, tensors)
-        except (_StalePlan, RuntimeError):
+        except (StalePlan, RuntimeError):
             # A device or stride the cheap layout key does not read changed: plan again, once
             # (a second failure is a real error and propagates).
             plan = self.plan_for(tensors, out_device, replan=True)

@@ -5,7 +5,7 @@ device work: group and global norms are :func:`gradwatch.stats.sqrt_sum` of the 
 squared norms (an exact sum, scaled so a sum of squares beyond float64's range cannot overflow),
 so the combination adds no error beyond rounding. When some float64 norm lies outside
 ``[2^-450, 2^450]`` its square travels in the high or low band (:mod:`gradwatch.stats`): each
-parameter's norm comes from its bands (:func:`gradwatch.stats.norm_from_bands`) and totals
+parameter's norm comes from its bands (:func:`gradwatch.bands.norm_from_bands`) and totals
 from those norms by ``math.hypot`` (scaled internally, so nothing overflows or underflows).
 """
 
@@ -21,6 +21,7 @@ from torch import Tensor
 
 from gradwatch.anomalies import AnomalyLog
 from gradwatch.audit import NormAuditor, parallel_factors
+from gradwatch.bands import BANDS, norm_from_bands
 from gradwatch.clip import clip_coefficient
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.rankview import NoiseScale, rank_view_fields
@@ -29,7 +30,7 @@ from gradwatch.reporter import Reporter
 from gradwatch.resolve import Resolved
 from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot
 from gradwatch.spikes import SpikeDetector
-from gradwatch.stats import BANDS, norm_from_bands, sqrt_sum
+from gradwatch.stats import sqrt_sum
 
 
 def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:

@@ -1,6 +1,6 @@
 """The accelerators' float64 path (rescaled norms, bands placed on the device), run on CPU.
 
-:func:`gradwatch.stats.rescaled_norms` and :func:`gradwatch.stats.bands_of_norms_device` are
+:func:`gradwatch.rescale.rescaled_norms` and :func:`gradwatch.bands.bands_of_norms_device` are
 what a CUDA float64 bucket runs; ``NormEngine(rescale_float64=True)`` routes CPU float64
 tensors through them instead of the host repair, so the same code is checked here against
 ``math.hypot`` over the exact values.
@@ -13,18 +13,17 @@ import math
 import pytest
 import torch
 
-from gradwatch.stats import (
+from gradwatch.bands import (
     BAND_EXPONENT,
     BANDS,
-    ROW_NUMEL,
-    NormEngine,
     banded_total_device,
     bands_of_norm,
     bands_of_norms_device,
-    build_rescale_plan,
     norm_from_bands,
-    rescaled_norms,
 )
+from gradwatch.rescale import build_rescale_plan, rescaled_norms
+from gradwatch.rows import ROW_NUMEL
+from gradwatch.stats import NormEngine
 from gradwatch.testing import BlockingCopyCounter, OpCounter, count_host_reads, largest_allocation
 
 REL = 1e-12
@@ -205,7 +204,7 @@ def test_plan_routes_float64_by_device_and_flag() -> None:
     """CPU float64 tensors keep the host repair by default; with the flag (and on any
     accelerator) they take the rescaled path, except a huge non-dense one, which keeps the
     foreach norm. Every tensor stays in exactly one bucket position (clipping relies on it)."""
-    from gradwatch.stats import RESCALE_SCRATCH
+    from gradwatch.rescale import RESCALE_SCRATCH
 
     small = torch.full((10,), 1e160, dtype=F64)
     strided = torch.ones(2 * RESCALE_SCRATCH + 2, dtype=F64)[::2]  # not dense, > scratch

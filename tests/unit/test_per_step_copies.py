@@ -74,7 +74,7 @@ def test_warm_collects_build_no_tensor_from_python_data_and_copy_nothing_blockin
 def test_a_change_of_which_gradients_are_none_copies_nothing_blocking() -> None:
     """Unused parameters or MoE experts change which gradients are None: the plan's index lists
     are rebuilt on the host (on an accelerator they travel by one non-blocking copy from pinned
-    memory, :func:`gradwatch.stats.host_to_device`), the has-gradient flags of a pattern seen
+    memory, :func:`gradwatch.rows.host_to_device`), the has-gradient flags of a pattern seen
     before come from the device; nothing blocks."""
     torch.manual_seed(0)
     model = _model()
@@ -103,7 +103,7 @@ def test_reducer_device_follows_the_gradients_and_the_bound_device() -> None:
 
 
 def test_foreach_scratch_is_bounded_by_splitting_huge_buckets() -> None:
-    from gradwatch.stats import foreach_splits
+    from gradwatch.rows import foreach_splits
 
     # 1,000 tensors with one of 1B elements: one call would need 1,000 x 15,259 partial sums.
     numels = [1000] * 500 + [10**9] + [1000] * 499

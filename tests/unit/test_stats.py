@@ -47,7 +47,7 @@ def ref_norm(tensors: list[torch.Tensor]) -> float:
 
 def engine_norm(sq: torch.Tensor, i: int) -> float:
     """Tensor ``i``'s norm from the engine's banded output (plain, high, low bands)."""
-    from gradwatch.stats import BANDS, norm_from_bands
+    from gradwatch.bands import BANDS, norm_from_bands
 
     n = sq.numel() // BANDS
     return norm_from_bands(float(sq[i]), float(sq[n + i]), float(sq[2 * n + i]))
@@ -488,7 +488,7 @@ def test_band_combination_host_and_device_agree(norms: list[float]) -> None:
     """Squared norms as the engine's bands, summed per band and combined back: on the host
     (:func:`norm_from_bands`) and on the device (:func:`banded_total_device`, no host read),
     equal to ``math.hypot`` of the norms over the whole float64 range (NaN beats Inf)."""
-    from gradwatch.stats import BANDS, banded_total_device, bands_of_norm, norm_from_bands
+    from gradwatch.bands import BANDS, banded_total_device, bands_of_norm, norm_from_bands
 
     n = len(norms)
     bands = [0.0] * (BANDS * n)

@@ -1,0 +1,79 @@
+"""The row geometry every norm engine shares, and the small helpers around it.
+
+Gradients are normed as rows of :data:`ROW_NUMEL` elements (:mod:`gradwatch.stats`, and the
+per-rank view's comm hook in :mod:`gradwatch.ddp_hook`): this module holds that one row length,
+row-aligned slot sizes, flat views of dense tensors, the foreach-norm split that bounds its
+scratch, and the one non-blocking host-to-device copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+#: Larger CPU tensors are normed in float32 over rows of this many elements.
+ROW_NUMEL = 512
+def flat_view(t: Tensor) -> Tensor | None:
+    """A 1-D view of every element of ``t`` (order irrelevant to a norm), or None.
+
+    Contiguous tensors view directly; dense non-overlapping ones (channels_last, transposes)
+    are permuted to contiguous order first. Anything else returns None (it is normed whole).
+    """
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    permuted = t.permute(order)
+    if permuted.is_contiguous():
+        return permuted.view(-1)
+    return None
+
+
+class StalePlan(Exception):
+    """A row-path tensor's device or strides changed under an unchanged layout key."""
+
+
+def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A plan's index or bound list on ``device`` without a host wait: built on the host, then
+    (accelerators) one ``non_blocking`` copy from pinned memory. ``torch.tensor(list,
+    device=cuda)`` copies from pageable memory, which blocks until the device is idle: on a plan
+    change (which gradients are None changed) the host would wait for the whole backward."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    # Accelerator path (untested on this project's CPU machines): the caching host allocator
+    # keeps the pinned block alive until the copy has run.
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+#: Elements of one foreach-norm scratch (float64s): 8 MiB. CUDA's ``_foreach_norm(dtype=...)``
+#: allocates ``tensors x ceil(largest numel / 65536)`` partial sums per call (multi-tensor
+#: apply chunks of 65,536 elements): one 1B-element tensor among 1,000 would cost 128 MB.
+FOREACH_SCRATCH = 1 << 20
+_FOREACH_CHUNK = 65536
+
+
+def foreach_splits(numels: Sequence[int], cap: int = FOREACH_SCRATCH) -> list[slice]:
+    """Consecutive slices of ``numels`` whose foreach-norm scratch, ``len(slice) x
+    ceil(max numel / 65536)``, stays within ``cap`` (a single tensor always forms a slice).
+    The norms are per tensor, so splitting changes no value, only the peak memory."""
+    splits: list[slice] = []
+    start, widest = 0, 0
+    for i, numel in enumerate(numels):
+        chunks = max(1, -(-numel // _FOREACH_CHUNK))
+        wider = max(widest, chunks)
+        if i > start and (i - start + 1) * wider > cap:
+            splits.append(slice(start, i))
+            start, wider = i, chunks
+        widest = wider
+    if numels:
+        splits.append(slice(start, len(numels)))
+    return splits
+
+
+def aligned(numel: int) -> int:
+    """``numel`` rounded up to whole rows."""
+    return -(-numel // ROW_NUMEL) * ROW_NUMEL
+
+
