@@ -48,6 +48,7 @@ from benchmarks.results import (
     SpikeCostResult,
     Timing,
 )
+from gradwatch import timing
 from gradwatch.testing import OpCounter, count_host_reads, largest_allocation
 
 K = TypeVar("K")
@@ -62,29 +63,8 @@ def interleaved(
     budget_s: float,
     sync: Callable[[], None] | None = None,
 ) -> dict[K, Timing]:
-    """Per-method wall times over rounds that run every method once, round-robin.
-
-    One warm-up call each; then at least ``rounds[0]`` rounds, more until ``rounds[1]`` or
-    ``budget_s`` seconds. The method order rotates each round (no method always runs first).
-    ``sync`` (e.g. ``torch.cuda.synchronize``) runs after each call, inside its time.
-    """
-    names = list(fns)
-    for fn in fns.values():
-        fn()
-    if sync:
-        sync()
-    times: dict[K, list[float]] = {name: [] for name in names}
-    start = time.perf_counter()
-    for r in range(rounds[1]):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            t0 = time.perf_counter()
-            fns[name]()
-            if sync:
-                sync()
-            times[name].append(time.perf_counter() - t0)
-        if r + 1 >= rounds[0] and time.perf_counter() - start > budget_s:
-            break
+    """:func:`gradwatch.timing.interleaved`, each method's times as a :class:`Timing`."""
+    times = timing.interleaved(fns, rounds, budget_s, sync)
     return {name: Timing.of(ts) for name, ts in times.items()}
 
 

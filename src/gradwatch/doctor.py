@@ -22,15 +22,12 @@ fail a health check.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -39,134 +36,38 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.config import WatchConfig
+from gradwatch.doctor_options import (
+    FAIL,
+    PASS,
+    SKIP,
+    Check,
+    DoctorOptions,
+    dtype_name,
+    environment,
+)
 from gradwatch.testing import OpCounter, count_blocking_copies, count_host_reads
+from gradwatch.timing import interleaved
 from gradwatch.watcher import GradWatch
 
 __all__ = [
-    "DTYPES",
-    "Check",
-    "DoctorError",
-    "DoctorOptions",
-    "parse_dtypes",
-    "parse_families",
-    "resolve_device",
+    "check_cost",
+    "check_distributed",
+    "check_endpoint",
+    "check_exactness",
+    "check_memory",
+    "check_syncs",
+    "check_threading",
+    "reference_norm",
     "run_checks",
 ]
 
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
-#: ``--dtype`` names -> gradient dtypes.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
 #: Relative error bound against the float64 reference, per gradient dtype.
 EXACT_BOUND = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float16: 1e-6}
 MEMORY_FRACTION = 0.01  # peak extra memory of a warm collect(), as a fraction of the gradients
 COST_BOUND = {"cuda": 1.2, "cpu": 2.0}  # x get_total_norm / x torch's clip_grad_norm_
 _CHUNK = 1 << 20
 log = logging.getLogger("gradwatch")
-
-
-class DoctorError(ValueError):
-    """Bad input to the doctor (a device that does not exist, an unknown dtype): one line."""
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the doctor's table."""
-
-    name: str
-    status: str  # PASS, FAIL or SKIP
-    measured: str
-    threshold: str
-    detail: str = ""
-
-    def to_dict(self) -> dict[str, str]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class DoctorOptions:
-    device: torch.device
-    dtypes: tuple[torch.dtype, ...] = tuple(DTYPES.values())
-    quick: bool = False
-    timeout: float = 60.0  # bounds the distributed handshake and every collective
-    only: tuple[str, ...] = ()  # check families to run (FAMILIES); empty: all
-
-
-#: The check families, in table order (``--checks``).
-FAMILIES = (
-    "environment",
-    "exactness",
-    "syncs",
-    "memory",
-    "cost",
-    "threading",
-    "endpoint",
-    "distributed",
-)
-
-
-def parse_families(spec: str | None) -> tuple[str, ...]:
-    """``syncs,distributed`` -> those families; None -> () (all)."""
-    if spec is None:
-        return ()
-    names = tuple(dict.fromkeys(s.strip().lower() for s in spec.split(",") if s.strip()))
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown or not names:
-        raise DoctorError(f"--checks {spec}: expected a comma list of {', '.join(FAMILIES)}")
-    return names
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> a device that exists, else DoctorError.
-
-    Under torchrun ``auto`` and ``cuda`` mean the rank's own GPU (``LOCAL_RANK``)."""
-    spec = spec.strip().lower()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if spec == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local % torch.cuda.device_count())
-        return torch.device("cpu")
-    if spec == "cpu":
-        return torch.device("cpu")
-    if spec == "cuda" or spec.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise DoctorError(
-                f"--device {spec}: CUDA is not available here (torch {torch.__version__}, "
-                f"CUDA build {torch.version.cuda or 'none'}); use --device cpu or auto"
-            )
-        count = torch.cuda.device_count()
-        if spec == "cuda":
-            return torch.device("cuda", local % count)
-        index = spec.partition(":")[2]
-        if not index.isdigit():
-            raise DoctorError(f"--device {spec}: expected cuda:N with N an integer")
-        if int(index) >= count:
-            raise DoctorError(
-                f"--device {spec}: device index out of range ({count} CUDA device(s): "
-                f"cuda:0..cuda:{count - 1})"
-            )
-        return torch.device("cuda", int(index))
-    raise DoctorError(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
-
-
-def parse_dtypes(spec: str | None) -> tuple[torch.dtype, ...]:
-    """``float32,bfloat16`` -> dtypes; None or ``all`` -> every supported gradient dtype."""
-    if spec is None or spec.strip().lower() == "all":
-        return tuple(DTYPES.values())
-    names = [s.strip().lower() for s in spec.split(",") if s.strip()]
-    unknown = [n for n in names if n not in DTYPES]
-    if unknown or not names:
-        raise DoctorError(f"--dtype {spec}: expected a comma list of {', '.join(DTYPES)}")
-    return tuple(DTYPES[n] for n in dict.fromkeys(names))
-
-
-def _dname(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # -- references and helpers ------------------------------------------------------------------
@@ -277,46 +178,6 @@ def _mib(n: float) -> str:
 # -- environment -------------------------------------------------------------------------------
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    """Versions and devices (the JSON document's ``environment``)."""
-    from gradwatch import __version__
-
-    env: dict[str, Any] = {
-        "gradwatch": __version__,
-        "torch": torch.__version__,
-        "cuda_build": torch.version.cuda,
-        "device": str(device),
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "rank": int(os.environ.get("RANK", "0")),
-    }
-    if torch.cuda.is_available():
-        env["cuda_devices"] = [
-            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
-        ]
-        env["cuda_driver"] = cuda_driver_version()
-        with contextlib.suppress(Exception):
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    else:
-        env["cuda_devices"] = []
-    return env
-
-
-def cuda_driver_version(library: str = "libcuda.so.1") -> str | None:
-    """The CUDA driver's version (``cuDriverGetVersion``: 12040 -> ``"12.4"``), or None when
-    the driver library cannot be loaded or queried. torch exposes only the version it was
-    built with (``torch.version.cuda``), not the installed driver's."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL(library)
-        version = ctypes.c_int(0)
-        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    return f"{version.value // 1000}.{version.value % 1000 // 10}"
-
-
 def check_environment(device: torch.device) -> Check:
     env = environment(device)
     text = ", ".join(f"{k} {v}" for k, v in env.items() if v not in (None, []))
@@ -326,7 +187,7 @@ def check_environment(device: torch.device) -> Check:
 def check_foreach_fp64(device: torch.device, dtype: torch.dtype) -> Check:
     """Is ``_foreach_norm(dtype=float64)`` available for this gradient dtype on this device,
     and exact on a tensor whose float32 square would overflow? (The accelerator path.)"""
-    name = f"environment.foreach_norm_fp64[{_dname(dtype)}]"
+    name = f"environment.foreach_norm_fp64[{dtype_name(dtype)}]"
     big = {torch.float16: 6e4, torch.bfloat16: 1e30, torch.float32: 1e30, torch.float64: 1e30}
     t = torch.full((1000,), big[dtype], dtype=dtype, device=device)
     try:
@@ -405,7 +266,7 @@ def _check_nonfinite(device: torch.device, dtype: torch.dtype) -> Check:
         problems.append(f"global norm {snap.global_norm}, expected nan")
     measured = "positions flagged exactly" if not problems else "; ".join(problems)
     return Check(
-        f"exactness[NaN/Inf positions, {_dname(dtype)}]",
+        f"exactness[NaN/Inf positions, {dtype_name(dtype)}]",
         FAIL if problems else PASS,
         measured,
         "flags and NaN/Inf norms exact",
@@ -503,22 +364,13 @@ NOISE_BOUND = 1.5
 def _best_times(
     fns: dict[str, Callable[[], Any]], rounds: int, device: torch.device, budget: float
 ) -> tuple[dict[str, float], float]:
-    """Best time of each method over interleaved rounds, and the worst median/best spread.
+    """Best time of each method over interleaved rounds (:func:`gradwatch.timing.interleaved`:
+    at least 3, at most ``rounds``, no new round after ``budget`` seconds, so the doctor's
+    one-minute budget holds on a slow or busy machine), and the worst median/best spread.
     The best, not the median: the doctor measures what the hardware can do, and a shared or
     loaded machine inflates medians (the benchmarks report medians and their spread,
-    docs/performance.md). At most ``rounds`` rounds, at least 3, and no new round after
-    ``budget`` seconds: the doctor's one-minute budget holds on a slow or busy machine."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    deadline = time.perf_counter() + budget
-    for done in range(rounds):
-        if done >= 3 and time.perf_counter() > deadline:
-            break
-        for key, fn in fns.items():  # round-robin: a noisy moment hits every method alike
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[key].append(time.perf_counter() - start)
+    docs/performance.md)."""
+    times = interleaved(fns, (3, rounds), budget, sync=lambda: _sync(device))
     best = {k: min(v) for k, v in times.items()}
     spread = max(sorted(v)[len(v) // 2] / min(v) for v in times.values())
     return best, spread
@@ -580,9 +432,7 @@ def check_cost(device: torch.device, dtype: torch.dtype, quick: bool) -> list[Ch
         # would charge one method for another's allocations.
         t: dict[str, float] = {}
         spreads: list[float] = []
-        for fns in pairs:
-            for fn in fns.values():
-                fn()  # warm: plans, buffers, caches
+        for fns in pairs:  # the harness warms each method first: plans, buffers, caches
             best, spread = _best_times(fns, 7 if quick else 15, device, 1.5 if quick else 3.0)
             t.update(best)
             spreads.append(spread)
@@ -590,7 +440,7 @@ def check_cost(device: torch.device, dtype: torch.dtype, quick: bool) -> list[Ch
         torch.set_num_threads(threads)
         watch.close()
     gbps = total / t["read"] / 1e9
-    dn = _dname(dtype)
+    dn = dtype_name(dtype)
     norm_ratio = t["gradwatch"] / t["get_total_norm"]
     clip_ratio = t["gradwatch_clip"] / t["torch_clip"]
     detail = (
@@ -783,14 +633,14 @@ def run_checks(
     steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
         ("environment", lambda: check_environment(device)),
         *[
-            (f"foreach_norm_fp64[{_dname(d)}]", lambda d=d: check_foreach_fp64(device, d))
+            (f"foreach_norm_fp64[{dtype_name(d)}]", lambda d=d: check_foreach_fp64(device, d))
             for d in options.dtypes
         ],
         ("exactness", lambda: check_exactness(device, options.dtypes)),
         ("syncs", lambda: check_syncs(device, options.dtypes)),
         ("memory", lambda: check_memory(device, options.quick)),
         *[
-            (f"cost[{_dname(d)}]", lambda d=d: check_cost(device, d, options.quick))
+            (f"cost[{dtype_name(d)}]", lambda d=d: check_cost(device, d, options.quick))
             for d in cost_dtypes
         ],
         ("threading", lambda: check_threading(device)),
@@ -821,15 +671,3 @@ def run_checks(
     return checks
 
 
-def to_json(checks: Sequence[Check], device: torch.device, seconds: float | None = None) -> str:
-    """The ``--json`` document: environment, every check, the failing names, ``ok``, and the
-    run's duration in seconds."""
-    failed = [c.name for c in checks if c.status == FAIL]
-    doc = {
-        "environment": environment(device),
-        "seconds": seconds,
-        "checks": [c.to_dict() for c in checks],
-        "failed": failed,
-        "ok": not failed,
-    }
-    return json.dumps(doc, indent=2)

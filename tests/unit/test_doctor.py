@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gradwatch import doctor
+from gradwatch import doctor, doctor_options
 from gradwatch.cli.main import app
 
 TIMEOUT = 240  # a loaded shared CPU; the doctor's own budget is 60 s
@@ -114,7 +114,7 @@ def test_device_index_out_of_range_exits_2(monkeypatch: pytest.MonkeyPatch) -> N
     assert result.exit_code == 2
     assert "cuda:2: device index out of range (2 CUDA device(s): cuda:0..cuda:1)" in result.output
     assert len(result.output.strip().splitlines()) == 1
-    assert doctor.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert doctor_options.resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
 @pytest.mark.parametrize(
@@ -138,8 +138,8 @@ def test_bad_input_exits_2(
 
 
 def test_a_failing_check_exits_1_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    bad = doctor.Check("syncs", doctor.FAIL, "1 blocking host copies", "0")
-    good = doctor.Check("memory", doctor.PASS, "1 MiB", "< 2 MiB")
+    bad = doctor_options.Check("syncs", doctor_options.FAIL, "1 blocking host copies", "0")
+    good = doctor_options.Check("memory", doctor_options.PASS, "1 MiB", "< 2 MiB")
     monkeypatch.setattr(doctor, "run_checks", lambda options: [good, bad])
     result = CliRunner().invoke(app, ["doctor", "--device", "cpu"])
     assert result.exit_code == 1
@@ -209,8 +209,8 @@ def test_doctor_cuda_every_check_passes() -> None:
 )
 def test_cuda_check_family_passes(family: str) -> None:
     """Each family on the GPU, as its own test (a failure names the family)."""
-    options = doctor.DoctorOptions(
-        device=doctor.resolve_device("cuda"), only=(family,), quick=True
+    options = doctor_options.DoctorOptions(
+        device=doctor_options.resolve_device("cuda"), only=(family,), quick=True
     )
     checks = doctor.run_checks(options)
     assert checks, family
@@ -263,11 +263,11 @@ def test_cuda_driver_version_from_the_driver_library(monkeypatch: pytest.MonkeyP
             return self.status
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver(0))
-    assert doctor.cuda_driver_version() == "12.4"
+    assert doctor_options.cuda_driver_version() == "12.4"
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver(100))  # CUDA_ERROR_NO_DEVICE
-    assert doctor.cuda_driver_version() is None
+    assert doctor_options.cuda_driver_version() is None
     monkeypatch.undo()
-    assert doctor.cuda_driver_version("libgradwatch-no-such-driver.so") is None
+    assert doctor_options.cuda_driver_version("libgradwatch-no-such-driver.so") is None
 
 
 def test_checks_ignore_the_jobs_gradwatch_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,6 +303,6 @@ def test_endpoint_check_binds_the_configured_port(monkeypatch: pytest.MonkeyPatc
         assert check.status == "PASS", check
         assert f"127.0.0.1:{free}/metrics" in check.measured, check
         monkeypatch.setenv("GRADWATCH_PORT", str(busy))
-        options = doctor.DoctorOptions(device=torch.device("cpu"), only=("endpoint",))
+        options = doctor_options.DoctorOptions(device=torch.device("cpu"), only=("endpoint",))
         (failed,) = doctor.run_checks(options)
     assert failed.status == "FAIL" and str(busy) in failed.measured, failed

@@ -1,7 +1,8 @@
 """``gradwatch doctor``: prove gradwatch on this machine's device (exactness, no sync, memory,
 cost, threading, the collective under torchrun, the endpoint) in under a minute.
 
-The checks live in :mod:`gradwatch.doctor` (imported when the command runs: torch is not
+The checks live in :mod:`gradwatch.doctor`, the options and the JSON document in
+:mod:`gradwatch.doctor_options` (imported when the command runs: torch is not
 imported by ``gradwatch --help``). Output: one table (check, status, measured, threshold), or
 with ``--json`` one JSON document (``environment``, ``checks``, ``failed``, ``ok``). Exit status
 0 when no check failed, 1 naming the failing checks on stderr, 2 for bad input (a device that
@@ -83,7 +84,7 @@ def doctor_command(
         ),
     ] = 60.0,
 ) -> None:
-    from gradwatch.doctor import (
+    from gradwatch.doctor_options import (
         DoctorError,
         DoctorOptions,
         parse_dtypes,
