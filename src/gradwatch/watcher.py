@@ -56,14 +56,7 @@ class GradWatch:
             stages, hand-split model parallelism); their parameter names must be disjoint.
     """
 
-    def __new__(
-        cls,
-        model: nn.Module,
-        config: WatchConfig | None = None,
-        *,
-        process_group: Any = None,
-        stage_group: Any = None,
-    ) -> GradWatch:
+    def __new__(cls, model: nn.Module, config: WatchConfig | None = None, **_: Any) -> GradWatch:
         cfg = config if config is not None else WatchConfig()
         if not cfg.enabled:
             log.warning(
