@@ -30,7 +30,7 @@ of :data:`HOST_BYTES` per rank: that view already carries per-rank slots, see
 :mod:`gradwatch.reduce`; without it host names are not needed and not gathered).
 
 **Otherwise, the records** (pipeline stages, shard sizes no rule gives, a mismatch, a mesh
-whose grid is unreadable): the former two phases follow, on every rank alike.
+whose grid is unreadable): two phases follow, on every rank alike.
 
 1. One all-gather of a fixed-size record per rank (:data:`RECORD_BYTES`): the 16-byte BLAKE2b
    digest of the rank's canonical description, its length, the rank's stage group (size and

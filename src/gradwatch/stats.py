@@ -485,8 +485,8 @@ class NormEngine:
             # Gradients on the CPU, output on an accelerator (FSDP2 CPU offload): norm and
             # repair on the host, then one non-blocking copy from pinned memory. Normed with a
             # CUDA output, each bucket's result would cross by a blocking pageable copy and the
-            # repair check would read its index list back from the device. (CUDA path:
-            # untested on this project's machines.)
+            # repair check would read its index list back from the device. (The CUDA path:
+            # no CUDA device in CI.)
             sq, plan = self.squared_norms_and_plan(tensors, torch.device("cpu"))
             staged = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
             staged.copy_(sq)
