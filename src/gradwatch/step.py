@@ -331,6 +331,16 @@ class Collector:
         return not_measured(step, "no step was collected yet (every_n_steps schedule)")
 
 
+def clip_locally(
+    held: list[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> Tensor:
+    """torch's clip of the parameters ``held`` by their rank-local norm, as a float64 tensor:
+    the clip of a step gradwatch did not measure, and the no-op watcher's."""
+    params = [p for p in held if p.grad is not None]
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    return total.to(torch.float64)
+
+
 class _Replaced(GradWatchError):
     """A parameter was replaced in its module after construction (see ParameterSlots)."""
 

@@ -215,7 +215,7 @@ class CollectedStep:
 class Summarizer:
     """Builds each measured step's :class:`Snapshot`, once, from its reduced figures, and owns
     the host-side state that reads a series of snapshots: spike windows, the anomaly warnings,
-    the noise-scale EMAs, the last replica divergence and the norm auditor.
+    the noise scale, the last replica divergence and the norm auditor.
 
     Runs where results are materialized (the publisher thread, or whoever calls
     ``result()``); never issues device work but the audit's one read of this rank's squares.

@@ -30,7 +30,7 @@ from gradwatch.hooks import before_optimizer_step
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import resolve
 from gradwatch.snapshot import Snapshot
-from gradwatch.step import Collected, Collector, PendingSnapshot
+from gradwatch.step import Collected, Collector, PendingSnapshot, clip_locally
 from gradwatch.summary import Summarizer
 
 if TYPE_CHECKING:
@@ -203,10 +203,8 @@ class GradWatch:
         self._clipped_step = step
         total = self._run(step, scaler, None, float(max_norm)).total
         if total is None:  # collection stopped, or this collect failed
-            params = [p for p in self._resolved.slots.current() if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(
-                params, max_norm, norm_type, error_if_nonfinite
-            ).to(torch.float64)
+            held = self._resolved.slots.current()
+            return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(
                 f"gradwatch: the total norm of gradients is non-finite ({float(total)}), so it "
@@ -392,10 +390,8 @@ class NoOpWatch:
         error_if_nonfinite: bool = False,
         **_: Any,
     ) -> Tensor:
-        params = [p for p in self._model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(
-            params, max_norm, norm_type, error_if_nonfinite
-        ).to(torch.float64)
+        held = list(self._model.parameters())
+        return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
 
     def audit_norm(
         self, reported: Any, *, step: int | None = None, source: str = "trainer"
