@@ -11,7 +11,6 @@ the reduced vector and the summary (:class:`gradwatch.summary.Summarizer`) happe
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -24,15 +23,14 @@ from torch import Tensor
 from gradwatch.amp import pending_scale
 from gradwatch.clip import clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig
-from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
+from gradwatch.errors import GradWatchError
+from gradwatch.failures import Failures, Replaced
 from gradwatch.reduce import ReducedVector
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import Resolved
 from gradwatch.snapshot import Snapshot
-from gradwatch.stats import MetaGradientError, NormEngine
+from gradwatch.stats import NormEngine
 from gradwatch.summary import CollectedStep, Summarizer
-
-log = logging.getLogger("gradwatch")
 
 
 class PendingSnapshot:
@@ -93,8 +91,8 @@ class Collector:
 
     Owns the schedule (``every_n_steps``, ``divergence_every``), the local pass and its
     all-reduce, and the failure protocol that keeps every rank's collective sequence aligned
-    (:meth:`_failed`). Results are built by ``summarizer``; counters and logs go to
-    ``reporter``.
+    (:class:`gradwatch.failures.Failures`). Results are built by ``summarizer``; counters and
+    logs go to ``reporter``.
     """
 
     def __init__(
@@ -111,11 +109,17 @@ class Collector:
         self.reporter = reporter
         self.isolated: tuple[str, ...] = tuple(cfg.isolated)
         self.latest: PendingSnapshot | None = None
-        self.broken: str | None = None  # why collection stopped for the rest of the run
         self.closed = False
+        # Where a new pending result goes with its collect's duration (rank 0's publisher)
+        self.publish: Callable[[PendingSnapshot, float], None] | None = None
+        # gradwatch's own step numbers for the collects it makes (attach() hooks): they
+        # continue after the highest step given to collect()
+        self._next_step = 0
+        self._optimizer_steps = 0
+        self._clipped_step: int | None = None
         self._collections = 0
         self.attempts = 0  # collects that did work, numbered: orders failures and results
-        self._last_failed_attempt = 0
+        self.failures = Failures(resolved.reducer, resolved.local_names, reporter)
 
     def set_isolated(self, groups: Iterable[str]) -> None:
         """The groups expected to receive no gradient from the next collect on (see
@@ -138,8 +142,45 @@ class Collector:
         max_norm: float | None,
         batch_size: int | None = None,
     ) -> Collected:
-        """Collect ``step`` (and clip to ``max_norm`` when given); never raises for a failed
-        local pass (see :meth:`_failed`)."""
+        """Collect ``step`` (and clip to ``max_norm`` when given), handing a new result to
+        :attr:`publish`; never raises for a failed local pass (see :mod:`gradwatch.failures`)."""
+        if max_norm is None:
+            self._next_step = max(self._next_step, step + 1)
+        collected = self._collect(step, scaler, optimizer, max_norm, batch_size)
+        if collected.seconds is not None and self.publish is not None:
+            self.publish(collected.pending, collected.seconds)
+        return collected
+
+    def clip(self, step: int | None, scaler: Any, max_norm: float) -> Tensor | None:
+        """Collect and clip ``step`` (default: the optimizer-step counter); the whole-model
+        norm, or None when the step was not measured."""
+        if step is None:
+            step = self._optimizer_steps
+        self._clipped_step = step
+        return self.collect(step, scaler, None, max_norm).total
+
+    def hooked(self) -> Callable[[Any, Any], None]:
+        """The collect an ``attach()`` hook runs before each optimizer step, numbered by the
+        optimizer-step counter (continuing after the highest step collected so far)."""
+        self._optimizer_steps = max(self._optimizer_steps, self._next_step)
+
+        def collect(scaler: Any, optimizer: Any) -> None:
+            step = self._optimizer_steps
+            self._optimizer_steps += 1
+            if self._clipped_step == step:
+                return  # clip_grad_norm_ already collected this step (pre-clip)
+            self.collect(step, scaler, optimizer, None)
+
+        return collect
+
+    def _collect(
+        self,
+        step: int,
+        scaler: Any,
+        optimizer: Any,
+        max_norm: float | None,
+        batch_size: int | None,
+    ) -> Collected:
         skipped = step % self.cfg.every_n_steps != 0
         if self.broken:
             return Collected(not_measured(step, f"collection stopped: {self.broken}"))
@@ -157,18 +198,18 @@ class Collector:
         try:
             replaced = self.resolved.slots.first_replaced()
             if replaced is not None:
-                raise _Replaced(replaced)
+                raise Replaced(replaced)
             # A skipped step that clips still needs the whole-model norm (a rank-local one is
             # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
             pending, total = self._pass(
                 step, scaler, optimizer, max_norm, measure, attempt, batch_size
             )
         except Exception as exc:  # never-crash boundary: monitoring never crashes training
-            self._last_failed_attempt = attempt
-            failed = self._failed(
+            self.failures.last_failed_attempt = attempt
+            why = self.failures.failed(
                 step, exc, issued, clip=max_norm is not None, with_replicas=measure
             )
-            return Collected(failed)
+            return Collected(not_measured(step, why))
         if skipped:
             return Collected(self._pending_last(step), total)
         self.latest = pending
@@ -186,7 +227,7 @@ class Collector:
     ) -> tuple[PendingSnapshot, Tensor | None]:
         """One statistics pass and all-reduce (see :meth:`Reducer.issues_collective`).
         ``measure``: a divergence step (:meth:`_divergence_step`). ``attempt`` numbers this
-        collect (see :meth:`_measured`)."""
+        collect (see :meth:`Failures.measured`)."""
         r = self.resolved
         grads = r.gradients.read()
         sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
@@ -222,30 +263,15 @@ class Collector:
 
     def _build(self, reduced: ReducedVector, collected: CollectedStep) -> Snapshot:
         """Wait for the reduced figures of ``collected`` and summarize them."""
-        step = collected.step
-        try:
-            stats = reduced.stats()
-        except GradWatchTimeoutError as exc:
-            # Another rank failed or skipped this collective: later ones would never match.
-            self._stop("collective", f"{type(exc).__name__}: {exc}", step)
-            raise
-        if stats.failed_rank:
-            self.reporter.internal_error("other_rank")
-            raise GradWatchError(
-                f"gradwatch: step {step} was not measured: another rank's local pass failed "
-                "(its log says why)"
-            )
-        if not stats.steps_agree(step):
-            self.reporter.log_once(
-                "step-mismatch",
-                "gradwatch: ranks called collect() with different steps (rank %d: %d); the "
-                "statistics of this collect mix steps",
-                self.reporter.rank,
-                step,
-            )
+        stats = self.failures.reduced_stats(reduced, collected.step)
         snap = self.summarizer.build(stats, collected)
-        self._measured(collected.attempt)
+        self.failures.measured(collected.attempt)
         return snap
+
+    @property
+    def broken(self) -> str | None:
+        """Why collection stopped for the rest of the run (None: it did not)."""
+        return self.failures.broken
 
     def _divergence_step(self, record: bool) -> bool:
         """Does this collect measure the replicas' divergence (every ``divergence_every``
@@ -260,68 +286,6 @@ class Collector:
         )
         self._collections += int(record)
         return measure
-
-    def _failed(
-        self,
-        step: int,
-        exc: Exception,
-        issued: int,
-        clip: bool = False,
-        with_replicas: bool = False,
-    ) -> PendingSnapshot:
-        """A collect whose local pass raised: count and log it, keep the ranks' collective
-        sequences aligned, and return a result that says the step was not measured.
-
-        Recovery is safe exactly when this rank issues the same collectives as the others: if
-        the failure came before this step's all-reduce, a failed-marked all-reduce of the same
-        shape stands in for it (every rank then sees "a rank failed" and publishes nothing for
-        the step); if it came after, the sequence is already complete. Collection stops for the
-        rest of the run only when the stand-in itself fails, or for an error every rank raises
-        identically before any collective (:class:`UnsupportedParallelismError`).
-        """
-        if isinstance(exc, UnsupportedParallelismError):
-            # Raised identically on every rank before any collective (a layout gradwatch
-            # cannot count, e.g. a Partial gradient): every rank stops together, no stand-in.
-            self._stop("collect", f"{type(exc).__name__}: {exc}", step)
-            return not_measured(step, f"collection stopped: {self.broken}")
-        kind, why = _classify(exc, self.resolved.local_names)
-        self.reporter.internal_error(kind)
-        if self.reporter.first(kind):
-            log.error(
-                "gradwatch: collect(step=%d) failed on rank %d (%s): %s; steps are not "
-                "measured until it succeeds again (logged once)",
-                step,
-                self.reporter.rank,
-                kind,
-                why,
-            )
-        reducer = self.resolved.reducer
-        if reducer.issued == issued:
-            try:
-                reducer.reduce_failed(step, device_collective=clip, with_replicas=with_replicas)
-            except Exception as inner:  # never-crash boundary: the stand-in stops collection
-                self._stop("collective", f"{type(inner).__name__}: {inner}", step)
-        return not_measured(step, f"collect(step={step}) failed: {why}")
-
-    def _stop(self, kind: str, reason: str, step: int) -> None:
-        """Stop collecting for the rest of the run (the ranks' collective sequences may have
-        diverged): logged once, counted, ``gradwatch_collecting`` 0."""
-        if self.broken is None:
-            self.broken = reason
-            self.reporter.internal_error(kind)
-            log.error(
-                "gradwatch: collection stopped at step %d on rank %d for the rest of this run "
-                "(no per-step metrics from now on): %s",
-                step,
-                self.reporter.rank,
-                reason,
-            )
-
-    def _measured(self, attempt: int) -> None:
-        """A step was measured: collecting again, unless a later collect already failed (the
-        publisher builds results after the training thread moved on)."""
-        if self.broken is None and attempt > self._last_failed_attempt:
-            self.reporter.collecting(True)
 
     def _pending_last(self, step: int) -> PendingSnapshot:
         """What a skipped step returns: the last collected step's pending result (before the
@@ -339,29 +303,3 @@ def clip_locally(
     params = [p for p in held if p.grad is not None]
     total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     return total.to(torch.float64)
-
-
-class _Replaced(GradWatchError):
-    """A parameter was replaced in its module after construction (see ParameterSlots)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-
-def _classify(exc: Exception, local_names: list[str]) -> tuple[str, str]:
-    """``(kind, reason)`` of a failed local pass: the ``kind`` label of
-    ``gradwatch_internal_errors_total`` and a sentence naming the parameter and the fix."""
-    if isinstance(exc, _Replaced):
-        return "parameters_replaced", (
-            f"parameter {exc.name!r} was replaced in its module after GradWatch was built "
-            "(to_empty() from meta, load_state_dict(assign=True), or assigning a new "
-            "nn.Parameter); construct GradWatch after the model is materialized and loaded"
-        )
-    if isinstance(exc, MetaGradientError):
-        name = local_names[exc.position]
-        return "meta_gradient", (
-            f"the gradient of parameter {name!r} is on the meta device; materialize the model "
-            "(to_empty() and initialization) before training, and construct GradWatch after it"
-        )
-    return "collect", f"{type(exc).__name__}: {exc}"

@@ -14,6 +14,7 @@ with the same methods, which does nothing but clip (with torch's own function) w
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -30,7 +31,7 @@ from gradwatch.hooks import before_optimizer_step
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import resolve
 from gradwatch.snapshot import Snapshot
-from gradwatch.step import Collected, Collector, PendingSnapshot, clip_locally
+from gradwatch.step import Collector, PendingSnapshot, clip_locally
 from gradwatch.summary import Summarizer
 
 if TYPE_CHECKING:
@@ -90,9 +91,6 @@ class GradWatch:
         self._collector = Collector(cfg, resolved, self._summarizer, self._reporter)
         self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
         self._reducer = resolved.reducer
-        self._clipped_step: int | None = None
-        self._optimizer_steps = 0
-        self._next_step = 0  # one past the highest step given to collect(): attach continues it
         if self.rank == 0:
             self._open_publishing()
 
@@ -168,8 +166,7 @@ class GradWatch:
             raise ValueError(
                 f"gradwatch: collect(batch_size=...) must be a positive int, got {batch_size!r}"
             )
-        self._next_step = max(self._next_step, step + 1)
-        return self._run(step, scaler, optimizer, None, batch_size).pending
+        return self._collector.collect(step, scaler, optimizer, None, batch_size).pending
 
     def clip_grad_norm_(
         self,
@@ -198,10 +195,7 @@ class GradWatch:
             raise ValueError(
                 f"gradwatch: clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}"
             )
-        if step is None:
-            step = self._optimizer_steps
-        self._clipped_step = step
-        total = self._run(step, scaler, None, float(max_norm)).total
+        total = self._collector.clip(step, scaler, float(max_norm))
         if total is None:  # collection stopped, or this collect failed
             held = self._resolved.slots.current()
             return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
@@ -251,15 +245,7 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
-        self._optimizer_steps = max(self._optimizer_steps, self._next_step)
-        self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
-
-    def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
-        step = self._optimizer_steps
-        self._optimizer_steps += 1
-        if self._clipped_step == step:
-            return  # clip_grad_norm_ already collected this step (pre-clip)
-        self.collect(step, scaler=scaler, optimizer=optimizer)
+        self._hooks.append(before_optimizer_step(optimizer, scaler, self._collector.hooked()))
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every snapshot published from now on to ``sink`` too (see
@@ -315,17 +301,6 @@ class GradWatch:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _run(
-        self, step: int, scaler: Any, optimizer: Any, max_norm: float | None,
-        batch_size: int | None = None,
-    ) -> Collected:
-        """One collect, its result handed to the publisher when it queued a new one."""
-        collected = self._collector.collect(step, scaler, optimizer, max_norm, batch_size)
-        if collected.seconds is not None and self._publishing is not None:
-            self._publishing.observe_collect_seconds(collected.seconds)
-            self._publishing.submit(collected.pending)
-        return collected
-
     def _open_publishing(self, extra_sinks: Sequence[Sink] = ()) -> None:
         """Global rank 0: the endpoint (``port``) and/or the history file (``history_path``),
         fed by one publisher thread (:func:`gradwatch.export.open_publishing`), so the training
@@ -338,6 +313,13 @@ class GradWatch:
         )
         if self._publishing is not None:
             self._reporter.stats = self._publishing.self_stats
+            self._collector.publish = functools.partial(_publish, self._publishing)
+
+
+def _publish(publishing: Publishing, pending: PendingSnapshot, seconds: float) -> None:
+    """Hand a new pending result, and its collect's duration, to rank 0's publisher."""
+    publishing.observe_collect_seconds(seconds)
+    publishing.submit(pending)
 
 
 class NoOpWatch:

@@ -1,0 +1,145 @@
+"""The failure protocol of the collects: what a failed local pass, a failed collective or
+another rank's failure does, so that every rank's collective sequence stays aligned.
+
+Recovery is safe exactly when this rank issues the same collectives as the others: a failure
+before this step's all-reduce issues a failed-marked stand-in of the same shape; after it, the
+sequence is already complete. Collection stops for the rest of the run only when the stand-in
+itself fails, a collective times out, or every rank raises the same error before any collective
+(:class:`~gradwatch.errors.UnsupportedParallelismError`). Nothing here raises into training but
+the result of a step that was not measured.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
+from gradwatch.reduce import ReducedStats, ReducedVector, Reducer
+from gradwatch.reporter import Reporter
+from gradwatch.stats import MetaGradientError
+
+log = logging.getLogger("gradwatch")
+
+
+class Failures:
+    """The failure protocol of one watcher's collects (see the module docs).
+
+    Args:
+        reducer: the watcher's reducer (its issued count tells whether a failed collect issued
+            its own all-reduce).
+        local_names: this rank's parameter names, in local order (named in messages).
+        reporter: where counters and logs go.
+    """
+
+    def __init__(self, reducer: Reducer, local_names: list[str], reporter: Reporter) -> None:
+        self._reducer = reducer
+        self._local_names = local_names
+        self._reporter = reporter
+        self.broken: str | None = None  # why collection stopped for the rest of the run
+        self.last_failed_attempt = 0
+
+    def failed(
+        self,
+        step: int,
+        exc: Exception,
+        issued: int,
+        clip: bool = False,
+        with_replicas: bool = False,
+    ) -> str:
+        """A collect whose local pass raised: count and log it, keep the ranks' collective
+        sequences aligned (a stand-in all-reduce when this collect issued none), and return
+        why the step was not measured."""
+        if isinstance(exc, UnsupportedParallelismError):
+            # Raised identically on every rank before any collective (a layout gradwatch
+            # cannot count, e.g. a Partial gradient): every rank stops together, no stand-in.
+            self.stop("collect", f"{type(exc).__name__}: {exc}", step)
+            return f"collection stopped: {self.broken}"
+        kind, why = _classify(exc, self._local_names)
+        self._reporter.internal_error(kind)
+        if self._reporter.first(kind):
+            log.error(
+                "gradwatch: collect(step=%d) failed on rank %d (%s): %s; steps are not "
+                "measured until it succeeds again (logged once)",
+                step,
+                self._reporter.rank,
+                kind,
+                why,
+            )
+        reducer = self._reducer
+        if reducer.issued == issued:
+            try:
+                reducer.reduce_failed(step, device_collective=clip, with_replicas=with_replicas)
+            except Exception as inner:  # never-crash boundary: the stand-in stops collection
+                self.stop("collective", f"{type(inner).__name__}: {inner}", step)
+        return f"collect(step={step}) failed: {why}"
+
+    def stop(self, kind: str, reason: str, step: int) -> None:
+        """Stop collecting for the rest of the run (the ranks' collective sequences may have
+        diverged): logged once, counted, ``gradwatch_collecting`` 0."""
+        if self.broken is None:
+            self.broken = reason
+            self._reporter.internal_error(kind)
+            log.error(
+                "gradwatch: collection stopped at step %d on rank %d for the rest of this run "
+                "(no per-step metrics from now on): %s",
+                step,
+                self._reporter.rank,
+                reason,
+            )
+
+    def measured(self, attempt: int) -> None:
+        """A step was measured: collecting again, unless a later collect already failed (the
+        publisher builds results after the training thread moved on)."""
+        if self.broken is None and attempt > self.last_failed_attempt:
+            self._reporter.collecting(True)
+
+    def reduced_stats(self, reduced: ReducedVector, step: int) -> ReducedStats:
+        """Wait for the reduced figures of ``step``: the collective timing out stops
+        collection; another rank's failed local pass means the step was not measured."""
+        try:
+            stats = reduced.stats()
+        except GradWatchTimeoutError as exc:
+            # Another rank failed or skipped this collective: later ones would never match.
+            self.stop("collective", f"{type(exc).__name__}: {exc}", step)
+            raise
+        if stats.failed_rank:
+            self._reporter.internal_error("other_rank")
+            raise GradWatchError(
+                f"gradwatch: step {step} was not measured: another rank's local pass failed "
+                "(its log says why)"
+            )
+        if not stats.steps_agree(step):
+            self._reporter.log_once(
+                "step-mismatch",
+                "gradwatch: ranks called collect() with different steps (rank %d: %d); the "
+                "statistics of this collect mix steps",
+                self._reporter.rank,
+                step,
+            )
+        return stats
+
+
+class Replaced(GradWatchError):
+    """A parameter was replaced in its module after construction (see ParameterSlots)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _classify(exc: Exception, local_names: list[str]) -> tuple[str, str]:
+    """``(kind, reason)`` of a failed local pass: the ``kind`` label of
+    ``gradwatch_internal_errors_total`` and a sentence naming the parameter and the fix."""
+    if isinstance(exc, Replaced):
+        return "parameters_replaced", (
+            f"parameter {exc.name!r} was replaced in its module after GradWatch was built "
+            "(to_empty() from meta, load_state_dict(assign=True), or assigning a new "
+            "nn.Parameter); construct GradWatch after the model is materialized and loaded"
+        )
+    if isinstance(exc, MetaGradientError):
+        name = local_names[exc.position]
+        return "meta_gradient", (
+            f"the gradient of parameter {name!r} is on the meta device; materialize the model "
+            "(to_empty() and initialization) before training, and construct GradWatch after it"
+        )
+    return "collect", f"{type(exc).__name__}: {exc}"
