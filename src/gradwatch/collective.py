@@ -20,7 +20,10 @@ device-to-host copy.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
+import math
 import queue
 import threading
 import time
@@ -32,6 +35,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradwatch.errors import GradWatchTimeoutError
+
+log = logging.getLogger("gradwatch")
 
 #: Backends whose monitoring-only collects all-reduce on a separate gloo group from a background
 #: thread, so a rank that stops collecting never stalls the training stream (an NCCL collective
@@ -89,8 +94,25 @@ def wait_event(event: Any, timeout: float, what: str) -> None:
         pause = min(pause * 2, 0.01)
 
 
+class CollectiveTimeout(RuntimeError):
+    """The all-reduce is still in flight after the wait's timeout (a straggler, or a rank that
+    has not reached this collect yet): it stays issued and completes when the others arrive, so
+    the ranks' collective sequences stay aligned; only this step goes unmeasured."""
+
+
+class CollectiveFailed(RuntimeError):
+    """The all-reduce completed with an error (a dead peer, a broken group, its group's own
+    timeout): the group cannot be trusted any more."""
+
+
+class StandIn(RuntimeError):
+    """This rank's host thread could not await its vector's copy and all-reduced an all-NaN
+    stand-in instead: the step is not measured on any rank, the group is fine."""
+
+
 class Pending:
-    """One issued all-reduce (or none), whatever its route; :meth:`wait` at most once.
+    """One issued all-reduce (or none), whatever its route; :meth:`wait` may be retried after a
+    :class:`CollectiveTimeout` (the collective is never abandoned).
 
     ``work``: the c10d work of a device-group all-reduce, or None when there is nothing to wait
     for. :meth:`queued` makes the pending result of a host-group all-reduce, which the host
@@ -101,6 +123,7 @@ class Pending:
         self._ready = threading.Event()
         self._work: Any = work
         self._error: BaseException | None = None
+        self._broken = False  # the group refused the all-reduce (vs. a stand-in was issued)
         self._ready.set()
 
     @classmethod
@@ -109,9 +132,34 @@ class Pending:
         pending._ready.clear()
         return pending
 
-    def _issued(self, work: Any, error: BaseException | None) -> None:
-        self._work, self._error = work, error
+    def _issued(self, work: Any, error: BaseException | None, broken: bool = False) -> None:
+        self._work, self._error, self._broken = work, error, broken
         self._ready.set()
+
+    def settled(self) -> bool:
+        """Completed (successfully or not) or never issued: nothing left to watch."""
+        if not self._ready.is_set():
+            return False
+        work = self._work
+        return work is None or bool(work.is_completed())
+
+    def failure(self) -> str | None:
+        """Without waiting: why the all-reduce failed, if it already completed with an error
+        (None while it is in flight, or when it succeeded)."""
+        if not self._ready.is_set():
+            return None
+        if self._broken:
+            return f"{type(self._error).__name__}: {self._error}"
+        work = self._work
+        if work is None:
+            return None
+        try:
+            if not work.is_completed():
+                return None
+            work.wait()
+        except Exception as exc:  # the work's own error, raised again by wait()
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def order_on_stream(self) -> None:
         """Accelerator backends: make the current stream wait for the collective (no host
@@ -122,22 +170,41 @@ class Pending:
 
     def wait(self, timeout: float) -> None:
         """Wait at most ``timeout`` seconds in all for the all-reduce to be issued and to
-        complete; RuntimeError when it failed or did not complete in time."""
+        complete. :class:`CollectiveTimeout` when it is still in flight (a later wait may
+        succeed), :class:`CollectiveFailed` when it completed with an error or this rank could
+        not feed it (its host thread issued a stand-in instead: see :class:`_HostThread`)."""
         deadline = time.monotonic() + timeout
         if not self._ready.wait(timeout):
-            raise RuntimeError("the monitoring all-reduce was not issued in time")
+            raise CollectiveTimeout("the monitoring all-reduce was not issued in time")
         if self._error is not None:
-            raise RuntimeError(f"the monitoring all-reduce failed: {self._error}")
-        if self._work is not None:
+            if self._broken:
+                raise CollectiveFailed(f"{type(self._error).__name__}: {self._error}")
+            raise StandIn(f"this rank's packed vector never reached the host ({self._error}); "
+                          "an all-NaN stand-in was all-reduced instead")
+        work = self._work
+        if work is not None:
             left = max(0.001, deadline - time.monotonic())
-            self._work.wait(timedelta(seconds=left))
+            try:
+                work.wait(timedelta(seconds=left))
+            except Exception as exc:
+                # A wait that timed out leaves the work running (c10d's Work::wait); one that
+                # completed with an error is a broken group.
+                if not work.is_completed():
+                    raise CollectiveTimeout(f"still in flight after {timeout}s") from exc
+                raise CollectiveFailed(f"{type(exc).__name__}: {exc}") from exc
             self._work = None
 
 
 class _HostThread:
     """Issues the monitoring-only all-reduces on a gloo group, in collect order, from one daemon
     thread: it waits (bounded) for each vector's copy to pinned host memory, then issues the
-    asynchronous gloo all-reduce. Nothing here ever touches the training stream."""
+    asynchronous gloo all-reduce. Nothing here ever touches the training stream.
+
+    Every submitted vector is issued, in order: when its copy cannot be awaited (the wait raised
+    or timed out), an all-NaN stand-in of the same shape is all-reduced instead (a fresh tensor:
+    the late copy may still land in the original), so every rank's sum of that collect carries
+    NaN in its step slot and every rank reports the step as not measured, while the next
+    collects still pair step for step (gloo pairs collectives by order)."""
 
     def __init__(self, group: Any, timeout: float) -> None:
         self._group = group
@@ -146,6 +213,7 @@ class _HostThread:
         self._options = dist.AllreduceOptions()
         self._options.reduceOp = dist.ReduceOp.SUM
         self._thread: threading.Thread | None = None
+        self.failed_copies = 0  # collects whose vector was replaced by the all-NaN stand-in
 
     def submit(self, host: Tensor, event: Any) -> Pending:
         work = Pending.queued()
@@ -164,17 +232,58 @@ class _HostThread:
                 return
             host, event, work = item
             try:
-                if event is not None:
-                    wait_event(event, self._timeout, "the packed vector")
-                work._issued(self._group.allreduce([host], self._options), None)
+                self._land(host, event)
             except Exception as exc:  # reported by result(), never raised in training
-                work._issued(None, exc)
+                self._stand_in(host, work, exc)
+                continue
+            try:
+                work._issued(self._group.allreduce([host], self._options), None)
+            except Exception as exc:  # the group itself refused: broken
+                work._issued(None, exc, broken=True)
+
+    def _land(self, host: Tensor, event: Any) -> None:
+        """Wait (bounded) until the copy of the packed vector into ``host`` landed."""
+        if event is not None:
+            wait_event(event, self._timeout, "the packed vector")
+
+    def _stand_in(self, host: Tensor, work: Pending, exc: Exception) -> None:
+        if not self.failed_copies:
+            log.error(
+                "gradwatch: the packed vector of a collect never reached the host (%s: %s); an "
+                "all-NaN stand-in keeps the ranks' collectives paired: that step is not "
+                "measured on any rank (logged once)", type(exc).__name__, exc,
+            )
+        self.failed_copies += 1
+        stand_in = torch.full(host.shape, math.nan, dtype=host.dtype)
+        try:
+            self._group.allreduce([stand_in], self._options)
+        except Exception as inner:
+            work._issued(None, inner, broken=True)
+            return
+        work._issued(None, exc)
 
     def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=1.0)
             self._thread = None
+
+
+def job_timeout() -> timedelta:
+    """The job's default process-group timeout (``init_process_group(timeout=)``), read from
+    the default group's backend options; torch's default for the backend when it cannot be
+    read."""
+    with contextlib.suppress(Exception):
+        default = dist.distributed_c10d._get_default_group()
+        for device in default._device_types:
+            timeout = default._get_backend(device).options._timeout
+            if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+                return timeout
+    return dist.distributed_c10d.default_pg_timeout
+
+
+#: Issued all-reduces whose completion each collect checks without waiting (oldest dropped).
+_WATCHED = 64
 
 
 class Collective:
@@ -185,16 +294,25 @@ class Collective:
     training stream, the host group and its thread. ``Collective()`` alone is a world of one:
     nothing is issued. Thread-safety: :meth:`issue` runs on the training thread; the returned
     :class:`Pending` may be waited on from any thread.
+
+    Timeouts: the groups are created with ``collective_timeout_seconds`` (which bounds the
+    construction handshake), then :meth:`settle` raises their own timeout to the job's default
+    process-group timeout when that is longer, so gradwatch's groups never abort an operation
+    the job's own collectives would still wait for. ``collective_timeout_seconds`` keeps
+    bounding every *wait* gradwatch makes off the clip path (:meth:`Pending.wait`).
     """
 
     def __init__(self, group: Any = None, host_group: Any = None, timeout: float = 0.0) -> None:
         self.group = group
         self.host_group = host_group  # gloo group of the monitoring-only collects
         self.timeout = timeout
+        self.group_timeout = timeout  # the groups' own timeout (see settle())
         self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
+        self.closed = False
         self._host = _HostThread(host_group, timeout) if host_group is not None else None
         self._options = dist.AllreduceOptions()
         self._options.reduceOp = dist.ReduceOp.SUM
+        self._watched: collections.deque[Pending] = collections.deque(maxlen=_WATCHED)
 
     @classmethod
     def open(cls, timeout: float, backend: str, device: torch.device) -> Collective:
@@ -209,12 +327,35 @@ class Collective:
             host_group = dist.new_group(backend="gloo", timeout=span)
         return cls(group, host_group, timeout)
 
+    def settle(self) -> None:
+        """After the handshake: give gradwatch's groups the job's default process-group
+        timeout when it is longer than ``collective_timeout_seconds`` (an operation queued
+        behind a slow job collective must not be aborted before the job's own would be)."""
+        longest = max(timedelta(seconds=self.timeout), job_timeout())
+        for group in (self.group, self.host_group):
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    dist.distributed_c10d._set_pg_timeout(longest, group)
+        self.group_timeout = longest.total_seconds()
+
+    def failure(self) -> str | None:
+        """Without waiting: why an all-reduce issued earlier failed, if one did (a broken
+        group or a dead peer); checked by every rank at every collect, so every rank stops on
+        its own next collect, not only the one that publishes."""
+        while self._watched and self._watched[0].settled():
+            why = self._watched[0].failure()
+            if why is not None:
+                return why
+            self._watched.popleft()
+        return None
+
     def issue(self, packed: Tensor, on_host: bool = False) -> tuple[Tensor, Pending]:
         """All-reduce (SUM) ``packed``: on the host group when ``on_host`` and there is one,
         else on the device group (in place). Returns the tensor that will hold the sum (a host
-        copy on the host route) and its :class:`Pending`."""
+        copy on the host route) and its :class:`Pending`. After :meth:`close` the same groups
+        still carry it (a closed watcher keeps its place in the ranks' collective sequence)."""
         self.issued += 1
-        if on_host and self._host is not None:
+        if on_host and self.host_group is not None:
             # A copy to (pinned) host memory queued on the vector's stream, the gloo
             # all-reduce issued by the host thread once it landed.
             host = torch.empty(
@@ -225,21 +366,29 @@ class Collective:
             if packed.device.type != "cpu":  # the CUDA path: no CUDA device in CI
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(packed.device))
-            return host, self._host.submit(host, event)
+            if self._host is None:  # closed: stand-ins only, CPU tensors, issued here
+                pending = Pending(self.host_group.allreduce([host], self._options))
+            else:
+                pending = self._host.submit(host, event)
+            self._watched.append(pending)
+            return host, pending
         if self.group is None:
             return packed, Pending()
         # The process group's own method: the same c10d op as dist.all_reduce without its
         # Python checks (a measurable share of a small all-reduce on gloo), all of which hold
         # by construction (one dense float64 tensor, a group this rank belongs to).
-        return packed, Pending(self.group.allreduce([packed], self._options))
+        pending = Pending(self.group.allreduce([packed], self._options))
+        self._watched.append(pending)
+        return packed, pending
 
     def close(self) -> None:
-        """Stop using gradwatch's process groups. They are *not* destroyed here: ranks close at
-        different moments, and destroying a gloo group while a peer may still be receiving the
-        last message of its final collective can abort that peer's process. The job's
-        ``destroy_process_group()`` (or process exit) releases them with every other group."""
+        """Stop the host thread. The groups are kept (a closed watcher's explicit collects
+        and clips still issue their all-reduce, so the other ranks' sequences stay aligned)
+        and *not* destroyed here: ranks close at different moments, and destroying a gloo
+        group while a peer may still be receiving the last message of its final collective
+        can abort that peer's process. The job's ``destroy_process_group()`` (or process
+        exit) releases them with every other group."""
+        self.closed = True
         if self._host is not None:
             self._host.close()
             self._host = None
-        self.host_group = None
-        self.group = None

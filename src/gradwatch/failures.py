@@ -3,8 +3,13 @@ another rank's failure does, so that every rank's collective sequence stays alig
 
 Recovery is safe exactly when this rank issues the same collectives as the others: a failure
 before this step's all-reduce issues a failed-marked stand-in of the same shape; after it, the
-sequence is already complete. Collection stops for the rest of the run only when the stand-in
-itself fails, a collective times out, or every rank raises the same error before any collective
+sequence is already complete. An issued all-reduce is never abandoned: a wait that times out (a
+straggler) leaves it in flight, that step is not measured (``collective_timeout``), and the
+next collects pair step for step as before. Any figure the ranks' vectors show to be
+inconsistent (a rank's failed pass, a closed watcher, ranks that collected different steps)
+makes the step not measured and is counted. Collection stops for the rest of the run only when
+an all-reduce *failed* (a dead peer, a broken group: every rank sees it at its next collect, see
+:meth:`Failures.check_group`) or every rank raises the same error before any collective
 (:class:`~gradwatch.errors.UnsupportedParallelismError`). Nothing here raises into training but
 the result of a step that was not measured.
 """
@@ -54,6 +59,11 @@ class Failures:
             # cannot count, e.g. a Partial gradient): every rank stops together, no stand-in.
             self.stop("collect", f"{type(exc).__name__}: {exc}", step)
             return f"collection stopped: {self.broken}"
+        if isinstance(exc, GradWatchTimeoutError):
+            # A clip's all-reduce failed (its wait is bounded by the group's own timeout, so a
+            # timeout there is the group's too): the group is broken on every rank.
+            self.stop("collective", f"{type(exc).__name__}: {exc}", step)
+            return f"collection stopped: {self.broken}"
         kind, why = _classify(exc, self._local_names)
         self._reporter.internal_error(kind)
         if self._reporter.first(kind):
@@ -87,6 +97,15 @@ class Failures:
                 reason,
             )
 
+    def check_group(self, step: int) -> None:
+        """Before a collect: stop when an all-reduce this rank issued earlier failed (checked
+        without waiting), so ranks that never read their results stop as the publishing one
+        does, each at its next collect."""
+        if self.broken is None:
+            why = self._reducer.collective.failure()
+            if why is not None:
+                self.stop("collective", f"an earlier all-reduce failed: {why}", step)
+
     def measured(self, attempt: int) -> None:
         """A step was measured: collecting again, unless a later collect already failed (the
         publisher builds results after the training thread moved on)."""
@@ -99,8 +118,22 @@ class Failures:
         try:
             stats = reduced.stats()
         except GradWatchTimeoutError as exc:
-            # Another rank failed or skipped this collective: later ones would never match.
+            if getattr(exc, "in_flight", False):
+                # A straggler: the all-reduce stays issued and completes when it arrives; only
+                # this step goes unmeasured.
+                self._reporter.internal_error("collective_timeout")
+                self._reporter.log_once(
+                    "collective-timeout",
+                    "gradwatch: step %d was not measured: its all-reduce did not complete "
+                    "within collective_timeout_seconds (a straggling rank); it stays issued and "
+                    "the next steps are measured again (logged once)",
+                    step,
+                )
+                raise
             self.stop("collective", f"{type(exc).__name__}: {exc}", step)
+            raise
+        except GradWatchError:
+            self._reporter.internal_error("host_copy")
             raise
         if stats.failed_rank:
             self._reporter.internal_error("other_rank")
@@ -108,13 +141,23 @@ class Failures:
                 f"gradwatch: step {step} was not measured: another rank's local pass failed "
                 "(its log says why)"
             )
+        if stats.closed_rank:
+            self._reporter.internal_error("other_rank_closed")
+            raise GradWatchError(
+                f"gradwatch: step {step} was not measured: another rank closed its watcher"
+            )
         if not stats.steps_agree(step):
+            self._reporter.internal_error("step_mismatch")
             self._reporter.log_once(
                 "step-mismatch",
-                "gradwatch: ranks called collect() with different steps (rank %d: %d); the "
-                "statistics of this collect mix steps",
+                "gradwatch: ranks called collect() with different steps (rank %d: %d); such "
+                "steps are not measured (logged once)",
                 self._reporter.rank,
                 step,
+            )
+            raise GradWatchError(
+                f"gradwatch: step {step} was not measured: the ranks collected different steps "
+                f"(the step slot sums to {stats.step_check})"
             )
         return stats
 

@@ -53,8 +53,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradwatch import handshake
-from gradwatch.collective import Collective, Pending, bound_device, reducer_device, wait_event
+from gradwatch.collective import (
+    Collective,
+    CollectiveTimeout,
+    Pending,
+    StandIn,
+    bound_device,
+    reducer_device,
+    wait_event,
+)
 from gradwatch.errors import (
+    GradWatchError,
     GradWatchTimeoutError,
     LayoutMismatchError,
     UnsupportedParallelismError,
@@ -132,6 +141,7 @@ class Reducer:
             self.collective = Collective.open(self.timeout, backend, self.device)
             gathered = handshake.exchange(desc, record, self.collective.group,
                                           handshake_device, meshes=handshake.mesh_slots(pieces))
+            self.collective.settle()
         except RuntimeError as exc:
             self.close()
             raise GradWatchTimeoutError(
@@ -288,7 +298,11 @@ class Reducer:
         self._staged_step.fill_(float(step))
 
     def reduce_failed(
-        self, step: int, device_collective: bool = True, with_replicas: bool = False
+        self,
+        step: int,
+        device_collective: bool = True,
+        with_replicas: bool = False,
+        marker: float = math.nan,
     ) -> ReducedVector:
         """Issue this collect's all-reduce for a rank whose local pass failed: zeros but a NaN
         step slot, so the ranks' collective sequences stay aligned and every rank's
@@ -296,16 +310,19 @@ class Reducer:
         ``device_collective``: the route the failed collect would have taken (a clip's is the
         job's backend, a monitoring collect's the host group), so the sequences match. A
         collect that would not have all-reduced (:meth:`issues_collective`) issues nothing:
-        the other ranks measured the same gradients alone."""
+        the other ranks measured the same gradients alone. ``marker``: the step slot's value,
+        NaN for a failed pass, ``-inf`` for a closed watcher (:attr:`ReducedStats.closed_rank`);
+        written by ``fill_`` (a kernel argument: no blocking copy on an accelerator)."""
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
-        packed[sections(self.layout).step] = math.nan
+        packed.narrow(0, sections(self.layout).step, 1).fill_(marker)
         if not self.issues_collective(with_replicas):
             return ReducedVector(packed, Pending(), self.timeout, step, self.layout, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
 
     def _issue(self, packed: Tensor, step: int, on_host: bool = False) -> ReducedVector:
         result, pending = self.collective.issue(packed, on_host=on_host)
-        return ReducedVector(result, pending, self.timeout, step, self.layout)
+        return ReducedVector(result, pending, self.timeout, step, self.layout,
+                             device_timeout=self.collective.group_timeout)
 
     def close(self) -> None:
         """Stop using gradwatch's process groups (see :meth:`Collective.close`)."""
@@ -377,6 +394,11 @@ class ReducedStats:
         return self.step_check == step * (self.ranks or self.world_size)
 
     @property
+    def closed_rank(self) -> bool:
+        """Some rank's watcher was closed and stood in for this collect (step slot ``-inf``)."""
+        return self.step_check == -math.inf
+
+    @property
     def failed_rank(self) -> bool:
         """Some rank's local pass failed this collect (:meth:`Reducer.reduce_failed`): the
         vector holds no measurement."""
@@ -414,8 +436,12 @@ class ReducedVector:
         step: int,
         layout: Layout,
         ranks: int | None = None,
+        device_timeout: float | None = None,
     ) -> None:
         self._packed = packed
+        # The device views (a clip) wait as the job's own collectives would: the group's
+        # timeout, so no rank gives up on a clip's all-reduce that another rank completes.
+        self._device_timeout = timeout if device_timeout is None else device_timeout
         self._ranks = ranks  # None: every rank's vector (see ReducedStats.ranks)
         self._pending: Pending | None = pending
         self._timeout = timeout
@@ -434,22 +460,34 @@ class ReducedVector:
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(packed.device))
 
-    def _wait_collective(self) -> None:
+    def _wait_collective(self, timeout: float | None = None) -> None:
+        """Wait for the all-reduce. A wait that times out leaves it in flight (a retry may
+        succeed): :class:`GradWatchTimeoutError` with ``in_flight`` True; a failed one:
+        ``in_flight`` False; this rank's stand-in (:class:`gradwatch.collective.StandIn`): a
+        plain :class:`GradWatchError`."""
         if self._pending is not None:
+            timeout = self._timeout if timeout is None else timeout
             try:
-                self._pending.wait(self._timeout)
-            except RuntimeError as exc:
-                raise GradWatchTimeoutError(
-                    f"gradwatch: the all-reduce of step {self._step} failed or did not "
-                    f"complete within {self._timeout}s (collective_timeout_seconds): another "
-                    f"rank failed, skipped collect() or is stuck ({exc})"
+                self._pending.wait(timeout)
+            except StandIn as exc:
+                raise GradWatchError(
+                    f"gradwatch: step {self._step} was not measured: {exc}"
                 ) from exc
+            except RuntimeError as exc:
+                err = GradWatchTimeoutError(
+                    f"gradwatch: the all-reduce of step {self._step} failed or did not "
+                    f"complete within {timeout}s (collective_timeout_seconds): another "
+                    f"rank failed, skipped collect() or is stuck ({exc})"
+                )
+                err.in_flight = isinstance(exc, CollectiveTimeout)  # type: ignore[attr-defined]
+                raise err from exc
             self._pending = None
 
     def _device(self) -> Tensor:
         # On accelerators the collective was already ordered before later kernels (no host
-        # wait); on gloo this waits for the all-reduce, which CPU work would wait for anyway.
-        self._wait_collective()
+        # wait); on gloo this waits for the all-reduce, which CPU work would wait for anyway,
+        # bounded by the group's timeout (a clip never gives up before the others do).
+        self._wait_collective(self._device_timeout)
         return self._packed
 
     def device_bands(self) -> Tensor:

@@ -11,6 +11,7 @@ the reduced vector and the summary (:class:`gradwatch.summary.Summarizer`) happe
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -147,7 +148,7 @@ class Collector:
         if max_norm is None:
             self._next_step = max(self._next_step, step + 1)
         collected = self._collect(step, scaler, optimizer, max_norm, batch_size)
-        if collected.seconds is not None and self.publish is not None:
+        if collected.seconds is not None and self.publish is not None and not self.closed:
             self.publish(collected.pending, collected.seconds)
         return collected
 
@@ -182,9 +183,13 @@ class Collector:
         batch_size: int | None,
     ) -> Collected:
         skipped = step % self.cfg.every_n_steps != 0
+        self.failures.check_group(step)
         if self.broken:
             return Collected(not_measured(step, f"collection stopped: {self.broken}"))
-        if self.closed or (skipped and max_norm is None):
+        if skipped and max_norm is None:
+            return Collected(self._pending_last(step))
+        if self.closed and max_norm is None:
+            self._stand_in_closed(step)
             return Collected(self._pending_last(step))
         started = time.perf_counter()
         reducer = self.resolved.reducer
@@ -267,6 +272,22 @@ class Collector:
         snap = self.summarizer.build(stats, collected)
         self.failures.measured(collected.attempt)
         return snap
+
+    def _stand_in_closed(self, step: int) -> None:
+        """A closed watcher keeps its place in the ranks' collective sequence: the all-reduce
+        this collect would have issued, zeros with ``-inf`` in the step slot, so every other
+        rank reports the step as not measured ("another rank closed its watcher") instead of
+        waiting for a collective that never comes. Its clips still measure and clip in full
+        (the others' clip norms need this rank's squares). One process: nothing is issued."""
+        if self.resolved.world_size < 2:
+            return
+        measure = self._divergence_step(record=True)
+        try:
+            self.resolved.reducer.reduce_failed(
+                step, device_collective=False, with_replicas=measure, marker=-math.inf
+            )
+        except Exception as exc:  # never-crash boundary: the stand-in stops collection
+            self.failures.stop("collective", f"{type(exc).__name__}: {exc}", step)
 
     @property
     def broken(self) -> str | None:

@@ -14,7 +14,14 @@ import torch
 import torch.distributed as dist
 
 from gradwatch import collective
-from gradwatch.collective import Collective, Pending
+from gradwatch.collective import (
+    Collective,
+    CollectiveFailed,
+    CollectiveTimeout,
+    Pending,
+    StandIn,
+    _HostThread,
+)
 
 
 class _Work:
@@ -26,6 +33,29 @@ class _Work:
     def wait(self, timeout: timedelta | None = None) -> bool:
         self.waits.append(timeout)
         return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _LateWork(_Work):
+    """A work that completes ``after`` waits (c10d's Work::wait(timeout) raises on a timeout
+    and leaves the work running), or completes with ``error``."""
+
+    def __init__(self, after: int = 1, error: Exception | None = None) -> None:
+        super().__init__()
+        self.after, self.error = after, error
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waits.append(timeout)
+        if self.error is not None:
+            raise self.error
+        if len(self.waits) <= self.after:
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.error is not None or len(self.waits) > self.after
 
 
 def test_no_collective_waits_for_nothing() -> None:
@@ -52,9 +82,36 @@ def test_host_route_not_issued_in_time_raises() -> None:
 
 def test_host_route_failure_is_reported() -> None:
     pending = Pending.queued()
-    pending._issued(None, ValueError("gloo is down"))
-    with pytest.raises(RuntimeError, match="monitoring all-reduce failed: gloo is down"):
+    pending._issued(None, ValueError("gloo is down"), broken=True)
+    with pytest.raises(CollectiveFailed, match="gloo is down"):
         pending.wait(1.0)
+    assert pending.failure() == "ValueError: gloo is down"
+
+
+def test_a_stand_in_is_not_a_broken_group() -> None:
+    pending = Pending.queued()
+    pending._issued(None, ValueError("copy stuck"))
+    with pytest.raises(StandIn, match="copy stuck"):
+        pending.wait(1.0)
+    assert pending.failure() is None
+
+
+def test_a_timed_out_wait_leaves_the_collective_in_flight() -> None:
+    """A straggler: the wait times out, the all-reduce stays issued, a later wait gets it."""
+    work = _LateWork(after=1)
+    pending = Pending(work)
+    with pytest.raises(CollectiveTimeout):
+        pending.wait(0.5)
+    assert pending.failure() is None and not pending.settled()
+    pending.wait(0.5)
+    assert pending.settled()
+
+
+def test_a_failed_collective_is_seen_without_waiting() -> None:
+    pending = Pending(_LateWork(error=RuntimeError("Connection closed by peer")))
+    assert "Connection closed by peer" in (pending.failure() or "")
+    with pytest.raises(CollectiveFailed):
+        pending.wait(0.5)
 
 
 def test_host_route_bound_covers_the_issue_and_the_collective() -> None:
@@ -109,4 +166,41 @@ def test_every_route_sums(
         assert (result is packed) is not on_host
     finally:
         coll.close()
-    assert coll.group is None and coll.host_group is None
+    assert coll.closed and coll.failure() is None
+
+
+def test_groups_wait_as_long_as_the_jobs(tmp_path: Path) -> None:
+    """gradwatch's groups never time out before the job's default group would."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=1234)
+    )
+    try:
+        assert collective.job_timeout() == timedelta(seconds=1234)
+        coll = Collective.open(5.0, "gloo", torch.device("cpu"))
+        coll.settle()
+        assert coll.group_timeout == 1234.0
+        assert coll.group._get_backend(torch.device("cpu")).options._timeout == timedelta(
+            seconds=1234
+        )
+        coll.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_vector_that_never_landed_is_stood_in_for(world_of_one: None) -> None:
+    """The host thread never skips an issue: an all-NaN stand-in of the same shape goes out,
+    so every rank's sum of that collect says "not measured" and the next collects pair."""
+    group = dist.new_group(backend="gloo")
+    thread = _HostThread(group, 1.0)
+
+    def stuck(host: torch.Tensor, event: object) -> None:
+        raise RuntimeError("the copy never landed")
+
+    thread._land = stuck  # type: ignore[method-assign]
+    host = torch.ones(4, dtype=torch.float64)
+    pending = thread.submit(host, None)
+    with pytest.raises(StandIn, match="never landed"):
+        pending.wait(5.0)
+    assert thread.failed_copies == 1
+    thread.close()

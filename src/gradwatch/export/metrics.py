@@ -455,8 +455,12 @@ METRICS: tuple[MetricDef, ...] = (
         "Collects gradwatch could not measure, by kind of internal error.",
         "Kinds: collect (the local pass raised), meta_gradient (a gradient on the meta "
         "device), parameters_replaced (a parameter replaced after GradWatch was built), "
-        "collective (a gradwatch collective failed or timed out), other_rank (another rank's "
-        "local pass failed). Every kind starts at 0, with gradwatch_collecting.",
+        "collective (a gradwatch collective failed: collection stops), other_rank (another "
+        "rank's local pass failed), collective_timeout (an all-reduce still in flight after "
+        "collective_timeout_seconds, a straggler: the step is not measured, collection goes "
+        "on), step_mismatch (the ranks collected different steps), other_rank_closed (another "
+        "rank closed its watcher), host_copy (this rank's vector never reached its host "
+        "thread). Every kind starts at 0, with gradwatch_collecting.",
         source=MetricSource.SELF_STATS,
     ),
     MetricDef(

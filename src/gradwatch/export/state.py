@@ -46,13 +46,21 @@ COLLECT_SECONDS_BUCKETS: tuple[float, ...] = (
 #: The ``kind`` label values of ``gradwatch_internal_errors_total`` (each starts at 0): a local
 #: pass that raised (``collect``), a gradient on the ``meta`` device (``meta_gradient``), a
 #: parameter replaced after construction (``parameters_replaced``), a gradwatch collective that
-#: failed or timed out (``collective``), another rank's failed local pass (``other_rank``).
+#: failed (``collective``: collection stops), another rank's failed local pass
+#: (``other_rank``), an all-reduce still in flight after ``collective_timeout_seconds``
+#: (``collective_timeout``: a straggler, collection goes on), ranks that collected different
+#: steps (``step_mismatch``), another rank's closed watcher (``other_rank_closed``), this rank's
+#: vector that never reached the host thread (``host_copy``).
 INTERNAL_ERROR_KINDS = (
     "collect",
     "meta_gradient",
     "parameters_replaced",
     "collective",
     "other_rank",
+    "collective_timeout",
+    "step_mismatch",
+    "other_rank_closed",
+    "host_copy",
 )
 
 #: At most this many ``source`` label values of the norm-audit series (user-given strings).
