@@ -39,11 +39,17 @@ def clip_grads_(
     gradients are scaled themselves (their values may be a coalesced copy). A replica that
     flagged NaN/Inf makes the total NaN, so every rank clips identically. Still-scaled (AMP)
     gradients clip correctly too: the coefficient is scale-free.
+
+    A collect some rank stood in for (its local pass failed: :meth:`ReducedVector.
+    device_unmeasured`) holds no norm: every rank, the failed one included (see
+    :func:`unmeasured_total`), leaves its gradients as they are (coefficient 1) and returns
+    NaN, decided on the device from the same reduced vector, so no two ranks clip differently.
     """
     bands = reduced.device_bands()
     total = banded_total_device(bands, bands.numel() // BANDS)
-    total = torch.where(reduced.device_nonfinite().sum() > 0, torch.nan, total)
-    coef = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
+    unmeasured = reduced.device_unmeasured()
+    total = torch.where((reduced.device_nonfinite().sum() > 0) | unmeasured, torch.nan, total)
+    coef = torch.where(unmeasured, 1.0, torch.clamp(max_norm / (total + CLIP_EPS), max=1.0))
     sparse = grads.sparse_positions
     for g in grads.sparse_grads:
         g.mul_(coef.to(g.device, g.dtype))  # sparse: values scaled in place
@@ -56,3 +62,10 @@ def clip_grads_(
         if bucket_tensors:
             torch._foreach_mul_(bucket_tensors, coef.to(bucket.device, bucket.dtype))
     return total
+
+
+def unmeasured_total(device: torch.device) -> Tensor:
+    """What a rank whose local pass failed returns from its clip, having stood in for its
+    all-reduce: NaN, gradients untouched, as every other rank decides from the same vector
+    (:func:`clip_grads_`). A fill on the device: no copy."""
+    return torch.full((), torch.nan, dtype=torch.float64, device=device)

@@ -495,6 +495,12 @@ class ReducedVector:
         see :mod:`gradwatch.stats`), on the device (a view: no copy)."""
         return self._device()[sections(self._layout).bands]
 
+    def device_unmeasured(self) -> Tensor:
+        """A 0-dim bool on the device: some rank stood in for this collect (its step slot is
+        NaN or ``-inf``, see :meth:`Reducer.reduce_failed`): the vector holds no measurement,
+        and every rank reading it knows so without a host read."""
+        return ~torch.isfinite(self._device().narrow(0, sections(self._layout).step, 1))[0]
+
     def device_nonfinite(self) -> Tensor:
         """Per parameter, the reduced non-finite flags (> 0: some rank saw NaN/Inf), on the
         device (a view: no copy)."""

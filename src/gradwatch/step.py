@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.amp import pending_scale
-from gradwatch.clip import clip_grads_
+from gradwatch.clip import clip_grads_, unmeasured_total
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError
 from gradwatch.failures import Failures, Replaced
@@ -211,10 +211,17 @@ class Collector:
             )
         except Exception as exc:  # never-crash boundary: monitoring never crashes training
             self.failures.last_failed_attempt = attempt
+            before_issue = reducer.issued == issued
             why = self.failures.failed(
                 step, exc, issued, clip=max_norm is not None, with_replicas=measure
             )
-            return Collected(not_measured(step, why))
+            total = None
+            stood_in = before_issue and reducer.issued > issued and self.resolved.world_size > 1
+            if max_norm is not None and stood_in and self.broken is None:
+                # The stand-in went out: every rank reads "unmeasured" from the same vector
+                # and leaves its gradients unclipped (clip_grads_); so does this one.
+                total = unmeasured_total(reducer.device)
+            return Collected(not_measured(step, why), total)
         if skipped:
             return Collected(self._pending_last(step), total)
         self.latest = pending
