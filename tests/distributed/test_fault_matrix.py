@@ -18,6 +18,9 @@ from worlds import case_results, spawn_suite, spawn_world
 
 pytestmark = [pytest.mark.distributed]
 
+#: Scheduling noise allowed on top of the bound (seconds).
+NOISE_S = 0.25
+
 CASES = [name for name, _ in fc.CASES if not name.endswith("/none")]
 
 
@@ -66,11 +69,13 @@ def test_invariants_hold_under_every_fault(world: list[dict[str, Any]], name: st
     # Collection never stops on a transient fault, on any rank.
     assert all(r["broken"] is None for r in per_rank), [r["broken"] for r in per_rank]
     assert per_rank[0]["flushed"] is True
-    # Bounded: within 2x the fault-free run plus the injected delay.
+    # Bounded: within 2x the fault-free run plus the injected delay (plus NOISE_S: runs of a
+    # tenth of a second on a machine shared by every rank are scheduled, not measured).
     injected = len(fc.FAULT_STEPS[fault]) * fc.STRAGGLE_S if fault == "straggler" else 0.0
     fault_free = max(r["seconds"] for r in baseline)
     for r in per_rank:
-        assert r["seconds"] <= 2 * fault_free + injected, (name, r["seconds"], fault_free)
+        assert r["seconds"] <= 2 * fault_free + injected + NOISE_S, (
+            name, r["seconds"], fault_free)
 
 
 @pytest.mark.parametrize("fault", ["raise", "host_thread", "straggler", "close"])
@@ -96,5 +101,6 @@ def test_a_dead_rank_stops_collection_on_every_survivor(tmp_path: Path) -> None:
         assert "error" not in res, res.get("traceback")
         assert res["broken"] is not None, (rank, res)  # stopped, on every survivor alike
         assert max(res["collect_seconds"]) < 1.0  # the training thread never waited
-        assert res["seconds"] < fc.STEPS * (0.2 + 2 * fc.TIMEOUT_S) + 5
+        # No wait outlives collective_timeout_seconds: a dead peer fails the all-reduce.
+        assert res["seconds"] < fc.STEPS * 0.2 + 2 * fc.DEATH_TIMEOUT_S
     assert survivors[0]["errors"], "rank 0 must say why the steps after the death are missing"

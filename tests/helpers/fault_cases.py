@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dist_cases import Stage, run_suite
 from torch import nn
 
-TIMEOUT_S = 0.5  # collective_timeout_seconds of every case
+TIMEOUT_S = 1.0  # collective_timeout_seconds of every case (it bounds construction too)
 STEPS = 8
 CLIP_STEPS = (1, 4, 7)
 MAX_NORM = 0.5  # below the norms: every clip scales
@@ -193,6 +193,7 @@ def worker(rank: int, world: int, port: int, out: str, suite: str = "") -> None:
 
 
 DEATH_STEP = 3
+DEATH_TIMEOUT_S = 5.0
 
 
 def dying_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -209,7 +210,7 @@ def dying_worker(rank: int, world: int, port: int, out: str) -> None:
         collective.MONITOR_ON_HOST_BACKENDS = ("nccl", "gloo")
         model, extra, _ = _model("pipeline", rank)
         watch = GradWatch(
-            model, WatchConfig(port=None, collective_timeout_seconds=TIMEOUT_S), **extra
+            model, WatchConfig(port=None, collective_timeout_seconds=DEATH_TIMEOUT_S), **extra
         )
         dist.barrier()
         started = time.monotonic()
