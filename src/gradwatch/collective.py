@@ -79,19 +79,84 @@ def reducer_device(
     return torch.device("cpu")
 
 
+def capturing() -> bool:
+    """Is the calling thread's current CUDA stream capturing a graph? (False without CUDA
+    initialized: nothing can be capturing.) A collect inside a capture would record a pinned
+    allocation, an event and a ``fill_`` of the step into the graph, replayed with stale
+    values: refused (:class:`gradwatch.errors.GradWatchError`)."""
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.is_initialized()
+        and torch.cuda.is_current_stream_capturing()
+    )
+
+
+class _Landing:
+    """One daemon thread that waits for CUDA events in record order (``Event.synchronize()``)
+    and wakes each waiter the moment its event completed: no sleep poll (a poll is late by its
+    period, every read), no ``query()`` from a thread that could run while the user captures a
+    CUDA graph. Events are created with ``blocking=True``, so the wait yields the core."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, event: Any) -> threading.Event:
+        """A flag set once ``event`` completed (or its wait raised: the waiter then reads a
+        device error of its own)."""
+        landed = threading.Event()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="gradwatch-landing", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((event, landed))
+        return landed
+
+    def _run(self) -> None:
+        while True:
+            event, landed = self._queue.get()
+            try:
+                event.synchronize()
+            except Exception:  # never-crash boundary: the waiter's own read reports it
+                pass
+            finally:
+                landed.set()
+
+
+_LANDING = _Landing()
+
+
+def landed(event: Any) -> threading.Event:
+    """Start watching ``event`` (a CUDA event, or anything with ``synchronize()``): the flag is
+    set when it completed. Watch it as soon as it is recorded, so the wait overlaps the
+    device's work."""
+    return _LANDING.watch(event)
+
+
+def record_event(device: torch.device) -> Any:
+    """A blocking-sync CUDA event recorded on ``device``'s current stream (``Event.record()``
+    alone uses the *current* device's stream, which may be another GPU's)."""
+    event = torch.cuda.Event(blocking=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def wait_landed(flag: threading.Event, timeout: float, what: str) -> None:
+    """Wait at most ``timeout`` seconds for a :func:`landed` flag, woken when it is set."""
+    if not flag.wait(timeout):
+        raise GradWatchTimeoutError(
+            f"gradwatch: {what} did not reach the host within {timeout}s "
+            "(collective_timeout_seconds): the device is stuck"
+        )
+
+
 def wait_event(event: Any, timeout: float, what: str) -> None:
-    """Wait for a CUDA event for at most ``timeout`` seconds, polling with a sleep that grows to
-    10 ms (``Event.synchronize()`` has no timeout; spinning on ``query()`` would hold a core)."""
-    deadline = time.monotonic() + timeout
-    pause = 1e-4
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise GradWatchTimeoutError(
-                f"gradwatch: {what} did not reach the host within {timeout}s "
-                "(collective_timeout_seconds): the device is stuck"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
+    """Wait for a CUDA event for at most ``timeout`` seconds, woken when it completes
+    (:func:`landed`; ``Event.synchronize()`` itself has no timeout)."""
+    wait_landed(landed(event), timeout, what)
 
 
 class CollectiveTimeout(RuntimeError):
@@ -241,10 +306,10 @@ class _HostThread:
             except Exception as exc:  # the group itself refused: broken
                 work._issued(None, exc, broken=True)
 
-    def _land(self, host: Tensor, event: Any) -> None:
+    def _land(self, host: Tensor, event: threading.Event | None) -> None:
         """Wait (bounded) until the copy of the packed vector into ``host`` landed."""
         if event is not None:
-            wait_event(event, self._timeout, "the packed vector")
+            wait_landed(event, self._timeout, "the packed vector")
 
     def _stand_in(self, host: Tensor, work: Pending, exc: Exception) -> None:
         if not self.failed_copies:
@@ -364,8 +429,7 @@ class Collective:
             host.copy_(packed, non_blocking=True)
             event = None
             if packed.device.type != "cpu":  # the CUDA path: no CUDA device in CI
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(packed.device))
+                event = landed(record_event(packed.device))
             if self._host is None:  # closed: stand-ins only, CPU tensors, issued here
                 pending = Pending(self.host_group.allreduce([host], self._options))
             else:

@@ -59,8 +59,10 @@ from gradwatch.collective import (
     Pending,
     StandIn,
     bound_device,
+    landed,
+    record_event,
     reducer_device,
-    wait_event,
+    wait_landed,
 )
 from gradwatch.errors import (
     GradWatchError,
@@ -119,7 +121,9 @@ class Reducer:
             rank_view=rank_view_groups, synced=synced,
         )
         backend = str(dist.get_backend()) if multi else None
-        self.device = reducer_device(device, backend, bound_device() if multi else None)
+        self._backend = backend
+        self._bound = bound_device() if multi else None
+        self.device = reducer_device(device, backend, self._bound)
         if multi:
             self.layout = self._agree(desc, record, pieces, str(backend))
         else:
@@ -153,6 +157,20 @@ class Reducer:
         except (LayoutMismatchError, UnsupportedParallelismError):
             self.close()  # every rank raises the same error: release the group everywhere
             raise
+
+    def follow(self, gradients: torch.device | None) -> bool:
+        """Move the packed vector to where the gradients are now (``GradWatch(model)`` then
+        ``model.cuda()`` keeps the same Parameters on another device), by the rule of
+        :func:`~gradwatch.collective.reducer_device`; True when it moved. Every rank's
+        gradients move alike, so the vector's route stays the same on every rank. The move
+        rebuilds the packing's index tensors once (a host copy then, never per collect)."""
+        wanted = reducer_device(gradients, self._backend, self._bound)
+        if wanted == self.device:
+            return False
+        log.info("gradwatch: the gradients moved; the packed vector follows them to %s", wanted)
+        self.device = wanted
+        self._plan_packing(self.layout)
+        return True
 
     @property
     def issued(self) -> int:
@@ -457,8 +475,7 @@ class ReducedVector:
             # device's stream, which may be another GPU's).
             self._pinned = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._pinned.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(packed.device))
+            self._landed = landed(record_event(packed.device))
 
     def _wait_collective(self, timeout: float | None = None) -> None:
         """Wait for the all-reduce. A wait that times out leaves it in flight (a retry may
@@ -510,7 +527,7 @@ class ReducedVector:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
             if self._packed.device.type != "cpu":
-                wait_event(self._event, self._timeout, f"the vector of step {self._step}")
+                wait_landed(self._landed, self._timeout, f"the vector of step {self._step}")
                 values = self._pinned.tolist()
             else:
                 self._wait_collective()

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradwatch.rows import FOREACH_SCRATCH, ROW_NUMEL, StalePlan, aligned, flat_view, host_to_device
+from gradwatch.rows import (
+    FOREACH_SCRATCH,
+    ROW_NUMEL,
+    StalePlan,
+    aligned,
+    flat_view,
+    host_to_device,
+    segment_sum_matrix,
+)
 
 #: Float64 tensors on accelerators are normed through one persistent scratch of at most this
 #: many float64s (8 MiB, as the foreach scratch bound above): larger tensors are read in chunks.
@@ -50,6 +58,9 @@ class RescalePlan:
     batches: list[_RescaleBatch]
     owner: Tensor  # int64, one per row
     row_norms: Tensor  # float64, one per row (persistent: no per-step allocation)
+    # Accelerators: the per-tensor sums by a CSR product (a fixed order of additions: index_add_
+    # adds by atomics there, so replicas could disagree in the last bits)
+    sum_rows: Tensor | None = None
 
 
 def build_rescale_plan(
@@ -103,6 +114,7 @@ def build_rescale_plan(
         batches=batches,
         owner=host_to_device(owner, torch.long, device),
         row_norms=torch.empty(len(owner), dtype=torch.float64, device=device),
+        sum_rows=segment_sum_matrix(owner, len(tensors), device) if device.type != "cpu" else None,
     )
 
 
@@ -154,6 +166,8 @@ def rescaled_norms(plan: RescalePlan, tensors: Sequence[Tensor]) -> Tensor:
     zeros = torch.zeros(plan.k, dtype=torch.float64, device=row_norms.device)
     top = _scale_of(zeros.scatter_reduce(0, plan.owner, row_norms, "amax"))
     ratios = (row_norms / top.index_select(0, plan.owner)).square_()
+    if plan.sum_rows is not None:
+        return (plan.sum_rows @ ratios).sqrt_().mul_(top)
     return zeros.index_add_(0, plan.owner, ratios).sqrt_().mul_(top)
 
 

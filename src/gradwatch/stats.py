@@ -24,7 +24,6 @@ exactness and its costs: docs/design.md, "The local math".
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +39,7 @@ from gradwatch.rows import (
     flat_view,
     foreach_splits,
     host_to_device,
+    segment_sum_matrix,
 )
 
 #: CPU tensors with at most this many elements are normed whole, with float64 accumulation.
@@ -301,30 +301,12 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
             offset += aligned(numel)
         bucket.pack_rows = buffer.view(-1, ROW_NUMEL)
         bucket.pack_out = bucket.norms[at:]
-    if len(owner) >= CSR_MIN_ROWS:
-        bucket.sum_rows = _segment_sum_matrix(owner, plan.n, bucket.device)
+    # Accelerators: always the CSR product, whose additions per output are in a fixed order
+    # (index_add_ adds by atomics there: replicas could sum the same rows to different bits).
+    if len(owner) >= CSR_MIN_ROWS or bucket.device.type != "cpu":
+        bucket.sum_rows = segment_sum_matrix(owner, plan.n, bucket.device)
     else:
         bucket.owner = host_to_device(owner, torch.long, bucket.device)
-
-
-def _segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor:
-    """Sparse CSR ``M`` (n x len(owner)) with ``M[owner[j], j] = 1``: ``M @ v`` sums ``v``'s
-    entries per owner in float64, one op. On many rows it is several times faster than
-    ``index_add_`` or ``segment_reduce``; its fixed cost (cold caches inside a training step)
-    makes ``index_add_`` the faster under :data:`CSR_MIN_ROWS` rows (measurements:
-    docs/design.md)."""
-    owners = torch.tensor(owner, dtype=torch.long)
-    # 32-bit indices when they fit: half the index memory (the matrix is persistent, one entry
-    # per row of 512 elements) and a faster product.
-    index = torch.int32 if len(owner) < 2**31 else torch.long
-    columns = torch.argsort(owners, stable=True).to(index)
-    crow = torch.zeros(n + 1, dtype=index)
-    crow[1:] = torch.cumsum(torch.bincount(owners, minlength=n), 0)
-    ones = torch.ones(len(owner), dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "sparse CSR support is in beta": we use mv only
-        matrix = torch.sparse_csr_tensor(crow, columns, ones, size=(n, len(owner)))
-    return matrix.to(device)
 
 
 def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from gradwatch.amp import pending_scale
 from gradwatch.clip import clip_grads_, unmeasured_total
+from gradwatch.collective import capturing
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError
 from gradwatch.failures import Failures, Replaced
@@ -30,7 +31,7 @@ from gradwatch.reduce import ReducedVector
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import Resolved
 from gradwatch.snapshot import Snapshot
-from gradwatch.stats import NormEngine
+from gradwatch.stats import NormEngine, NormPlan
 from gradwatch.summary import CollectedStep, Summarizer
 
 
@@ -182,6 +183,12 @@ class Collector:
         max_norm: float | None,
         batch_size: int | None,
     ) -> Collected:
+        if capturing():
+            raise GradWatchError(
+                "gradwatch: collect() and clip_grad_norm_() cannot run inside CUDA graph "
+                "capture (its all-reduce, event and host copy would be replayed with stale "
+                "values); call them outside the captured region (docs/gpu.md)"
+            )
         skipped = step % self.cfg.every_n_steps != 0
         self.failures.check_group(step)
         if self.broken:
@@ -243,6 +250,10 @@ class Collector:
         r = self.resolved
         grads = r.gradients.read()
         sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
+        # The reducer's device follows the gradients (decided at the first collect, again
+        # whenever they move): O(buckets), one (device, dtype) each.
+        if r.reducer.follow(accelerator_of(plan)):
+            sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
         scale = pending_scale(scaler, optimizer)
         local = r.local_view.take() if r.local_view is not None else None
         if scale is not None:
@@ -321,6 +332,14 @@ class Collector:
         if self.latest is not None:
             return self.latest
         return not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+
+def accelerator_of(plan: NormPlan) -> torch.device | None:
+    """The first accelerator among the plan's buckets (None: every gradient on the CPU)."""
+    for bucket in plan.buckets:
+        if bucket.device.type not in ("cpu", "meta"):
+            return bucket.device
+    return None
 
 
 def clip_locally(
