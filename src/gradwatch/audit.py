@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
+
+from gradwatch.collective import landed, record_event
 
 #: Reports waiting for their step's exact norm, at most (the oldest are dropped beyond it).
 MAX_PENDING = 256
@@ -197,8 +200,12 @@ class NormAuditor:
         self.active = False  # set by the first report: steps keep their local norms from then
 
     def report(self, step: int, source: str, value: Any) -> None:
-        """Store a reported norm of ``step`` (a float or a scalar tensor); no tensor op."""
-        # A tensor is kept as given (not even detach(), itself a dispatched op): read later.
+        """Store a reported norm of ``step`` (a float or a scalar tensor). A CPU tensor is kept
+        as given (not even ``detach()``, itself a dispatched op); an accelerator tensor starts
+        one non-blocking copy to pinned host memory (:class:`HostCopy`), so judging it never
+        reads the device, whichever thread judges."""
+        if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
+            value = HostCopy.of(value)
         with self._lock:
             self._pending.append((step, source, value))
             self.active = True
@@ -213,11 +220,13 @@ class NormAuditor:
                 self._known[step] = (exact, local)
                 while len(self._known) > MAX_KNOWN_STEPS:
                     del self._known[min(self._known)]
-            ready = [r for r in self._pending if r[0] in self._known]
+            # A report whose host copy has not landed waits for a later judgement.
+            ready = [r for r in self._pending if r[0] in self._known and _landed(r[2])]
             if not ready:
                 return []
+            taken = {id(r) for r in ready}
             self._pending = deque(
-                (r for r in self._pending if r[0] not in self._known), maxlen=MAX_PENDING
+                (r for r in self._pending if id(r) not in taken), maxlen=MAX_PENDING
             )
             known = {r[0]: self._known[r[0]] for r in ready}
         return [self._verdict(s, src, v, *known[s]) for s, src, v in ready]
@@ -243,9 +252,42 @@ class NormAuditor:
         return Verdict(source, step, reported, exact, ratio, agrees, diagnosis)
 
 
+class HostCopy:
+    """A reported accelerator tensor on its way to pinned host memory: the copy is queued on
+    its stream at report time, :attr:`landed` is set when it completed (no poll)."""
+
+    def __init__(self, host: Tensor | None, landed: threading.Event | None, why: str | None):
+        self.host, self.landed, self.why = host, landed, why
+
+    @classmethod
+    def of(cls, value: Tensor) -> HostCopy | Tensor:
+        from torch.distributed.tensor import DTensor
+
+        try:
+            if isinstance(value, DTensor):
+                if any(p.is_partial() for p in value.placements):
+                    return value  # judged unreadable, with the reason (read_norm)
+                value = value.to_local()
+            if value.numel() != 1:
+                return value  # judged unreadable by its element count, no read
+            host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            host.copy_(value.detach().reshape(()), non_blocking=True)
+            return cls(host, landed(record_event(value.device)), None)
+        except Exception as exc:  # never-crash boundary: the verdict says why
+            return cls(None, None, f"the reported norm could not be read ({exc})")
+
+
+def _landed(value: Any) -> bool:
+    return not isinstance(value, HostCopy) or value.landed is None or value.landed.is_set()
+
+
 def read_norm(value: Any) -> tuple[float, str | None]:
     """``(value as a float, None)``, or ``(nan, why)`` when it cannot be read without a
     collective (a DTensor with a pending reduction) or at all."""
+    if isinstance(value, HostCopy):
+        if value.host is None:
+            return math.nan, value.why
+        value = value.host
     try:
         if isinstance(value, torch.Tensor):
             from torch.distributed.tensor import DTensor

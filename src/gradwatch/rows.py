@@ -48,6 +48,18 @@ def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.de
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` on ``device`` without a host wait: mixed CPU and accelerator gradients send
+    their CPU bucket's O(parameters) figures by one ``non_blocking`` copy from pinned memory (a
+    pageable copy would block until the device is idle). The packed vector follows the
+    accelerator (:meth:`gradwatch.reduce.Reducer.follow`), so nothing here reads a device back."""
+    if tensor.device == device:
+        return tensor
+    if tensor.device.type == "cpu" and device.type != "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)  # untested: no GPU in CI
+    return tensor.to(device, non_blocking=True)
+
+
 #: Elements of one foreach-norm scratch (float64s): 8 MiB. CUDA's ``_foreach_norm(dtype=...)``
 #: allocates ``tensors x ceil(largest numel / 65536)`` partial sums per call (multi-tensor
 #: apply chunks of 65,536 elements): one 1B-element tensor among 1,000 would cost 128 MB.

@@ -40,6 +40,7 @@ from gradwatch.rows import (
     foreach_splits,
     host_to_device,
     segment_sum_matrix,
+    to_device,
 )
 
 #: CPU tensors with at most this many elements are normed whole, with float64 accumulation.
@@ -393,11 +394,11 @@ def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Ten
             # such tensors are repaired below.
             row_sq = torch.mul(bucket.norms, bucket.norms, out=bucket.squares)
             if bucket.sum_rows is not None:
-                summed = (bucket.sum_rows @ row_sq).to(out_device)
+                summed = to_device(bucket.sum_rows @ row_sq, out_device)
             else:
                 assert bucket.owner is not None
                 summed = torch.zeros(plan.n, dtype=torch.float64, device=bucket.device)
-                summed = summed.index_add_(0, bucket.owner, row_sq).to(out_device)
+                summed = to_device(summed.index_add_(0, bucket.owner, row_sq), out_device)
             sq.add_(summed)
         if bucket.whole:
             items = [tensors[i] for i in bucket.whole]
@@ -409,12 +410,12 @@ def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Ten
                 ]
             )
             assert bucket.whole_index is not None
-            sq.index_copy_(0, bucket.whole_index, norms.to(out_device).square())
+            sq.index_copy_(0, bucket.whole_index, to_device(norms, out_device).square())
         if bucket.rescale is not None:
             items = [tensors[i] for i in bucket.rescaled]
             bands = bands_of_norms_device(rescaled_norms(bucket.rescale, items))  # type: ignore[arg-type]
             assert bucket.rescaled_index is not None
-            banded.index_copy_(0, bucket.rescaled_index, bands.to(out_device))
+            banded.index_copy_(0, bucket.rescaled_index, to_device(bands, out_device))
     return banded
 
 
