@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.config import WatchConfig
+from gradwatch.doctor_cuda import cuda_checks
 from gradwatch.doctor_options import (
     FAIL,
     PASS,
@@ -645,6 +646,7 @@ def run_checks(
         ],
         ("threading", lambda: check_threading(device)),
         ("endpoint", lambda: check_endpoint(device)),
+        *cuda_checks(device),
     ]
     if options.only:
         steps = [(n, f) for n, f in steps if _family(n) in options.only]

@@ -62,6 +62,7 @@ FAMILIES = (
     "cost",
     "threading",
     "endpoint",
+    "cuda",
     "distributed",
 )
 

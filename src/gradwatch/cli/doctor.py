@@ -71,7 +71,7 @@ def doctor_command(
         typer.Option(
             "--checks",
             help="Run only these check families, comma separated: environment, exactness, "
-            "syncs, memory, cost, threading, endpoint, distributed (default: all).",
+            "syncs, memory, cost, threading, endpoint, cuda, distributed (default: all).",
         ),
     ] = None,
     timeout: Annotated[

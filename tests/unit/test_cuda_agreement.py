@@ -1,0 +1,117 @@
+"""The CUDA path's agreement promises. The landing of device data (``result()`` woken when it
+lands, never a poll, never ``Event.query()``) runs here on fake events; the rest needs a GPU
+(``cuda``-marked, skipped where there is none; ``gradwatch doctor --checks cuda`` runs the same
+checks on a cluster)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gradwatch import collective, doctor_cuda
+
+
+class _Event:
+    """A CUDA event stand-in: ``synchronize()`` returns when the test lets the data land;
+    ``query()`` must never be called (a query from another thread can break a user's capture)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def synchronize(self) -> None:
+        self.gate.wait(10.0)
+
+    def query(self) -> bool:
+        raise AssertionError("an event was polled")
+
+
+def test_a_waiter_is_woken_when_the_data_lands() -> None:
+    event = _Event()
+    flag = collective.landed(event)
+    waiter_done = threading.Event()
+
+    def waiter() -> None:
+        collective.wait_landed(flag, 10.0, "the vector")
+        waiter_done.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert not waiter_done.wait(0.05)  # not landed: still waiting
+    event.gate.set()  # the data lands
+    assert waiter_done.wait(5.0)
+    thread.join()
+
+
+def test_landings_are_watched_in_record_order_and_time_out() -> None:
+    first, second = _Event(), _Event()
+    flags = [collective.landed(first), collective.landed(second)]
+    second.gate.set()
+    with pytest.raises(collective.GradWatchTimeoutError, match="did not reach the host"):
+        collective.wait_landed(flags[1], 0.05, "the vector")  # behind the first one
+    first.gate.set()
+    collective.wait_landed(flags[1], 5.0, "the vector")
+    assert flags[0].is_set()
+
+
+def test_outside_cuda_nothing_is_capturing() -> None:
+    assert collective.capturing() is False
+
+
+
+
+def _passes(check: doctor_cuda.Check) -> None:
+    assert check.status == "PASS", (check.name, check.measured, check.detail)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_collect_clip_result_never_synchronize() -> None:
+    _passes(doctor_cuda.check_cuda_syncs(torch.device("cuda")))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_reducer_follows_model_cuda() -> None:
+    _passes(doctor_cuda.check_cuda_follow(torch.device("cuda")))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_clip_norms_are_bitwise_equal_across_replicas() -> None:
+    _passes(doctor_cuda.check_cuda_bitwise(torch.device("cuda")))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_capture_is_refused() -> None:
+    _passes(doctor_cuda.check_cuda_capture(torch.device("cuda")))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_failure_path_makes_no_blocking_copy() -> None:
+    """The stand-in of a failed pass writes its marker by fill_ (a kernel argument)."""
+    from gradwatch import GradWatch, WatchConfig
+
+    model = torch.nn.Linear(8, 4).cuda()
+    model(torch.randn(2, 8, device="cuda")).sum().backward()
+    with GradWatch(model, WatchConfig(port=None)) as watch:
+        watch.collect(0).result()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            watch._reducer.reduce_failed(1)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_audit_reads_no_device_tensor_when_judging() -> None:
+    from gradwatch.audit import HostCopy, NormAuditor  # noqa: F401
+
+    value = torch.tensor(3.0, device="cuda")
+    copy = HostCopy.of(value)
+    assert isinstance(copy, HostCopy) and copy.host is not None and copy.host.is_pinned()
