@@ -62,7 +62,7 @@ from gradwatch.config import (
     env_var,
     ratio_key,
 )
-from gradwatch.history import read_history, rotated_path
+from gradwatch.history import decode_record, read_history, rotated_path
 from gradwatch.rankview import NOISE_SCALE_UNIT
 from gradwatch.snapshot import Snapshot
 
@@ -292,7 +292,7 @@ def _where(path: Path, record: dict[str, Any]) -> str:
             with open(file, "rb") as fh:
                 for number, raw in enumerate(fh, 1):
                     try:
-                        if json.loads(raw) == record:
+                        if decode_record(json.loads(raw)) == record:
                             return f"{file} line {number}"
                     except (ValueError, UnicodeDecodeError):
                         continue
