@@ -79,7 +79,15 @@ from gradwatch.cli.demo_protocol import (
 )
 from gradwatch.cli.endpoint import EndpointView, ScrapeError, scrape
 from gradwatch.cli.phases import phase_of
-from gradwatch.cli.render import Trends, anomalies_text, fmt, isolation_text, render_view
+from gradwatch.cli.render import (
+    UNDEFINED,
+    Trends,
+    anomalies_text,
+    fmt,
+    fmt_ratio,
+    isolation_text,
+    render_view,
+)
 from gradwatch.config import DEFAULT_DEMO_PORT
 
 #: Seconds between two scrapes of the job's endpoint.
@@ -298,7 +306,7 @@ class _PlainDisplay(_Display):
     def line(self, view: EndpointView) -> str:
         """One progress line: step, phase, norms, ratios, health, anomaly counters."""
         groups = " ".join(f"{g} {fmt(s.norm)}" for g, s in view.groups.items())
-        ratios = " ".join(f"{k} {fmt(v)}" for k, v in view.ratios.items())
+        ratios = " ".join(f"{k} {fmt_ratio(view, k)}" for k in view.ratios)
         isolation = isolation_text(view)
         return (
             f"step {view.step}/{self.opts.steps} [{self.phase(view.step)}] "
@@ -347,7 +355,10 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
     last = summary.last
     if last is not None:
         groups = ", ".join(f"{g} {fmt(v)}" for g, v in last.groups.items())
-        ratios = ", ".join(f"{k} {fmt(v)}" for k, v in last.ratios.items())
+        ratios = ", ".join(
+            f"{k} {UNDEFINED if v != v and math.isfinite(last.global_norm) else fmt(v)}"
+            for k, v in last.ratios.items()
+        )
         lines.append(
             f"last step {last.step}: global norm {fmt(last.global_norm)}; {groups}; "
             f"{ratios}; health {fmt(last.health, 3)}"
