@@ -32,7 +32,9 @@ Design choices:
   (Python processes importing torch) is a fixed cost of every run, whatever ``--steps``.
 * **Linger.** ``--linger S`` keeps rank 0 serving S seconds after the last step (the summary is
   printed when training ends, before that window), so ``gradwatch top`` or ``curl`` can look at
-  the endpoint of a finished run; the job then exits and the endpoint closes with it.
+  the endpoint of a finished run; the job then exits and the endpoint closes with it. The first
+  line says how long the training takes and whether the endpoint stays; without ``--linger``
+  the last line says that it closes and how to keep it.
 * **Stopping.** torchrun runs in its own session, so a Ctrl-C reaches the parent only; the
   parent forwards SIGINT (SIGTERM for a SIGTERM) to torchrun's process group, waits
   ``STOP_TIMEOUT`` s, then SIGKILLs the group, and exits 130 (143 for SIGTERM). The ranks also
@@ -171,6 +173,28 @@ def job_args(opts: DemoOptions, workdir: Path) -> JobArgs:
         parent_pid=os.getpid(),
         nan_rank=opts.nan_rank,
     )
+
+
+def expected_seconds(opts: DemoOptions) -> float:
+    """How long the training takes, at least: every step's ``--step-sleep`` and the pause
+    after each injected step (starting torchrun's ranks comes on top, a few seconds)."""
+    injected = sum(at is not None for at in (opts.nan_at, opts.explode_at, opts.spike_at))
+    return opts.steps * opts.step_sleep + injected * DEFAULT_ANOMALY_PAUSE
+
+
+def intro_lines(opts: DemoOptions) -> list[str]:
+    """What the run will do and how long the endpoint stays: printed first."""
+    keep = (
+        f"rank 0 keeps serving {opts.linger:g} s after the last step (--linger)"
+        if opts.linger > 0
+        else "the endpoint closes when training ends: --linger SECONDS keeps it serving "
+        "(e.g. gradwatch demo --linger 600, then gradwatch top URL)"
+    )
+    return [
+        f"gradwatch demo: {opts.steps} steps on {opts.nproc} ranks, about "
+        f"{expected_seconds(opts):.0f} s of training after startup (--steps, --step-sleep); "
+        f"{keep}"
+    ]
 
 
 def job_command(opts: DemoOptions, workdir: Path) -> list[str]:
@@ -421,6 +445,8 @@ class DemoRun:
 
     def run(self) -> int:
         """Run to completion; returns the exit status (signals propagate to :meth:`stop`)."""
+        for line in intro_lines(self.opts):
+            self.console.print(line, soft_wrap=True)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would set, without its warning
         env["PYTHONUNBUFFERED"] = "1"
@@ -457,6 +483,12 @@ class DemoRun:
             self.console.print(
                 f"serving {self.url} for {self.opts.linger:g}s more (Ctrl-C to stop; "
                 f"look at it with: gradwatch top {self.url})",
+                soft_wrap=True,
+            )
+        elif self.opts.linger == 0:
+            self.console.print(
+                f"the endpoint {self.url} closes now; to keep it serving after the last step, "
+                "run with --linger SECONDS",
                 soft_wrap=True,
             )
         if self.proc.wait() != 0:
