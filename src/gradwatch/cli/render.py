@@ -369,14 +369,19 @@ def fmt_ratio(view: EndpointView, key: str) -> str:
 
 def noise_scale_text(view: EndpointView) -> Text | None:
     """``gradient noise scale: model 1.2e+03, stem 850 [unit]``: B_simple of the whole model and
-    per group (the per-rank view; ``nan`` while undefined), with the unit its metrics' HELP
-    states. None when the endpoint exports none."""
+    per group (the per-rank view; ``undefined`` while it is, NaN at the endpoint), with the
+    unit its metrics' HELP states. None when the endpoint exports none."""
     scales = [("model", view.noise_scale)] if view.noise_scale is not None else []
     scales += list(view.group_noise_scale.items())
     if not scales:
         return None
     text = Text("gradient noise scale: ")
-    text.append(", ".join(f"{name} {fmt(value, 3)}" for name, value in scales))
+    for i, (name, value) in enumerate(scales):  # NaN: undefined (noise dominates), no incident
+        text.append(", " if i else "")
+        if value is not None and math.isnan(value):
+            text.append(f"{name} {UNDEFINED}", style="dim")
+        else:
+            text.append(f"{name} {fmt(value, 3)}")
     text.append(f"  [{NOISE_SCALE_UNIT}]", style="dim")
     return text
 
