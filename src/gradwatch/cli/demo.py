@@ -652,8 +652,8 @@ def demo(
     spike_at: Annotated[
         int | None,
         typer.Option(
-            help="Multiply the gradients by 10 at this step: a spike below the exploding "
-            "threshold, found by adaptive spike detection."
+            help="Multiply the gradients by 30 at this step: a spike below the exploding "
+            "threshold, found by adaptive spike detection (also after a stage change)."
         ),
     ] = None,
     seed_at: Annotated[
