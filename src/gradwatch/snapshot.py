@@ -239,7 +239,8 @@ class Snapshot:
         return (_rebuild_snapshot, (self._fields(),))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict; NaN/Inf stay floats (``json.dumps`` writes NaN/Infinity)."""
+        """Plain dict of the fields; NaN/Inf stay floats (a history line spells them as strings,
+        :mod:`gradwatch.history`)."""
         out = self._fields()
         for name in _MAPPINGS:
             value = getattr(self, name)
