@@ -354,8 +354,9 @@ def test_the_table_fits_100_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(doctor, "run_checks", lambda options: LONG)
     result = CliRunner().invoke(app, ["doctor", "--device", "cpu"])
-    lines = result.stdout.splitlines()
+    lines = result.stdout.splitlines() + result.stderr.splitlines()
     assert max(map(len, lines)) <= 100, max(lines, key=len)
+    assert "gradwatch doctor: FAILED: syncs" in result.stderr
     assert _rows(result.stdout) == {c.name: c.status for c in LONG}
     assert "0.163x (97.3 vs 595 ms best of rounds) (threshold: <= 2x)" in result.stdout
 

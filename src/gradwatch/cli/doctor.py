@@ -173,7 +173,8 @@ def doctor_command(
         typer.echo(_table(checks))
         typer.echo(f"\n{len(checks)} checks in {elapsed:.1f} s")
     if failing:
-        typer.echo(f"gradwatch doctor: FAILED: {', '.join(c.name for c in failing)}", err=True)
+        names = ", ".join(c.name for c in failing)
+        typer.echo(textwrap.fill(f"gradwatch doctor: FAILED: {names}", WIDTH), err=True)
         sys.stdout.flush()
         raise typer.Exit(EXIT_FAILED)
 
