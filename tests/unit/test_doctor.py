@@ -363,7 +363,7 @@ def test_the_table_fits_100_columns(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_under_torchrun_only_rank_0_prints(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 prints the table; another rank prints nothing when its checks passed and only
-    its failing checks (on stderr) when one failed."""
+    its failing checks (and the FAILED line naming its rank) when one failed."""
     good = [c for c in LONG if c.status != "FAIL"]
     monkeypatch.setattr(doctor, "run_checks", lambda options: good)
     monkeypatch.setenv("RANK", "1")
@@ -371,9 +371,12 @@ def test_under_torchrun_only_rank_0_prints(monkeypatch: pytest.MonkeyPatch) -> N
     assert quiet.exit_code == 0 and quiet.stdout == "" and quiet.stderr == ""
     monkeypatch.setattr(doctor, "run_checks", lambda options: LONG)
     failing = CliRunner().invoke(app, ["doctor", "--device", "cpu", "--json"])
-    assert failing.exit_code == 1 and failing.stdout == ""
-    assert "gradwatch doctor (rank 1): FAILED:" in failing.stderr
-    assert _rows(failing.stderr) == {"syncs": "FAIL"}
+    assert failing.exit_code == 1
+    assert "gradwatch doctor (rank 1): FAILED: syncs" in failing.stderr
+    doc = json.loads(failing.stdout)
+    assert [c["name"] for c in doc["checks"]] == ["syncs"] and doc["failed"] == ["syncs"]
+    table = CliRunner().invoke(app, ["doctor", "--device", "cpu"])
+    assert table.exit_code == 1 and _rows(table.stdout) == {"syncs": "FAIL"}
     monkeypatch.setenv("RANK", "0")
     table = CliRunner().invoke(app, ["doctor", "--device", "cpu"])
     assert table.exit_code == 1 and _rows(table.stdout) == {c.name: c.status for c in LONG}

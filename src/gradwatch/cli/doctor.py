@@ -5,7 +5,8 @@ The checks live in :mod:`gradwatch.doctor` (imported when the command runs: torc
 imported by ``gradwatch --help``). Output: one table (check, status, measured, threshold) that
 fits :data:`WIDTH` columns, or with ``--json`` one JSON document (``environment``, ``checks``,
 ``failed``, ``ok``). Under torchrun only rank 0 prints it; another rank prints nothing unless a
-check failed there, and then only its failing checks, on stderr. torch's own warnings are not
+check failed there, and then only its failing checks (the table or the document) and the
+``FAILED`` line on stderr naming its rank. torch's own warnings are not
 shown (they say nothing about this machine). Exit status 0 when no check failed, 1 naming the
 failing checks on stderr, 2 for bad input (a device that does not exist, an unknown dtype) with
 a one-line message.
@@ -161,10 +162,13 @@ def doctor_command(
         checks = run_checks(options)
     elapsed = time.monotonic() - started
     failing = [c for c in checks if c.status == "FAIL"]
-    if rank != 0:  # under torchrun rank 0 prints the table; the others report failures only
+    if rank != 0:  # under torchrun rank 0 prints everything; the others their failures only
         if failing:
-            typer.echo(f"gradwatch doctor (rank {rank}): FAILED:", err=True)
-            typer.echo(_table(failing), err=True)
+            typer.echo(to_json(failing, options.device, elapsed) if json_output
+                       else _table(failing))  # fmt: skip
+            names = ", ".join(c.name for c in failing)
+            typer.echo(textwrap.fill(f"gradwatch doctor (rank {rank}): FAILED: {names}", WIDTH),
+                       err=True)  # fmt: skip
             raise typer.Exit(EXIT_FAILED)
         return
     if json_output:
