@@ -561,6 +561,11 @@ def test_demo_shows_an_injected_nan_step() -> None:
     assert "non-finite steps: 1 (step 20)" in out
     assert "gradwatch_nonfinite_steps_total 1," in out
     assert "gradwatch_collections_total 30" in out
+    # how long it runs and how to keep the endpoint: said first, and again at the end
+    lines = out.splitlines()
+    assert lines[0].startswith("gradwatch demo: 30 steps on 2 ranks, about 4 s of training")
+    assert "--linger SECONDS keeps it serving" in lines[0], lines[0]
+    assert "closes now; to keep it serving after the last step, run with --linger" in lines[-1]
 
 
 @pytest.mark.distributed
