@@ -18,13 +18,19 @@ help:
 	@echo "make lint   - ruff"
 
 # The pinned torch goes in first, so the package's own `torch>=2.6` is already satisfied and pulls
-# nothing more.
+# nothing more. The first run downloads a few hundred MB: each step says what it does, and pip
+# shows its progress (what it collects, a bar per download).
 $(STAMP): pyproject.toml
+	@echo "gradwatch: [1/4] creating $(VENV) (first run only; the next steps download ~1 GB at most)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "gradwatch: [2/4] upgrading pip"
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test,cli,plot,transformers,lightning,auth]"
+	@echo "gradwatch: [3/4] installing $(TORCH_SPEC) (the largest download)"
+	$(BIN)/pip install --progress-bar on $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	@echo "gradwatch: [4/4] installing gradwatch and its extras (editable)"
+	$(BIN)/pip install --progress-bar on -e ".[test,cli,plot,transformers,lightning,auth]"
 	touch $(STAMP)
+	@echo "gradwatch: $(VENV) is ready"
 
 venv: $(STAMP)
 
