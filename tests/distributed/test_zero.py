@@ -12,8 +12,6 @@ import pytest
 import zero_cases
 from worlds import case_results, spawn_suite
 
-pytest.importorskip("deepspeed", reason="the test extras install DeepSpeed")  # never in CI
-
 pytestmark = [pytest.mark.distributed]
 
 WORLD_TIMEOUT = 280.0
