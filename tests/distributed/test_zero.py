@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO stages 0-3 on CPU, in a 2-rank and a 4-rank gloo world (workers in
 zero_cases.py): global and group norms against an unsharded replica's averaged gradient and
-against DeepSpeed's own full gradient, one gradwatch collective per collect, fp32, bf16 and
-a loss scale (unscaled), accumulation boundaries, clipping, and the setups refused at construction."""
+against DeepSpeed's own full gradient, one gradwatch collective per collect, fp32, bf16 and a
+loss scale (unscaled), accumulation boundaries, clipping, and the setups refused at
+construction."""
 
 from __future__ import annotations
 

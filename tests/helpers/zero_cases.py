@@ -27,10 +27,10 @@ from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from dist_cases import CollectiveSpy, compare, fsum_sq, run_suite  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+from dist_cases import CollectiveSpy, compare, fsum_sq, run_suite
+from torch import nn
 
 GROUPS = {"body": ["body.*"], "head": ["head.*"]}
 MICRO_BATCH = 4
@@ -53,7 +53,7 @@ class Net(nn.Module):
 def init_deepspeed() -> Any:
     """Import DeepSpeed on the CPU accelerator and adopt the suite's gloo process group."""
     import deepspeed
-    import deepspeed.comm.torch  # noqa: F401  (the module, not the torch it imports)
+    import deepspeed.comm.torch
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo only, no JIT op
     os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),
