@@ -87,8 +87,14 @@ def find_engine(model: Any) -> Any:
         return model
     if not isinstance(model, nn.Module):
         return None
-    for obj in gc.get_objects():
-        if type(obj) is not cls and not isinstance(obj, cls):
+    objects = gc.get_objects()
+    # Classes first, by issubclass (an isinstance check on every live object reads __class__,
+    # which some live objects, deprecated torch aliases, warn about).
+    types = {t for t in set(map(type, objects)) if issubclass(t, cls)}
+    if not types:
+        return None
+    for obj in objects:
+        if type(obj) not in types:
             continue
         inner = getattr(obj, "module", None)
         if isinstance(inner, nn.Module) and any(m is model for m in inner.modules()):
