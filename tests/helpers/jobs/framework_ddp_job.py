@@ -166,6 +166,7 @@ def run_huggingface_deepspeed(out: Path) -> dict[str, Any]:
     logged ``grad_norm`` (DeepSpeed's own norm) and the audit of it."""
     import math
 
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports DeepSpeed
     import deepspeed.comm.torch  # noqa: F401  (imported to replace its JIT-built CPU op)
     import transformers
 
