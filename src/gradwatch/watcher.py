@@ -499,6 +499,12 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
+        if self._zero is not None:
+            raise GradWatchError(
+                "gradwatch: attach() cannot hook a DeepSpeed engine's optimizer (engine.step() "
+                "runs it, after the reduced gradients are consumed): call "
+                "watch.collect(step=...) between engine.backward(loss) and engine.step()"
+            )
         if self._enabled:
             self._optimizer_steps = max(self._optimizer_steps, self._next_step)
             self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))

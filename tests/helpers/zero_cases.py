@@ -158,7 +158,8 @@ def config(**overrides: Any) -> Any:
     return WatchConfig(**base)
 
 
-def case_exact(stage: int, dtype: str = "fp32", steps: int = 2) -> Callable[[int, int], dict]:
+def case_exact(stage: int, dtype: str = "fp32", steps: int = 2,
+               **extra: Any) -> Callable[[int, int], dict]:
     """Every figure against the replica (fp32: 1e-6; bf16: its rounding) and against
     DeepSpeed's own full gradient (1e-6), one gradwatch collective per collect, and
     DeepSpeed's own global norm after the step (sanity)."""
@@ -166,7 +167,7 @@ def case_exact(stage: int, dtype: str = "fp32", steps: int = 2) -> Callable[[int
     def run(rank: int, world: int) -> dict:
         from gradwatch import GradWatch
 
-        engine, replica = engine_and_replica(stage, dtype)
+        engine, replica = engine_and_replica(stage, dtype, **extra)
         watch = GradWatch(engine, config())
         out: dict[str, Any] = {"replica_err": [], "deepspeed_err": [], "collectives": [],
                                "mismatches": [], "global_norm": [], "deepspeed_norm": [],
@@ -326,10 +327,15 @@ def case_unwrapped_module(rank: int, world: int) -> dict:
     ref = deepspeed_reference(engine)
     snap = watch.collect(0).result()
     found = compare(snap, ref, watch)
+    try:
+        watch.attach(engine.optimizer)  # no hook can see the gradients: refused
+        attach = ""
+    except Exception as exc:
+        attach = f"{type(exc).__name__}: {exc}"
     engine.step()
     watch.close()
     return {"err": found["max_rel_err"], "parallelism": watch.parallelism,
-            "global_norm": snap.global_norm}
+            "global_norm": snap.global_norm, "attach": attach}
 
 
 def case_temporaries(stage: int) -> Callable[[int, int], dict]:
@@ -357,6 +363,11 @@ def case_temporaries(stage: int) -> Callable[[int, int], dict]:
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
     "w2": [
         *[(f"exact_s{s}_{d}", case_exact(s, d)) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")],
+        # bf16 parameters accumulating fp32 gradients: ZeRO-2's compact fp32 partition buffer
+        ("exact_s2_bf16_fp32acc",
+         case_exact(2, "bf16", data_types={"grad_accum_dtype": "fp32"})),
+        ("exact_s3_bf16_fp32acc",
+         case_exact(3, "bf16", data_types={"grad_accum_dtype": "fp32"})),
         ("loss_scale", case_loss_scale),
         ("accumulation", case_accumulation),
         ("clip", case_clip),
