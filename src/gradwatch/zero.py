@@ -172,8 +172,8 @@ class ZeroGradients:
                 address = mapping.lp_fragment_address
                 pieces.append(LocalPiece(name, shape, ("zero", int(address.start)),
                                          int(address.numel)))
-                slices.append((mapping, int(p._index_in_param_group), int(address.start),
-                               int(address.numel)))
+                # The parameter, not its mapping: DeepSpeed relinks mappings (checkpoint loads).
+                slices.append((p, int(address.start), int(address.numel)))
             else:
                 pieces.append(LocalPiece(name, tuple(p.shape), ("whole",), p.numel()))
                 slices.append(p)
@@ -228,10 +228,10 @@ class ZeroGradients:
             if where is None:
                 out.append(None)
                 continue
-            mapping, index, start, numel = where
+            param, start, numel = where
             try:
-                grad = mapping.get_lp_grad_fragment(index)
-            except ValueError as exc:  # DeepSpeed: "only available ... before engine step"
+                grad = param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group)
+            except (ValueError, KeyError) as exc:  # "only available ... before engine step"
                 raise GradWatchError(
                     "gradwatch: DeepSpeed holds no reduced gradients now (" + str(exc) + "); "
                     "collect between engine.backward(loss) on an accumulation boundary and "
