@@ -83,6 +83,17 @@ class GradWatchCallback(TrainerCallback):
         if self.watch is not None and self.watch._zero is not None:
             self._wrap_engine_step(self.watch._zero.engine, state)
             return
+        if self.watch is not None and _accelerate_kind() == "DEEPSPEED":
+            # DeepSpeed trains, but no engine holds this model: its .grad stays None, and
+            # figures of nothing must not be published as norms of 0.
+            log.error(
+                "gradwatch: accelerate runs DeepSpeed but no DeepSpeedEngine trains the "
+                "Trainer's model: not watching (the reduced gradients are in the engine's "
+                "partitions, which gradwatch reads only through the engine)"
+            )
+            self.watch.close()
+            self.watch = None
+            return
         if self.watch is None or not args.max_grad_norm > 0:
             return
         self._state = state
@@ -186,6 +197,18 @@ class GradWatchCallback(TrainerCallback):
                 why,
                 args.max_grad_norm,
             )
+
+
+def _accelerate_kind() -> str | None:
+    """accelerate's distributed type (``"DEEPSPEED"``, ...), None when no state is set up."""
+    try:
+        from accelerate.state import AcceleratorState, is_initialized
+
+        if not is_initialized():
+            return None
+        return str(AcceleratorState().distributed_type.value)
+    except Exception:  # accelerate missing or laid out differently: unknown
+        return None
 
 
 def _cannot_route() -> str | None:
