@@ -731,13 +731,16 @@ class GradWatch:
         collect (see :meth:`_measured`)."""
         grads = self._gradients.read()
         sq, plan = self._engine.squared_norms_and_plan(grads.tensors, self._reducer.device)
-        scale = pending_scale(scaler, optimizer) if self._zero is None else self._zero_scale()
+        scale = pending_scale(scaler, optimizer) if self._zero is None else None
         local = self._local_view.take() if self._local_view is not None else None
         if scale is not None:
             scale64 = scale.to(sq.device, torch.float64)
             sq = sq / (scale64 * scale64)
             if local is not None:
                 local = local / (scale64 * scale64).to(local.device)
+        zero_scale = self._zero.loss_scale() if self._zero is not None else None
+        if zero_scale is not None:  # DeepSpeed's loss scale, a Python float: a kernel argument
+            sq = sq / (zero_scale * zero_scale)
         has_grad = [g is not None for g in grads.tensors]
         reduced = self._reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
@@ -763,12 +766,6 @@ class GradWatch:
             ),
             total,
         )
-
-    def _zero_scale(self) -> Tensor | None:
-        """The loss scale DeepSpeed's fp16 optimizer left in the gradients (None: none)."""
-        assert self._zero is not None
-        scale = self._zero.loss_scale()
-        return None if scale is None else torch.tensor(scale, dtype=torch.float64)
 
     def _divergence_step(self, record: bool) -> bool:
         """Does this collect measure the replicas' divergence (every ``divergence_every``
