@@ -46,11 +46,12 @@ import gc
 import sys
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.errors import GradWatchError, UnsupportedParallelismError
 from gradwatch.gradients import LocalGradients
-from gradwatch.model import clean_name
+from gradwatch.model import named_parameters
 from gradwatch.reduce import LocalPiece
 
 #: The name-mangled attribute of DeepSpeed's stage-3 optimizer mapping ``param.ds_id`` to its
@@ -117,8 +118,6 @@ class ZeroGradients:
     """
 
     def __init__(self, engine: Any, model: nn.Module | None = None) -> None:
-        import torch.distributed as dist
-
         self.engine = engine
         self.module: nn.Module = model if model is not None else engine.module
         self.stage = int(engine.zero_optimization_stage())
@@ -136,16 +135,8 @@ class ZeroGradients:
                 "measures ZeRO over the whole world"
             )
         self.dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
-        names: list[str] = []
-        params: list[Tensor] = []
-        for name, p in self.module.named_parameters():
-            names.append(clean_name(name))
-            params.append(p)
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise GradWatchError(f"gradwatch: duplicate parameter names after unwrapping: {dup}")
-        self.names = names
-        self.params = params
+        # The watcher's names and order (gradwatch.model): state_dict-style, wrappers removed.
+        self.names, self.params = named_parameters(self.module)
         self._pieces, self._slices = self._describe()
 
     # -- construction -------------------------------------------------------------------------
@@ -327,9 +318,7 @@ def _optimizer_kind(optimizer: Any, stage: int) -> str:
 
 def _dp_group(engine: Any, optimizer: Any, kind: str) -> Any:
     """The data-parallel group the gradients are reduced over."""
-    if kind == "stage12":
-        return optimizer.dp_process_group
-    if kind == "stage3":
+    if kind in ("stage12", "stage3"):
         return optimizer.dp_process_group
     return getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
 
