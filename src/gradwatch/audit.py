@@ -92,6 +92,10 @@ def parallel_factors(parallelism: str, world_size: int) -> dict[str, int]:
         if hsdp:
             out["replicas"], out["shards"] = int(hsdp.group(1)), int(hsdp.group(2))
             continue
+        zero = re.fullmatch(r"zero([0-3])x(\d+)", part)  # DeepSpeed: stage 0 replicates
+        if zero:
+            out["replicas" if zero.group(1) == "0" else "shards"] = int(zero.group(2))
+            continue
         m = re.fullmatch(r"(fsdp2x|ddp|replicated|dp|tp|pp|ep|cp)(\d+)", part)
         if m:
             kind = {"fsdp2x": "shards", "ddp": "replicas", "replicated": "replicas"}.get(

@@ -34,6 +34,7 @@ from gradwatch.model import (
     wrapping_ddp,
 )
 from gradwatch.reduce import Reducer, gradient_device
+from gradwatch.zero import ZeroGradients, find_engine
 
 log = logging.getLogger("gradwatch")
 
@@ -54,7 +55,7 @@ class Resolved:
     slots: ParameterSlots
     rank: int
     world_size: int
-    gradients: GradientReader
+    gradients: GradientReader | ZeroGradients
     reducer: Reducer
     layout: Layout
     groups_of: list[str]
@@ -63,6 +64,9 @@ class Resolved:
     view_groups: tuple[str, ...]
     comm_hook: GradWatchCommHook | None
     local_view: LocalView | None
+    # A DeepSpeed engine's gradient source (gradwatch.zero): its gradients are read from its
+    # partitions, not from .grad; None otherwise.
+    zero: ZeroGradients | None = None
 
 
 def resolve(
@@ -70,6 +74,9 @@ def resolve(
 ) -> Resolved:
     """Resolve ``model`` under ``cfg`` (see :class:`gradwatch.watcher.GradWatch` for the
     arguments); collective on every rank of an initialized process group."""
+    zero = _zero_source(model)
+    if zero is not None:
+        model = zero.module
     reject_fsdp1(model)
     names, params = named_parameters(model)
     slots = ParameterSlots(model, params, names)
@@ -96,13 +103,14 @@ def resolve(
             "this rank's only; call torch.distributed.init_process_group before GradWatch",
             os.environ["WORLD_SIZE"],
         )
-    gradients = GradientReader(params)
-    ddp = _find_ddp(model, params, cfg, world_size)
+    gradients = GradientReader(params) if zero is None else zero
+    ddp = _find_ddp(model, params, cfg, world_size) if zero is None else None
     view_groups = (*cfg.groups, OTHER_GROUP)
     local_view, comm_hook = _attach_rank_view(ddp, params, names, cfg, view_groups)
     try:
         reducer = Reducer(
-            [piece_of(n, p) for n, p in zip(names, params, strict=True)],
+            [piece_of(n, p) for n, p in zip(names, params, strict=True)]
+            if zero is None else zero.pieces(),
             version=_version(),
             config_hash=cfg.layout_hash(),
             timeout_seconds=cfg.collective_timeout_seconds,
@@ -145,11 +153,22 @@ def resolve(
         layout=layout,
         groups_of=groups_of,
         group_order=group_order,
-        parallelism=describe_parallelism(model, params, world_size, stage_group, process_group),
+        parallelism=describe_parallelism(model, params, world_size, stage_group, process_group)
+        if zero is None else zero.label,
         view_groups=view_groups,
         comm_hook=comm_hook,
         local_view=local_view,
+        zero=zero,
     )
+
+
+def _zero_source(model: nn.Module) -> ZeroGradients | None:
+    """The DeepSpeed engine's gradient source when ``model`` is one or is trained by one
+    (only when the program imported DeepSpeed), else None."""
+    engine = find_engine(model)
+    if engine is None:
+        return None
+    return ZeroGradients(engine, None if model is engine else model)
 
 
 def _find_ddp(

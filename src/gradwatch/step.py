@@ -11,6 +11,7 @@ the reduced vector and the summary (:class:`gradwatch.summary.Summarizer`) happe
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +32,7 @@ from gradwatch.resolve import Resolved
 from gradwatch.snapshot import Snapshot
 from gradwatch.stats import NormEngine
 from gradwatch.summary import CollectedStep, Summarizer
+from gradwatch.zero import ZeroGradients
 
 
 class PendingSnapshot:
@@ -153,11 +155,31 @@ class Collector:
 
     def clip(self, step: int | None, scaler: Any, max_norm: float) -> Tensor | None:
         """Collect and clip ``step`` (default: the optimizer-step counter); the whole-model
-        norm, or None when the step was not measured."""
+        norm, or None when the step was not measured. Raises when this setup cannot clip
+        through gradwatch (DeepSpeed: :meth:`gradwatch.zero.ZeroGradients.clip_refusal`)."""
+        zero = self.resolved.zero
+        if zero is not None:
+            refusal = zero.clip_refusal() or zero.off_boundary()
+            if refusal is not None:
+                raise GradWatchError(f"gradwatch: clip_grad_norm_ under DeepSpeed: {refusal}")
         if step is None:
             step = self._optimizer_steps
         self._clipped_step = step
         return self.collect(step, scaler, None, max_norm).total
+
+    def unclipped(self) -> Tensor | None:
+        """Under DeepSpeed, what the last clip returns when gradwatch did not measure it: nothing
+        can be clipped by torch's function (the gradients are not in ``.grad``): logged once,
+        NaN. None otherwise (torch's function clips: :func:`clip_locally`)."""
+        if self.resolved.zero is None:
+            return None
+        self.reporter.log_once(
+            "zero-not-clipped",
+            "gradwatch: step %d was not clipped (collection failed or stopped); DeepSpeed "
+            "steps with unclipped gradients",
+            self._clipped_step,
+        )
+        return torch.tensor(math.nan, dtype=torch.float64)
 
     def hooked(self) -> Callable[[Any, Any], None]:
         """The collect an ``attach()`` hook runs before each optimizer step, numbered by the
@@ -186,6 +208,14 @@ class Collector:
             return Collected(not_measured(step, f"collection stopped: {self.broken}"))
         if self.closed or (skipped and max_norm is None):
             return Collected(self._pending_last(step))
+        zero = self.resolved.zero
+        if zero is not None:
+            off = zero.off_boundary()  # identical on every rank: no collective is skipped
+            if off is not None:
+                self.reporter.log_once(
+                    "zero-boundary", "gradwatch: step %d not measured: %s", step, off
+                )
+                return Collected(not_measured(step, off))
         started = time.perf_counter()
         reducer = self.resolved.reducer
         issued = reducer.issued
@@ -231,7 +261,7 @@ class Collector:
         r = self.resolved
         grads = r.gradients.read()
         sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
-        scale = pending_scale(scaler, optimizer)
+        scale = pending_scale(scaler, optimizer) if r.zero is None else _zero_scale(r.zero)
         local = r.local_view.take() if r.local_view is not None else None
         if scale is not None:
             scale64 = scale.to(sq.device, torch.float64)
@@ -293,6 +323,12 @@ class Collector:
         if self.latest is not None:
             return self.latest
         return not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+
+def _zero_scale(zero: ZeroGradients) -> Tensor | None:
+    """The loss scale DeepSpeed's fp16 optimizer left in the gradients (None: none)."""
+    scale = zero.loss_scale()
+    return None if scale is None else torch.tensor(scale, dtype=torch.float64)
 
 
 def clip_locally(

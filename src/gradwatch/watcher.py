@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from gradwatch.config import WatchConfig
 from gradwatch.configfile import load_config
 from gradwatch.ddp_hook import detach
+from gradwatch.errors import GradWatchError
 from gradwatch.hooks import before_optimizer_step
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import resolve
@@ -197,6 +198,9 @@ class GradWatch:
             )
         total = self._collector.clip(step, scaler, float(max_norm))
         if total is None:  # collection stopped, or this collect failed
+            unclipped = self._collector.unclipped()
+            if unclipped is not None:
+                return unclipped
             held = self._resolved.slots.current()
             return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -245,6 +249,12 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
+        if self._resolved.zero is not None:
+            raise GradWatchError(
+                "gradwatch: attach() cannot hook a DeepSpeed engine's optimizer (engine.step() "
+                "runs it, after the reduced gradients are consumed): call "
+                "watch.collect(step=...) between engine.backward(loss) and engine.step()"
+            )
         self._hooks.append(before_optimizer_step(optimizer, scaler, self._collector.hooked()))
 
     def add_sink(self, sink: Sink) -> None:

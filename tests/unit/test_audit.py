@@ -70,6 +70,8 @@ def test_parallel_factors_from_descriptions() -> None:
     assert parallel_factors("fsdp2x4", 4) == {"world": 4, "shards": 4}
     assert parallel_factors("hsdp2x2", 4) == {"world": 4, "replicas": 2, "shards": 2}
     assert parallel_factors("fsdp2x2+tp2", 4) == {"world": 4, "shards": 2, "tp": 2}
+    assert parallel_factors("zero3x4", 4) == {"world": 4, "shards": 4}  # DeepSpeed ZeRO-3
+    assert parallel_factors("zero0x2", 2) == {"world": 2, "replicas": 2}
 
 
 @pytest.mark.parametrize(
