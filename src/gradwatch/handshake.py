@@ -12,7 +12,8 @@ holds, or FSDP1's flat shards: ``FlatShard(start, total)``, :func:`flat_shard`),
 description says :data:`DERIVED` / :data:`DERIVED_NESTED` instead, the same on every rank, and
 :func:`derive` recomputes each rank's numel from its coordinates. Ranks with the same structure
 (every rank of one pipeline stage, uneven and empty shards included) therefore produce
-byte-identical descriptions; a numel no rule gives (an exotic layout) stays explicit, so its rank's digest differs and the records path below applies.
+byte-identical descriptions; a numel no rule gives (an exotic layout) stays explicit, so its
+rank's digest differs and the records path below applies.
 
 **Phase 0, one fixed-size all-reduce** (:data:`PHASE0_BYTES` sent and received per rank,
 whatever the model and the world size). Every rank derives, from the meshes it holds, the
