@@ -91,7 +91,7 @@ class ShardMesh:
         return torch.tensor(self.grid, dtype=torch.int64).view(-1, *self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Unit:
     """One FSDP1 unit: its flat parameter and where each original parameter lies in it."""
 
@@ -147,7 +147,7 @@ class Fsdp1GradientReader:
             g = u.flat.grad
             if g is not None and g.numel() != u.shard_numel:
                 raise UnshardedGradientError(
-                    f"gradwatch: FSDP1's flat gradient of {u.names[0]!r} and its unit holds "
+                    f"gradwatch: the FSDP1 unit of {u.names[0]!r} holds a flat gradient of "
                     f"{g.numel()} elements, not its local shard's {u.shard_numel}: the gradients "
                     "are not reduced yet (inside no_sync()); collect after the synchronizing "
                     "backward"
@@ -187,7 +187,7 @@ def _split_plan(u: Unit) -> tuple[list[int], list[int]]:
     return sizes, picks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Fsdp1Model:
     """A module with FSDP1 units, resolved once (:func:`resolve`).
 
@@ -254,21 +254,21 @@ def resolve(model: nn.Module) -> Fsdp1Model | None:
         return None
     instances = [(clean_name(n), m) for n, m in model.named_modules() if isinstance(m, fsdp)]
     named = list(model.named_parameters())
-    flattened = [n for n, p in named if getattr(p, "_fsdp_flattened", False)]
+    # FSDP1 marks the parameters it flattened (flat and original ones alike)
+    flattened = [(n, p) for n, p in named if getattr(p, "_fsdp_flattened", False)]
     if not instances and not flattened:
         return None
     _refuse_fsdp2(model, instances)
     units = [_unit(m, prefix) for prefix, m in instances if _handle(m) is not None]
     covered = _covered(units)
-    if any(id(p) not in covered for n, p in named if getattr(p, "_fsdp_flattened", False)):
+    if any(id(p) not in covered for _n, p in flattened):
         # The module given is the one a FullyShardedDataParallel wraps (a framework hands its
         # callbacks the unwrapped model): its root unit is found among the live objects.
         root = _wrapping_fsdp(model, fsdp)
         if root is not None and _handle(root) is not None:
             units.insert(0, _unit(root, ""))
             covered = _covered(units)
-        outside = [n for n, p in named
-                   if getattr(p, "_fsdp_flattened", False) and id(p) not in covered]
+        outside = [n for n, p in flattened if id(p) not in covered]
         if outside:
             raise UnsupportedParallelismError(
                 f"gradwatch: parameter {clean_name(outside[0])!r} belongs to an FSDP1 unit "
