@@ -166,6 +166,16 @@ def case_fsdp1(strategy: str, orig: bool, kind: str = FP32, nesting: str = "auto
                                      if p.grad is not None}),
         )
         watch.close()
+        if strategy == "NO_SHARD":  # an ordinary collect (no divergence step) all-reduces nothing
+            quiet = GradWatch(watched, config(groups=GROUPS, ratios=[], divergence_every=0))
+            model(_inputs(kind, rank)).float().sum().backward()  # accumulates: 2x + clipped
+            with CollectiveSpy() as spy:
+                pending = quiet.collect(3)
+            mine = math.sqrt(math.fsum(float(x) ** 2 for g in _local_grads(model)
+                                       if g is not None for x in g.double().flatten().tolist()))
+            out.update(ordinary_collectives=spy.collectives,
+                       ordinary_rel_err=abs(pending.result().global_norm - mine) / mine)
+            quiet.close()
         return out
 
     return run
