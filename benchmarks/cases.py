@@ -315,6 +315,7 @@ class Plan:
     rank_view_blocks: int = 300  # palindromic blocks of the per-rank view section
     fsdp1_rounds: int = 60  # interleaved calls of each kind in the FSDP1 section
     fsdp1_width: int = 512  # of its Linear layers
+    zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
 
 
 def full_plan() -> Plan:
@@ -352,4 +353,5 @@ def quick_plan() -> Plan:
         rank_view_blocks=2,
         fsdp1_rounds=2,
         fsdp1_width=16,
+        zero_rounds=2,
     )

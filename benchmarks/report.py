@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks import zero_bench
 from benchmarks.cases import (
     DDP_OVERHEAD_TARGET,
     FLOAT64_COPIES_ELEMENTS,
@@ -838,6 +839,8 @@ def render(run: RunResults) -> str:
         rank_view_text,
         "## FSDP1: gradwatch against FSDP1's own norm (2 ranks, gloo, CPU)\n",
         fsdp1_text,
+        "## DeepSpeed ZeRO-2: collect against DeepSpeed's own norm (2 ranks, gloo, CPU)\n",
+        zero_bench.text(run.zero),
         "## Construction at scale (simulated ranks, one core)\n",
         SCALE_TEXT,
         scale_table(run.scale) + "\n",
