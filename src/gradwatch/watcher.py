@@ -36,6 +36,7 @@ from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
 from gradwatch.ddp_hook import GradWatchCommHook, LocalView, detach
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.gradients import GradientReader
+from gradwatch.guard import GuardDecision, GuardedOptimizer, GuardPolicy, StepGuard
 from gradwatch.hooks import before_optimizer_step
 from gradwatch.model import (
     ParameterSlots,
@@ -132,6 +133,8 @@ class GradWatch:
         self._last: Snapshot | None = None
         self._isolated: tuple[str, ...] = tuple(cfg.isolated)
         self._enabled = cfg.enabled
+        self._step_guard: StepGuard | None = None  # guard(): decides on every collect
+        self._decision: GuardDecision | None = None  # the last collect's, until step() takes it
         if not self._enabled:
             self._inert(model)
             return
@@ -478,6 +481,31 @@ class GradWatch:
             self._optimizer_steps = max(self._optimizer_steps, self._next_step)
             self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
+    def guard(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> GuardedOptimizer:
+        """``optimizer`` whose ``step()`` is skipped on non-finite or spiking gradients
+        (``skip_nonfinite``, ``skip_spike_score``, ``max_consecutive_skips``), the same
+        decision on every rank, with no host read for ``fused=True`` optimizers; see
+        :mod:`gradwatch.guard`. ``scaler``: the GradScaler, when the loop uses one (the guard's
+        own collects then see unscaled norms). From now on every collect decides."""
+        if self._enabled and self._step_guard is None:
+            self._step_guard = StepGuard(
+                GuardPolicy.from_config(self.config), self._reducer.device,
+                self.config.collective_timeout_seconds,
+            )
+        return GuardedOptimizer(optimizer, lambda opt: self._guard_decision(opt, scaler))
+
+    def _guard_decision(self, optimizer: Any, scaler: Any) -> GuardDecision | None:
+        """The decision of this step's collect; collects first when none was made since the
+        last guarded step. None when the step was not measured (the guard does not act)."""
+        if self._step_guard is None:
+            return None
+        if self._decision is None:
+            step = self._next_step
+            self._next_step = step + 1
+            self._guarded(step, scaler, optimizer, None)
+        decision, self._decision = self._decision, None
+        return decision
+
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
         step = self._optimizer_steps
         self._optimizer_steps += 1
@@ -500,7 +528,7 @@ class GradWatch:
         skipped = step % self.config.every_n_steps != 0
         if self._broken:
             return self._not_measured(step, f"collection stopped: {self._broken}"), None
-        if self._closed or (skipped and max_norm is None):
+        if self._closed or (skipped and max_norm is None and self._step_guard is None):
             return self._pending_last(step), None
         started = time.perf_counter()
         issued = self._reducer.issued
@@ -523,7 +551,8 @@ class GradWatch:
         except Exception as exc:  # never let monitoring crash training
             self._last_failed_attempt = attempt
             return self._failed(
-                step, exc, issued, clip=max_norm is not None, with_replicas=measure
+                step, exc, issued, clip=max_norm is not None or self._step_guard is not None,
+                with_replicas=measure,
             ), None
         if skipped:
             return self._pending_last(step), total
@@ -703,14 +732,16 @@ class GradWatch:
             if local is not None:
                 local = local / (scale64 * scale64).to(local.device)
         has_grad = [g is not None for g in grads.tensors]
+        guard = self._step_guard  # decides on the device: the job's backend, like a clip
         reduced = self._reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
-            device_collective=max_norm is not None,
+            device_collective=max_norm is not None or guard is not None,
         )
         b = batch_size if batch_size is not None else self.config.batch_size
         total = None
         if max_norm is not None:
             total = clip_grads_(reduced, max_norm, grads, plan)
+        decision = self._decision = guard.decide(reduced) if guard is not None else None
         amp = scaler is not None and scaler.is_enabled()
         isolated = self._isolated  # the expectation at collect time, not at result() time
         timestamp = time.time()
@@ -722,7 +753,7 @@ class GradWatch:
                 step,
                 lambda: self._build(
                     reduced, step, measure, timestamp, max_norm, amp, isolated, attempt,
-                    local_sq, b,
+                    local_sq, b, decision,
                 ),
             ),
             total,
@@ -751,6 +782,7 @@ class GradWatch:
         attempt: int = 0,
         local_sq: Tensor | None = None,
         batch_size: int | None = None,
+        decision: GuardDecision | None = None,
     ) -> Snapshot:
         try:
             stats = reduced.stats()
@@ -797,6 +829,10 @@ class GradWatch:
             changes["clip_coef"] = clip_coefficient(max_norm, snap.global_norm)
         if amp and not snap.is_finite:
             changes["amp_skipped"] = True
+        if decision is not None and self._step_guard is not None:
+            reading = decision.reading()
+            changes.update(reading.snapshot_fields())
+            self._step_guard.report(reading, step, self.rank)
         if stats.rank_view is not None:
             changes.update(
                 rank_view_fields(
