@@ -35,7 +35,9 @@ Sync behaviour: no host read and no collective. With an optimizer that accepts `
 as ``found_inf`` the way ``torch.amp.GradScaler`` does, so the kernel skips the update on the
 device and the step counters are restored (``step += 1 - found_inf``). Any other optimizer
 costs one host read of the decision per step (``bool(skip)``). With a GradScaler, the
-scaler's ``found_inf`` and the guard's decision are combined (``max``): one skip.
+scaler's ``found_inf`` and the guard's decision are combined (``max``): one skip. The scaler
+already skips every step with a non-finite gradient (``gradwatch_amp_skipped_steps_total``
+counts them), so under a scaler the guard's own skips are the spike skips.
 """
 
 from __future__ import annotations
@@ -51,17 +53,12 @@ from torch import Tensor
 
 from gradwatch.config import WatchConfig
 from gradwatch.reduce import ReducedVector, _wait_event
+from gradwatch.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD
 from gradwatch.stats import BANDS, banded_total_device
 
 __all__ = ["GuardDecision", "GuardPolicy", "GuardReading", "GuardedOptimizer", "StepGuard"]
 
 log = logging.getLogger("gradwatch")
-
-#: The MAD of a normal distribution is 0.6745 sigma: this scales it to a standard deviation.
-MAD_TO_SIGMA = 1.4826
-#: Floor of the robust deviation (as :mod:`gradwatch.spikes`): a steady series needs a 1.35x
-#: jump at a score of 6.
-MIN_DEVIATION = 0.05
 
 #: The reasons of ``gradwatch_skipped_steps_total``, in decision-vector order.
 SKIP_REASONS = ("nonfinite", "spike")
@@ -180,8 +177,13 @@ class StepGuard:
     samples seen, the consecutive skips and the skip totals. All updated by device ops only.
     """
 
-    def __init__(self, policy: GuardPolicy, device: torch.device, timeout: float) -> None:
+    def __init__(
+        self, policy: GuardPolicy, device: torch.device, timeout: float, amp: bool = False
+    ) -> None:
         self.policy = policy
+        # Under a GradScaler the scaler skips non-finite steps itself (counted as AMP-skipped):
+        # the guard adds its spike skips only, identically with fused and other optimizers.
+        self._skip_nonfinite = policy.skip_nonfinite and not amp
         self._timeout = timeout
         f64 = {"dtype": torch.float64, "device": device}
         self._window = torch.full((policy.window,), math.nan, **f64)
@@ -198,7 +200,7 @@ class StepGuard:
         total = banded_total_device(bands, bands.numel() // BANDS)
         nonfinite = (reduced.device_nonfinite().sum() > 0) | ~torch.isfinite(total)
         measured = ~torch.isnan(reduced.device_step())
-        want_nonfinite = nonfinite if policy.skip_nonfinite else torch.zeros_like(nonfinite)
+        want_nonfinite = nonfinite if self._skip_nonfinite else torch.zeros_like(nonfinite)
         score = self._nan
         want_spike = torch.zeros_like(nonfinite)
         if policy.skip_spike_score is not None:
@@ -225,9 +227,11 @@ class StepGuard:
         window = self._window
         x = torch.log(total)
         sample = ~nonfinite & (total > 0)
-        median = torch.nanmedian(window)
-        mad = torch.nanmedian((window - median).abs())
-        score = (x - median) / torch.clamp(mad * MAD_TO_SIGMA, min=MIN_DEVIATION)
+        # nanquantile(0.5) averages the two middle samples of an even count, as the host
+        # detector's median does (torch.nanmedian would take the lower one).
+        median = torch.nanquantile(window, 0.5)
+        mad = torch.nanquantile((window - median).abs(), 0.5)
+        score = (x - median) / torch.clamp(mad * MAD_TO_SIGMA, min=MIN_LOG_SPREAD)
         defined = sample & (self._samples >= self.policy.warmup)
         score = torch.where(defined, score, math.nan)
         self._window = torch.where(sample, torch.cat((window[1:], x.view(1))), window)

@@ -486,11 +486,13 @@ class GradWatch:
         (``skip_nonfinite``, ``skip_spike_score``, ``max_consecutive_skips``), the same
         decision on every rank, with no host read for ``fused=True`` optimizers; see
         :mod:`gradwatch.guard`. ``scaler``: the GradScaler, when the loop uses one (the guard's
-        own collects then see unscaled norms). From now on every collect decides."""
+        own collects then see unscaled norms; non-finite steps are the scaler's skips). From
+        now on every collect decides."""
+        policy = GuardPolicy.from_config(self.config)
         if self._enabled and self._step_guard is None:
             self._step_guard = StepGuard(
-                GuardPolicy.from_config(self.config), self._reducer.device,
-                self.config.collective_timeout_seconds,
+                policy, self._reducer.device, self.config.collective_timeout_seconds,
+                amp=scaler is not None and scaler.is_enabled(),
             )
         return GuardedOptimizer(optimizer, lambda opt: self._guard_decision(opt, scaler))
 
