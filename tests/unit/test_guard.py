@@ -76,7 +76,7 @@ def test_skips_nonfinite_and_otherwise_equals_the_bare_optimizer(
     model, twin = _model(), _model()
     opt, twin_opt = make(model.parameters()), make(twin.parameters())
     fused = getattr(opt, "_step_supports_amp_scaling", False)
-    with GradWatch(model, WatchConfig()) as watch:
+    with GradWatch(model, WatchConfig(skip_spike_score=6.0, spike_warmup=2)) as watch:
         guarded = watch.guard(opt)
         reads, bare_reads = [], []
         for step in range(8):
