@@ -232,9 +232,11 @@ def test_guard_needs_something_to_skip_and_reads_the_environment(
 ) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with GradWatch(model, WatchConfig(skip_nonfinite=False)) as watch:
-        with pytest.raises(ValueError, match="skip_nonfinite.*skip_spike_score"):
-            watch.guard(opt)
+    with (
+        GradWatch(model, WatchConfig(skip_nonfinite=False)) as watch,
+        pytest.raises(ValueError, match=r"skip_nonfinite.*skip_spike_score"),
+    ):
+        watch.guard(opt)
     monkeypatch.setenv("GRADWATCH_SKIP_NONFINITE", "0")
     monkeypatch.setenv("GRADWATCH_SKIP_SPIKE_SCORE", "4.5")
     monkeypatch.setenv("GRADWATCH_MAX_CONSECUTIVE_SKIPS", "2")

@@ -31,7 +31,9 @@ Fault injection: at ``--nan-at`` the gradients are multiplied by NaN, at ``--exp
 1e6, at ``--spike-at`` by 10 (a spike relative to the recent norms, below the fixed exploding
 threshold: only adaptive spike detection sees it), after the backward pass and before
 ``collect``; the optimizer skips that step (as a GradScaler would), so training is healthy
-again afterwards. After an injected step the job
+again afterwards. With ``--guard`` the loop does not skip by itself: it steps a fused SGD
+through ``watch.guard(optimizer)`` (``skip_spike_score`` 6), which skips the non-finite and
+spiking steps on every rank. After an injected step the job
 pauses ``--anomaly-pause`` seconds so a scraper polling a few times a second sees the step's
 gauges (the counters keep it anyway).
 
@@ -84,6 +86,9 @@ SEED_GATE = 0.1
 DEMO_WIDTH = 512
 DEMO_BATCH = 128
 
+
+#: ``skip_spike_score`` of ``--guard``.
+GUARD_SPIKE_SCORE = 6.0
 
 class DemoNet(nn.Module):
     """stem (frozen) -> host backbone -> head, with a gated seed module on the host features."""
@@ -152,7 +157,9 @@ def train(args: JobArgs) -> int:
         if distributed
         else net
     )
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.05, fused=args.guard or None
+    )
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
 
     cfg = WatchConfig(
@@ -162,6 +169,7 @@ def train(args: JobArgs) -> int:
         port=args.port,
         bind_address=args.bind,
         rank_view=True,  # opt-in: the demo shows where a NaN started and the noise scale
+        skip_spike_score=GUARD_SPIKE_SCORE if args.guard else None,
     )
     try:
         watch = GradWatch(model, cfg)
@@ -173,6 +181,7 @@ def train(args: JobArgs) -> int:
         work.write_error(JobError(kind="error", message=str(exc), port=args.port))
         print(str(exc), file=sys.stderr, flush=True)
         return 2
+    guarded = watch.guard(optimizer) if args.guard else None
     url = watch.metrics_url
     if rank == 0:
         assert url is not None  # rank 0 serves: cfg.port is set
@@ -224,7 +233,9 @@ def train(args: JobArgs) -> int:
                         if p.grad is not None:
                             p.grad.mul_(factor)
             pending = watch.collect(step=step)
-            if not injected:
+            if guarded is not None:
+                guarded.step()  # the guard decides, from this collect, on every rank
+            elif not injected:
                 optimizer.step()
             if rank == 0:
                 snap = pending.result()
@@ -233,7 +244,9 @@ def train(args: JobArgs) -> int:
                     print(
                         f"step {step} phase {phase} loss {loss.item():.4f} global_norm "
                         f"{snap.global_norm:.4g} health {snap.health:.2f}"
-                        + (f" (gradients x {factor})" if injected else ""),
+                        + (f" (gradients x {factor})" if injected else "")
+                        + (f"; guard skipped it ({snap.guard_skipped})" if snap.guard_skipped
+                           else ""),
                         flush=True,
                     )
             pause = args.anomaly_pause if injected else 0.0
