@@ -244,6 +244,9 @@ class WatchConfig(BaseSettings):
         max_consecutive_skips: after this many consecutive skipped steps the guard stops
             skipping (it applies the next bad steps, ``gradwatch_guard_stopped`` is 1 and the
             alert fires) until a step it would not skip re-arms it.
+        guard: the framework integrations (Hugging Face ``GradWatchCallback``, Lightning
+            ``GradWatchCallback``) step the optimizer through ``watch.guard()``; in your own
+            loop call ``watch.guard(optimizer)`` instead.
     """
 
     model_config = SettingsConfigDict(
@@ -292,6 +295,7 @@ class WatchConfig(BaseSettings):
     skip_nonfinite: bool = True
     skip_spike_score: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     max_consecutive_skips: int = Field(default=10, ge=1, le=MAX_INT)
+    guard: bool = False
 
     @field_validator("spike_warmup")
     @classmethod
@@ -444,6 +448,7 @@ class WatchConfig(BaseSettings):
             "skip_nonfinite",
             "skip_spike_score",
             "max_consecutive_skips",
+            "guard",
             "spike_window",
             "spike_warmup",
         )

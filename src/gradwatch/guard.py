@@ -353,34 +353,38 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     # -- the guarded step ----------------------------------------------------------------------
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        """Apply the wrapped optimizer's update unless the guard skips this step.
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Apply the wrapped optimizer's update unless the guard skips this step; return the
+        closure's loss (None without one).
 
-        ``GradScaler.step(guarded)`` works as with the bare optimizer: for fused optimizers the
-        scaler sets ``grad_scale`` and ``found_inf`` on this wrapper and the guard passes its
-        ``found_inf`` combined with the scaler's; for others the scaler reads its own
-        ``found_inf`` and calls this ``step()`` only when it is 0. Closures are not supported
-        (the decision needs this step's gradients before the update).
+        ``closure`` (Lightning passes one) is evaluated once, with gradients enabled, before
+        the decision, as torch's optimizers do; optimizers that evaluate it several times per
+        step (LBFGS) cannot be guarded. ``GradScaler.step(guarded)`` works as with the bare
+        optimizer: for fused optimizers the scaler sets ``grad_scale`` and ``found_inf`` on
+        this wrapper and the guard passes its ``found_inf`` combined with the scaler's; for
+        others the scaler reads its own ``found_inf`` and calls this ``step()`` only when it
+        is 0.
         """
+        loss = None
         if closure is not None:
-            raise ValueError(
-                "gradwatch: GuardedOptimizer.step(closure=...) is not supported: the guard "
-                "decides from the gradients before the update; call backward() then step()"
-            )
+            with torch.enable_grad():
+                loss = closure()
         inner = self.optimizer
         decision = self._decide(self)
         if decision is None:  # not measured (a failed collect): a guard that cannot see
-            return inner.step()
+            inner.step()
+            return loss
         scaler_found_inf = self.__dict__.get("found_inf")
         if getattr(inner, "_step_supports_amp_scaling", False):
             device = _params_device(inner)
             found_inf = decision.found_inf(device)
             if scaler_found_inf is not None:
                 found_inf = torch.maximum(found_inf, scaler_found_inf.to(device, torch.float32))
-            return _step_with(inner, found_inf, self.__dict__.get("grad_scale"))
-        if bool(decision.skip):  # the one host read of optimizers without found_inf
-            return None
-        return inner.step()
+            _step_with(inner, found_inf, self.__dict__.get("grad_scale"))
+            return loss
+        if not bool(decision.skip):  # the one host read of optimizers without found_inf
+            inner.step()
+        return loss
 
 
 def _params_device(optimizer: torch.optim.Optimizer) -> torch.device:

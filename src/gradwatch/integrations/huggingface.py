@@ -34,6 +34,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gradwatch.config import WatchConfig
+from gradwatch.guard import GuardedOptimizer
 from gradwatch.integrations.common import log_figures
 from gradwatch.watcher import GradWatch
 
@@ -70,6 +71,8 @@ class GradWatchCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if self.watch is None and model is not None and self.config.enabled:
             self.watch = GradWatch(model, self.config)
+            if self.config.guard:
+                self._guard(kw.get("optimizer"))
         if self.watch is None or not args.max_grad_norm > 0:
             return
         self._state = state
@@ -109,6 +112,17 @@ class GradWatchCallback(TrainerCallback):
         if self.watch is not None:
             self.watch.close()
             self.watch = None
+
+    def _guard(self, optimizer: Any) -> None:
+        """``WatchConfig.guard``: the Trainer's optimizer steps through ``watch.guard()``. The
+        Trainer's is accelerate's ``AcceleratedOptimizer``: the torch optimizer inside it is
+        wrapped, so accelerate's GradScaler (fp16) composes with the guard."""
+        assert self.watch is not None
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or isinstance(inner, GuardedOptimizer):
+            return
+        scaler = getattr(optimizer, "scaler", None)
+        optimizer.optimizer = self.watch.guard(inner, scaler=scaler)
 
     # -- the routed clip ----------------------------------------------------------------------
 
