@@ -223,8 +223,17 @@ def test_the_wrapper_passes_everything_through() -> None:
         guarded.load_state_dict(saved)
         guarded.zero_grad()
         assert all(p.grad is None for p in model.parameters())
-        with pytest.raises(ValueError, match="closure"):
-            guarded.step(lambda: 0.0)
+        # A closure (Lightning's) is evaluated once, before the decision; its loss returned.
+        calls: list[int] = []
+
+        def closure() -> torch.Tensor:
+            calls.append(1)
+            _backward(model, 1, nan=True)
+            return torch.tensor(2.5)
+
+        before = _state(model, opt)
+        assert float(guarded.step(closure)) == 2.5 and calls == [1]
+        assert _same(before, _state(model, opt))  # the closure's NaN gradients: skipped
 
 
 def test_guard_needs_something_to_skip_and_reads_the_environment(
