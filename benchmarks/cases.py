@@ -35,6 +35,8 @@ DDP_OVERHEAD_TARGET = Target(3, "%")
 #: a 2-rank DDP step with the per-rank view (rank_view=True) within +2% of the step watched
 #: without it
 RANK_VIEW_TARGET = Target(2, "%")
+#: the guarded DDP step (watch.guard, fused optimizer) within +2% of the unguarded one
+GUARD_TARGET = Target(2, "%")
 #: a 2-rank DDP step with 20 scrapers on the endpoint within +5% of the step without them
 SCRAPERS_TARGET = Target(5, "%")
 #: Spike detection's host cost in ``result()``, as a share of ``result()`` (10,000 parameters).
@@ -313,6 +315,7 @@ class Plan:
     spike_rounds: int = 30  # result() calls timed by the spike-detection case
     scale_worlds: tuple[int, ...] = (8, 64, 1024, 16384)  # simulated ranks (benchmarks/scale.py)
     rank_view_blocks: int = 300  # palindromic blocks of the per-rank view section
+    guard_blocks: int = 300  # palindromic blocks of the guard section
 
 
 def full_plan() -> Plan:
@@ -348,4 +351,5 @@ def quick_plan() -> Plan:
         spike_rounds=3,
         scale_worlds=(8,),
         rank_view_blocks=2,
+        guard_blocks=2,
     )
