@@ -269,3 +269,43 @@ def test_a_disabled_watch_guards_nothing() -> None:
         _backward(model, 0, nan=True)
         guarded.step()
     assert all(torch.isnan(p).any() for p in model.parameters())
+
+
+def test_steps_the_schedule_skips_are_guarded_too() -> None:
+    """``every_n_steps=3``: collects 1 and 2 publish nothing, yet the guard decides on every
+    step (a pass without snapshot), and the next snapshot counts the skip between them."""
+    param = nn.Parameter(torch.zeros(3))
+    model = nn.Module()
+    model.p = param
+    opt = torch.optim.SGD([param], lr=0.1, fused=True)
+    with GradWatch(model, WatchConfig(every_n_steps=3)) as watch:
+        guarded = watch.guard(opt)
+        for step in range(4):
+            param.grad = torch.full((3,), math.nan if step == 1 else 1.0)
+            before = param.detach().clone()
+            guarded.step()
+            assert torch.equal(before, param) == (step == 1), step
+        last = watch.last
+    assert last is not None and last.step == 3
+    assert last.skipped_steps == {"nonfinite": 1, "spike": 0}
+
+
+def test_top_shows_the_guard_counters() -> None:
+    from gradwatch.cli.endpoint import parse_exposition
+    from gradwatch.cli.render import skipped_text
+
+    text = (
+        "gradwatch_step 7\n"
+        'gradwatch_skipped_steps_total{reason="nonfinite"} 2\n'
+        'gradwatch_skipped_steps_total{reason="spike"} 1\n'
+        "gradwatch_consecutive_skipped_steps 2\n"
+        "gradwatch_guard_stopped 1\n"
+    )
+    view = parse_exposition(text)
+    assert view.skipped_steps == {"nonfinite": 2, "spike": 1}
+    assert (view.consecutive_skipped_steps, view.guard_stopped) == (2, True)
+    shown = skipped_text(view).plain
+    assert "guard-skipped steps 3 (nonfinite 2, spike 1)" in shown
+    assert "2 in a row" in shown and "GUARD STOPPED" in shown
+    unguarded = parse_exposition("gradwatch_step 7\n")
+    assert unguarded.guard_stopped is None and skipped_text(unguarded).plain == ""
