@@ -227,10 +227,14 @@ class StepGuard:
         window = self._window
         x = torch.log(total)
         sample = ~nonfinite & (total > 0)
-        # nanquantile(0.5) averages the two middle samples of an even count, as the host
-        # detector's median does (torch.nanmedian would take the lower one).
-        median = torch.nanquantile(window, 0.5)
-        mad = torch.nanquantile((window - median).abs(), 0.5)
+        # The median of the n samples: sorted, empty (NaN) slots last; the mean of the two
+        # middle ones for an even n, as the host detector's (torch.nanmedian takes the lower).
+        middle = torch.clamp(self._samples, max=float(self.policy.window)).sub(1.0)
+        middle = torch.clamp(torch.stack((middle, middle + 1.0)).div_(2.0).floor_(), min=0.0)
+        middle = middle.to(torch.int64)
+        median = torch.sort(window).values.index_select(0, middle).mean()
+        deviations = torch.sort((window - median).abs()).values
+        mad = deviations.index_select(0, middle).mean()
         score = (x - median) / torch.clamp(mad * MAD_TO_SIGMA, min=MIN_LOG_SPREAD)
         defined = sample & (self._samples >= self.policy.warmup)
         score = torch.where(defined, score, math.nan)
