@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,7 @@ from torch import Tensor
 from gradwatch.config import WatchConfig
 from gradwatch.reduce import ReducedVector, _wait_event
 from gradwatch.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD
-from gradwatch.stats import BANDS, banded_total_device
+from gradwatch.stats import BANDS, HIGH_SHIFT, LOW_SHIFT
 
 __all__ = ["GuardDecision", "GuardPolicy", "GuardReading", "GuardedOptimizer", "StepGuard"]
 
@@ -63,9 +64,13 @@ log = logging.getLogger("gradwatch")
 #: The reasons of ``gradwatch_skipped_steps_total``, in decision-vector order.
 SKIP_REASONS = ("nonfinite", "spike")
 
-# Offsets of the decision vector (float64, on the reduce device).
-_SKIP, _NONFINITE, _SPIKE, _SCORE, _CONSECUTIVE, _STOPPED, _TOTALS = range(7)
-_DECISION_LENGTH = _TOTALS + len(SKIP_REASONS)
+#: ``ln`` of the largest float64: a larger whole-model norm reads +Inf (non-finite) elsewhere.
+_LN_FLOAT64_MAX = math.log(sys.float_info.max)
+
+# Offsets of the decision vector (float64): whether the step is skipped, whether it would
+# be for a non-finite gradient, for a spike, for either; the score, the consecutive skips,
+# the steps skipped so far and those skipped for a non-finite gradient.
+_SKIP, _NONFINITE, _SPIKE, _WANT, _SCORE, _CONSECUTIVE, _SKIPPED, _SKIPPED_NONFINITE = range(8)
 
 
 @dataclass(frozen=True)
@@ -119,12 +124,15 @@ class GuardReading:
         skipped = None
         if values[_SKIP] > 0:
             skipped = "nonfinite" if values[_NONFINITE] > 0 else "spike"
+        skipped_all, skipped_nonfinite = int(values[_SKIPPED]), int(values[_SKIPPED_NONFINITE])
         return cls(
             skipped=skipped,
             consecutive=int(values[_CONSECUTIVE]),
-            stopped=values[_STOPPED] > 0,
+            stopped=values[_WANT] > 0 and not values[_SKIP] > 0,
             score=float(values[_SCORE]),
-            totals={r: int(values[_TOTALS + k]) for k, r in enumerate(SKIP_REASONS)},
+            totals=dict(
+                zip(SKIP_REASONS, (skipped_nonfinite, skipped_all - skipped_nonfinite), strict=True)
+            ),
         )
 
     def snapshot_fields(self) -> dict[str, Any]:
@@ -138,16 +146,22 @@ class GuardReading:
 
 
 class GuardDecision:
-    """One step's decision: the device tensors the optimizer step uses, and a host copy that
-    the snapshot reads later, off the training thread (on CUDA a non-blocking copy to pinned
-    memory and an event, as :class:`~gradwatch.reduce.ReducedVector` does)."""
+    """One step's decision: the device tensor the optimizer step uses (``skip``), and a host
+    copy of the whole decision that the snapshot reads later, off the training thread.
 
-    def __init__(self, vector: Tensor, timeout: float) -> None:
-        self.vector = vector
-        self.skip = vector[_SKIP]
+    ``parts``: the decision's 0-dim tensors, in decision-vector order; tensors
+    the guard never writes again (it replaces its state each step), so on the CPU they are
+    packed only when read; on CUDA they are packed at once and copied, non-blocking, to pinned
+    memory with an event, as :class:`~gradwatch.reduce.ReducedVector` does.
+    """
+
+    def __init__(self, skip: Tensor, parts: Sequence[Tensor], timeout: float) -> None:
+        self.skip = skip
+        self._parts = tuple(parts)
         self._timeout = timeout
         self._reading: GuardReading | None = None
-        if vector.device.type != "cpu":  # CUDA path, untested on this project's machines
+        if skip.device.type != "cpu":  # CUDA path, untested on this project's machines
+            vector = _pack(self._parts)
             self._pinned = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
             self._pinned.copy_(vector, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -161,13 +175,18 @@ class GuardDecision:
         """Read the decision to the host (once; waits at most ``collective_timeout_seconds``
         for the device on CUDA)."""
         if self._reading is None:
-            if self.vector.device.type != "cpu":
+            if self.skip.device.type != "cpu":
                 _wait_event(self._event, self._timeout, "the guard's decision")
                 values = self._pinned.tolist()
             else:
-                values = self.vector.tolist()
+                values = _pack(self._parts).tolist()
             self._reading = GuardReading.from_values(values)
         return self._reading
+
+
+def _pack(parts: Sequence[Tensor]) -> Tensor:
+    """The decision vector (float64) of the 0-dim parts."""
+    return torch.stack([t.to(torch.float64) for t in parts])
 
 
 class StepGuard:
@@ -187,57 +206,62 @@ class StepGuard:
         self._timeout = timeout
         f64 = {"dtype": torch.float64, "device": device}
         self._window = torch.full((policy.window,), math.nan, **f64)
-        self._samples = torch.zeros((), **f64)
+        self._samples = torch.zeros((), dtype=torch.int64, device=device)
+        # the two middle positions of a sorted window of n samples: (n - 1) // 2 and n // 2
+        self._middle_offsets = torch.tensor([-1, 0], dtype=torch.int64, device=device)
         self._consecutive = torch.zeros((), **f64)
-        self._totals = torch.zeros(len(SKIP_REASONS), **f64)
+        self._skipped = torch.zeros((), **f64)  # every skip so far
+        self._skipped_nonfinite = torch.zeros((), **f64)  # the non-finite ones
         self._nan = torch.full((), math.nan, **f64)
+        self._zero = torch.zeros((), **f64)
+        # ln of each band's scale: ln(total^2) = logsumexp(ln(band sums) + these)
+        self._band_logs = torch.tensor(
+            [0.0, HIGH_SHIFT * math.log(2.0), -LOW_SHIFT * math.log(2.0)], **f64
+        )
         self._logged: set[str] = set()
 
     def decide(self, reduced: ReducedVector) -> GuardDecision:
         """This step's decision from its reduced vector; updates the state. No host read."""
         policy = self.policy
-        bands = reduced.device_bands()
-        total = banded_total_device(bands, bands.numel() // BANDS)
-        nonfinite = (reduced.device_nonfinite().sum() > 0) | ~torch.isfinite(total)
-        measured = ~torch.isnan(reduced.device_step())
+        # ln(norm) straight from the bands (a few ops, never outside float64): -inf for a zero
+        # norm, NaN or +inf when a gradient was non-finite.
+        sums = reduced.device_bands().view(BANDS, -1).sum(dim=1)
+        log_norm = torch.logsumexp(sums.log() + self._band_logs, dim=0) * 0.5
+        nonfinite = (reduced.device_nonfinite().sum() > 0) | ~(log_norm < _LN_FLOAT64_MAX)
+        step = reduced.device_step()
+        measured = step == step  # NaN: some rank's local pass failed
         want_nonfinite = nonfinite if self._skip_nonfinite else torch.zeros_like(nonfinite)
         score = self._nan
-        want_spike = torch.zeros_like(nonfinite)
         if policy.skip_spike_score is not None:
-            score, want_spike = self._spike(total, nonfinite, policy.skip_spike_score)
+            score, want_spike = self._spike(log_norm, nonfinite, policy.skip_spike_score)
+        else:
+            want_spike = torch.zeros_like(nonfinite)
         want = (want_nonfinite | want_spike) & measured
         consecutive = self._consecutive
         limit = float(policy.max_consecutive_skips)
         skip = want & (consecutive < limit)
-        self._consecutive = torch.where(want, torch.clamp(consecutive + 1.0, max=limit), 0.0)
-        by_reason = torch.stack((skip & want_nonfinite, skip & ~want_nonfinite))
-        self._totals = self._totals + by_reason
-        vector = torch.cat(
-            (
-                torch.stack((skip, want_nonfinite, want_spike)).to(torch.float64),
-                torch.stack((score, self._consecutive, (want & ~skip).to(torch.float64))),
-                self._totals,
-            )
-        )
-        return GuardDecision(vector, self._timeout)
+        self._consecutive = torch.where(want, torch.clamp(consecutive + 1.0, max=limit), self._zero)
+        self._skipped = self._skipped + skip
+        self._skipped_nonfinite = self._skipped_nonfinite + (skip & want_nonfinite)
+        parts = (skip, want_nonfinite, want_spike, want, score, self._consecutive,
+                 self._skipped, self._skipped_nonfinite)  # fmt: skip
+        return GuardDecision(skip, parts, self._timeout)
 
-    def _spike(self, total: Tensor, nonfinite: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
-        """The global spike score of ``total`` against the window, whether it spikes, and the
-        window updated with this step's sample (finite, positive norms only)."""
+    def _spike(self, x: Tensor, nonfinite: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
+        """The global spike score of ``x = ln(norm)`` against the window, whether it spikes,
+        and the window updated with this step's sample (finite, positive norms only)."""
         window = self._window
-        x = torch.log(total)
-        sample = ~nonfinite & (total > 0)
+        sample = ~nonfinite & (x > -math.inf)
         # The median of the n samples: sorted, empty (NaN) slots last; the mean of the two
         # middle ones for an even n, as the host detector's (torch.nanmedian takes the lower).
-        middle = torch.clamp(self._samples, max=float(self.policy.window)).sub(1.0)
-        middle = torch.clamp(torch.stack((middle, middle + 1.0)).div_(2.0).floor_(), min=0.0)
-        middle = middle.to(torch.int64)
+        n = torch.clamp(self._samples, max=self.policy.window)
+        middle = (n + self._middle_offsets).div_(2, rounding_mode="floor").clamp_(min=0)
         median = torch.sort(window).values.index_select(0, middle).mean()
         deviations = torch.sort((window - median).abs()).values
         mad = deviations.index_select(0, middle).mean()
         score = (x - median) / torch.clamp(mad * MAD_TO_SIGMA, min=MIN_LOG_SPREAD)
         defined = sample & (self._samples >= self.policy.warmup)
-        score = torch.where(defined, score, math.nan)
+        score = torch.where(defined, score, self._nan)
         self._window = torch.where(sample, torch.cat((window[1:], x.view(1))), window)
         self._samples = self._samples + sample
         return score, defined & (score > threshold)
