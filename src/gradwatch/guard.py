@@ -9,7 +9,8 @@ The decision (:class:`StepGuard`) is a device tensor computed from the step's re
 (:class:`~gradwatch.reduce.ReducedVector`), the same bits on every rank:
 
 * ``nonfinite``: some rank flagged NaN/Inf in some gradient, or the whole-model norm is not
-  finite (``skip_nonfinite``);
+  finite (``skip_nonfinite``); ``ln(norm)`` comes straight from the reduced bands,
+  ``0.5 * logsumexp(ln(band sums) + ln(band scales))``, which never leaves float64;
 * ``spike``: ``score = (ln(norm) - m) / max(1.4826 * MAD, 0.05)`` exceeds
   ``skip_spike_score``, where ``m`` and MAD are the median and median absolute deviation of the
   last ``spike_window`` samples of ``ln(norm)``, kept on the device in a shift register (the
