@@ -487,7 +487,8 @@ class GradWatch:
         decision on every rank, with no host read for ``fused=True`` optimizers; see
         :mod:`gradwatch.guard`. ``scaler``: the GradScaler, when the loop uses one (the guard's
         own collects then see unscaled norms; non-finite steps are the scaler's skips). From
-        now on every collect decides."""
+        now on every collect decides, and :meth:`attach` hooks no longer collect (the guard
+        does, before the optimizer's step)."""
         policy = GuardPolicy.from_config(self.config)
         if self._enabled and self._step_guard is None:
             self._step_guard = StepGuard(
@@ -511,8 +512,10 @@ class GradWatch:
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
         step = self._optimizer_steps
         self._optimizer_steps += 1
-        if self._clipped_step == step:
-            return  # clip_grad_norm_ already collected this step (pre-clip)
+        if self._clipped_step == step or self._step_guard is not None:
+            # clip_grad_norm_ already collected this step (pre-clip), or the guard collects
+            # before its step (a collect in the optimizer's own step would decide too late)
+            return
         self.collect(step, scaler=scaler, optimizer=optimizer)
 
     def _guarded(

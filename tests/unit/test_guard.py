@@ -309,3 +309,23 @@ def test_top_shows_the_guard_counters() -> None:
     assert "2 in a row" in shown and "GUARD STOPPED" in shown
     unguarded = parse_exposition("gradwatch_step 7\n")
     assert unguarded.guard_stopped is None and skipped_text(unguarded).plain == ""
+
+
+def test_attach_and_guard_collect_once_per_step() -> None:
+    """An attached optimizer's pre-step hook would collect inside the guarded step, after the
+    decision: with a guard it leaves the collect to the guard (one per step, on time)."""
+    param = nn.Parameter(torch.zeros(3))
+    model = nn.Module()
+    model.p = param
+    opt = torch.optim.SGD([param], lr=0.1, fused=True)
+    with GradWatch(model, WatchConfig()) as watch:
+        watch.attach(opt)
+        guarded = watch.guard(opt)
+        for step in range(3):
+            param.grad = torch.full((3,), math.nan if step == 1 else 1.0)
+            before = param.detach().clone()
+            guarded.step()
+            assert torch.equal(before, param) == (step == 1), step
+        last = watch.last
+    assert last is not None and last.step == 2
+    assert last.skipped_steps == {"nonfinite": 1, "spike": 0}
