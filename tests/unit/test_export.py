@@ -1435,7 +1435,7 @@ def test_collector_output_is_unchanged_on_a_fixed_snapshot(
     assert _without_families(text, SPIKE_FAMILIES) == GOLDEN_EXPOSITION
 
 
-#: Families added after the golden exposition was recorded (tested in test_spikes.py).
+#: Families added after the golden exposition was recorded (tested in test_spikes.py and below).
 SPIKE_FAMILIES = (
     "gradwatch_global_grad_norm_spike_score",
     "gradwatch_grad_norm_spike_score",
@@ -1444,6 +1444,10 @@ SPIKE_FAMILIES = (
     "gradwatch_nonfinite_group_steps",
     "gradwatch_global_grad_norm_per_step",
     "gradwatch_grad_norm_per_step",
+    # the optimizer-step guard (tested in test_guard_metrics_come_from_the_guarded_snapshots)
+    "gradwatch_skipped_steps",
+    "gradwatch_consecutive_skipped_steps",
+    "gradwatch_guard_stopped",
 )
 
 
