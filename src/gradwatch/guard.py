@@ -228,13 +228,14 @@ class StepGuard:
         # norm, NaN or +inf when a gradient was non-finite.
         sums = reduced.device_bands().view(BANDS, -1).sum(dim=1)
         log_norm = torch.logsumexp(sums.log() + self._band_logs, dim=0) * 0.5
-        nonfinite = (reduced.device_nonfinite().sum() > 0) | ~(log_norm < _LN_FLOAT64_MAX)
+        finite = (log_norm < _LN_FLOAT64_MAX) & (reduced.device_nonfinite().sum() == 0)
+        nonfinite = ~finite
         step = reduced.device_step()
         measured = step == step  # NaN: some rank's local pass failed
         want_nonfinite = nonfinite if self._skip_nonfinite else torch.zeros_like(nonfinite)
         score = self._nan
         if policy.skip_spike_score is not None:
-            score, want_spike = self._spike(log_norm, nonfinite, policy.skip_spike_score)
+            score, want_spike = self._spike(log_norm, finite, policy.skip_spike_score)
         else:
             want_spike = torch.zeros_like(nonfinite)
         want = (want_nonfinite | want_spike) & measured
@@ -248,11 +249,11 @@ class StepGuard:
                  self._skipped, self._skipped_nonfinite)  # fmt: skip
         return GuardDecision(skip, parts, self._timeout)
 
-    def _spike(self, x: Tensor, nonfinite: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
+    def _spike(self, x: Tensor, finite: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
         """The global spike score of ``x = ln(norm)`` against the window, whether it spikes,
         and the window updated with this step's sample (finite, positive norms only)."""
         window = self._window
-        sample = ~nonfinite & (x > -math.inf)
+        sample = finite & (x > -math.inf)
         # The median of the n samples: sorted, empty (NaN) slots last; the mean of the two
         # middle ones for an even n, as the host detector's (torch.nanmedian takes the lower).
         n = torch.clamp(self._samples, max=self.policy.window)
@@ -265,7 +266,7 @@ class StepGuard:
         score = torch.where(defined, score, self._nan)
         self._window = torch.where(sample, torch.cat((window[1:], x.view(1))), window)
         self._samples = self._samples + sample
-        return score, defined & (score > threshold)
+        return score, score > threshold  # NaN (undefined) is never above it
 
     def report(self, reading: GuardReading, step: int, rank: int) -> None:
         """Log a skip (the first of each reason) and the guard stopping (each time it starts
