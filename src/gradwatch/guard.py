@@ -31,7 +31,8 @@ rank's own norms of DDP's already reduced gradients, which are bitwise identical
 later op is a deterministic function of those values and of the guard's own device state,
 which starts equal and is updated by the same ops on every rank.
 
-Sync behaviour: no host read and no collective. With an optimizer that accepts ``found_inf``
+Sync behaviour: no host read and no collective of its own (the collect it uses makes its usual
+one, or none under plain DDP). With an optimizer that accepts ``found_inf``
 (``fused=True`` Adam, AdamW, SGD: ``_step_supports_amp_scaling``) the decision is handed to it
 as ``found_inf`` the way ``torch.amp.GradScaler`` does, so the kernel skips the update on the
 device and the step counters are restored (``step += 1 - found_inf``). Any other optimizer
