@@ -329,3 +329,12 @@ def test_attach_and_guard_collect_once_per_step() -> None:
         last = watch.last
     assert last is not None and last.step == 2
     assert last.skipped_steps == {"nonfinite": 1, "spike": 0}
+
+
+def test_a_noop_watch_returns_the_optimizer_itself() -> None:
+    import gradwatch
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert gradwatch.NoOpWatch(model).guard(opt) is opt
+    assert gradwatch.GuardedOptimizer is GuardedOptimizer
