@@ -135,6 +135,7 @@ class GradWatch:
         self._enabled = cfg.enabled
         self._step_guard: StepGuard | None = None  # guard(): decides on every collect
         self._decision: GuardDecision | None = None  # the last collect's, until step() takes it
+        self._collected = False  # a collect ran (or failed) since the last guarded step
         if not self._enabled:
             self._inert(model)
             return
@@ -502,11 +503,11 @@ class GradWatch:
         last guarded step. None when the step was not measured (the guard does not act)."""
         if self._step_guard is None:
             return None
-        if self._decision is None:
-            step = self._next_step
+        if not self._collected:  # a failed collect counts: collecting again would add a
+            step = self._next_step  # collective the other ranks do not issue
             self._next_step = step + 1
             self._guarded(step, scaler, optimizer, None)
-        decision, self._decision = self._decision, None
+        decision, self._decision, self._collected = self._decision, None, False
         return decision
 
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
@@ -537,6 +538,7 @@ class GradWatch:
             return self._pending_last(step), None
         started = time.perf_counter()
         issued = self._reducer.issued
+        self._collected = True
         self._attempts += 1
         attempt = self._attempts
         # Decided before anything can fail, from counts equal on every rank: whether this

@@ -338,3 +338,40 @@ def test_a_noop_watch_returns_the_optimizer_itself() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert gradwatch.NoOpWatch(model).guard(opt) is opt
     assert gradwatch.GuardedOptimizer is GuardedOptimizer
+
+
+def test_a_failed_collect_is_not_retried_and_the_step_is_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A collect that fails leaves no decision: the guarded step applies the update (a guard
+    that cannot see does not act) and does not collect again (another collective would be one
+    the other ranks do not issue)."""
+    param = nn.Parameter(torch.zeros(3))
+    model = nn.Module()
+    model.p = param
+    opt = torch.optim.SGD([param], lr=0.1, fused=True)
+    with GradWatch(model, WatchConfig()) as watch:
+        guarded = watch.guard(opt)
+        param.grad = torch.full((3,), math.nan)
+        engine = watch._engine
+
+        def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(engine, "squared_norms_and_plan", broken)
+        watch.collect(0)  # fails (logged, counted), no decision
+        calls: list[tuple] = []
+        real_guarded = watch._guarded
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(args)
+            return real_guarded(*args, **kwargs)
+
+        monkeypatch.setattr(watch, "_guarded", counted)
+        guarded.step()
+        assert calls == []  # not collected again
+        assert torch.isnan(param).all()  # applied: nothing was measured
+        monkeypatch.undo()
+        param.data.zero_()
+        guarded.step()  # the next step collects (it works again) and skips the NaN
+        assert torch.equal(param, torch.zeros(3))
