@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks import zero_bench
 from benchmarks.cases import (
     DDP_OVERHEAD_TARGET,
     FLOAT64_COPIES_ELEMENTS,
@@ -857,6 +858,8 @@ def render(run: RunResults) -> str:
         dist_text + "\n",
         "## Per-rank view and the DDP path (2 ranks, gloo, CPU)\n",
         rank_view_text,
+        "## DeepSpeed ZeRO-2: collect against DeepSpeed's own norm (2 ranks, gloo, CPU)\n",
+        zero_bench.text(run.zero),
         "## The optimizer-step guard (2 ranks, gloo, CPU)\n",
         guard_text,
         "## Construction at scale (simulated ranks, one core)\n",

@@ -37,6 +37,7 @@ from benchmarks import (  # noqa: E402
     rankview_bench,
     report,
     scale,
+    zero_bench,
 )
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
 from benchmarks.results import Failure, RunResults  # noqa: E402
@@ -102,6 +103,7 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
                 plan.rank_view_blocks, rankview_bench.LOOP_KINDS, collect_only=True)))
         run.guard = section("guard", lambda: _reported(
             lambda: guard_bench.guard(plan.guard_blocks)))
+        run.zero = section("deepspeed zero-2", lambda: zero_bench.measure(plan.zero_rounds))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))
             for sp in plan.scrapers])
