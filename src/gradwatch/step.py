@@ -26,6 +26,7 @@ from gradwatch.clip import clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError
 from gradwatch.failures import Failures, Replaced
+from gradwatch.guard import GuardDecision, GuardPolicy, StepGuard
 from gradwatch.reduce import ReducedVector
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import Resolved
@@ -110,6 +111,9 @@ class Collector:
         self.summarizer = summarizer
         self.reporter = reporter
         self.isolated: tuple[str, ...] = tuple(cfg.isolated)
+        self.guard: StepGuard | None = None  # GradWatch.guard(): decides on every collect
+        self.decision: GuardDecision | None = None  # the last collect's, until step() takes it
+        self._collected = False  # a collect ran (or failed) since the last guarded step
         self.latest: PendingSnapshot | None = None
         self.closed = False
         # Where a new pending result goes with its collect's duration (rank 0's publisher)
@@ -189,11 +193,33 @@ class Collector:
         def collect(scaler: Any, optimizer: Any) -> None:
             step = self._optimizer_steps
             self._optimizer_steps += 1
-            if self._clipped_step == step:
-                return  # clip_grad_norm_ already collected this step (pre-clip)
+            if self._clipped_step == step or self.guard is not None:
+                # clip_grad_norm_ already collected this step (pre-clip), or the guard collects
+                # before its step (a collect in the optimizer's own step would decide too late)
+                return
             self.collect(step, scaler, optimizer, None)
 
         return collect
+
+    def start_guard(self, scaler: Any) -> None:
+        """From now on every collect decides whether the optimizer steps (see
+        :meth:`gradwatch.watcher.GradWatch.guard`)."""
+        policy = GuardPolicy.from_config(self.cfg)
+        if self.guard is None:
+            self.guard = StepGuard(
+                policy, self.resolved.reducer.device, self.cfg.collective_timeout_seconds,
+                amp=scaler is not None and scaler.is_enabled(),
+            )
+
+    def guard_decision(self, scaler: Any, optimizer: Any) -> GuardDecision | None:
+        """The decision of this step's collect; collects first when none was made since the
+        last guarded step. None when the step was not measured (the guard does not act)."""
+        if self.guard is None:
+            return None
+        if not self._collected:  # a failed collect counts: collecting again would add a
+            self.collect(self._next_step, scaler, optimizer, None)  # collective others lack
+        decision, self.decision, self._collected = self.decision, None, False
+        return decision
 
     def _collect(
         self,
@@ -206,7 +232,7 @@ class Collector:
         skipped = step % self.cfg.every_n_steps != 0
         if self.broken:
             return Collected(not_measured(step, f"collection stopped: {self.broken}"))
-        if self.closed or (skipped and max_norm is None):
+        if self.closed or (skipped and max_norm is None and self.guard is None):
             return Collected(self._pending_last(step))
         zero = self.resolved.zero
         if zero is not None:
@@ -219,6 +245,7 @@ class Collector:
         started = time.perf_counter()
         reducer = self.resolved.reducer
         issued = reducer.issued
+        self._collected = True
         self.attempts += 1
         attempt = self.attempts
         # Decided before anything can fail, from counts equal on every rank: whether this
@@ -237,7 +264,8 @@ class Collector:
         except Exception as exc:  # never-crash boundary: monitoring never crashes training
             self.failures.last_failed_attempt = attempt
             why = self.failures.failed(
-                step, exc, issued, clip=max_norm is not None, with_replicas=measure
+                step, exc, issued, clip=max_norm is not None or self.guard is not None,
+                with_replicas=measure,
             )
             return Collected(not_measured(step, why))
         if skipped:
@@ -269,13 +297,15 @@ class Collector:
             if local is not None:
                 local = local / (scale64 * scale64).to(local.device)
         has_grad = [g is not None for g in grads.tensors]
+        guard = self.guard  # decides on the device: the job's backend, like a clip
         reduced = r.reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
-            device_collective=max_norm is not None,
+            device_collective=max_norm is not None or guard is not None,
         )
         total = None
         if max_norm is not None:
             total = clip_grads_(reduced, max_norm, grads, plan)
+        decision = self.decision = guard.decide(reduced) if guard is not None else None
         collected = CollectedStep(
             step=step,
             timestamp=time.time(),
@@ -288,6 +318,8 @@ class Collector:
             # This rank's local squares (a fresh tensor, never written again: holding it costs
             # no op), for the audit's local-norm diagnosis (read in result(), once audited).
             local_sq=sq if r.world_size > 1 else None,
+            guard=guard,
+            decision=decision,
         )
         return PendingSnapshot(step, lambda: self._build(reduced, collected)), total
 

@@ -24,6 +24,7 @@ from gradwatch.audit import NormAuditor, parallel_factors
 from gradwatch.bands import BANDS, norm_from_bands
 from gradwatch.clip import clip_coefficient
 from gradwatch.config import WatchConfig, ratio_key
+from gradwatch.guard import GuardDecision, StepGuard
 from gradwatch.rankview import NoiseScale, rank_view_fields
 from gradwatch.reduce import ReducedStats
 from gradwatch.reporter import Reporter
@@ -218,6 +219,8 @@ class CollectedStep:
     amp: bool = False
     batch_size: int | None = None
     local_sq: Tensor | None = None  # this rank's squares, for the audit's local-norm diagnosis
+    guard: StepGuard | None = None  # GradWatch.guard(): its decision on this step
+    decision: GuardDecision | None = None
 
 
 class Summarizer:
@@ -279,6 +282,10 @@ class Summarizer:
             changes["clip_coef"] = clip_coefficient(step.max_norm, snap.global_norm)
         if step.amp and not snap.is_finite:
             changes["amp_skipped"] = True
+        if step.decision is not None and step.guard is not None:
+            reading = step.decision.reading()
+            changes.update(reading.snapshot_fields())
+            step.guard.report(reading, step.step, r.rank)
         if stats.rank_view is not None:
             changes.update(
                 rank_view_fields(
