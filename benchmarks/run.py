@@ -30,7 +30,16 @@ if str(ROOT) not in sys.path:  # run as a script: make the `benchmarks` package 
 
 import torch  # noqa: E402
 
-from benchmarks import distributed, measure, rankview_bench, report, scale  # noqa: E402
+from benchmarks import (  # noqa: E402
+    distributed,
+    fsdp1_bench,
+    guard_bench,
+    measure,
+    rankview_bench,
+    report,
+    scale,
+    zero_bench,
+)
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
 from benchmarks.results import Failure, RunResults  # noqa: E402
 
@@ -93,6 +102,11 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
         run.rank_view_loop = section("rank view, collect only", lambda: _reported(
             lambda: rankview_bench.rank_view(
                 plan.rank_view_blocks, rankview_bench.LOOP_KINDS, collect_only=True)))
+        run.fsdp1 = section("fsdp1", lambda: fsdp1_bench.fsdp1(
+            plan.fsdp1_rounds, plan.fsdp1_width))
+        run.guard = section("guard", lambda: _reported(
+            lambda: guard_bench.guard(plan.guard_blocks)))
+        run.zero = section("deepspeed zero-2", lambda: zero_bench.measure(plan.zero_rounds))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))
             for sp in plan.scrapers])

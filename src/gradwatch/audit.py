@@ -91,13 +91,18 @@ def parallel_factors(parallelism: str, world_size: int) -> dict[str, int]:
     :func:`gradwatch.model.describe_parallelism`): ``{"world": 4, "shards": 2, "tp": 2}``..."""
     out: dict[str, int] = {"world": world_size} if world_size > 1 else {}
     for part in parallelism.split("+"):
-        hsdp = re.fullmatch(r"hsdp(\d+)x(\d+)", part)
+        hsdp = re.fullmatch(r"(?:fsdp1)?hsdp(\d+)x(\d+)", part)
         if hsdp:
             out["replicas"], out["shards"] = int(hsdp.group(1)), int(hsdp.group(2))
             continue
-        m = re.fullmatch(r"(fsdp2x|ddp|replicated|dp|tp|pp|ep|cp)(\d+)", part)
+        zero = re.fullmatch(r"zero([0-3])x(\d+)", part)  # DeepSpeed: stage 0 replicates
+        if zero:
+            out["replicas" if zero.group(1) == "0" else "shards"] = int(zero.group(2))
+            continue
+        m = re.fullmatch(r"(fsdp2x|fsdp1x|fsdp1noshard|ddp|replicated|dp|tp|pp|ep|cp)(\d+)", part)
         if m:
-            kind = {"fsdp2x": "shards", "ddp": "replicas", "replicated": "replicas"}.get(
+            kind = {"fsdp2x": "shards", "fsdp1x": "shards", "fsdp1noshard": "replicas",
+                    "ddp": "replicas", "replicated": "replicas"}.get(
                 m.group(1), m.group(1)
             )
             out[kind] = int(m.group(2))
@@ -128,7 +133,9 @@ def diagnose(
     In order: this rank's local norm (an exact match when ``local`` is given and differs from
     ``exact``), ``1/sqrt(n)`` for a count of shards, replicas or ranks, ``sqrt(tp)`` and ``tp``,
     ``sqrt(n)`` for replicas (a norm reduced over identical replicas), ``2`` or the world size
-    (gradients reduced twice), and a bf16-rounded norm.
+    (gradients reduced twice), and a bf16-rounded norm. Only causes possible in the job's
+    parallelism are named: each needs its factor in ``factors`` (a single process has none, so
+    no cross-rank cause: a 2x there is left unexplained rather than blamed on a reduction).
     """
 
     def near(target: float) -> bool:
@@ -169,8 +176,9 @@ def diagnose(
                 f"ratio {ratio:.4g} matches sqrt({n}) ({n} {kind}): the squared norm summed over "
                 "replicas that already hold the same (reduced) gradient"
             )
-    world = factors.get("world") or factors.get("replicas")
-    if near(2.0) or (world and near(float(world))):
+    # A second reduction needs ranks to reduce over: in a single process it cannot happen.
+    world = factors.get("world")
+    if world and (near(2.0) or near(float(world))):
         factor = 2 if near(2.0) else world
         return (
             f"ratio {ratio:.4g} matches {factor}: gradients reduced twice (e.g. already averaged "

@@ -230,6 +230,23 @@ class WatchConfig(BaseSettings):
         batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
             scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
             in per-replica batches.
+
+    The optimizer-step guard (``watch.guard(optimizer)``, :mod:`gradwatch.guard`); ranks must
+    agree (checked by the handshake):
+
+    Attributes:
+        skip_nonfinite: the guard skips a step whose gradients hold NaN or Inf anywhere in the
+            whole model.
+        skip_spike_score: the guard skips a step whose global spike score (the robust
+            deviations of ``ln(global norm)`` above the median of its last ``spike_window``
+            samples, computed on the device) exceeds this; ``None`` (the default): no spike
+            skips.
+        max_consecutive_skips: after this many consecutive skipped steps the guard stops
+            skipping (it applies the next bad steps, ``gradwatch_guard_stopped`` is 1 and the
+            alert fires) until a step it would not skip re-arms it.
+        guard: the framework integrations (Hugging Face ``GradWatchCallback``, Lightning
+            ``GradWatchCallback``) step the optimizer through ``watch.guard()``; in your own
+            loop call ``watch.guard(optimizer)`` instead.
     """
 
     model_config = SettingsConfigDict(
@@ -273,6 +290,12 @@ class WatchConfig(BaseSettings):
     spike_window: int = Field(default=128, ge=2, le=MAX_SPIKE_WINDOW)
     spike_threshold: float = Field(default=6.0, ge=0.0, allow_inf_nan=False)
     spike_warmup: int = Field(default=32, ge=1, le=MAX_SPIKE_WINDOW)
+
+    # -- the optimizer-step guard (gradwatch.guard) --
+    skip_nonfinite: bool = True
+    skip_spike_score: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    max_consecutive_skips: int = Field(default=10, ge=1, le=MAX_INT)
+    guard: bool = False
 
     @field_validator("spike_warmup")
     @classmethod
@@ -421,6 +444,13 @@ class WatchConfig(BaseSettings):
             "divergence_every",
             "always_reduce",  # which collects all-reduce
             "rank_view",  # the packed vector's rank-view section
+            # the optimizer-step guard: every rank must take the same skip decisions
+            "skip_nonfinite",
+            "skip_spike_score",
+            "max_consecutive_skips",
+            "guard",
+            "spike_window",
+            "spike_warmup",
         )
         payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

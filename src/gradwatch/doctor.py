@@ -2,9 +2,12 @@
 makes no device sync in ``collect()``, allocates nothing gradient-sized, what it costs, and that
 its threading, collective and endpoint work there.
 
-Each check returns a :class:`Check` (PASS/FAIL/SKIP, the measured figure and the threshold it is
-held to). :func:`run_checks` runs them all on one device; the command
-(:mod:`gradwatch.cli.doctor`) prints them. The references are independent of gradwatch's engine:
+Each check returns a :class:`Check` (PASS/FAIL/SKIP/INCONCLUSIVE, the measured figure and the
+threshold it is held to). A verdict never contradicts its own detail: a figure measured on a
+machine too busy to judge it (a cost check whose median/best spread exceeds
+:data:`NOISE_BOUND`) is INCONCLUSIVE, whatever the figure, never PASS or FAIL.
+:func:`run_checks` runs them all on one device; the command (:mod:`gradwatch.cli.doctor`)
+prints them. The references are independent of gradwatch's engine:
 a float64 norm computed chunk by chunk on the CPU, each chunk rescaled by its max-abs and the
 chunk norms combined by ``math.hypot``, so it is exact over float64's whole finite range.
 
@@ -39,6 +42,7 @@ from gradwatch.config import WatchConfig
 from gradwatch.doctor_cuda import cuda_checks
 from gradwatch.doctor_options import (
     FAIL,
+    INCONCLUSIVE,
     PASS,
     SKIP,
     Check,
@@ -358,7 +362,7 @@ def check_memory(device: torch.device, quick: bool) -> Check:
 
 
 #: A method whose median time exceeds its best by more than this factor was measured on a
-#: machine too busy to judge speed: its cost verdict is SKIP (figures still shown).
+#: machine too busy to judge speed: its cost verdict is INCONCLUSIVE (figures still shown).
 NOISE_BOUND = 1.5
 
 
@@ -378,9 +382,11 @@ def _best_times(
 
 
 def _verdict(ratio: float, bound: float, spread: float) -> str:
-    if ratio <= bound:
-        return PASS
-    return SKIP if spread > NOISE_BOUND else FAIL
+    """PASS or FAIL against ``bound``, when the timings allow a verdict (a median/best spread
+    of at most :data:`NOISE_BOUND`); INCONCLUSIVE otherwise, whichever way the ratio points."""
+    if spread > NOISE_BOUND:
+        return INCONCLUSIVE
+    return PASS if ratio <= bound else FAIL
 
 
 def check_cost(device: torch.device, dtype: torch.dtype, quick: bool) -> list[Check]:

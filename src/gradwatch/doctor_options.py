@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+PASS, FAIL, SKIP, INCONCLUSIVE = "PASS", "FAIL", "SKIP", "INCONCLUSIVE"
+#: Every status a check can have: passed, failed, not applicable here (SKIP), or measured but
+#: too noisy for a verdict (INCONCLUSIVE).
+STATUSES = (PASS, FAIL, SKIP, INCONCLUSIVE)
 
 #: ``--dtype`` names -> gradient dtypes.
 DTYPES: dict[str, torch.dtype] = {
@@ -35,7 +38,7 @@ class Check:
     """One line of the doctor's table."""
 
     name: str
-    status: str  # PASS, FAIL or SKIP
+    status: str  # PASS, FAIL, SKIP or INCONCLUSIVE (STATUSES)
     measured: str
     threshold: str
     detail: str = ""

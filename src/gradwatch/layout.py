@@ -66,6 +66,7 @@ from gradwatch.handshake import (
     MAX_COORDS,
     Description,
     Gathered,
+    _flat_rule,
     _placement_rule,
     spec_numel,
     stage_digest,
@@ -549,6 +550,13 @@ def _spec_numels(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
                  mesh_shape: Sequence[int], coords: torch.Tensor, nested: bool) -> torch.Tensor:
     """:func:`spec_numel` at many coordinates at once (``coords``: int64 ``(n, len(spec))``,
     every row valid: the ranks there derived their numel with it); tests hold the two equal."""
+    if (flat := _flat_rule(spec)) is not None:
+        mesh_dim, start, total = flat
+        full = -(-total // mesh_shape[mesh_dim])
+        end = min(start + math.prod(global_shape), total)
+        at = coords[:, 0]
+        return (torch.clamp(full * (at + 1), max=end) - torch.clamp(full * at, min=start)
+                ).clamp(min=0)
     local = [torch.full((coords.shape[0],), s, dtype=torch.int64) for s in global_shape]
     steps = []
     for i, (mesh_dim, placement) in enumerate(spec):

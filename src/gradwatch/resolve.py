@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
 from gradwatch.ddp_hook import GradWatchCommHook, LocalView, attach, detach
 from gradwatch.errors import GradWatchError
+from gradwatch.fsdp1 import Fsdp1GradientReader, Fsdp1Model
+from gradwatch.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.gradients import GradientReader
 from gradwatch.layout import Layout, piece_of
 from gradwatch.model import (
@@ -30,10 +32,10 @@ from gradwatch.model import (
     group_membership,
     group_of,
     named_parameters,
-    reject_fsdp1,
     wrapping_ddp,
 )
 from gradwatch.reduce import Reducer, gradient_device
+from gradwatch.zero import ZeroGradients, find_engine
 
 log = logging.getLogger("gradwatch")
 
@@ -54,7 +56,7 @@ class Resolved:
     slots: ParameterSlots
     rank: int
     world_size: int
-    gradients: GradientReader
+    gradients: GradientReader | ZeroGradients | Fsdp1GradientReader
     reducer: Reducer
     layout: Layout
     groups_of: list[str]
@@ -63,6 +65,10 @@ class Resolved:
     view_groups: tuple[str, ...]
     comm_hook: GradWatchCommHook | None
     local_view: LocalView | None
+    # A DeepSpeed engine's gradient source (gradwatch.zero): its gradients are read from its
+    # partitions, not from .grad; None otherwise.
+    zero: ZeroGradients | None = None
+    fsdp1: Fsdp1Model | None = None  # FSDP1 units (gradwatch.fsdp1), None otherwise
 
 
 def resolve(
@@ -70,8 +76,17 @@ def resolve(
 ) -> Resolved:
     """Resolve ``model`` under ``cfg`` (see :class:`gradwatch.watcher.GradWatch` for the
     arguments); collective on every rank of an initialized process group."""
-    reject_fsdp1(model)
-    names, params = named_parameters(model)
+    # A DeepSpeed engine (gradwatch.zero): its gradients are read from its partitions
+    zero = _zero_source(model)
+    if zero is not None:
+        model = zero.module
+    # FSDP1 units (gradwatch.fsdp1): pieces are the original parameters' slices of the flat
+    # shards, whatever the model's parameters are (flat ones or views)
+    flat = resolve_fsdp1(model) if zero is None else None
+    if flat is None:
+        names, params = named_parameters(model)
+    else:
+        names, params = list(flat.held_names), list(flat.held_params)
     slots = ParameterSlots(model, params, names)
     on_meta = [n for n, p in zip(names, params, strict=True) if p.is_meta]
     if on_meta:
@@ -96,20 +111,25 @@ def resolve(
             "this rank's only; call torch.distributed.init_process_group before GradWatch",
             os.environ["WORLD_SIZE"],
         )
-    gradients = GradientReader(params)
-    ddp = _find_ddp(model, params, cfg, world_size)
+    gradients: GradientReader | ZeroGradients | Fsdp1GradientReader = (
+        zero if zero is not None else flat.reader if flat is not None else GradientReader(params)
+    )
+    # DeepSpeed and FSDP1 reduce the gradients themselves: no DDP to find
+    ddp = _find_ddp(model, params, cfg, world_size) if zero is None and flat is None else None
     view_groups = (*cfg.groups, OTHER_GROUP)
     local_view, comm_hook = _attach_rank_view(ddp, params, names, cfg, view_groups)
     try:
         reducer = Reducer(
-            [piece_of(n, p) for n, p in zip(names, params, strict=True)],
+            zero.pieces() if zero is not None else list(flat.pieces) if flat is not None
+            else [piece_of(n, p) for n, p in zip(names, params, strict=True)],
             version=_version(),
             config_hash=cfg.layout_hash(),
             timeout_seconds=cfg.collective_timeout_seconds,
             stage_group=stage_group,
             rank_view_groups=len(view_groups) if comm_hook is not None else 0,
             synced=not cfg.always_reduce and stage_group is None
-            and ddp_reduces_every_gradient(ddp, params, world_size),
+            and (ddp_reduces_every_gradient(ddp, params, world_size)
+                 or (flat is not None and flat.reduces_every_gradient(world_size))),
             device=gradient_device(params),
         )
     except BaseException:
@@ -136,7 +156,7 @@ def resolve(
             )
     return Resolved(
         params=params,
-        local_names=names,
+        local_names=names if flat is None else list(flat.names),
         slots=slots,
         rank=rank,
         world_size=world_size,
@@ -145,11 +165,26 @@ def resolve(
         layout=layout,
         groups_of=groups_of,
         group_order=group_order,
-        parallelism=describe_parallelism(model, params, world_size, stage_group, process_group),
+        parallelism=zero.label if zero is not None else flat.parallelism(
+            dist.get_world_size(stage_group) if stage_group is not None else None
+        ) if flat is not None else describe_parallelism(
+            model, params, world_size, stage_group, process_group
+        ),
         view_groups=view_groups,
         comm_hook=comm_hook,
         local_view=local_view,
+        zero=zero,
+        fsdp1=flat,
     )
+
+
+def _zero_source(model: nn.Module) -> ZeroGradients | None:
+    """The DeepSpeed engine's gradient source when ``model`` is one or is trained by one
+    (only when the program imported DeepSpeed), else None."""
+    engine = find_engine(model)
+    if engine is None:
+        return None
+    return ZeroGradients(engine, None if model is engine else model)
 
 
 def _find_ddp(

@@ -27,12 +27,14 @@ from gradwatch.collective import capturing
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError
 from gradwatch.failures import Failures, Replaced
+from gradwatch.guard import GuardDecision, GuardPolicy, StepGuard
 from gradwatch.reduce import ReducedVector
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import Resolved
 from gradwatch.snapshot import Snapshot
 from gradwatch.stats import NormEngine, NormPlan
 from gradwatch.summary import CollectedStep, Summarizer
+from gradwatch.zero import ZeroGradients
 
 
 class PendingSnapshot:
@@ -110,6 +112,9 @@ class Collector:
         self.summarizer = summarizer
         self.reporter = reporter
         self.isolated: tuple[str, ...] = tuple(cfg.isolated)
+        self.guard: StepGuard | None = None  # GradWatch.guard(): decides on every collect
+        self.decision: GuardDecision | None = None  # the last collect's, until step() takes it
+        self._collected = False  # a collect ran (or failed) since the last guarded step
         self.latest: PendingSnapshot | None = None
         self.closed = False
         # Where a new pending result goes with its collect's duration (rank 0's publisher)
@@ -155,11 +160,31 @@ class Collector:
 
     def clip(self, step: int | None, scaler: Any, max_norm: float) -> Tensor | None:
         """Collect and clip ``step`` (default: the optimizer-step counter); the whole-model
-        norm, or None when the step was not measured."""
+        norm, or None when the step was not measured. Raises when this setup cannot clip
+        through gradwatch (DeepSpeed: :meth:`gradwatch.zero.ZeroGradients.clip_refusal`)."""
+        zero = self.resolved.zero
+        if zero is not None:
+            refusal = zero.clip_refusal() or zero.off_boundary()
+            if refusal is not None:
+                raise GradWatchError(f"gradwatch: clip_grad_norm_ under DeepSpeed: {refusal}")
         if step is None:
             step = self._optimizer_steps
         self._clipped_step = step
         return self.collect(step, scaler, None, max_norm).total
+
+    def unclipped(self) -> Tensor | None:
+        """Under DeepSpeed, what the last clip returns when gradwatch did not measure it: nothing
+        can be clipped by torch's function (the gradients are not in ``.grad``): logged once,
+        NaN. None otherwise (torch's function clips: :func:`clip_locally`)."""
+        if self.resolved.zero is None:
+            return None
+        self.reporter.log_once(
+            "zero-not-clipped",
+            "gradwatch: step %d was not clipped (collection failed or stopped); DeepSpeed "
+            "steps with unclipped gradients",
+            self._clipped_step,
+        )
+        return torch.tensor(math.nan, dtype=torch.float64)
 
     def hooked(self) -> Callable[[Any, Any], None]:
         """The collect an ``attach()`` hook runs before each optimizer step, numbered by the
@@ -169,11 +194,33 @@ class Collector:
         def collect(scaler: Any, optimizer: Any) -> None:
             step = self._optimizer_steps
             self._optimizer_steps += 1
-            if self._clipped_step == step:
-                return  # clip_grad_norm_ already collected this step (pre-clip)
+            if self._clipped_step == step or self.guard is not None:
+                # clip_grad_norm_ already collected this step (pre-clip), or the guard collects
+                # before its step (a collect in the optimizer's own step would decide too late)
+                return
             self.collect(step, scaler, optimizer, None)
 
         return collect
+
+    def start_guard(self, scaler: Any) -> None:
+        """From now on every collect decides whether the optimizer steps (see
+        :meth:`gradwatch.watcher.GradWatch.guard`)."""
+        policy = GuardPolicy.from_config(self.cfg)
+        if self.guard is None:
+            self.guard = StepGuard(
+                policy, self.resolved.reducer.device, self.cfg.collective_timeout_seconds,
+                amp=scaler is not None and scaler.is_enabled(),
+            )
+
+    def guard_decision(self, scaler: Any, optimizer: Any) -> GuardDecision | None:
+        """The decision of this step's collect; collects first when none was made since the
+        last guarded step. None when the step was not measured (the guard does not act)."""
+        if self.guard is None:
+            return None
+        if not self._collected:  # a failed collect counts: collecting again would add a
+            self.collect(self._next_step, scaler, optimizer, None)  # collective others lack
+        decision, self.decision, self._collected = self.decision, None, False
+        return decision
 
     def _collect(
         self,
@@ -193,14 +240,23 @@ class Collector:
         self.failures.check_group(step)
         if self.broken:
             return Collected(not_measured(step, f"collection stopped: {self.broken}"))
-        if skipped and max_norm is None:
+        if skipped and max_norm is None and self.guard is None:
             return Collected(self._pending_last(step))
         if self.closed and max_norm is None:
             self._stand_in_closed(step)
             return Collected(self._pending_last(step))
+        zero = self.resolved.zero
+        if zero is not None:
+            off = zero.off_boundary()  # identical on every rank: no collective is skipped
+            if off is not None:
+                self.reporter.log_once(
+                    "zero-boundary", "gradwatch: step %d not measured: %s", step, off
+                )
+                return Collected(not_measured(step, off))
         started = time.perf_counter()
         reducer = self.resolved.reducer
         issued = reducer.issued
+        self._collected = True
         self.attempts += 1
         attempt = self.attempts
         # Decided before anything can fail, from counts equal on every rank: whether this
@@ -220,7 +276,8 @@ class Collector:
             self.failures.last_failed_attempt = attempt
             before_issue = reducer.issued == issued
             why = self.failures.failed(
-                step, exc, issued, clip=max_norm is not None, with_replicas=measure
+                step, exc, issued, clip=max_norm is not None or self.guard is not None,
+                with_replicas=measure,
             )
             total = None
             stood_in = before_issue and reducer.issued > issued and self.resolved.world_size > 1
@@ -254,7 +311,7 @@ class Collector:
         # whenever they move): O(buckets), one (device, dtype) each.
         if r.reducer.follow(accelerator_of(plan)):
             sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
-        scale = pending_scale(scaler, optimizer)
+        scale = pending_scale(scaler, optimizer) if r.zero is None else _zero_scale(r.zero)
         local = r.local_view.take() if r.local_view is not None else None
         if scale is not None:
             scale64 = scale.to(sq.device, torch.float64)
@@ -262,13 +319,15 @@ class Collector:
             if local is not None:
                 local = local / (scale64 * scale64).to(local.device)
         has_grad = [g is not None for g in grads.tensors]
+        guard = self.guard  # decides on the device: the job's backend, like a clip
         reduced = r.reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
-            device_collective=max_norm is not None,
+            device_collective=max_norm is not None or guard is not None,
         )
         total = None
         if max_norm is not None:
             total = clip_grads_(reduced, max_norm, grads, plan)
+        decision = self.decision = guard.decide(reduced) if guard is not None else None
         collected = CollectedStep(
             step=step,
             timestamp=time.time(),
@@ -281,6 +340,8 @@ class Collector:
             # This rank's local squares (a fresh tensor, never written again: holding it costs
             # no op), for the audit's local-norm diagnosis (read in result(), once audited).
             local_sq=sq if r.world_size > 1 else None,
+            guard=guard,
+            decision=decision,
         )
         return PendingSnapshot(step, lambda: self._build(reduced, collected)), total
 
@@ -340,6 +401,12 @@ def accelerator_of(plan: NormPlan) -> torch.device | None:
         if bucket.device.type not in ("cpu", "meta"):
             return bucket.device
     return None
+
+
+def _zero_scale(zero: ZeroGradients) -> Tensor | None:
+    """The loss scale DeepSpeed's fp16 optimizer left in the gradients (None: none)."""
+    scale = zero.loss_scale()
+    return None if scale is None else torch.tensor(scale, dtype=torch.float64)
 
 
 def clip_locally(

@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from gradwatch.config import WatchConfig
 from gradwatch.configfile import load_config
 from gradwatch.ddp_hook import detach
+from gradwatch.errors import GradWatchError
+from gradwatch.guard import GuardedOptimizer
 from gradwatch.hooks import before_optimizer_step
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import resolve
@@ -197,6 +199,9 @@ class GradWatch:
             )
         total = self._collector.clip(step, scaler, float(max_norm))
         if total is None:  # collection stopped, or this collect failed
+            unclipped = self._collector.unclipped()
+            if unclipped is not None:
+                return unclipped
             held = self._resolved.slots.current()
             return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -245,7 +250,25 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
+        if self._resolved.zero is not None:
+            raise GradWatchError(
+                "gradwatch: attach() cannot hook a DeepSpeed engine's optimizer (engine.step() "
+                "runs it, after the reduced gradients are consumed): call "
+                "watch.collect(step=...) between engine.backward(loss) and engine.step()"
+            )
         self._hooks.append(before_optimizer_step(optimizer, scaler, self._collector.hooked()))
+
+    def guard(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> GuardedOptimizer:
+        """``optimizer`` whose ``step()`` is skipped on non-finite or spiking gradients
+        (``skip_nonfinite``, ``skip_spike_score``, ``max_consecutive_skips``), the same
+        decision on every rank, with no host read for ``fused=True`` optimizers; see
+        :mod:`gradwatch.guard`. ``scaler``: the GradScaler, when the loop uses one (the guard's
+        own collects then see unscaled norms; non-finite steps are the scaler's skips). From
+        now on every collect decides, and :meth:`attach` hooks no longer collect (the guard
+        does, before the optimizer's step)."""
+        self._collector.start_guard(scaler)
+        decide = self._collector.guard_decision
+        return GuardedOptimizer(optimizer, lambda opt: decide(scaler, opt))
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every snapshot published from now on to ``sink`` too (see
@@ -357,6 +380,10 @@ class NoOpWatch:
 
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         return None
+
+    def guard(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> Any:
+        """The optimizer itself: nothing is measured, so nothing is skipped."""
+        return optimizer
 
     @property
     def isolated(self) -> tuple[str, ...]:

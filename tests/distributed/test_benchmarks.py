@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from benchmarks import cases, distributed, rankview_bench, report  # noqa: E402
+from benchmarks import cases, distributed, guard_bench, rankview_bench, report  # noqa: E402
 from benchmarks.results import (  # noqa: E402
     DistributedCase,
     NormMethod,
@@ -53,7 +53,7 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
                     "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
                     "## Spike detection", "## CUDA", "## Construction at scale",
-                    "## Per-rank view and the DDP path"):
+                    "## Per-rank view and the DDP path", "## FSDP1"):
         assert heading in text
     header, rows = _rows(text, "| parameters | groups | window |")
     assert len(rows) == 1 and rows[0][1] == str(cases.SPIKE_GROUPS) and rows[0][5].endswith("%")
@@ -140,6 +140,23 @@ def test_quick_distributed_sections() -> None:
 
 
 @pytest.mark.distributed
+def test_quick_fsdp1_section() -> None:
+    """The FSDP1 section (gradwatch against FSDP1's own clip_grad_norm_) on tiny layers: every
+    call timed for both use_orig_params settings, ratios over FSDP's own call."""
+    from benchmarks import fsdp1_bench
+
+    found = fsdp1_bench.fsdp1(2, width=16)
+    assert isinstance(found, list), found
+    assert [r.use_orig_params for r in found] == [False, True]
+    for r in found:
+        assert r.n_tensors == 2 * fsdp1_bench.LAYERS
+        assert r.n_params == fsdp1_bench.LAYERS * (16 * 16 + 16)
+        assert r.fsdp.median > 0 and r.ratio(r.collect) > 0 and r.ratio(r.clip) > 0
+    _header, rows = _rows(report.fsdp1_table(found), "| FSDP1 |")
+    assert len(rows) == 6 and rows[0][3] == "1.00x"
+
+
+@pytest.mark.distributed
 def test_quick_rank_view_section() -> None:
     """The per-rank view section (what `make bench` runs) on 2 blocks: every kind timed in
     every block, the comparisons rendered as ratios with their IQR, the target row judged."""
@@ -209,3 +226,41 @@ def test_rank_view_ratio_and_its_noise_verdict() -> None:
     assert report.verdict_of(same).startswith("no difference beyond noise")
     run = RunResults(command="x", rounds=(1, 1), rank_view=r)
     assert not next(c for c in report.target_checks(run) if "per-rank view" in c.subject).met
+
+
+@pytest.mark.distributed
+def test_quick_deepspeed_zero_section() -> None:
+    """The DeepSpeed ZeRO-2 section (what `make bench` runs) on 2 rounds: both methods timed in
+    every round on one engine, rendered with their ratio and the target verdict."""
+    from benchmarks import zero_bench
+
+    found = zero_bench.measure(2)
+    assert isinstance(found, zero_bench.ZeroNormResult), found
+    assert len(found.gradwatch) == len(found.deepspeed) == 2
+    assert found.ratio > 0
+    _header, rows = _rows(zero_bench.text(found), "| method |")
+    assert [r[0] for r in rows] == ["gradwatch collect + result", "DeepSpeed scaled_global_norm"]
+    assert rows[0][4] in ("met", "not met")
+    text = report.render(RunResults(command="x", rounds=(1, 1), zero=found))
+    assert "## DeepSpeed ZeRO-2" in text and "| gradwatch collect + result |" in text
+
+
+@pytest.mark.distributed
+def test_quick_guard_section() -> None:
+    """The guard section (what `make bench` runs) on 2 blocks: both kinds timed in every block,
+    the ratio rendered with its IQR and verdict, the target row judged, no host read."""
+    from benchmarks.results import GuardMode, GuardResult
+
+    found = guard_bench.guard(2)
+    assert isinstance(found, GuardResult)
+    assert all(len(found.timing(m)) == 4 for m in GuardMode)  # two per block
+    assert found.scalar_reads == 0 and found.ops > 0
+    _header, rows = _rows(report.guard_table(found), "| step |")
+    assert [r[0] for r in rows] == [m.value for m in GuardMode]
+    assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)", rows[1][2])
+    assert "beyond noise (95% CI of the median" in rows[1][3]
+    run = RunResults(command="x", rounds=(1, 1), guard=found)
+    row = [c for c in report.target_checks(run) if "watch.guard" in c.subject]
+    assert len(row) == 1 and "<= +2%" in row[0].subject
+    text = report.miss_notes(run)
+    assert row[0].met or "guarded DDP step" in text

@@ -32,7 +32,9 @@ Design choices:
   (Python processes importing torch) is a fixed cost of every run, whatever ``--steps``.
 * **Linger.** ``--linger S`` keeps rank 0 serving S seconds after the last step (the summary is
   printed when training ends, before that window), so ``gradwatch top`` or ``curl`` can look at
-  the endpoint of a finished run; the job then exits and the endpoint closes with it.
+  the endpoint of a finished run; the job then exits and the endpoint closes with it. The first
+  line says how long the training takes and whether the endpoint stays; without ``--linger``
+  the last line says that it closes and how to keep it.
 * **Stopping.** torchrun runs in its own session, so a Ctrl-C reaches the parent only; the
   parent forwards SIGINT (SIGTERM for a SIGTERM) to torchrun's process group, waits
   ``STOP_TIMEOUT`` s, then SIGKILLs the group, and exits 130 (143 for SIGTERM). The ranks also
@@ -61,10 +63,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.progress_bar import ProgressBar
-from rich.table import Table
+from rich.console import Console
 from rich.text import Text
 
 from gradwatch.cli.demo_protocol import (
@@ -77,9 +76,12 @@ from gradwatch.cli.demo_protocol import (
     Summary,
     Workdir,
 )
+from gradwatch.cli.demo_view import Display, LiveDisplay, PlainDisplay
 from gradwatch.cli.endpoint import EndpointView, ScrapeError, scrape
-from gradwatch.cli.phases import phase_of
-from gradwatch.cli.render import Trends, anomalies_text, fmt, isolation_text, render_view
+from gradwatch.cli.render import (
+    UNDEFINED,
+    fmt,
+)
 from gradwatch.config import DEFAULT_DEMO_PORT
 
 #: Seconds between two scrapes of the job's endpoint.
@@ -92,13 +94,6 @@ FINAL_SCRAPE_TIMEOUT = 5.0
 STOP_TIMEOUT = 10.0
 #: Lines of job.log shown when the job fails.
 LOG_TAIL = 40
-
-PHASE_TEXT = {
-    "host": "host trains (seed not grown yet)",
-    "seed": "seed trains, host frozen (no gradient reaches it)",
-    "blend": "host and seed train together",
-}
-
 
 class _Terminated(Exception):
     """Raised by the parent's SIGTERM handler to unwind like a Ctrl-C."""
@@ -120,6 +115,7 @@ class DemoOptions:
     linger: float
     spike_at: int | None = None
     nan_rank: int | None = None
+    guard: bool = False
 
 
 def port_in_use(port: int, bind: str) -> bool:
@@ -162,7 +158,30 @@ def job_args(opts: DemoOptions, workdir: Path) -> JobArgs:
         ack=True,
         parent_pid=os.getpid(),
         nan_rank=opts.nan_rank,
+        guard=opts.guard,
     )
+
+
+def expected_seconds(opts: DemoOptions) -> float:
+    """How long the training takes, at least: every step's ``--step-sleep`` and the pause
+    after each injected step (starting torchrun's ranks comes on top, a few seconds)."""
+    injected = sum(at is not None for at in (opts.nan_at, opts.explode_at, opts.spike_at))
+    return opts.steps * opts.step_sleep + injected * DEFAULT_ANOMALY_PAUSE
+
+
+def intro_lines(opts: DemoOptions) -> list[str]:
+    """What the run will do and how long the endpoint stays: printed first."""
+    keep = (
+        f"rank 0 keeps serving {opts.linger:g} s after the last step (--linger)"
+        if opts.linger > 0
+        else "the endpoint closes when training ends: --linger SECONDS keeps it serving "
+        "(e.g. gradwatch demo --linger 600, then gradwatch top URL)"
+    )
+    return [
+        f"gradwatch demo: {opts.steps} steps on {opts.nproc} ranks, about "
+        f"{expected_seconds(opts):.0f} s of training after startup (--steps, --step-sleep); "
+        f"{keep}"
+    ]
 
 
 def job_command(opts: DemoOptions, workdir: Path) -> list[str]:
@@ -189,128 +208,6 @@ def stop_process_group(proc: subprocess.Popen[bytes], sig: int, timeout: float) 
     # Ranks outliving torchrun (the group keeps the leader's id while any member lives).
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-
-
-# -- displays -------------------------------------------------------------------------------
-
-
-class _Display:
-    """Where the parent shows the run: a live table (terminal) or plain lines."""
-
-    def __init__(self, console: Console, opts: DemoOptions) -> None:
-        self.console = console
-        self.opts = opts
-        self.trends = Trends()
-        self.url: str | None = None
-        self.phases: tuple[int, int] = (0, 0)
-
-    def status(self, message: str) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def update(self, view: EndpointView | None, error: str | None) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Stop any live output."""
-
-    def phase(self, step: int | None) -> str:
-        if step is None:
-            return "-"
-        return phase_of(step, *self.phases)
-
-
-class _LiveDisplay(_Display):
-    """A rich ``Live`` table redrawn after every scrape."""
-
-    def __init__(self, console: Console, opts: DemoOptions) -> None:
-        super().__init__(console, opts)
-        self._started = time.monotonic()
-        self._message = "starting torchrun ..."
-        self._view: EndpointView | None = None
-        self._error: str | None = None
-        self._live = Live(self._render(), console=console, refresh_per_second=8, transient=False)
-        self._live.start()
-
-    def _render(self) -> RenderableType:
-        steps = self.opts.steps
-        done = 0 if self._view is None or self._view.step is None else self._view.step + 1
-        bar = Table.grid(padding=(0, 1))
-        bar.add_row(
-            Text("training", style="bold"),
-            ProgressBar(total=steps, completed=done, width=40),
-            Text(f"{done}/{steps} steps"),
-            Text(f"{time.monotonic() - self._started:.0f}s", style="dim"),
-        )
-        parts: list[RenderableType] = [
-            Text(f"gradwatch demo: {self.opts.nproc} ranks (torchrun, gloo, CPU)", style="bold"),
-            Text(f"metrics: {self.url or '(starting)'}"),
-            bar,
-        ]
-        if self._view is not None:
-            phase = self.phase(self._view.step)
-            parts.append(Text(f"phase: {phase}: {PHASE_TEXT.get(phase, '')}", style="cyan"))
-            parts.append(render_view(self._view, self.trends))
-        if self._error:
-            parts.append(Text(f"endpoint: {self._error}", style="yellow"))
-        parts.append(Text(self._message, style="dim"))
-        return Group(*parts)
-
-    def status(self, message: str) -> None:
-        self._message = message
-        self._live.update(self._render(), refresh=True)
-
-    def update(self, view: EndpointView | None, error: str | None) -> None:
-        if view is not None:
-            self._view = view
-            self.trends.add(view)
-        self._error = error
-        self._live.update(self._render(), refresh=True)
-
-    def close(self) -> None:
-        self._live.stop()
-
-
-class _PlainDisplay(_Display):
-    """Plain progress lines: at every tenth of the run and when an anomaly counter moves."""
-
-    def __init__(self, console: Console, opts: DemoOptions) -> None:
-        super().__init__(console, opts)
-        self._next_milestone = 0
-        self._counters: tuple[int, int, int] | None = None
-        self._every = max(1, opts.steps // 10)
-        self._last_error: str | None = None
-
-    def status(self, message: str) -> None:
-        self.console.print(message, soft_wrap=True, highlight=False)
-
-    def update(self, view: EndpointView | None, error: str | None) -> None:
-        if error and error != self._last_error:
-            self.console.print(f"endpoint: {error}", soft_wrap=True, highlight=False)
-        self._last_error = error
-        if view is None or view.step is None:
-            return
-        counters = (view.nonfinite_steps, view.exploding_steps, _spike_count(view))
-        if view.step >= self._next_milestone or counters != self._counters:
-            self.console.print(self.line(view), soft_wrap=True, highlight=False)
-            self._next_milestone = (view.step // self._every + 1) * self._every
-            self._counters = counters
-
-    def line(self, view: EndpointView) -> str:
-        """One progress line: step, phase, norms, ratios, health, anomaly counters."""
-        groups = " ".join(f"{g} {fmt(s.norm)}" for g, s in view.groups.items())
-        ratios = " ".join(f"{k} {fmt(v)}" for k, v in view.ratios.items())
-        isolation = isolation_text(view)
-        return (
-            f"step {view.step}/{self.opts.steps} [{self.phase(view.step)}] "
-            f"global norm {fmt(view.global_norm)} | {groups} | {ratios} | "
-            f"health {fmt(view.health, 3)} | {anomalies_text(view).plain}"
-            + (f"; {isolation.plain}" if isolation is not None else "")
-        )
-
-
-def _spike_count(view: EndpointView) -> int:
-    """Every spike counter of ``view`` summed: moves whenever a spike was published."""
-    return view.global_spikes + sum(s.spikes for s in view.groups.values())
 
 
 #: What identifies the job's spike warnings in job.log (gradwatch.spikes' WARNING).
@@ -347,7 +244,10 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
     last = summary.last
     if last is not None:
         groups = ", ".join(f"{g} {fmt(v)}" for g, v in last.groups.items())
-        ratios = ", ".join(f"{k} {fmt(v)}" for k, v in last.ratios.items())
+        ratios = ", ".join(
+            f"{k} {UNDEFINED if v != v and math.isfinite(last.global_norm) else fmt(v)}"
+            for k, v in last.ratios.items()
+        )
         lines.append(
             f"last step {last.step}: global norm {fmt(last.global_norm)}; {groups}; "
             f"{ratios}; health {fmt(last.health, 3)}"
@@ -363,6 +263,10 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
     if events.amp_skipped:  # the demo uses no GradScaler; a job reusing this summary may
         lines.append(f"AMP-skipped steps: {_steps_text(events.amp_skipped)}")
     lines.append(f"spike steps: {_steps_text(events.spikes)} (adaptive spike detection)")
+    if summary.guarded:
+        lines.append(
+            f"guard-skipped steps: {_steps_text(events.skipped)} (optimizer update not applied)"
+        )
     hmin = summary.health_min
     if hmin is not None:
         lines.append(f"health min: {fmt(hmin.value, 3)} at step {hmin.step}")
@@ -375,6 +279,10 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
             f"gradwatch_exploding_steps_total {final.exploding_steps}, "
             f"gradwatch_collections_total {final.collections}, "
             f"gradwatch_global_grad_norm_spikes_total {final.global_spikes}"
+            + "".join(
+                f', gradwatch_skipped_steps_total{{reason="{r}"}} {n}'
+                for r, n in final.skipped_steps.items()
+            )
             + "".join(
                 f', gradwatch_grad_norm_spikes_total{{group="{g}"}} {s.spikes}'
                 for g, s in final.groups.items()
@@ -402,14 +310,16 @@ class DemoRun:
         self.work = Workdir(self.workdir)
         self.log_path = self.workdir / "job.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.display: _Display = (
-            _LiveDisplay(console, opts) if console.is_terminal else _PlainDisplay(console, opts)
+        self.display: Display = (
+            LiveDisplay(console, opts) if console.is_terminal else PlainDisplay(console, opts)
         )
         self.url: str | None = None
         self.keep_workdir = False  # kept (with job.log) when the job failed
 
     def run(self) -> int:
         """Run to completion; returns the exit status (signals propagate to :meth:`stop`)."""
+        for line in intro_lines(self.opts):
+            self.console.print(line, soft_wrap=True)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would set, without its warning
         env["PYTHONUNBUFFERED"] = "1"
@@ -422,14 +332,14 @@ class DemoRun:
                 env=env,
                 start_new_session=True,  # Ctrl-C reaches the parent only; it forwards it
             )
-        if isinstance(self.display, _PlainDisplay):
+        if isinstance(self.display, PlainDisplay):
             self.display.status(f"starting torchrun: {self.opts.nproc} ranks, gloo, CPU")
         endpoint = self._wait_for_endpoint()
         if endpoint is None:
             return self._failed()
         self.url = self.display.url = endpoint.metrics_url
         self.display.phases = (endpoint.seed_at, endpoint.blend_at)
-        if isinstance(self.display, _PlainDisplay):
+        if isinstance(self.display, PlainDisplay):
             self.display.status(f"metrics: {self.url}")
         else:
             self.display.status("training (Ctrl-C to stop)")
@@ -446,6 +356,12 @@ class DemoRun:
             self.console.print(
                 f"serving {self.url} for {self.opts.linger:g}s more (Ctrl-C to stop; "
                 f"look at it with: gradwatch top {self.url})",
+                soft_wrap=True,
+            )
+        elif self.opts.linger == 0:
+            self.console.print(
+                f"the endpoint {self.url} closes now; to keep it serving after the last step, "
+                "run with --linger SECONDS",
                 soft_wrap=True,
             )
         if self.proc.wait() != 0:
@@ -609,8 +525,8 @@ def demo(
     spike_at: Annotated[
         int | None,
         typer.Option(
-            help="Multiply the gradients by 10 at this step: a spike below the exploding "
-            "threshold, found by adaptive spike detection."
+            help="Multiply the gradients by 30 at this step: a spike below the exploding "
+            "threshold, found by adaptive spike detection (also after a stage change)."
         ),
     ] = None,
     seed_at: Annotated[
@@ -639,6 +555,14 @@ def demo(
             "all-reduce; the summary and the endpoint name it as the origin."
         ),
     ] = None,
+    guard: Annotated[
+        bool,
+        typer.Option(
+            "--guard",
+            help="Step the optimizer through watch.guard(): non-finite and spiking steps "
+            "(spike score above 6) are skipped on every rank, and counted.",
+        ),
+    ] = False,
 ) -> None:
     """Run a small torchrun DDP job watched by gradwatch and show its endpoint live.
 
@@ -646,7 +570,7 @@ def demo(
     """  # noqa: E501 (one line per paragraph: the help is rewrapped to the terminal)
     opts = DemoOptions(
         nproc, steps, port, bind, nan_at, explode_at, seed_at, blend_at, step_sleep, linger,
-        spike_at=spike_at, nan_rank=nan_rank,
+        spike_at=spike_at, nan_rank=nan_rank, guard=guard,
     )
     _check(opts)
     console = Console(highlight=False, markup=False)

@@ -28,10 +28,14 @@ across ranks), so the endpoint shows ``gradwatch_isolation_violated{group="host"
 the host is expected to be frozen.
 
 Fault injection: at ``--nan-at`` the gradients are multiplied by NaN, at ``--explode-at`` by
-1e6, at ``--spike-at`` by 10 (a spike relative to the recent norms, below the fixed exploding
-threshold: only adaptive spike detection sees it), after the backward pass and before
-``collect``; the optimizer skips that step (as a GradScaler would), so training is healthy
-again afterwards. After an injected step the job
+1e6, at ``--spike-at`` by 30 (a spike relative to the recent norms, below the fixed exploding
+threshold: only adaptive spike detection sees it), by scaling the loss before the backward
+pass: every rank's local gradients carry the fault before DDP's all-reduce, so every feature
+the demo shows (the reduced norms, the per-rank view with the replicas' spread and the gradient
+noise scale) sees the same step, as it would a real fault. The optimizer skips that step (as a
+GradScaler would), so training is healthy again afterwards. With ``--guard`` the loop does not
+skip by itself: it steps a fused SGD through ``watch.guard(optimizer)`` (``skip_spike_score``
+6), which skips the non-finite and spiking steps on every rank. After an injected step the job
 pauses ``--anomaly-pause`` seconds so a scraper polling a few times a second sees the step's
 gauges (the counters keep it anyway).
 
@@ -74,7 +78,9 @@ ISOLATED: list[str] = ["stem"]
 
 NAN_FACTOR = float("nan")
 EXPLODE_FACTOR = 1e6
-SPIKE_FACTOR = 10.0
+#: Well above the demo's step-to-step noise in every phase (the seed alone varies by ~3x), so the
+#: spike is found wherever it is injected, and below the exploding threshold.
+SPIKE_FACTOR = 30.0
 SEED_GATE = 0.1
 
 
@@ -84,6 +90,9 @@ SEED_GATE = 0.1
 DEMO_WIDTH = 512
 DEMO_BATCH = 128
 
+
+#: ``skip_spike_score`` of ``--guard``.
+GUARD_SPIKE_SCORE = 6.0
 
 class DemoNet(nn.Module):
     """stem (frozen) -> host backbone -> head, with a gated seed module on the host features."""
@@ -152,7 +161,9 @@ def train(args: JobArgs) -> int:
         if distributed
         else net
     )
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.05, fused=args.guard or None
+    )
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
 
     cfg = WatchConfig(
@@ -162,6 +173,7 @@ def train(args: JobArgs) -> int:
         port=args.port,
         bind_address=args.bind,
         rank_view=True,  # opt-in: the demo shows where a NaN started and the noise scale
+        skip_spike_score=GUARD_SPIKE_SCORE if args.guard else None,
     )
     try:
         watch = GradWatch(model, cfg)
@@ -173,6 +185,7 @@ def train(args: JobArgs) -> int:
         work.write_error(JobError(kind="error", message=str(exc), port=args.port))
         print(str(exc), file=sys.stderr, flush=True)
         return 2
+    guarded = watch.guard(optimizer) if args.guard else None
     url = watch.metrics_url
     if rank == 0:
         assert url is not None  # rank 0 serves: cfg.port is set
@@ -209,22 +222,21 @@ def train(args: JobArgs) -> int:
                 y = torch.tanh(teacher(x)) + 0.1 * torch.randn(batch, 1, generator=data)
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
-            # --nan-rank: the NaN enters one rank's local gradients, before DDP's all-reduce
-            # spreads it to every rank (the per-rank view names that rank as the origin).
-            local_nan = args.nan_rank is not None and step in nan_at
-            (loss * NAN_FACTOR if local_nan and rank == args.nan_rank else loss).backward()
-
             factor = NAN_FACTOR if step in nan_at else EXPLODE_FACTOR if step in explode_at else 1.0
             if step in spike_at and factor == 1.0:
                 factor = SPIKE_FACTOR
             injected = factor != 1.0
-            if injected and not local_nan:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        if p.grad is not None:
-                            p.grad.mul_(factor)
+            # The fault enters the local gradients through the loss, before DDP's all-reduce,
+            # as a real one would: the reduced figures, the per-rank view and the noise scale
+            # all see the same step. --nan-rank: on that rank only (the per-rank view names it
+            # as the origin; the all-reduce spreads the NaN to every rank).
+            local_nan = args.nan_rank is not None and step in nan_at
+            scale = (NAN_FACTOR if rank == args.nan_rank else 1.0) if local_nan else factor
+            (loss * scale if scale != 1.0 else loss).backward()
             pending = watch.collect(step=step)
-            if not injected:
+            if guarded is not None:
+                guarded.step()  # the guard decides, from this collect, on every rank
+            elif not injected:
                 optimizer.step()
             if rank == 0:
                 snap = pending.result()
@@ -233,7 +245,9 @@ def train(args: JobArgs) -> int:
                     print(
                         f"step {step} phase {phase} loss {loss.item():.4f} global_norm "
                         f"{snap.global_norm:.4g} health {snap.health:.2f}"
-                        + (f" (gradients x {factor})" if injected else ""),
+                        + (f" (gradients x {factor})" if injected else "")
+                        + (f"; guard skipped it ({snap.guard_skipped})" if snap.guard_skipped
+                           else ""),
                         flush=True,
                     )
             pause = args.anomaly_pause if injected else 0.0

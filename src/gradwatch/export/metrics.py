@@ -27,7 +27,7 @@ from gradwatch.export.state import (
     MAX_PARAM_SERIES,
     NORM_BUCKETS,
 )
-from gradwatch.rankview import NOISE_SCALE_UNIT
+from gradwatch.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
 
 __all__ = ["METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "MetricType"]
 
@@ -245,19 +245,20 @@ METRICS: tuple[MetricDef, ...] = (
         "gradwatch_gradient_noise_scale",
         "gauge",
         (),
-        "Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, EMA-smoothed, "
-        f"in {NOISE_SCALE_UNIT}.",
+        "Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, averaged over "
+        f"the last {NOISE_SCALE_WINDOW} steps, in {NOISE_SCALE_UNIT}.",
         "McCandlish et al. 2018's unbiased estimators from the replicas' local and the reduced "
         "gradients (docs/distributed.md). Needs the per-rank view and at least 2 replicas; "
-        "NaN while the smoothed |G|^2 estimate is not positive.",
+        "NaN while undefined (either averaged estimate not positive), never negative; one step "
+        f"leaves the average {NOISE_SCALE_WINDOW} steps later.",
         source=MetricSource.SNAPSHOT,
     ),
     MetricDef(
         "gradwatch_group_gradient_noise_scale",
         "gauge",
         ("group",),
-        "Gradient noise scale B_simple of one parameter group, EMA-smoothed, "
-        f"in {NOISE_SCALE_UNIT}.",
+        "Gradient noise scale B_simple of one parameter group, averaged over the last "
+        f"{NOISE_SCALE_WINDOW} steps, in {NOISE_SCALE_UNIT}.",
         "As gradwatch_gradient_noise_scale, per group that had a gradient.",
         source=MetricSource.SNAPSHOT,
     ),
@@ -312,6 +313,37 @@ METRICS: tuple[MetricDef, ...] = (
         "Published snapshots in which the isolated group violated isolation.",
         "Starts at 0 for every configured `isolated` group.",
         source=MetricSource.COUNTS,
+    ),
+    # -- the optimizer-step guard (watch.guard, gradwatch.guard) ---------------------------------
+    MetricDef(
+        "gradwatch_skipped_steps_total",
+        "counter",
+        ("reason",),
+        "Optimizer steps the guard skipped, by reason: nonfinite (a NaN/Inf gradient anywhere "
+        "in the model, skip_nonfinite) or spike (the global spike score above "
+        "skip_spike_score).",
+        "Counted by the guard on the device on every guarded step, published or not (the "
+        "value of the last published step). Both reasons start at 0; absent without "
+        "`watch.guard()`.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_consecutive_skipped_steps",
+        "gauge",
+        (),
+        "Optimizer steps the guard skipped in a row up to the last published step (0: that "
+        "step was applied).",
+        "At most `max_consecutive_skips`; absent without `watch.guard()`.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_guard_stopped",
+        "gauge",
+        (),
+        "1 when the guard applied the last published step although it would have skipped it, "
+        "because max_consecutive_skips steps in a row were already skipped; else 0.",
+        "The guard skips again after a step it would not skip. Absent without `watch.guard()`.",
+        source=MetricSource.SNAPSHOT,
     ),
     # -- spikes and every step between scrapes (gradwatch.spikes, state.SeriesCounts) ----------
     MetricDef(
