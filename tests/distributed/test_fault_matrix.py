@@ -19,7 +19,7 @@ from worlds import case_results, spawn_suite, spawn_world
 pytestmark = [pytest.mark.distributed]
 
 #: Scheduling noise allowed on top of the bound (seconds).
-NOISE_S = 0.25
+NOISE_S = 0.5
 
 CASES = [name for name, _ in fc.CASES if not name.endswith("/none")]
 
