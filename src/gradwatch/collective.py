@@ -84,11 +84,7 @@ def capturing() -> bool:
     initialized: nothing can be capturing.) A collect inside a capture would record a pinned
     allocation, an event and a ``fill_`` of the step into the graph, replayed with stale
     values: refused (:class:`gradwatch.errors.GradWatchError`)."""
-    return (
-        torch.cuda.is_available()
-        and torch.cuda.is_initialized()
-        and torch.cuda.is_current_stream_capturing()
-    )
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class _Landing:
