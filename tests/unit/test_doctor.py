@@ -85,6 +85,8 @@ def test_doctor_cpu_json_every_check_passes() -> None:
     for name in CPU_CHECKS:
         assert _passed(name, status.get(name)), (name, doc)
     assert status["distributed"] == "SKIP"
+    cuda = [name for name in status if name.startswith("cuda[")]
+    assert len(cuda) == 4 and all(status[name] == "SKIP" for name in cuda), status
     assert doc["ok"] is True and doc["failed"] == []
     assert doc["environment"]["torch"] == torch.__version__
     assert all(c["measured"] and c["threshold"] for c in doc["checks"])
@@ -204,7 +206,8 @@ def test_doctor_cuda_every_check_passes() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    "family", ["environment", "exactness", "syncs", "memory", "cost", "threading", "endpoint"]
+    "family",
+    ["environment", "exactness", "syncs", "memory", "cost", "threading", "endpoint", "cuda"],
 )
 def test_cuda_check_family_passes(family: str) -> None:
     """Each family on the GPU, as its own test (a failure names the family)."""
