@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test,cli,plot,transformers,lightning,auth]"
+	$(BIN)/pip install -q -e ".[test,cli,plot,transformers,lightning,auth,tensorboard,wandb,mlflow]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -61,6 +61,9 @@ class MetricDef:
         help: the HELP text, one sentence.
         notes: extra documentation for docs/metrics.md (when the series is absent, etc.).
         source: where the Collector reads the samples.
+        exemplar: (counters of ``MetricSource.COUNTS``) each series carries, in the OpenMetrics
+            format, an exemplar of the step that last increased it: ``{step, origin_rank}``
+            (``origin_rank`` when the per-rank view knows it), valued the increase.
     """
 
     name: str
@@ -69,6 +72,7 @@ class MetricDef:
     help: str
     notes: str = ""
     source: MetricSource = field(kw_only=True)
+    exemplar: bool = field(default=False, kw_only=True)
 
 
 #: The per-step norm histograms' bucket bounds, as documented.
@@ -286,6 +290,7 @@ METRICS: tuple[MetricDef, ...] = (
         (),
         "Published snapshots with a NaN or Inf gradient, except steps the AMP GradScaler skipped.",
         source=MetricSource.COUNTS,
+        exemplar=True,
     ),
     MetricDef(
         "gradwatch_amp_skipped_steps_total",
@@ -295,6 +300,7 @@ METRICS: tuple[MetricDef, ...] = (
         "loss scaling).",
         "Such a step is not counted in `gradwatch_nonfinite_steps_total`.",
         source=MetricSource.COUNTS,
+        exemplar=True,
     ),
     MetricDef(
         "gradwatch_exploding_steps_total",
@@ -341,6 +347,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Published steps whose global norm was a spike (spike score above spike_threshold).",
         "Counts every published step, also those between two scrapes.",
         source=MetricSource.COUNTS,
+        exemplar=True,
     ),
     MetricDef(
         "gradwatch_grad_norm_spikes_total",
@@ -350,6 +357,7 @@ METRICS: tuple[MetricDef, ...] = (
         "spike_threshold).",
         "Starts at 0 for every configured group; `other` from its first step.",
         source=MetricSource.COUNTS,
+        exemplar=True,
     ),
     MetricDef(
         "gradwatch_nonfinite_group_steps_total",
@@ -360,6 +368,7 @@ METRICS: tuple[MetricDef, ...] = (
         "group that held a NaN or Inf: names the groups of a non-finite step after the "
         "per-step gauges moved on. Starts at 0 for every configured group.",
         source=MetricSource.COUNTS,
+        exemplar=True,
     ),
     MetricDef(
         "gradwatch_global_grad_norm_per_step",
