@@ -162,8 +162,7 @@ def wandb_rows(run_dir: Path, keys: Sequence[str] | None = None, timeout: float 
         if record.WhichOneof("record_type") != "history":
             continue
         items: Mapping[str, object] = {
-            (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-            for i in record.history.item
+            (i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item
         }
         step = int(record.history.step.num)
         for key, value in items.items():

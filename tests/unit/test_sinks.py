@@ -200,5 +200,5 @@ def test_a_sink_that_cannot_start_fails_construction_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    with pytest.raises(GradWatchError, match="sinks.*'wandb'.*pip install"):
+    with pytest.raises(GradWatchError, match=r"sinks.*'wandb'.*pip install"):
         job(sinks=["wandb"])

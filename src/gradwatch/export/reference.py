@@ -62,10 +62,22 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   `gradwatch_nonfinite_group_steps_total`, `gradwatch_grad_norm_per_step`, ...) count every
   published step, so a one-step spike or NaN between two scrapes still moves them. Spike
   detection is described in docs/design.md ("Spike detection").
+* **Exemplars name the step.** In the OpenMetrics format (which Prometheus negotiates) the
+  non-finite, AMP-skipped and spike counters carry an exemplar per series: labels `step` (the
+  step that last increased it) and `origin_rank` (the lowest rank whose own gradients were
+  non-finite, when the per-rank view measured it), value the increase, timestamp the collect's
+  wall time. Prometheus stores them with `--enable-feature=exemplar-storage`.
 * **Bounded series.** A scrape of a job with 10 groups, {ratios} ratios and {isolated} isolated
   group (`param_metrics_top_k = 0`) holds {series} series; each further group adds {per_group}
   ({hist} of them its norm histogram), and per-parameter series add at most {max_series}.
 """
+
+
+#: What a counter marked ``exemplar`` carries, in its meaning column.
+_EXEMPLAR_NOTE = (
+    "Each series carries an exemplar `{step, origin_rank}` of the step that last increased it "
+    "(OpenMetrics format only)."
+)
 
 
 def metrics_reference_markdown() -> str:
@@ -90,7 +102,10 @@ def metrics_reference_markdown() -> str:
     ]
     for d in METRICS:
         labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
-        meaning = (d.help + (f" {d.notes}" if d.notes else "")).replace("|", "\\|")
+        meaning = d.help + (f" {d.notes}" if d.notes else "")
+        if d.exemplar:
+            meaning += f" {_EXEMPLAR_NOTE}"
+        meaning = meaning.replace("|", "\\|")
         lines.append(f"| `{d.name}` | {d.type} | {labels} | {meaning} |")
     return "\n".join(lines) + "\n"
 
