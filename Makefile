@@ -49,7 +49,7 @@ bench: venv
 	$(BIN)/python benchmarks/run.py --out docs/performance.md
 
 deploy-assets: venv
-	$(BIN)/python scripts/gen_k8s_rules.py
+	$(BIN)/python scripts/gen_mixin.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

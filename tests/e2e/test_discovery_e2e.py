@@ -12,6 +12,7 @@ Every wait is bounded; Prometheus is stopped by its fixture, the jobs are closed
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -19,11 +20,19 @@ from typing import Any
 
 import pytest
 import torch
+from deploy_assets import DASHBOARD
 from promserver import PromServer, run_prometheus
 
 from gradwatch import GradWatch, WatchConfig
 
 pytestmark = pytest.mark.e2e
+
+
+def dashboard_exemplar_queries() -> list[str]:
+    board = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in board["panels"] for t in p["targets"] if t.get("exemplar")]
+    assert len(queries) == 2
+    return queries
 
 
 def gradwatch_targets(prom: PromServer) -> list[dict[str, Any]]:
@@ -116,5 +125,15 @@ def test_exemplars_name_the_step_of_a_spike_and_of_a_nan(tmp_path: Path) -> None
             assert [e["labels"] for e in got["layer"]] == [{"step": str(nan)}]
             # A counter the catalog does not mark carries none.
             assert exemplars("gradwatch_collections_total") == {}
+            # The dashboard's exemplar-only queries (norm panels) return them too.
+            for query in dashboard_exemplar_queries():
+                data = prom.api(
+                    "query_exemplars",
+                    query=query.replace("$job", ".*").replace("$instance", ".*"),
+                    start=repr(start - 60),
+                    end=repr(time.time() + 60),
+                )
+                steps = {e["labels"]["step"] for series in data for e in series["exemplars"]}
+                assert steps == {str(spike), str(nan)}, (query, got)
     finally:
         watch.close()
