@@ -52,12 +52,14 @@ def job_labels(
 
 
 def target_address(bind_address: str, port: int) -> str:
-    """``host:port`` Prometheus can reach: the bound address, or this machine's fully
-    qualified name when bound to all interfaces (IPv6 literals in brackets)."""
+    """``host:port`` Prometheus can reach: the bound address, or this machine's host name
+    (``socket.gethostname()``: no DNS lookup at construction) when bound to all interfaces;
+    IPv6 literals in brackets. Bind to one address to announce that one (e.g. the node's
+    address on the network Prometheus scrapes)."""
     host = bind_address
     with contextlib.suppress(ValueError):
         ip = ipaddress.ip_address(bind_address)
-        host = socket.getfqdn() if ip.is_unspecified else bind_address
+        host = socket.gethostname() if ip.is_unspecified else bind_address
         if ip.version == 6 and not ip.is_unspecified:
             host = f"[{bind_address}]"
     return f"{host}:{port}"
