@@ -1,4 +1,4 @@
-"""OpenMetrics exemplars on the counters the catalog marks (``MetricDef.exemplar``): each series
+"""OpenMetrics exemplars on the counters the catalog marks (``EXEMPLAR_COUNTERS``): each series
 carries the step that last increased it (and the non-finite origin rank when the per-rank view
 knows it); the Prometheus text format shows none. The live check against a real Prometheus
 with exemplar storage is tests/e2e/test_discovery_e2e.py."""
@@ -14,7 +14,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from gradwatch.config import WatchConfig
 from gradwatch.export.collector import SnapshotCollector
-from gradwatch.export.metrics import METRICS, MetricSource
+from gradwatch.export.metrics import EXEMPLAR_COUNTERS, METRICS, MetricSource
 from gradwatch.export.state import PublishedState, SelfStats
 from gradwatch.snapshot import GroupStats, Snapshot
 
@@ -69,8 +69,11 @@ def nonfinite(step: int, **kw: object) -> Snapshot:
 
 
 def test_the_catalog_marks_the_event_counters_only() -> None:
+    names = {d.name for d in METRICS}
     marked = {d.name for d in METRICS if d.exemplar}
-    assert marked == MARKED
+    # the guard's skipped-step counter, where the optimizer-step guard exists
+    assert marked == MARKED | (EXEMPLAR_COUNTERS & names & {"gradwatch_skipped_steps_total"})
+    assert EXEMPLAR_COUNTERS - names <= {"gradwatch_skipped_steps_total"}
     for d in METRICS:
         if d.exemplar:
             assert d.type == "counter" and d.source is MetricSource.COUNTS, d.name

@@ -63,7 +63,8 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   published step, so a one-step spike or NaN between two scrapes still moves them. Spike
   detection is described in docs/design.md ("Spike detection").
 * **Exemplars name the step.** In the OpenMetrics format (which Prometheus negotiates) the
-  non-finite, AMP-skipped and spike counters carry an exemplar per series: labels `step` (the
+  non-finite, skipped-step (AMP, and the optimizer-step guard's) and spike counters carry an
+  exemplar per series: labels `step` (the
   step that last increased it) and `origin_rank` (the lowest rank whose own gradients were
   non-finite, when the per-rank view measured it), value the increase, timestamp the collect's
   wall time. Prometheus stores them with `--enable-feature=exemplar-storage`.
