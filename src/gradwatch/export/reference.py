@@ -64,10 +64,10 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   detection is described in docs/design.md ("Spike detection").
 * **Exemplars name the step.** In the OpenMetrics format (which Prometheus negotiates) the
   non-finite, skipped-step (AMP, and the optimizer-step guard's) and spike counters carry an
-  exemplar per series: labels `step` (the
-  step that last increased it) and `origin_rank` (the lowest rank whose own gradients were
-  non-finite, when the per-rank view measured it), value the increase, timestamp the collect's
-  wall time. Prometheus stores them with `--enable-feature=exemplar-storage`.
+  exemplar per series: labels `step` (the step that last increased it) and `origin_rank` (the
+  lowest rank whose own gradients were non-finite, when the per-rank view measured it), value
+  the increase, timestamp the collect's wall time. Prometheus stores them with
+  `--enable-feature=exemplar-storage`.
 * **Bounded series.** A scrape of a job with 10 groups, {ratios} ratios and {isolated} isolated
   group (`param_metrics_top_k = 0`) holds {series} series; each further group adds {per_group}
   ({hist} of them its norm histogram), and per-parameter series add at most {max_series}.
