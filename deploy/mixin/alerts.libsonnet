@@ -267,7 +267,49 @@ local lib = import 'lib.libsonnet';
                 runbook_url: runbook('gradwatchnotcollecting'),
               },
             },
-            // A norm the training code computes (its clip's return value or its logged grad_norm,
+            // The optimizer-step guard (watch.guard) skips steps repeatedly: one skip is the guard
+        // working; three in 15 minutes (any reason; _config.skippedStepsThreshold) mean the data,
+        // the LR or the model keeps producing bad steps, and every skipped step is a step the run
+        // did not train. Warning, no `for`: the skips already happened.
+        {
+          alert: "GradwatchStepsSkipped",
+          expr: |||
+            sum by (job, instance) (increase(gradwatch_skipped_steps_total{@}[15m])) >= $(skippedStepsThreshold)
+            or
+            (
+              sum by (job, instance) (gradwatch_skipped_steps_total{@}) >= $(skippedStepsThreshold)
+              and on (job, instance)
+              (
+                gradwatch_start_time_seconds{@}
+                != last_over_time(gradwatch_start_time_seconds{@}[1h] offset 15m)
+              )
+            )
+          |||,
+          labels: {
+            severity: "warning",
+          },
+          annotations: {
+            summary: "The guard keeps skipping optimizer steps in job {{ $labels.job }} ({{ $labels.instance }})",
+            description: "The optimizer-step guard of job {{ $labels.job }} (instance {{ $labels.instance }}) skipped {{ $value | humanize }} optimizer steps in the last 15 minutes because of non-finite or spiking gradients of the whole model (all groups); gradwatch_skipped_steps_total says which reason.",
+            runbook_url: runbook('gradwatchstepsskipped'),
+          },
+        },
+        // The guard hit max_consecutive_skips and now applies the bad steps it would skip (a run
+        // that skips forever is not training). Critical, no `for`; held 5 minutes after a healthy
+        // step re-arms the guard, so a short episode between two scrapes still pages.
+        {
+          alert: "GradwatchGuardStopped",
+          expr: "max_over_time(gradwatch_guard_stopped{@}[5m]) == 1",
+          labels: {
+            severity: "critical",
+          },
+          annotations: {
+            summary: "The guard stopped skipping bad steps in job {{ $labels.job }} ({{ $labels.instance }})",
+            description: "The optimizer-step guard of job {{ $labels.job }} (instance {{ $labels.instance }}) skipped max_consecutive_skips steps in a row and now applies the non-finite or spiking steps of the whole model (all groups) it would skip: the weights may be damaged. gradwatch_consecutive_skipped_steps shows the run of skips.",
+            runbook_url: runbook('gradwatchguardstopped'),
+          },
+        },
+        // A norm the training code computes (its clip's return value or its logged grad_norm,
             // audited by GradWatch.audit_norm) keeps disagreeing with gradwatch's exact norm of the
             // same steps: the job clips with, or reports, a wrong norm. Persistent only (a 10-minute
             // increase held for 15 minutes), so a one-off disagreement does not page.

@@ -12,6 +12,7 @@
     replicaOutlierThreshold: '1',  // max |x - median| / median over the replicas
     metricsStaleSeconds: '900',  // seconds without a collect while the target is up
     overheadFraction: '0.05',  // share of the training thread's time in collect()
+    skippedStepsThreshold: '3',  // steps the optimizer-step guard skipped in 15 minutes
 
     // `for` durations of the alerts that have one (the others fire on the first event).
     explodingFor: '5m',

@@ -101,6 +101,22 @@
         "textFormat": "{{severity}} {{instance}} {{group}}",
         "tagKeys": "alertname,severity",
         "useValueForTime": false
+      },
+      {
+        "name": "Guard-skipped steps",
+        "datasource": {
+          "type": "prometheus",
+          "uid": "${datasource}"
+        },
+        "enable": true,
+        "hide": false,
+        "iconColor": "orange",
+        "expr": "increase(gradwatch_skipped_steps_total{job=~\"$job\",instance=~\"$instance\"}[1m]) > 0",
+        "step": "15s",
+        "titleFormat": "Optimizer step skipped",
+        "textFormat": "{{instance}}: the guard skipped a step ({{reason}}; GradwatchStepsSkipped when it repeats)",
+        "tagKeys": "job,instance,reason",
+        "useValueForTime": false
       }
     ]
   },
@@ -2421,6 +2437,95 @@
               }
             ]
           }
+        },
+        "overrides": []
+      },
+      "options": {
+        "legend": {
+          "displayMode": "table",
+          "placement": "bottom",
+          "showLegend": true,
+          "calcs": [
+            "lastNotNull",
+            "max"
+          ]
+        },
+        "tooltip": {
+          "mode": "multi",
+          "sort": "desc"
+        }
+      }
+    },
+    {
+      "id": 28,
+      "type": "timeseries",
+      "title": "Steps skipped by the optimizer-step guard",
+      "description": "Optimizer steps the guard (watch.guard) skipped per interval, by reason (every guarded step, also between scrapes), and the steps skipped in a row. Repeated skips alert (GradwatchStepsSkipped, warning); a guard that reached max_consecutive_skips pages (GradwatchGuardStopped, critical). Empty without a guard.",
+      "datasource": {
+        "type": "prometheus",
+        "uid": "${datasource}"
+      },
+      "gridPos": {
+        "x": 0,
+        "y": 73,
+        "w": 12,
+        "h": 8
+      },
+      "targets": [
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "increase(gradwatch_skipped_steps_total{job=~\"$job\",instance=~\"$instance\"}[$__rate_interval])",
+          "legendFormat": "{{reason}}",
+          "refId": "A",
+          "range": true,
+          "instant": false
+        },
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "gradwatch_consecutive_skipped_steps{job=~\"$job\",instance=~\"$instance\"}",
+          "legendFormat": "skipped in a row",
+          "refId": "B",
+          "range": true,
+          "instant": false
+        }
+      ],
+      "fieldConfig": {
+        "defaults": {
+          "unit": "short",
+          "custom": {
+            "drawStyle": "bars",
+            "lineWidth": 1,
+            "fillOpacity": 60,
+            "showPoints": "never",
+            "spanNulls": false,
+            "axisPlacement": "auto",
+            "thresholdsStyle": {
+              "mode": "off"
+            },
+            "stacking": {
+              "mode": "none",
+              "group": "A"
+            },
+            "scaleDistribution": {
+              "type": "linear"
+            }
+          },
+          "thresholds": {
+            "mode": "absolute",
+            "steps": [
+              {
+                "color": "green",
+                "value": null
+              }
+            ]
+          },
+          "min": 0
         },
         "overrides": []
       },
