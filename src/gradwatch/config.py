@@ -230,6 +230,14 @@ class WatchConfig(BaseSettings):
         batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
             scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
             in per-replica batches.
+        expert_parameters: fnmatch patterns of the parameters that are *plain per-rank
+            experts* (expert parallelism without DTensors): each is a whole tensor held only
+            by the ranks of its expert-data-parallel group, under a name unique to its expert
+            (e.g. ``"layers.*.experts.*"`` matching ``layers.0.experts.5.w1`` on the rank
+            holding expert 5). Such a name may be absent from other ranks; one held by every
+            rank is refused (coinciding local names would read as replicas). DTensor experts
+            need no declaration: their placements say where they live. Ranks must agree
+            (checked by the handshake); see docs/distributed.md, *Expert parallelism*.
     """
 
     model_config = SettingsConfigDict(
@@ -253,6 +261,9 @@ class WatchConfig(BaseSettings):
         default=300.0, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False
     )
     always_reduce: bool = False
+    expert_parameters: list[Annotated[StrictStr, Field(min_length=1)]] = Field(
+        default_factory=list
+    )
 
     port: int | None = Field(default=None, ge=0, le=65535)
     bind_address: str = "0.0.0.0"
@@ -393,6 +404,8 @@ class WatchConfig(BaseSettings):
                 raise ValueError(f"isolated names unknown group {name!r}; known: {sorted(known)}")
         if len(set(self.isolated)) != len(self.isolated):
             raise ValueError("isolated has duplicate group names")
+        if len(set(self.expert_parameters)) != len(self.expert_parameters):
+            raise ValueError("expert_parameters has duplicate patterns")
         if not self.vanishing_threshold < self.exploding_threshold:
             raise ValueError(
                 "vanishing_threshold must be below exploding_threshold "
@@ -421,6 +434,7 @@ class WatchConfig(BaseSettings):
             "divergence_every",
             "always_reduce",  # which collects all-reduce
             "rank_view",  # the packed vector's rank-view section
+            "expert_parameters",  # which names may be held by some ranks only
         )
         payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -287,11 +287,14 @@ def piece_from_placements(
     )
 
 
-def derive_layout(gathered: handshake.Gathered, rank: int) -> Layout:
+def derive_layout(
+    gathered: handshake.Gathered, rank: int, experts: Sequence[str] = ()
+) -> Layout:
     """The layout from the handshake's distinct descriptions and per-rank records (pure;
-    equal to the tests' reference over the full descriptions)."""
+    equal to the tests' reference over the full descriptions). ``experts``: the
+    ``expert_parameters`` patterns (:mod:`gradwatch.experts`)."""
     return Layout(
-        *handshake.derive(gathered, rank),
+        *handshake.derive(gathered, rank, experts),
         world_size=len(gathered.rank_group),
         rank=rank,
         hosts=gathered.hosts,
@@ -408,6 +411,7 @@ class Reducer:
         rank_view_groups: int = 0,
         synced: bool = False,
         device: torch.device | None = None,
+        experts: Sequence[str] = (),
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
@@ -451,7 +455,7 @@ class Reducer:
             # per rank, from the handshake (empty when no per-rank view asked for them)
             self.hosts = gathered.hosts
             try:
-                self.layout = derive_layout(gathered, dist.get_rank())
+                self.layout = derive_layout(gathered, dist.get_rank(), experts)
             except (LayoutMismatchError, UnsupportedParallelismError):
                 self.close()  # every rank raises the same error: release the group everywhere
                 raise

@@ -37,6 +37,7 @@ from gradwatch.ddp_hook import GradWatchCommHook, LocalView, detach
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.gradients import GradientReader
 from gradwatch.hooks import before_optimizer_step
+from gradwatch.main_grad import clip_local_, gradients_for_fallback, reject_distributed_optimizer
 from gradwatch.model import (
     ParameterSlots,
     ddp_reduces_every_gradient,
@@ -136,6 +137,7 @@ class GradWatch:
             self._inert(model)
             return
         reject_fsdp1(model)
+        reject_distributed_optimizer(model)
         names, self._params = named_parameters(model)
         self._names = tuple(names)
         self._slots = ParameterSlots(model, self._params, names)
@@ -177,6 +179,7 @@ class GradWatch:
                 synced=not cfg.always_reduce and stage_group is None
                 and ddp_reduces_every_gradient(ddp, self._params, self.world_size),
                 device=gradient_device(self._params),
+                experts=cfg.expert_parameters,
             )
         except BaseException:
             detach(self._comm_hook)
@@ -396,6 +399,9 @@ class GradWatch:
         _, total = self._guarded(step, scaler, None, float(max_norm))
         if total is None:  # skipped by the schedule, or collection disabled after an error
             held = self._slots.current() if self._enabled else self._params
+            if any(hasattr(p, "main_grad") for p in held):
+                return clip_local_(gradients_for_fallback(held), max_norm, norm_type,
+                                   error_if_nonfinite)
             params = [p for p in held if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(
                 params, max_norm, norm_type, error_if_nonfinite
