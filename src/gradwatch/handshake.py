@@ -1021,5 +1021,6 @@ def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
             missing_names = sorted(every - set(seen))[:5]
             raise LayoutMismatchError(
                 f"gradwatch: stage group ({ranks_text(stage)}) does not hold parameters "
-                f"{missing_names} that other stage groups hold: the ranks hold different models"
+                f"{missing_names} that other stage groups hold: the ranks hold different models "
+                "(plain per-rank experts must be declared in expert_parameters)"
             )

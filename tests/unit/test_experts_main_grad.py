@@ -11,6 +11,7 @@ import math
 import os
 import urllib.request
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -172,3 +173,46 @@ def test_watch_refused_without_a_port_serves_nothing(monkeypatch: pytest.MonkeyP
     watch = gradwatch.watch(model)
     assert isinstance(watch, RefusedWatch) and watch.metrics_url is None
     watch.close()
+
+
+# -- the handshake's rule for declared experts ---------------------------------------------------
+
+
+def _world(per_rank: list[list[str]], stages: list | None = None) -> Any:
+    from gradwatch import handshake
+    from gradwatch.reduce import LocalPiece
+
+    return handshake.simulate([
+        handshake.describe([LocalPiece(n, (2,), ("whole",), 2) for n in names], version="v",
+                           config_hash="c", stage_ranks=(stages or [None] * 9)[r], host=f"h{r}")
+        for r, names in enumerate(per_rank)
+    ])
+
+
+def test_layout_counts_each_declared_expert_once_also_inside_pipeline_stages() -> None:
+    from gradwatch.reduce import derive_layout
+
+    # pp2 x ep2: ranks (pp, ep) = 0 (0,0), 1 (0,1), 2 (1,0), 3 (1,1); stage groups {0,2}, {1,3}.
+    per_rank = [[f"s{r // 2}.dense", f"s{r // 2}.experts.{2 * (r % 2)}",
+                 f"s{r // 2}.experts.{2 * (r % 2) + 1}"] for r in range(4)]
+    stages = [[0, 2], [1, 3], [0, 2], [1, 3]]
+    layouts = [derive_layout(_world(per_rank, stages), r, ["*.experts.*"]) for r in range(4)]
+    assert sorted(layouts[0].names) == sorted(
+        ["s0.dense", "s1.dense"] + [f"s{s}.experts.{e}" for s in (0, 1) for e in range(4)])
+    # Every expert once over the world, every dense layer once (its lowest holder).
+    counted = [layouts[r].names[g] for r in range(4)
+               for g, c in zip(layouts[r].local_to_global, layouts[r].contributes, strict=True)
+               if c]
+    assert sorted(counted) == sorted(layouts[0].names)
+    with pytest.raises(LayoutMismatchError, match="expert_parameters"):
+        derive_layout(_world(per_rank, stages), 0)  # undeclared: refused
+    # Without stages: EP x replicas (edp2 x ep2), experts held by two ranks each.
+    plain = [["dense", f"experts.{2 * (r % 2)}", f"experts.{2 * (r % 2) + 1}"]
+             for r in range(4)]
+    layouts = [derive_layout(_world(plain), r, ["experts.*"]) for r in range(4)]
+    counted = [layouts[r].names[g] for r in range(4)
+               for g, c in zip(layouts[r].local_to_global, layouts[r].contributes, strict=True)
+               if c]
+    assert sorted(counted) == ["dense"] + [f"experts.{e}" for e in range(4)]
+    with pytest.raises(LayoutMismatchError, match="expert_parameters"):
+        derive_layout(_world(plain), 0)
