@@ -50,7 +50,7 @@ class GradientReader:
         self._complex_positions = [i for i, p in enumerate(params) if p.is_complex()]
         #: positions whose gradient lives in ``param.main_grad`` (Megatron-Core, NeMo):
         #: :mod:`gradwatch.main_grad`
-        self.main_grad_positions = main_grad_positions(params)
+        self._main_grad_positions = main_grad_positions(params)
 
     def read(self) -> LocalGradients:
         """One list comprehension for all parameters; DTensor positions become their local
@@ -61,7 +61,7 @@ class GradientReader:
         """
         params = self._params
         grads = [p.grad if p.requires_grad else None for p in params]
-        for i in self.main_grad_positions:
+        for i in self._main_grad_positions:
             if params[i].requires_grad:
                 grads[i] = params[i].main_grad
         for i in self._dtensor_positions:
