@@ -61,6 +61,7 @@ W4_EXACT = [
     ("ep_plain_fp32", "replicated4"),
     ("ep_plain_bf16", "replicated4"),
     ("ep_dtensor_fp32", "ep4"),
+    ("ep_dtensor_bf16", "ep4"),
 ]
 
 

@@ -538,6 +538,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("ep_plain_fp32", case_ep_plain(False)),
         ("ep_plain_bf16", case_ep_plain(True)),
         ("ep_dtensor_fp32", case_ep_dtensor(False)),
+        ("ep_dtensor_bf16", case_ep_dtensor(True)),
     ],
 }
 
