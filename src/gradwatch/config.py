@@ -234,8 +234,9 @@ class WatchConfig(BaseSettings):
             experts* (expert parallelism without DTensors): each is a whole tensor held only
             by the ranks of its expert-data-parallel group, under a name unique to its expert
             (e.g. ``"layers.*.experts.*"`` matching ``layers.0.experts.5.w1`` on the rank
-            holding expert 5). Such a name may be absent from other ranks; one held by every
-            rank is refused (coinciding local names would read as replicas). DTensor experts
+            holding expert 5). Such a name may be absent from other ranks; one held by exactly
+            the ranks of a non-expert parameter is refused (coinciding local names would read
+            as replicas). DTensor experts
             need no declaration: their placements say where they live. Ranks must agree
             (checked by the handshake); see docs/distributed.md, *Expert parallelism*.
     """

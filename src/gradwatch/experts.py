@@ -11,7 +11,9 @@ more. With plain tensors (Megatron-style local experts) every rank holds ordinar
   copies of one tensor), and
 * the declaration :attr:`gradwatch.WatchConfig.expert_parameters` (fnmatch patterns): a
   parameter whose name matches may be absent from some ranks. Every other name must be held as
-  usual (by every rank, or, with ``stage_group=``, by one rank of each stage group).
+  usual (by every rank, or, with ``stage_group=``, by one rank of each stage group), and a
+  declared name held by exactly the ranks of a non-expert parameter is refused
+  (:func:`check_expert_holders`).
 
 An expert name is then counted once, from the lowest rank holding it (its copies across the
 expert-data-parallel group are replicas, like DDP's). This module holds the pure rules, applied
@@ -39,24 +41,31 @@ def expert_names(names: Iterable[str], patterns: Sequence[str]) -> frozenset[str
 def check_expert_holders(
     experts: frozenset[str], name_sets: Sequence[frozenset[str]], world_size: int
 ) -> None:
-    """Refuse a declared expert name held by every rank of a multi-rank world.
+    """Refuse declared expert names held by exactly the ranks that hold some other parameter.
 
-    ``name_sets``: the names held by each digest group (ranks with one description); a name in
-    all of them is on every rank. Plain per-rank experts are held by their expert-data-parallel
-    group only, so an expert name on every rank means the local names coincide across EP ranks
-    (``experts.0`` on each rank for different experts): counted once, as replicas, the norm
-    would silently miss every other rank's experts. Raises :class:`LayoutMismatchError` (the
-    same on every rank).
+    ``name_sets``: the names held by each digest group (ranks with one description). Plain
+    per-rank experts split the ranks that hold the rest of their layer (every rank, or the
+    ranks of one pipeline stage): each expert is held by its expert-data-parallel group only.
+    An expert name held by the very same ranks as a non-expert parameter means the local names
+    coincide across EP ranks (``experts.0`` on each rank for different experts): counted once,
+    as replicas, the norm would silently miss the other ranks' experts. Raises
+    :class:`LayoutMismatchError` (the same on every rank). O(groups x names).
     """
     if world_size < 2 or not experts or not name_sets:
         return
-    everywhere = experts.intersection(*name_sets)
-    if everywhere:
+    holders: dict[str, set[int]] = {}
+    for g, names in enumerate(name_sets):
+        for name in names:
+            holders.setdefault(name, set()).add(g)
+    others = {frozenset(h): n for n, h in sorted(holders.items()) if n not in experts}
+    coinciding = sorted(n for n in experts if frozenset(holders.get(n, ())) in others)
+    if coinciding:
+        like = others[frozenset(holders[coinciding[0]])]
         raise LayoutMismatchError(
-            f"gradwatch: expert parameter(s) {sorted(everywhere)[:5]} (declared by "
-            "expert_parameters) are held by every rank: plain per-rank experts must be named by "
-            "their global expert index, unique across the expert-parallel group, or their "
-            "copies on different ranks read as replicas of one tensor. Rename the experts, or "
-            "remove them from expert_parameters if every rank really holds every expert (no "
-            "expert parallelism)"
+            f"gradwatch: expert parameter(s) {coinciding[:5]} (declared by expert_parameters) "
+            f"are held by exactly the ranks that hold {like!r}, which is not an expert: plain "
+            "per-rank experts must be named by their global expert index, unique across the "
+            "expert-parallel group, or their copies on different ranks read as replicas of one "
+            "tensor. Rename the experts, or remove them from expert_parameters if those ranks "
+            "really hold every expert (no expert parallelism)"
         )

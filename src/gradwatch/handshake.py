@@ -1009,7 +1009,7 @@ def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
         checked.add(composition)
         seen: dict[str, int] = {}
         for o in stage:
-            for name in sorted(name_sets[rank_group[o]] & every):
+            for name in sorted(name_sets[rank_group[o]]):
                 if name in seen:
                     raise LayoutMismatchError(
                         f"gradwatch: parameter name {name!r} is held by ranks {seen[name]} and "

@@ -101,7 +101,7 @@ def test_plain_experts_need_a_true_declaration(w2: list) -> None:
         assert "expert_parameters" in res["message"]
     for res in case_results(w2, "ep_plain_coinciding_names"):
         assert res["error_type"] == "LayoutMismatchError"
-        assert "held by every rank" in res["message"]
+        assert "held by exactly the ranks that hold 'dense.weight'" in res["message"]
         assert "experts.weights.0" in res["message"]
 
 

@@ -58,8 +58,16 @@ def test_expert_names_and_the_refusal_of_names_on_every_rank() -> None:
     experts = frozenset({"e.0", "e.1"})
     check_expert_holders(experts, [frozenset({"d", "e.0"}), frozenset({"d", "e.1"})], 2)
     check_expert_holders(experts, [frozenset({"d", "e.0", "e.1"})], 1)  # one rank: no EP
-    with pytest.raises(LayoutMismatchError, match=r"\['e.0'\].*held by every rank"):
-        check_expert_holders(experts, [frozenset({"e.0"}), frozenset({"e.0", "e.1"})], 2)
+    with pytest.raises(LayoutMismatchError, match=r"\['e.0'\].*exactly the ranks that hold 'd'"):
+        check_expert_holders(experts, [frozenset({"d", "e.0"}), frozenset({"d", "e.0", "e.1"})],
+                             2)
+    # Inside pipeline stages: stage 0's experts named alike on both of its ranks.
+    stage0, stage1 = frozenset({"s0.d", "s0.e.0"}), frozenset({"s1.d", "s1.e.0"})
+    with pytest.raises(LayoutMismatchError, match=r"s0\.e\.0"):
+        check_expert_holders(frozenset({"s0.e.0", "s1.e.0"}), [stage0, stage1], 4)
+    check_expert_holders(frozenset({"s0.e.0", "s0.e.1", "s1.e.0", "s1.e.1"}),
+                         [frozenset({"s0.d", "s0.e.0"}), frozenset({"s0.d", "s0.e.1"}),
+                          frozenset({"s1.d", "s1.e.0"}), frozenset({"s1.d", "s1.e.1"})], 4)
 
 
 def test_declared_experts_on_one_process_are_measured() -> None:
