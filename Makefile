@@ -2,6 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# DeepSpeed (test dependency: the ZeRO tests) ships an sdist whose build imports torch; built
+# without isolation against the pinned torch above (an isolated build would fetch an unpinned,
+# possibly CUDA, torch), with no compiled op (DS_BUILD_OPS=0: the tests use torch's Adam).
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
 # Where torch comes from: empty = pip's configured index (which decides CPU or CUDA build); e.g.
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build, .../whl/cu126 for CUDA 12.6.
 TORCH_INDEX ?=
@@ -18,13 +22,22 @@ help:
 	@echo "make lint   - ruff"
 
 # The pinned torch goes in first, so the package's own `torch>=2.6` is already satisfied and pulls
-# nothing more.
+# nothing more; DeepSpeed next, built against it, so the test extra's pin is already satisfied.
+# The first run downloads a few hundred MB: each step says what it does, and pip shows its
+# progress (what it collects, a bar per download).
 $(STAMP): pyproject.toml
+	@echo "gradwatch: [1/5] creating $(VENV) (first run only; the next steps download ~1 GB at most)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "gradwatch: [2/5] upgrading pip"
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test,cli,plot,transformers,lightning,auth]"
+	@echo "gradwatch: [3/5] installing $(TORCH_SPEC) (the largest download)"
+	$(BIN)/pip install --progress-bar on $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	@echo "gradwatch: [4/5] building $(DEEPSPEED_SPEC) against it (test dependency, no compiled op)"
+	DS_BUILD_OPS=0 $(BIN)/pip install --progress-bar on --no-build-isolation setuptools wheel "$(DEEPSPEED_SPEC)" "$(TORCH_SPEC)"
+	@echo "gradwatch: [5/5] installing gradwatch and its extras (editable)"
+	$(BIN)/pip install --progress-bar on -e ".[test,cli,plot,transformers,lightning,auth]"
 	touch $(STAMP)
+	@echo "gradwatch: $(VENV) is ready"
 
 venv: $(STAMP)
 

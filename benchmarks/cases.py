@@ -313,6 +313,7 @@ class Plan:
     spike_rounds: int = 30  # result() calls timed by the spike-detection case
     scale_worlds: tuple[int, ...] = (8, 64, 1024, 16384)  # simulated ranks (benchmarks/scale.py)
     rank_view_blocks: int = 300  # palindromic blocks of the per-rank view section
+    zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
 
 
 def full_plan() -> Plan:
@@ -348,4 +349,5 @@ def quick_plan() -> Plan:
         spike_rounds=3,
         scale_worlds=(8,),
         rank_view_blocks=2,
+        zero_rounds=2,
     )

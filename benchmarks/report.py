@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks import zero_bench
 from benchmarks.cases import (
     DDP_OVERHEAD_TARGET,
     FLOAT64_COPIES_ELEMENTS,
@@ -803,6 +804,8 @@ def render(run: RunResults) -> str:
         dist_text + "\n",
         "## Per-rank view and the DDP path (2 ranks, gloo, CPU)\n",
         rank_view_text,
+        "## DeepSpeed ZeRO-2: collect against DeepSpeed's own norm (2 ranks, gloo, CPU)\n",
+        zero_bench.text(run.zero),
         "## Construction at scale (simulated ranks, one core)\n",
         SCALE_TEXT,
         scale_table(run.scale) + "\n",

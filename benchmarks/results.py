@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class NormMethod(Enum):
@@ -490,3 +491,5 @@ class RunResults:
     load_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
     machine: str = ""
     scale: list[ScaleResult] = field(default_factory=list)
+    #: benchmarks.zero_bench.ZeroNormResult, or its Failure; None: skipped
+    zero: Any = None

@@ -30,7 +30,14 @@ if str(ROOT) not in sys.path:  # run as a script: make the `benchmarks` package 
 
 import torch  # noqa: E402
 
-from benchmarks import distributed, measure, rankview_bench, report, scale  # noqa: E402
+from benchmarks import (  # noqa: E402
+    distributed,
+    measure,
+    rankview_bench,
+    report,
+    scale,
+    zero_bench,
+)
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
 from benchmarks.results import Failure, RunResults  # noqa: E402
 
@@ -93,6 +100,7 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
         run.rank_view_loop = section("rank view, collect only", lambda: _reported(
             lambda: rankview_bench.rank_view(
                 plan.rank_view_blocks, rankview_bench.LOOP_KINDS, collect_only=True)))
+        run.zero = section("deepspeed zero-2", lambda: zero_bench.measure(plan.zero_rounds))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))
             for sp in plan.scrapers])

@@ -3,9 +3,9 @@
 * ``docs/img/plot.png``: ``gradwatch plot`` of a synthetic history written with
   :class:`gradwatch.history.HistoryWriter` from made-up snapshots that tell the demo's story: a
   "host" backbone trains alone (the "seed" module has no gradient: ratio 0), then the seed
-  trains with the host frozen (isolated), then both blend and the seed's share fades towards
-  dormant; one step has a NaN gradient and one explodes. Deterministic (no randomness), so
-  regenerating does not churn the file.
+  trains with the host frozen (isolated: the ratio is undefined, a gap), then both blend and
+  the seed's share fades towards dormant; one step has a NaN gradient and one explodes.
+  Deterministic (no randomness), so regenerating does not churn the file.
 * ``docs/img/top.png``: the text of ``docs/img/top.txt`` (a captured ``gradwatch top`` screen,
   written by whoever captures it; ANSI colour codes are stripped) drawn in a monospace font on a
   dark background. Skipped, with a note, when the text file does not exist.
@@ -26,6 +26,7 @@ from pathlib import Path
 from gradwatch import GroupStats, Snapshot
 from gradwatch.cli.plot import load_records, render_history
 from gradwatch.history import HistoryWriter
+from gradwatch.summary import normalized_ratio
 
 STEPS = 300
 SEED_AT = 75  # the seed starts training, host frozen
@@ -48,7 +49,7 @@ def synthetic_snapshots() -> list[Snapshot]:
         host = 2.0 * math.exp(-1.5 * t) * wiggle
         seed = 0.0
         head = 0.3 * wiggle
-        if SEED_AT <= step < BLEND_AT:  # the seed alone: host frozen, ratio 0
+        if SEED_AT <= step < BLEND_AT:  # the seed alone: host frozen, ratio undefined
             seed = 0.09 * wiggle * (1.0 + 0.5 * math.sin(step / 9.0))
             host = 0.0
         elif step >= BLEND_AT:  # blended: the seed's share fades towards dormant
@@ -73,7 +74,9 @@ def synthetic_snapshots() -> list[Snapshot]:
             )
             for g, v in norms.items()
         }
-        ratio = _ratio(norms["seed"], NUMEL["seed"], norms["host"], NUMEL["host"])
+        ratio = normalized_ratio(
+            norms["seed"], groups["seed"].numel, norms["host"], groups["host"].numel
+        )
         n_tensors = sum(s.tensors for s in groups.values()) or 1
         bad = sum(s.exploding for s in groups.values())
         health = 0.0 if nonfinite else max(0.0, min(1.0, 1.0 - 0.8 * bad / n_tensors))
@@ -90,15 +93,6 @@ def synthetic_snapshots() -> list[Snapshot]:
             )
         )
     return snaps
-
-
-def _ratio(num: float, num_numel: int, den: float, den_numel: int) -> float:
-    """The normalized ratio of gradwatch.summary (0 when either side has no gradient)."""
-    if not math.isfinite(num) or not math.isfinite(den):
-        return math.nan
-    if num < 1e-8 or den < 1e-8:
-        return 0.0
-    return (num / math.sqrt(num_numel)) / (den / math.sqrt(den_numel) + 1e-8)
 
 
 def make_plot(out_dir: Path) -> Path:

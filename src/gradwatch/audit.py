@@ -92,6 +92,10 @@ def parallel_factors(parallelism: str, world_size: int) -> dict[str, int]:
         if hsdp:
             out["replicas"], out["shards"] = int(hsdp.group(1)), int(hsdp.group(2))
             continue
+        zero = re.fullmatch(r"zero([0-3])x(\d+)", part)  # DeepSpeed: stage 0 replicates
+        if zero:
+            out["replicas" if zero.group(1) == "0" else "shards"] = int(zero.group(2))
+            continue
         m = re.fullmatch(r"(fsdp2x|ddp|replicated|dp|tp|pp|ep|cp)(\d+)", part)
         if m:
             kind = {"fsdp2x": "shards", "ddp": "replicas", "replicated": "replicas"}.get(
@@ -125,7 +129,9 @@ def diagnose(
     In order: this rank's local norm (an exact match when ``local`` is given and differs from
     ``exact``), ``1/sqrt(n)`` for a count of shards, replicas or ranks, ``sqrt(tp)`` and ``tp``,
     ``sqrt(n)`` for replicas (a norm reduced over identical replicas), ``2`` or the world size
-    (gradients reduced twice), and a bf16-rounded norm.
+    (gradients reduced twice), and a bf16-rounded norm. Only causes possible in the job's
+    parallelism are named: each needs its factor in ``factors`` (a single process has none, so
+    no cross-rank cause: a 2x there is left unexplained rather than blamed on a reduction).
     """
 
     def near(target: float) -> bool:
@@ -166,8 +172,9 @@ def diagnose(
                 f"ratio {ratio:.4g} matches sqrt({n}) ({n} {kind}): the squared norm summed over "
                 "replicas that already hold the same (reduced) gradient"
             )
-    world = factors.get("world") or factors.get("replicas")
-    if near(2.0) or (world and near(float(world))):
+    # A second reduction needs ranks to reduce over: in a single process it cannot happen.
+    world = factors.get("world")
+    if world and (near(2.0) or near(float(world))):
         factor = 2 if near(2.0) else world
         return (
             f"ratio {ratio:.4g} matches {factor}: gradients reduced twice (e.g. already averaged "

@@ -2,9 +2,12 @@
 makes no device sync in ``collect()``, allocates nothing gradient-sized, what it costs, and that
 its threading, collective and endpoint work there.
 
-Each check returns a :class:`Check` (PASS/FAIL/SKIP, the measured figure and the threshold it is
-held to). :func:`run_checks` runs them all on one device; the command
-(:mod:`gradwatch.cli.doctor`) prints them. The references are independent of gradwatch's engine:
+Each check returns a :class:`Check` (PASS/FAIL/SKIP/INCONCLUSIVE, the measured figure and the
+threshold it is held to). A verdict never contradicts its own detail: a figure measured on a
+machine too busy to judge it (a cost check whose median/best spread exceeds
+:data:`NOISE_BOUND`) is INCONCLUSIVE, whatever the figure, never PASS or FAIL.
+:func:`run_checks` runs them all on one device; the command (:mod:`gradwatch.cli.doctor`)
+prints them. The references are independent of gradwatch's engine:
 a float64 norm computed chunk by chunk on the CPU, each chunk rescaled by its max-abs and the
 chunk norms combined by ``math.hypot``, so it is exact over float64's whole finite range.
 
@@ -44,6 +47,8 @@ from gradwatch.watcher import GradWatch
 
 __all__ = [
     "DTYPES",
+    "INCONCLUSIVE",
+    "STATUSES",
     "Check",
     "DoctorError",
     "DoctorOptions",
@@ -53,7 +58,10 @@ __all__ = [
     "run_checks",
 ]
 
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+PASS, FAIL, SKIP, INCONCLUSIVE = "PASS", "FAIL", "SKIP", "INCONCLUSIVE"
+#: Every status a check can have: passed, failed, not applicable here (SKIP), or measured but
+#: too noisy for a verdict (INCONCLUSIVE).
+STATUSES = (PASS, FAIL, SKIP, INCONCLUSIVE)
 
 #: ``--dtype`` names -> gradient dtypes.
 DTYPES: dict[str, torch.dtype] = {
@@ -79,7 +87,7 @@ class Check:
     """One line of the doctor's table."""
 
     name: str
-    status: str  # PASS, FAIL or SKIP
+    status: str  # PASS, FAIL, SKIP or INCONCLUSIVE (STATUSES)
     measured: str
     threshold: str
     detail: str = ""
@@ -496,7 +504,7 @@ def check_memory(device: torch.device, quick: bool) -> Check:
 
 
 #: A method whose median time exceeds its best by more than this factor was measured on a
-#: machine too busy to judge speed: its cost verdict is SKIP (figures still shown).
+#: machine too busy to judge speed: its cost verdict is INCONCLUSIVE (figures still shown).
 NOISE_BOUND = 1.5
 
 
@@ -525,9 +533,11 @@ def _best_times(
 
 
 def _verdict(ratio: float, bound: float, spread: float) -> str:
-    if ratio <= bound:
-        return PASS
-    return SKIP if spread > NOISE_BOUND else FAIL
+    """PASS or FAIL against ``bound``, when the timings allow a verdict (a median/best spread
+    of at most :data:`NOISE_BOUND`); INCONCLUSIVE otherwise, whichever way the ratio points."""
+    if spread > NOISE_BOUND:
+        return INCONCLUSIVE
+    return PASS if ratio <= bound else FAIL
 
 
 def check_cost(device: torch.device, dtype: torch.dtype, quick: bool) -> list[Check]:

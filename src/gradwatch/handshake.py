@@ -478,6 +478,14 @@ def _host_bytes(host: str) -> bytes:
     return host.encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
 
 
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+    """Every rank's equal-sized ``tensor``, concatenated into ``output``: one collective.
+    ``dist.all_gather_single`` where torch has it; ``all_gather_into_tensor`` (the same
+    collective, deprecated with a FutureWarning where ``all_gather_single`` exists) before."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
 def _split_hosts(raw: bytes, world: int) -> tuple[str, ...]:
     return tuple(raw[r * HOST_BYTES : (r + 1) * HOST_BYTES].rstrip(b"\0").decode(
         errors="replace") for r in range(world))
@@ -503,12 +511,12 @@ def exchange(desc: Description, record: RankRecord, group: Any, device: torch.de
             mine = torch.frombuffer(bytearray(_host_bytes(record.host)),
                                     dtype=torch.uint8).to(device)
             everyone = torch.empty(world * HOST_BYTES, dtype=torch.uint8, device=device)
-            dist.all_gather_into_tensor(everyone, mine, group=group)
+            _all_gather_single(everyone, mine, group=group)
             hosts = _split_hosts(bytes(everyone.cpu().tolist()), world)
         return Gathered((desc,), (0,) * world, agreed_records(record, table, hosts), True)
     mine = torch.frombuffer(bytearray(record.pack()), dtype=torch.uint8).to(device)
     everyone = torch.empty(world * RECORD_BYTES, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    _all_gather_single(everyone, mine, group=group)
     records, digests, rank_group = group_records(bytes(everyone.cpu().tolist()), world)
     if len(digests) == 1:
         return Gathered((desc,), rank_group, records)

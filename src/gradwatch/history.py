@@ -14,6 +14,16 @@ The reader (:func:`read_history`) skips any line that is not a complete JSON obj
 line, or a torn line left in the middle by a crash followed by a restart) and reads ``path.1``
 first when asked to, so a plot spans the rotation.
 
+Non-finite numbers. JSON has no NaN or infinity, so a float field of a record
+(:data:`FLOAT_FIELDS`, :data:`FLOAT_MAPPINGS` and each group's ``norm``) that is NaN, +Inf or
+-Inf is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (the mapping
+protobuf's canonical JSON uses), so every line is standard JSON that ``jq`` or any JSON reader
+parses. ``null`` keeps its own meaning: *not measured* (spike detection off, no per-rank view,
+a step not clipped through gradwatch), which differs from NaN, *measured and undefined* (an
+undefined ratio or noise scale, a spike score during warm-up) or *non-finite* (a NaN gradient).
+The reader turns those strings in those fields back into floats, and still reads files written
+with the bare ``NaN``/``Infinity`` tokens of Python's ``json``.
+
 Inside a training job the writer is a :class:`~gradwatch.export.Sink` driven by the publisher
 thread (``GradWatch`` with ``WatchConfig.history_path``), never by the training thread: see
 :mod:`gradwatch.export.publishing`.
@@ -22,7 +32,9 @@ thread (``GradWatch`` with ``WatchConfig.history_path``), never by the training 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -31,7 +43,17 @@ from typing import Any
 
 from gradwatch.snapshot import Snapshot
 
-__all__ = ["CLOSE_TIMEOUT", "HistoryWriter", "iter_history", "read_history", "rotated_path"]
+__all__ = [
+    "CLOSE_TIMEOUT",
+    "FLOAT_FIELDS",
+    "FLOAT_MAPPINGS",
+    "HistoryWriter",
+    "decode_record",
+    "encode_record",
+    "iter_history",
+    "read_history",
+    "rotated_path",
+]
 
 #: How long :meth:`HistoryWriter.close` waits for a write in progress before giving up on it.
 CLOSE_TIMEOUT = 1.0
@@ -43,11 +65,65 @@ def rotated_path(path: str | os.PathLike[str]) -> Path:
     return path.with_name(path.name + ".1")
 
 
+#: Snapshot fields holding one float (or None): their non-finite values are written as strings.
+FLOAT_FIELDS = tuple(
+    f.name for f in dataclasses.fields(Snapshot) if f.type in ("float", "float | None")
+)
+#: Snapshot fields mapping a name to a float, likewise.
+FLOAT_MAPPINGS = tuple(
+    f.name for f in dataclasses.fields(Snapshot) if f.type == "Mapping[str, float]"
+)
+#: How a non-finite float is spelled in a record, and back.
+_SPELLED = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _spell(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def _unspell(value: Any) -> Any:
+    return _SPELLED.get(value, value) if isinstance(value, str) else value
+
+
+def _map_floats(record: dict[str, Any], convert: Any) -> dict[str, Any]:
+    out = dict(record)
+    for name in FLOAT_FIELDS:
+        if name in out:
+            out[name] = convert(out[name])
+    for name in FLOAT_MAPPINGS:
+        value = out.get(name)
+        if isinstance(value, dict):
+            out[name] = {k: convert(v) for k, v in value.items()}
+    groups = out.get("groups")
+    if isinstance(groups, dict):
+        out["groups"] = {
+            g: {**stats, "norm": convert(stats["norm"])}
+            if isinstance(stats, dict) and "norm" in stats
+            else stats
+            for g, stats in groups.items()
+        }
+    return out
+
+
+def encode_record(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (a ``Snapshot.to_dict()``) with its non-finite floats spelled as strings
+    (see the module docstring): what a history line holds."""
+    return _map_floats(record, _spell)
+
+
+def decode_record(record: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`encode_record`: ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` in the float
+    fields become floats again (a record of an older file, with bare tokens, is unchanged)."""
+    return _map_floats(record, _unspell)
+
+
 def _line(snapshot: Snapshot | dict[str, Any]) -> bytes:
     data = snapshot.to_dict() if isinstance(snapshot, Snapshot) else dict(snapshot)
     data.pop("param_norms", None)  # per-parameter norms would make lines unbounded
-    # NaN/Infinity are written as the JS literals Python's json reads back.
-    return (json.dumps(data, separators=(",", ":"), sort_keys=True) + "\n").encode()
+    text = json.dumps(encode_record(data), separators=(",", ":"), sort_keys=True)
+    return (text + "\n").encode()
 
 
 class HistoryWriter:
@@ -204,7 +280,7 @@ def iter_history(
                 except (ValueError, UnicodeDecodeError):
                     continue
                 if isinstance(rec, dict) and "step" in rec:
-                    yield rec
+                    yield decode_record(rec)
 
 
 # A reader retries its opens this many times when a rotation slips between them; rotations are

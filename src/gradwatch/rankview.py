@@ -15,11 +15,18 @@ step's (post-reduction) :class:`~gradwatch.snapshot.Snapshot` to the snapshot's 
   ``|G_b|^2`` = the mean over replicas of their local squared norms and ``|G_B|^2`` = the
   squared norm of the reduced (averaged) gradient, the unbiased estimators
   ``|G|^2 ~ (B |G_B|^2 - b |G_b|^2) / (B - b)`` and
-  ``tr(Sigma) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B)``; each is smoothed by an EMA (decay
-  :data:`NOISE_SCALE_EMA_DECAY`) and ``B_simple = EMA(tr(Sigma)) / EMA(|G|^2)``, in the unit of
-  ``b`` (samples or tokens; per-replica batches when no batch size is given). NaN while the
-  EMA of ``|G|^2`` is not positive (noise dominates); steps with a non-finite figure do not
-  update the EMAs. Whole model and per group.
+  ``tr(Sigma) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B)``; each is smoothed by its mean over the
+  last :data:`NOISE_SCALE_WINDOW` steps with finite figures, and ``B_simple = mean(tr(Sigma))
+  / mean(|G|^2)``, in the unit of ``b`` (samples or tokens; per-replica batches when no batch
+  size is given). NaN while either mean is not positive (noise dominates, or a step's
+  estimates are inconsistent): ``B_simple`` is a ratio of two positive quantities, never
+  negative. Steps with a non-finite figure do not enter the window. Whole model and per group.
+
+  Why a window and not an exponential average: a single bad step (a gradient scaled after the
+  reduction, a spike a million times the others) leaves the estimate exactly
+  :data:`NOISE_SCALE_WINDOW` steps later, where an EMA would carry it for hundreds of steps
+  (at decay 0.95 a 1e6x step needs ~270 steps to fall below the other steps' weight). A
+  window of 40 averages as many steps as an EMA of decay 0.95 does (``2 / (1 - decay) - 1``).
 
 Pure Python on floats; imports no torch.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +45,9 @@ from gradwatch.snapshot import Snapshot
 if TYPE_CHECKING:
     from gradwatch.reduce import RankView
 
-#: Decay of the EMAs of the noise-scale numerator and denominator (per collected step).
-NOISE_SCALE_EMA_DECAY = 0.95
+#: Steps (with the per-rank view and finite figures) whose estimates the noise scale averages:
+#: the bound on how long one step affects it.
+NOISE_SCALE_WINDOW = 40
 #: The key of the whole model in :class:`NoiseScale`.
 WHOLE = ""
 #: The unit of the gradient noise scale (its metrics' HELP and ``gradwatch top`` say it).
@@ -49,29 +58,32 @@ REPLICA_OUTLIER_THRESHOLD = 1.0
 
 
 class NoiseScale:
-    """EMAs of the unbiased ``tr(Sigma)`` and ``|G|^2`` estimates, per key (thread-safe)."""
+    """Windowed means of the unbiased ``tr(Sigma)`` and ``|G|^2`` estimates, per key
+    (thread-safe; see the module docstring)."""
 
-    def __init__(self, decay: float = NOISE_SCALE_EMA_DECAY) -> None:
-        self.decay = decay
-        self._ema: dict[str, tuple[float, float]] = {}
+    def __init__(self, window: int = NOISE_SCALE_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"NoiseScale(window={window}) must be at least 1")
+        self.window = window
+        self._estimates: dict[str, deque[tuple[float, float]]] = {}
         self._lock = threading.Lock()
 
     def update(self, key: str, small: float, big: float, b: float, replicas: int) -> float:
         """Add one step's ``|G_b|^2`` (``small``) and ``|G_B|^2`` (``big``); return
-        ``B_simple`` from the EMAs (NaN while undefined)."""
+        ``B_simple`` over the window (NaN while undefined, never negative)."""
         with self._lock:
-            trace, g2 = self._ema.get(key, (math.nan, math.nan))
+            kept = self._estimates.setdefault(key, deque(maxlen=self.window))
             if math.isfinite(small) and math.isfinite(big):
                 B = b * replicas  # the paper's notation
                 est_g2 = (B * big - b * small) / (B - b)
                 est_trace = (small - big) / (1.0 / b - 1.0 / B)
-                d = self.decay
-                # Started at the first estimate (not at 0): the ratio of two EMAs needs no bias
-                # correction either way, and this one is defined from the first step.
-                trace = est_trace if trace != trace else d * trace + (1 - d) * est_trace
-                g2 = est_g2 if g2 != g2 else d * g2 + (1 - d) * est_g2
-                self._ema[key] = (trace, g2)
-            return trace / g2 if g2 > 0 else math.nan
+                if math.isfinite(est_g2) and math.isfinite(est_trace):
+                    kept.append((est_trace, est_g2))
+            if not kept:
+                return math.nan
+            trace = math.fsum(t for t, _ in kept)
+            g2 = math.fsum(g for _, g in kept)
+            return trace / g2 if trace > 0 and g2 > 0 else math.nan
 
 
 def rank_view_fields(

@@ -57,9 +57,10 @@ RATIO_EPS = 1e-8
 
 def ratio_defined(denominator: GroupStats | None) -> bool:
     """Whether a normalized ratio over ``denominator`` means anything: the group had gradient
-    elements and a finite norm of at least :data:`RATIO_EPS`. Otherwise the ratio is undefined
-    (the snapshot holds 0.0 or NaN; the exporter publishes NaN, never a 0 that reads as
-    "dormant")."""
+    elements and a finite norm of at least :data:`RATIO_EPS`. Otherwise the ratio is undefined:
+    NaN in :attr:`Snapshot.ratios`, the history, the endpoint and the framework logs, drawn as
+    a gap marked "undefined" by ``top`` and ``plot``; never a 0, which would read as a dormant
+    numerator."""
     return (
         denominator is not None
         and denominator.numel > 0
@@ -80,9 +81,11 @@ class Snapshot:
         param_norms: parameter name -> L2 norm of its gradient.
         nonfinite_params: sorted names of parameters whose gradient holds NaN or Inf.
         ratios: ``"num/den"`` -> normalized ratio
-            ``(n_norm/sqrt(n_numel)) / (d_norm/sqrt(d_numel) + 1e-8)``; 0.0 when either norm
-            is below 1e-8 or either numel is 0.
-        raw_ratios: ``"num/den"`` -> ``n_norm / d_norm`` (0.0 when ``d_norm`` is 0).
+            ``(n_norm/sqrt(n_numel)) / (d_norm/sqrt(d_numel) + 1e-8)``; NaN when undefined
+            (:func:`ratio_defined`: the denominator has no gradient, or a norm below 1e-8
+            or non-finite); 0.0 when only the numerator has none (or a norm below 1e-8).
+        raw_ratios: ``"num/den"`` -> ``n_norm / d_norm`` (NaN when ``d_norm`` is 0 or
+            non-finite).
         health: ``clamp(1 - 0.5*vanishing/n - 0.8*exploding/n, 0, 1)`` over the n parameters
             with a gradient; 0.0 when ``global_norm`` is not finite; 1.0 with no gradient.
         isolation_violated: isolated group -> its norm exceeds ``isolation_threshold``.
@@ -116,8 +119,10 @@ class Snapshot:
         replica_grad_norm_max_rank: lowest rank of the replica holding the max.
         replica_outlier_score: ``max |x_r - median| / median`` over the replica norms;
             replica_outlier_rank: lowest rank of that replica.
-        gradient_noise_scale: B_simple of the whole model (EMA-smoothed; unit: that of
-            ``batch_size``, per-replica batches without it); NaN while undefined.
+        gradient_noise_scale: B_simple of the whole model (smoothed over the last
+            ``NOISE_SCALE_WINDOW`` rank-view steps, :mod:`gradwatch.rankview`; unit: that of
+            ``batch_size``, per-replica batches without it); NaN while undefined (either
+            smoothed estimate not positive), never negative.
         group_noise_scale: group -> B_simple.
     """
 
@@ -234,7 +239,8 @@ class Snapshot:
         return (_rebuild_snapshot, (self._fields(),))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict; NaN/Inf stay floats (``json.dumps`` writes NaN/Infinity)."""
+        """Plain dict of the fields; NaN/Inf stay floats (a history line spells them as strings,
+        :mod:`gradwatch.history`)."""
         out = self._fields()
         for name in _MAPPINGS:
             value = getattr(self, name)

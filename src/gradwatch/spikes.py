@@ -28,9 +28,27 @@ positive and move by factors, so their logarithm is the scale on which "10x" is 
 distance; and a median and MAD are not dragged by the spikes they must detect (one 10x spike in
 an EMA of the variance raises the bar for the next ones), and they need no decay constant. The
 spikes themselves enter the window: at most half of it can be spikes before the median moves,
-so isolated spikes never mask each other, while a lasting change of level becomes the new
-normal after ``spike_window / 2`` steps. ``MIN_LOG_SPREAD`` keeps a perfectly steady series
+so isolated spikes never mask each other. ``MIN_LOG_SPREAD`` keeps a perfectly steady series
 (MAD 0) from flagging a change of a few percent.
+
+Changes of level re-base the window, so a spike after one is measured against the new level
+(real runs change level: warmup ends, a module unfreezes, the learning rate steps):
+
+* **an announced stage change**: when the set of isolated groups differs from the previous
+  collect's (``GradWatch.set_isolated``, the snapshot's ``isolation_violated`` keys), every
+  window is emptied before the step is scored. The new stage's first ``spike_warmup`` steps
+  have no score (NaN, so no spike from the change itself) and become its baseline;
+* **a sustained shift without one**: when the last :data:`SHIFT_RUN` samples of a series all
+  scored beyond :data:`SHIFT_SCORE` robust deviations on the same side of the median, the
+  window keeps those samples only: the shift is the new level. Scores resume once the window
+  holds ``spike_warmup`` samples again, so at most ``spike_warmup`` steps after the shift
+  began. A shift down flags nothing; a jump up is indistinguishable from a spike when it
+  happens, so its first steps (at most :data:`SHIFT_RUN`) may be flagged. On a stationary
+  series a run of :data:`SHIFT_RUN` such samples is vanishingly rare (each has a probability
+  of 0.0013 for normal log-norms), so isolated spikes never trigger it.
+
+With the defaults (window 128, warm-up 32) a 10x spike 50 steps after a 30x drop of level is
+found, announced or not (tests/unit/test_spikes.py).
 
 Cost: per series and step, one insertion and one removal in a sorted list (``bisect``) and one
 sort of ``spike_window`` absolute deviations: O(groups * window log window) host work on the
@@ -50,12 +68,19 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from gradwatch.anomalies import RateLimitedLog
 from gradwatch.snapshot import Snapshot
 
-__all__ = ["MAD_TO_SIGMA", "MIN_LOG_SPREAD", "SpikeDetector", "SpikeWindow"]
+__all__ = [
+    "MAD_TO_SIGMA",
+    "MIN_LOG_SPREAD",
+    "SHIFT_RUN",
+    "SHIFT_SCORE",
+    "SpikeDetector",
+    "SpikeWindow",
+]
 
 log = logging.getLogger("gradwatch")
 
@@ -64,6 +89,10 @@ MAD_TO_SIGMA = 1.4826
 #: Floor of the spread ``s`` in natural-log units: a series whose log-norm does not move at all
 #: still needs a factor of ``exp(threshold * MIN_LOG_SPREAD)`` to spike.
 MIN_LOG_SPREAD = 0.05
+#: Consecutive samples beyond :data:`SHIFT_SCORE`, on one side, that make a level shift.
+SHIFT_RUN = 8
+#: Robust deviations from the median beyond which a sample counts towards a level shift.
+SHIFT_SCORE = 3.0
 
 
 class SpikeWindow:
@@ -73,6 +102,8 @@ class SpikeWindow:
         self.size = size
         self._fifo: deque[float] = deque()
         self._sorted: list[float] = []
+        self._run: list[float] = []  # the latest samples beyond SHIFT_SCORE, on one side
+        self._run_side = 0.0
 
     def __len__(self) -> int:
         return len(self._fifo)
@@ -83,6 +114,31 @@ class SpikeWindow:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._fifo.append(x)
         bisect.insort(self._sorted, x)
+
+    def clear(self, keep: Sequence[float] = ()) -> None:
+        """Empty the window, then add ``keep`` (oldest first): a new baseline."""
+        self._fifo.clear()
+        self._sorted.clear()
+        self._run = []
+        self._run_side = 0.0
+        for x in keep:
+            self.add(x)
+
+    def track_shift(self, x: float, score: float) -> bool:
+        """Count ``x`` (just added, scored ``score``) towards a level shift; on the
+        :data:`SHIFT_RUN`-th consecutive sample beyond :data:`SHIFT_SCORE` on one side, re-base
+        the window on those samples and return True."""
+        side = math.copysign(1.0, score) if abs(score) > SHIFT_SCORE else 0.0
+        if side == 0.0 or side != self._run_side:
+            self._run = []
+        self._run_side = side
+        if side == 0.0:
+            return False
+        self._run.append(x)
+        if len(self._run) < SHIFT_RUN:
+            return False
+        self.clear(self._run)
+        return True
 
     def median(self) -> float:
         s = self._sorted
@@ -126,6 +182,7 @@ class SpikeDetector:
         self.rank = rank
         self._windows: dict[str | None, SpikeWindow] = {}  # None: the global norm
         self._last_order = 0
+        self._stage: frozenset[str] | None = None  # the isolated groups of the last collect
         self._lock = threading.Lock()
         self._log = RateLimitedLog(60.0)
 
@@ -145,6 +202,11 @@ class SpikeDetector:
             enters = snap.is_finite and order > self._last_order
             if order > self._last_order:
                 self._last_order = order
+                stage = frozenset(snap.isolation_violated)
+                if self._stage is not None and stage != self._stage:
+                    for w in self._windows.values():  # a new stage: a new baseline
+                        w.clear()
+                self._stage = stage
             scores: dict[str | None, float] = {}
             typical: dict[str | None, tuple[float, int]] = {}
             for key, norm in series.items():
@@ -160,6 +222,8 @@ class SpikeDetector:
                 scores[key] = score
                 if enters and x is not None:
                     w.add(x)
+                    if score == score:
+                        w.track_shift(x, score)
         spiking = tuple(g for g in snap.groups if scores[g] > self.threshold)
         global_spike = scores[None] > self.threshold
         for key in ((None,) if global_spike else ()) + spiking:

@@ -16,20 +16,28 @@ import math
 from collections.abc import Sequence
 
 from gradwatch.config import WatchConfig, ratio_key
-from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot
+from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, ratio_defined
 from gradwatch.stats import norm_from_bands, sqrt_sum
 
 
 def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:
-    """``(n/sqrt(n_numel)) / (d/sqrt(d_numel) + 1e-8)``; 0.0 when a norm < 1e-8 or a numel is 0."""
-    if n_numel == 0 or d_numel == 0 or n_norm < RATIO_EPS or d_norm < RATIO_EPS:
+    """``(n/sqrt(n_numel)) / (d/sqrt(d_numel) + 1e-8)``.
+
+    NaN when undefined: the denominator had no gradient element, or a norm below 1e-8 or
+    non-finite (:func:`~gradwatch.snapshot.ratio_defined`); never a 0 that would read as a
+    dormant numerator. 0.0 when the denominator is defined and the numerator had no gradient
+    or a norm below 1e-8 (a dormant numerator, measured); NaN/Inf in the numerator propagate.
+    """
+    if not ratio_defined(GroupStats(norm=d_norm, numel=d_numel)):
+        return math.nan
+    if n_numel == 0 or n_norm < RATIO_EPS:
         return 0.0
     return (n_norm / math.sqrt(n_numel)) / (d_norm / math.sqrt(d_numel) + RATIO_EPS)
 
 
 def raw_ratio(n_norm: float, d_norm: float) -> float:
-    """``n / d``; 0.0 when ``d`` is 0."""
-    return 0.0 if d_norm == 0.0 else n_norm / d_norm
+    """``n / d``; NaN when undefined (``d`` is 0 or non-finite)."""
+    return n_norm / d_norm if math.isfinite(d_norm) and d_norm != 0.0 else math.nan
 
 
 def health_score(n: int, vanishing: int, exploding: int, global_norm: float) -> float:

@@ -23,6 +23,10 @@ Example: ``with OpCounter() as ops: watch.collect(step).result()`` then ``ops.sc
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,9 +132,42 @@ def largest_allocation(fn: Any) -> int:
     an op's kernel (e.g. the float32 copy ``vector_norm(bf16, dtype=torch.float32)`` makes)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_banners(), profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         fn()
     return max((max(0, e.cpu_memory_usage) for e in prof.events()), default=0)
+
+
+#: Prefixes of the lines the profiler's native library (kineto) writes to the process's stderr
+#: on every start and stop, whatever ``KINETO_LOG_LEVEL`` says.
+_PROFILER_BANNERS = (b"USDT:", b"STAGE:")
+
+
+@contextmanager
+def _without_profiler_banners() -> Iterator[None]:
+    """Hold file descriptor 2 in a temporary file while the profiler runs, then write back
+    everything but the profiler's banner lines: what the caller prints stays its own."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable stderr: nothing to keep clean
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held if not line.startswith(_PROFILER_BANNERS)]
+            if kept:
+                with contextlib.suppress(OSError):
+                    os.write(2, b"".join(kept))
 
 
 class BlockingCopyCounter(TorchDispatchMode):

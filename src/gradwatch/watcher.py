@@ -18,6 +18,7 @@ the history file when ``history_path`` is set, with or without an endpoint).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -56,6 +57,7 @@ from gradwatch.snapshot import Snapshot
 from gradwatch.spikes import SpikeDetector
 from gradwatch.stats import BANDS, MetaGradientError, NormEngine, norm_from_bands
 from gradwatch.summary import summarize
+from gradwatch.zero import ZeroGradients, find_engine
 
 if TYPE_CHECKING:
     from gradwatch.export import Publishing, Sink
@@ -133,9 +135,15 @@ class GradWatch:
         self._last: Snapshot | None = None
         self._isolated: tuple[str, ...] = tuple(cfg.isolated)
         self._enabled = cfg.enabled
+        self._zero: ZeroGradients | None = None
         if not self._enabled:
             self._inert(model)
             return
+        # A DeepSpeed engine (or the module one trains): its gradients are read from its
+        # partitions (gradwatch.zero); None otherwise.
+        self._zero = _zero_source(model)
+        if self._zero is not None:
+            model = self._zero.module
         reject_fsdp1(model)
         reject_distributed_optimizer(model)
         names, self._params = named_parameters(model)
@@ -165,12 +173,15 @@ class GradWatch:
                 "this rank's only; call torch.distributed.init_process_group before GradWatch",
                 os.environ["WORLD_SIZE"],
             )
-        self._gradients = GradientReader(self._params)
-        ddp = self._find_ddp(model)
+        self._gradients: GradientReader | ZeroGradients = (
+            GradientReader(self._params) if self._zero is None else self._zero
+        )
+        ddp = self._find_ddp(model) if self._zero is None else None
         self._attach_rank_view(ddp, names)
         try:
             self._reducer = Reducer(
-                [piece_of(n, p) for n, p in zip(names, self._params, strict=True)],
+                [piece_of(n, p) for n, p in zip(names, self._params, strict=True)]
+                if self._zero is None else self._zero.pieces(),
                 version=_version(),
                 config_hash=cfg.layout_hash(),
                 timeout_seconds=cfg.collective_timeout_seconds,
@@ -199,7 +210,7 @@ class GradWatch:
                 )
         self.parallelism = describe_parallelism(
             model, self._params, self.world_size, stage_group, process_group
-        )
+        ) if self._zero is None else self._zero.label
         self._engine = NormEngine()
         self._collections = 0
         self._attempts = 0  # collects that did work, numbered: orders failures and results
@@ -396,7 +407,21 @@ class GradWatch:
             )
         if step is None:
             step = self._optimizer_steps
+        zero = self._zero if self._enabled else None
+        if zero is not None:
+            refusal = zero.clip_refusal() or zero.off_boundary()
+            if refusal is not None:
+                raise GradWatchError(f"gradwatch: clip_grad_norm_ under DeepSpeed: {refusal}")
         _, total = self._guarded(step, scaler, None, float(max_norm))
+        if total is None and zero is not None:
+            # DeepSpeed's gradients are not in .grad: torch's function would clip nothing.
+            self._log_once(
+                "zero-not-clipped",
+                "gradwatch: step %d was not clipped (collection failed or stopped); DeepSpeed "
+                "steps with unclipped gradients",
+                step,
+            )
+            return torch.tensor(math.nan, dtype=torch.float64)
         if total is None:  # skipped by the schedule, or collection disabled after an error
             held = self._slots.current() if self._enabled else self._params
             if any(hasattr(p, "main_grad") for p in held):
@@ -480,6 +505,12 @@ class GradWatch:
         step, so the hook does not collect twice). With a ``scaler``, collection happens in
         ``scaler.step(optimizer)`` (wrapped), so steps the scaler skips are seen too.
         """
+        if self._zero is not None:
+            raise GradWatchError(
+                "gradwatch: attach() cannot hook a DeepSpeed engine's optimizer (engine.step() "
+                "runs it, after the reduced gradients are consumed): call "
+                "watch.collect(step=...) between engine.backward(loss) and engine.step()"
+            )
         if self._enabled:
             self._optimizer_steps = max(self._optimizer_steps, self._next_step)
             self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
@@ -508,6 +539,11 @@ class GradWatch:
             return self._not_measured(step, f"collection stopped: {self._broken}"), None
         if self._closed or (skipped and max_norm is None):
             return self._pending_last(step), None
+        if self._zero is not None:
+            off = self._zero.off_boundary()  # identical on every rank: no collective is skipped
+            if off is not None:
+                self._log_once("zero-boundary", "gradwatch: step %d not measured: %s", step, off)
+                return self._not_measured(step, off), None
         started = time.perf_counter()
         issued = self._reducer.issued
         self._attempts += 1
@@ -701,13 +737,16 @@ class GradWatch:
         collect (see :meth:`_measured`)."""
         grads = self._gradients.read()
         sq, plan = self._engine.squared_norms_and_plan(grads.tensors, self._reducer.device)
-        scale = pending_scale(scaler, optimizer)
+        scale = pending_scale(scaler, optimizer) if self._zero is None else None
         local = self._local_view.take() if self._local_view is not None else None
         if scale is not None:
             scale64 = scale.to(sq.device, torch.float64)
             sq = sq / (scale64 * scale64)
             if local is not None:
                 local = local / (scale64 * scale64).to(local.device)
+        zero_scale = self._zero.loss_scale() if self._zero is not None else None
+        if zero_scale is not None:  # DeepSpeed's loss scale, a Python float: a kernel argument
+            sq = sq / (zero_scale * zero_scale)
         has_grad = [g is not None for g in grads.tensors]
         reduced = self._reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
@@ -840,6 +879,15 @@ class GradWatch:
         if kind not in self._logged:
             self._logged.add(kind)
             log.warning(msg, *args)
+
+
+def _zero_source(model: nn.Module) -> ZeroGradients | None:
+    """The DeepSpeed engine's gradient source when ``model`` is one or is trained by one
+    (only when the program imported DeepSpeed), else None."""
+    engine = find_engine(model)
+    if engine is None:
+        return None
+    return ZeroGradients(engine, None if model is engine else model)
 
 
 class _Replaced(GradWatchError):

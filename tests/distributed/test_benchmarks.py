@@ -209,3 +209,20 @@ def test_rank_view_ratio_and_its_noise_verdict() -> None:
     assert report.verdict_of(same).startswith("no difference beyond noise")
     run = RunResults(command="x", rounds=(1, 1), rank_view=r)
     assert not next(c for c in report.target_checks(run) if "per-rank view" in c.subject).met
+
+
+@pytest.mark.distributed
+def test_quick_deepspeed_zero_section() -> None:
+    """The DeepSpeed ZeRO-2 section (what `make bench` runs) on 2 rounds: both methods timed in
+    every round on one engine, rendered with their ratio and the target verdict."""
+    from benchmarks import zero_bench
+
+    found = zero_bench.measure(2)
+    assert isinstance(found, zero_bench.ZeroNormResult), found
+    assert len(found.gradwatch) == len(found.deepspeed) == 2
+    assert found.ratio > 0
+    _header, rows = _rows(zero_bench.text(found), "| method |")
+    assert [r[0] for r in rows] == ["gradwatch collect + result", "DeepSpeed scaled_global_norm"]
+    assert rows[0][4] in ("met", "not met")
+    text = report.render(RunResults(command="x", rounds=(1, 1), zero=found))
+    assert "## DeepSpeed ZeRO-2" in text and "| gradwatch collect + result |" in text

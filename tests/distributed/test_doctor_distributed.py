@@ -48,16 +48,20 @@ def test_doctor_under_torchrun_two_gloo_ranks(tmp_path: Path) -> None:
         assert proc.wait(timeout=TIMEOUT) == 0, (tmp_path / "torchrun.log").read_text()
     finally:
         stop_group(proc)
-    outputs = sorted(logs.rglob("stdout.log"))
-    assert len(outputs) == 2, outputs
-    for out in outputs:
-        doc = json.loads(out.read_text())
-        status = {c["name"]: c for c in doc["checks"]}
-        assert status["distributed"]["status"] == "PASS", status["distributed"]
-        assert "1 collective(s), 2 ranks" in status["distributed"]["measured"]
-        assert status["distributed"]["detail"] == "gloo"
-        assert status["syncs"]["status"] == "PASS"
-        assert doc["ok"] is True
+    outputs = {out.parent.name: out for out in logs.rglob("stdout.log")}
+    assert sorted(outputs) == ["0", "1"], outputs
+    # Rank 0 alone prints the document; rank 1, whose checks passed, prints nothing.
+    doc = json.loads(outputs["0"].read_text())
+    status = {c["name"]: c for c in doc["checks"]}
+    assert status["distributed"]["status"] == "PASS", status["distributed"]
+    assert "1 collective(s), 2 ranks" in status["distributed"]["measured"]
+    assert status["distributed"]["detail"] == "gloo"
+    assert status["syncs"]["status"] == "PASS"
+    assert doc["ok"] is True
+    assert outputs["1"].read_text() == ""
+    for err in logs.rglob("stderr.log"):  # no torch FutureWarning, no profiler banner
+        text = err.read_text()
+        assert "FutureWarning" not in text and "USDT" not in text, (err, text)
 
 
 def test_a_missing_rank_is_reported_within_the_timeout() -> None:

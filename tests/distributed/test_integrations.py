@@ -541,6 +541,29 @@ def test_huggingface_trainer_pre_clip_exact_ddp2(tmp_path: Path, mode: str) -> N
     assert other["references"] == pytest.approx(seen["references"], rel=1e-12)  # all-reduced
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_huggingface_trainer_under_deepspeed_is_pre_clip_and_exact(tmp_path: Path) -> None:
+    """The Trainer under DeepSpeed ZeRO-2 (CPU, 2 gloo ranks), DeepSpeed clipping at 0.5: the
+    callback collects inside engine.step(), before DeepSpeed's optimizer step clips, so every
+    step's figure is the pre-clip norm of the averaged gradient (float64 reference of
+    DeepSpeed's own full gradient), equal to the Trainer's logged grad_norm (DeepSpeed's norm),
+    which the audit agrees with."""
+    _run_framework_job("hf-deepspeed", tmp_path, timeout=380)
+    seen = json.loads((tmp_path / "0.json").read_text())
+    assert seen["wrapper"] == "DeepSpeedEngine" and seen["parallelism"] == "zero2x2"
+    refs = seen["references"]
+    assert len(refs) == 3 and any(r > 0.5 for r in refs)  # DeepSpeed's clip acted
+    assert [step for step, _, _ in seen["history"]] == [1, 2, 3]
+    for step, norm, clip_coef in seen["history"]:
+        ref = refs[step - 1]
+        assert abs(norm - ref) <= 1e-6 * ref, (step, norm, ref)  # pre-clip, exact
+        assert abs(seen["logged"][str(step)] - norm) <= 1e-6 * norm  # DeepSpeed's own norm
+        assert clip_coef is None  # gradwatch did not clip: DeepSpeed did
+    ratio, disagreements = seen["audits"]["deepspeed"]
+    assert disagreements == 0 and abs(ratio - 1) <= 1e-6
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("factor", [1.0, 2.0])
 def test_lightning_callback_audits_lightnings_logged_norm(tmp_path: Path, factor: float) -> None:

@@ -113,7 +113,7 @@ def test_pipeline_replica_sums_its_stages(w4: list) -> None:
 def test_noise_scale_within_ten_percent(world: str, request: pytest.FixtureRequest) -> None:
     r0 = _case(request.getfixturevalue(world), "noise_scale")[0]
     true = r0["true"]
-    for value in r0["trace"]:  # the last 50 steps, once the EMAs settled
+    for value in r0["trace"]:  # the last 50 steps, once the window filled
         assert abs(value - true) <= 0.1 * true, (value, true)
     assert abs(r0["group"]["w"] - true) <= 0.1 * true
 

@@ -1331,10 +1331,10 @@ gradwatch_replica_grad_norm_max_rank 1.0
 # HELP gradwatch_replica_outlier_score Largest relative deviation of a replica's local gradient norm from the replicas' median, max |x - median| / median, at the last published step.
 # TYPE gradwatch_replica_outlier_score gauge
 gradwatch_replica_outlier_score +Inf
-# HELP gradwatch_gradient_noise_scale Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, EMA-smoothed, in samples (the unit of batch_size; per-replica batches when batch_size is unset).
+# HELP gradwatch_gradient_noise_scale Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, averaged over the last 40 steps, in samples (the unit of batch_size; per-replica batches when batch_size is unset).
 # TYPE gradwatch_gradient_noise_scale gauge
 gradwatch_gradient_noise_scale 123.456789
-# HELP gradwatch_group_gradient_noise_scale Gradient noise scale B_simple of one parameter group, EMA-smoothed, in samples (the unit of batch_size; per-replica batches when batch_size is unset).
+# HELP gradwatch_group_gradient_noise_scale Gradient noise scale B_simple of one parameter group, averaged over the last 40 steps, in samples (the unit of batch_size; per-replica batches when batch_size is unset).
 # TYPE gradwatch_group_gradient_noise_scale gauge
 gradwatch_group_gradient_noise_scale{group="host"} NaN
 gradwatch_group_gradient_noise_scale{group="seed"} 1e-300

@@ -99,7 +99,7 @@ def test_top_shows_the_replica_spread_outlier_and_noise_scale() -> None:
     for expected in (
         "replicas: local norm min 1 / median 1.1 / max 3.3, max at rank 3, outlier score 2 "
         f"(> {REPLICA_OUTLIER_THRESHOLD:g}: outlier replica)",
-        f"gradient noise scale: model 1.23e+03, w 800, b nan  [{NOISE_SCALE_UNIT}]",
+        f"gradient noise scale: model 1.23e+03, w 800, b undefined  [{NOISE_SCALE_UNIT}]",
     ):
         assert expected in text, (expected, text)
 

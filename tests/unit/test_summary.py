@@ -32,13 +32,17 @@ def ref_health(n: int, v: int, e: int, global_norm: float) -> float:
 
 
 def ref_ratio(nn: float, nnumel: int, dn: float, dnumel: int) -> float:
-    if nnumel == 0 or dnumel == 0 or nn < 1e-8 or dn < 1e-8:
+    """NaN when undefined (the denominator has no gradient, a norm below 1e-8 or non-finite);
+    0 for a numerator without gradient (or a norm below 1e-8) over a defined denominator."""
+    if dnumel == 0 or not math.isfinite(dn) or dn < 1e-8:
+        return math.nan
+    if nnumel == 0 or nn < 1e-8:
         return 0.0
     return (nn / math.sqrt(nnumel)) / (dn / math.sqrt(dnumel) + 1e-8)
 
 
 def ref_raw(nn: float, dn: float) -> float:
-    return 0.0 if dn == 0.0 else nn / dn
+    return math.nan if dn == 0.0 or not math.isfinite(dn) else nn / dn
 
 
 def same(a: float, b: float, rel: float = 1e-12) -> bool:
@@ -171,14 +175,18 @@ def test_ratio_formula_exact_values() -> None:
     assert snap.raw_ratios["a/b"] == 0.25 and snap.raw_ratios["b/a"] == 4.0
 
 
-def test_ratio_zero_below_eps_and_raw_zero_denominator() -> None:
+def test_ratio_zero_for_a_dormant_numerator_nan_when_undefined() -> None:
+    """A numerator below 1e-8 over a defined denominator is 0 (dormant: measured); a
+    denominator below 1e-8, without gradient or non-finite makes the ratio undefined: NaN,
+    never a 0 that would read as dormant."""
     snap = _one([1e-17, 1.0], ["a", "b"], ratios=[("a", "b"), ("b", "a")])  # a norm ~3e-9
-    assert snap.ratios["a/b"] == 0.0 and snap.ratios["b/a"] == 0.0
+    assert snap.ratios["a/b"] == 0.0 and math.isnan(snap.ratios["b/a"])
     assert snap.raw_ratios["b/a"] == pytest.approx(1.0 / math.sqrt(1e-17))
     snap = _one([0.0, 1.0], ["a", "b"], ratios=[("b", "a")])
-    assert snap.raw_ratios["b/a"] == 0.0 and snap.ratios["b/a"] == 0.0
-    snap = _one([1.0], ["b"], ratios=[("b", "a")])  # a has no gradient: numel 0
-    assert snap.ratios["b/a"] == 0.0 and snap.raw_ratios["b/a"] == 0.0
+    assert math.isnan(snap.raw_ratios["b/a"]) and math.isnan(snap.ratios["b/a"])
+    snap = _one([1.0], ["b"], ratios=[("b", "a"), ("a", "b")])  # a has no gradient: numel 0
+    assert math.isnan(snap.ratios["b/a"]) and math.isnan(snap.raw_ratios["b/a"])
+    assert snap.ratios["a/b"] == 0.0 and snap.raw_ratios["a/b"] == 0.0
 
 
 def test_health_exact_values() -> None:

@@ -32,7 +32,9 @@ Design choices:
   (Python processes importing torch) is a fixed cost of every run, whatever ``--steps``.
 * **Linger.** ``--linger S`` keeps rank 0 serving S seconds after the last step (the summary is
   printed when training ends, before that window), so ``gradwatch top`` or ``curl`` can look at
-  the endpoint of a finished run; the job then exits and the endpoint closes with it.
+  the endpoint of a finished run; the job then exits and the endpoint closes with it. The first
+  line says how long the training takes and whether the endpoint stays; without ``--linger``
+  the last line says that it closes and how to keep it.
 * **Stopping.** torchrun runs in its own session, so a Ctrl-C reaches the parent only; the
   parent forwards SIGINT (SIGTERM for a SIGTERM) to torchrun's process group, waits
   ``STOP_TIMEOUT`` s, then SIGKILLs the group, and exits 130 (143 for SIGTERM). The ranks also
@@ -79,7 +81,15 @@ from gradwatch.cli.demo_protocol import (
 )
 from gradwatch.cli.endpoint import EndpointView, ScrapeError, scrape
 from gradwatch.cli.phases import phase_of
-from gradwatch.cli.render import Trends, anomalies_text, fmt, isolation_text, render_view
+from gradwatch.cli.render import (
+    UNDEFINED,
+    Trends,
+    anomalies_text,
+    fmt,
+    fmt_ratio,
+    isolation_text,
+    render_view,
+)
 from gradwatch.config import DEFAULT_DEMO_PORT
 
 #: Seconds between two scrapes of the job's endpoint.
@@ -163,6 +173,28 @@ def job_args(opts: DemoOptions, workdir: Path) -> JobArgs:
         parent_pid=os.getpid(),
         nan_rank=opts.nan_rank,
     )
+
+
+def expected_seconds(opts: DemoOptions) -> float:
+    """How long the training takes, at least: every step's ``--step-sleep`` and the pause
+    after each injected step (starting torchrun's ranks comes on top, a few seconds)."""
+    injected = sum(at is not None for at in (opts.nan_at, opts.explode_at, opts.spike_at))
+    return opts.steps * opts.step_sleep + injected * DEFAULT_ANOMALY_PAUSE
+
+
+def intro_lines(opts: DemoOptions) -> list[str]:
+    """What the run will do and how long the endpoint stays: printed first."""
+    keep = (
+        f"rank 0 keeps serving {opts.linger:g} s after the last step (--linger)"
+        if opts.linger > 0
+        else "the endpoint closes when training ends: --linger SECONDS keeps it serving "
+        "(e.g. gradwatch demo --linger 600, then gradwatch top URL)"
+    )
+    return [
+        f"gradwatch demo: {opts.steps} steps on {opts.nproc} ranks, about "
+        f"{expected_seconds(opts):.0f} s of training after startup (--steps, --step-sleep); "
+        f"{keep}"
+    ]
 
 
 def job_command(opts: DemoOptions, workdir: Path) -> list[str]:
@@ -298,7 +330,7 @@ class _PlainDisplay(_Display):
     def line(self, view: EndpointView) -> str:
         """One progress line: step, phase, norms, ratios, health, anomaly counters."""
         groups = " ".join(f"{g} {fmt(s.norm)}" for g, s in view.groups.items())
-        ratios = " ".join(f"{k} {fmt(v)}" for k, v in view.ratios.items())
+        ratios = " ".join(f"{k} {fmt_ratio(view, k)}" for k in view.ratios)
         isolation = isolation_text(view)
         return (
             f"step {view.step}/{self.opts.steps} [{self.phase(view.step)}] "
@@ -347,7 +379,10 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
     last = summary.last
     if last is not None:
         groups = ", ".join(f"{g} {fmt(v)}" for g, v in last.groups.items())
-        ratios = ", ".join(f"{k} {fmt(v)}" for k, v in last.ratios.items())
+        ratios = ", ".join(
+            f"{k} {UNDEFINED if v != v and math.isfinite(last.global_norm) else fmt(v)}"
+            for k, v in last.ratios.items()
+        )
         lines.append(
             f"last step {last.step}: global norm {fmt(last.global_norm)}; {groups}; "
             f"{ratios}; health {fmt(last.health, 3)}"
@@ -410,6 +445,8 @@ class DemoRun:
 
     def run(self) -> int:
         """Run to completion; returns the exit status (signals propagate to :meth:`stop`)."""
+        for line in intro_lines(self.opts):
+            self.console.print(line, soft_wrap=True)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would set, without its warning
         env["PYTHONUNBUFFERED"] = "1"
@@ -446,6 +483,12 @@ class DemoRun:
             self.console.print(
                 f"serving {self.url} for {self.opts.linger:g}s more (Ctrl-C to stop; "
                 f"look at it with: gradwatch top {self.url})",
+                soft_wrap=True,
+            )
+        elif self.opts.linger == 0:
+            self.console.print(
+                f"the endpoint {self.url} closes now; to keep it serving after the last step, "
+                "run with --linger SECONDS",
                 soft_wrap=True,
             )
         if self.proc.wait() != 0:
@@ -609,8 +652,8 @@ def demo(
     spike_at: Annotated[
         int | None,
         typer.Option(
-            help="Multiply the gradients by 10 at this step: a spike below the exploding "
-            "threshold, found by adaptive spike detection."
+            help="Multiply the gradients by 30 at this step: a spike below the exploding "
+            "threshold, found by adaptive spike detection (also after a stage change)."
         ),
     ] = None,
     seed_at: Annotated[

@@ -28,10 +28,12 @@ across ranks), so the endpoint shows ``gradwatch_isolation_violated{group="host"
 the host is expected to be frozen.
 
 Fault injection: at ``--nan-at`` the gradients are multiplied by NaN, at ``--explode-at`` by
-1e6, at ``--spike-at`` by 10 (a spike relative to the recent norms, below the fixed exploding
-threshold: only adaptive spike detection sees it), after the backward pass and before
-``collect``; the optimizer skips that step (as a GradScaler would), so training is healthy
-again afterwards. After an injected step the job
+1e6, at ``--spike-at`` by 30 (a spike relative to the recent norms, below the fixed exploding
+threshold: only adaptive spike detection sees it), by scaling the loss before the backward
+pass: every rank's local gradients carry the fault before DDP's all-reduce, so every feature
+the demo shows (the reduced norms, the per-rank view with the replicas' spread and the gradient
+noise scale) sees the same step, as it would a real fault. The optimizer skips that step (as a
+GradScaler would), so training is healthy again afterwards. After an injected step the job
 pauses ``--anomaly-pause`` seconds so a scraper polling a few times a second sees the step's
 gauges (the counters keep it anyway).
 
@@ -74,7 +76,9 @@ ISOLATED: list[str] = ["stem"]
 
 NAN_FACTOR = float("nan")
 EXPLODE_FACTOR = 1e6
-SPIKE_FACTOR = 10.0
+#: Well above the demo's step-to-step noise in every phase (the seed alone varies by ~3x), so the
+#: spike is found wherever it is injected, and below the exploding threshold.
+SPIKE_FACTOR = 30.0
 SEED_GATE = 0.1
 
 
@@ -209,20 +213,17 @@ def train(args: JobArgs) -> int:
                 y = torch.tanh(teacher(x)) + 0.1 * torch.randn(batch, 1, generator=data)
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
-            # --nan-rank: the NaN enters one rank's local gradients, before DDP's all-reduce
-            # spreads it to every rank (the per-rank view names that rank as the origin).
-            local_nan = args.nan_rank is not None and step in nan_at
-            (loss * NAN_FACTOR if local_nan and rank == args.nan_rank else loss).backward()
-
             factor = NAN_FACTOR if step in nan_at else EXPLODE_FACTOR if step in explode_at else 1.0
             if step in spike_at and factor == 1.0:
                 factor = SPIKE_FACTOR
             injected = factor != 1.0
-            if injected and not local_nan:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        if p.grad is not None:
-                            p.grad.mul_(factor)
+            # The fault enters the local gradients through the loss, before DDP's all-reduce,
+            # as a real one would: the reduced figures, the per-rank view and the noise scale
+            # all see the same step. --nan-rank: on that rank only (the per-rank view names it
+            # as the origin; the all-reduce spreads the NaN to every rank).
+            local_nan = args.nan_rank is not None and step in nan_at
+            scale = (NAN_FACTOR if rank == args.nan_rank else 1.0) if local_nan else factor
+            (loss * scale if scale != 1.0 else loss).backward()
             pending = watch.collect(step=step)
             if not injected:
                 optimizer.step()

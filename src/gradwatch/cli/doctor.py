@@ -2,16 +2,25 @@
 cost, threading, the collective under torchrun, the endpoint) in under a minute.
 
 The checks live in :mod:`gradwatch.doctor` (imported when the command runs: torch is not
-imported by ``gradwatch --help``). Output: one table (check, status, measured, threshold), or
-with ``--json`` one JSON document (``environment``, ``checks``, ``failed``, ``ok``). Exit status
-0 when no check failed, 1 naming the failing checks on stderr, 2 for bad input (a device that
-does not exist, an unknown dtype) with a one-line message.
+imported by ``gradwatch --help``). Output: one table (check, status, measured, threshold) that
+fits :data:`WIDTH` columns, or with ``--json`` one JSON document (``environment``, ``checks``,
+``failed``, ``ok``). Under torchrun only rank 0 prints it; another rank prints nothing unless a
+check failed there, and then only its failing checks (the table or the document) and the
+``FAILED`` line on stderr naming its rank. torch's own warnings are not
+shown (they say nothing about this machine). Exit status 0 when no check failed, 1 naming the
+failing checks on stderr, 2 for bad input (a device that does not exist, an unknown dtype) with
+a one-line message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import textwrap
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -26,24 +35,63 @@ HELP = "\n\n".join(
         "reference, zero device syncs in collect(), peak extra memory, cost against "
         "torch.nn.utils.get_total_norm and clip_grad_norm_, result() across threads, the "
         "endpoint, and under torchrun one collect across all ranks with the job's backend.",
-        "Each check is PASS, FAIL or SKIP with the measured figure and its threshold "
+        "Each check is PASS, FAIL, SKIP (not applicable here) or INCONCLUSIVE (measured on a "
+        "machine too busy for a verdict) with the measured figure and its threshold "
         "(docs/gpu.md). Exit status 0 when nothing failed, 1 naming the failing checks, 2 for "
         "bad input. On a cluster: `gradwatch doctor` on each node, then `torchrun "
-        "--nproc-per-node N -m gradwatch.cli.main doctor` for the collective.",
+        "--nproc-per-node N -m gradwatch.cli.main doctor` for the collective (rank 0 prints "
+        "the table, the other ranks only their failures).",
     )
 )
 
 
-def _table(rows: list[Any]) -> str:
-    header = ("check", "status", "measured", "threshold")
-    cells = [header, *[(c.name, c.status, c.measured, c.threshold) for c in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(3)]
-    lines = [
-        f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in cells
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    details = [f"  {c.name}: {c.detail}" for c in rows if c.detail]
+#: The widest line the table and its details print.
+WIDTH = 100
+#: Width of the status column (``INCONCLUSIVE`` and two spaces).
+_STATUS = 14
+
+
+def _table(rows: list[Any], width: int = WIDTH) -> str:
+    """The checks in at most ``width`` columns: per check, its status and name on one line,
+    then what was measured against its threshold, wrapped and indented below; then the
+    details, wrapped likewise."""
+    indent = " " * (_STATUS + 2)
+    lines = [f"{'status':<{_STATUS}}check", f"{indent}measured (threshold)", "-" * width]
+    for c in rows:
+        lines += textwrap.wrap(
+            f"{c.status:<{_STATUS}}{c.name}", width, subsequent_indent=" " * _STATUS,
+            break_on_hyphens=False,
+        )  # fmt: skip
+        lines += textwrap.wrap(
+            f"{c.measured} (threshold: {c.threshold})", width, initial_indent=indent,
+            subsequent_indent=indent, break_on_hyphens=False,
+        )  # fmt: skip
+    details: list[str] = []
+    for c in rows:
+        if c.detail:
+            details += textwrap.wrap(
+                f"{c.name}: {c.detail}", width, initial_indent="  ", subsequent_indent="      ",
+                break_on_hyphens=False,
+            )  # fmt: skip
     return "\n".join(lines + (["", "details:", *details] if details else []))
+
+
+def _rank() -> int:
+    """This process's global rank under torchrun (``RANK``), 0 otherwise."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+@contextlib.contextmanager
+def _no_third_party_warnings() -> Iterator[None]:
+    """torch's own warnings (a FutureWarning about torch's internals, a profiler notice) say
+    nothing about this machine: not shown. A warning raised from gradwatch's code is, as it
+    should be fixed."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+        yield
 
 
 def doctor_command(
@@ -105,19 +153,32 @@ def doctor_command(
         raise typer.Exit(EXIT_INVALID) from None
     from gradwatch.doctor import run_checks
 
-    if not json_output:
-        typer.echo(f"gradwatch doctor on {options.device} (each check: PASS, FAIL or SKIP)")
+    rank = _rank()
+    if not json_output and rank == 0:
+        typer.echo(f"gradwatch doctor on {options.device} (each check: PASS, FAIL, SKIP or "
+                   "INCONCLUSIVE)")  # fmt: skip
     started = time.monotonic()
-    checks = run_checks(options)
+    with _no_third_party_warnings():
+        checks = run_checks(options)
     elapsed = time.monotonic() - started
+    failing = [c for c in checks if c.status == "FAIL"]
+    if rank != 0:  # under torchrun rank 0 prints everything; the others their failures only
+        if failing:
+            typer.echo(to_json(failing, options.device, elapsed) if json_output
+                       else _table(failing))  # fmt: skip
+            names = ", ".join(c.name for c in failing)
+            typer.echo(textwrap.fill(f"gradwatch doctor (rank {rank}): FAILED: {names}", WIDTH),
+                       err=True)  # fmt: skip
+            raise typer.Exit(EXIT_FAILED)
+        return
     if json_output:
         typer.echo(to_json(checks, options.device, elapsed))
     else:
         typer.echo(_table(checks))
         typer.echo(f"\n{len(checks)} checks in {elapsed:.1f} s")
-    failed = [c.name for c in checks if c.status == "FAIL"]
-    if failed:
-        typer.echo(f"gradwatch doctor: FAILED: {', '.join(failed)}", err=True)
+    if failing:
+        names = ", ".join(c.name for c in failing)
+        typer.echo(textwrap.fill(f"gradwatch doctor: FAILED: {names}", WIDTH), err=True)
         sys.stdout.flush()
         raise typer.Exit(EXIT_FAILED)
 

@@ -6,9 +6,10 @@ Three panels sharing the step axis:
 2. the normalized group ratios with each pair's configured healthy band and dormant level (the
    job's ``GRADWATCH_RATIOS`` entries, read from the environment; default 0.05-0.2, dormant
    below 0.01): one shared band is shaded, per-pair bands are dashed (low/high) and dotted
-   (dormant) lines in the ratio's color (a ratio of exactly 0, i.e. a group without gradient,
-   is drawn dotted on the floor of the log axis, a marker where each such run starts, instead
-   of vanishing);
+   (dormant) lines in the ratio's color (a ratio of exactly 0, i.e. a numerator without
+   gradient, is drawn dotted on the floor of the log axis, a marker where each such run
+   starts, instead of vanishing; an *undefined* ratio, whose denominator had no gradient, is a
+   gap over a hatched span, neither 0 nor an incident);
 3. the health score in [0, 1].
 
 When the records carry the per-rank view (DDP, docs/distributed.md: ``replica_grad_norm_*`` or
@@ -20,6 +21,7 @@ a gap). Each panel is drawn only when some record has its figures, so a history 
 (or written before it existed) is drawn as three panels. A non-finite step whose origin ranks are
 known (``nonfinite_origin_ranks``) is annotated with them (``rank 1``) at the top of the norms
 panel. A value of the wrong type in a record is skipped (a gap), never drawn as a number.
+Every panel's legend sits outside it, to its right, so no label inside a panel hides under it.
 
 Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding steps (orange)
 are vertical lines across every panel, so a spike in one panel lines up with the others. Spikes
@@ -62,9 +64,9 @@ from gradwatch.config import (
     env_var,
     ratio_key,
 )
-from gradwatch.history import read_history, rotated_path
+from gradwatch.history import decode_record, read_history, rotated_path
 from gradwatch.rankview import NOISE_SCALE_UNIT
-from gradwatch.snapshot import Snapshot
+from gradwatch.snapshot import GroupStats, Snapshot, ratio_defined
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -292,7 +294,7 @@ def _where(path: Path, record: dict[str, Any]) -> str:
             with open(file, "rb") as fh:
                 for number, raw in enumerate(fh, 1):
                     try:
-                        if json.loads(raw) == record:
+                        if decode_record(json.loads(raw)) == record:
                             return f"{file} line {number}"
                     except (ValueError, UnicodeDecodeError):
                         continue
@@ -331,6 +333,47 @@ def load_records(path: Path) -> list[dict[str, Any]]:
             "object with a 'step' per line)"
         )
     return records
+
+
+def ratio_undefined(record: dict[str, Any], key: str) -> bool:
+    """The ratio ``key`` (``"num/den"``) of ``record`` is undefined: its denominator group had
+    no gradient, or a norm below 1e-8 (:func:`gradwatch.snapshot.ratio_defined`). Also true of
+    the 0.0 that histories written before NaN was the rule hold for it."""
+    stats = (record.get("groups") or {}).get(key.split("/", 1)[-1])
+    if not isinstance(stats, dict):
+        return False
+    norm, numel = _number(stats.get("norm")), stats.get("numel")
+    if not isinstance(numel, int) or isinstance(numel, bool) or not math.isfinite(norm):
+        return False  # malformed, or non-finite: an incident, drawn as such
+    return not ratio_defined(GroupStats(norm=norm, numel=numel))
+
+
+def ratio_value(record: dict[str, Any], key: str) -> float:
+    """The ratio ``key`` of ``record``: NaN when undefined (:func:`ratio_undefined`)."""
+    if ratio_undefined(record, key):
+        return math.nan
+    return _float((record.get("ratios") or {}).get(key))
+
+
+def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
+    """``(first, last)`` indices of each run of True in ``flags``."""
+    out: list[tuple[int, int]] = []
+    start: int | None = None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            out.append((start, i - 1))
+            start = None
+    return out
+
+
+def _legend(ax: Any, **kwargs: Any) -> None:
+    """The panel's legend outside it, to its right: no label drawn inside a panel (the origin
+    ranks of a NaN at its top, a line) can be hidden under it (the constrained layout makes
+    room)."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              fontsize="small", **kwargs)  # fmt: skip
 
 
 def render_history(
@@ -430,7 +473,7 @@ def draw_history(
         )  # fmt: skip
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient L2 norm")
-    ax_norm.legend(loc="upper left", fontsize="small", ncols=min(len(groups) + 1, 6))
+    _legend(ax_norm)
 
     # 2. ratios, with each pair's band (one shared band shaded, per-pair bands as lines)
     default: Band = (*HEALTHY_BAND, DORMANT_BELOW)
@@ -471,11 +514,18 @@ def draw_history(
     low = min([*finite_ratios, *drawn_levels]) / 3
     high = max([*finite_ratios, *drawn_levels]) * 3
     ax_ratio.set_ylim(low, high)
-    any_zero = False
+    any_zero = any_undefined = False
     for i, key in enumerate(ratios):
         color = f"C{i % 10}"
-        values = [_float((r.get("ratios") or {}).get(key)) for r in recs]
+        values = [ratio_value(r, key) for r in recs]
         ax_ratio.plot(steps, _positive(values), lw=1.1, color=color, label=key)
+        undefined = [ratio_undefined(r, key) for r in recs]
+        for first_i, last_i in _runs(undefined):  # a gap, shaded: expected, not an incident
+            any_undefined = True
+            ax_ratio.axvspan(
+                steps[first_i] - 0.5, steps[last_i] + 0.5, color="grey", alpha=0.12, lw=0,
+                hatch="//", fill=False, ec=color,
+            )  # fmt: skip
         if any(v == 0.0 for v in values):  # a group without gradient: on the floor, not gone
             any_zero = True
             floor = low * 1.15
@@ -493,10 +543,13 @@ def draw_history(
         )  # fmt: skip
     handles = [*ax_ratio.get_legend_handles_labels()[0], *band_handles]
     if any_zero:
+        label = "0 (numerator: no gradient)"
+        handles.append(Line2D([], [], ls=":", lw=2, marker="v", color="grey", label=label))
+    if any_undefined:
         handles.append(
-            Line2D([], [], ls=":", lw=2, marker="v", color="grey", label="0 (no gradient)")
+            Patch(hatch="//", fill=False, ec="grey", label="undefined (denominator: no gradient)")
         )
-    ax_ratio.legend(handles=handles, loc="upper left", fontsize="small", ncols=3)
+    _legend(ax_ratio, handles=handles)
 
     # the per-rank view: the replicas' local norms, and the gradient noise scale
     if "replicas" in axes:
@@ -508,7 +561,7 @@ def draw_history(
         ax.plot(steps, low_r, color="tab:purple", lw=1.1, ls="--", label="min")
         ax.set_yscale("log")
         ax.set_ylabel("replica local norm")
-        ax.legend(loc="upper left", fontsize="small", ncols=3)
+        _legend(ax)
     if "noise scale" in axes:
         ax = axes["noise scale"]
         if any(v == v for v in noise):
@@ -520,7 +573,7 @@ def draw_history(
         ax.set_ylabel("noise scale")
         ax.set_title(f"gradient noise scale B_simple, in {NOISE_SCALE_UNIT}", loc="left",
                      fontsize="small")  # fmt: skip
-        ax.legend(loc="upper left", fontsize="small", ncols=min(len(noise_groups) + 1, 6))
+        _legend(ax)
 
     # 3. health
     ax_health.plot(steps, [_float(r.get("health")) for r in recs], color="tab:blue", lw=1.2)

@@ -12,7 +12,9 @@ renderable ``gradwatch top`` and ``gradwatch demo`` display. Reading the endpoin
 
 Sparklines of norms use a log scale: gradient norms move by decades (an exploding step is 1e6
 times the others) and a linear scale would flatten everything but the spike. A non-finite value
-is drawn ``!`` and an exact zero (a group without gradient) ``·``, so both stay visible. A trend
+is drawn ``!`` and an exact zero (a group without gradient) ``·``, so both stay visible; an
+undefined ratio (its denominator had no gradient: NaN at the endpoint, expected in a stage where
+that group is frozen) is a gap and reads ``undefined``, never the incident mark ``!`` nor 0. A trend
 gains a point only when a scrape shows a new step: scraping a paused job does not draw a
 plateau that never happened.
 
@@ -47,6 +49,22 @@ ZERO_MARK = "·"
 TREND_POINTS = 16
 #: Drawn for a trend point whose interval held a spike (its spike counter moved).
 SPIKE_MARK = "^"
+#: Drawn for an undefined value (a ratio whose denominator had no gradient): a gap, neither a
+#: measured 0 nor the non-finite incident mark.
+UNDEFINED_MARK = " "
+#: How a table cell spells an undefined value.
+UNDEFINED = "undefined"
+
+
+def ratio_undefined(view: EndpointView, key: str) -> bool:
+    """The ratio ``key`` (``"num/den"``) is NaN because it is undefined (the denominator had
+    no gradient, or a norm below 1e-8), not because a gradient was non-finite: NaN while both
+    groups' norms are finite (docs/metrics.md, ``gradwatch_grad_norm_ratio``)."""
+    value = view.ratios.get(key)
+    if value is None or not math.isnan(value):
+        return False
+    norms = [view.groups[g].norm for g in key.split("/", 1) if g in view.groups]
+    return all(n is not None and math.isfinite(n) for n in norms)
 
 
 def sparkline(
@@ -144,6 +162,7 @@ class Trends:
         self.points = points
         self._series: dict[str, deque[float]] = {}
         self._spikes: dict[str, deque[bool]] = {}
+        self._gaps: dict[str, deque[bool]] = {}  # points of an undefined value
         self._last_step: int | None = None
         self._previous: EndpointView | None = None
 
@@ -180,13 +199,18 @@ class Trends:
                     counter_delta(s.nonfinite_steps, p.nonfinite_steps),
                 )
                 spiked[f"group:{g}"] = counter_delta(s.spikes, p.spikes) > 0
+        undefined = {f"ratio:{k}" for k in view.ratios if ratio_undefined(view, k)}
         for key, value in values.items():
             if value is not None:
                 self._series.setdefault(key, deque(maxlen=self.points)).append(value)
-                marks = self._spikes.setdefault(key, deque(maxlen=self.points))
-                while len(marks) < len(self._series[key]) - 1:
-                    marks.appendleft(False)
-                marks.append(spiked.get(key, False))
+                for flags, flag in (
+                    (self._spikes, spiked.get(key, False)),
+                    (self._gaps, key in undefined),
+                ):
+                    marks = flags.setdefault(key, deque(maxlen=self.points))
+                    while len(marks) < len(self._series[key]) - 1:
+                        marks.appendleft(False)
+                    marks.append(flag)
         return True
 
     def get(self, key: str) -> list[float]:
@@ -203,6 +227,9 @@ class Trends:
         for i, spike in enumerate(self.spikes(key)):
             if spike and chars[i] != NONFINITE_MARK:
                 chars[i] = SPIKE_MARK
+        for i, gap in enumerate(self._gaps.get(key, ())):
+            if gap:
+                chars[i] = UNDEFINED_MARK
         return "".join(chars)
 
 
@@ -320,16 +347,41 @@ def replica_text(view: EndpointView) -> Text | None:
     return text
 
 
+def ratio_text(view: EndpointView, trends: Trends, key: str) -> Text:
+    """``ratio seed/host 0.12 ▃▄▅``; an undefined ratio reads ``undefined (host has no
+    gradient)``, dim: expected in a stage where the denominator is frozen, not an incident
+    (a NaN from a non-finite gradient stays ``nan`` in bold red)."""
+    value = view.ratios.get(key)
+    if ratio_undefined(view, key):
+        den = key.split("/", 1)[-1]
+        line = Text(f"ratio {key} {UNDEFINED} ({den} has no gradient) ", style="dim")
+    else:
+        line = Text(f"ratio {key} {fmt(value)} ", style=_norm_style(value))
+    line.append(trends.line(f"ratio:{key}"))
+    return line
+
+
+def fmt_ratio(view: EndpointView, key: str) -> str:
+    """A ratio's value for a one-line summary: ``undefined`` when it is (see
+    :func:`ratio_undefined`), else :func:`fmt`."""
+    return UNDEFINED if ratio_undefined(view, key) else fmt(view.ratios.get(key))
+
+
 def noise_scale_text(view: EndpointView) -> Text | None:
     """``gradient noise scale: model 1.2e+03, stem 850 [unit]``: B_simple of the whole model and
-    per group (the per-rank view; ``nan`` while undefined), with the unit its metrics' HELP
-    states. None when the endpoint exports none."""
+    per group (the per-rank view; ``undefined`` while it is, NaN at the endpoint), with the
+    unit its metrics' HELP states. None when the endpoint exports none."""
     scales = [("model", view.noise_scale)] if view.noise_scale is not None else []
     scales += list(view.group_noise_scale.items())
     if not scales:
         return None
     text = Text("gradient noise scale: ")
-    text.append(", ".join(f"{name} {fmt(value, 3)}" for name, value in scales))
+    for i, (name, value) in enumerate(scales):  # NaN: undefined (noise dominates), no incident
+        text.append(", " if i else "")
+        if value is not None and math.isnan(value):
+            text.append(f"{name} {UNDEFINED}", style="dim")
+        else:
+            text.append(f"{name} {fmt(value, 3)}")
     text.append(f"  [{NOISE_SCALE_UNIT}]", style="dim")
     return text
 
@@ -394,10 +446,7 @@ def render_view(view: EndpointView, trends: Trends, *, now: float | None = None)
             Text(f"{int(g.nonfinite)}", style="bold red" if g.nonfinite else ""),
         )
     parts: list[RenderableType] = [head, info, table]
-    for key, value in view.ratios.items():
-        line = Text(f"ratio {key} {fmt(value)} ", style=_norm_style(value))
-        line.append(trends.line(f"ratio:{key}"))
-        parts.append(line)
+    parts += [ratio_text(view, trends, key) for key in view.ratios]
     scores = spike_scores_text(view)
     if scores is not None:
         parts.append(scores)

@@ -27,7 +27,7 @@ from gradwatch.export.state import (
     MAX_PARAM_SERIES,
     NORM_BUCKETS,
 )
-from gradwatch.rankview import NOISE_SCALE_UNIT
+from gradwatch.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
 
 __all__ = ["METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "MetricType"]
 
@@ -245,19 +245,20 @@ METRICS: tuple[MetricDef, ...] = (
         "gradwatch_gradient_noise_scale",
         "gauge",
         (),
-        "Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, EMA-smoothed, "
-        f"in {NOISE_SCALE_UNIT}.",
+        "Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, averaged over "
+        f"the last {NOISE_SCALE_WINDOW} steps, in {NOISE_SCALE_UNIT}.",
         "McCandlish et al. 2018's unbiased estimators from the replicas' local and the reduced "
         "gradients (docs/distributed.md). Needs the per-rank view and at least 2 replicas; "
-        "NaN while the smoothed |G|^2 estimate is not positive.",
+        "NaN while undefined (either averaged estimate not positive), never negative; one step "
+        f"leaves the average {NOISE_SCALE_WINDOW} steps later.",
         source=MetricSource.SNAPSHOT,
     ),
     MetricDef(
         "gradwatch_group_gradient_noise_scale",
         "gauge",
         ("group",),
-        "Gradient noise scale B_simple of one parameter group, EMA-smoothed, "
-        f"in {NOISE_SCALE_UNIT}.",
+        "Gradient noise scale B_simple of one parameter group, averaged over the last "
+        f"{NOISE_SCALE_WINDOW} steps, in {NOISE_SCALE_UNIT}.",
         "As gradwatch_gradient_noise_scale, per group that had a gradient.",
         source=MetricSource.SNAPSHOT,
     ),

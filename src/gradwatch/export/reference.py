@@ -15,7 +15,9 @@ from gradwatch.export.server import (
     SCRAPE_BURST,
 )
 from gradwatch.export.state import MAX_PARAM_SERIES, NORM_BUCKETS, PublishedState, SelfStats
+from gradwatch.rankview import NOISE_SCALE_WINDOW
 from gradwatch.snapshot import GroupStats, Snapshot
+from gradwatch.spikes import SHIFT_RUN, SHIFT_SCORE
 
 __all__ = ["metrics_reference_markdown", "series_count"]
 
@@ -62,6 +64,29 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   `gradwatch_nonfinite_group_steps_total`, `gradwatch_grad_norm_per_step`, ...) count every
   published step, so a one-step spike or NaN between two scrapes still moves them. Spike
   detection is described in docs/design.md ("Spike detection").
+* **One meaning per figure**, the same in `Snapshot`, `watch.last`, the history file, this
+  endpoint, `gradwatch top`, `gradwatch plot` and the HF/Lightning logs:
+  * an *undefined ratio* (its denominator group had no gradient, or a norm below 1e-8) is
+    NaN, drawn as a gap marked "undefined" by `top` and `plot`: never 0 (a dormant numerator,
+    which is a measurement) nor the non-finite incident marker;
+  * an *undefined gradient noise scale* (either averaged estimate not positive) is NaN, never
+    negative; the estimate averages the last {noise_window} steps, so one bad step (a 1e6x
+    gradient) leaves it {noise_window} steps later at most;
+  * in a *history file* (JSON lines, standard JSON) a NaN or infinite figure is the string
+    `"NaN"`, `"Infinity"` or `"-Infinity"`; `null` means *not measured* (spike detection off,
+    no per-rank view, a step not clipped through gradwatch). The reader gives the floats back
+    and still reads files with the bare `NaN` tokens of earlier versions.
+* **Spikes follow level changes.** A spike score compares a step's log-norm with the median
+  and MAD of its series' recent window (docs/design.md). The window is re-based (1) when the
+  isolated groups change (`set_isolated`, a new training stage): every window is emptied, so
+  the stage's first `spike_warmup` steps have no score and become its baseline, and (2) when
+  a series' last {shift_run} samples all lie more than {shift_score:g} robust deviations on one
+  side of the median (a sustained shift: warmup ending, an unfreeze, a learning-rate step):
+  its window keeps those samples only, and scores resume once it holds `spike_warmup` samples.
+  A shift down flags nothing; a jump up may be flagged for its first {shift_run} steps at most.
+  With the defaults a 10x spike 50 steps after a 30x drop of level is found, announced or not,
+  and on a stationary stream (10,000 steps, 20 injected 10x spikes) all 20 are found with no
+  false alarm (tests/unit/test_spikes.py).
 * **Bounded series.** A scrape of a job with 10 groups, {ratios} ratios and {isolated} isolated
   group (`param_metrics_top_k = 0`) holds {series} series; each further group adds {per_group}
   ({hist} of them its norm histogram), and per-parameter series add at most {max_series}.
@@ -84,6 +109,9 @@ def metrics_reference_markdown() -> str:
             series=series_count(10),
             per_group=series_count(11) - series_count(10),
             hist=len(NORM_BUCKETS) + 3,
+            noise_window=NOISE_SCALE_WINDOW,
+            shift_run=SHIFT_RUN,
+            shift_score=SHIFT_SCORE,
         ),
         "| metric | type | labels | meaning |",
         "| --- | --- | --- | --- |",

@@ -12,10 +12,19 @@ The route is an override of ``accelerate.Accelerator.clip_grad_norm_`` installed
 ``on_train_begin`` to ``on_train_end`` (the callback is never handed the Trainer or its
 accelerator); it takes a call only when its parameters are exactly the watched model's, the
 norm is L2 and finite, and the accelerator runs a path gradwatch measures exactly (single
-process, DDP, FSDP2); any other call goes to accelerate untouched. Under DeepSpeed, XLA,
-Megatron-LM or FSDP1 (the engine clips), or when the Trainer clips without the accelerator (its
-mixed-mesh path), gradwatch cannot take over: it warns once, and its figures are then
-**post-clip** (at most ``max_grad_norm``).
+process, DDP, FSDP2); any other call goes to accelerate untouched. Under XLA, Megatron-LM or
+FSDP1 (the engine clips), or when the Trainer clips without the accelerator (its mixed-mesh
+path), gradwatch cannot take over: it warns once, and its figures are then **post-clip** (at
+most ``max_grad_norm``).
+
+**Under DeepSpeed** accelerate's ``backward`` runs ``engine.backward(loss)`` and, on an
+accumulation boundary, ``engine.step()``, which clips (``gradient_clipping``, the Trainer's
+``max_grad_norm``) inside the optimizer step; ``on_pre_optimizer_step`` comes after it, when the
+reduced gradients are gone. So the callback wraps the engine's ``step`` (an instance attribute,
+from ``on_train_begin`` to ``on_train_end``): on a boundary it collects first, from DeepSpeed's
+partitions (:mod:`gradwatch.zero`): **pre-clip** figures, never labelled post-clip. After the
+step, DeepSpeed's own ``get_global_grad_norm()`` (what the Trainer logs as ``grad_norm``) is
+handed to :meth:`GradWatch.audit_norm` (``source="deepspeed"``).
 
 With ``max_grad_norm=0`` (no clipping) the Trainer's own norm is computed by accelerate with
 torch's function, and gradwatch collects in ``on_pre_optimizer_step``, before the optimizer step.
@@ -61,6 +70,7 @@ class GradWatchCallback(TrainerCallback):
         self._params: frozenset[int] = frozenset()
         self._routed_step: int | None = None
         self._warned = False
+        self._engine: Any = None  # the DeepSpeed engine whose step is wrapped
 
     @property
     def routed(self) -> bool:
@@ -70,6 +80,20 @@ class GradWatchCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if self.watch is None and model is not None and self.config.enabled:
             self.watch = GradWatch(model, self.config)
+        if self.watch is not None and self.watch._zero is not None:
+            self._wrap_engine_step(self.watch._zero.engine, state)
+            return
+        if self.watch is not None and _accelerate_kind() == "DEEPSPEED":
+            # DeepSpeed trains, but no engine holds this model: its .grad stays None, and
+            # figures of nothing must not be published as norms of 0.
+            log.error(
+                "gradwatch: accelerate runs DeepSpeed but no DeepSpeedEngine trains the "
+                "Trainer's model: not watching (the reduced gradients are in the engine's "
+                "partitions, which gradwatch reads only through the engine)"
+            )
+            self.watch.close()
+            self.watch = None
+            return
         if self.watch is None or not args.max_grad_norm > 0:
             return
         self._state = state
@@ -88,7 +112,9 @@ class GradWatchCallback(TrainerCallback):
         # history line and metrics.
         step = state.global_step + 1
         if self._routed_step == step:
-            return  # measured pre-clip by the routed clip of this step
+            return  # measured pre-clip by the routed clip (or DeepSpeed's step) of this step
+        if self._engine is not None:
+            return  # DeepSpeed: measured in engine.step(), never after it
         if args.max_grad_norm > 0:
             self._warn_post_clip(args, "the Trainer clipped without accelerate's clip_grad_norm_")
         self.watch.collect(step=step)
@@ -106,9 +132,37 @@ class GradWatchCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any):
         _ROUTE.remove(self)
+        if self._engine is not None:
+            self._engine.__dict__.pop("step", None)  # the class's step again
+            self._engine = None
         if self.watch is not None:
             self.watch.close()
             self.watch = None
+
+    # -- DeepSpeed ----------------------------------------------------------------------------
+
+    def _wrap_engine_step(self, engine: Any, state: Any) -> None:
+        """Collect on every accumulation boundary inside ``engine.step()``, before DeepSpeed's
+        optimizer step (and its clipping) consumes the reduced gradients; audit DeepSpeed's
+        own norm after it."""
+        original = engine.step
+        self._engine = engine
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            watch = self.watch
+            collected = None
+            if watch is not None and engine.is_gradient_accumulation_boundary():
+                collected = state.global_step + 1
+                self._routed_step = collected
+                watch.collect(step=collected)
+            out = original(*args, **kwargs)
+            if watch is not None and collected is not None:
+                norm = engine.get_global_grad_norm()
+                if norm is not None:  # None: DeepSpeed computed no norm (ZeRO-0, fp32)
+                    watch.audit_norm(norm, step=collected, source="deepspeed")
+            return out
+
+        engine.step = step
 
     # -- the routed clip ----------------------------------------------------------------------
 
@@ -143,6 +197,18 @@ class GradWatchCallback(TrainerCallback):
                 why,
                 args.max_grad_norm,
             )
+
+
+def _accelerate_kind() -> str | None:
+    """accelerate's distributed type (``"DEEPSPEED"``, ...), None when no state is set up."""
+    try:
+        from accelerate.state import AcceleratorState, is_initialized
+
+        if not is_initialized():
+            return None
+        return str(AcceleratorState().distributed_type.value)
+    except Exception:  # accelerate missing or laid out differently: unknown
+        return None
 
 
 def _cannot_route() -> str | None:

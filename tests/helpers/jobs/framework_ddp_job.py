@@ -158,6 +158,92 @@ def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
     }
 
 
+def run_huggingface_deepspeed(out: Path) -> dict[str, Any]:
+    """The Trainer under DeepSpeed ZeRO-2 on CPU (``DS_ACCELERATOR=cpu``, gloo, torch's Adam),
+    clipping by DeepSpeed (``max_grad_norm`` -> ``gradient_clipping``): every step's float64
+    reference of the averaged pre-clip gradient (DeepSpeed's full gradient, gathered in the
+    engine's step before its optimizer step; here only), gradwatch's history, the Trainer's
+    logged ``grad_norm`` (DeepSpeed's own norm) and the audit of it."""
+    import math
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports DeepSpeed
+    import deepspeed.comm.torch  # noqa: F401  (imported to replace its JIT-built CPU op)
+    import transformers
+
+    from gradwatch.history import read_history
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo carries everything
+    from deepspeed.utils import safe_get_full_grad
+
+    references: list[float] = []
+    seen: dict[str, Any] = {}
+    history = out / f"history-{os.environ.get('RANK', '0')}.jsonl"
+
+    class Probe(GradWatchCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            super().on_train_begin(*args, **kwargs)
+            assert self.watch is not None
+            seen["parallelism"] = self.watch.parallelism
+            engine = self.watch._zero.engine  # type: ignore[union-attr]
+            wrapped = engine.step  # the callback's: collect, then DeepSpeed's step
+
+            def step(*a: Any, **k: Any) -> Any:
+                if engine.is_gradient_accumulation_boundary():
+                    grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
+                    squares = (float(x) ** 2 for g in grads if g is not None
+                               for x in g.double().flatten().tolist())
+                    references.append(math.sqrt(math.fsum(squares)))
+                return wrapped(*a, **k)
+
+            engine.step = step
+
+        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            assert self.watch is not None
+            self.watch.flush()
+            stats = self.watch._self_stats()
+            # rank 0 publishes: DeepSpeed's norm audited against gradwatch's, per step
+            seen["audits"] = None if stats is None else {
+                src: list(v) for src, v in stats._audits.items()}
+            super().on_train_end(*args, **kwargs)
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "Adam", "params": {"lr": "auto", "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+    }
+    torch.manual_seed(0)
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf-ds"),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        learning_rate=0.5,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        ddp_backend="gloo",
+        max_grad_norm=0.5,
+        deepspeed=ds_config,
+    )
+    callback = Probe(groups=GROUPS, history_path=str(history))
+    trainer = transformers.Trainer(model=RegressionModel(), args=args,
+                                   train_dataset=Regression(), callbacks=[callback])
+    trainer.train()
+    records = read_history(history) if history.exists() else []
+    seen.update(
+        references=references,
+        logged={str(h["step"]): h["grad_norm"] for h in trainer.state.log_history
+                if "grad_norm" in h},
+        history=[[r["step"], r["global_norm"], r.get("clip_coef")] for r in records],
+        wrapper=type(trainer.model_wrapped).__name__,
+    )
+    return seen
+
+
 def run_lightning(out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -214,6 +300,7 @@ def main() -> None:
         "lightning": run_lightning,
         "hf-clip": lambda o: run_huggingface_clip(o, 0.5),
         "hf-noclip": lambda o: run_huggingface_clip(o, 0.0),
+        "hf-deepspeed": run_huggingface_deepspeed,
     }[framework]
     try:
         seen = run(out)
