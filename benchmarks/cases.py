@@ -313,6 +313,8 @@ class Plan:
     spike_rounds: int = 30  # result() calls timed by the spike-detection case
     scale_worlds: tuple[int, ...] = (8, 64, 1024, 16384)  # simulated ranks (benchmarks/scale.py)
     rank_view_blocks: int = 300  # palindromic blocks of the per-rank view section
+    fsdp1_rounds: int = 60  # interleaved calls of each kind in the FSDP1 section
+    fsdp1_width: int = 512  # of its Linear layers
     zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
 
 
@@ -349,5 +351,7 @@ def quick_plan() -> Plan:
         spike_rounds=3,
         scale_worlds=(8,),
         rank_view_blocks=2,
+        fsdp1_rounds=2,
+        fsdp1_width=16,
         zero_rounds=2,
     )

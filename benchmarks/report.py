@@ -30,6 +30,7 @@ from benchmarks.results import (
     DistributedCase,
     DistributedFailure,
     Failure,
+    Fsdp1Result,
     MixedSizesResult,
     NormCaseResult,
     NormMethod,
@@ -321,6 +322,33 @@ def rank_view_table(r: RankViewResult | Failure) -> str:
                      verdict_of(ov), shows])
     return table(["step", "step ms (p25-p75)", "compared with", "ratio (IQR over blocks)",
                   "verdict", "what it shows"], rows)
+
+
+FSDP1_TEXT = (
+    "`benchmarks/fsdp1_bench.py`: {layers} `Linear` layers, each its own FSDP1 unit "
+    "(`FULL_SHARD`, `device_id=cpu`), 2 gloo ranks; after one backward, the calls below run "
+    "round-robin on the same local shards in palindromic order (rank 0's times). Baseline: "
+    "FSDP1's own `FullyShardedDataParallel.clip_grad_norm_` (local norms, one all-reduce, the "
+    "multiply by the clamped coefficient; `max_norm` far above the norm). `collect` is "
+    "`watch.collect(step).result()` (gradwatch's exact float64 per-parameter norms, its one "
+    "all-reduce and the host summary, all on the training thread); `clip` is "
+    "`watch.clip_grad_norm_`, the like-for-like replacement of FSDP's call. No target is set "
+    "for these rows: they state the cost.\n"
+)
+
+
+def fsdp1_table(results: list[Fsdp1Result] | Failure) -> str:
+    if isinstance(results, Failure):
+        return f"failed: {results.error}"
+    rows: list[list[object]] = []
+    for r in results:
+        setting = f"use_orig_params={r.use_orig_params}"
+        rows.append([setting, "FSDP1 `clip_grad_norm_`", fmt_timing(r.fsdp), "1.00x"])
+        rows.append([setting, "gradwatch `collect` + `result()`", fmt_timing(r.collect),
+                     f"{r.ratio(r.collect):.2f}x"])
+        rows.append([setting, "gradwatch `clip_grad_norm_`", fmt_timing(r.clip),
+                     f"{r.ratio(r.clip):.2f}x"])
+    return table(["FSDP1", "call", "ms (p25-p75)", "over FSDP1's own"], rows)
 
 
 SCALE_TARGET_CASE = "PP x FSDP2 x TP"
@@ -756,6 +784,11 @@ def render(run: RunResults) -> str:
             rank_view_text += (
                 "\nThe documented loop (`collect` only; rank 0's exporter thread builds the "
                 "results):\n\n" + rank_view_table(run.rank_view_loop) + "\n")
+    if run.fsdp1 is None:
+        fsdp1_text = skipped + "\n"
+    else:
+        layers = run.fsdp1[0].layers if isinstance(run.fsdp1, list) and run.fsdp1 else "?"
+        fsdp1_text = FSDP1_TEXT.format(layers=layers) + "\n" + fsdp1_table(run.fsdp1) + "\n"
     if run.cuda_device is None:
         cuda_text = ("skipped: `torch.cuda.is_available()` is False on this machine (no GPU), "
                      "so no GPU figure is published. On a machine with CUDA the same cases run "
@@ -804,6 +837,8 @@ def render(run: RunResults) -> str:
         dist_text + "\n",
         "## Per-rank view and the DDP path (2 ranks, gloo, CPU)\n",
         rank_view_text,
+        "## FSDP1: gradwatch against FSDP1's own norm (2 ranks, gloo, CPU)\n",
+        fsdp1_text,
         "## DeepSpeed ZeRO-2: collect against DeepSpeed's own norm (2 ranks, gloo, CPU)\n",
         zero_bench.text(run.zero),
         "## Construction at scale (simulated ranks, one core)\n",

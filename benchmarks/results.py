@@ -335,6 +335,24 @@ class RankViewMode(Enum):
 
 
 @dataclass(frozen=True)
+class Fsdp1Result:
+    """gradwatch under FSDP1 against FSDP1's own ``clip_grad_norm_`` on the same gradients
+    (``benchmarks/fsdp1_bench.py``): rank 0's wall times of each call."""
+
+    use_orig_params: bool
+    layers: int  # FSDP1 units holding parameters
+    n_params: int
+    n_tensors: int
+    fsdp: Timing  # FullyShardedDataParallel.clip_grad_norm_
+    collect: Timing  # watch.collect(step).result()
+    clip: Timing  # watch.clip_grad_norm_
+
+    def ratio(self, mine: Timing) -> float:
+        """Median of ``mine`` over the median of FSDP's own call."""
+        return mine.median / self.fsdp.median
+
+
+@dataclass(frozen=True)
 class RankViewResult:
     """Rank 0's step times of every :class:`RankViewMode` (2 ranks, DDP, demo model), in
     palindromic blocks (each mode once, then in reverse order)."""
@@ -482,6 +500,7 @@ class RunResults:
     #: the same comparisons in the documented loop (``collect`` only; rank 0's exporter thread
     #: builds the results)
     rank_view_loop: RankViewResult | Failure | None = None  # None: skipped
+    fsdp1: list[Fsdp1Result] | Failure | None = None  # None: skipped
     cuda_device: str | None = None  # None: no GPU
     cuda_cases: list[NormCaseResult] = field(default_factory=list)
     demo_model: str = ""  # the demo model's size, as the distributed section describes it

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
     distributed,
+    fsdp1_bench,
     measure,
     rankview_bench,
     report,
@@ -100,6 +101,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
         run.rank_view_loop = section("rank view, collect only", lambda: _reported(
             lambda: rankview_bench.rank_view(
                 plan.rank_view_blocks, rankview_bench.LOOP_KINDS, collect_only=True)))
+        run.fsdp1 = section("fsdp1", lambda: fsdp1_bench.fsdp1(
+            plan.fsdp1_rounds, plan.fsdp1_width))
         run.zero = section("deepspeed zero-2", lambda: zero_bench.measure(plan.zero_rounds))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))

@@ -88,7 +88,7 @@ def parallel_factors(parallelism: str, world_size: int) -> dict[str, int]:
     :func:`gradwatch.model.describe_parallelism`): ``{"world": 4, "shards": 2, "tp": 2}``..."""
     out: dict[str, int] = {"world": world_size} if world_size > 1 else {}
     for part in parallelism.split("+"):
-        hsdp = re.fullmatch(r"hsdp(\d+)x(\d+)", part)
+        hsdp = re.fullmatch(r"(?:fsdp1)?hsdp(\d+)x(\d+)", part)
         if hsdp:
             out["replicas"], out["shards"] = int(hsdp.group(1)), int(hsdp.group(2))
             continue
@@ -96,9 +96,10 @@ def parallel_factors(parallelism: str, world_size: int) -> dict[str, int]:
         if zero:
             out["replicas" if zero.group(1) == "0" else "shards"] = int(zero.group(2))
             continue
-        m = re.fullmatch(r"(fsdp2x|ddp|replicated|dp|tp|pp|ep|cp)(\d+)", part)
+        m = re.fullmatch(r"(fsdp2x|fsdp1x|fsdp1noshard|ddp|replicated|dp|tp|pp|ep|cp)(\d+)", part)
         if m:
-            kind = {"fsdp2x": "shards", "ddp": "replicas", "replicated": "replicas"}.get(
+            kind = {"fsdp2x": "shards", "fsdp1x": "shards", "fsdp1noshard": "replicas",
+                    "ddp": "replicas", "replicated": "replicas"}.get(
                 m.group(1), m.group(1)
             )
             out[kind] = int(m.group(2))

@@ -8,11 +8,12 @@ of the description: every rank derives them from the meshes when all ranks agree
 else they travel as fixed-size per-rank records. Nor, usually, is the local numel: when it
 equals what the spec gives at the rank's coordinates (:func:`spec_numel`: torch's
 ``compute_local_shape_and_global_offset`` rule, or for strided shards the nested layout FSDP2
-holds), the description says :data:`DERIVED` / :data:`DERIVED_NESTED` instead, the same on
-every rank, and :func:`derive` recomputes each rank's numel from its coordinates. Ranks with
-the same structure (every rank of one pipeline stage, uneven and empty shards included)
-therefore produce byte-identical descriptions; a numel no rule gives (an exotic layout) stays
-explicit, so its rank's digest differs and the records path below applies.
+holds, or FSDP1's flat shards: ``FlatShard(start, total)``, :func:`flat_shard`), the
+description says :data:`DERIVED` / :data:`DERIVED_NESTED` instead, the same on every rank, and
+:func:`derive` recomputes each rank's numel from its coordinates. Ranks with the same structure
+(every rank of one pipeline stage, uneven and empty shards included) therefore produce
+byte-identical descriptions; a numel no rule gives (an exotic layout) stays explicit, so its
+rank's digest differs and the records path below applies.
 
 **Phase 0, one fixed-size all-reduce** (:data:`PHASE0_BYTES` sent and received per rank,
 whatever the model and the world size). Every rank derives, from the meshes it holds, the
@@ -184,6 +185,25 @@ def _placement_rule(placement: Any) -> tuple[int, int] | None:
     return None
 
 
+#: FSDP1's flat shard (:mod:`gradwatch.fsdp1`): a parameter occupying elements
+#: ``[start, start + numel)`` of a flat parameter of ``total`` elements (alignment padding
+#: included, the padding for divisibility excluded), which FSDP1 cuts into ``torch.chunk``
+#: pieces over the shard mesh dim.
+_FLAT = re.compile(r"FlatShard\(start=(\d+), total=(\d+)\)")
+
+
+def flat_shard(start: int, total: int) -> str:
+    """The placement string of an FSDP1 flat shard in a description (see :data:`_FLAT`)."""
+    return f"FlatShard(start={start}, total={total})"
+
+
+def _flat_rule(spec: Sequence[tuple[int, Any]]) -> tuple[int, int, int] | None:
+    """(mesh dim, start, total) when ``spec`` is one FSDP1 flat shard, else None."""
+    if len(spec) == 1 and isinstance(spec[0][1], str) and (m := _FLAT.fullmatch(spec[0][1])):
+        return spec[0][0], int(m[1]), int(m[2])
+    return None
+
+
 def _chunk(size: int, parts: int, at: int) -> int:
     """Elements at position ``at`` of ``size`` split in ``parts``: ``torch.chunk`` sizes
     (ceil-sized chunks, the last ones short or empty), as DTensor's ``Shard`` cuts."""
@@ -209,10 +229,23 @@ def spec_numel(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
     from it by a row, tests show both).
 
     None when a placement, a tensor dim or a coordinate is outside these rules (the numel
-    then stays explicit)."""
+    then stays explicit).
+
+    FSDP1's flat shard (one spec entry ``FlatShard(start, total)``): the elements of
+    ``[start, start + numel)`` inside the rank's ``torch.chunk`` piece of ``range(total)``."""
     local = list(global_shape)
     if len(coords) != len(spec):
         return None
+    if (flat := _flat_rule(spec)) is not None:
+        mesh_dim, start, total = flat
+        numel = math.prod(local)
+        if not 0 <= mesh_dim < len(mesh_shape) or start + numel > total:
+            return None
+        parts, at = mesh_shape[mesh_dim], coords[0]
+        if parts <= 0 or not 0 <= at < parts:
+            return None
+        full = -(-total // parts)
+        return max(0, min(start + numel, total, full * (at + 1)) - max(start, full * at))
     steps = []
     for (mesh_dim, placement), at in zip(spec, coords, strict=True):
         rule = _placement_rule(placement)
@@ -905,6 +938,13 @@ def _spec_numels(global_shape: Sequence[int], spec: Sequence[tuple[int, Any]],
                  mesh_shape: Sequence[int], coords: torch.Tensor, nested: bool) -> torch.Tensor:
     """:func:`spec_numel` at many coordinates at once (``coords``: int64 ``(n, len(spec))``,
     every row valid: the ranks there derived their numel with it); tests hold the two equal."""
+    if (flat := _flat_rule(spec)) is not None:
+        mesh_dim, start, total = flat
+        full = -(-total // mesh_shape[mesh_dim])
+        end = min(start + math.prod(global_shape), total)
+        at = coords[:, 0]
+        return (torch.clamp(full * (at + 1), max=end) - torch.clamp(full * at, min=start)
+                ).clamp(min=0)
     local = [torch.full((coords.shape[0],), s, dtype=torch.int64) for s in global_shape]
     steps = []
     for i, (mesh_dim, placement) in enumerate(spec):

@@ -6,7 +6,7 @@ parallelism it is trained with.
   parameters that clean to one name are refused (:func:`named_parameters`).
 * A parameter belongs to the first group (in configuration order) with a matching ``fnmatch``
   pattern, else to :data:`~gradwatch.config.OTHER_GROUP` (:func:`group_membership`).
-* FSDP1 is refused (:func:`reject_fsdp1`); :func:`describe_parallelism` labels the rest.
+* :func:`describe_parallelism` labels the parallelism (FSDP1 units: :mod:`gradwatch.fsdp1`).
 
 Nothing here runs per collect.
 """
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.config import OTHER_GROUP
-from gradwatch.errors import GradWatchError, UnsupportedParallelismError
+from gradwatch.errors import GradWatchError
 
 log = logging.getLogger("gradwatch")
 
@@ -125,22 +125,6 @@ def empty_groups(groups_of: Sequence[str], groups: Mapping[str, Sequence[str]]) 
     which would otherwise read like a group that receives no gradient (dormant)."""
     joined = set(groups_of)
     return [g for g in groups if g not in joined]
-
-
-def reject_fsdp1(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedParallelismError` if ``model`` holds an FSDP1 module."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch without distributed
-        return
-    for module in model.modules():
-        if isinstance(module, FullyShardedDataParallel):
-            raise UnsupportedParallelismError(
-                "gradwatch: FSDP1 (FullyShardedDataParallel) is not supported: its flat "
-                "parameters hide per-parameter shards and it needs an accelerator this project "
-                "cannot test on. Use FSDP2 (torch.distributed.fsdp.fully_shard), which gradwatch "
-                "measures exactly."
-            )
 
 
 def describe_parallelism(

@@ -36,6 +36,8 @@ from gradwatch.clip import clip_coefficient, clip_grads_
 from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
 from gradwatch.ddp_hook import GradWatchCommHook, LocalView, detach
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
+from gradwatch.fsdp1 import Fsdp1GradientReader
+from gradwatch.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.gradients import GradientReader
 from gradwatch.hooks import before_optimizer_step
 from gradwatch.main_grad import clip_local_, gradients_for_fallback, reject_distributed_optimizer
@@ -48,7 +50,6 @@ from gradwatch.model import (
     group_membership,
     group_of,
     named_parameters,
-    reject_fsdp1,
     wrapping_ddp,
 )
 from gradwatch.rankview import NoiseScale, rank_view_fields
@@ -144,12 +145,18 @@ class GradWatch:
         self._zero = _zero_source(model)
         if self._zero is not None:
             model = self._zero.module
-        reject_fsdp1(model)
         reject_distributed_optimizer(model)
-        names, self._params = named_parameters(model)
+        distributed = dist.is_available() and dist.is_initialized()
+        # FSDP1 units (gradwatch.fsdp1): pieces are the original parameters' slices of the
+        # flat shards, whatever the model's parameters are (flat ones or views)
+        self._fsdp1 = resolve_fsdp1(model) if self._zero is None else None
+        if self._fsdp1 is None:
+            names, self._params = named_parameters(model)
+        else:
+            names, self._params = list(self._fsdp1.held_names), list(self._fsdp1.held_params)
         self._names = tuple(names)
         self._slots = ParameterSlots(model, self._params, names)
-        self._local_names = names
+        self._local_names = names if self._fsdp1 is None else list(self._fsdp1.names)
         on_meta = [n for n, p in zip(names, self._params, strict=True) if p.is_meta]
         if on_meta:
             log.warning(
@@ -159,7 +166,6 @@ class GradWatch:
                 on_meta[0],
                 len(on_meta) - 1,
             )
-        distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
         self.world_size = dist.get_world_size() if distributed else 1
         if self.rank == 0 and cfg.history_path is not None:
@@ -173,22 +179,30 @@ class GradWatch:
                 "this rank's only; call torch.distributed.init_process_group before GradWatch",
                 os.environ["WORLD_SIZE"],
             )
-        self._gradients: GradientReader | ZeroGradients = (
-            GradientReader(self._params) if self._zero is None else self._zero
-        )
+        flat = self._fsdp1
+        self._gradients: GradientReader | ZeroGradients | Fsdp1GradientReader
+        if self._zero is not None:
+            self._gradients = self._zero
+            pieces = self._zero.pieces()
+        elif flat is not None:
+            self._gradients = flat.reader
+            pieces = list(flat.pieces)
+        else:
+            self._gradients = GradientReader(self._params)
+            pieces = [piece_of(n, p) for n, p in zip(names, self._params, strict=True)]
         ddp = self._find_ddp(model) if self._zero is None else None
         self._attach_rank_view(ddp, names)
         try:
             self._reducer = Reducer(
-                [piece_of(n, p) for n, p in zip(names, self._params, strict=True)]
-                if self._zero is None else self._zero.pieces(),
+                pieces,
                 version=_version(),
                 config_hash=cfg.layout_hash(),
                 timeout_seconds=cfg.collective_timeout_seconds,
                 stage_group=stage_group,
                 rank_view_groups=len(self._view_groups) if self._comm_hook is not None else 0,
                 synced=not cfg.always_reduce and stage_group is None
-                and ddp_reduces_every_gradient(ddp, self._params, self.world_size),
+                and (ddp_reduces_every_gradient(ddp, self._params, self.world_size)
+                     or (flat is not None and flat.reduces_every_gradient(self.world_size))),
                 device=gradient_device(self._params),
                 experts=cfg.expert_parameters,
             )
@@ -208,9 +222,14 @@ class GradWatch:
                     list(cfg.groups[group]),
                     self._layout.names[0] if self._layout.names else "",
                 )
-        self.parallelism = describe_parallelism(
-            model, self._params, self.world_size, stage_group, process_group
-        ) if self._zero is None else self._zero.label
+        if self._zero is not None:
+            self.parallelism = self._zero.label
+        elif flat is not None:
+            self.parallelism = flat.parallelism(
+                dist.get_world_size(stage_group) if stage_group is not None else None)
+        else:
+            self.parallelism = describe_parallelism(
+                model, self._params, self.world_size, stage_group, process_group)
         self._engine = NormEngine()
         self._collections = 0
         self._attempts = 0  # collects that did work, numbered: orders failures and results
@@ -238,6 +257,8 @@ class GradWatch:
         than one rank, and the rank view or a collect without the all-reduce may use it."""
         if self.world_size < 2 or (self.config.always_reduce and not self.config.rank_view):
             return None
+        if self._fsdp1 is not None:
+            return None  # FSDP1 reduces the gradients itself
         ddp = find_ddp(model)
         if ddp is None and not any(hasattr(p, "_local_tensor") for p in self._params):
             ddp = wrapping_ddp(model)  # one scan of live objects; DTensor models take no DDP

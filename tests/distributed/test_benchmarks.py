@@ -53,7 +53,7 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
                     "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
                     "## Spike detection", "## CUDA", "## Construction at scale",
-                    "## Per-rank view and the DDP path"):
+                    "## Per-rank view and the DDP path", "## FSDP1"):
         assert heading in text
     header, rows = _rows(text, "| parameters | groups | window |")
     assert len(rows) == 1 and rows[0][1] == str(cases.SPIKE_GROUPS) and rows[0][5].endswith("%")
@@ -137,6 +137,23 @@ def test_quick_distributed_sections() -> None:
     header, rows = _rows(report.scrapers_table([scrapers]), "| scrapers |")
     assert rows[0][0] == "2" and int(rows[0][8].split()[0]) > 0  # scrapes were served
     assert rows[0][1] == "nice 19"  # the clients stand in for remote machines
+
+
+@pytest.mark.distributed
+def test_quick_fsdp1_section() -> None:
+    """The FSDP1 section (gradwatch against FSDP1's own clip_grad_norm_) on tiny layers: every
+    call timed for both use_orig_params settings, ratios over FSDP's own call."""
+    from benchmarks import fsdp1_bench
+
+    found = fsdp1_bench.fsdp1(2, width=16)
+    assert isinstance(found, list), found
+    assert [r.use_orig_params for r in found] == [False, True]
+    for r in found:
+        assert r.n_tensors == 2 * fsdp1_bench.LAYERS
+        assert r.n_params == fsdp1_bench.LAYERS * (16 * 16 + 16)
+        assert r.fsdp.median > 0 and r.ratio(r.collect) > 0 and r.ratio(r.clip) > 0
+    _header, rows = _rows(report.fsdp1_table(found), "| FSDP1 |")
+    assert len(rows) == 6 and rows[0][3] == "1.00x"
 
 
 @pytest.mark.distributed

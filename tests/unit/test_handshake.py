@@ -6,6 +6,7 @@ and disagreements raise LayoutMismatchError on both paths."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from typing import Any
 
@@ -677,3 +678,54 @@ def test_the_synced_declaration_survives_encoding() -> None:
                                  synced=True)
     assert handshake.Description.decode(desc.encode()) == desc
     assert handshake.Description.decode(desc.encode()).synced is True
+
+
+def flat_world(shard: int, replicas: int = 1) -> tuple[list[Rank], list[Any]]:
+    """FSDP1 flat shards (``FlatShard(start, total)`` on the last dim of a (replicas, shard)
+    mesh, as gradwatch.fsdp1 describes them): parameters laid end to end with alignment gaps,
+    uneven and empty slices; each rank's numel counted from torch.chunk of the flat range."""
+    from gradwatch.fsdp1 import ShardMesh
+
+    shapes = [(5, 7), (7,), (3, 7), (3,), (1,), (2, 3)]
+    starts, at = [], 0
+    for s in shapes:
+        starts.append(at)
+        at += math.prod(s) + 1  # one element of alignment padding after each
+    total = at
+    world = shard * replicas
+    shape = (replicas, shard) if replicas > 1 else (shard,)
+    grid = tuple(range(world))
+    owner = torch.full((total,), -1, dtype=torch.int64)
+    for c, chunk in enumerate(torch.arange(total).chunk(shard)):
+        owner[chunk] = c
+    per_rank = []
+    for r in range(world):
+        coords = (r // shard, r % shard) if replicas > 1 else (r,)
+        mesh = ShardMesh(shape, (), grid)
+        dim = len(shape) - 1
+        per_rank.append([
+            LocalPiece(f"p{i}", s, ((dim, coords[dim], handshake.flat_shard(st, total)),),
+                       int((owner[st : st + math.prod(s)] == coords[dim]).sum()), mesh=mesh,
+                       coords=coords, mesh_shape=shape)
+            for i, (s, st) in enumerate(zip(shapes, starts, strict=True))])
+    return per_rank, [ShardMesh(shape, (), grid)]
+
+
+def test_fsdp1_flat_shards_agree_and_equal_the_reference() -> None:
+    """FSDP1's flat shards describe alike on every rank (their slices derived from the
+    placement): phase 0 alone, and the derived layout equals the reference's over the explicit
+    numels, sharded over 4 ranks and hybrid over 2 x 2 (replicas counted once)."""
+    for shard, replicas in ((4, 1), (2, 2), (3, 1)):
+        per_rank, meshes = flat_world(shard, replicas)
+        world = shard * replicas
+        assert any(p.numel == 0 for pieces in per_rank for p in pieces)  # empty slices
+        gathered = describe_world(per_rank, meshes=meshes)
+        assert gathered.agreed and len(gathered.descriptions) == 1
+        assert all(p[4] == handshake.DERIVED for p in gathered.descriptions[0].pieces)
+        records = describe_world(per_rank)
+        assert not records.agreed and len(records.descriptions) == 1
+        for rank in range(world):
+            want = reference(per_rank, [None] * world, ["c"] * world, rank)
+            assert derive_layout(gathered, rank) == strip_hosts(want)
+            assert derive_layout(records, rank) == want
+        assert derive_layout(gathered, 0).replicas == replicas

@@ -1,4 +1,4 @@
-"""Unit tests of model resolution (gradwatch.model): names, groups, FSDP1, parallelism labels."""
+"""Unit tests of model resolution (gradwatch.model): names, groups, parallelism labels."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from gradwatch.config import OTHER_GROUP
-from gradwatch.errors import GradWatchError, UnsupportedParallelismError
+from gradwatch.errors import GradWatchError
 from gradwatch.model import (
     WRAPPER_SEGMENTS,
     clean_name,
@@ -15,7 +15,6 @@ from gradwatch.model import (
     group_membership,
     group_of,
     named_parameters,
-    reject_fsdp1,
     wrapping_ddp,
 )
 
@@ -61,18 +60,6 @@ def test_group_membership_first_match_and_other() -> None:
     assert groups_of == ["host", "both", OTHER_GROUP]
     assert order == ["host", "both", OTHER_GROUP]
     assert group_membership(["seed.b"], groups) == (["both"], ["host", "both"])
-
-
-def test_reject_fsdp1() -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    reject_fsdp1(net())  # nothing to refuse
-    fake = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
-    nn.Module.__init__(fake)
-    model = net()
-    model.add_module("sharded", fake)
-    with pytest.raises(UnsupportedParallelismError, match="FSDP1"):
-        reject_fsdp1(model)
 
 
 def test_parallelism_single_and_replicated() -> None:

@@ -13,7 +13,7 @@ from test_stats import EXP_RANGE, OutputRecorder, ref_norm, rel_err, values
 from test_summary import ref_health, ref_ratio, ref_raw
 from torch import nn
 
-from gradwatch import GradWatch, UnsupportedParallelismError, WatchConfig
+from gradwatch import GradWatch, WatchConfig
 from gradwatch.errors import GradWatchError
 from gradwatch.model import clean_name
 from gradwatch.testing import OpCounter, count_host_reads
@@ -516,18 +516,6 @@ def test_checkpoint_wrapper_names() -> None:
     assert snap.groups["host"].tensors == 4
     assert "backbone.0.weight" in snap.param_norms
     check_against_reference(snap, model, cfg)
-
-
-def test_fsdp1_rejected() -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    fake = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
-    nn.Module.__init__(fake)
-    model = Net()
-    model.add_module("sharded", fake)
-    with pytest.raises(UnsupportedParallelismError) as excinfo:
-        GradWatch(model, WatchConfig())
-    assert "FSDP2" in str(excinfo.value) and "fully_shard" in str(excinfo.value)
 
 
 def test_duplicate_names_after_unwrapping_rejected() -> None:
