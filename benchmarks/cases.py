@@ -35,6 +35,8 @@ DDP_OVERHEAD_TARGET = Target(3, "%")
 #: a 2-rank DDP step with the per-rank view (rank_view=True) within +2% of the step watched
 #: without it
 RANK_VIEW_TARGET = Target(2, "%")
+#: the guarded DDP step (watch.guard, fused optimizer) within +2% of the unguarded one
+GUARD_TARGET = Target(2, "%")
 #: a 2-rank DDP step with 20 scrapers on the endpoint within +5% of the step without them
 SCRAPERS_TARGET = Target(5, "%")
 #: Spike detection's host cost in ``result()``, as a share of ``result()`` (10,000 parameters).
@@ -316,6 +318,7 @@ class Plan:
     fsdp1_rounds: int = 60  # interleaved calls of each kind in the FSDP1 section
     fsdp1_width: int = 512  # of its Linear layers
     zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
+    guard_blocks: int = 300  # palindromic blocks of the guard section
 
 
 def full_plan() -> Plan:
@@ -354,4 +357,5 @@ def quick_plan() -> Plan:
         fsdp1_rounds=2,
         fsdp1_width=16,
         zero_rounds=2,
+        guard_blocks=2,
     )

@@ -383,18 +383,25 @@ class RankViewResult:
         blocks of (sum of its two steps) / (sum of ``over``'s two) - 1, and a 95% bootstrap
         interval of that median (1,000 resamples of the blocks, seeded: the report is
         reproducible from the samples)."""
-        a, b = self.step_times[over], self.step_times[mode]
-        ratios = [
-            (b[2 * k] + b[2 * k + 1]) / (a[2 * k] + a[2 * k + 1]) - 1
-            for k in range(min(len(a), len(b)) // 2)
-        ]
-        paired = Timing.of(ratios)
-        p25, p75 = paired.quartiles
-        rng = random.Random(0)
-        medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
-                         for _ in range(1000))
-        return PairedRatio(paired.median * 100, p25 * 100, p75 * 100,
-                           medians[25] * 100, medians[974] * 100)
+        return paired_ratio(self.step_times[mode], self.step_times[over])
+
+
+def paired_ratio(b: Sequence[float], a: Sequence[float]) -> PairedRatio:
+    """Steps ``b``'s extra time over steps ``a``'s, in percent, both timed two per palindromic
+    block: median and quartiles over blocks of (sum of b's two) / (sum of a's two) - 1, and a
+    95% bootstrap interval of that median (1,000 resamples of the blocks, seeded: the report
+    is reproducible from the samples)."""
+    ratios = [
+        (b[2 * k] + b[2 * k + 1]) / (a[2 * k] + a[2 * k + 1]) - 1
+        for k in range(min(len(a), len(b)) // 2)
+    ]
+    paired = Timing.of(ratios)
+    p25, p75 = paired.quartiles
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(1000))
+    return PairedRatio(paired.median * 100, p25 * 100, p75 * 100,
+                       medians[25] * 100, medians[974] * 100)
 
 
 @dataclass(frozen=True)
@@ -412,6 +419,32 @@ class PairedRatio(Overhead):
         if self.ci_high_pct < 0:
             return -1
         return 1 if self.ci_low_pct > 0 else 0
+
+
+class GuardMode(Enum):
+    """The kinds of DDP step the guard's benchmark times against each other."""
+
+    WATCHED = "gradwatch `collect`, then the fused optimizer's step (unguarded)"
+    GUARDED = "`watch.guard(optimizer).step()`: collect, decide, fused step with `found_inf`"
+
+
+@dataclass(frozen=True)
+class GuardResult:
+    """Rank 0's step times of every :class:`GuardMode` (2 ranks, DDP, demo model), in
+    palindromic blocks, and the host scalar reads and ops of one warm guarded step."""
+
+    model: str
+    blocks: int
+    step_times: dict[GuardMode, tuple[float, ...]]
+    scalar_reads: int
+    ops: int
+
+    def timing(self, mode: GuardMode) -> Timing:
+        return Timing.of(self.step_times[mode])
+
+    def ratio(self) -> PairedRatio:
+        """The guarded step's extra time over the unguarded one (see :func:`paired_ratio`)."""
+        return paired_ratio(self.step_times[GuardMode.GUARDED], self.step_times[GuardMode.WATCHED])
 
 
 @dataclass(frozen=True)
@@ -501,6 +534,7 @@ class RunResults:
     #: builds the results)
     rank_view_loop: RankViewResult | Failure | None = None  # None: skipped
     fsdp1: list[Fsdp1Result] | Failure | None = None  # None: skipped
+    guard: GuardResult | Failure | None = None  # None: skipped
     cuda_device: str | None = None  # None: no GPU
     cuda_cases: list[NormCaseResult] = field(default_factory=list)
     demo_model: str = ""  # the demo model's size, as the distributed section describes it

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from benchmarks import (  # noqa: E402
     distributed,
     fsdp1_bench,
+    guard_bench,
     measure,
     rankview_bench,
     report,
@@ -103,6 +104,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
                 plan.rank_view_blocks, rankview_bench.LOOP_KINDS, collect_only=True)))
         run.fsdp1 = section("fsdp1", lambda: fsdp1_bench.fsdp1(
             plan.fsdp1_rounds, plan.fsdp1_width))
+        run.guard = section("guard", lambda: _reported(
+            lambda: guard_bench.guard(plan.guard_blocks)))
         run.zero = section("deepspeed zero-2", lambda: zero_bench.measure(plan.zero_rounds))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))

@@ -17,7 +17,9 @@ ranges: ``"50"``, ``"50,60"``, ``"150-199"``, ``"150-"`` (from 150 on):
 * ``INJECT_EXPLODE_AT``: the gradients are multiplied by 1e6 at those steps.
 
 An injected step is measured, then skipped by the optimizer (as a GradScaler skips an
-overflowing step), so the run is healthy again afterwards.
+overflowing step), so the run is healthy again afterwards. With ``GRADWATCH_GUARD=1`` the
+optimizer steps through ``watch.guard(optimizer)``, which skips the NaN steps itself (the loop
+still skips the exploding ones).
 
 Other settings (a command-line option wins over its variable): ``--steps``/``TRAIN_STEPS``
 (default 200; 0 = until stopped), ``--sleep``/``STEP_SLEEP`` (seconds per step, default 0.05,
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
 
     watch = gradwatch.GradWatch(model, gradwatch.WatchConfig())
+    guarded = watch.guard(optimizer) if watch.config.guard else None
     if rank == 0:
         print(f"gradwatch serving {watch.metrics_url}", flush=True)
     try:
@@ -146,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 watch.collect(step=step)
             watch.audit_norm(norm, step=step, source="loop")
-            if not injected:
+            if guarded is not None and step not in explode_at:
+                guarded.step()  # skips the NaN steps: the same decision on every rank
+            elif not injected:
                 optimizer.step()
             snap = None
             if rank == 0 and args.log_every > 0 and step % args.log_every == 0:

@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "GradWatch": "gradwatch.watcher",
     "PendingSnapshot": "gradwatch.watcher",
+    "GuardedOptimizer": "gradwatch.guard",
     "WatchConfig": "gradwatch.config",
     "NoOpWatch": "gradwatch.enable",
     "watch": "gradwatch.enable",
@@ -41,6 +42,7 @@ __all__ = [
     "GradWatchError",
     "GradWatchTimeoutError",
     "GroupStats",
+    "GuardedOptimizer",
     "LayoutMismatchError",
     "NoOpWatch",
     "PendingSnapshot",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
         UnsupportedParallelismError,
     )
     from gradwatch.export import Sink
+    from gradwatch.guard import GuardedOptimizer
     from gradwatch.snapshot import GroupStats, Snapshot
     from gradwatch.stats import total_norm
     from gradwatch.watcher import GradWatch, PendingSnapshot

@@ -236,9 +236,26 @@ class WatchConfig(BaseSettings):
             (e.g. ``"layers.*.experts.*"`` matching ``layers.0.experts.5.w1`` on the rank
             holding expert 5). Such a name may be absent from other ranks; one held by exactly
             the ranks of a non-expert parameter is refused (coinciding local names would read
-            as replicas). DTensor experts
-            need no declaration: their placements say where they live. Ranks must agree
-            (checked by the handshake); see docs/distributed.md, *Expert parallelism*.
+            as replicas). DTensor experts need no declaration: their placements say where
+            they live. Ranks must agree (checked by the handshake); see docs/distributed.md,
+            *Expert parallelism*.
+
+    The optimizer-step guard (``watch.guard(optimizer)``, :mod:`gradwatch.guard`); ranks must
+    agree (checked by the handshake):
+
+    Attributes:
+        skip_nonfinite: the guard skips a step whose gradients hold NaN or Inf anywhere in the
+            whole model.
+        skip_spike_score: the guard skips a step whose global spike score (the robust
+            deviations of ``ln(global norm)`` above the median of its last ``spike_window``
+            samples, computed on the device) exceeds this; ``None`` (the default): no spike
+            skips.
+        max_consecutive_skips: after this many consecutive skipped steps the guard stops
+            skipping (it applies the next bad steps, ``gradwatch_guard_stopped`` is 1 and the
+            alert fires) until a step it would not skip re-arms it.
+        guard: the framework integrations (Hugging Face ``GradWatchCallback``, Lightning
+            ``GradWatchCallback``) step the optimizer through ``watch.guard()``; in your own
+            loop call ``watch.guard(optimizer)`` instead.
     """
 
     model_config = SettingsConfigDict(
@@ -285,6 +302,12 @@ class WatchConfig(BaseSettings):
     spike_window: int = Field(default=128, ge=2, le=MAX_SPIKE_WINDOW)
     spike_threshold: float = Field(default=6.0, ge=0.0, allow_inf_nan=False)
     spike_warmup: int = Field(default=32, ge=1, le=MAX_SPIKE_WINDOW)
+
+    # -- the optimizer-step guard (gradwatch.guard) --
+    skip_nonfinite: bool = True
+    skip_spike_score: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    max_consecutive_skips: int = Field(default=10, ge=1, le=MAX_INT)
+    guard: bool = False
 
     @field_validator("spike_warmup")
     @classmethod
@@ -436,6 +459,13 @@ class WatchConfig(BaseSettings):
             "always_reduce",  # which collects all-reduce
             "rank_view",  # the packed vector's rank-view section
             "expert_parameters",  # which names may be held by some ranks only
+            # the optimizer-step guard: every rank must take the same skip decisions
+            "skip_nonfinite",
+            "skip_spike_score",
+            "max_consecutive_skips",
+            "guard",
+            "spike_window",
+            "spike_warmup",
         )
         payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -81,6 +81,10 @@ class NoOpWatch:
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         return None
 
+    def guard(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> Any:
+        """The optimizer itself: nothing is measured, so nothing is skipped."""
+        return optimizer
+
     @property
     def isolated(self) -> tuple[str, ...]:
         return tuple(self.config.isolated)

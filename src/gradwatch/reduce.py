@@ -795,6 +795,11 @@ class ReducedVector:
         device (a view: no copy)."""
         return self._device()[_sections(self._layout).nonfinite]
 
+    def device_step(self) -> Tensor:
+        """The reduced step slot (NaN: some rank's local pass failed), on the device (a view:
+        no copy)."""
+        return self._device()[_sections(self._layout).step]
+
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:

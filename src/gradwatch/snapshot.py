@@ -9,7 +9,8 @@ Prometheus counters, the demo's summary, ``gradwatch top`` and ``gradwatch plot`
 * :attr:`Snapshot.nonfinite_step`: some gradient held NaN/Inf, and AMP did not skip the step;
 * :attr:`Snapshot.amp_skipped`: the GradScaler found NaN/Inf and skips the optimizer step;
 * :attr:`Snapshot.exploding_step`: some parameter is exploding (non-finite ones included);
-* :attr:`Snapshot.spike_step`: the global or a group norm spiked (:mod:`gradwatch.spikes`).
+* :attr:`Snapshot.spike_step`: the global or a group norm spiked (:mod:`gradwatch.spikes`);
+* :attr:`Snapshot.guard_skipped`: the optimizer-step guard skipped this step (its reason).
 
 History records are ``Snapshot.to_dict()`` lines: classify them with ``Snapshot.from_dict``.
 This module imports no torch.
@@ -105,6 +106,17 @@ class Snapshot:
         global_spike: the global score exceeded ``spike_threshold``.
         spiking_groups: groups whose score exceeded ``spike_threshold``, in group order.
 
+    The optimizer-step guard (``watch.guard``, :mod:`gradwatch.guard`; None/empty without it):
+
+    Attributes:
+        guard_skipped: ``"nonfinite"`` or ``"spike"`` when the guard skipped this step's
+            optimizer update, None when it applied it (or there is no guard).
+        consecutive_skipped_steps: steps skipped in a row up to this one (0: applied).
+        guard_stopped: the guard would have skipped this step but had already skipped
+            ``max_consecutive_skips`` in a row, so the update was applied.
+        skipped_steps: reason -> steps the guard skipped so far (every guarded step,
+            published or not).
+
     The per-rank view (DDP, docs/distributed.md; absent/None/empty when not available):
 
     Attributes:
@@ -146,6 +158,11 @@ class Snapshot:
     spike_scores: Mapping[str, float] = field(default_factory=dict)
     global_spike: bool = False
     spiking_groups: tuple[str, ...] = ()
+    # -- the optimizer-step guard (gradwatch.guard) --
+    guard_skipped: str | None = None
+    consecutive_skipped_steps: int | None = None
+    guard_stopped: bool = False
+    skipped_steps: Mapping[str, int] = field(default_factory=dict)
     # -- the per-rank view (DDP comm hook; see docs/distributed.md)
     rank_view: bool = False
     nonfinite_origin_ranks: tuple[int, ...] = ()
@@ -270,6 +287,7 @@ _MAPPINGS = (
     "isolation_violated",
     "spike_scores",
     "group_noise_scale",
+    "skipped_steps",
 )
 
 #: The tuple fields, made tuples on construction and written as JSON lists.

@@ -39,6 +39,7 @@ from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedP
 from gradwatch.fsdp1 import Fsdp1GradientReader
 from gradwatch.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.gradients import GradientReader
+from gradwatch.guard import GuardDecision, GuardedOptimizer, GuardPolicy, StepGuard
 from gradwatch.hooks import before_optimizer_step
 from gradwatch.main_grad import clip_local_, gradients_for_fallback, reject_distributed_optimizer
 from gradwatch.model import (
@@ -136,6 +137,9 @@ class GradWatch:
         self._last: Snapshot | None = None
         self._isolated: tuple[str, ...] = tuple(cfg.isolated)
         self._enabled = cfg.enabled
+        self._step_guard: StepGuard | None = None  # guard(): decides on every collect
+        self._decision: GuardDecision | None = None  # the last collect's, until step() takes it
+        self._collected = False  # a collect ran (or failed) since the last guarded step
         self._zero: ZeroGradients | None = None
         if not self._enabled:
             self._inert(model)
@@ -536,11 +540,46 @@ class GradWatch:
             self._optimizer_steps = max(self._optimizer_steps, self._next_step)
             self._hooks.append(before_optimizer_step(optimizer, scaler, self._hooked_collect))
 
+    def guard(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> GuardedOptimizer:
+        """``optimizer`` whose ``step()`` is skipped on non-finite or spiking gradients
+        (``skip_nonfinite``, ``skip_spike_score``, ``max_consecutive_skips``), the same
+        decision on every rank, with no host read for ``fused=True`` optimizers; see
+        :mod:`gradwatch.guard`. ``scaler``: the GradScaler, when the loop uses one (the guard's
+        own collects then see unscaled norms; non-finite steps are the scaler's skips). From
+        now on every collect decides, and :meth:`attach` hooks no longer collect (the guard
+        does, before the optimizer's step)."""
+        policy = GuardPolicy.from_config(self.config)
+        if self._zero is not None:
+            raise GradWatchError(
+                "gradwatch: guard() does not cover a DeepSpeed engine (the engine steps its own "
+                "optimizer); watch it without the guard"
+            )
+        if self._enabled and self._step_guard is None:
+            self._step_guard = StepGuard(
+                policy, self._reducer.device, self.config.collective_timeout_seconds,
+                amp=scaler is not None and scaler.is_enabled(),
+            )
+        return GuardedOptimizer(optimizer, lambda opt: self._guard_decision(opt, scaler))
+
+    def _guard_decision(self, optimizer: Any, scaler: Any) -> GuardDecision | None:
+        """The decision of this step's collect; collects first when none was made since the
+        last guarded step. None when the step was not measured (the guard does not act)."""
+        if self._step_guard is None:
+            return None
+        if not self._collected:  # a failed collect counts: collecting again would add a
+            step = self._next_step  # collective the other ranks do not issue
+            self._next_step = step + 1
+            self._guarded(step, scaler, optimizer, None)
+        decision, self._decision, self._collected = self._decision, None, False
+        return decision
+
     def _hooked_collect(self, scaler: Any, optimizer: Any) -> None:
         step = self._optimizer_steps
         self._optimizer_steps += 1
-        if self._clipped_step == step:
-            return  # clip_grad_norm_ already collected this step (pre-clip)
+        if self._clipped_step == step or self._step_guard is not None:
+            # clip_grad_norm_ already collected this step (pre-clip), or the guard collects
+            # before its step (a collect in the optimizer's own step would decide too late)
+            return
         self.collect(step, scaler=scaler, optimizer=optimizer)
 
     def _guarded(
@@ -558,7 +597,7 @@ class GradWatch:
         skipped = step % self.config.every_n_steps != 0
         if self._broken:
             return self._not_measured(step, f"collection stopped: {self._broken}"), None
-        if self._closed or (skipped and max_norm is None):
+        if self._closed or (skipped and max_norm is None and self._step_guard is None):
             return self._pending_last(step), None
         if self._zero is not None:
             off = self._zero.off_boundary()  # identical on every rank: no collective is skipped
@@ -567,6 +606,7 @@ class GradWatch:
                 return self._not_measured(step, off), None
         started = time.perf_counter()
         issued = self._reducer.issued
+        self._collected = True
         self._attempts += 1
         attempt = self._attempts
         # Decided before anything can fail, from counts equal on every rank: whether this
@@ -586,7 +626,8 @@ class GradWatch:
         except Exception as exc:  # never let monitoring crash training
             self._last_failed_attempt = attempt
             return self._failed(
-                step, exc, issued, clip=max_norm is not None, with_replicas=measure
+                step, exc, issued, clip=max_norm is not None or self._step_guard is not None,
+                with_replicas=measure,
             ), None
         if skipped:
             return self._pending_last(step), total
@@ -769,14 +810,16 @@ class GradWatch:
         if zero_scale is not None:  # DeepSpeed's loss scale, a Python float: a kernel argument
             sq = sq / (zero_scale * zero_scale)
         has_grad = [g is not None for g in grads.tensors]
+        guard = self._step_guard  # decides on the device: the job's backend, like a clip
         reduced = self._reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
-            device_collective=max_norm is not None,
+            device_collective=max_norm is not None or guard is not None,
         )
         b = batch_size if batch_size is not None else self.config.batch_size
         total = None
         if max_norm is not None:
             total = clip_grads_(reduced, max_norm, grads, plan)
+        decision = self._decision = guard.decide(reduced) if guard is not None else None
         amp = scaler is not None and scaler.is_enabled()
         isolated = self._isolated  # the expectation at collect time, not at result() time
         timestamp = time.time()
@@ -788,7 +831,7 @@ class GradWatch:
                 step,
                 lambda: self._build(
                     reduced, step, measure, timestamp, max_norm, amp, isolated, attempt,
-                    local_sq, b,
+                    local_sq, b, decision,
                 ),
             ),
             total,
@@ -817,6 +860,7 @@ class GradWatch:
         attempt: int = 0,
         local_sq: Tensor | None = None,
         batch_size: int | None = None,
+        decision: GuardDecision | None = None,
     ) -> Snapshot:
         try:
             stats = reduced.stats()
@@ -863,6 +907,10 @@ class GradWatch:
             changes["clip_coef"] = clip_coefficient(max_norm, snap.global_norm)
         if amp and not snap.is_finite:
             changes["amp_skipped"] = True
+        if decision is not None and self._step_guard is not None:
+            reading = decision.reading()
+            changes.update(reading.snapshot_fields())
+            self._step_guard.report(reading, step, self.rank)
         if stats.rank_view is not None:
             changes.update(
                 rank_view_fields(

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from benchmarks import cases, distributed, rankview_bench, report  # noqa: E402
+from benchmarks import cases, distributed, guard_bench, rankview_bench, report  # noqa: E402
 from benchmarks.results import (  # noqa: E402
     DistributedCase,
     NormMethod,
@@ -243,3 +243,24 @@ def test_quick_deepspeed_zero_section() -> None:
     assert rows[0][4] in ("met", "not met")
     text = report.render(RunResults(command="x", rounds=(1, 1), zero=found))
     assert "## DeepSpeed ZeRO-2" in text and "| gradwatch collect + result |" in text
+
+
+@pytest.mark.distributed
+def test_quick_guard_section() -> None:
+    """The guard section (what `make bench` runs) on 2 blocks: both kinds timed in every block,
+    the ratio rendered with its IQR and verdict, the target row judged, no host read."""
+    from benchmarks.results import GuardMode, GuardResult
+
+    found = guard_bench.guard(2)
+    assert isinstance(found, GuardResult)
+    assert all(len(found.timing(m)) == 4 for m in GuardMode)  # two per block
+    assert found.scalar_reads == 0 and found.ops > 0
+    _header, rows = _rows(report.guard_table(found), "| step |")
+    assert [r[0] for r in rows] == [m.value for m in GuardMode]
+    assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)", rows[1][2])
+    assert "beyond noise (95% CI of the median" in rows[1][3]
+    run = RunResults(command="x", rounds=(1, 1), guard=found)
+    row = [c for c in report.target_checks(run) if "watch.guard" in c.subject]
+    assert len(row) == 1 and "<= +2%" in row[0].subject
+    text = report.miss_notes(run)
+    assert row[0].met or "guarded DDP step" in text

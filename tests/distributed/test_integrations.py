@@ -617,3 +617,72 @@ def test_lightning_callback_audits_lightnings_logged_norm(tmp_path: Path, factor
     # Every step's logged value was judged (the last at flush), each against its own step.
     assert seen["gradwatch_reported_norm_ratio"] == pytest.approx(factor, rel=1e-5)
     assert seen["gradwatch_norm_audit_disagreements_total"] == (0.0 if factor == 1.0 else 4.0)
+
+
+class _NanOnThirdCall(RegressionModel):
+    """The Hugging Face regression model whose third training forward returns a NaN loss."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().forward(x, labels)
+        type(self).calls += 1
+        if type(self).calls == 3:
+            out["loss"] = out["loss"] * math.nan
+        return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_huggingface_callback_guard_skips_the_nan_step(
+    tmp_path: Path, max_grad_norm: float
+) -> None:
+    """``WatchConfig.guard``: the Trainer's optimizer steps through the guard, which skips the
+    NaN step (weights stay finite); with clipping routed or not."""
+    import transformers
+
+    from gradwatch.history import read_history
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    history = tmp_path / "gradwatch.jsonl"
+    callback = GradWatchCallback(guard=True, history_path=str(history))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=8, logging_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=max_grad_norm,
+        disable_tqdm=True,
+    )  # fmt: skip
+    _NanOnThirdCall.calls = 0
+    model = _NanOnThirdCall()
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Regression(), callbacks=[callback]
+    )
+    trainer.train()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    records = read_history(history)
+    assert [r["guard_skipped"] for r in records] == [None, None, "nonfinite", None, None]
+    assert records[-1]["skipped_steps"] == {"nonfinite": 1, "spike": 0}
+
+
+@pytest.mark.timeout(300)
+def test_lightning_callback_guard_skips_the_nan_step(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from gradwatch.history import read_history
+    from gradwatch.integrations.lightning import GradWatchCallback
+
+    class Module(_lightning_module()):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            loss = super().training_step(batch, batch_idx)
+            return loss * math.nan if batch_idx == 2 else loss
+
+    history = tmp_path / "gradwatch.jsonl"
+    trainer = pl.Trainer(
+        max_steps=5, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        callbacks=[GradWatchCallback(guard=True, history_path=str(history))],
+    )  # fmt: skip
+    module = Module()
+    trainer.fit(module, torch.utils.data.DataLoader(Regression(), batch_size=8))
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    records = read_history(history)
+    assert [r["guard_skipped"] for r in records] == [None, None, "nonfinite", None, None]

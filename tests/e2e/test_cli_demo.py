@@ -331,6 +331,7 @@ def test_job_args_round_trip(tmp_path: Path) -> None:
         workdir=tmp_path, steps=30, port=0, bind="127.0.0.1", step_sleep=0.02,
         anomaly_pause=0.5, linger=3.0, nan_at=(5, 7), explode_at=(9,), seed_at=10,
         blend_at=20, ack=True, parent_pid=1234, batch_size=8, log_every=0, spike_at=(11, 12),
+        nan_rank=1, guard=True,
     )  # fmt: skip
     assert JobArgs.from_argv(full.to_argv()) == full
 
@@ -348,8 +349,9 @@ def test_protocol_messages_round_trip(tmp_path: Path) -> None:
         steps=9, seed_at=2, blend_at=5, metrics_url=ready.metrics_url, steps_run=9,
         world_size=2, parallelism="ddp2",
         last=LastStep(step=8, global_norm=1.5, groups={"host": 1.0}, ratios={}, health=1.0),
-        events=StepEvents(nonfinite=[3], amp_skipped=[], exploding=[3, 4]),
+        events=StepEvents(nonfinite=[3], amp_skipped=[], exploding=[3, 4], skipped=[3]),
         isolation_violation_steps={"stem": []}, health_min=HealthMin(value=0.0, step=3),
+        guarded=True,
     )  # fmt: skip
     work.write_summary(summary)
     assert work.read_summary() == summary
@@ -566,6 +568,22 @@ def test_demo_shows_an_injected_nan_step() -> None:
     assert lines[0].startswith("gradwatch demo: 30 steps on 2 ranks, about 4 s of training")
     assert "--linger SECONDS keeps it serving" in lines[0], lines[0]
     assert "closes now; to keep it serving after the last step, run with --linger" in lines[-1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_demo_guard_skips_the_injected_nan_step() -> None:
+    """--guard: the job steps through watch.guard(); the NaN step is skipped on every rank
+    (training goes on healthy), and the summary and the endpoint say so."""
+    r = run_cli(
+        "demo", "--steps", "30", "--nan-at", "20", "--guard", "--port", "0",
+        "--step-sleep", "0.02", timeout=90,
+    )  # fmt: skip
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    out = r.stdout
+    assert "guard-skipped steps: 1 (step 20) (optimizer update not applied)" in out
+    assert 'gradwatch_skipped_steps_total{reason="nonfinite"} 1' in out
+    assert "non-finite steps: 1 (step 20)" in out  # only that step: the weights stayed finite
 
 
 @pytest.mark.distributed

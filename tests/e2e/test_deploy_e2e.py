@@ -72,6 +72,7 @@ def run_training_job(port: int, workdir: Path) -> Iterator[subprocess.Popen[byte
         GRADWATCH_DIVERGENCE_EVERY="10",
         GRADWATCH_PARAM_METRICS_TOP_K="5",  # the dashboard's top-k panel
         GRADWATCH_RANK_VIEW="1",  # the per-rank view is opt-in: its panels need it
+        GRADWATCH_GUARD="1",  # the optimizer-step guard too (its alerts and panel)
         CLIP_NORM="1000",  # clipped through gradwatch (gradwatch_clip_coef), never reached healthy
         INJECT_NAN_AT=str(NAN_STEP),
         INJECT_EXPLODE_AT=f"{EXPLODE_FROM}-",

@@ -92,6 +92,10 @@ CONTRACT_METRICS = frozenset(
         # norm auditing
         "gradwatch_reported_norm_ratio",
         "gradwatch_norm_audit_disagreements_total",
+        # the optimizer-step guard
+        "gradwatch_skipped_steps_total",
+        "gradwatch_consecutive_skipped_steps",
+        "gradwatch_guard_stopped",
     }
 )
 
@@ -109,6 +113,8 @@ REQUIRED_ALERTS = {
     "GradwatchGradNormSpike": ("warning", False),
     "GradwatchNormAuditDisagreement": ("critical", True),
     "GradwatchReplicaOutlier": ("warning", True),
+    "GradwatchStepsSkipped": ("warning", False),
+    "GradwatchGuardStopped": ("critical", False),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}

@@ -66,6 +66,10 @@ def write_history(path: Path, steps: range, max_bytes: int = 64 * 1024 * 1024) -
                     nonfinite_params=bad,
                     health=0.0 if bad else (0.6 if exploding else 1.0),
                     amp_skipped=i == 9,
+                    # the optimizer-step guard skipped the NaN step
+                    guard_skipped="nonfinite" if i == 7 else None,
+                    consecutive_skipped_steps=int(i == 7),
+                    skipped_steps={"nonfinite": int(i >= 7), "spike": 0},
                 )
             )
 
@@ -83,6 +87,7 @@ def test_plot_history_with_truncated_last_line(tmp_path: Path) -> None:
     # and exploding; the AMP-skipped Inf step 9 is not non-finite but is exploding; 12 explodes.
     assert "20 snapshots" in proc.stdout and "1 non-finite" in proc.stdout
     assert "3 exploding" in proc.stdout and "1 AMP-skipped" in proc.stdout
+    assert "1 guard-skipped" in proc.stdout
 
 
 def test_default_size_and_rotated_file_read_first(tmp_path: Path) -> None:

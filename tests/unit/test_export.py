@@ -53,7 +53,13 @@ from gradwatch.export import (
     select_param_series,
 )
 from gradwatch.export.server import RateLimit
-from gradwatch.export.state import Counts, SelfStats, SeriesCounts, snapshot_samples
+from gradwatch.export.state import (
+    Counts,
+    PublishedState,
+    SelfStats,
+    SeriesCounts,
+    snapshot_samples,
+)
 from gradwatch.history import HistoryWriter
 from gradwatch.snapshot import GroupStats, Snapshot
 
@@ -212,6 +218,9 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         parallelism="replicated2",
         replica_divergence=2.220446049250313e-16,
         clip_coef=0.123456789,
+        guard_skipped="spike",
+        consecutive_skipped_steps=1,
+        skipped_steps={"nonfinite": 0, "spike": 1},
         amp_skipped=False,
         timestamp=1_700_000_000.123456,
         global_spike_score=math.nan,
@@ -1426,7 +1435,7 @@ def test_collector_output_is_unchanged_on_a_fixed_snapshot(
     assert _without_families(text, SPIKE_FAMILIES) == GOLDEN_EXPOSITION
 
 
-#: Families added after the golden exposition was recorded (tested in test_spikes.py).
+#: Families added after the golden exposition was recorded (tested in test_spikes.py and below).
 SPIKE_FAMILIES = (
     "gradwatch_global_grad_norm_spike_score",
     "gradwatch_grad_norm_spike_score",
@@ -1435,6 +1444,10 @@ SPIKE_FAMILIES = (
     "gradwatch_nonfinite_group_steps",
     "gradwatch_global_grad_norm_per_step",
     "gradwatch_grad_norm_per_step",
+    # the optimizer-step guard (tested in test_guard_metrics_come_from_the_guarded_snapshots)
+    "gradwatch_skipped_steps",
+    "gradwatch_consecutive_skipped_steps",
+    "gradwatch_guard_stopped",
 )
 
 
@@ -1633,3 +1646,30 @@ def test_undefined_ratio_is_exported_as_nan_not_zero(
         assert exported == 0.0  # the numerator has no gradient: dormant, a real 0
     else:
         assert math.isnan(exported)
+
+
+def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
+    """The skip counters keep the guard's totals (steps between published ones included) and
+    the guard gauges are absent from an unguarded snapshot."""
+    state = PublishedState(config())
+    state.write(Snapshot(step=0))
+    assert "gradwatch_consecutive_skipped_steps" not in state.current().samples
+    assert state.current().count_samples["gradwatch_skipped_steps_total"] == ()
+    state.write(
+        Snapshot(
+            step=5,
+            guard_skipped="nonfinite",
+            consecutive_skipped_steps=2,
+            guard_stopped=False,
+            skipped_steps={"nonfinite": 2, "spike": 3},
+        )
+    )
+    current = state.current()
+    assert current.count_samples["gradwatch_skipped_steps_total"] == (
+        (("nonfinite",), 2.0),
+        (("spike",), 3.0),
+    )
+    assert current.samples["gradwatch_consecutive_skipped_steps"] == (((), 2.0),)
+    assert current.samples["gradwatch_guard_stopped"] == (((), 0.0),)
+    state.write(Snapshot(step=6))  # an unguarded snapshot keeps the totals
+    assert state.current().count_samples["gradwatch_skipped_steps_total"][1] == (("spike",), 3.0)

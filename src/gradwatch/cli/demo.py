@@ -130,6 +130,7 @@ class DemoOptions:
     linger: float
     spike_at: int | None = None
     nan_rank: int | None = None
+    guard: bool = False
 
 
 def port_in_use(port: int, bind: str) -> bool:
@@ -172,6 +173,7 @@ def job_args(opts: DemoOptions, workdir: Path) -> JobArgs:
         ack=True,
         parent_pid=os.getpid(),
         nan_rank=opts.nan_rank,
+        guard=opts.guard,
     )
 
 
@@ -398,6 +400,10 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
     if events.amp_skipped:  # the demo uses no GradScaler; a job reusing this summary may
         lines.append(f"AMP-skipped steps: {_steps_text(events.amp_skipped)}")
     lines.append(f"spike steps: {_steps_text(events.spikes)} (adaptive spike detection)")
+    if summary.guarded:
+        lines.append(
+            f"guard-skipped steps: {_steps_text(events.skipped)} (optimizer update not applied)"
+        )
     hmin = summary.health_min
     if hmin is not None:
         lines.append(f"health min: {fmt(hmin.value, 3)} at step {hmin.step}")
@@ -410,6 +416,10 @@ def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> lis
             f"gradwatch_exploding_steps_total {final.exploding_steps}, "
             f"gradwatch_collections_total {final.collections}, "
             f"gradwatch_global_grad_norm_spikes_total {final.global_spikes}"
+            + "".join(
+                f', gradwatch_skipped_steps_total{{reason="{r}"}} {n}'
+                for r, n in final.skipped_steps.items()
+            )
             + "".join(
                 f', gradwatch_grad_norm_spikes_total{{group="{g}"}} {s.spikes}'
                 for g, s in final.groups.items()
@@ -682,6 +692,14 @@ def demo(
             "all-reduce; the summary and the endpoint name it as the origin."
         ),
     ] = None,
+    guard: Annotated[
+        bool,
+        typer.Option(
+            "--guard",
+            help="Step the optimizer through watch.guard(): non-finite and spiking steps "
+            "(spike score above 6) are skipped on every rank, and counted.",
+        ),
+    ] = False,
 ) -> None:
     """Run a small torchrun DDP job watched by gradwatch and show its endpoint live.
 
@@ -689,7 +707,7 @@ def demo(
     """  # noqa: E501 (one line per paragraph: the help is rewrapped to the terminal)
     opts = DemoOptions(
         nproc, steps, port, bind, nan_at, explode_at, seed_at, blend_at, step_sleep, linger,
-        spike_at=spike_at, nan_rank=nan_rank,
+        spike_at=spike_at, nan_rank=nan_rank, guard=guard,
     )
     _check(opts)
     console = Console(highlight=False, markup=False)

@@ -33,7 +33,9 @@ threshold: only adaptive spike detection sees it), by scaling the loss before th
 pass: every rank's local gradients carry the fault before DDP's all-reduce, so every feature
 the demo shows (the reduced norms, the per-rank view with the replicas' spread and the gradient
 noise scale) sees the same step, as it would a real fault. The optimizer skips that step (as a
-GradScaler would), so training is healthy again afterwards. After an injected step the job
+GradScaler would), so training is healthy again afterwards. With ``--guard`` the loop does not
+skip by itself: it steps a fused SGD through ``watch.guard(optimizer)`` (``skip_spike_score``
+6), which skips the non-finite and spiking steps on every rank. After an injected step the job
 pauses ``--anomaly-pause`` seconds so a scraper polling a few times a second sees the step's
 gauges (the counters keep it anyway).
 
@@ -88,6 +90,9 @@ SEED_GATE = 0.1
 DEMO_WIDTH = 512
 DEMO_BATCH = 128
 
+
+#: ``skip_spike_score`` of ``--guard``.
+GUARD_SPIKE_SCORE = 6.0
 
 class DemoNet(nn.Module):
     """stem (frozen) -> host backbone -> head, with a gated seed module on the host features."""
@@ -156,7 +161,9 @@ def train(args: JobArgs) -> int:
         if distributed
         else net
     )
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.05, fused=args.guard or None
+    )
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
 
     cfg = WatchConfig(
@@ -166,6 +173,7 @@ def train(args: JobArgs) -> int:
         port=args.port,
         bind_address=args.bind,
         rank_view=True,  # opt-in: the demo shows where a NaN started and the noise scale
+        skip_spike_score=GUARD_SPIKE_SCORE if args.guard else None,
     )
     try:
         watch = GradWatch(model, cfg)
@@ -177,6 +185,7 @@ def train(args: JobArgs) -> int:
         work.write_error(JobError(kind="error", message=str(exc), port=args.port))
         print(str(exc), file=sys.stderr, flush=True)
         return 2
+    guarded = watch.guard(optimizer) if args.guard else None
     url = watch.metrics_url
     if rank == 0:
         assert url is not None  # rank 0 serves: cfg.port is set
@@ -225,7 +234,9 @@ def train(args: JobArgs) -> int:
             scale = (NAN_FACTOR if rank == args.nan_rank else 1.0) if local_nan else factor
             (loss * scale if scale != 1.0 else loss).backward()
             pending = watch.collect(step=step)
-            if not injected:
+            if guarded is not None:
+                guarded.step()  # the guard decides, from this collect, on every rank
+            elif not injected:
                 optimizer.step()
             if rank == 0:
                 snap = pending.result()
@@ -234,7 +245,9 @@ def train(args: JobArgs) -> int:
                     print(
                         f"step {step} phase {phase} loss {loss.item():.4f} global_norm "
                         f"{snap.global_norm:.4g} health {snap.health:.2f}"
-                        + (f" (gradients x {factor})" if injected else ""),
+                        + (f" (gradients x {factor})" if injected else "")
+                        + (f"; guard skipped it ({snap.guard_skipped})" if snap.guard_skipped
+                           else ""),
                         flush=True,
                     )
             pause = args.anomaly_pause if injected else 0.0

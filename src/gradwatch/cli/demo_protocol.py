@@ -92,6 +92,7 @@ class JobArgs:
     log_every: int = DEFAULT_LOG_EVERY
     spike_at: tuple[int, ...] = ()
     nan_rank: int | None = None  # NaN on this rank's local gradients only (before the all-reduce)
+    guard: bool = False  # train through watch.guard(optimizer): bad steps are skipped by it
 
     def to_argv(self) -> list[str]:
         """The arguments :meth:`from_argv` reads back into an equal :class:`JobArgs`."""
@@ -122,6 +123,8 @@ class JobArgs:
                 argv += [flag, str(value)]
         if self.ack:
             argv.append("--ack")
+        if self.guard:
+            argv.append("--guard")
         return argv
 
     @classmethod
@@ -148,6 +151,7 @@ class JobArgs:
         p.add_argument("--batch-size", type=int, default=None)
         p.add_argument("--log-every", type=int, default=DEFAULT_LOG_EVERY)
         p.add_argument("--nan-rank", type=int, default=None)
+        p.add_argument("--guard", action="store_true", help="step through watch.guard()")
         ns = p.parse_args(list(argv))
         return cls(
             workdir=ns.workdir,
@@ -167,6 +171,7 @@ class JobArgs:
             log_every=ns.log_every,
             spike_at=tuple(ns.spike_at),
             nan_rank=ns.nan_rank,
+            guard=ns.guard,
         )
 
 
@@ -264,6 +269,8 @@ class Summary:
         health_min: the lowest health (None when no step ran).
         nonfinite_origins: step -> the ranks whose local gradients were non-finite before the
             reduction (the per-rank view; steps with a known origin only).
+        guarded: the job stepped through ``watch.guard()`` (``events.skipped`` lists the steps
+            it skipped).
     """
 
     steps: int
@@ -278,6 +285,7 @@ class Summary:
     isolation_violation_steps: dict[str, list[int]] = field(default_factory=dict)
     health_min: HealthMin | None = None
     nonfinite_origins: dict[int, list[int]] = field(default_factory=dict)
+    guarded: bool = False
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -312,6 +320,7 @@ class Summary:
             nonfinite_origins={
                 int(k): [int(r) for r in v] for k, v in d.get("nonfinite_origins", {}).items()
             },
+            guarded=bool(d.get("guarded", False)),
         )
 
 
@@ -329,6 +338,7 @@ class SummaryRecorder:
         s.world_size, s.parallelism = snap.world_size, snap.parallelism
         s.last = LastStep.of(snap)
         s.events.add(snap)
+        s.guarded = s.guarded or snap.consecutive_skipped_steps is not None
         for group, violated in snap.isolation_violated.items():
             steps = s.isolation_violation_steps.setdefault(group, [])
             if violated:

@@ -94,6 +94,10 @@ REPLICA_MAX_RANK = _name("gradwatch_replica_grad_norm_max_rank")
 OUTLIER_SCORE = _name("gradwatch_replica_outlier_score")
 NOISE_SCALE = _name("gradwatch_gradient_noise_scale")
 GROUP_NOISE_SCALE = _name("gradwatch_group_gradient_noise_scale")
+# the optimizer-step guard (absent without watch.guard())
+SKIPPED_STEPS = _name("gradwatch_skipped_steps_total")
+CONSECUTIVE_SKIPPED = _name("gradwatch_consecutive_skipped_steps")
+GUARD_STOPPED = _name("gradwatch_guard_stopped")
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,10 @@ class EndpointView:
     replica_outlier_score: float | None = None
     noise_scale: float | None = None
     group_noise_scale: Mapping[str, float] = field(default_factory=dict)
+    # the optimizer-step guard: reason -> skipped steps; empty/None without a guard
+    skipped_steps: Mapping[str, int] = field(default_factory=dict)
+    consecutive_skipped_steps: int | None = None
+    guard_stopped: bool | None = None
 
     def staleness(self, now: float | None = None) -> float | None:
         """Seconds since the job collected the published step (None before the first one)."""
@@ -218,6 +226,7 @@ def parse_exposition(text: str) -> EndpointView:
     origin_step: int | None = None
     replica_norm: dict[str, float] = {}
     group_noise: dict[str, float] = {}
+    skipped: dict[str, int] = {}
     for s in samples:
         if not s.name.startswith("gradwatch_"):
             continue
@@ -231,6 +240,8 @@ def parse_exposition(text: str) -> EndpointView:
             origin_step = int(s.value) if math.isfinite(s.value) else None
         elif s.name == REPLICA_NORM:
             replica_norm[s.labels.get("stat", "")] = s.value
+        elif s.name == SKIPPED_STEPS:
+            skipped[s.labels.get("reason", "")] = _int(s.value)
         elif s.name == GROUP_NOISE_SCALE:  # labelled by group, but not a group's own gauge
             group_noise[s.labels.get("group", "")] = s.value
         elif s.name == RATIO:
@@ -298,6 +309,9 @@ def parse_exposition(text: str) -> EndpointView:
         replica_outlier_score=single.get(OUTLIER_SCORE),
         noise_scale=single.get(NOISE_SCALE),
         group_noise_scale=group_noise,
+        skipped_steps=skipped,
+        consecutive_skipped_steps=_opt_int(single.get(CONSECUTIVE_SKIPPED)),
+        guard_stopped=None if GUARD_STOPPED not in single else single[GUARD_STOPPED] >= 0.5,
     )
 
 

@@ -27,7 +27,8 @@ Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding s
 are vertical lines across every panel, so a spike in one panel lines up with the others. Spikes
 found by adaptive spike detection (``Snapshot.spike_step``: the global norm or a group's norm far
 above its recent median, see :mod:`gradwatch.spikes`) are magenta triangles on the spiking
-norms in the first panel. A
+norms in the first panel. Steps the optimizer-step guard skipped (``Snapshot.guard_skipped``,
+``watch.guard``) are black downward triangles along the bottom of the norms panel. A
 record is classified as :class:`gradwatch.Snapshot` classifies it (``Snapshot.from_dict``), the
 definition the Prometheus counters use too: an exploding step includes every non-finite one, so
 a NaN step is counted, and drawn, in both.
@@ -135,6 +136,10 @@ class PlotSummary:
     def spike_steps(self) -> int:
         return len(self.events.spikes)
 
+    @property
+    def skipped_steps(self) -> int:
+        return len(self.events.skipped)
+
 
 #: Every panel, top to bottom; the per-rank view's two are drawn only for records that carry it.
 PANELS = ("norms", "ratios", "replicas", "noise scale", "health")
@@ -144,6 +149,9 @@ ORIGIN_RANKS_SHOWN = 4
 #: Color and marker of a spike in the norms panel.
 SPIKE_COLOR = "magenta"
 SPIKE_MARKER = "^"
+#: Color and marker of a step the optimizer-step guard skipped, in the norms panel.
+SKIPPED_COLOR = "black"
+SKIPPED_MARKER = "v"
 
 
 def counts_text(events: StepEvents) -> str:
@@ -153,6 +161,8 @@ def counts_text(events: StepEvents) -> str:
         text += f", {len(events.amp_skipped)} AMP-skipped"
     if events.spikes:
         text += f", {len(events.spikes)} spike {_spike_steps(events)}"
+    if events.skipped:
+        text += f", {len(events.skipped)} guard-skipped"
     return text
 
 
@@ -608,6 +618,14 @@ def draw_history(
     legend_events = [
         Line2D([], [], color=c, ls=ls, lw=1.5, label=label) for at, c, ls, label in events if at
     ]
+    if classes.skipped:  # the guard skipped these optimizer steps: along the norms' floor
+        skipped_label = f"guard-skipped ({len(classes.skipped)})"
+        ax_norm.plot(classes.skipped, [0.0] * len(classes.skipped), SKIPPED_MARKER,
+                     color=SKIPPED_COLOR, ms=7, transform=ax_norm.get_xaxis_transform(),
+                     clip_on=False)  # fmt: skip
+        legend_events.append(
+            Line2D([], [], color=SKIPPED_COLOR, marker=SKIPPED_MARKER, ls="", label=skipped_label)
+        )
     if legend_events:
         fig.legend(handles=legend_events, loc="outside lower center", ncols=3, fontsize="small")
 

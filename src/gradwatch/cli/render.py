@@ -277,10 +277,29 @@ def anomalies_text(view: EndpointView) -> Text:
     text.append_text(spikes_text(view))
     if view.amp_skipped_steps:
         text.append(f", AMP-skipped steps {view.amp_skipped_steps}", style="yellow")
+    text.append_text(skipped_text(view))
     if view.publish_errors or view.dropped:
         text.append(
             f", publish errors {view.publish_errors}, dropped {view.dropped}", style="yellow"
         )
+    return text
+
+
+def skipped_text(view: EndpointView) -> Text:
+    """``, guard-skipped steps 2 (nonfinite 1, spike 1)``, the run of skips in a row and a
+    stopped guard; empty without a guard (no ``gradwatch_skipped_steps_total``)."""
+    text = Text()
+    if not view.skipped_steps:
+        return text
+    total = sum(view.skipped_steps.values())
+    reasons = ", ".join(f"{r} {n}" for r, n in view.skipped_steps.items())
+    text.append(
+        f", guard-skipped steps {total} ({reasons})", style="bold yellow" if total else "green"
+    )
+    if view.consecutive_skipped_steps:
+        text.append(f", {view.consecutive_skipped_steps} in a row", style="bold yellow")
+    if view.guard_stopped:
+        text.append(", GUARD STOPPED (max_consecutive_skips)", style="bold red")
     return text
 
 

@@ -2,7 +2,8 @@
 
 The classification itself belongs to :class:`gradwatch.Snapshot` (``nonfinite_step``,
 ``amp_skipped``, ``exploding_step``: an exploding step includes every non-finite one;
-``spike_step``: the global or a group norm spiked), the same
+``spike_step``: the global or a group norm spiked; ``guard_skipped``: the optimizer-step guard
+skipped the update), the same
 one the exporter's ``gradwatch_*_steps_total`` counters use. This module only lists the steps of
 each class, for the views that name steps rather than count them: the demo's summary and
 ``gradwatch plot``. Never decide a class here, so all views agree on a NaN step.
@@ -26,6 +27,7 @@ class StepEvents:
     amp_skipped: list[int] = field(default_factory=list)
     exploding: list[int] = field(default_factory=list)
     spikes: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # the guard skipped the optimizer step
 
     @classmethod
     def of(cls, snapshots: Iterable[Snapshot]) -> StepEvents:
@@ -44,6 +46,8 @@ class StepEvents:
             self.exploding.append(snap.step)
         if snap.spike_step:
             self.spikes.append(snap.step)
+        if snap.guard_skipped is not None:
+            self.skipped.append(snap.step)
 
     def to_dict(self) -> dict[str, list[int]]:
         return {
@@ -51,6 +55,7 @@ class StepEvents:
             "amp_skipped": list(self.amp_skipped),
             "exploding": list(self.exploding),
             "spikes": list(self.spikes),
+            "skipped": list(self.skipped),
         }
 
     @classmethod
@@ -60,4 +65,5 @@ class StepEvents:
             amp_skipped=[int(s) for s in data["amp_skipped"]],
             exploding=[int(s) for s in data["exploding"]],
             spikes=[int(s) for s in data.get("spikes", ())],
+            skipped=[int(s) for s in data.get("skipped", ())],
         )

@@ -314,6 +314,37 @@ METRICS: tuple[MetricDef, ...] = (
         "Starts at 0 for every configured `isolated` group.",
         source=MetricSource.COUNTS,
     ),
+    # -- the optimizer-step guard (watch.guard, gradwatch.guard) ---------------------------------
+    MetricDef(
+        "gradwatch_skipped_steps_total",
+        "counter",
+        ("reason",),
+        "Optimizer steps the guard skipped, by reason: nonfinite (a NaN/Inf gradient anywhere "
+        "in the model, skip_nonfinite) or spike (the global spike score above "
+        "skip_spike_score).",
+        "Counted by the guard on the device on every guarded step, published or not (the "
+        "value of the last published step). Both reasons start at 0; absent without "
+        "`watch.guard()`.",
+        source=MetricSource.COUNTS,
+    ),
+    MetricDef(
+        "gradwatch_consecutive_skipped_steps",
+        "gauge",
+        (),
+        "Optimizer steps the guard skipped in a row up to the last published step (0: that "
+        "step was applied).",
+        "At most `max_consecutive_skips`; absent without `watch.guard()`.",
+        source=MetricSource.SNAPSHOT,
+    ),
+    MetricDef(
+        "gradwatch_guard_stopped",
+        "gauge",
+        (),
+        "1 when the guard applied the last published step although it would have skipped it, "
+        "because max_consecutive_skips steps in a row were already skipped; else 0.",
+        "The guard skips again after a step it would not skip. Absent without `watch.guard()`.",
+        source=MetricSource.SNAPSHOT,
+    ),
     # -- spikes and every step between scrapes (gradwatch.spikes, state.SeriesCounts) ----------
     MetricDef(
         "gradwatch_global_grad_norm_spike_score",

@@ -100,6 +100,8 @@ class Counts:
     # the per-rank view: the origin (rank, host) of the last non-finite step, and its step
     last_origin: tuple[tuple[str, str], ...] = ()
     last_origin_step: int = 0
+    # the guard's running totals by reason, as of the last guarded snapshot
+    skipped_steps: Mapping[str, int] = field(default_factory=dict)
 
     def after(self, snap: Snapshot) -> Counts:
         violations = dict(self.isolation_violations)
@@ -120,6 +122,9 @@ class Counts:
             amp_skipped_steps=self.amp_skipped_steps + int(snap.amp_skipped),
             exploding_steps=self.exploding_steps + int(snap.exploding_step),
             isolation_violations=MappingProxyType(violations),
+            skipped_steps=MappingProxyType(dict(snap.skipped_steps))
+            if snap.skipped_steps
+            else self.skipped_steps,
         )
 
     def samples(self) -> dict[str, tuple[Sample, ...]]:
@@ -133,6 +138,9 @@ class Counts:
             "gradwatch_exploding_steps_total": (((), float(self.exploding_steps)),),
             "gradwatch_isolation_violations_total": tuple(
                 ((group,), float(n)) for group, n in self.isolation_violations.items()
+            ),
+            "gradwatch_skipped_steps_total": tuple(
+                ((reason,), float(n)) for reason, n in self.skipped_steps.items()
             ),
         }
 
@@ -216,6 +224,11 @@ def snapshot_samples(
         out["gradwatch_grad_norm_spike_score"] = tuple(
             ((g,), float(v)) for g, v in snap.spike_scores.items()
         )
+    if snap.consecutive_skipped_steps is not None:  # a guarded step
+        out["gradwatch_consecutive_skipped_steps"] = (
+            ((), float(snap.consecutive_skipped_steps)),
+        )
+        out["gradwatch_guard_stopped"] = (((), 1.0 if snap.guard_stopped else 0.0),)
     out.update(rank_view_samples(snap))
     return out
 

@@ -43,6 +43,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gradwatch.config import WatchConfig
+from gradwatch.guard import GuardedOptimizer
 from gradwatch.integrations.common import log_figures
 from gradwatch.watcher import GradWatch
 
@@ -81,6 +82,11 @@ class GradWatchCallback(TrainerCallback):
         if self.watch is None and model is not None and self.config.enabled:
             self.watch = GradWatch(model, self.config)
         if self.watch is not None and self.watch._zero is not None:
+            if self.config.guard:
+                log.warning(
+                    "gradwatch: the optimizer-step guard does not cover a DeepSpeed engine "
+                    "(its step is the engine's): WatchConfig.guard is ignored"
+                )
             self._wrap_engine_step(self.watch._zero.engine, state)
             return
         if self.watch is not None and _accelerate_kind() == "DEEPSPEED":
@@ -94,6 +100,8 @@ class GradWatchCallback(TrainerCallback):
             self.watch.close()
             self.watch = None
             return
+        if self.watch is not None and self.config.guard:
+            self._guard(kw.get("optimizer"))
         if self.watch is None or not args.max_grad_norm > 0:
             return
         self._state = state
@@ -163,6 +171,17 @@ class GradWatchCallback(TrainerCallback):
             return out
 
         engine.step = step
+
+    def _guard(self, optimizer: Any) -> None:
+        """``WatchConfig.guard``: the Trainer's optimizer steps through ``watch.guard()``. The
+        Trainer's is accelerate's ``AcceleratedOptimizer``: the torch optimizer inside it is
+        wrapped, so accelerate's GradScaler (fp16) composes with the guard."""
+        assert self.watch is not None
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or isinstance(inner, GuardedOptimizer):
+            return
+        scaler = getattr(optimizer, "scaler", None)
+        optimizer.optimizer = self.watch.guard(inner, scaler=scaler)
 
     # -- the routed clip ----------------------------------------------------------------------
 

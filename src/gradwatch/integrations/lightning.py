@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 from gradwatch.config import WatchConfig
+from gradwatch.guard import GuardedOptimizer
 from gradwatch.integrations.common import log_figures
 from gradwatch.watcher import GradWatch
 
@@ -45,8 +46,21 @@ class GradWatchCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.watch is None and self.config.enabled:
             self.watch = GradWatch(pl_module, self.config)
+            if self.config.guard:
+                self._guard(trainer)
         if self.watch is not None and self._wrapped is None:
             self._wrap_log(pl_module)
+
+    def _guard(self, trainer: pl.Trainer) -> None:
+        """``WatchConfig.guard``: the strategy's optimizers step through ``watch.guard()``
+        (Lightning's closure is evaluated first, so the collect of ``on_before_optimizer_step``
+        decides the step; its AMP scaler composes)."""
+        assert self.watch is not None
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        trainer.strategy.optimizers = [
+            opt if isinstance(opt, GuardedOptimizer) else self.watch.guard(opt, scaler=scaler)
+            for opt in trainer.strategy.optimizers
+        ]
 
     def _wrap_log(self, pl_module: pl.LightningModule) -> None:
         """Audit Lightning's total gradient norm as the module logs it."""
