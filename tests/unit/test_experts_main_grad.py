@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import time
 import urllib.request
 from types import SimpleNamespace
 from typing import Any
@@ -160,8 +161,11 @@ def test_watch_on_a_refused_setup_is_a_visible_no_op(
         assert watch.collect(0).result().step == 0
         assert float(watch.clip_grad_norm_(1.0)) == pytest.approx(math.sqrt(6))
         assert watch.metrics_url is not None
-        with urllib.request.urlopen(watch.metrics_url, timeout=5) as response:
-            text = response.read().decode()
+        text, deadline = "", time.monotonic() + 20  # the exporter renders asynchronously
+        while "gradwatch_collecting" not in text and time.monotonic() < deadline:
+            with urllib.request.urlopen(watch.metrics_url, timeout=5) as response:
+                text = response.read().decode()
+            time.sleep(0.05)
     finally:
         watch.close()
     assert "gradwatch_collecting 0.0" in text.splitlines()
