@@ -24,10 +24,11 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import secrets
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     ConfigDict,
@@ -66,6 +67,9 @@ MAX_TIMEOUT_SECONDS = 30 * 86400.0
 
 #: The largest ``spike_window``: the detector sorts a window per series and step on the host.
 MAX_SPIKE_WINDOW = 4096
+
+#: A Prometheus label name.
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 GroupName = Annotated[StrictStr, Field(min_length=1)]
 Threshold = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -239,6 +243,14 @@ class WatchConfig(BaseSettings):
             as replicas). DTensor experts need no declaration: their placements say where
             they live. Ranks must agree (checked by the handshake); see docs/distributed.md,
             *Expert parallelism*.
+        sinks: tracker sinks rank 0 feeds with one row of scalars per published step
+            (:mod:`gradwatch.sinks`): ``"tensorboard"`` (needs ``tensorboard_dir``),
+            ``"wandb"`` (the active run, else a new one), ``"mlflow"`` (likewise).
+        tensorboard_dir: the TensorBoard run directory of the ``"tensorboard"`` sink.
+        file_sd_path: rank 0 writes a Prometheus ``file_sd`` target for its endpoint here
+            at start and removes it at close (:mod:`gradwatch.export.filesd`); an existing
+            directory gets a file named after the Slurm job or the run. Needs ``port``.
+        file_sd_labels: extra target labels of that entry (Slurm's are added when present).
 
     The optimizer-step guard (``watch.guard(optimizer)``, :mod:`gradwatch.guard`); ranks must
     agree (checked by the handshake):
@@ -343,6 +355,31 @@ class WatchConfig(BaseSettings):
     # -- the per-rank view (DDP comm hook; docs/distributed.md) --------------------------------
     rank_view: bool = False
     batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
+
+    # -- tracker sinks (gradwatch.sinks) and discovery without Kubernetes (export.filesd) -----
+    sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    tensorboard_dir: Path | None = None
+    file_sd_path: Path | None = None
+    file_sd_labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_sinks_and_discovery(self) -> WatchConfig:
+        if len(set(self.sinks)) != len(self.sinks):
+            raise ValueError(f"sinks has duplicates: {self.sinks}")
+        if ("tensorboard" in self.sinks) != (self.tensorboard_dir is not None):
+            raise ValueError(
+                "sinks and tensorboard_dir go together: the 'tensorboard' sink writes to "
+                "tensorboard_dir, which nothing else uses"
+            )
+        if self.file_sd_path is not None and self.port is None:
+            raise ValueError("file_sd_path needs port: the target it writes is the endpoint")
+        for name in self.file_sd_labels:
+            if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+                raise ValueError(
+                    f"file_sd_labels: {name!r} is not a Prometheus label name "
+                    "([a-zA-Z_][a-zA-Z0-9_]*, not starting with '__')"
+                )
+        return self
 
     @classmethod
     def settings_customise_sources(
