@@ -234,6 +234,15 @@ class WatchConfig(BaseSettings):
         batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
             scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
             in per-replica batches.
+        expert_parameters: fnmatch patterns of the parameters that are *plain per-rank
+            experts* (expert parallelism without DTensors): each is a whole tensor held only
+            by the ranks of its expert-data-parallel group, under a name unique to its expert
+            (e.g. ``"layers.*.experts.*"`` matching ``layers.0.experts.5.w1`` on the rank
+            holding expert 5). Such a name may be absent from other ranks; one held by exactly
+            the ranks of a non-expert parameter is refused (coinciding local names would read
+            as replicas). DTensor experts need no declaration: their placements say where
+            they live. Ranks must agree (checked by the handshake); see docs/distributed.md,
+            *Expert parallelism*.
         sinks: tracker sinks rank 0 feeds with one row of scalars per published step
             (:mod:`gradwatch.sinks`): ``"tensorboard"`` (needs ``tensorboard_dir``),
             ``"wandb"`` (the active run, else a new one), ``"mlflow"`` (likewise).
@@ -282,6 +291,9 @@ class WatchConfig(BaseSettings):
         default=300.0, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False
     )
     always_reduce: bool = False
+    expert_parameters: list[Annotated[StrictStr, Field(min_length=1)]] = Field(
+        default_factory=list
+    )
 
     port: int | None = Field(default=None, ge=0, le=65535)
     bind_address: str = "0.0.0.0"
@@ -453,6 +465,8 @@ class WatchConfig(BaseSettings):
                 raise ValueError(f"isolated names unknown group {name!r}; known: {sorted(known)}")
         if len(set(self.isolated)) != len(self.isolated):
             raise ValueError("isolated has duplicate group names")
+        if len(set(self.expert_parameters)) != len(self.expert_parameters):
+            raise ValueError("expert_parameters has duplicate patterns")
         if not self.vanishing_threshold < self.exploding_threshold:
             raise ValueError(
                 "vanishing_threshold must be below exploding_threshold "
@@ -481,6 +495,7 @@ class WatchConfig(BaseSettings):
             "divergence_every",
             "always_reduce",  # which collects all-reduce
             "rank_view",  # the packed vector's rank-view section
+            "expert_parameters",  # which names may be held by some ranks only
             # the optimizer-step guard: every rank must take the same skip decisions
             "skip_nonfinite",
             "skip_spike_score",
