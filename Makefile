@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 	@echo "gradwatch: [4/5] building $(DEEPSPEED_SPEC) against it (test dependency, no compiled op)"
 	DS_BUILD_OPS=0 $(BIN)/pip install --progress-bar on --no-build-isolation setuptools wheel "$(DEEPSPEED_SPEC)" "$(TORCH_SPEC)"
 	@echo "gradwatch: [5/5] installing gradwatch and its extras (editable)"
-	$(BIN)/pip install --progress-bar on -e ".[test,cli,plot,transformers,lightning,auth]"
+	$(BIN)/pip install --progress-bar on -e ".[test,cli,plot,transformers,lightning,auth,tensorboard,wandb,mlflow]"
 	touch $(STAMP)
 	@echo "gradwatch: $(VENV) is ready"
 
@@ -62,7 +62,7 @@ bench: venv
 	$(BIN)/python benchmarks/run.py --out docs/performance.md
 
 deploy-assets: venv
-	$(BIN)/python scripts/gen_k8s_rules.py
+	$(BIN)/python scripts/gen_mixin.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

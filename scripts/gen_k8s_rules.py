@@ -58,9 +58,14 @@ def prometheus_rule(groups: list[dict[str, Any]]) -> dict[str, Any]:
 
 def render(source: Path = SOURCE) -> str:
     """The text of the PrometheusRule manifest for the rules file ``source``."""
-    rules = yaml.safe_load(source.read_text())
+    return HEADER + render_text(source.read_text(), str(source))
+
+
+def render_text(text: str, where: str = "rules") -> str:
+    """The PrometheusRule manifest (without the header) for the rules file's ``text``."""
+    rules = yaml.safe_load(text)
     if not isinstance(rules, dict) or not isinstance(rules.get("groups"), list):
-        raise ValueError(f"{source}: no top-level 'groups' list")
+        raise ValueError(f"{where}: no top-level 'groups' list")
     body = yaml.dump(
         prometheus_rule(rules["groups"]),
         Dumper=_Dumper,
@@ -69,7 +74,7 @@ def render(source: Path = SOURCE) -> str:
         allow_unicode=True,
         width=10_000,
     )
-    return HEADER + body
+    return body
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,11 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import secrets
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     ConfigDict,
@@ -66,6 +67,9 @@ MAX_TIMEOUT_SECONDS = 30 * 86400.0
 
 #: The largest ``spike_window``: the detector sorts a window per series and step on the host.
 MAX_SPIKE_WINDOW = 4096
+
+#: A Prometheus label name.
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 GroupName = Annotated[StrictStr, Field(min_length=1)]
 Threshold = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -230,6 +234,23 @@ class WatchConfig(BaseSettings):
         batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
             scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
             in per-replica batches.
+        expert_parameters: fnmatch patterns of the parameters that are *plain per-rank
+            experts* (expert parallelism without DTensors): each is a whole tensor held only
+            by the ranks of its expert-data-parallel group, under a name unique to its expert
+            (e.g. ``"layers.*.experts.*"`` matching ``layers.0.experts.5.w1`` on the rank
+            holding expert 5). Such a name may be absent from other ranks; one held by exactly
+            the ranks of a non-expert parameter is refused (coinciding local names would read
+            as replicas). DTensor experts need no declaration: their placements say where
+            they live. Ranks must agree (checked by the handshake); see docs/distributed.md,
+            *Expert parallelism*.
+        sinks: tracker sinks rank 0 feeds with one row of scalars per published step
+            (:mod:`gradwatch.sinks`): ``"tensorboard"`` (needs ``tensorboard_dir``),
+            ``"wandb"`` (the active run, else a new one), ``"mlflow"`` (likewise).
+        tensorboard_dir: the TensorBoard run directory of the ``"tensorboard"`` sink.
+        file_sd_path: rank 0 writes a Prometheus ``file_sd`` target for its endpoint here
+            at start and removes it at close (:mod:`gradwatch.export.filesd`); an existing
+            directory gets a file named after the Slurm job or the run. Needs ``port``.
+        file_sd_labels: extra target labels of that entry (Slurm's are added when present).
 
     The optimizer-step guard (``watch.guard(optimizer)``, :mod:`gradwatch.guard`); ranks must
     agree (checked by the handshake):
@@ -270,6 +291,9 @@ class WatchConfig(BaseSettings):
         default=300.0, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False
     )
     always_reduce: bool = False
+    expert_parameters: list[Annotated[StrictStr, Field(min_length=1)]] = Field(
+        default_factory=list
+    )
 
     port: int | None = Field(default=None, ge=0, le=65535)
     bind_address: str = "0.0.0.0"
@@ -331,6 +355,31 @@ class WatchConfig(BaseSettings):
     # -- the per-rank view (DDP comm hook; docs/distributed.md) --------------------------------
     rank_view: bool = False
     batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
+
+    # -- tracker sinks (gradwatch.sinks) and discovery without Kubernetes (export.filesd) -----
+    sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    tensorboard_dir: Path | None = None
+    file_sd_path: Path | None = None
+    file_sd_labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_sinks_and_discovery(self) -> WatchConfig:
+        if len(set(self.sinks)) != len(self.sinks):
+            raise ValueError(f"sinks has duplicates: {self.sinks}")
+        if ("tensorboard" in self.sinks) != (self.tensorboard_dir is not None):
+            raise ValueError(
+                "sinks and tensorboard_dir go together: the 'tensorboard' sink writes to "
+                "tensorboard_dir, which nothing else uses"
+            )
+        if self.file_sd_path is not None and self.port is None:
+            raise ValueError("file_sd_path needs port: the target it writes is the endpoint")
+        for name in self.file_sd_labels:
+            if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+                raise ValueError(
+                    f"file_sd_labels: {name!r} is not a Prometheus label name "
+                    "([a-zA-Z_][a-zA-Z0-9_]*, not starting with '__')"
+                )
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -416,6 +465,8 @@ class WatchConfig(BaseSettings):
                 raise ValueError(f"isolated names unknown group {name!r}; known: {sorted(known)}")
         if len(set(self.isolated)) != len(self.isolated):
             raise ValueError("isolated has duplicate group names")
+        if len(set(self.expert_parameters)) != len(self.expert_parameters):
+            raise ValueError("expert_parameters has duplicate patterns")
         if not self.vanishing_threshold < self.exploding_threshold:
             raise ValueError(
                 "vanishing_threshold must be below exploding_threshold "
@@ -444,6 +495,7 @@ class WatchConfig(BaseSettings):
             "divergence_every",
             "always_reduce",  # which collects all-reduce
             "rank_view",  # the packed vector's rank-view section
+            "expert_parameters",  # which names may be held by some ranks only
             # the optimizer-step guard: every rank must take the same skip decisions
             "skip_nonfinite",
             "skip_spike_score",

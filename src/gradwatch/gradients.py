@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.errors import UnsupportedParallelismError
+from gradwatch.main_grad import main_grad_positions
 from gradwatch.stats import as_real_values
 
 
@@ -47,6 +48,9 @@ class GradientReader:
         # A gradient has its parameter's dtype (autograd and the .grad setter enforce it), so
         # complex positions are known from the parameters.
         self._complex_positions = [i for i, p in enumerate(params) if p.is_complex()]
+        #: positions whose gradient lives in ``param.main_grad`` (Megatron-Core, NeMo):
+        #: :mod:`gradwatch.main_grad`
+        self._main_grad_positions = main_grad_positions(params)
 
     def read(self) -> LocalGradients:
         """One list comprehension for all parameters; DTensor positions become their local
@@ -57,6 +61,9 @@ class GradientReader:
         """
         params = self._params
         grads = [p.grad if p.requires_grad else None for p in params]
+        for i in self._main_grad_positions:
+            if params[i].requires_grad:
+                grads[i] = params[i].main_grad
         for i in self._dtensor_positions:
             g = grads[i]
             if g is None:

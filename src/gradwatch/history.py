@@ -310,3 +310,35 @@ def read_history(
 ) -> list[dict[str, Any]]:
     """All records of a history file as dicts (see :func:`iter_history`)."""
     return list(iter_history(path, include_rotated=include_rotated))
+
+
+#: Fields of a history record that must be mappings (when present and not null).
+RECORD_MAPPINGS = ("groups", "ratios", "raw_ratios", "param_norms", "isolation_violated")
+
+
+def malformed_record(record: dict[str, Any]) -> str | None:
+    """Why ``record`` cannot be drawn (a line gradwatch did not write), or None."""
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"'step' is {type(step).__name__}, not an integer"
+    for key in RECORD_MAPPINGS:
+        value = record.get(key)
+        if value is not None and not isinstance(value, dict):
+            return f"{key!r} is {type(value).__name__}, not a mapping"
+    return None
+
+
+def where_in_history(path: Path, record: dict[str, Any]) -> str:
+    """``file line n`` of ``record`` (found again by parsing each line: error path only)."""
+    for file in (rotated_path(path), path):
+        try:
+            with open(file, "rb") as fh:
+                for number, raw in enumerate(fh, 1):
+                    try:
+                        if decode_record(json.loads(raw)) == record:
+                            return f"{file} line {number}"
+                    except (ValueError, UnicodeDecodeError):
+                        continue
+        except OSError:
+            continue
+    return str(path)

@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.errors import LayoutMismatchError, UnsupportedParallelismError
+from gradwatch.experts import check_expert_holders, expert_names
 from gradwatch.handshake import (
     DERIVED_NESTED,
     MAX_COORDS,
@@ -228,11 +229,12 @@ def piece_from_placements(
     )
 
 
-def derive_layout(gathered: Gathered, rank: int) -> Layout:
+def derive_layout(gathered: Gathered, rank: int, experts: Sequence[str] = ()) -> Layout:
     """The layout from the handshake's distinct descriptions and per-rank records (pure;
-    equal to the tests' reference over the full descriptions)."""
+    equal to the tests' reference over the full descriptions). ``experts``: the
+    ``expert_parameters`` patterns (:mod:`gradwatch.experts`)."""
     return Layout(
-        *derive(gathered, rank),
+        *derive(gathered, rank, experts),
         world_size=len(gathered.rank_group),
         rank=rank,
         hosts=gathered.hosts,
@@ -306,8 +308,12 @@ def _groups_text(members: Sequence[Sequence[int]], which: Sequence[int]) -> str:
     return "; ".join(f"digest group {g} ({ranks_text(members[g])})" for g in which)
 
 
-def derive(gathered: Gathered, rank: int) -> Derived:
-    """Every rank's layout from the distinct descriptions and the per-rank records (pure)."""
+def derive(gathered: Gathered, rank: int, experts: Sequence[str] = ()) -> Derived:
+    """Every rank's layout from the distinct descriptions and the per-rank records (pure).
+
+    ``experts``: the ``expert_parameters`` patterns (the same on every rank: the configuration
+    hash covers them); names matching one may be held by some ranks only
+    (:mod:`gradwatch.experts`)."""
     descs, rank_group, records = (gathered.descriptions, gathered.rank_group,
                                   gathered.records)
     members: list[list[int]] = [[] for _ in descs]
@@ -356,7 +362,9 @@ def derive(gathered: Gathered, rank: int) -> Derived:
                     "the ranks hold different models"
                 )
     every = frozenset(names)
-    _check_name_sets(gathered, members, name_sets, every)
+    optional = expert_names(names, experts)
+    check_expert_holders(optional, name_sets, len(rank_group))
+    _check_name_sets(gathered, members, name_sets, every - optional)
     # Classes: parameters held (non-empty, or with numels derived from the spec) by the same
     # groups with the same specs, mesh slots and numel kind share one partition of ranks into
     # pieces.
@@ -629,7 +637,8 @@ def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
                      name_sets: Sequence[frozenset[str]], every: frozenset[str]) -> None:
     """The same model everywhere, or disjoint stages covering it (see
     the tests' reference layout builder), decided per digest group and per distinct stage
-    group composition."""
+    group composition. ``every``: the names each rank (or stage group) must hold, declared
+    plain per-rank experts excluded (they are held by some ranks only)."""
     rank_group, records = gathered.rank_group, gathered.records
     declared = [r for r, rec in enumerate(records) if rec.stage_size]
     if declared and len(declared) != len(records):
@@ -640,14 +649,15 @@ def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
         )
     if not declared:
         for g, held in enumerate(name_sets):
-            if held != every:
+            if not every <= held:
                 missing_names = sorted(every - held)[:5]
                 others = [h for h, s in enumerate(name_sets) if s != held][:1]
                 raise LayoutMismatchError(
                     f"gradwatch: {_groups_text(members, [g])} do not hold parameters "
                     f"{missing_names} that {_groups_text(members, others)} hold: the ranks "
                     "hold different models (pipeline stages and hand-split models must pass "
-                    "stage_group=)"
+                    "stage_group=; plain per-rank experts must be declared in "
+                    "expert_parameters)"
                 )
         return
     stages: dict[bytes, list[int]] = {}
@@ -667,7 +677,7 @@ def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
         checked.add(composition)
         seen: dict[str, int] = {}
         for o in stage:
-            for name in sorted(name_sets[rank_group[o]]):
+            for name in sorted(name_sets[rank_group[o]] & every):
                 if name in seen:
                     raise LayoutMismatchError(
                         f"gradwatch: parameter name {name!r} is held by ranks {seen[name]} and "
@@ -675,9 +685,10 @@ def _check_name_sets(gathered: Gathered, members: Sequence[Sequence[int]],
                         "must hold disjoint parameter names"
                     )
                 seen[name] = o
-        if set(seen) != every:
+        if not every <= set(seen):
             missing_names = sorted(every - set(seen))[:5]
             raise LayoutMismatchError(
                 f"gradwatch: stage group ({ranks_text(stage)}) does not hold parameters "
-                f"{missing_names} that other stage groups hold: the ranks hold different models"
+                f"{missing_names} that other stage groups hold: the ranks hold different models "
+                "(plain per-rank experts must be declared in expert_parameters)"
             )

@@ -224,6 +224,7 @@ def _describe(
         parts.append(fsdp_part)
     data_parallel = ddp is not None or bool(fsdp_part)
     fsdp_names = set(fsdp_mesh.mesh_dim_names or ()) if fsdp_mesh is not None else set()
+    fsdp_names |= _fsdp2_dim_names(model)  # e.g. the dp of experts sharded over (dp, ep)
     others: dict[str, int] = {}
     for p in params:
         mesh = getattr(p, "device_mesh", None)
@@ -243,6 +244,20 @@ def _describe(
         if size > 1:
             parts.append(f"dp{size}")
     return "+".join(parts) or f"replicated{world_size}"
+
+
+def _fsdp2_dim_names(model: nn.Module) -> set[str]:
+    """The mesh dim names of every FSDP2 parameter group (modules may shard over different
+    meshes: torchtitan's experts over dp, the rest over the flattened dp x ep)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                names.update(group.mesh_info.mesh.mesh_dim_names or ())
+    return names
 
 
 def _fsdp2(model: nn.Module) -> tuple[Any, str]:

@@ -108,6 +108,7 @@ class Reducer:
         rank_view_groups: int = 0,
         synced: bool = False,
         device: torch.device | None = None,
+        experts: Sequence[str] = (),
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
@@ -125,7 +126,7 @@ class Reducer:
         self._bound = bound_device() if multi else None
         self.device = reducer_device(device, backend, self._bound)
         if multi:
-            self.layout = self._agree(desc, record, pieces, str(backend))
+            self.layout = self._agree(desc, record, pieces, str(backend), experts)
         else:
             self.layout = derive_layout(handshake.local(desc, record), 0)
         self._plan_packing(self.layout)
@@ -136,6 +137,7 @@ class Reducer:
         record: handshake.RankRecord,
         pieces: Sequence[LocalPiece],
         backend: str,
+        experts: Sequence[str] = (),
     ) -> Layout:
         """Open gradwatch's groups, run the handshake on them and derive the layout: the same
         on every rank, or the same error raised on every rank."""
@@ -153,7 +155,7 @@ class Reducer:
                 f"{self.timeout}s: every rank must construct GradWatch ({exc})"
             ) from exc
         try:
-            return derive_layout(gathered, dist.get_rank())
+            return derive_layout(gathered, dist.get_rank(), experts)
         except (LayoutMismatchError, UnsupportedParallelismError):
             self.close()  # every rank raises the same error: release the group everywhere
             raise

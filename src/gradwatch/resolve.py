@@ -23,6 +23,7 @@ from gradwatch.fsdp1 import Fsdp1GradientReader, Fsdp1Model
 from gradwatch.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.gradients import GradientReader
 from gradwatch.layout import Layout, piece_of
+from gradwatch.main_grad import reject_distributed_optimizer
 from gradwatch.model import (
     ParameterSlots,
     ddp_reduces_every_gradient,
@@ -83,6 +84,7 @@ def resolve(
     # FSDP1 units (gradwatch.fsdp1): pieces are the original parameters' slices of the flat
     # shards, whatever the model's parameters are (flat ones or views)
     flat = resolve_fsdp1(model) if zero is None else None
+    reject_distributed_optimizer(model)
     if flat is None:
         names, params = named_parameters(model)
     else:
@@ -131,6 +133,7 @@ def resolve(
             and (ddp_reduces_every_gradient(ddp, params, world_size)
                  or (flat is not None and flat.reduces_every_gradient(world_size))),
             device=gradient_device(params),
+            experts=cfg.expert_parameters,
         )
     except BaseException:
         detach(comm_hook)

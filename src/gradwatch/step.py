@@ -28,6 +28,7 @@ from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError
 from gradwatch.failures import Failures, Replaced
 from gradwatch.guard import GuardDecision, GuardPolicy, StepGuard
+from gradwatch.main_grad import clip_local_, gradients_for_fallback
 from gradwatch.reduce import ReducedVector
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import Resolved
@@ -412,8 +413,12 @@ def _zero_scale(zero: ZeroGradients) -> Tensor | None:
 def clip_locally(
     held: list[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> Tensor:
-    """torch's clip of the parameters ``held`` by their rank-local norm, as a float64 tensor:
-    the clip of a step gradwatch did not measure, and the no-op watcher's."""
-    params = [p for p in held if p.grad is not None]
-    total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    """torch's clip of the parameters ``held`` by their rank-local norm (of their
+    ``main_grad`` under Megatron-Core, :mod:`gradwatch.main_grad`), as a float64 tensor: the
+    clip of a step gradwatch did not measure, and the no-op watcher's."""
+    if any(hasattr(p, "main_grad") for p in held):
+        total = clip_local_(gradients_for_fallback(held), max_norm, norm_type, error_if_nonfinite)
+    else:
+        params = [p for p in held if p.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     return total.to(torch.float64)

@@ -10,6 +10,14 @@ stages report through one :class:`~gradwatch.reporter.Reporter`.
 The same training script runs with the monitor on or off: under ``enabled=False``
 (``GRADWATCH_ENABLED=0``) both :func:`watch` and ``GradWatch(...)`` give a :class:`NoOpWatch`,
 with the same methods, which does nothing but clip (with torch's own function) when asked to.
+
+Enabled from the environment, the monitor must never take the job down: when
+:class:`GradWatch` refuses the setup (an unsupported parallelism, ranks holding different
+models, a handshake timeout, a taken port), :func:`watch` logs the error once and returns a
+:class:`RefusedWatch`: a :class:`NoOpWatch` that, on global rank 0 with a ``port``, serves
+``gradwatch_collecting 0`` so the dashboard shows at once that nothing is measured. Invalid
+settings still raise (a typo is caught before the first step); ``GradWatch(...)`` called
+explicitly keeps raising.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from gradwatch.summary import Summarizer
 if TYPE_CHECKING:
     from gradwatch.export import Publishing, Sink
 
-__all__ = ["GradWatch", "NoOpWatch", "PendingSnapshot", "watch"]
+__all__ = ["GradWatch", "NoOpWatch", "PendingSnapshot", "RefusedWatch", "watch"]
 
 log = logging.getLogger("gradwatch")
 
@@ -423,6 +431,63 @@ class NoOpWatch:
         return None
 
 
+class RefusedWatch(NoOpWatch):
+    """What :func:`watch` returns when :class:`GradWatch` refused the setup: a
+    :class:`NoOpWatch` (collects nothing, issues no collective, clips with torch's rank-local
+    function) that logged the refusal once and, on global rank 0 with a ``port``, serves
+    ``gradwatch_collecting 0`` (with ``gradwatch_run_info{parallelism="refused"}`` and the
+    exporter's own series), so the missing measurement is visible at once. When even the
+    endpoint cannot start (e.g. the port is taken) that is logged too and nothing is served.
+
+    Attributes:
+        error: the exception ``GradWatch(...)`` raised (what an explicit construction raises).
+    """
+
+    parallelism = "refused"
+
+    def __init__(self, model: nn.Module, config: WatchConfig, error: Exception) -> None:
+        super().__init__(model, config)
+        self.error = error
+        self._publishing: Any = None
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
+        world_size = dist.get_world_size() if distributed else 1
+        log.error(
+            "gradwatch: monitoring is off for this run on rank %d, training continues "
+            "unmonitored: %s: %s",
+            rank,
+            type(error).__name__,
+            error,
+        )
+        if rank == 0 and config.port is not None:
+            self._serve_not_collecting(config, world_size)
+
+    def _serve_not_collecting(self, config: WatchConfig, world_size: int) -> None:
+        from gradwatch.export import open_publishing
+
+        try:
+            publishing = open_publishing(
+                config.model_copy(update={"history_path": None}),
+                world_size=world_size,
+                parallelism=self.parallelism,
+            )
+        except Exception as exc:
+            log.error("gradwatch: the endpoint could not start either: %s", exc)
+            return
+        if publishing is not None:
+            publishing.self_stats.set_collecting(False)
+            self._publishing = publishing
+            self.metrics_url = publishing.url
+
+    def close(self) -> None:
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            publishing.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def watch(
     model: nn.Module,
     *,
@@ -437,8 +502,14 @@ def watch(
     Invalid settings raise :class:`gradwatch.configfile.ConfigError` (a ``GradWatchError`` and
     a ``ValueError``) before training, one line per bad field naming it and where its value
     came from, e.g. ``invalid value for port: ... (from env GRADWATCH_PORT='abc')``.
+
+    Any other error of the construction (the setup is refused: see the module docstring) is
+    logged once and yields a :class:`RefusedWatch`, which measures nothing and never raises.
     """
     cfg = load_config(**overrides)
     if not cfg.enabled:
         return NoOpWatch(model, cfg)
-    return GradWatch(model, cfg, process_group=process_group, stage_group=stage_group)
+    try:
+        return GradWatch(model, cfg, process_group=process_group, stage_group=stage_group)
+    except Exception as exc:  # never-crash boundary: measure nothing, visibly
+        return RefusedWatch(model, cfg, exc)

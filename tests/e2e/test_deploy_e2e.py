@@ -32,6 +32,7 @@ from deploy_assets import (
     RULES,
     dashboard_exprs,
     dashboard_variable_queries,
+    data_query,
     gradwatch_names,
     label_values_selector,
     rule_groups,
@@ -211,7 +212,7 @@ def test_rules_and_dashboard_against_a_live_job(tmp_path: Path) -> None:
 
         # Every dashboard expression is accepted and returns data for this job.
         for where, expr in dashboard_exprs():
-            promql = substitute_grafana_vars(expr, job=JOB, instance=target)
+            promql = substitute_grafana_vars(data_query(expr), job=JOB, instance=target)
             assert prom.query(promql), f"dashboard {where}: no data for {promql}"
         for name, query in dashboard_variable_queries():
             selector, label = label_values_selector(substitute_grafana_vars(query, job=JOB))

@@ -195,6 +195,16 @@ def dashboard_exprs() -> list[tuple[str, str]]:
     return out
 
 
+def data_query(expr: str) -> str:
+    """The query of ``expr`` that must return data: an exemplar-only query (the norm panels'
+    ``(counters) < 0``, which draws no line and only fetches the counters' exemplars) is asked
+    for its counters."""
+    suffix = " < 0"
+    if expr.startswith("(") and expr.endswith(")" + suffix):
+        return expr[: -len(suffix)]
+    return expr
+
+
 def dashboard_variable_queries() -> list[tuple[str, str]]:
     out = []
     for var in dashboard()["templating"]["list"]:

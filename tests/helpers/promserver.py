@@ -230,10 +230,14 @@ def run_prometheus(
     basic_auth: dict[str, str] | None = None,
     workdir: str | os.PathLike[str] | None = None,
     startup_timeout: float = 30.0,
+    file_sd_files: Sequence[str] = (),
+    flags: Sequence[str] = (),
 ) -> Iterator[PromServer]:
     """Run Prometheus scraping ``scrape_targets`` (``host:port``) as job ``job`` every
     ``interval`` (scrape and rule evaluation), with ``rule_files`` loaded; ``scheme``,
     ``tls_config`` and ``basic_auth`` go into the scrape config as Prometheus spells them.
+    ``file_sd_files`` (globs) adds a ``file_sd_configs`` entry refreshed every ``interval``;
+    ``flags`` are extra command-line flags (``--enable-feature=exemplar-storage``).
 
     ``workdir`` (default: a temporary directory, removed afterwards) holds the config, the
     TSDB and the log. The process is killed on exit from the block, and its log tail is
@@ -252,6 +256,10 @@ def run_prometheus(
             "scheme": scheme,
             "static_configs": [{"targets": list(scrape_targets)}],
         }
+        if file_sd_files:
+            scrape["file_sd_configs"] = [
+                {"files": list(file_sd_files), "refresh_interval": interval}
+            ]
         if tls_config is not None:
             scrape["tls_config"] = tls_config
         if basic_auth is not None:  # {"username": ..., "password": ...}
@@ -276,6 +284,7 @@ def run_prometheus(
                             f"--storage.tsdb.path={root / 'tsdb'}",
                             f"--web.listen-address=127.0.0.1:{port}",
                             "--log.level=warn",
+                            *flags,
                         ],
                         stdout=log,
                         stderr=subprocess.STDOUT,

@@ -44,7 +44,6 @@ exactly ``width*dpi`` x ``height*dpi`` pixels (no tight bounding box).
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -65,7 +64,7 @@ from gradwatch.config import (
     env_var,
     ratio_key,
 )
-from gradwatch.history import decode_record, read_history, rotated_path
+from gradwatch.history import malformed_record, read_history, rotated_path, where_in_history
 from gradwatch.rankview import NOISE_SCALE_UNIT
 from gradwatch.snapshot import GroupStats, Snapshot, ratio_defined
 
@@ -281,38 +280,6 @@ def _positive(values: Sequence[float]) -> list[float]:
 #: Malformed records named one by one on stderr; more are only counted.
 MALFORMED_SHOWN = 5
 
-#: Fields of a history record that must be mappings (when present and not null).
-_MAPPINGS = ("groups", "ratios", "raw_ratios", "param_norms", "isolation_violated")
-
-
-def malformed(record: dict[str, Any]) -> str | None:
-    """Why ``record`` cannot be drawn (a line gradwatch did not write), or None."""
-    step = record.get("step")
-    if not isinstance(step, int) or isinstance(step, bool):
-        return f"'step' is {type(step).__name__}, not an integer"
-    for key in _MAPPINGS:
-        value = record.get(key)
-        if value is not None and not isinstance(value, dict):
-            return f"{key!r} is {type(value).__name__}, not a mapping"
-    return None
-
-
-def _where(path: Path, record: dict[str, Any]) -> str:
-    """``file line n`` of ``record`` (found again by parsing each line: error path only)."""
-    for file in (rotated_path(path), path):
-        try:
-            with open(file, "rb") as fh:
-                for number, raw in enumerate(fh, 1):
-                    try:
-                        if decode_record(json.loads(raw)) == record:
-                            return f"{file} line {number}"
-                    except (ValueError, UnicodeDecodeError):
-                        continue
-        except OSError:
-            continue
-    return str(path)
-
-
 def load_records(path: Path) -> list[dict[str, Any]]:
     """The records of ``path`` (and ``path.1`` first); :class:`PlotError` when there are none."""
     if not path.exists() and not rotated_path(path).exists():
@@ -323,11 +290,11 @@ def load_records(path: Path) -> list[dict[str, Any]]:
         records = read_history(path)
     except OSError as exc:
         raise PlotError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    bad = [(r, problem) for r in records if (problem := malformed(r)) is not None]
+    bad = [(r, problem) for r in records if (problem := malformed_record(r)) is not None]
     if bad:
         for record, problem in bad[:MALFORMED_SHOWN]:
             sys.stderr.write(
-                f"gradwatch plot: warning: {_where(path, record)}: malformed record "
+                f"gradwatch plot: warning: {where_in_history(path, record)}: malformed record "
                 f"({problem}); skipped\n"
             )
         if len(bad) > MALFORMED_SHOWN:

@@ -18,6 +18,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
+from prometheus_client.samples import Exemplar
 
 from gradwatch.config import RatioSpec
 from gradwatch.export.metrics import METRICS, MetricDef, MetricSource
@@ -28,6 +29,7 @@ from gradwatch.export.state import (
     PublishedState,
     Sample,
     SelfStats,
+    StepExemplar,
 )
 
 __all__ = ["SnapshotCollector"]
@@ -88,7 +90,7 @@ class SnapshotCollector:
         for d in METRICS:
             value = sources[d.source].get(d.name)
             if value:  # absent, not zero: nothing measured
-                yield _render(d, value)
+                yield _render(d, value, state.exemplars if d.exemplar else None)
 
 
 def _base(d: MetricDef) -> str:
@@ -110,7 +112,13 @@ def _family(d: MetricDef) -> Metric:
     return InfoMetricFamily(_base(d), d.help, labels=labels)
 
 
-def _render(d: MetricDef, value: MetricValue) -> Metric:
+def _render(
+    d: MetricDef,
+    value: MetricValue,
+    exemplars: Mapping[tuple[str, tuple[str, ...]], StepExemplar] | None = None,
+) -> Metric:
+    """The family of ``d`` with its samples; a counter's series carry their exemplar when
+    ``exemplars`` has one (only the OpenMetrics format shows them)."""
     if isinstance(value, HistogramValue):
         return HistogramMetricFamily(
             d.name, d.help, buckets=list(value.buckets), sum_value=value.sum
@@ -127,7 +135,12 @@ def _render(d: MetricDef, value: MetricValue) -> Metric:
         return family
     family = _family(d)
     for labels, v in value:
-        family.add_metric(labels, v)
+        ex = exemplars.get((d.name, tuple(labels))) if exemplars else None
+        if ex is not None and isinstance(family, CounterMetricFamily):
+            exemplar = Exemplar(ex.labels(), ex.increase, ex.timestamp)
+            family.add_metric(labels, v, exemplar=exemplar)
+        else:
+            family.add_metric(labels, v)
     return family
 
 

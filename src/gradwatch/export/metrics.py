@@ -29,7 +29,14 @@ from gradwatch.export.state import (
 )
 from gradwatch.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
 
-__all__ = ["METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "MetricType"]
+__all__ = [
+    "EXEMPLAR_COUNTERS",
+    "METRICS",
+    "METRICS_BY_NAME",
+    "MetricDef",
+    "MetricSource",
+    "MetricType",
+]
 
 MetricType = Literal["gauge", "counter", "histogram", "info"]
 
@@ -50,6 +57,22 @@ class MetricSource(enum.Enum):
     INFO = "info"
 
 
+#: The counters whose series carry an OpenMetrics exemplar ``{step, origin_rank}`` of the step
+#: that last increased them (``origin_rank`` when the per-rank view knows it; valued the
+#: increase): the events whose first question is "which step?". Names the catalog does not hold
+#: are ignored (the guard's skipped-step counter exists where the optimizer-step guard does).
+EXEMPLAR_COUNTERS = frozenset(
+    {
+        "gradwatch_nonfinite_steps_total",
+        "gradwatch_nonfinite_group_steps_total",
+        "gradwatch_amp_skipped_steps_total",
+        "gradwatch_skipped_steps_total",
+        "gradwatch_global_grad_norm_spikes_total",
+        "gradwatch_grad_norm_spikes_total",
+    }
+)
+
+
 @dataclass(frozen=True)
 class MetricDef:
     """One exported metric: the single source of the Collector and of docs/metrics.md.
@@ -61,6 +84,7 @@ class MetricDef:
         help: the HELP text, one sentence.
         notes: extra documentation for docs/metrics.md (when the series is absent, etc.).
         source: where the Collector reads the samples.
+        exemplar: (a property) the metric is one of :data:`EXEMPLAR_COUNTERS`.
     """
 
     name: str
@@ -69,6 +93,12 @@ class MetricDef:
     help: str
     notes: str = ""
     source: MetricSource = field(kw_only=True)
+
+    @property
+    def exemplar(self) -> bool:
+        """Each series carries, in the OpenMetrics format, an exemplar of the step that last
+        increased it (:data:`EXEMPLAR_COUNTERS`)."""
+        return self.name in EXEMPLAR_COUNTERS
 
 
 #: The per-step norm histograms' bucket bounds, as documented.

@@ -9,7 +9,11 @@
 * with ``WatchConfig.history_path``: the history file, a sink
   (:class:`~gradwatch.history.HistoryWriter`, opened lazily by the publisher thread so a slow or
   broken file system can neither block construction nor raise into training);
-* plus any user sink (:class:`~gradwatch.export.publisher.Sink`).
+* with ``WatchConfig.sinks``: the tracker sinks (:mod:`gradwatch.sinks`: TensorBoard, W&B,
+  MLflow), imported only then;
+* plus any user sink (:class:`~gradwatch.export.publisher.Sink`);
+* with ``WatchConfig.file_sd_path``: the endpoint's Prometheus ``file_sd`` target, written once
+  the port is bound and removed at close (:mod:`gradwatch.export.filesd`).
 
 All of them are fed by the same :class:`~gradwatch.export.publisher.Publisher` thread, so the
 training thread only ever queues a pending result. :class:`MetricsServer` is a
@@ -18,6 +22,7 @@ training thread only ever queues a pending result. :class:`MetricsServer` is a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,7 +33,9 @@ from typing import ClassVar, TypeVar
 from prometheus_client import CollectorRegistry
 
 from gradwatch.config import WatchConfig, new_run_id
+from gradwatch.errors import GradWatchError
 from gradwatch.export.collector import SnapshotCollector
+from gradwatch.export.filesd import FileSDTarget, job_labels, target_address
 from gradwatch.export.http import HTTPEndpoint
 from gradwatch.export.publisher import PendingLike, Publisher, Sink
 from gradwatch.export.state import PublishedState, SelfStats
@@ -78,6 +85,10 @@ def open_publishing(
     sinks: list[Sink] = []
     if cfg.history_path is not None:
         sinks.append(HistoryWriter(cfg.history_path, cfg.history_max_bytes, lazy=True))
+    if cfg.sinks:
+        from gradwatch.sinks import sinks_from_config
+
+        sinks.extend(sinks_from_config(cfg))
     sinks.extend(extra_sinks)
     if cfg.port is None and not sinks:
         return None
@@ -152,15 +163,21 @@ class Publishing:
             self.registry.register(collector)
             self._http = HTTPEndpoint(cfg, self.registry, collector.version)
             self.url, self.port = self._http.url, self._http.port
+        self._discovery: FileSDTarget | None = None
         try:
+            if cfg.file_sd_path is not None and self.port is not None:
+                self._discovery = _write_discovery(cfg, self.port, self.run_id)
             first = () if self._state is None else (self._state,)
             self._publisher = Publisher([*first, *sinks], self._stats)
         except BaseException:
+            if self._discovery is not None:
+                with contextlib.suppress(OSError):
+                    self._discovery.remove()
             if self._http is not None:
                 self._http.close(0.0)  # a failed construction holds no port
             raise
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._publisher, self._http, EXIT_CLOSE_TIMEOUT
+            self, _shutdown, self._publisher, self._http, EXIT_CLOSE_TIMEOUT, self._discovery
         )
         if self.url is not None:
             log.info("gradwatch: serving metrics at %s", self.url)
@@ -228,7 +245,7 @@ class Publishing:
         endpoint is doing. What could not be flushed is counted in
         ``gradwatch_dropped_snapshots_total`` and logged once. Idempotent."""
         if self._finalizer.detach() is not None:
-            _shutdown(self._publisher, self._http, timeout)
+            _shutdown(self._publisher, self._http, timeout, self._discovery)
 
     def __enter__(self: _P) -> _P:
         return self
@@ -261,9 +278,34 @@ class MetricsServer(Publishing):
         return self._http.sync(timeout)
 
 
-def _shutdown(publisher: Publisher, http: HTTPEndpoint | None, timeout: float) -> None:
-    """Flush, stop the publisher, stop serving, close the sinks: all within ``timeout`` seconds
-    (plus a few milliseconds), whatever a sink or the endpoint is doing.
+def _write_discovery(cfg: WatchConfig, port: int, run_id: str) -> FileSDTarget:
+    """Write the endpoint's ``file_sd`` target; a failure raises naming ``file_sd_path``."""
+    assert cfg.file_sd_path is not None
+    target = FileSDTarget(
+        cfg.file_sd_path,
+        target_address(cfg.bind_address, port),
+        job_labels(run_id, cfg.file_sd_labels),
+    )
+    try:
+        target.write()
+    except OSError as exc:
+        raise GradWatchError(
+            f"gradwatch: file_sd_path {str(cfg.file_sd_path)!r} (GRADWATCH_FILE_SD_PATH): "
+            f"could not write the target file {str(target.path)!r}: {exc}"
+        ) from exc
+    log.info("gradwatch: Prometheus file_sd target written to %s", target.path)
+    return target
+
+
+def _shutdown(
+    publisher: Publisher,
+    http: HTTPEndpoint | None,
+    timeout: float,
+    discovery: FileSDTarget | None = None,
+) -> None:
+    """Flush, stop the publisher, stop serving, remove the ``file_sd`` target, close the sinks:
+    all within ``timeout`` seconds (plus a few milliseconds), whatever a sink or the endpoint
+    is doing.
 
     Flushing first means no publisher thread is still inside ``pending.result()`` when the
     caller tears the process group down right after, and every pending step reaches the sinks
@@ -293,7 +335,15 @@ def _shutdown(publisher: Publisher, http: HTTPEndpoint | None, timeout: float) -
             if http is not None:
                 http.close(max(deadline - time.monotonic(), 0.0))
         finally:
-            _close_sinks(publisher.sinks, deadline)
+            try:
+                if discovery is not None:
+                    discovery.remove()
+            except OSError as exc:
+                log.warning(
+                    "gradwatch: could not remove the file_sd target %s: %s", discovery.path, exc
+                )
+            finally:
+                _close_sinks(publisher.sinks, deadline)
 
 
 def _close_sinks(sinks: Sequence[Sink], deadline: float) -> None:

@@ -87,10 +87,23 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   With the defaults a 10x spike 50 steps after a 30x drop of level is found, announced or not,
   and on a stationary stream (10,000 steps, 20 injected 10x spikes) all 20 are found with no
   false alarm (tests/unit/test_spikes.py).
+* **Exemplars name the step.** In the OpenMetrics format (which Prometheus negotiates) the
+  non-finite, skipped-step (AMP, and the optimizer-step guard's) and spike counters carry an
+  exemplar per series: labels `step` (the step that last increased it) and `origin_rank` (the
+  lowest rank whose own gradients were non-finite, when the per-rank view measured it), value
+  the increase, timestamp the collect's wall time. Prometheus stores them with
+  `--enable-feature=exemplar-storage`.
 * **Bounded series.** A scrape of a job with 10 groups, {ratios} ratios and {isolated} isolated
   group (`param_metrics_top_k = 0`) holds {series} series; each further group adds {per_group}
   ({hist} of them its norm histogram), and per-parameter series add at most {max_series}.
 """
+
+
+#: What a counter marked ``exemplar`` carries, in its meaning column.
+_EXEMPLAR_NOTE = (
+    "Each series carries an exemplar `{step, origin_rank}` of the step that last increased it "
+    "(OpenMetrics format only)."
+)
 
 
 def metrics_reference_markdown() -> str:
@@ -118,7 +131,10 @@ def metrics_reference_markdown() -> str:
     ]
     for d in METRICS:
         labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
-        meaning = (d.help + (f" {d.notes}" if d.notes else "")).replace("|", "\\|")
+        meaning = d.help + (f" {d.notes}" if d.notes else "")
+        if d.exemplar:
+            meaning += f" {_EXEMPLAR_NOTE}"
+        meaning = meaning.replace("|", "\\|")
         lines.append(f"| `{d.name}` | {d.type} | {labels} | {meaning} |")
     return "\n".join(lines) + "\n"
 

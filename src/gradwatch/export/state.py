@@ -170,6 +170,56 @@ class State:
     step: int | None = None
     version: int = 0
     series: SeriesCounts = field(default_factory=lambda: SeriesCounts())
+    exemplars: Mapping[tuple[str, tuple[str, ...]], StepExemplar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepExemplar:
+    """The published step that last increased one counter series: its OpenMetrics exemplar.
+
+    Attributes:
+        step: that step.
+        increase: how much the counter grew at it (the exemplar's value).
+        timestamp: its ``collect`` wall time (Unix seconds), None when unknown.
+        origin_rank: the lowest rank whose local gradients were non-finite before the
+            reduction at that step (the per-rank view), None when not known.
+    """
+
+    step: int
+    increase: float
+    timestamp: float | None = None
+    origin_rank: int | None = None
+
+    def labels(self) -> dict[str, str]:
+        """The exemplar's label set: ``step``, and ``origin_rank`` when known."""
+        out = {"step": str(self.step)}
+        if self.origin_rank is not None:
+            out["origin_rank"] = str(self.origin_rank)
+        return out
+
+
+def counter_exemplars(
+    before: Mapping[str, MetricValue],
+    after: Mapping[str, MetricValue],
+    snap: Snapshot,
+    kept: Mapping[tuple[str, tuple[str, ...]], StepExemplar],
+) -> dict[tuple[str, tuple[str, ...]], StepExemplar]:
+    """``kept`` with an exemplar of ``snap`` for every counter series (``*_total``) that
+    ``snap`` increased from ``before`` to ``after``: generic over the counters, so every
+    counter of the counts has one; the Collector attaches those the catalog asks for."""
+    out = dict(kept)
+    origin = min(snap.nonfinite_origin_ranks) if snap.nonfinite_origin_ranks else None
+    timestamp = float(snap.timestamp) if snap.timestamp > 0 else None
+    for name, value in after.items():
+        if not name.endswith("_total") or not isinstance(value, tuple):
+            continue
+        old = before.get(name)
+        previous = dict(old) if isinstance(old, tuple) else {}
+        for labels, v in value:
+            grew = v - previous.get(labels, 0.0)
+            if grew > 0:
+                out[(name, labels)] = StepExemplar(snap.step, grew, timestamp, origin)
+    return out
 
 
 def select_param_series(
@@ -319,9 +369,13 @@ class PublishedState:
             old = self._state
             counts = old.counts.after(snapshot)
             series = old.series.after(snapshot)
+            count_samples = {**counts.samples(), **series.samples()}
             state = State(
                 counts=counts,
-                count_samples=MappingProxyType({**counts.samples(), **series.samples()}),
+                count_samples=MappingProxyType(count_samples),
+                exemplars=MappingProxyType(
+                    counter_exemplars(old.count_samples, count_samples, snapshot, old.exemplars)
+                ),
                 samples=MappingProxyType(
                     snapshot_samples(snapshot, self._ratio_labels, self._top_k)
                 ),
