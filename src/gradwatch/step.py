@@ -310,7 +310,7 @@ class Collector:
         sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
         # The reducer's device follows the gradients (decided at the first collect, again
         # whenever they move): O(buckets), one (device, dtype) each.
-        if r.reducer.follow(accelerator_of(plan)):
+        if plan is not None and r.reducer.follow(accelerator_of(plan)):
             sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
         scale = pending_scale(scaler, optimizer) if r.zero is None else _zero_scale(r.zero)
         local = r.local_view.take() if r.local_view is not None else None
