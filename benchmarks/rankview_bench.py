@@ -43,7 +43,6 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from benchmarks.cases import ModelSpec, build_model, wrap
 from benchmarks.distributed import WORLD, _free_port, _init
 from benchmarks.results import RankViewMode, RankViewResult
 from gradwatch.ddp_hook import _sum_options
+from gradwatch.timing import palindromic
 
 #: The kinds timed in the documented collect-only loop too (the in-callback prototype only
 #: moves work between two calls on the training thread: the other loop shows it).
@@ -165,7 +165,6 @@ def _worker(rank: int, port: int, blocks: int, out: str, kinds: tuple[RankViewMo
     import torch.distributed as dist
 
     _init(rank, port)
-    block = (*kinds, *reversed(kinds))
     try:
         jobs = {mode: _job(mode, collect_only and rank == 0) for mode in kinds}
         _, width, batch = build_model(ModelSpec("demo", "demo model"))
@@ -181,16 +180,8 @@ def _worker(rank: int, port: int, blocks: int, out: str, kinds: tuple[RankViewMo
             if not collect_only:
                 pending.result()
 
-        for i in range(3 * len(block)):  # warm-up (DDP rebuilds its buckets after one step)
-            step(block[i % len(block)], i)
-        times: dict[RankViewMode, list[float]] = {m: [] for m in kinds}
-        for i in range(blocks * len(block)):
-            mode = block[i % len(block)]
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(mode, 1000 + i)
-            times[mode].append(time.perf_counter() - t0)
-        dist.barrier()
+        # three warm-up blocks first (DDP rebuilds its buckets after one step)
+        times = palindromic(step, kinds, blocks, barrier=dist.barrier)
         buckets = ops = 0
         if RankViewMode.RANK_VIEW in jobs:
             buckets, ops = _hook_ops(jobs[RankViewMode.RANK_VIEW][2],

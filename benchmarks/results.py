@@ -430,14 +430,16 @@ class GuardMode(Enum):
 
 @dataclass(frozen=True)
 class GuardResult:
-    """Rank 0's step times of every :class:`GuardMode` (2 ranks, DDP, demo model), in
-    palindromic blocks, and the host scalar reads and ops of one warm guarded step."""
+    """Rank 0's step times of every :class:`GuardMode` (2 ranks, DDP, demo model, fused
+    AdamW), in palindromic blocks; the host scalar reads and aten ops of one warm guarded
+    optimizer step (collect, decision, fused step) and the ops of one unguarded one."""
 
     model: str
     blocks: int
     step_times: dict[GuardMode, tuple[float, ...]]
     scalar_reads: int
     ops: int
+    unguarded_ops: int = 0
 
     def timing(self, mode: GuardMode) -> Timing:
         return Timing.of(self.step_times[mode])
