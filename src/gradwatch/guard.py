@@ -75,6 +75,13 @@ _LN_SQUARE_LIMIT = 2.0 * math.log(sys.float_info.max)
 #: puts ``ln(norm^2)`` above :data:`_LN_SQUARE_LIMIT`, so one comparison tells a non-finite step.
 _FLAGGED = 2048.0
 
+#: Whole-model norms from ``2^1024`` up do not fit float64: their high band sum (the squares
+#: times ``2^-HIGH_SHIFT``) reaches ``2^(2048 - HIGH_SHIFT)``.
+_HIGH_BAND_LIMIT_EXPONENT = 2048 - HIGH_SHIFT
+
+#: One non-finite flag weighs ``2^1000`` in the finiteness test: beyond every finite norm's.
+_FLAG_EXPONENT = 1000
+
 # Offsets of the decision vector (float64): the consecutive skips before this step and after
 # it (a skip raised the count: a skip; a count above 0: the guard wanted to skip), whether it
 # wanted to for a non-finite gradient, the spike score, the steps skipped so far and those
@@ -217,7 +224,7 @@ class _SpikeWindow:
     discard slot, where a step that is no sample writes (no branch). Each slot holds ``y`` and
     ``-y``: one ``nanmedian(dim=1)`` of the two rows gives the lower middle sample and minus
     the upper one, whose mean is the median; the deviations are stored the same way. Each
-    call is a fixed sequence of 15 small ops, no host read, no allocation of state.
+    call is a fixed sequence of 16 small ops, no host read, no allocation of state.
     """
 
     def __init__(self, size: int, warmup: int, threshold: float, device: torch.device) -> None:
@@ -257,8 +264,8 @@ class StepGuard:
     """The guard's device state and its decision per step (see the module docstring).
 
     State on the reduce device: the spike window (:class:`_SpikeWindow`), the consecutive
-    skips and the skip totals, updated by device ops only: about 15 small ops per step
-    without spike skipping, 30 with it (``tests/unit/test_guard_cost.py`` pins the counts).
+    skips and the skip totals, updated by device ops only: 11 small ops per step without
+    spike skipping, 37 with it (``tests/unit/test_guard_cost.py`` pins the counts).
     """
 
     def __init__(
@@ -282,6 +289,8 @@ class StepGuard:
             [0.0, HIGH_SHIFT * math.log(2.0), -LOW_SHIFT * math.log(2.0), _FLAGGED], **f64
         )
         self._square_limit = torch.tensor(_LN_SQUARE_LIMIT, **f64)
+        self._high_limit = torch.tensor(2.0**_HIGH_BAND_LIMIT_EXPONENT, **f64)
+        self._weights = torch.empty(0, **f64)
         self._neg_inf = torch.tensor(-math.inf, **f64)
         self._one = torch.ones((), **f64)
         self._zero = torch.zeros((), **f64)
@@ -316,25 +325,42 @@ class StepGuard:
             self._window._ring.copy_(window._ring)
             self._window._next.copy_(window._next)
 
+    def _weights_for(self, head: Tensor) -> Tensor:
+        """The dot product's weights for ``head`` (``4N``: 0 on the plain and low bands, 1 on
+        the high one, ``2^1000`` on the flags), made again when ``N`` changes."""
+        if self._weights.numel() != head.numel():
+            n = head.numel() // 4
+            weights = torch.zeros(4, n, dtype=torch.float64, device=head.device)
+            weights[1] = 1.0
+            weights[3] = 2.0**_FLAG_EXPONENT
+            self._weights = weights.view(-1)
+        return self._weights
+
     def decide(self, reduced: ReducedVector) -> GuardDecision:
         """This step's decision from its reduced vector; updates the state. No host read.
 
-        ``y = ln(norm^2) = logsumexp(ln(band sums) + ln(band scales))`` straight from the
-        reduced bands (never outside float64), with ``ln(flag sum) + 2048`` as a fourth term:
-        ``y`` is below ``2 ln(float64 max)`` exactly when every gradient was finite and the
-        norm fits float64; -inf for a zero norm.
+        Whether the step is finite: without spike skipping, from one dot product of the
+        bands and flags, ``t = high band sum + 2^1000 * flag sum`` (NaN when any band holds
+        NaN or Inf): finite when ``t < 2^948``, the high band's value of a norm of
+        ``2^1024``; with it, from ``y = ln(norm^2) = logsumexp(ln(band sums) + ln(band
+        scales))`` straight from the reduced bands (never outside float64), with ``ln(flag
+        sum) + 2048`` as a fourth term: finite when ``y < 2 ln(float64 max)``. Both say the
+        same to rounding: every gradient was finite and the norm fits float64.
         """
-        rows, step = reduced.device_rows_and_step()
-        if rows.device != self._device:  # the reducer followed the gradients
-            self._start(rows.device)
-        y = torch.logsumexp(rows.sum(dim=1).log() + self._row_logs, dim=0)
-        finite = y < self._square_limit  # False for NaN and +inf too
+        head, step = reduced.device_bands_flags_and_step()
+        if head.device != self._device:  # the reducer followed the gradients
+            self._start(head.device)
+        window = self._window
+        if window is None:
+            finite = torch.dot(head, self._weights_for(head)) < self._high_limit
+        else:
+            y = torch.logsumexp(head.view(4, -1).sum(dim=1).log() + self._row_logs, dim=0)
+            finite = y < self._square_limit  # False for NaN and +inf too
         measured = step > self._neg_inf  # NaN or -inf: a rank stood in
         want_nonfinite = self._false
         if self._skip_nonfinite:
             want_nonfinite = torch.gt(measured, finite)  # measured and not finite
         score = self._nan
-        window = self._window
         if window is not None:
             sample = finite & measured & (y > self._neg_inf)
             score = window.score(y, sample)
@@ -346,15 +372,16 @@ class StepGuard:
         # A wanted skip raises the count, up to the cap, where the guard stops skipping: the
         # step is skipped exactly when the count rose. Not wanted: back to 0.
         consecutive = torch.where(want, torch.minimum(before + self._one, self._cap), self._zero)
-        skip = consecutive > before
-        self._found_inf.copy_(skip)
+        skip = torch.gt(consecutive, before, out=self._found_inf)  # 1.0: skip
         self._consecutive = consecutive
         self._skipped = skipped = self._skipped + skip
         if self._skip_nonfinite:
             if window is None:
                 self._skipped_nonfinite = skipped  # the only reason
             else:
-                self._skipped_nonfinite = self._skipped_nonfinite + (skip & want_nonfinite)
+                self._skipped_nonfinite = torch.addcmul(
+                    self._skipped_nonfinite, skip, want_nonfinite
+                )
         parts = (before, consecutive, want_nonfinite, score, skipped, self._skipped_nonfinite)
         return GuardDecision(self._found_inf, parts, self._timeout)
 
@@ -517,13 +544,25 @@ def _params_device(optimizer: torch.optim.Optimizer) -> torch.device:
 def _step_with(inner: torch.optim.Optimizer, found_inf: Tensor, grad_scale: Any) -> Any:
     """``inner.step()`` with ``found_inf`` (and the scaler's ``grad_scale``) set as the
     attributes ``fused`` optimizers read, as ``GradScaler.step`` sets them; restored after."""
-    saved = {k: inner.__dict__[k] for k in ("found_inf", "grad_scale") if k in inner.__dict__}
-    inner.found_inf = found_inf  # type: ignore[attr-defined]
+    own = inner.__dict__
+    saved_inf = own.get("found_inf", _UNSET)
+    saved_scale = own.get("grad_scale", _UNSET)
+    own["found_inf"] = found_inf
     if grad_scale is not None:
-        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+        own["grad_scale"] = grad_scale
     try:
         return inner.step()
     finally:
-        for k in ("found_inf", "grad_scale"):
-            inner.__dict__.pop(k, None)
-        inner.__dict__.update(saved)
+        _restore(own, "found_inf", saved_inf)
+        _restore(own, "grad_scale", saved_scale)
+
+
+#: An attribute the optimizer did not have before the guarded step set it.
+_UNSET = object()
+
+
+def _restore(own: dict[str, Any], name: str, saved: Any) -> None:
+    if saved is _UNSET:
+        own.pop(name, None)
+    else:
+        own[name] = saved

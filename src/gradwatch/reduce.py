@@ -530,16 +530,13 @@ class ReducedVector:
         no copy)."""
         return self._device()[sections(self._layout).step]
 
-    def device_rows_and_step(self) -> tuple[Tensor, Tensor]:
-        """The three bands and the non-finite flags as the rows of one ``(4, N)`` view (plain,
-        high, low, flags: adjacent in the layout), so that one reduction sums all four, and
-        the step slot (:meth:`device_step`), on the device: two view ops, no copy (what the
-        optimizer-step guard reads each step)."""
+    def device_bands_flags_and_step(self) -> tuple[Tensor, Tensor]:
+        """The three bands and the non-finite flags as one ``4N`` view (plain, high, low,
+        flags: adjacent in the layout) and the step slot (:meth:`device_step`), on the device:
+        two view ops, no copy (what the optimizer-step guard reads each step)."""
         packed = self._device()
         s = sections(self._layout)
-        n, stride = self._layout.size, packed.stride(0)
-        rows = packed.as_strided((4, n), (n * stride, stride), packed.storage_offset())
-        return rows, packed[s.step]
+        return packed.narrow(0, s.bands.start, s.nonfinite.stop), packed[s.step]
 
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""

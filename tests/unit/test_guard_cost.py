@@ -18,7 +18,7 @@ from gradwatch.testing import OpCounter
 
 #: The device ops of one warm decision: the norm, the non-finite test and the skip counters;
 #: and with ``skip_spike_score`` the spike window's median, MAD, score and update too.
-DECISION_OPS = {None: 15, 6.0: 38}
+DECISION_OPS = {None: 11, 6.0: 37}
 
 
 def _model() -> nn.Module:
@@ -76,8 +76,8 @@ def test_a_warm_decision_costs_a_fixed_handful_of_device_ops(spike: float | None
 
 
 def test_the_guard_reads_bands_flags_and_step_as_one_view() -> None:
-    """``device_rows_and_step`` is the plain, high and low bands and the non-finite flags, row
-    by row, and the step slot, of the reduced vector itself (views: no copy)."""
+    """``device_bands_flags_and_step`` is the plain, high and low bands and the non-finite
+    flags, in this order, and the step slot, of the reduced vector itself (views: no copy)."""
     model = _model()
     with GradWatch(model, WatchConfig(skip_spike_score=6.0)) as watch:
         watch.guard(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -89,14 +89,14 @@ def test_the_guard_reads_bands_flags_and_step_as_one_view() -> None:
         _backward(model, 0)
         watch.collect(7)
     reduced = seen[0]
-    rows, step = reduced.device_rows_and_step()
+    head, step = reduced.device_bands_flags_and_step()
     packed = reduced._device()
     s = sections(reduced._layout)
     n = reduced._layout.size
-    assert rows.shape == (4, n) and step.shape == ()
-    assert torch.equal(rows.flatten(), torch.cat([packed[s.bands], packed[s.nonfinite]]))
+    assert head.shape == (4 * n,) and step.shape == ()
+    assert torch.equal(head, torch.cat([packed[s.bands], packed[s.nonfinite]]))
     assert float(step) == float(packed[s.step]) == 7.0
-    assert rows.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+    assert head.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
 
 
 def test_the_spike_window_skips_non_samples_and_wraps_against_a_float64_reference() -> None:
@@ -171,9 +171,37 @@ def test_a_step_a_rank_stood_in_for_is_never_skipped() -> None:
         watch.collect(0)
         reduced = seen[0]
         for marker in (math.nan, -math.inf):
-            reduced.device_rows_and_step()[1].fill_(marker)
+            reduced.device_bands_flags_and_step()[1].fill_(marker)
             reading = guard.decide(reduced).reading()
             assert reading.skipped is None and reading.consecutive == 0, marker
             assert not reading.stopped and math.isnan(reading.score), marker
-        reduced.device_rows_and_step()[1].fill_(1.0)
+        reduced.device_bands_flags_and_step()[1].fill_(1.0)
         assert guard.decide(reduced).reading().skipped == "nonfinite"
+
+
+@pytest.mark.parametrize("spike", [None, 6.0], ids=["nonfinite", "nonfinite+spike"])
+def test_only_a_norm_beyond_float64_is_non_finite(spike: float | None) -> None:
+    """Float64 gradients whose norm is huge, beyond float64 (each element finite), tiny or
+    zero: only the second is non-finite, with and without the spike window (the two ways
+    the decision tells a finite step)."""
+    param = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    model = nn.Module()
+    model.p = param
+    opt = torch.optim.SGD([param], lr=0.0)
+    readings: list[GuardReading] = []
+    with GradWatch(model, WatchConfig(skip_spike_score=spike)) as watch:
+        guarded = watch.guard(opt)
+        guard = watch._collector.guard
+        assert guard is not None
+        decide = guard.decide
+
+        def recorded(reduced) -> GuardDecision:  # type: ignore[no-untyped-def]
+            decision = decide(reduced)
+            readings.append(decision.reading())
+            return decision
+
+        guard.decide = recorded  # type: ignore[method-assign]
+        for value in (1e200, 1.5e308, 1e-200, 0.0, 1.0):
+            param.grad = torch.full((2,), value, dtype=torch.float64)
+            guarded.step()
+    assert [r.skipped for r in readings] == [None, "nonfinite", None, None, None]
