@@ -8,7 +8,6 @@ real job are in tests/e2e/test_deploy_e2e.py.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -45,6 +44,7 @@ from deploy_assets import (
     k8s_docs,
     k8s_one,
     label_values_selector,
+    load_script,
     load_yaml,
     rule_groups,
     run_promtool,
@@ -153,10 +153,7 @@ def test_rule_metric_names_are_exported_or_recorded() -> None:
 
 
 def test_generated_prometheusrule_matches_source() -> None:
-    spec = importlib.util.spec_from_file_location("gen_k8s_rules", GEN_K8S)
-    assert spec is not None and spec.loader is not None
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script(GEN_K8S)
     generated = K8S / "prometheusrule.yaml"
     assert generated.read_text() == gen.render(RULES), (
         "deploy/kubernetes/prometheusrule.yaml differs from deploy/prometheus/gradwatch-rules.yml:"
@@ -515,11 +512,7 @@ def test_kustomize_build() -> None:
 
 
 def _example_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_ddp_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 def test_example_step_specs() -> None:
