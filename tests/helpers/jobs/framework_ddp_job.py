@@ -47,6 +47,18 @@ class RegressionModel(nn.Module):
         return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
 
 
+def _training_args(out_dir: Path, **settings: Any) -> Any:
+    """Hugging Face ``TrainingArguments`` of a short CPU run, 8 examples per device, that
+    writes nothing the tests do not read (no report, checkpoint or progress bar); ``settings``
+    add to them."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=8, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, **settings,
+    )
+
+
 def run_huggingface(out: Path) -> dict[str, Any]:
     import transformers
 
@@ -65,16 +77,7 @@ def run_huggingface(out: Path) -> dict[str, Any]:
             seen["world_size"] = self.watch.last.world_size if self.watch.last else None
             super().on_train_end(*args, **kwargs)
 
-    args = transformers.TrainingArguments(
-        output_dir=str(out / "hf"),
-        max_steps=2,
-        per_device_train_batch_size=8,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        ddp_backend="gloo",
-    )
+    args = _training_args(out / "hf", max_steps=2, ddp_backend="gloo")
     trainer = transformers.Trainer(
         model=RegressionModel(),
         args=args,
@@ -111,16 +114,8 @@ def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
     def train(callbacks: list[Any], tag: str) -> tuple[Any, nn.Module]:
         torch.manual_seed(0)
         model = RegressionModel()
-        args = transformers.TrainingArguments(
-            output_dir=str(out / tag),
-            max_steps=3,
-            per_device_train_batch_size=8,
-            logging_steps=1,
-            learning_rate=0.5,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            disable_tqdm=True,
+        args = _training_args(
+            out / tag, max_steps=3, logging_steps=1, learning_rate=0.5,
             ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
             max_grad_norm=max_grad_norm,
         )
@@ -215,19 +210,9 @@ def run_huggingface_deepspeed(out: Path) -> dict[str, Any]:
         "zero_optimization": {"stage": 2},
     }
     torch.manual_seed(0)
-    args = transformers.TrainingArguments(
-        output_dir=str(out / "hf-ds"),
-        max_steps=3,
-        per_device_train_batch_size=8,
-        logging_steps=1,
-        learning_rate=0.5,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        ddp_backend="gloo",
-        max_grad_norm=0.5,
-        deepspeed=ds_config,
+    args = _training_args(
+        out / "hf-ds", max_steps=3, logging_steps=1, learning_rate=0.5, ddp_backend="gloo",
+        max_grad_norm=0.5, deepspeed=ds_config,
     )
     callback = Probe(groups=GROUPS, history_path=str(history))
     trainer = transformers.Trainer(model=RegressionModel(), args=args,
