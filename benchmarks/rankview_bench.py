@@ -9,7 +9,7 @@ The kinds (:class:`~benchmarks.results.RankViewMode`), each a DDP copy of the sa
   this pure replication an ordinary collect issues no all-reduce of its own, the divergence
   step, every ``divergence_every``-th collect, does).
 * ``ALWAYS_REDUCE``: ``WatchConfig(always_reduce=True)`` without the view: one all-reduce per
-  collect (the previous default), what the default's saving is measured against.
+  collect, what the default's saving is measured against.
 * ``HOOK_ONLY``: as ``ALWAYS_REDUCE``, with gradwatch's comm hook registered but measuring
   nothing (``ddp_comm_hook`` of a watch without the view): what the Python hook itself costs
   over DDP's built-in reduction, over the same all-reduces as ``RANK_VIEW``.
