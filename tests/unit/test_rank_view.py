@@ -82,7 +82,7 @@ def test_local_view_is_exact_per_group(dtype: torch.dtype, tol: float, big: int)
     view.observe(FakeBucket(params[4:], 1, True))
     got = view.take()
     assert got is not None and got.dtype == torch.float64
-    rows_path = [p.row_group is not None for p in view._plans.values()]
+    rows_path = [p.rows is not None for p in view._plans.values()]
     assert all(rows_path) == (dtype == torch.float32 and big > 0), rows_path
     for k in range(3):
         want = _fsum([p.grad for p, g in zip(params, groups, strict=True) if g == k])
