@@ -10,18 +10,18 @@ SUM, issued through the process group's own method) or the user's own hook
 
 **The math, per bucket** (:class:`_BucketPlan`, built once per bucket layout and found again
 by the bucket's flat buffer, so a steady step asks DDP for neither the parameter list nor the
-gradient views, which cost two view ops per parameter): on CPU, a
-float32 bucket's flat buffer is read in place as rows of 512 elements normed in float32 (as the
-core engine's row path, :mod:`gradwatch.stats`: relative error below 5e-7), squared in float64
-and added per group by ``index_add_``; the few rows straddling two groups and the partial last
-row are read element by element. Elsewhere ``torch._foreach_norm(bucket.gradients(), 2,
-dtype=torch.float64)`` (float64 accumulation, as the core engine's accelerator path), squared
-and added per group. A constant number of dispatched ops per bucket whatever the number of its
-parameters, no gradient-sized temporary, no host read. A NaN/Inf gradient makes its group's
-square NaN/Inf: the non-finite flags are the squares themselves. Limits (no repair pass, unlike
-the core engine): float32 elements above about 1e19 make a row norm overflow (Inf) and below
-about 1e-19 underflow; float64 gradients whose norm lies outside about ``[1e-154, 1e154]`` read
-0 or Inf.
+gradient views, which cost two view ops per parameter), with the norm engine's parts: on CPU, a
+float32 bucket's flat buffer is read in place as rows of 512 elements normed in float32 and
+summed per group (:class:`gradwatch.rows.FlatRows`, the core engine's row path: relative error
+below 5e-7); the few rows straddling two groups and the partial last row are read element by
+element. Elsewhere the engine's :func:`gradwatch.stats.foreach_norms` (float64 accumulation),
+squared and added per group. A constant number of dispatched ops per bucket whatever the number
+of its parameters, no gradient-sized temporary, no host read. A NaN/Inf gradient makes its
+group's square NaN/Inf: the non-finite flags are the squares themselves. Limits (no repair
+pass, no bands, unlike the core engine: both would read the host or cost a pass per bucket,
+docs/design.md, "The comm hook's share"): float32 elements above about 1e19 make a row norm
+overflow (Inf) and below about 1e-19 underflow; float64 gradients whose norm lies outside about
+``[1e-154, 1e154]`` read 0 or Inf.
 
 **Per backward.** Bucket 0 comes first in every backward (DDP launches buckets in index
 order), so it resets the vector; the last bucket marks it complete. :meth:`LocalView.take`

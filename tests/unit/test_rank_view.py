@@ -123,7 +123,9 @@ def test_hook_ops_per_bucket_do_not_grow_with_parameters_and_never_read_the_host
             view.observe(bucket)
         assert ops.scalar_reads == 0 and sum(reads.values()) == 0
         totals.append(ops.total)
-    assert totals[0] == totals[1], totals
+    # Bucket 0 on the row path: the reset, the rows' norm, square and sum, the loose elements'
+    # select, widen, square and sum.
+    assert totals[0] == totals[1] <= 8, totals
 
 
 def test_noise_scale_is_exact_on_exact_inputs() -> None:
