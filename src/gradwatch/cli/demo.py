@@ -651,12 +651,8 @@ def demo(
 
     A model grows a "seed" module next to a "host" backbone: the host trains alone, then the seed with the host frozen (isolated), then both. Rank 0 serves the metrics; the table shows what it serves.
     """  # noqa: E501 (one line per paragraph: the help is rewrapped to the terminal)
-    try:
-        opts = DemoOptions(
-            nproc=nproc, steps=steps, port=port, bind=bind, nan_at=nan_at,
-            explode_at=explode_at, spike_at=spike_at, seed_at=seed_at, blend_at=blend_at,
-            step_sleep=step_sleep, linger=linger, nan_rank=nan_rank, guard=guard,
-        )  # fmt: skip
+    try:  # the parameters are the fields (tests/unit/test_cli_demo.py): nothing restated
+        opts = DemoOptions(**locals())
     except DemoOptionError as exc:
         raise typer.BadParameter(exc.problem, param_hint=exc.flag) from None
     console = Console(highlight=False, markup=False)
