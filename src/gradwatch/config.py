@@ -350,7 +350,7 @@ class WatchConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_sinks_and_discovery(self) -> WatchConfig:
-        _check_sinks_and_discovery(self)
+        _validate_sinks_and_discovery(self)
         return self
 
     @classmethod
@@ -369,12 +369,12 @@ class WatchConfig(BaseSettings):
     @field_validator("groups", mode="before")
     @classmethod
     def _groups_from_pairs(cls, value: Any) -> Any:
-        return _groups_from_pairs(value)
+        return _groups_as_mapping(value)
 
     @field_validator("groups")
     @classmethod
     def _check_groups(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
-        _check_groups(value)
+        _validate_groups(value)
         return value
 
     @field_validator("history_path", mode="before")
@@ -388,12 +388,12 @@ class WatchConfig(BaseSettings):
     @field_validator("bind_address")
     @classmethod
     def _check_bind_address(cls, value: str) -> str:
-        _check_bind_address(value)
+        _validate_bind_address(value)
         return value
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> WatchConfig:
-        _check_cross_fields(self)
+        _validate_cross_fields(self)
         return self
 
     def layout_hash(self) -> str:
@@ -455,7 +455,7 @@ def _checked_run_id(value: str) -> str:
     return value
 
 
-def _groups_from_pairs(value: Any) -> Any:
+def _groups_as_mapping(value: Any) -> Any:
     """Accept a list of ``(name, patterns)`` pairs too, so duplicates can be reported."""
     if isinstance(value, list | tuple):
         seen: dict[Any, Any] = {}
@@ -470,7 +470,7 @@ def _groups_from_pairs(value: Any) -> Any:
     return value
 
 
-def _check_groups(groups: dict[str, list[str]]) -> None:
+def _validate_groups(groups: dict[str, list[str]]) -> None:
     for name, patterns in groups.items():
         if name.strip() != name or not name.strip():
             raise ValueError(f"group name {name!r} is empty or has surrounding blanks")
@@ -486,7 +486,7 @@ def _check_groups(groups: dict[str, list[str]]) -> None:
             raise ValueError(f"group {name!r} has an empty pattern")
 
 
-def _check_bind_address(value: str) -> None:
+def _validate_bind_address(value: str) -> None:
     if value == "localhost":
         return
     try:
@@ -495,7 +495,7 @@ def _check_bind_address(value: str) -> None:
         raise ValueError(f"bind_address {value!r} is not an IP address") from exc
 
 
-def _check_sinks_and_discovery(config: WatchConfig) -> None:
+def _validate_sinks_and_discovery(config: WatchConfig) -> None:
     if len(set(config.sinks)) != len(config.sinks):
         raise ValueError(f"sinks has duplicates: {config.sinks}")
     if ("tensorboard" in config.sinks) != (config.tensorboard_dir is not None):
@@ -513,7 +513,7 @@ def _check_sinks_and_discovery(config: WatchConfig) -> None:
             )
 
 
-def _check_cross_fields(config: WatchConfig) -> None:
+def _validate_cross_fields(config: WatchConfig) -> None:
     known = set(config.groups) | {OTHER_GROUP}
     for i, (num, den) in enumerate(config.ratios):
         for name in (num, den):

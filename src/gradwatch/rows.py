@@ -183,7 +183,9 @@ class FlatRows:
     here, and reads the buffer's current values.
     """
 
-    def __init__(self, buffer: Tensor, spans: Sequence[tuple[int, int, int]], discard: int):
+    def __init__(
+        self, buffer: Tensor, spans: Sequence[tuple[int, int, int]], discard: int
+    ) -> None:
         """``spans``: ``(start, numel, owner)`` of each tensor within ``buffer`` (contiguous,
         float32), owners in ``[0, discard)``; elements of no span belong to ``discard``."""
         n = buffer.numel()
