@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_available() and dist.is_initialized():
             # best effort while stopping
-            with contextlib.suppress(Exception, KeyboardInterrupt, _Interrupted):
+            with contextlib.suppress(RuntimeError, ValueError, KeyboardInterrupt, _Interrupted):
                 dist.destroy_process_group()
     return code
 
