@@ -520,6 +520,8 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
         checks.append(TargetCheck(
             "scraping", f"DDP step time with {s.n_scrapers} scrapers: {s.target}", s.target,
             s.slowdown_pct, f"{s.slowdown_pct:+.1f}%", _scrapers_figures(run, s), "Scrapers"))
+    unknown = {c.cause for c in checks} - set(CAUSES)
+    assert not unknown, f"causes without a section in docs/{METHODS_PAGE}: {unknown}"
     return checks
 
 
