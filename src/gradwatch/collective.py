@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradwatch.errors import GradWatchTimeoutError
+from gradwatch.errors import GradWatchError, GradWatchTimeoutError
 
 log = logging.getLogger("gradwatch")
 
@@ -85,6 +85,18 @@ def capturing() -> bool:
     allocation, an event and a ``fill_`` of the step into the graph, replayed with stale
     values: refused (:class:`gradwatch.errors.GradWatchError`)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_capture() -> None:
+    """Raise :class:`~gradwatch.errors.GradWatchError` when called inside CUDA graph capture
+    (:func:`capturing`): ``collect()`` and ``clip_grad_norm_()`` are refused there, never
+    recorded into the graph."""
+    if capturing():
+        raise GradWatchError(
+            "gradwatch: collect() and clip_grad_norm_() cannot run inside CUDA graph "
+            "capture (its all-reduce, event and host copy would be replayed with stale "
+            "values); call them outside the captured region (docs/gpu.md)"
+        )
 
 
 class _Landing:
