@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.amp import pending_scale
+from gradwatch.audit import LocalSquares
 from gradwatch.clip import clip_grads_, unmeasured_total
 from gradwatch.collective import refuse_capture
 from gradwatch.config import OTHER_GROUP, WatchConfig
@@ -314,6 +315,8 @@ class Collector:
         if scale64 is not None and local is not None:
             local = local / (scale64 * scale64).to(local.device)
         has_grad = [g is not None for g in grads.tensors]
+        # Queued before the packed vector's copy: landed by the time its step is judged.
+        local_sq = LocalSquares.of(sq, self.summarizer.auditing) if r.world_size > 1 else None
         guard = self.guard  # decides on the device: the job's backend, like a clip
         reduced = r.reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
@@ -332,9 +335,7 @@ class Collector:
             max_norm=max_norm,
             amp=scaler is not None and scaler.is_enabled(),
             batch_size=batch_size if batch_size is not None else self.cfg.batch_size,
-            # This rank's local squares (a fresh tensor, never written again: holding it costs
-            # no op), for the audit's local-norm diagnosis (read in result(), once audited).
-            local_sq=sq if r.world_size > 1 else None,
+            local_sq=local_sq,
             guard=guard,
             decision=decision,
         )
