@@ -27,6 +27,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -102,13 +103,23 @@ def refuse_capture() -> None:
 class _Landing:
     """One daemon thread that waits for CUDA events in record order (``Event.synchronize()``)
     and wakes each waiter the moment its event completed: no sleep poll (a poll is late by its
-    period, every read), no ``query()`` from a thread that could run while the user captures a
-    CUDA graph. Events are created with ``blocking=True``, so the wait yields the core."""
+    period, every read), never ``query()``. Events are created with ``blocking=True``, so the
+    wait yields the core.
+
+    Capture windows (:func:`capture_window`): while one is open the thread makes no CUDA call
+    at all; opening one first waits (bounded) for a wait in progress to return. A CUDA graph
+    captured in ``"global"`` mode (``torch.cuda.graph``'s default ``capture_error_mode``)
+    forbids potentially unsafe CUDA calls from *every* thread, so an event wait from this
+    thread during such a capture could invalidate it; ``"thread_local"`` and ``"relaxed"``
+    captures do not need a window."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._gate = threading.Condition()
+        self._windows = 0  # capture windows open
+        self._in_wait = False  # inside Event.synchronize()
 
     def watch(self, event: Any) -> threading.Event:
         """A flag set once ``event`` completed (or its wait raised: the waiter then reads a
@@ -126,15 +137,55 @@ class _Landing:
     def _run(self) -> None:
         while True:
             event, landed = self._queue.get()
+            with self._gate:
+                self._gate.wait_for(lambda: self._windows == 0)
+                self._in_wait = True
             try:
                 event.synchronize()
             except Exception:  # never-crash boundary: the waiter's own read reports it
                 pass
             finally:
+                with self._gate:
+                    self._in_wait = False
+                    self._gate.notify_all()
                 landed.set()
+
+    @contextlib.contextmanager
+    def window(self, timeout: float) -> Iterator[None]:
+        with self._gate:
+            self._windows += 1
+            if not self._gate.wait_for(lambda: not self._in_wait, timeout):
+                log.warning(
+                    "gradwatch: capture_window(): an event wait still runs after %.1fs (the "
+                    "device is busy); a capture in 'global' mode may fail", timeout,
+                )
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._windows -= 1
+                self._gate.notify_all()
 
 
 _LANDING = _Landing()
+
+
+def capture_window(timeout: float = 60.0) -> contextlib.AbstractContextManager[None]:
+    """A region in which gradwatch's threads make no CUDA call: open it around a CUDA graph
+    capture in ``"global"`` mode (the default of ``torch.cuda.graph``)::
+
+        with gradwatch.capture_window(), torch.cuda.graph(g):
+            ...
+
+    Entering waits, at most ``timeout`` seconds, for an event wait in progress (events recorded
+    before the window, i.e. device work already queued: ``torch.cuda.graph`` itself
+    synchronizes the device before it captures); a longer wait is logged and the window opens
+    anyway. Inside it, results whose device data has not landed wait for the window to close
+    (bounded by ``collective_timeout_seconds``, then "not measured"); ``collect()`` and
+    ``clip_grad_norm_()`` inside the capture itself are refused (:func:`refuse_capture`).
+    Windows nest and may be opened from any thread. Not needed for ``"thread_local"`` or
+    ``"relaxed"`` captures (``torch.compile``'s CUDA graphs use ``"thread_local"``)."""
+    return _LANDING.window(timeout)
 
 
 def landed(event: Any) -> threading.Event:
