@@ -141,11 +141,13 @@ class Reducer:
     ) -> Layout:
         """Open gradwatch's groups, run the handshake on them and derive the layout: the same
         on every rank, or the same error raised on every rank."""
-        # The handshake runs once, on the device NCCL needs, on the CPU otherwise.
-        handshake_device = self.device if "nccl" in backend else torch.device("cpu")
         try:
             self.collective = Collective.open(self.timeout, backend, self.device)
-            gathered = handshake.exchange(desc, record, self.collective.group,
+            # The handshake runs once, on the host group when there is one (CPU tensors), on
+            # the device NCCL needs otherwise.
+            on_device = "nccl" in backend and self.collective.host_group is None
+            handshake_device = self.device if on_device else torch.device("cpu")
+            gathered = handshake.exchange(desc, record, self.collective.handshake_group,
                                           handshake_device, meshes=handshake.mesh_slots(pieces))
             self.collective.settle()
         except RuntimeError as exc:

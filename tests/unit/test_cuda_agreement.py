@@ -85,7 +85,7 @@ def test_no_event_is_waited_on_inside_a_capture_window() -> None:
 def test_opening_a_window_waits_for_a_wait_in_progress(caplog: pytest.LogCaptureFixture) -> None:
     landing = collective._Landing()
     busy = _Event()  # a wait in progress until its gate opens
-    flag = landing.watch(busy)
+    landing.watch(busy)
     deadline = time.monotonic() + 5.0
     while not landing._in_wait and time.monotonic() < deadline:
         time.sleep(0.001)
