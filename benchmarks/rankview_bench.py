@@ -9,7 +9,7 @@ The kinds (:class:`~benchmarks.results.RankViewMode`), each a DDP copy of the sa
   this pure replication an ordinary collect issues no all-reduce of its own, the divergence
   step, every ``divergence_every``-th collect, does).
 * ``ALWAYS_REDUCE``: ``WatchConfig(always_reduce=True)`` without the view: one all-reduce per
-  collect (the previous default), what the default's saving is measured against.
+  collect, what the default's saving is measured against.
 * ``HOOK_ONLY``: as ``ALWAYS_REDUCE``, with gradwatch's comm hook registered but measuring
   nothing (``ddp_comm_hook`` of a watch without the view): what the Python hook itself costs
   over DDP's built-in reduction, over the same all-reduces as ``RANK_VIEW``.
@@ -69,8 +69,8 @@ class _InCallbackSquares:
 
     The reduction is ``allreduce_hook``'s (divide by the group size, all-reduce) with one
     callback; per bucket, the rank view's own plan (:class:`gradwatch.ddp_hook._BucketPlan`)
-    with parameters in place of groups: rows of 512 float32 elements normed in place, squared in
-    float64 and added per parameter by ``index_add_``, straddling rows element by element. The
+    with parameters in place of groups: rows of 512 float32 elements normed in place, squared
+    into float64 and added per parameter by ``index_add_``, straddling rows element by element. The
     squares land in the plain band of a ``3N`` banded vector (no repair pass: a benchmark
     prototype, not the engine's exactness contract for extreme magnitudes)."""
 
