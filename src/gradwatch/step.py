@@ -282,13 +282,14 @@ class Collector:
             )
             total = self._clip_total  # the pass clipped before it failed: never clip twice
             stood_in = before_issue and reducer.issued > issued and self.resolved.world_size > 1
-            if total is not None or max_norm is None or self.broken is not None:
-                pass
-            elif stood_in:
+            unclipped = total is None and max_norm is not None and self.broken is None
+            if unclipped and stood_in:
                 # The stand-in went out: every rank reads "unmeasured" from the same vector
                 # and leaves its gradients unclipped (clip_grads_); so does this one.
                 total = unmeasured_total(reducer.device)
-            elif self.resolved.world_size > 1 and not reducer.issues_collective(measure):
+            elif unclipped and self.resolved.world_size > 1 and not reducer.issues_collective(
+                measure
+            ):  # no rank all-reduced: the others clipped by their own vector; match it
                 total = clip_alone(self.resolved, self.reporter, step, scaler, optimizer, max_norm)
             return Collected(not_measured(step, why), total)
         if skipped:
