@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "Sink": "gradwatch.export",
     "total_norm": "gradwatch.stats",
     "ddp_comm_hook": "gradwatch.ddp_hook",
+    "capture_window": "gradwatch.collective",
 }
 
 __all__ = [
@@ -52,12 +53,14 @@ __all__ = [
     "UnsupportedParallelismError",
     "WatchConfig",
     "__version__",
+    "capture_window",
     "ddp_comm_hook",
     "total_norm",
     "watch",
 ]
 
 if TYPE_CHECKING:
+    from gradwatch.collective import capture_window
     from gradwatch.config import WatchConfig
     from gradwatch.ddp_hook import ddp_comm_hook
     from gradwatch.errors import (

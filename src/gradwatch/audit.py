@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradwatch.bands import BANDS, norm_from_bands
 from gradwatch.collective import landed, record_event
 
 #: Reports waiting for their step's exact norm, at most (the oldest are dropped beyond it).
@@ -283,6 +284,39 @@ class HostCopy:
             return cls(host, landed(record_event(value.device)), None)
         except Exception as exc:  # never-crash boundary: the verdict says why
             return cls(None, None, f"the reported norm could not be read ({exc})")
+
+
+class LocalSquares:
+    """This rank's squared norms of one collect (the engine's three bands), for the audit's
+    local-norm diagnosis (a rank-local norm reported as the whole model's); read on the host
+    only, never a device tensor, whichever thread judges the step.
+
+    CPU: the collect's own vector, held as is (no op) and read when the step is judged (a
+    memory read). Accelerators, once some norm was reported (:attr:`NormAuditor.active`): its
+    three band sums on the device, copied to pinned host memory by a non-blocking copy queued
+    before the packed vector's, with the event that lands it; a step judged before it landed
+    has no local diagnosis (nothing waits)."""
+
+    def __init__(self, host: Tensor, landed_flag: threading.Event | None) -> None:
+        self._host, self._landed = host, landed_flag
+
+    @classmethod
+    def of(cls, squares: Tensor, auditing: bool) -> LocalSquares | None:
+        """Hold (CPU) or start copying (accelerators, when ``auditing``) ``squares``."""
+        if squares.device.type == "cpu":
+            return cls(squares, None)
+        if not auditing:
+            return None
+        bands = squares.detach().view(BANDS, -1).sum(dim=1)
+        host = torch.empty(bands.shape, dtype=bands.dtype, pin_memory=True)
+        host.copy_(bands, non_blocking=True)
+        return cls(host, landed(record_event(bands.device)))
+
+    def norm(self) -> float | None:
+        """This rank's local norm, or None while its copy has not landed."""
+        if self._landed is not None and not self._landed.is_set():
+            return None
+        return norm_from_bands(*self._host.view(BANDS, -1).sum(dim=1).tolist())
 
 
 def _landed(value: Any) -> bool:

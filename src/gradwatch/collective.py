@@ -2,10 +2,10 @@
 
 Every collect's packed vector takes one of three routes, decided identically on every rank:
 
-* **the device group**: gradwatch's own process group on the job's backend (created at
-  construction with ``collective_timeout_seconds``, so its traffic never interleaves with the
-  job's collectives on the default group), issued asynchronously on the training thread; a
-  clip takes it, as it needs the reduced norm on the device;
+* **the device group**: gradwatch's own process group on the job's backend (so its traffic
+  never interleaves with the job's collectives on the default group; created at construction,
+  or at the first clip where a host group exists), issued asynchronously on the training
+  thread; a clip takes it, as it needs the reduced norm on the device;
 * **the host group**: a gloo group for the monitoring-only all-reduces of NCCL jobs (and of
   gloo jobs with accelerator gradients): the vector is copied to pinned host memory and a
   daemon thread issues the all-reduce once the copy landed, so nothing waits on the training
@@ -27,6 +27,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradwatch.errors import GradWatchTimeoutError
+from gradwatch.errors import GradWatchError, GradWatchTimeoutError
 
 log = logging.getLogger("gradwatch")
 
@@ -87,16 +88,38 @@ def capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def refuse_capture() -> None:
+    """Raise :class:`~gradwatch.errors.GradWatchError` when called inside CUDA graph capture
+    (:func:`capturing`): ``collect()`` and ``clip_grad_norm_()`` are refused there, never
+    recorded into the graph."""
+    if capturing():
+        raise GradWatchError(
+            "gradwatch: collect() and clip_grad_norm_() cannot run inside CUDA graph "
+            "capture (its all-reduce, event and host copy would be replayed with stale "
+            "values); call them outside the captured region (docs/gpu.md)"
+        )
+
+
 class _Landing:
     """One daemon thread that waits for CUDA events in record order (``Event.synchronize()``)
     and wakes each waiter the moment its event completed: no sleep poll (a poll is late by its
-    period, every read), no ``query()`` from a thread that could run while the user captures a
-    CUDA graph. Events are created with ``blocking=True``, so the wait yields the core."""
+    period, every read), never ``query()``. Events are created with ``blocking=True``, so the
+    wait yields the core.
+
+    Capture windows (:func:`capture_window`): while one is open the thread makes no CUDA call
+    at all; opening one first waits (bounded) for a wait in progress to return. A CUDA graph
+    captured in ``"global"`` mode (``torch.cuda.graph``'s default ``capture_error_mode``)
+    forbids potentially unsafe CUDA calls from *every* thread, so an event wait from this
+    thread during such a capture could invalidate it; ``"thread_local"`` and ``"relaxed"``
+    captures do not need a window."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._gate = threading.Condition()
+        self._windows = 0  # capture windows open
+        self._in_wait = False  # inside Event.synchronize()
 
     def watch(self, event: Any) -> threading.Event:
         """A flag set once ``event`` completed (or its wait raised: the waiter then reads a
@@ -114,15 +137,55 @@ class _Landing:
     def _run(self) -> None:
         while True:
             event, landed = self._queue.get()
+            with self._gate:
+                self._gate.wait_for(lambda: self._windows == 0)
+                self._in_wait = True
             try:
                 event.synchronize()
             except Exception:  # never-crash boundary: the waiter's own read reports it
                 pass
             finally:
+                with self._gate:
+                    self._in_wait = False
+                    self._gate.notify_all()
                 landed.set()
+
+    @contextlib.contextmanager
+    def window(self, timeout: float) -> Iterator[None]:
+        with self._gate:
+            self._windows += 1
+            if not self._gate.wait_for(lambda: not self._in_wait, timeout):
+                log.warning(
+                    "gradwatch: capture_window(): an event wait still runs after %.1fs (the "
+                    "device is busy); a capture in 'global' mode may fail", timeout,
+                )
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._windows -= 1
+                self._gate.notify_all()
 
 
 _LANDING = _Landing()
+
+
+def capture_window(timeout: float = 60.0) -> contextlib.AbstractContextManager[None]:
+    """A region in which gradwatch's threads make no CUDA call: open it around a CUDA graph
+    capture in ``"global"`` mode (the default of ``torch.cuda.graph``)::
+
+        with gradwatch.capture_window(), torch.cuda.graph(g):
+            ...
+
+    Entering waits, at most ``timeout`` seconds, for an event wait in progress (events recorded
+    before the window, i.e. device work already queued: ``torch.cuda.graph`` itself
+    synchronizes the device before it captures); a longer wait is logged and the window opens
+    anyway. Inside it, results whose device data has not landed wait for the window to close
+    (bounded by ``collective_timeout_seconds``, then "not measured"); ``collect()`` and
+    ``clip_grad_norm_()`` inside the capture itself are refused (:func:`refuse_capture`).
+    Windows nest and may be opened from any thread. Not needed for ``"thread_local"`` or
+    ``"relaxed"`` captures (``torch.compile``'s CUDA graphs use ``"thread_local"``)."""
+    return _LANDING.window(timeout)
 
 
 def landed(event: Any) -> threading.Event:
@@ -351,8 +414,9 @@ class Collective:
     """gradwatch's process groups and the all-reduces issued on them, in collect order.
 
     ``Collective.open`` (every rank of the world, in the same order relative to the job's
-    groups) creates the device group and, where the monitoring all-reduce must not wait on the
-    training stream, the host group and its thread. ``Collective()`` alone is a world of one:
+    groups) creates the device group or, where the monitoring all-reduce must not wait on the
+    training stream, the host group and its thread (the device group then at its first use:
+    :meth:`device_group`). ``Collective()`` alone is a world of one:
     nothing is issued. Thread-safety: :meth:`issue` runs on the training thread; the returned
     :class:`Pending` may be waited on from any thread.
 
@@ -363,8 +427,11 @@ class Collective:
     bounding every *wait* gradwatch makes off the clip path (:meth:`Pending.wait`).
     """
 
-    def __init__(self, group: Any = None, host_group: Any = None, timeout: float = 0.0) -> None:
+    def __init__(
+        self, group: Any = None, host_group: Any = None, timeout: float = 0.0, lazy: bool = False
+    ) -> None:
         self.group = group
+        self._lazy = lazy  # the device group is created at its first all-reduce (see open())
         self.host_group = host_group  # gloo group of the monitoring-only collects
         self.timeout = timeout
         self.group_timeout = timeout  # the groups' own timeout (see settle())
@@ -380,13 +447,30 @@ class Collective:
         """The groups of a multi-rank job on ``backend`` whose packed vector lives on
         ``device``; collective over the world (``new_group``)."""
         span = timedelta(seconds=timeout)
-        group = dist.new_group(timeout=span)
-        host_group = None
         # Gloo with CUDA gradients too: its work.wait() would block the training thread.
         on_host = any(b in backend for b in MONITOR_ON_HOST_BACKENDS)
         if on_host or device.type != "cpu":
-            host_group = dist.new_group(backend="gloo", timeout=span)
-        return cls(group, host_group, timeout)
+            # The host group carries the handshake and every monitoring collect. The device
+            # group serves clips and the guard only: it is created at the first all-reduce
+            # that takes it (:meth:`device_group`), so a job that never clips through
+            # gradwatch holds no second communicator on its backend.
+            return cls(None, dist.new_group(backend="gloo", timeout=span), timeout, lazy=True)
+        return cls(dist.new_group(timeout=span), None, timeout)
+
+    @property
+    def handshake_group(self) -> Any:
+        """The group the construction handshake runs on: the host group when there is one."""
+        return self.host_group if self.host_group is not None else self.group
+
+    def device_group(self) -> Any:
+        """The device group, created here at its first use when :meth:`open` deferred it.
+        ``new_group`` is collective over the world: the first clip (or guarded collect, or
+        its stand-in) is the same entry of every rank's collective sequence, so every rank
+        creates it at the same point relative to the job's own groups. Created with the
+        groups' settled timeout (:meth:`settle`)."""
+        if self.group is None and self._lazy:
+            self.group = dist.new_group(timeout=timedelta(seconds=self.group_timeout))
+        return self.group
 
     def settle(self) -> None:
         """After the handshake: give gradwatch's groups the job's default process-group
@@ -432,12 +516,13 @@ class Collective:
                 pending = self._host.submit(host, event)
             self._watched.append(pending)
             return host, pending
-        if self.group is None:
+        group = self.device_group()
+        if group is None:
             return packed, Pending()
         # The process group's own method: the same c10d op as dist.all_reduce without its
         # Python checks (a measurable share of a small all-reduce on gloo), all of which hold
         # by construction (one dense float64 tensor, a group this rank belongs to).
-        pending = Pending(self.group.allreduce([packed], self._options))
+        pending = Pending(group.allreduce([packed], self._options))
         self._watched.append(pending)
         return packed, pending
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gradwatch.collective import capture_window
 from gradwatch.config import WatchConfig
 from gradwatch.doctor_options import FAIL, PASS, SKIP, Check
 from gradwatch.errors import GradWatchError
@@ -99,21 +100,26 @@ def check_cuda_bitwise(device: torch.device) -> Check:
 
 
 def check_cuda_capture(device: torch.device) -> Check:
-    threshold = "collect() inside CUDA graph capture refused with a clear error"
+    threshold = (
+        "collect() inside CUDA graph capture refused with a clear error; a global-mode "
+        "capture inside capture_window() with a result in flight succeeds"
+    )
     model = _model(torch.float32, device)
     with GradWatch(model, _config()) as watch:
         _backward(model, torch.float32, device, 0)
         watch.collect(0).result()
+        in_flight = watch.collect(1)  # its landing waits while the window is open
         graph = torch.cuda.CUDAGraph()
         refused = None
         try:
-            with torch.cuda.graph(graph):
+            with capture_window(), torch.cuda.graph(graph):  # capture_error_mode="global"
                 try:
-                    watch.collect(1)
+                    watch.collect(2)
                 except GradWatchError as exc:
                     refused = str(exc)
         except RuntimeError as exc:  # the capture itself failed: something ran that must not
             return Check("cuda[capture]", FAIL, f"capture broke: {exc}", threshold)
+        in_flight.result()
     if refused is None:
         return Check("cuda[capture]", FAIL, "collect() ran inside the capture", threshold)
     return Check("cuda[capture]", PASS, "refused", threshold)

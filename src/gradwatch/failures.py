@@ -17,6 +17,7 @@ the result of a step that was not measured.
 from __future__ import annotations
 
 import logging
+import math
 
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.reduce import ReducedStats, ReducedVector, Reducer
@@ -96,6 +97,19 @@ class Failures:
                 self._reporter.rank,
                 reason,
             )
+
+    def stand_in_closed(self, step: int, with_replicas: bool) -> None:
+        """A closed watcher keeps its place in the ranks' collective sequence: the all-reduce
+        its collect would have issued, zeros with ``-inf`` in the step slot, so every other
+        rank reports the step as not measured ("another rank closed its watcher") instead of
+        waiting for a collective that never comes. (Its clips still measure and clip in full:
+        the others' clip norms need this rank's squares.)"""
+        try:
+            self._reducer.reduce_failed(
+                step, device_collective=False, with_replicas=with_replicas, marker=-math.inf
+            )
+        except Exception as exc:  # never-crash boundary: the stand-in stops collection
+            self.stop("collective", f"{type(exc).__name__}: {exc}", step)
 
     def check_group(self, step: int) -> None:
         """Before a collect: stop when an all-reduce this rank issued earlier failed (checked

@@ -71,7 +71,7 @@ from gradwatch.errors import (
     UnsupportedParallelismError,
 )
 from gradwatch.layout import Layout, LocalPiece, derive_layout, sections
-from gradwatch.rows import host_to_device
+from gradwatch.rows import SegmentReduction, host_to_device
 
 log = logging.getLogger("gradwatch")
 
@@ -141,11 +141,13 @@ class Reducer:
     ) -> Layout:
         """Open gradwatch's groups, run the handshake on them and derive the layout: the same
         on every rank, or the same error raised on every rank."""
-        # The handshake runs once, on the device NCCL needs, on the CPU otherwise.
-        handshake_device = self.device if "nccl" in backend else torch.device("cpu")
         try:
             self.collective = Collective.open(self.timeout, backend, self.device)
-            gathered = handshake.exchange(desc, record, self.collective.group,
+            # The handshake runs once, on the host group when there is one (CPU tensors), on
+            # the device NCCL needs otherwise.
+            on_device = "nccl" in backend and self.collective.host_group is None
+            handshake_device = self.device if on_device else torch.device("cpu")
+            gathered = handshake.exchange(desc, record, self.collective.handshake_group,
                                           handshake_device, meshes=handshake.mesh_slots(pieces))
             self.collective.settle()
         except RuntimeError as exc:
@@ -191,10 +193,8 @@ class Reducer:
     def _plan_packing(self, lay: Layout) -> None:
         """The persistent buffers and indices that pack a collect in a constant number of
         ops."""
-        local_idx = torch.arange(len(lay.local_to_global))
         to_global = torch.tensor(lay.local_to_global, dtype=torch.long)
         contrib = torch.tensor(lay.contributes, dtype=torch.bool)
-        slot = torch.tensor(lay.replica_slot, dtype=torch.long)
         at = sections(lay)
         dev = self.device
         n_local = len(lay.local_to_global)
@@ -222,8 +222,13 @@ class Reducer:
                 torch.tensor([at.step]),
             ]
         ).to(dev)
-        self._slot_local = local_idx[slot >= 0].to(dev)
-        self._slot_global = (slot[slot >= 0] + at.replicas.start).to(dev)
+        # Divergence steps: each replica slot's sum of this rank's pieces, in a fixed order
+        # (index_add_ adds by atomics on CUDA: replicas with equal gradients could sum to
+        # different bits), written by one index_copy_ (distinct slots).
+        slots = sorted({s for s in lay.replica_slot if s >= 0})
+        members = [[i for i, s in enumerate(lay.replica_slot) if s == k] for k in slots]
+        self._slot_sums = SegmentReduction(members, 3 * n_local, dev) if slots else None
+        self._slot_global = (torch.tensor(slots, dtype=torch.long) + at.replicas.start).to(dev)
 
     def _pack_rank_view(self, packed: Tensor, rank_local: Tensor | None) -> None:
         """Write this rank's pre-reduction group squares (``G`` float64, NaN/Inf as measured)
@@ -282,8 +287,8 @@ class Reducer:
         torch.sub(plain, plain, out=self._staged_flags).nan_to_num_(nan=1.0)
         self._stage_tail(has_grad, step)
         packed.index_copy_(0, self._scatter, self._staging)
-        if with_replicas and self._slot_local.numel():
-            packed.index_add_(0, self._slot_global, sq_local.index_select(0, self._slot_local))
+        if with_replicas and self._slot_sums is not None:
+            packed.index_copy_(0, self._slot_global, self._slot_sums(sq_local))
         self._pack_rank_view(packed, rank_local)
         if alone:
             return ReducedVector(packed, Pending(), self.timeout, step, lay, ranks=1)

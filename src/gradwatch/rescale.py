@@ -22,11 +22,11 @@ from torch import Tensor
 from gradwatch.rows import (
     FOREACH_SCRATCH,
     ROW_NUMEL,
+    SegmentReduction,
     StalePlan,
     aligned,
     flat_view,
     host_to_device,
-    segment_sum_matrix,
 )
 
 #: Float64 tensors on accelerators are normed through one persistent scratch of at most this
@@ -58,9 +58,10 @@ class RescalePlan:
     batches: list[_RescaleBatch]
     owner: Tensor  # int64, one per row
     row_norms: Tensor  # float64, one per row (persistent: no per-step allocation)
-    # Accelerators: the per-tensor sums by a CSR product (a fixed order of additions: index_add_
-    # adds by atomics there, so replicas could disagree in the last bits)
-    sum_rows: Tensor | None = None
+    # Per-tensor maxima and sums of the rows, in a fixed order of operations on every device
+    # (index_add_ and scatter_reduce add by atomics on CUDA: replicas could disagree in the
+    # last bits)
+    per_tensor: SegmentReduction
 
 
 def build_rescale_plan(
@@ -114,7 +115,7 @@ def build_rescale_plan(
         batches=batches,
         owner=host_to_device(owner, torch.long, device),
         row_norms=torch.empty(len(owner), dtype=torch.float64, device=device),
-        sum_rows=segment_sum_matrix(owner, len(tensors), device) if device.type != "cpu" else None,
+        per_tensor=SegmentReduction(_runs(owner, len(tensors)), len(owner), device),
     )
 
 
@@ -133,7 +134,8 @@ def rescaled_norms(plan: RescalePlan, tensors: Sequence[Tensor]) -> Tensor:
     is divided by its max-abs ``r`` and normed, ``row = r * ||row / r||``: every square is at
     most 1 (a row's sum at most 512), and those that underflow are below 2^-1022 of the row's
     largest, so nothing overflows and nothing that matters is lost. Per tensor, the largest
-    row norm ``M`` (``scatter_reduce``) scales again: ``norm = M * sqrt(sum((row / M)^2))``.
+    row norm ``M`` scales again: ``norm = M * sqrt(sum((row / M)^2))`` (maxima and sums per
+    tensor in a fixed order: :class:`~gradwatch.rows.SegmentReduction`).
     A constant number of ops per batch and per call, whatever the number of tensors (tensors
     larger than the scratch add one view per chunk). A zero tensor gives 0; NaN gives NaN and
     Inf (without NaN) Inf, as the divisors of non-finite or zero maxima are 1
@@ -163,11 +165,16 @@ def rescaled_norms(plan: RescalePlan, tensors: Sequence[Tensor]) -> Tensor:
         torch.linalg.vector_norm(rows, 2, dim=1, out=out)
         out.mul_(scale)
     row_norms = plan.row_norms
-    zeros = torch.zeros(plan.k, dtype=torch.float64, device=row_norms.device)
-    top = _scale_of(zeros.scatter_reduce(0, plan.owner, row_norms, "amax"))
+    top = _scale_of(plan.per_tensor(row_norms, "amax"))
     ratios = (row_norms / top.index_select(0, plan.owner)).square_()
-    if plan.sum_rows is not None:
-        return (plan.sum_rows @ ratios).sqrt_().mul_(top)
-    return zeros.index_add_(0, plan.owner, ratios).sqrt_().mul_(top)
+    return plan.per_tensor(ratios, "sum").sqrt_().mul_(top)
+
+
+def _runs(owner: list[int], k: int) -> list[list[int]]:
+    """The rows of each of ``k`` tensors, from every row's owner."""
+    rows: list[list[int]] = [[] for _ in range(k)]
+    for j, pos in enumerate(owner):
+        rows[pos].append(j)
+    return rows
 
 

@@ -117,6 +117,62 @@ def segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor
     return matrix.to(device)
 
 
+#: Values a :class:`SegmentReduction` combines per step of its tree (one row of a 2-D reduce).
+SEGMENT_WIDTH = 32
+
+
+class SegmentReduction:
+    """Per-segment sums (or maxima) of a vector in a fixed order, by dense ops only.
+
+    ``segments[s]`` lists the positions of the input that segment ``s`` combines (any order,
+    possibly none). Built once on the host: the members are cut into blocks of
+    :data:`SEGMENT_WIDTH` (the last one padded with a zero), each block reduced along a row
+    of one 2-D ``sum``/``amax``, and the block results reduced the same way until one value per
+    segment is left: ``ceil(log_32(longest segment))`` rounds of three ops (append the zero,
+    ``index_select``, reduce), whatever the number of segments. A row reduction adds its
+    elements in an order fixed by the shape alone, so the result is the same bit for bit on
+    every run and every rank holding the same values; no atomics (``index_add_``,
+    ``scatter_add_``, ``scatter_reduce`` add in arrival order on CUDA) and no sparse product
+    (torch documents no determinism for sparse-dense products on CUDA but under
+    ``torch.use_deterministic_algorithms``). Values must be non-negative, NaN or +Inf (squares
+    and norms): the zero padding changes no sum or maximum of such values.
+    """
+
+    def __init__(
+        self, segments: Sequence[Sequence[int]], length: int, device: torch.device
+    ) -> None:
+        self.n = len(segments)
+        self.length = length  # of the input vector
+        rounds: list[list[int]] = []
+        members = [list(s) for s in segments]
+        width = length  # the current round's input length: the zero is appended at its end
+        while True:
+            blocks: list[list[int]] = []
+            nxt: list[list[int]] = []
+            for seg in members:
+                cut = [seg[i : i + SEGMENT_WIDTH] for i in range(0, len(seg), SEGMENT_WIDTH)]
+                cut = cut or [[]]
+                nxt.append(list(range(len(blocks), len(blocks) + len(cut))))
+                blocks.extend(cut)
+            rounds.append(
+                [b[k] if k < len(b) else width for b in blocks for k in range(SEGMENT_WIDTH)]
+            )
+            members, width = nxt, len(blocks)
+            if all(len(seg) == 1 for seg in members):
+                break
+        self.rounds = [torch.tensor(r, dtype=torch.long).to(device) for r in rounds]
+
+    def __call__(self, values: Tensor, op: str = "sum") -> Tensor:
+        """Per segment, the sum (``op="sum"``) or the maximum (``"amax"``; 0 for an empty
+        segment) of ``values`` (:attr:`length` long) at its positions: :attr:`n` values."""
+        out = values
+        for index in self.rounds:
+            extended = torch.cat([out, out.new_zeros(1)])
+            rows = extended.index_select(0, index).view(-1, SEGMENT_WIDTH)
+            out = rows.sum(dim=1) if op == "sum" else rows.amax(dim=1)
+        return out
+
+
 @dataclass
 class RowSquares:
     """Float32 row norms, squared into float64 and added per owner: the last step of every row

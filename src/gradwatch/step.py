@@ -22,11 +22,13 @@ import torch
 from torch import Tensor
 
 from gradwatch.amp import pending_scale
+from gradwatch.audit import LocalSquares
 from gradwatch.clip import clip_grads_, unmeasured_total
-from gradwatch.collective import capturing
+from gradwatch.collective import refuse_capture
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError
 from gradwatch.failures import Failures, Replaced
+from gradwatch.gradients import LocalGradients
 from gradwatch.guard import GuardDecision, GuardPolicy, StepGuard
 from gradwatch.main_grad import clip_local_, gradients_for_fallback
 from gradwatch.reduce import ReducedVector
@@ -125,6 +127,7 @@ class Collector:
         self._next_step = 0
         self._optimizer_steps = 0
         self._clipped_step: int | None = None
+        self._clip_total: Tensor | None = None  # this collect's clip, once applied
         self._collections = 0
         self.attempts = 0  # collects that did work, numbered: orders failures and results
         self.failures = Failures(resolved.reducer, resolved.local_names, reporter)
@@ -231,12 +234,7 @@ class Collector:
         max_norm: float | None,
         batch_size: int | None,
     ) -> Collected:
-        if capturing():
-            raise GradWatchError(
-                "gradwatch: collect() and clip_grad_norm_() cannot run inside CUDA graph "
-                "capture (its all-reduce, event and host copy would be replayed with stale "
-                "values); call them outside the captured region (docs/gpu.md)"
-            )
+        refuse_capture()
         skipped = step % self.cfg.every_n_steps != 0
         self.failures.check_group(step)
         if self.broken:
@@ -244,7 +242,8 @@ class Collector:
         if skipped and max_norm is None and self.guard is None:
             return Collected(self._pending_last(step))
         if self.closed and max_norm is None:
-            self._stand_in_closed(step)
+            if self.resolved.world_size > 1:
+                self.failures.stand_in_closed(step, self._divergence_step(record=True))
             return Collected(self._pending_last(step))
         zero = self.resolved.zero
         if zero is not None:
@@ -264,6 +263,7 @@ class Collector:
         # collect measures the replicas' divergence also decides whether it all-reduces
         # (Reducer.issues_collective), so a rank whose pass fails must decide as the others.
         measure = self._divergence_step(record=not skipped)
+        self._clip_total = None
         try:
             replaced = self.resolved.slots.first_replaced()
             if replaced is not None:
@@ -280,12 +280,17 @@ class Collector:
                 step, exc, issued, clip=max_norm is not None or self.guard is not None,
                 with_replicas=measure,
             )
-            total = None
+            total = self._clip_total  # the pass clipped before it failed: never clip twice
             stood_in = before_issue and reducer.issued > issued and self.resolved.world_size > 1
-            if max_norm is not None and stood_in and self.broken is None:
+            unclipped = total is None and max_norm is not None and self.broken is None
+            if unclipped and stood_in:
                 # The stand-in went out: every rank reads "unmeasured" from the same vector
                 # and leaves its gradients unclipped (clip_grads_); so does this one.
                 total = unmeasured_total(reducer.device)
+            elif unclipped and self.resolved.world_size > 1 and not reducer.issues_collective(
+                measure
+            ):  # no rank all-reduced: the others clipped by their own vector; match it
+                total = clip_alone(self.resolved, self.reporter, step, scaler, optimizer, max_norm)
             return Collected(not_measured(step, why), total)
         if skipped:
             return Collected(self._pending_last(step), total)
@@ -306,20 +311,13 @@ class Collector:
         ``measure``: a divergence step (:meth:`_divergence_step`). ``attempt`` numbers this
         collect (see :meth:`Failures.measured`)."""
         r = self.resolved
-        grads = r.gradients.read()
-        sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
-        # The reducer's device follows the gradients (decided at the first collect, again
-        # whenever they move): O(buckets), one (device, dtype) each.
-        if plan is not None and r.reducer.follow(accelerator_of(plan)):
-            sq, plan = self.engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
-        scale = pending_scale(scaler, optimizer) if r.zero is None else _zero_scale(r.zero)
+        grads, sq, plan, scale64 = measure_local(r, self.engine, scaler, optimizer)
         local = r.local_view.take() if r.local_view is not None else None
-        if scale is not None:
-            scale64 = scale.to(sq.device, torch.float64)
-            sq = sq / (scale64 * scale64)
-            if local is not None:
-                local = local / (scale64 * scale64).to(local.device)
+        if scale64 is not None and local is not None:
+            local = local / (scale64 * scale64).to(local.device)
         has_grad = [g is not None for g in grads.tensors]
+        # Queued before the packed vector's copy: landed by the time its step is judged.
+        local_sq = LocalSquares.of(sq, self.summarizer.auditing) if r.world_size > 1 else None
         guard = self.guard  # decides on the device: the job's backend, like a clip
         reduced = r.reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
@@ -327,7 +325,7 @@ class Collector:
         )
         total = None
         if max_norm is not None:
-            total = clip_grads_(reduced, max_norm, grads, plan)
+            total = self._clip_total = clip_grads_(reduced, max_norm, grads, plan)
         decision = self.decision = guard.decide(reduced) if guard is not None else None
         collected = CollectedStep(
             step=step,
@@ -338,9 +336,7 @@ class Collector:
             max_norm=max_norm,
             amp=scaler is not None and scaler.is_enabled(),
             batch_size=batch_size if batch_size is not None else self.cfg.batch_size,
-            # This rank's local squares (a fresh tensor, never written again: holding it costs
-            # no op), for the audit's local-norm diagnosis (read in result(), once audited).
-            local_sq=sq if r.world_size > 1 else None,
+            local_sq=local_sq,
             guard=guard,
             decision=decision,
         )
@@ -352,22 +348,6 @@ class Collector:
         snap = self.summarizer.build(stats, collected)
         self.failures.measured(collected.attempt)
         return snap
-
-    def _stand_in_closed(self, step: int) -> None:
-        """A closed watcher keeps its place in the ranks' collective sequence: the all-reduce
-        this collect would have issued, zeros with ``-inf`` in the step slot, so every other
-        rank reports the step as not measured ("another rank closed its watcher") instead of
-        waiting for a collective that never comes. Its clips still measure and clip in full
-        (the others' clip norms need this rank's squares). One process: nothing is issued."""
-        if self.resolved.world_size < 2:
-            return
-        measure = self._divergence_step(record=True)
-        try:
-            self.resolved.reducer.reduce_failed(
-                step, device_collective=False, with_replicas=measure, marker=-math.inf
-            )
-        except Exception as exc:  # never-crash boundary: the stand-in stops collection
-            self.failures.stop("collective", f"{type(exc).__name__}: {exc}", step)
 
     @property
     def broken(self) -> str | None:
@@ -394,6 +374,48 @@ class Collector:
         if self.latest is not None:
             return self.latest
         return not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+
+def measure_local(
+    r: Resolved, engine: NormEngine, scaler: Any, optimizer: Any
+) -> tuple[LocalGradients, Tensor, NormPlan, Tensor | None]:
+    """This rank's gradients, their banded float64 squared norms (loss scale divided out) and
+    the plan that normed them, by ``engine``; and the float64 loss scale (None: none). The
+    reducer's device follows the gradients (decided at the first collect, again whenever they
+    move): O(buckets), one (device, dtype) each."""
+    grads = r.gradients.read()
+    sq, plan = engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
+    if plan is not None and r.reducer.follow(accelerator_of(plan)):
+        sq, plan = engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
+    scale = pending_scale(scaler, optimizer) if r.zero is None else _zero_scale(r.zero)
+    scale64 = None if scale is None else scale.to(sq.device, torch.float64)
+    if scale64 is not None:
+        sq = sq / (scale64 * scale64)
+    return grads, sq, plan, scale64
+
+
+def clip_alone(
+    r: Resolved, reporter: Reporter, step: int, scaler: Any, optimizer: Any, max_norm: float
+) -> Tensor | None:
+    """The clip of a rank whose pass failed alone where no rank all-reduces (every rank holds
+    the reduced gradients: :meth:`gradwatch.reduce.Reducer.issues_collective` is False):
+    measured again by a fresh engine with the very arithmetic the other ranks used (plan,
+    packing, float64 band combine, coefficient), so its norm and its clipped gradients equal
+    theirs bit for bit. None when that fails too (then torch's rank-local clip, logged once;
+    docs/distributed.md)."""
+    try:
+        if r.slots.first_replaced() is not None:
+            return None
+        grads, sq, plan, _ = measure_local(r, NormEngine(), scaler, optimizer)
+        has_grad = [g is not None for g in grads.tensors]
+        alone = r.reducer.pack_and_reduce(sq, has_grad, step, with_replicas=False)
+        return clip_grads_(alone, max_norm, grads, plan)
+    except Exception as exc:  # never-crash boundary: torch's clip takes over, logged
+        reporter.log_once(
+            "clip-alone", "gradwatch: step %d: the replicated clip could not be measured again "
+            "(%s: %s); torch's rank-local clip takes over", step, type(exc).__name__, exc,
+        )
+        return None
 
 
 def accelerator_of(plan: NormPlan) -> torch.device | None:

@@ -17,11 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
-
 from gradwatch.anomalies import AnomalyLog
-from gradwatch.audit import NormAuditor, parallel_factors
-from gradwatch.bands import BANDS, norm_from_bands
+from gradwatch.audit import LocalSquares, NormAuditor, parallel_factors
+from gradwatch.bands import norm_from_bands
 from gradwatch.clip import clip_coefficient
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.guard import GuardDecision, StepGuard
@@ -218,7 +216,7 @@ class CollectedStep:
     max_norm: float | None = None
     amp: bool = False
     batch_size: int | None = None
-    local_sq: Tensor | None = None  # this rank's squares, for the audit's local-norm diagnosis
+    local_sq: LocalSquares | None = None  # this rank's squares: the audit's local diagnosis
     guard: StepGuard | None = None  # GradWatch.guard(): its decision on this step
     decision: GuardDecision | None = None
 
@@ -229,7 +227,8 @@ class Summarizer:
     the noise scale, the last replica divergence and the norm auditor.
 
     Runs where results are materialized (the publisher thread, or whoever calls
-    ``result()``); never issues device work but the audit's one read of this rank's squares.
+    ``result()``); never issues device work nor reads a device tensor (the audit's local
+    squares reach the host by their own copy: :class:`~gradwatch.audit.LocalSquares`).
 
     Args:
         cfg: the watcher's configuration.
@@ -306,7 +305,12 @@ class Summarizer:
         """Hold a norm the training code reported for ``step`` until that step is built."""
         self._auditor.report(step, source, reported)
 
-    def audit(self, snap: Snapshot | None = None, local_sq: Tensor | None = None) -> None:
+    @property
+    def auditing(self) -> bool:
+        """Some norm was reported: collects keep this rank's local squares from now on."""
+        return self._auditor.active
+
+    def audit(self, snap: Snapshot | None = None, local_sq: LocalSquares | None = None) -> None:
         """Judge the reported norms waiting for ``snap`` (or any built step when None)."""
         auditor = self._auditor
         try:
@@ -315,8 +319,7 @@ class Summarizer:
             else:
                 local = None
                 if local_sq is not None and auditor.active:
-                    bands = local_sq.detach().view(BANDS, -1).sum(dim=1).tolist()
-                    local = norm_from_bands(*bands)
+                    local = local_sq.norm()  # host memory only (LocalSquares)
                 verdicts = auditor.judge(snap.step, snap.global_norm, local)
             for v in verdicts:
                 self._reporter.audit(v.source, v.ratio, v.agrees)

@@ -37,6 +37,9 @@ def test_monitoring_collect_is_exact_and_off_the_training_thread(w2: list) -> No
 
 def test_clip_keeps_the_jobs_backend(w2: list) -> None:
     for res in w2:
+        # Created at the first clip, on every rank: no extra communicator before one is needed.
+        assert res["device_group_before_clip"] is False
+        assert res["device_group_after_clip"] is True
         assert res["clip_collectives"] == 1
         assert abs(res["clip_norm"] - res["reference"]) <= 1e-6 * res["reference"]
         assert res["clip_snapshot_norm"] == pytest.approx(res["clip_norm"], rel=1e-12)

@@ -10,6 +10,7 @@ records every published snapshot). Every rank records its clip norms and its flo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -126,6 +127,14 @@ def _inject(watch: Any, fault: str, rank: int, world: int, step: int) -> Callabl
     return lambda: None
 
 
+def _digest(model: nn.Module) -> str:
+    """The bytes of every parameter (local shards): equal digests, bitwise-equal replicas."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(getattr(p, "_local_tensor", p).detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def threading_wait(done: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not done() and time.monotonic() < deadline:
@@ -176,6 +185,7 @@ def case(parallelism: str, fault: str) -> Callable[[int, int], dict[str, Any]]:
             "flushed": flushed,
             "broken": watch._collector.broken,
             "internal_errors": errors,
+            "params": _digest(model),
         }
         watch.close()
         return out

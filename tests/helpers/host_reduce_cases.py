@@ -38,10 +38,13 @@ def run(rank: int) -> tuple[dict[str, Any], Any]:
         pending = watch.collect(0)
     res["collect_collectives"] = ops.collectives  # issued by the host thread, not here
     res["collect_norm"] = pending.result().global_norm
+    # The device group serves clips only: none yet after construction and a monitoring collect.
+    res["device_group_before_clip"] = watch._reducer.group is not None
     with OpCounter() as ops:
         total = watch.clip_grad_norm_(1e30, step=1)  # the device path: the job's backend
     res["clip_collectives"] = ops.collectives
     res["clip_norm"] = float(total)
+    res["device_group_after_clip"] = watch._reducer.group is not None
     res["clip_snapshot_norm"] = watch.last.global_norm if watch.last else None
     if rank == 1:  # a one-off failure of rank 1's local pass: a stand-in on the host path
         real = watch._collector.engine.squared_norms_and_plan

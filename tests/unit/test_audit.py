@@ -293,3 +293,40 @@ def test_collect_costs_the_same_with_auditing() -> None:
             counts.append((dict(counter.ops), counter.scalar_reads, sum(reads.values())))
         # (collect's own host reads are its CPU repair check, the same with or without audits)
         assert counts[0] == counts[1] and counts[0][1] == 0
+
+
+# -- this rank's local squares: read on the host only ------------------------------------------
+
+
+def test_local_squares_on_the_cpu_are_held_and_read_when_judged() -> None:
+    import threading
+
+    from gradwatch.audit import LocalSquares
+
+    sq = torch.tensor([9.0, 16.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    held = LocalSquares.of(sq, auditing=False)
+    assert held is not None and held.norm() == 5.0  # no op at collect time, read when judged
+    # An accelerator copy not landed yet: no local diagnosis, and nothing waits for it.
+    pending = threading.Event()
+    copy = LocalSquares(torch.tensor([25.0, 0.0, 0.0], dtype=torch.float64), pending)
+    assert copy.norm() is None
+    pending.set()
+    assert math.isclose(copy.norm() or 0.0, 5.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_local_squares_reach_pinned_memory_without_a_sync() -> None:
+    from gradwatch.audit import LocalSquares
+
+    sq = torch.tensor([9.0, 16.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device="cuda")
+    assert LocalSquares.of(sq, auditing=False) is None  # nothing reported: no copy at all
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        local = LocalSquares.of(sq, auditing=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert local is not None and local._host.is_pinned()
+    local._landed.wait(10.0)  # type: ignore[union-attr]
+    assert local.norm() == 5.0

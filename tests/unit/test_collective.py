@@ -169,6 +169,26 @@ def test_every_route_sums(
     assert coll.closed and coll.failure() is None
 
 
+def test_the_device_group_is_created_at_its_first_use(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a host group, the handshake and monitoring collects take it; the device group
+    exists only once a clip's all-reduce needs it."""
+    monkeypatch.setattr(collective, "MONITOR_ON_HOST_BACKENDS", ("gloo",))
+    coll = Collective.open(5.0, "gloo", torch.device("cpu"))
+    try:
+        assert coll.group is None and coll.handshake_group is coll.host_group
+        _, pending = coll.issue(torch.ones(2, dtype=torch.float64), on_host=True)
+        pending.wait(5.0)
+        assert coll.group is None
+        packed = torch.tensor([2.0, 3.0], dtype=torch.float64)
+        result, pending = coll.issue(packed, on_host=False)
+        pending.wait(5.0)
+        assert coll.group is not None and result is packed and result.tolist() == [2.0, 3.0]
+    finally:
+        coll.close()
+
+
 def test_groups_wait_as_long_as_the_jobs(tmp_path: Path) -> None:
     """gradwatch's groups never time out before the job's default group would."""
     store = dist.FileStore(str(tmp_path / "store"), 1)

@@ -6,6 +6,7 @@ checks on a cluster)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -53,6 +54,93 @@ def test_landings_are_watched_in_record_order_and_time_out() -> None:
     first.gate.set()
     collective.wait_landed(flags[1], 5.0, "the vector")
     assert flags[0].is_set()
+
+
+class _CountingEvent(_Event):
+    """A stand-in event that counts its waits (the landing thread's only CUDA call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+        self.gate.set()
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        super().synchronize()
+
+
+def test_no_event_is_waited_on_inside_a_capture_window() -> None:
+    landing = collective._Landing()
+    event = _CountingEvent()
+    with landing.window(5.0):
+        flag = landing.watch(event)
+        assert not flag.wait(0.1)  # recorded, not waited on while the window is open
+        assert event.waits == 0
+        with landing.window(5.0):  # windows nest
+            pass
+        assert not flag.wait(0.05) and event.waits == 0
+    assert flag.wait(5.0) and event.waits == 1  # the window closed: the wait runs
+
+
+def test_opening_a_window_waits_for_a_wait_in_progress(caplog: pytest.LogCaptureFixture) -> None:
+    landing = collective._Landing()
+    busy = _Event()  # a wait in progress until its gate opens
+    landing.watch(busy)
+    deadline = time.monotonic() + 5.0
+    while not landing._in_wait and time.monotonic() < deadline:
+        time.sleep(0.001)
+    threading.Timer(0.1, busy.gate.set).start()
+    t0 = time.monotonic()
+    with landing.window(5.0):
+        assert busy.gate.is_set()  # opened only once the wait in progress returned
+    assert time.monotonic() - t0 >= 0.05
+    stuck = _Event()
+    landing.watch(stuck)
+    while not landing._in_wait and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with caplog.at_level("WARNING", logger="gradwatch"), landing.window(0.05):
+        pass  # bounded: opens anyway, says so
+    assert "capture_window()" in caplog.text
+    stuck.gate.set()
+
+
+def test_collect_and_clip_inside_a_capture_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwatch import GradWatch, GradWatchError, WatchConfig
+
+    model = torch.nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    with GradWatch(model, WatchConfig(port=None)) as watch:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        with pytest.raises(GradWatchError, match="CUDA graph capture"):
+            watch.collect(0)
+        with pytest.raises(GradWatchError, match="CUDA graph capture"):
+            watch.clip_grad_norm_(1e-3, step=0)
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+        monkeypatch.undo()
+        assert watch.collect(1).result().step == 1  # refused, never counted as a failure
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_global_capture_inside_a_window_with_results_in_flight() -> None:
+    """A result whose data is still on its way while the user captures in global mode: the
+    capture succeeds and the result lands after the window."""
+    import gradwatch
+    from gradwatch import GradWatch, WatchConfig
+
+    model = torch.nn.Linear(64, 64).cuda()
+    static = torch.randn(8, 64, device="cuda")
+    model(static).sum().backward()
+    with GradWatch(model, WatchConfig(port=None)) as watch:
+        pending = watch.collect(0)
+        graph = torch.cuda.CUDAGraph()
+        with gradwatch.capture_window(), torch.cuda.graph(graph):
+            out = model(static) * 2
+        graph.replay()
+        torch.cuda.synchronize()
+        assert pending.result().step == 0 and out.shape == (8, 64)
 
 
 def test_outside_cuda_nothing_is_capturing() -> None:
