@@ -30,7 +30,8 @@ state allocated once; no host read (docs/integrations.md, *What it costs*).
 Why the bits agree on every rank: the inputs are the reduced vector (the result of one
 all-reduce, identical everywhere) or, under plain DDP without gradwatch's all-reduce, each
 rank's own norms of DDP's already reduced gradients, which are bitwise identical across ranks
-(one all-reduce result, divided by the same world size), normed by the same kernels; every
+(one all-reduce result, divided by the same world size), normed by the same kernels (a rank
+whose own pass failed measures again and decides from that: :func:`gradwatch.step.act_alone`); every
 later op is a deterministic function of those values and of the guard's own device state,
 which starts equal and is updated by the same ops on every rank.
 

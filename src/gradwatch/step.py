@@ -264,6 +264,7 @@ class Collector:
         # (Reducer.issues_collective), so a rank whose pass fails must decide as the others.
         measure = self._divergence_step(record=not skipped)
         self._clip_total = None
+        self.decision = None
         try:
             replaced = self.resolved.slots.first_replaced()
             if replaced is not None:
@@ -282,15 +283,17 @@ class Collector:
             )
             total = self._clip_total  # the pass clipped before it failed: never clip twice
             stood_in = before_issue and reducer.issued > issued and self.resolved.world_size > 1
-            unclipped = total is None and max_norm is not None and self.broken is None
-            if unclipped and stood_in:
+            fresh = total is None and self.decision is None and self.broken is None
+            if fresh and max_norm is not None and stood_in:
                 # The stand-in went out: every rank reads "unmeasured" from the same vector
                 # and leaves its gradients unclipped (clip_grads_); so does this one.
                 total = unmeasured_total(reducer.device)
-            elif unclipped and self.resolved.world_size > 1 and not reducer.issues_collective(
-                measure
-            ):  # no rank all-reduced: the others clipped by their own vector; match it
-                total = clip_alone(self.resolved, self.reporter, step, scaler, optimizer, max_norm)
+            elif fresh and (max_norm is not None or self.guard is not None) and (
+                self.resolved.world_size > 1 and not reducer.issues_collective(measure)
+            ):  # no rank all-reduced: the others clipped and decided by their own vector
+                total, self.decision = act_alone(
+                    self.resolved, self.reporter, step, scaler, optimizer, max_norm, self.guard
+                )
             return Collected(not_measured(step, why), total)
         if skipped:
             return Collected(self._pending_last(step), total)
@@ -394,28 +397,49 @@ def measure_local(
     return grads, sq, plan, scale64
 
 
-def clip_alone(
-    r: Resolved, reporter: Reporter, step: int, scaler: Any, optimizer: Any, max_norm: float
-) -> Tensor | None:
-    """The clip of a rank whose pass failed alone where no rank all-reduces (every rank holds
-    the reduced gradients: :meth:`gradwatch.reduce.Reducer.issues_collective` is False):
-    measured again by a fresh engine with the very arithmetic the other ranks used (plan,
-    packing, float64 band combine, coefficient), so its norm and its clipped gradients equal
-    theirs bit for bit. None when that fails too (then torch's rank-local clip, logged once;
-    docs/distributed.md)."""
+def measure_alone(
+    r: Resolved, step: int, scaler: Any, optimizer: Any
+) -> tuple[LocalGradients, NormPlan, ReducedVector]:
+    """Measure this rank's pass again, by a fresh engine, with the very arithmetic the other
+    ranks used (plan, packing, float64 band combine), where no rank all-reduces (every rank
+    holds the reduced gradients: :meth:`gradwatch.reduce.Reducer.issues_collective` is False):
+    the gradients, their plan and the reduced vector, equal to the other ranks' bit for bit.
+    Raises what the pass raises (:class:`~gradwatch.failures.Replaced` for a replaced
+    parameter)."""
+    replaced = r.slots.first_replaced()
+    if replaced is not None:
+        raise Replaced(replaced)
+    grads, sq, plan, _ = measure_local(r, NormEngine(), scaler, optimizer)
+    has_grad = [g is not None for g in grads.tensors]
+    return grads, plan, r.reducer.pack_and_reduce(sq, has_grad, step, with_replicas=False)
+
+
+def act_alone(
+    r: Resolved,
+    reporter: Reporter,
+    step: int,
+    scaler: Any,
+    optimizer: Any,
+    max_norm: float | None,
+    guard: StepGuard | None,
+) -> tuple[Tensor | None, GuardDecision | None]:
+    """The clip (to ``max_norm``, when given) and the guard's decision (``guard``, when given)
+    of a rank whose pass failed alone where no rank all-reduces, from one measurement again
+    (:func:`measure_alone`) taken before the clip, as the other ranks' pass takes it: its norm,
+    its clipped gradients, its decision and the guard's spike window equal theirs bit for bit.
+    ``(None, None)`` when that fails too: torch's rank-local clip, and the step applied
+    unguarded with no sample in the window (logged once; docs/distributed.md)."""
     try:
-        if r.slots.first_replaced() is not None:
-            return None
-        grads, sq, plan, _ = measure_local(r, NormEngine(), scaler, optimizer)
-        has_grad = [g is not None for g in grads.tensors]
-        alone = r.reducer.pack_and_reduce(sq, has_grad, step, with_replicas=False)
-        return clip_grads_(alone, max_norm, grads, plan)
+        grads, plan, alone = measure_alone(r, step, scaler, optimizer)
+        total = None if max_norm is None else clip_grads_(alone, max_norm, grads, plan)
+        return total, None if guard is None else guard.decide(alone)
     except Exception as exc:  # never-crash boundary: torch's clip takes over, logged
         reporter.log_once(
-            "clip-alone", "gradwatch: step %d: the replicated clip could not be measured again "
-            "(%s: %s); torch's rank-local clip takes over", step, type(exc).__name__, exc,
+            "act-alone", "gradwatch: step %d: the replicated clip and guard decision could not "
+            "be measured again (%s: %s); torch's rank-local clip takes over and the optimizer "
+            "step is applied unguarded", step, type(exc).__name__, exc,
         )
-        return None
+        return None, None
 
 
 def accelerator_of(plan: NormPlan) -> torch.device | None:

@@ -93,14 +93,7 @@ def _inject(watch: Any, fault: str, rank: int, world: int, step: int) -> Callabl
     if rank != world - 1 or step not in FAULT_STEPS[fault]:
         return lambda: None
     if fault == "raise":
-        engine = watch._collector.engine
-        real = engine.squared_norms_and_plan
-
-        def boom(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError("injected: the local pass raised")
-
-        engine.squared_norms_and_plan = boom
-        return lambda: setattr(engine, "squared_norms_and_plan", real)
+        return _arm_raise(watch)
     if fault == "host_thread":
         host = watch._reducer.collective._host
         real_land = host._land
@@ -125,6 +118,18 @@ def _inject(watch: Any, fault: str, rank: int, world: int, step: int) -> Callabl
     if fault == "close":
         watch.close()
     return lambda: None
+
+
+def _arm_raise(watch: Any) -> Callable[[], None]:
+    """Make this rank's local pass raise (its norm engine's); returns the disarm."""
+    engine = watch._collector.engine
+    real = engine.squared_norms_and_plan
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: the local pass raised")
+
+    engine.squared_norms_and_plan = boom
+    return lambda: setattr(engine, "squared_norms_and_plan", real)
 
 
 def _digest(model: nn.Module) -> str:
@@ -193,9 +198,75 @@ def case(parallelism: str, fault: str) -> Callable[[int, int], dict[str, Any]]:
     return run
 
 
+#: The guarded case (DDP's default path, fused AdamW, ``skip_nonfinite`` and
+#: ``skip_spike_score``): the last rank's local pass raises on ``GUARD_RAISE_STEPS``, among them
+#: the step whose gradients hold a NaN (from one rank, before DDP's reduction; decided in the
+#: guarded ``step()``'s own collect) and the 200x spike (decided from the step's clip).
+GUARD_STEPS = 12
+GUARD_CLIP_STEPS = (1, 4, 8)
+GUARD_NAN_STEP = 6
+GUARD_SPIKE_STEP = 8
+GUARD_RAISE_STEPS = (3, GUARD_NAN_STEP, GUARD_SPIKE_STEP)
+
+
+def guard_case(rank: int, world: int) -> dict[str, Any]:
+    """Each rank's guard decisions (their host readings, ``None``: no decision) and whether
+    its parameters changed, per step; its guard's device state and its parameters' digest at
+    the end."""
+    from gradwatch import GradWatch, WatchConfig
+
+    model, _, _ = _model("ddp", rank)
+    cfg = WatchConfig(
+        port=None, collective_timeout_seconds=TIMEOUT_S, divergence_every=5,
+        skip_nonfinite=True, skip_spike_score=6.0, spike_window=8, spike_warmup=4,
+    )
+    watch = GradWatch(model, cfg)
+    collector = watch._collector
+    decide = collector.guard_decision
+    decisions: list[Any] = []
+
+    def recorded(scaler: Any, optimizer: Any) -> Any:
+        decision = decide(scaler, optimizer)
+        decisions.append(decision)
+        return decision
+
+    collector.guard_decision = recorded  # type: ignore[method-assign]
+    opt = watch.guard(torch.optim.AdamW(model.parameters(), lr=0.01, fused=True))
+    changed: list[bool] = []
+    for step in range(GUARD_STEPS):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step + rank)
+        loss = model(torch.randn(4, 6)).pow(2).sum()
+        if step == GUARD_NAN_STEP and rank == 0:
+            loss = loss * math.nan  # one rank's NaN: DDP's all-reduce spreads it
+        if step == GUARD_SPIKE_STEP:
+            loss = loss * 200.0
+        loss.backward()
+        before = _digest(model)
+        armed = rank == world - 1 and step in GUARD_RAISE_STEPS
+        disarm = _arm_raise(watch) if armed else lambda: None
+        if step in GUARD_CLIP_STEPS:
+            watch.clip_grad_norm_(MAX_NORM, step=step)
+        opt.step()  # the clip's decision, or a collect of its own
+        disarm()
+        changed.append(_digest(model) != before)
+    guard = collector.guard
+    assert guard is not None and guard._window is not None
+    state = [guard._consecutive, guard._skipped, guard._skipped_nonfinite,
+             guard._window._ring, guard._window._next]
+    out = {
+        "decisions": [None if d is None else repr(d.reading()) for d in decisions],
+        "changed": changed,
+        "guard_state": repr([t.tolist() for t in state]),
+        "params": _digest(model),
+    }
+    watch.close()
+    return out
+
+
 CASES: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
     (f"{p}/{f}", case(p, f)) for p in PARALLELISMS for f in FAULT_STEPS
-]
+] + [("guard/raise", guard_case)]
 
 
 def worker(rank: int, world: int, port: int, out: str, suite: str = "") -> None:
