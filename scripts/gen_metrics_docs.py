@@ -186,7 +186,12 @@ def series_count(groups: int) -> int:
     stats = SelfStats()
     stats.set_collecting(True)
     collector = SnapshotCollector(
-        state, stats, world_size=1, parallelism="single", run_id="run", start_time=0.0,
+        state,
+        stats,
+        world_size=1,
+        parallelism="single",
+        run_id="run",
+        start_time=0.0,
         ratios=cfg.ratios,
     )
     return sum(len(family.samples) for family in collector.collect())

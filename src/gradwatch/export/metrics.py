@@ -117,8 +117,7 @@ STEP = MetricDef(
     "gauge",
     (),
     "Training step of the last published snapshot.",
-    "Absent until the first snapshot is published: gauges never show zeros that were "
-    "not measured.",
+    "Absent until the first snapshot is published: gauges never show zeros that were not measured.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.step),
 )
@@ -180,8 +179,7 @@ EXPLODING_TENSORS = MetricDef(
     "gradwatch_exploding_tensors",
     "gauge",
     ("group",),
-    "Parameters of the group whose gradient L2 norm is above exploding_threshold or "
-    "non-finite.",
+    "Parameters of the group whose gradient L2 norm is above exploding_threshold or non-finite.",
     source=MetricSource.SNAPSHOT,
     read=group_field("exploding"),
 )
@@ -319,8 +317,7 @@ LAST_NONFINITE_ORIGIN = MetricDef(
     "gradwatch_last_nonfinite_origin",
     "gauge",
     ("rank", "host"),
-    "Step of the last step whose non-finite gradients started on this rank before the "
-    "reduction.",
+    "Step of the last step whose non-finite gradients started on this rank before the reduction.",
     f"One series per origin rank of the last such step only (the lowest {MAX_ORIGIN_SERIES} "
     "ranks, `MAX_ORIGIN_SERIES`), kept until the next one: a bounded label set. Absent "
     "before the first such step.",
@@ -361,8 +358,7 @@ EXPLODING_STEPS_TOTAL = MetricDef(
     "counter",
     (),
     "Published snapshots with at least one exploding parameter (non-finite ones included).",
-    "AMP-skipped steps count here too: their non-finite parameters are exploding by "
-    "definition.",
+    "AMP-skipped steps count here too: their non-finite parameters are exploding by definition.",
     source=MetricSource.COUNTS,
     read=lambda c: one(c.exploding_steps),
 )
@@ -427,12 +423,10 @@ GRAD_NORM_SPIKE_SCORE = MetricDef(
     "gradwatch_grad_norm_spike_score",
     "gauge",
     ("group",),
-    "Robust deviations of one group's log-norm above its recent median at the last "
-    "published step.",
+    "Robust deviations of one group's log-norm above its recent median at the last published step.",
     "As `gradwatch_global_grad_norm_spike_score`, per group.",
     source=MetricSource.SNAPSHOT,
-    read=lambda s: None
-    if s.snap.global_spike_score is None else each(s.snap.spike_scores.items()),
+    read=lambda s: None if s.snap.global_spike_score is None else each(s.snap.spike_scores.items()),
 )
 GLOBAL_GRAD_NORM_SPIKES_TOTAL = MetricDef(
     "gradwatch_global_grad_norm_spikes_total",
@@ -448,8 +442,7 @@ GRAD_NORM_SPIKES_TOTAL = MetricDef(
     "gradwatch_grad_norm_spikes_total",
     "counter",
     ("group",),
-    "Published steps in which the group's norm was a spike (spike score above "
-    "spike_threshold).",
+    "Published steps in which the group's norm was a spike (spike score above spike_threshold).",
     "Starts at 0 for every configured group; `other` from its first step.",
     source=MetricSource.COUNTS,
     read=lambda c: each(c.group_spikes.items()),
