@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.utils import floatToGoString
 
@@ -46,6 +46,9 @@ from gradwatch.export.metricdef import (
 from gradwatch.export.publisher import MAX_PENDING
 from gradwatch.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
 from gradwatch.snapshot import ratio_defined
+
+if TYPE_CHECKING:  # the state reads through this catalog: its types for annotations only
+    from gradwatch.export.state import SelfView
 
 __all__ = [
     "EXEMPLAR_COUNTERS",
@@ -95,7 +98,7 @@ def _norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
     return cumulative_histogram(NORM_BUCKETS, *hist)
 
 
-def _collect_seconds(v: Any) -> HistogramValue:
+def _collect_seconds(v: SelfView) -> HistogramValue:
     """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
     return cumulative_histogram(COLLECT_SECONDS_BUCKETS, v.bucket_counts, v.seconds_sum)
 
