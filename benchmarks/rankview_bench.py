@@ -69,8 +69,8 @@ class _InCallbackSquares:
 
     The reduction is ``allreduce_hook``'s (divide by the group size, all-reduce) with one
     callback; per bucket, the rank view's own plan (:class:`gradwatch.ddp_hook._BucketPlan`)
-    with parameters in place of groups: rows of 512 float32 elements normed in place, squared in
-    float64 and added per parameter by ``index_add_``, straddling rows element by element. The
+    with parameters in place of groups: rows of 512 float32 elements normed in place, squared
+    into float64 and added per parameter by ``index_add_``, straddling rows element by element. The
     squares land in the plain band of a ``3N`` banded vector (no repair pass: a benchmark
     prototype, not the engine's exactness contract for extreme magnitudes)."""
 

@@ -311,5 +311,6 @@ def read_norm(value: Any) -> tuple[float, str | None]:
                 return math.nan, f"the reported norm has {value.numel()} elements, not 1"
             return float(value.detach().reshape(())), None
         return float(value), None
-    except Exception as exc:  # never let an audit raise into the job
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:  # float() and torch;
+        # anything else reaches the audit's boundary (Summarizer.audit)
         return math.nan, f"the reported norm could not be read ({type(exc).__name__}: {exc})"

@@ -48,7 +48,7 @@ MONITOR_ON_HOST_BACKENDS: tuple[str, ...] = ("nccl",)
 def bound_device() -> torch.device | None:
     """The device the default process group was bound to (``init_process_group(device_id=)``),
     if any (``ProcessGroup.bound_device_id``)."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError):  # private c10d API
         bound = dist.distributed_c10d._get_default_group().bound_device_id
         if bound is not None:
             return torch.device(bound)
@@ -334,7 +334,7 @@ def job_timeout() -> timedelta:
     """The job's default process-group timeout (``init_process_group(timeout=)``), read from
     the default group's backend options; torch's default for the backend when it cannot be
     read."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError):  # private c10d API
         default = dist.distributed_c10d._get_default_group()
         for device in default._device_types:
             timeout = default._get_backend(device).options._timeout
@@ -395,7 +395,7 @@ class Collective:
         longest = max(timedelta(seconds=self.timeout), job_timeout())
         for group in (self.group, self.host_group):
             if group is not None:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(AttributeError, RuntimeError, ValueError):
                     dist.distributed_c10d._set_pg_timeout(longest, group)
         self.group_timeout = longest.total_seconds()
 

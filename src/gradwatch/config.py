@@ -324,31 +324,17 @@ class WatchConfig(BaseSettings):
     @field_validator("spike_warmup")
     @classmethod
     def _spike_warmup_fits_the_window(cls, value: int, info: ValidationInfo) -> int:
-        window = info.data.get("spike_window")  # absent when spike_window itself was invalid
-        if window is not None and value > window:
-            raise ValueError(
-                f"spike_warmup ({value}) must not exceed spike_window ({window}): the window "
-                "never holds more samples"
-            )
-        return value
+        # spike_window is absent from info.data when it was itself invalid
+        return _spike_warmup_fits(value, info.data.get("spike_window"))
 
-    # -- restarts and ratio bands: run identity (see also RatioSpec) ----------------------------
-    # Any text is a valid label value (the exposition escapes quotes, backslashes and
-    # newlines); only an empty, blank-padded, overlong or non-UTF-8 id is refused.
+    # -- restarts and ratio bands: run identity (see also RatioSpec; checks: _checked_run_id) ---
     run_id: str | None = Field(default=None, min_length=1, max_length=MAX_RUN_ID_LENGTH)
 
     @field_validator("run_id")
     @classmethod
     def _check_run_id(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        if value.strip() != value or not value.strip():
-            raise ValueError(f"run_id {value!r} is blank or has surrounding blanks")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"run_id {value!r} is not valid UTF-8 text") from exc
-        return value
+        return value if value is None else _checked_run_id(value)
+
     # -- norm auditing (GradWatch.audit_norm, gradwatch.audit) --
     audit_tolerance: Threshold = 1e-3
 
@@ -364,21 +350,7 @@ class WatchConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_sinks_and_discovery(self) -> WatchConfig:
-        if len(set(self.sinks)) != len(self.sinks):
-            raise ValueError(f"sinks has duplicates: {self.sinks}")
-        if ("tensorboard" in self.sinks) != (self.tensorboard_dir is not None):
-            raise ValueError(
-                "sinks and tensorboard_dir go together: the 'tensorboard' sink writes to "
-                "tensorboard_dir, which nothing else uses"
-            )
-        if self.file_sd_path is not None and self.port is None:
-            raise ValueError("file_sd_path needs port: the target it writes is the endpoint")
-        for name in self.file_sd_labels:
-            if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
-                raise ValueError(
-                    f"file_sd_labels: {name!r} is not a Prometheus label name "
-                    "([a-zA-Z_][a-zA-Z0-9_]*, not starting with '__')"
-                )
+        _validate_sinks_and_discovery(self)
         return self
 
     @classmethod
@@ -397,35 +369,12 @@ class WatchConfig(BaseSettings):
     @field_validator("groups", mode="before")
     @classmethod
     def _groups_from_pairs(cls, value: Any) -> Any:
-        """Accept a list of ``(name, patterns)`` pairs too, so duplicates can be reported."""
-        if isinstance(value, list | tuple):
-            seen: dict[Any, Any] = {}
-            for item in value:
-                if not isinstance(item, list | tuple) or len(item) != 2:
-                    raise ValueError("groups must be a mapping or a list of (name, patterns) pairs")
-                name, patterns = item
-                if name in seen:
-                    raise ValueError(f"duplicate group name {name!r}")
-                seen[name] = patterns
-            return seen
-        return value
+        return _groups_as_mapping(value)
 
     @field_validator("groups")
     @classmethod
     def _check_groups(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
-        for name, patterns in value.items():
-            if name.strip() != name or not name.strip():
-                raise ValueError(f"group name {name!r} is empty or has surrounding blanks")
-            if name == OTHER_GROUP:
-                raise ValueError(
-                    f"group name {OTHER_GROUP!r} is reserved for parameters that match no pattern"
-                )
-            if "/" in name:
-                raise ValueError(f"group name {name!r} must not contain '/' (used in ratio keys)")
-            if not patterns:
-                raise ValueError(f"group {name!r} has no patterns")
-            if any(not p for p in patterns):
-                raise ValueError(f"group {name!r} has an empty pattern")
+        _validate_groups(value)
         return value
 
     @field_validator("history_path", mode="before")
@@ -439,73 +388,159 @@ class WatchConfig(BaseSettings):
     @field_validator("bind_address")
     @classmethod
     def _check_bind_address(cls, value: str) -> str:
-        if value == "localhost":
-            return value
-        try:
-            ipaddress.ip_address(value)
-        except ValueError as exc:
-            raise ValueError(f"bind_address {value!r} is not an IP address") from exc
+        _validate_bind_address(value)
         return value
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> WatchConfig:
-        known = set(self.groups) | {OTHER_GROUP}
-        for i, (num, den) in enumerate(self.ratios):
-            for name in (num, den):
-                if name not in known:
-                    raise ValueError(
-                        f"ratios[{i}] names unknown group {name!r}; known: {sorted(known)}"
-                    )
-            if num == den:
-                raise ValueError(f"ratios[{i}] divides group {num!r} by itself")
-        if len({r.pair for r in self.ratios}) != len(self.ratios):
-            raise ValueError("ratios has duplicate pairs")
-        for name in self.isolated:
-            if name not in known:
-                raise ValueError(f"isolated names unknown group {name!r}; known: {sorted(known)}")
-        if len(set(self.isolated)) != len(self.isolated):
-            raise ValueError("isolated has duplicate group names")
-        if len(set(self.expert_parameters)) != len(self.expert_parameters):
-            raise ValueError("expert_parameters has duplicate patterns")
-        if not self.vanishing_threshold < self.exploding_threshold:
-            raise ValueError(
-                "vanishing_threshold must be below exploding_threshold "
-                f"({self.vanishing_threshold} >= {self.exploding_threshold})"
-            )
-        if (self.certfile is None) != (self.keyfile is None):
-            raise ValueError("certfile and keyfile must be given together")
-        if self.client_cafile is not None and self.certfile is None:
-            raise ValueError("client_cafile (mutual TLS) needs certfile and keyfile")
+        _validate_cross_fields(self)
         return self
 
     def layout_hash(self) -> str:
-        """Digest of the fields every rank must agree on (checked in the construction handshake).
-
-        Endpoint and history settings are rank-0 business and excluded; grouping, thresholds and
-        the schedule change what the collective carries or when it runs, so they are included.
+        """Digest of the fields every rank must agree on (checked in the construction handshake):
+        :data:`LAYOUT_HASH_FIELDS`, serialized as JSON with sorted keys, SHA-256, 16 hex digits.
         """
-        keys = (
-            "groups",
-            "ratios",
-            "isolated",
-            "vanishing_threshold",
-            "exploding_threshold",
-            "isolation_threshold",
-            "every_n_steps",
-            "divergence_every",
-            "always_reduce",  # which collects all-reduce
-            "rank_view",  # the packed vector's rank-view section
-            "expert_parameters",  # which names may be held by some ranks only
-            # the optimizer-step guard: every rank must take the same skip decisions
-            "skip_nonfinite",
-            "skip_spike_score",
-            "max_consecutive_skips",
-            "guard",
-            "spike_window",
-            "spike_warmup",
-        )
-        payload = json.dumps(self.model_dump(include=set(keys), mode="json"), sort_keys=True)
+        fields = set(LAYOUT_HASH_FIELDS)
+        payload = json.dumps(self.model_dump(include=fields, mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+#: The fields every rank must agree on (:meth:`WatchConfig.layout_hash`). Endpoint and history
+#: settings are rank-0 business and excluded; grouping, thresholds and the schedule change what
+#: the collective carries or when it runs, so they are included.
+LAYOUT_HASH_FIELDS = (
+    "groups",
+    "ratios",
+    "isolated",
+    "vanishing_threshold",
+    "exploding_threshold",
+    "isolation_threshold",
+    "every_n_steps",
+    "divergence_every",
+    "always_reduce",  # which collects all-reduce
+    "rank_view",  # the packed vector's rank-view section
+    "expert_parameters",  # which names may be held by some ranks only
+    # the optimizer-step guard: every rank must take the same skip decisions
+    "skip_nonfinite",
+    "skip_spike_score",
+    "max_consecutive_skips",
+    "guard",
+    "spike_window",
+    "spike_warmup",
+)
+
+
+# -- WatchConfig's checks: each raises ValueError, which pydantic reports on the field (or on the
+# model, for the cross-field checks) -------------------------------------------------------------
+
+
+def _spike_warmup_fits(warmup: int, window: int | None) -> int:
+    if window is not None and warmup > window:
+        raise ValueError(
+            f"spike_warmup ({warmup}) must not exceed spike_window ({window}): the window "
+            "never holds more samples"
+        )
+    return warmup
+
+
+def _checked_run_id(value: str) -> str:
+    """Any text is a valid label value (the exposition escapes quotes, backslashes and
+    newlines); only an empty, blank-padded, overlong or non-UTF-8 id is refused."""
+    if value.strip() != value or not value.strip():
+        raise ValueError(f"run_id {value!r} is blank or has surrounding blanks")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"run_id {value!r} is not valid UTF-8 text") from exc
+    return value
+
+
+def _groups_as_mapping(value: Any) -> Any:
+    """Accept a list of ``(name, patterns)`` pairs too, so duplicates can be reported."""
+    if isinstance(value, list | tuple):
+        seen: dict[Any, Any] = {}
+        for item in value:
+            if not isinstance(item, list | tuple) or len(item) != 2:
+                raise ValueError("groups must be a mapping or a list of (name, patterns) pairs")
+            name, patterns = item
+            if name in seen:
+                raise ValueError(f"duplicate group name {name!r}")
+            seen[name] = patterns
+        return seen
+    return value
+
+
+def _validate_groups(groups: dict[str, list[str]]) -> None:
+    for name, patterns in groups.items():
+        if name.strip() != name or not name.strip():
+            raise ValueError(f"group name {name!r} is empty or has surrounding blanks")
+        if name == OTHER_GROUP:
+            raise ValueError(
+                f"group name {OTHER_GROUP!r} is reserved for parameters that match no pattern"
+            )
+        if "/" in name:
+            raise ValueError(f"group name {name!r} must not contain '/' (used in ratio keys)")
+        if not patterns:
+            raise ValueError(f"group {name!r} has no patterns")
+        if any(not p for p in patterns):
+            raise ValueError(f"group {name!r} has an empty pattern")
+
+
+def _validate_bind_address(value: str) -> None:
+    if value == "localhost":
+        return
+    try:
+        ipaddress.ip_address(value)
+    except ValueError as exc:
+        raise ValueError(f"bind_address {value!r} is not an IP address") from exc
+
+
+def _validate_sinks_and_discovery(config: WatchConfig) -> None:
+    if len(set(config.sinks)) != len(config.sinks):
+        raise ValueError(f"sinks has duplicates: {config.sinks}")
+    if ("tensorboard" in config.sinks) != (config.tensorboard_dir is not None):
+        raise ValueError(
+            "sinks and tensorboard_dir go together: the 'tensorboard' sink writes to "
+            "tensorboard_dir, which nothing else uses"
+        )
+    if config.file_sd_path is not None and config.port is None:
+        raise ValueError("file_sd_path needs port: the target it writes is the endpoint")
+    for name in config.file_sd_labels:
+        if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+            raise ValueError(
+                f"file_sd_labels: {name!r} is not a Prometheus label name "
+                "([a-zA-Z_][a-zA-Z0-9_]*, not starting with '__')"
+            )
+
+
+def _validate_cross_fields(config: WatchConfig) -> None:
+    known = set(config.groups) | {OTHER_GROUP}
+    for i, (num, den) in enumerate(config.ratios):
+        for name in (num, den):
+            if name not in known:
+                raise ValueError(
+                    f"ratios[{i}] names unknown group {name!r}; known: {sorted(known)}"
+                )
+        if num == den:
+            raise ValueError(f"ratios[{i}] divides group {num!r} by itself")
+    if len({r.pair for r in config.ratios}) != len(config.ratios):
+        raise ValueError("ratios has duplicate pairs")
+    for name in config.isolated:
+        if name not in known:
+            raise ValueError(f"isolated names unknown group {name!r}; known: {sorted(known)}")
+    if len(set(config.isolated)) != len(config.isolated):
+        raise ValueError("isolated has duplicate group names")
+    if len(set(config.expert_parameters)) != len(config.expert_parameters):
+        raise ValueError("expert_parameters has duplicate patterns")
+    if not config.vanishing_threshold < config.exploding_threshold:
+        raise ValueError(
+            "vanishing_threshold must be below exploding_threshold "
+            f"({config.vanishing_threshold} >= {config.exploding_threshold})"
+        )
+    if (config.certfile is None) != (config.keyfile is None):
+        raise ValueError("certfile and keyfile must be given together")
+    if config.client_cafile is not None and config.certfile is None:
+        raise ValueError("client_cafile (mutual TLS) needs certfile and keyfile")
 
 
 def check_history_path(path: Path) -> None:

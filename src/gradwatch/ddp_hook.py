@@ -10,18 +10,18 @@ SUM, issued through the process group's own method) or the user's own hook
 
 **The math, per bucket** (:class:`_BucketPlan`, built once per bucket layout and found again
 by the bucket's flat buffer, so a steady step asks DDP for neither the parameter list nor the
-gradient views, which cost two view ops per parameter): on CPU, a
-float32 bucket's flat buffer is read in place as rows of 512 elements normed in float32 (as the
-core engine's row path, :mod:`gradwatch.stats`: relative error below 5e-7), squared in float64
-and added per group by ``index_add_``; the few rows straddling two groups and the partial last
-row are read element by element. Elsewhere ``torch._foreach_norm(bucket.gradients(), 2,
-dtype=torch.float64)`` (float64 accumulation, as the core engine's accelerator path), squared
-and added per group. A constant number of dispatched ops per bucket whatever the number of its
-parameters, no gradient-sized temporary, no host read. A NaN/Inf gradient makes its group's
-square NaN/Inf: the non-finite flags are the squares themselves. Limits (no repair pass, unlike
-the core engine): float32 elements above about 1e19 make a row norm overflow (Inf) and below
-about 1e-19 underflow; float64 gradients whose norm lies outside about ``[1e-154, 1e154]`` read
-0 or Inf.
+gradient views, which cost two view ops per parameter), with the norm engine's parts: on CPU, a
+float32 bucket's flat buffer is read in place as rows of 512 elements normed in float32 and
+summed per group (:class:`gradwatch.rows.FlatRows`, the core engine's row path: relative error
+below 5e-7); the few rows straddling two groups and the partial last row are read element by
+element. Elsewhere the engine's :func:`gradwatch.stats.foreach_norms` (float64 accumulation),
+squared and added per group. A constant number of dispatched ops per bucket whatever the number
+of its parameters, no gradient-sized temporary, no host read. A NaN/Inf gradient makes its
+group's square NaN/Inf: the non-finite flags are the squares themselves. Limits (no repair
+pass, no bands, unlike the core engine: both would read the host or cost a pass per bucket,
+docs/design.md, "The comm hook's share"): float32 elements above about 1e19 make a row norm
+overflow (Inf) and below about 1e-19 underflow; float64 gradients whose norm lies outside about
+``[1e-154, 1e154]`` read 0 or Inf.
 
 **Per backward.** Bucket 0 comes first in every backward (DDP launches buckets in index
 order), so it resets the vector; the last bucket marks it complete. :meth:`LocalView.take`
@@ -50,7 +50,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from gradwatch.errors import GradWatchError
-from gradwatch.rows import ROW_NUMEL
+from gradwatch.rows import FlatRows, foreach_splits
+from gradwatch.stats import foreach_norms
 
 log = logging.getLogger("gradwatch")
 
@@ -131,24 +132,18 @@ class LocalView:
         return self._acc[: self.groups]
 
 
-#: Rows of the CPU float32 path: the core engine's (:data:`gradwatch.rows.ROW_NUMEL`).
-ROW = ROW_NUMEL
-
-
 class _BucketPlan:
-    """How one bucket's gradients are summed per group, built once per bucket layout.
+    """How one bucket's gradients are summed per group, built once per bucket layout, from the
+    norm engine's parts (:mod:`gradwatch.stats`, :mod:`gradwatch.rows`).
 
     * **CPU float32 buckets whose gradients are views of the bucket's flat buffer** (DDP's
-      layout): the buffer is read in place as rows of :data:`ROW` elements, normed in float32
-      by one ``vector_norm(rows, dim=1)`` (relative error below 5e-7, as the core engine's row
-      path), squared in float64 and added to the group of the row by one ``index_add_``. Rows
-      that straddle two groups, and the partial last row, are read element by element instead
-      (one ``index_select`` of those few elements, squared in float64, one ``index_add_``);
-      their rows go to a discard slot. At most eight ops per bucket (the whole-row view is
-      made once, with the plan).
+      layout): the buffer read in place as rows (:class:`gradwatch.rows.FlatRows`, owners =
+      groups): pure rows normed in float32 and squared into float64 by the engine's
+      :class:`~gradwatch.rows.RowSquares`, straddling rows and the partial last row element by
+      element. Seven ops per bucket.
     * **Otherwise** (accelerators, float64, bf16/fp16, gradients that are no buffer views, or
-      more than a quarter of the buffer in straddling rows): ``torch._foreach_norm(grads, 2,
-      dtype=torch.float64)`` stacked, squared, added per parameter's group. Four ops.
+      more than a quarter of the buffer in straddling rows): the engine's float64-accumulating
+      :func:`~gradwatch.stats.foreach_norms`, squared, added per parameter's group. Four ops.
     """
 
     def __init__(
@@ -157,29 +152,22 @@ class _BucketPlan:
         source: Tensor,
         per_param: Tensor,
         grads: Sequence[Tensor] = (),
-        rows: int = 0,
-        row_group: Tensor | None = None,
-        loose: Tensor | None = None,
-        loose_group: Tensor | None = None,
+        rows: FlatRows | None = None,
     ) -> None:
         # The bucket buffer the plan was built for, by identity: DDP keeps a bucket's buffer
         # (and its Python object) for as long as the bucket layout lasts, and a weak reference
         # cannot outlive it, so a live match means the same layout. (A torch that handed out a
         # new Python object per call would only cost a rebuild per step, never a wrong plan.)
-        # The plan's views below hold the old storage only until a rebuild replaces bucket 0,
-        # which drops every old plan.
+        # The plan's views hold the old storage only until a rebuild replaces bucket 0, which
+        # drops every old plan.
         self.source = weakref.ref(source)
         self.per_param = per_param
         # Foreach path: the bucket's gradient views, kept (DDP makes two view ops per parameter
         # each time it is asked for them); views of the buffer, so they read its current values.
         self.grads = list(grads)
+        self.splits = foreach_splits([g.numel() for g in self.grads])
+        # Row path: the buffer's rows and loose elements (its whole-row view is made once).
         self.rows = rows
-        # Row path: the buffer's whole rows as a (rows, ROW) view, made once (two view ops less
-        # per bucket and step); a view of the buffer, so it reads the buffer's current values.
-        self.row_view = source[: rows * ROW].view(rows, ROW) if rows else None
-        self.row_group = row_group
-        self.loose = loose
-        self.loose_group = loose_group
 
     @classmethod
     def build(
@@ -198,46 +186,22 @@ class _BucketPlan:
             )
         ):
             return cls(source=buffer, per_param=per_param, grads=grads)
-        n = buffer.numel()
-        owner = torch.full((n,), discard, dtype=torch.long)
         base = buffer.storage_offset()
-        for g, group in zip(grads, groups, strict=True):
-            start = g.storage_offset() - base
-            owner[start : start + g.numel()] = group
-        rows = n // ROW
-        by_row = owner[: rows * ROW].view(rows, ROW)
-        pure = (by_row == by_row[:, :1]).all(dim=1)
-        row_group = torch.where(pure, by_row[:, 0], discard)
-        loose = torch.cat(
-            [
-                (torch.nonzero(~pure).flatten()[:, None] * ROW + torch.arange(ROW)).flatten(),
-                torch.arange(rows * ROW, n),
-            ]
-        )
-        if loose.numel() > n // 4:
+        spans = [
+            (g.storage_offset() - base, g.numel(), group)
+            for g, group in zip(grads, groups, strict=True)
+        ]
+        rows = FlatRows(buffer, spans, discard)
+        if rows.loose.numel() > buffer.numel() // 4:
             return cls(source=buffer, per_param=per_param, grads=grads)
-        return cls(
-            source=buffer,
-            per_param=per_param,
-            rows=rows,
-            row_group=row_group,
-            loose=loose,
-            loose_group=owner[loose],
-        )
+        return cls(source=buffer, per_param=per_param, rows=rows)
 
     def add_squares(self, acc: Tensor, buffer: Tensor) -> None:
         """Add the squares of the bucket whose flat buffer is ``buffer`` into ``acc``."""
-        if self.row_group is None:
-            norms = torch._foreach_norm(self.grads, 2, dtype=torch.float64)
-            acc.index_add_(0, self.per_param, torch.stack(norms).square_())
+        if self.rows is None:
+            acc.index_add_(0, self.per_param, foreach_norms(self.grads, self.splits).square_())
             return
-        assert self.loose is not None and self.loose_group is not None
-        if self.row_view is not None:
-            norms = torch.linalg.vector_norm(self.row_view, dim=1)
-            acc.index_add_(0, self.row_group, norms.to(torch.float64).square_())
-        if self.loose.numel():
-            values = buffer.index_select(0, self.loose).to(torch.float64)
-            acc.index_add_(0, self.loose_group, values.square_())
+        self.rows.add_squares(buffer, acc)
 
 
 class GradWatchCommHook:

@@ -198,7 +198,7 @@ def check_foreach_fp64(device: torch.device, dtype: torch.dtype) -> Check:
     try:
         (out,) = torch._foreach_norm([t], 2, dtype=torch.float64)
         got = float(out)
-    except Exception as exc:
+    except RuntimeError as exc:  # torch's NotImplementedError included
         return Check(name, FAIL, f"unavailable: {type(exc).__name__}", "available", str(exc))
     err = _rel_err(got, reference_norm([t]))
     status = PASS if err <= 1e-12 else FAIL
@@ -308,7 +308,7 @@ def check_syncs(device: torch.device, dtypes: Sequence[torch.dtype] = (torch.flo
             # call inside it fails the step, and its result says why.
             try:
                 pending.result()
-            except Exception as exc:
+            except RuntimeError as exc:  # the step that synchronized was not measured
                 return Check("syncs", FAIL, _one_line(exc), threshold)
             return Check("syncs", PASS, "0 synchronizations", threshold)
         with count_host_reads() as reads, count_blocking_copies() as copies, OpCounter() as ops:
@@ -582,7 +582,7 @@ def check_distributed(device: torch.device, options: DoctorOptions) -> Check:
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
-    except Exception as exc:
+    except (RuntimeError, ValueError, OSError) as exc:  # c10d's DistError kinds are RuntimeErrors
         return Check("distributed", FAIL, f"rendezvous failed: {_one_line(exc)}", threshold)
     try:
         grads = [g.to(device) for g in _rank_grads(rank, options.quick)]
@@ -593,7 +593,7 @@ def check_distributed(device: torch.device, options: DoctorOptions) -> Check:
                 _config(collective_timeout_seconds=options.timeout),
                 stage_group=dist.group.WORLD,
             )
-        except Exception as exc:  # LayoutMismatchError, GradWatchTimeoutError: named
+        except RuntimeError as exc:  # LayoutMismatchError, GradWatchTimeoutError, c10d: named
             return Check(
                 "distributed", FAIL, f"handshake failed: {_one_line(exc)}", threshold, backend
             )
@@ -609,10 +609,10 @@ def check_distributed(device: torch.device, options: DoctorOptions) -> Check:
             clip_total = float(watch.clip_grad_norm_(1e30, step=6))
         finally:
             watch.close()
-    except Exception as exc:
+    except RuntimeError as exc:  # gradwatch's and c10d's errors; the rest reaches run_checks
         return Check("distributed", FAIL, f"collect failed: {_one_line(exc)}", threshold, backend)
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(RuntimeError, ValueError):
             dist.destroy_process_group()
     err = max(_rel_err(snap.global_norm, reference), _rel_err(clip_total, reference))
     ok = err <= 1e-6 and collectives == 1 and snap.world_size == world

@@ -61,7 +61,7 @@ def check_cuda_syncs(device: torch.device) -> Check:
                 watch.clip_grad_norm_(1.0, step=10)
                 pending = watch.collect(11)
                 pending.result()
-            except Exception as exc:
+            except RuntimeError as exc:  # the sync debug mode's error, or the unmeasured step
                 return Check("cuda[syncs]", FAIL, f"{dtype}: {exc}", threshold)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
@@ -112,7 +112,7 @@ def check_cuda_capture(device: torch.device) -> Check:
                     watch.collect(1)
                 except GradWatchError as exc:
                     refused = str(exc)
-        except Exception as exc:  # the capture itself failed: something ran that must not
+        except RuntimeError as exc:  # the capture itself failed: something ran that must not
             return Check("cuda[capture]", FAIL, f"capture broke: {exc}", threshold)
     if refused is None:
         return Check("cuda[capture]", FAIL, "collect() ran inside the capture", threshold)

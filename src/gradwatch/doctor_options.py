@@ -146,7 +146,7 @@ def environment(device: torch.device) -> dict[str, Any]:
             torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
         ]
         env["cuda_driver"] = cuda_driver_version()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(RuntimeError, AttributeError):  # no NCCL in this build
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     else:
         env["cuda_devices"] = []

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import socket
@@ -60,6 +61,8 @@ import torch
 import torch.distributed as dist
 
 from gradwatch.errors import GradWatchError
+
+log = logging.getLogger("gradwatch")
 
 MAX_COORDS = 32  # mesh coordinates per rank, over all its meshes (a 3-D mesh and 2 sub-meshes: 6)
 HOST_BYTES = 64
@@ -403,8 +406,8 @@ def rank_grid(mesh: Any) -> torch.Tensor | None:
             return layout.remap_to_tensor(rank_map).cpu()
         grid = getattr(mesh, "rank_grid", None)
         return grid.cpu() if isinstance(grid, torch.Tensor) and grid.dim() >= 1 else None
-    except Exception:
-        return None
+    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
+        return None  # a DeviceMesh this torch lays out differently
 
 
 def coordinate_table(meshes: Sequence[Any], world: int) -> torch.Tensor | None:
@@ -507,6 +510,8 @@ def exchange(desc: Description, record: RankRecord, group: Any, device: torch.de
     try:
         table = coordinate_table(meshes, world) if meshes is not None else None
     except Exception:  # never skip the vote: the others would wait for this rank's words
+        log.warning("gradwatch: could not read this rank's mesh coordinates; the handshake "
+                    "takes the per-rank records instead", exc_info=True)
         table = None
     words = agreement_words(record, desc.stage, table, me)
     vote = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64, device=device)

@@ -149,7 +149,9 @@ def describe_parallelism(
         return "single"
     try:
         return _describe(model, params, world_size, stage_group, process_group)
-    except Exception:  # description only; never fail construction over it
+    except (AttributeError, ImportError, TypeError, ValueError, KeyError, IndexError, RuntimeError):
+        # description only, from torch internals laid out differently across versions:
+        # never fail construction over it
         log.debug("gradwatch: could not describe the parallelism", exc_info=True)
         return f"unknown{world_size}"
 
@@ -202,7 +204,8 @@ def ddp_reduces_every_gradient(
         ignored = set(getattr(ddp, "parameters_to_ignore", ()))
         # Frozen parameters count: DDP reduces none of them, and none gets a gradient.
         synced = {id(p) for n, p in ddp.module.named_parameters() if n not in ignored}
-    except Exception:  # a DDP this torch lays out differently: keep the collective
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        # a DDP this torch lays out differently: keep the collective
         log.debug("gradwatch: could not read the DDP module's parameters", exc_info=True)
         return False
     return all(id(p) in synced and not hasattr(p, "_local_tensor") for p in params)

@@ -3,13 +3,17 @@
 Gradients are normed as rows of :data:`ROW_NUMEL` elements (:mod:`gradwatch.stats`, and the
 per-rank view's comm hook in :mod:`gradwatch.ddp_hook`): this module holds that one row length,
 row-aligned slot sizes, flat views of dense tensors, the foreach-norm split that bounds its
-scratch, and the one non-blocking host-to-device copy.
+scratch, and the one non-blocking host-to-device copy; and the two row paths' shared parts:
+:class:`RowSquares` (float32 row norms squared into float64 and summed per owner, the end of
+every row path) and :class:`FlatRows` (one flat buffer of many tensors read in place as rows,
+the comm hook's layout).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -111,3 +115,99 @@ def segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta": we use mv only
         matrix = torch.sparse_csr_tensor(crow, columns, ones, size=(n, len(owner)))
     return matrix.to(device)
+
+
+@dataclass
+class RowSquares:
+    """Float32 row norms, squared into float64 and added per owner: the last step of every row
+    path (the engine's buckets in :mod:`gradwatch.stats`, the comm hook's buffers through
+    :class:`FlatRows`). Built once per layout; ``norms`` is where the norm ops write (``out=``).
+
+    Squared in float32 and written as float64, one op: a finite float32 row norm is the square
+    root of a float32 sum, so its square fits float32 (rounding 6e-8 relative), and a row too
+    tiny to square was already as tiny inside the norm's kernel. Summed per owner by
+    ``index_add_``, or by a sparse-CSR product (``sum_rows``; a fixed order of additions,
+    which accelerators need: ``index_add_`` adds by atomics there)."""
+
+    norms: Tensor  # float32, one per row
+    squares: Tensor  # float64, one per row (persistent: no per-step allocation)
+    owner: Tensor | None = None  # for each row, its output slot (``index_add_`` path)
+    sum_rows: Tensor | None = None  # or the CSR (outputs x rows) of ones
+
+    @classmethod
+    def build(
+        cls,
+        owner: Sequence[int],
+        outputs: int,
+        device: torch.device,
+        csr: bool,
+        norms: Tensor | None = None,
+    ) -> RowSquares:
+        """Rows owned by ``owner`` (one output slot in ``[0, outputs)`` per row) on
+        ``device``, summed by the CSR product when ``csr``; ``norms``: the float32 row-norm
+        vector the norm ops already write into (views of it), else a new one."""
+        if norms is None:
+            norms = torch.empty(len(owner), dtype=torch.float32, device=device)
+        return cls(
+            norms=norms,
+            squares=torch.empty(len(owner), dtype=torch.float64, device=device),
+            owner=None if csr else host_to_device(owner, torch.long, device),
+            sum_rows=segment_sum_matrix(list(owner), outputs, device) if csr else None,
+        )
+
+    def add_to(self, into: Tensor) -> None:
+        """``into[owner[j]] += norms[j]**2`` for every row ``j``, in float64 (``into`` may sit
+        on another device: then the per-owner sums cross by one non-blocking copy)."""
+        squares = torch.mul(self.norms, self.norms, out=self.squares)
+        if self.sum_rows is not None:
+            into.add_(to_device(self.sum_rows @ squares, into.device))
+        elif into.device == squares.device:
+            assert self.owner is not None
+            into.index_add_(0, self.owner, squares)
+        else:
+            assert self.owner is not None
+            summed = torch.zeros(into.shape, dtype=torch.float64, device=squares.device)
+            into.add_(to_device(summed.index_add_(0, self.owner, squares), into.device))
+
+
+class FlatRows:
+    """One flat float32 buffer holding tensors back to back (a DDP bucket), read in place as
+    rows of :data:`ROW_NUMEL`: the squared norm of every owner's elements, in a constant
+    number of ops whatever the number of tensors.
+
+    A *pure* row (every element one owner's) is normed whole in float32 (one
+    ``vector_norm(rows, dim=1)`` for all of them, then :class:`RowSquares`); the elements of
+    the few rows that straddle two owners, and of the partial last row, are *loose*: read by
+    one ``index_select``, squared in float64 and added to their owners by one ``index_add_``
+    (their rows go to the discard slot). Seven ops per buffer; the whole-row view is made once,
+    here, and reads the buffer's current values.
+    """
+
+    def __init__(
+        self, buffer: Tensor, spans: Sequence[tuple[int, int, int]], discard: int
+    ) -> None:
+        """``spans``: ``(start, numel, owner)`` of each tensor within ``buffer`` (contiguous,
+        float32), owners in ``[0, discard)``; elements of no span belong to ``discard``."""
+        n = buffer.numel()
+        owner = torch.full((n,), discard, dtype=torch.long)
+        for start, numel, slot in spans:
+            owner[start : start + numel] = slot
+        rows = n // ROW_NUMEL
+        by_row = owner[: rows * ROW_NUMEL].view(rows, ROW_NUMEL)
+        pure = (by_row == by_row[:, :1]).all(dim=1)
+        mixed = torch.nonzero(~pure).flatten()[:, None] * ROW_NUMEL + torch.arange(ROW_NUMEL)
+        self.loose = torch.cat([mixed.flatten(), torch.arange(rows * ROW_NUMEL, n)])
+        self.loose_owner = owner[self.loose]
+        self.row_view = buffer[: rows * ROW_NUMEL].view(rows, ROW_NUMEL)
+        row_owner = torch.where(pure, by_row[:, 0], discard).tolist()
+        self.rows = RowSquares.build(row_owner, discard + 1, buffer.device, csr=False)
+
+    def add_squares(self, buffer: Tensor, into: Tensor) -> None:
+        """Add each owner's squared norm over ``buffer`` (the buffer this was built for: its
+        rows are read through the view made then) into ``into`` (float64, ``discard + 1``)."""
+        if self.row_view.numel():
+            torch.linalg.vector_norm(self.row_view, 2, dim=1, out=self.rows.norms)
+            self.rows.add_to(into)
+        if self.loose.numel():
+            values = buffer.index_select(0, self.loose).to(torch.float64)
+            into.index_add_(0, self.loose_owner, values.square_())

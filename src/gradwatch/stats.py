@@ -34,12 +34,12 @@ from gradwatch.bands import BANDS, banded_total_device, bands_of_norm, bands_of_
 from gradwatch.rescale import RESCALE_SCRATCH, RescalePlan, build_rescale_plan, rescaled_norms
 from gradwatch.rows import (
     ROW_NUMEL,
+    RowSquares,
     StalePlan,
     aligned,
     flat_view,
     foreach_splits,
     host_to_device,
-    segment_sum_matrix,
     to_device,
 )
 
@@ -56,7 +56,7 @@ CONVERT_CHUNK = 1 << 20
 #: tensors that do not fit take the float64 path.
 PACK_NUMEL = 1 << 22
 #: Buckets with at least this many rows sum them per tensor by a sparse-CSR matrix-vector
-#: product; fewer, by ``index_add_`` (cheaper below about 20K rows, see _segment_sum_matrix).
+#: product; fewer, by ``index_add_`` (cheaper below about 20K rows, see segment_sum_matrix).
 CSR_MIN_ROWS = 32768
 #: Exact recomputation walks a tensor in chunks of this many elements (bounds temporaries).
 RECOMPUTE_CHUNK = 65536
@@ -117,11 +117,9 @@ class _Bucket:
     pack_slots: list[Tensor] = field(default_factory=list)  # the slots of packed, then of tails
     pack_rows: Tensor | None = None  # the pack buffer as (rows, ROW_NUMEL)
     pack_out: Tensor | None = None  # pack_rows' slice of norms
-    norms: Tensor | None = None  # float32 norm of every row of this bucket
-    squares: Tensor | None = None  # float64, their squares (persistent: no per-step allocation)
-    owner: Tensor | None = None  # for each row, its position (``index_add_`` path)
-    sum_rows: Tensor | None = None  # or a sparse CSR (n x len(norms)) of ones: ``sum_rows @
-    # squares`` is, per position, the sum of its rows' squares (many rows)
+    # The float32 norm of every row of this bucket (``row_sums.norms``), each row's position,
+    # and how their squares are summed per position (a sparse CSR product for many rows)
+    row_sums: RowSquares | None = None
 
     @property
     def positions(self) -> list[int]:
@@ -262,8 +260,7 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
     a norm) with one slot per packed tensor and per partial last row, shaped like its source so
     one ``_foreach_copy_`` fills every slot. Built with the plan, reused every step."""
     n_rows = sum(bucket.row_counts) + bucket.pack_used // ROW_NUMEL
-    bucket.norms = torch.empty(n_rows, dtype=torch.float32, device=bucket.device)
-    bucket.squares = torch.empty(n_rows, dtype=torch.float64, device=bucket.device)
+    norms = torch.empty(n_rows, dtype=torch.float32, device=bucket.device)
     owner: list[int] = []
     at = 0
     widen = bucket.dtype != torch.float32
@@ -275,7 +272,7 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
                 need, dtype=torch.float32, device=bucket.device
             )
     for i, count in zip(bucket.rows, bucket.row_counts, strict=True):
-        out = bucket.norms[at : at + count]
+        out = norms[at : at + count]
         owner.extend([i] * count)
         at += count
         if not widen:
@@ -301,22 +298,20 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
             owner.extend([i] * (aligned(numel) // ROW_NUMEL))
             offset += aligned(numel)
         bucket.pack_rows = buffer.view(-1, ROW_NUMEL)
-        bucket.pack_out = bucket.norms[at:]
+        bucket.pack_out = norms[at:]
     # Accelerators: always the CSR product, whose additions per output are in a fixed order
     # (index_add_ adds by atomics there: replicas could sum the same rows to different bits).
-    if len(owner) >= CSR_MIN_ROWS or bucket.device.type != "cpu":
-        bucket.sum_rows = segment_sum_matrix(owner, plan.n, bucket.device)
-    else:
-        bucket.owner = host_to_device(owner, torch.long, bucket.device)
+    csr = len(owner) >= CSR_MIN_ROWS or bucket.device.type != "cpu"
+    bucket.row_sums = RowSquares.build(owner, plan.n, bucket.device, csr, norms)
 
 
 def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
-    """Writes the float32 norm of every row of ``bucket`` into ``bucket.norms``: packed
+    """Writes the float32 norm of every row of ``bucket`` into ``bucket.row_sums.norms``: packed
     tensors and partial last rows are copied (widened) into the pack buffer by one foreach op,
     row-path tensors are read in place through ``as_strided`` views of their memory (dense, so
     the first ``count * ROW_NUMEL`` elements in memory order are whole rows), bf16/fp16 ones
     widened chunk by chunk into the plan's scratch. Every norm writes into its slice of
-    ``bucket.norms`` (``out=``): no per-step allocation but the views."""
+    ``bucket.row_sums.norms`` (``out=``): no per-step allocation but the views."""
     if bucket.pack_slots:
         sources: list[Tensor] = [tensors[i] for i in bucket.packed]  # type: ignore[misc]
         for i in bucket.tails:
@@ -345,6 +340,21 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
             assert t is not None
             rows = t.as_strided((count, ROW_NUMEL), (ROW_NUMEL, 1))
             torch.linalg.vector_norm(rows, 2, dim=1, out=out)
+
+
+def foreach_norms(tensors: Sequence[Tensor], splits: Sequence[slice]) -> Tensor:
+    """The L2 norm of each of ``tensors`` accumulated in float64 (their dtype on input: no
+    float64 copy), stacked into one float64 vector: one ``_foreach_norm`` per slice of
+    ``splits`` (:func:`gradwatch.rows.foreach_splits`, which bounds the kernel's scratch), then
+    one ``stack``. No host read. Float64 inputs square to 0 or Inf outside about ``[1e-154,
+    1e154]``: the engine repairs or rescales those, the comm hook documents the limit."""
+    return torch.stack(
+        [
+            norm
+            for part in splits
+            for norm in torch._foreach_norm(tensors[part], 2, dtype=torch.float64)
+        ]
+    )
 
 
 def exact_norm(t: Tensor) -> float:
@@ -382,33 +392,17 @@ def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Ten
     banded = torch.zeros(BANDS * plan.n, dtype=torch.float64, device=out_device)
     sq = banded[: plan.n]  # the plain band: the fast path never leaves it
     for bucket in plan.buckets:
-        if bucket.norms is not None:
+        if bucket.row_sums is not None:
             _fill_row_norms(bucket, tensors)
-            # Float32 row norms, squared and summed per tensor in float64: 3 ops for all
+            # Float32 row norms, squared and summed per tensor in float64: two ops for all
             # the rows of the bucket, whatever the number of tensors, into buffers of the
-            # plan. n scalars cross devices (if at all), never gradient data.
-            assert bucket.squares is not None
-            # One op: squared in float32 (the norms' dtype; rounding 6e-8 relative), written
-            # as float64. A finite float32 row norm is sqrt of a float32 sum, so its square
-            # fits float32; rows too tiny to square were already tiny inside the kernel, and
-            # such tensors are repaired below.
-            row_sq = torch.mul(bucket.norms, bucket.norms, out=bucket.squares)
-            if bucket.sum_rows is not None:
-                summed = to_device(bucket.sum_rows @ row_sq, out_device)
-            else:
-                assert bucket.owner is not None
-                summed = torch.zeros(plan.n, dtype=torch.float64, device=bucket.device)
-                summed = to_device(summed.index_add_(0, bucket.owner, row_sq), out_device)
-            sq.add_(summed)
+            # plan. n scalars cross devices (if at all), never gradient data. Rows too tiny
+            # to square in float32 were already tiny inside the kernel: such tensors are
+            # repaired below. (sq's entries of this bucket's positions are still 0 here.)
+            bucket.row_sums.add_to(sq)
         if bucket.whole:
             items = [tensors[i] for i in bucket.whole]
-            norms = torch.stack(
-                [
-                    norm
-                    for part in bucket.whole_splits
-                    for norm in torch._foreach_norm(items[part], 2, dtype=torch.float64)
-                ]
-            )
+            norms = foreach_norms(items, bucket.whole_splits)
             assert bucket.whole_index is not None
             sq.index_copy_(0, bucket.whole_index, to_device(norms, out_device).square())
         if bucket.rescale is not None:

@@ -48,7 +48,7 @@ __all__ = [
 def _storage_ptr(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage().data_ptr()
-    except Exception:  # sparse, meta, ...
+    except RuntimeError:  # sparse, meta, ... (NotImplementedError included)
         return None
 
 

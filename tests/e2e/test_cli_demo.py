@@ -2,7 +2,7 @@
 
 * Pure parts: sparklines, URL completion, parsing a fixture exposition and the exposition of a
   real :class:`~gradwatch.export.MetricsServer` (the metric names are a contract), trends, the
-  rendered view; the demo's parent/job protocol (command line and messages round-trip).
+  rendered view (the demo's options and messages: ``tests/unit/test_demo_options.py``).
 * ``gradwatch top`` against a closed port (a status line, no traceback) and against an
   in-process endpoint (no torchrun).
 * ``gradwatch demo`` with a taken port (fails fast, names the port and ``--port``) and bad
@@ -37,15 +37,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gradwatch.cli.demo_protocol import (
-    HealthMin,
-    JobArgs,
-    JobError,
-    LastStep,
-    Ready,
-    Summary,
-    Workdir,
-)
 from gradwatch.cli.endpoint import (
     EndpointView,
     ScrapeError,
@@ -62,7 +53,6 @@ from gradwatch.cli.render import (
     render_view,
     sparkline,
 )
-from gradwatch.cli.step_events import StepEvents
 from gradwatch.cli.top import EXIT_SCRAPE_FAILED
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
@@ -321,49 +311,6 @@ def test_render_view_as_plain_text() -> None:
     for expected in ("step 20", "host", "seed", "seed/host", "nan", "non-finite steps 1",
                      "exploding steps 2", "isolation violations: stem 0"):  # fmt: skip
         assert expected in text, (expected, text)
-
-
-def test_job_args_round_trip(tmp_path: Path) -> None:
-    default = JobArgs(workdir=tmp_path)
-    assert JobArgs.from_argv(["--workdir", str(tmp_path)]) == default
-    assert JobArgs.from_argv(default.to_argv()) == default
-    full = JobArgs(
-        workdir=tmp_path, steps=30, port=0, bind="127.0.0.1", step_sleep=0.02,
-        anomaly_pause=0.5, linger=3.0, nan_at=(5, 7), explode_at=(9,), seed_at=10,
-        blend_at=20, ack=True, parent_pid=1234, batch_size=8, log_every=0, spike_at=(11, 12),
-        nan_rank=1, guard=True,
-    )  # fmt: skip
-    assert JobArgs.from_argv(full.to_argv()) == full
-
-
-def test_protocol_messages_round_trip(tmp_path: Path) -> None:
-    work = Workdir(tmp_path)
-    assert work.read_ready() is None and work.read_summary() is None and not work.acked()
-    ready = Ready(metrics_url="http://127.0.0.1:1/metrics", port=1, steps=9, seed_at=2, blend_at=5)
-    work.write_ready(ready)
-    assert work.read_ready() == ready
-    error = JobError(kind="port_in_use", message="taken", port=1)
-    work.write_error(error)
-    assert work.has_error() and work.read_error() == error
-    summary = Summary(
-        steps=9, seed_at=2, blend_at=5, metrics_url=ready.metrics_url, steps_run=9,
-        world_size=2, parallelism="ddp2",
-        last=LastStep(step=8, global_norm=1.5, groups={"host": 1.0}, ratios={}, health=1.0),
-        events=StepEvents(nonfinite=[3], amp_skipped=[], exploding=[3, 4], skipped=[3]),
-        isolation_violation_steps={"stem": []}, health_min=HealthMin(value=0.0, step=3),
-        guarded=True,
-    )  # fmt: skip
-    work.write_summary(summary)
-    assert work.read_summary() == summary
-    nan_summary = Summary(steps=1, seed_at=0, blend_at=0, metrics_url=None)
-    nan_summary.health_min = HealthMin(value=math.nan, step=0)
-    work.write_summary(nan_summary)
-    read = work.read_summary()
-    assert read is not None and read.health_min is not None and math.isnan(read.health_min.value)
-    (tmp_path / Workdir.READY).write_text('{"metrics_url": "x"}')  # a malformed message
-    assert work.read_ready() is None
-    work.ack()
-    assert work.acked()
 
 
 @pytest.fixture

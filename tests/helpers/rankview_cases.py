@@ -170,7 +170,7 @@ def case_exact(dtype: torch.dtype, **ddp_kwargs: Any) -> Callable[[int, int], di
             results.append({"max_rel_err": max(errs), "collectives": spy.collectives,
                             "ops": sorted(k for k in spy.ops if k.startswith("c10d")),
                             "rank_view": snap.rank_view, "avg_err": avg_err,
-                            "row_path": [p.row_group is not None for p in plans]})  # fmt: skip
+                            "row_path": [p.rows is not None for p in plans]})  # fmt: skip
         watch.close()
         return {"steps": results}
 

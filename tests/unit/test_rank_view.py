@@ -82,7 +82,7 @@ def test_local_view_is_exact_per_group(dtype: torch.dtype, tol: float, big: int)
     view.observe(FakeBucket(params[4:], 1, True))
     got = view.take()
     assert got is not None and got.dtype == torch.float64
-    rows_path = [p.row_group is not None for p in view._plans.values()]
+    rows_path = [p.rows is not None for p in view._plans.values()]
     assert all(rows_path) == (dtype == torch.float32 and big > 0), rows_path
     for k in range(3):
         want = _fsum([p.grad for p, g in zip(params, groups, strict=True) if g == k])
@@ -123,7 +123,9 @@ def test_hook_ops_per_bucket_do_not_grow_with_parameters_and_never_read_the_host
             view.observe(bucket)
         assert ops.scalar_reads == 0 and sum(reads.values()) == 0
         totals.append(ops.total)
-    assert totals[0] == totals[1], totals
+    # Bucket 0 on the row path: the reset, the rows' norm, square and sum, the loose elements'
+    # select, widen, square and sum.
+    assert totals[0] == totals[1] <= 8, totals
 
 
 def test_noise_scale_is_exact_on_exact_inputs() -> None:

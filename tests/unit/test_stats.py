@@ -422,7 +422,7 @@ def test_row_sums_by_csr_and_by_index_add(
     ]
     engine = NormEngine()
     sq, plan = engine.squared_norms_and_plan(ts)
-    assert all((b.sum_rows is not None) == (csr_min_rows == 1) for b in plan.buckets)
+    assert all((b.row_sums.sum_rows is not None) == (csr_min_rows == 1) for b in plan.buckets)
     for i, t in enumerate(ts):
         assert rel_err(engine_norm(sq, i), ref_norm([t])) <= REL
 

@@ -8,7 +8,7 @@ they agree with each other and with ``Snapshot``:
 * ``gradwatch plot``: the :class:`~gradwatch.cli.plot.PlotSummary` and the picture's title;
 * ``gradwatch top``: the frame drawn from the exposition of an endpoint the snapshots were
   published to, on the NaN step and at the end;
-* the demo's summary lines, from the demo protocol's summary of the same snapshots;
+* the demo's summary lines, from the demo job's summary of the same snapshots;
 * the Prometheus counters ``gradwatch_*_steps_total`` of that exposition.
 """
 
@@ -24,8 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from gradwatch.cli.demo import summary_lines
-from gradwatch.cli.demo_protocol import SummaryRecorder
+from gradwatch.cli.demo import DemoOptions, Summary
+from gradwatch.cli.demo_view import summary_lines
 from gradwatch.cli.endpoint import EndpointView, fetch, parse_exposition
 from gradwatch.cli.render import Trends
 from gradwatch.cli.top import render_frame
@@ -155,17 +155,18 @@ def test_plot_top_demo_and_counters_agree(
     }
     assert (final.nonfinite_steps, final.exploding_steps, final.amp_skipped_steps) == (1, 3, 1)
 
-    # the demo's summary, from the protocol's record of the same snapshots
-    recorder = SummaryRecorder(steps=STEPS, seed_at=2, blend_at=6, metrics_url=server.url)
+    # the demo's summary, from the job's record of the same snapshots
+    summary = Summary()
     for snap in history:
-        recorder.add(snap)
-    events = recorder.summary.events
+        summary.add(snap)
+    events = summary.events
     assert (events.nonfinite, events.exploding, events.amp_skipped) == (
         NONFINITE,
         EXPLODING,
         AMP_SKIPPED,
     )
-    lines = summary_lines(recorder.summary, final, server.url)
+    opts = DemoOptions(steps=STEPS, seed_at=2, blend_at=6)
+    lines = summary_lines(opts, summary, final, server.url)
     assert f"non-finite steps: 1 (step {NAN_AT})" in lines
     assert (
         f"exploding steps: 3 (steps {NAN_AT}, {EXPLODE_AT}, {AMP_SKIPPED_AT}) "

@@ -1,53 +1,27 @@
 """``gradwatch demo``: a 2-rank torchrun training job watched by gradwatch, shown live.
 
-The parent (this module) launches ``python -m torch.distributed.run --standalone
---nproc_per_node N -m gradwatch.cli.demo_job`` (gloo, CPU; the job and its phases are described
-in :mod:`gradwatch.cli.demo_job`) and shows what the job's metrics endpoint says, by scraping it
-with the same code as ``gradwatch top`` (:mod:`gradwatch.cli.endpoint`, drawn by
-:mod:`gradwatch.cli.render`): it sees the run as Prometheus would, not through a side channel.
-Everything else the parent and the job say to each other (the job's command line, the ready,
-error and summary messages, the ack) is typed in :mod:`gradwatch.cli.demo_protocol`, with the
-defaults both sides share.
+The demo's parent: this module parses the command line once into a frozen
+:class:`DemoOptions`, launches ``python -m torch.distributed.run --standalone --nproc_per_node N
+-m gradwatch.cli.demo_job --workdir DIR --parent-pid PID`` (gloo, CPU; the job is
+:mod:`gradwatch.cli.demo_job`), and shows what the job's endpoint says by scraping it with
+``gradwatch top``'s code (:mod:`gradwatch.cli.endpoint`; drawn by :mod:`gradwatch.cli.demo_view`):
+it sees the run as Prometheus would. The options reach the job whole, as ``options.json`` in
+the private work directory (:class:`Workdir`), which also carries every message back (ready,
+error, summary) and the parent's ack: each a typed JSON file, checked when read, so no option
+or field is restated by hand on either side. This module imports no torch: the command starts
+fast and only the job's ranks load it.
 
-Design choices:
-
-* **Learning the endpoint.** Rank 0 writes the ready message (the metrics URL, the real port
-  when ``--port 0``) into a private temporary directory passed to the job, and an error message
-  if it cannot serve. A taken ``--port`` is found before torchrun starts (a bind test), and if
-  it is taken in the meantime, rank 0's ``PortInUseError`` is reported the same way: a message
-  naming the port and ``--port``, exit status 2.
-* **Output.** torchrun's and the ranks' output goes to ``job.log`` in that directory (it would
-  tear the live table apart); its last lines are printed if the job fails. On a terminal the
-  parent shows a live table (progress bar, phase, norms with trends, ratio, health, anomaly
-  counters, URL) refreshed from scrapes every ``REFRESH`` seconds; otherwise (pipes, CI) it
-  prints a plain line at every tenth of the run and whenever an anomaly counter moves.
-* **Injected steps are seen reliably.** The job pauses ``DEFAULT_ANOMALY_PAUSE`` s after an
-  injected step, so the live view shows its NaN/huge norms; the counters keep them anyway. The
-  summary comes from the job's summary message, which rank 0 builds from every snapshot it saw
-  (a scrape can miss a step; the job cannot), plus a final scrape of the counters: rank 0 keeps
-  serving until the parent has made that scrape (the ack), so the summary shows what the
-  endpoint reported too. Both classify steps with :class:`gradwatch.Snapshot`, so they agree.
-* **Pace.** The demo model is small (~0.55M parameters, one thread per rank), so a step is
-  quick; ``--step-sleep`` slows it so a person can follow the table. Starting torchrun's ranks
-  (Python processes importing torch) is a fixed cost of every run, whatever ``--steps``.
-* **Linger.** ``--linger S`` keeps rank 0 serving S seconds after the last step (the summary is
-  printed when training ends, before that window), so ``gradwatch top`` or ``curl`` can look at
-  the endpoint of a finished run; the job then exits and the endpoint closes with it. The first
-  line says how long the training takes and whether the endpoint stays; without ``--linger``
-  the last line says that it closes and how to keep it.
-* **Stopping.** torchrun runs in its own session, so a Ctrl-C reaches the parent only; the
-  parent forwards SIGINT (SIGTERM for a SIGTERM) to torchrun's process group, waits
-  ``STOP_TIMEOUT`` s, then SIGKILLs the group, and exits 130 (143 for SIGTERM). The ranks also
-  watch the parent's pid and stop together if it disappears.
-
-Exit status: 0 when the run completed; 1 when torchrun failed; 2 when the port is taken;
-130/143 when interrupted.
+Design choices (ports, output, the final scrape and the ack, linger, stopping): docs/design.md,
+"The demo". Exit status: 0 when the run completed; 1 when torchrun failed; 2 when the port is
+taken; 130/143 when interrupted (SIGINT/SIGTERM, forwarded to torchrun's process group).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import json
 import math
 import os
 import shutil
@@ -57,33 +31,33 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import typer
+from pydantic import ConfigDict, TypeAdapter
 from rich.console import Console
 from rich.text import Text
 
-from gradwatch.cli.demo_protocol import (
-    DEFAULT_ANOMALY_PAUSE,
-    DEFAULT_BIND,
-    DEFAULT_STEP_SLEEP,
-    DEFAULT_STEPS,
-    JobArgs,
-    Ready,
-    Summary,
-    Workdir,
-)
-from gradwatch.cli.demo_view import Display, LiveDisplay, PlainDisplay
+from gradwatch.cli.demo_view import Display, LiveDisplay, PlainDisplay, summary_lines
 from gradwatch.cli.endpoint import EndpointView, ScrapeError, scrape
-from gradwatch.cli.render import (
-    UNDEFINED,
-    fmt,
-)
+from gradwatch.cli.step_events import StepEvents
 from gradwatch.config import DEFAULT_DEMO_PORT
+from gradwatch.snapshot import Snapshot
 
+#: Training steps of a demo run.
+DEFAULT_STEPS = 200
+#: Seconds each step sleeps, so a person can follow the table.
+DEFAULT_STEP_SLEEP = 0.1
+#: Address rank 0's endpoint binds to (the exporter convention: every interface).
+DEFAULT_BIND = "0.0.0.0"
+#: Most ranks ``--nproc`` starts.
+MAX_NPROC = 64
+#: Seconds the job pauses after an injected step, so a scraper polling a few times a second
+#: sees the step's gauges (the counters keep it anyway).
+ANOMALY_PAUSE = 1.0
 #: Seconds between two scrapes of the job's endpoint.
 REFRESH = 0.25
 #: How long to wait for rank 0 to start serving (torchrun start, imports, rendezvous).
@@ -94,28 +68,262 @@ FINAL_SCRAPE_TIMEOUT = 5.0
 STOP_TIMEOUT = 10.0
 #: Lines of job.log shown when the job fails.
 LOG_TAIL = 40
+#: What identifies the job's spike warnings in job.log (gradwatch.spikes' WARNING).
+SPIKE_LOG_MARK = "gradient-norm spike"
 
-class _Terminated(Exception):
-    """Raised by the parent's SIGTERM handler to unwind like a Ctrl-C."""
+_M = TypeVar("_M")
+
+
+# -- the options ----------------------------------------------------------------------------
+
+
+class DemoOptionError(ValueError):
+    """An option of ``gradwatch demo`` out of range; ``flag`` names it."""
+
+    def __init__(self, flag: str, problem: str) -> None:
+        super().__init__(f"{flag}: {problem}")
+        self.flag = flag
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """The options of ``gradwatch demo``, checked: each field is the flag of the same name.
+
+    The parent builds it once from its command line; the job reads it back with
+    :meth:`from_json`. Construction checks every range and the options that depend on each
+    other (:class:`DemoOptionError` names the flag), so the job gets the run the parent checked.
+    ``seed_at``/``blend_at`` None are :attr:`phases`' defaults.
+    """
+
+    __pydantic_config__ = ConfigDict(strict=True, extra="forbid")
+
+    nproc: int = 2
+    steps: int = DEFAULT_STEPS
+    port: int = DEFAULT_DEMO_PORT
+    bind: str = DEFAULT_BIND
+    nan_at: int | None = None
+    explode_at: int | None = None
+    spike_at: int | None = None
+    seed_at: int | None = None
+    blend_at: int | None = None
+    step_sleep: float = DEFAULT_STEP_SLEEP
+    linger: float = 0.0
+    nan_rank: int | None = None  # NaN on this rank's local gradients only (before the all-reduce)
+    guard: bool = False  # train through watch.guard(optimizer): bad steps are skipped by it
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem is not None:
+            raise DemoOptionError(*problem)
+
+    def _problem(self) -> tuple[str, str] | None:
+        """The first ``(flag, problem)`` of these options, None when they are consistent."""
+        bounds = (
+            ("--nproc", self.nproc, 1, MAX_NPROC),
+            ("--steps", self.steps, 1, None),
+            ("--port", self.port, 0, 65535),
+            ("--step-sleep", self.step_sleep, 0.0, None),
+            ("--linger", self.linger, 0.0, None),
+        )
+        for flag, value, lo, hi in bounds:
+            if value < lo or (hi is not None and value > hi):
+                return flag, f"must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+        for flag, step in (
+            ("--nan-at", self.nan_at),
+            ("--explode-at", self.explode_at),
+            ("--spike-at", self.spike_at),
+        ):
+            if step is not None and not 0 <= step < self.steps:
+                return flag, f"must be in [0, {self.steps}) (--steps)"
+        for flag, step in (("--seed-at", self.seed_at), ("--blend-at", self.blend_at)):
+            if step is not None and not 0 <= step <= self.steps:
+                return flag, f"must be in [0, {self.steps}]"
+        if self.seed_at is not None and self.blend_at is not None and self.blend_at < self.seed_at:
+            return "--blend-at", "must not be before --seed-at"
+        if self.nan_rank is not None:
+            if self.nan_at is None:
+                return "--nan-rank", "needs --nan-at (the step to inject at)"
+            if not 0 <= self.nan_rank < self.nproc:
+                return "--nan-rank", f"must be in [0, {self.nproc}) (--nproc)"
+        if not math.isfinite(self.step_sleep) or not math.isfinite(self.linger):
+            return "--step-sleep/--linger", "must be finite"
+        return None
+
+    @property
+    def phases(self) -> tuple[int, int]:
+        """``(seed_at, blend_at)``: the seed grows at a quarter of the run, blending starts
+        midway between that and the end, unless given."""
+        seed = self.steps // 4 if self.seed_at is None else self.seed_at
+        blend = (seed + self.steps + 1) // 2 if self.blend_at is None else self.blend_at
+        return seed, max(blend, seed)
+
+    def phase(self, step: int) -> Literal["host", "seed", "blend"]:
+        """The phase of ``step``: ``"host"``, ``"seed"`` (host frozen) or ``"blend"``."""
+        seed_at, blend_at = self.phases
+        if step < seed_at:
+            return "host"
+        return "seed" if step < blend_at else "blend"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> DemoOptions:
+        """The options :meth:`to_json` wrote; a wrong type, an unknown field or an option out
+        of range raises :class:`ValueError` naming the field."""
+        return _adapter(cls).validate_json(text)
+
+
+@functools.cache
+def _adapter(kind: type[_M]) -> TypeAdapter[_M]:
+    return TypeAdapter(kind)
+
+
+# -- what the job tells the parent ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Rank 0 serves its endpoint (``endpoint.json``): its URL, with the real port when
+    ``--port 0``."""
+
+    metrics_url: str
+
+
+@dataclass(frozen=True)
+class JobError:
+    """Rank 0 could not start serving (``error.json``); ``kind`` is ``"port_in_use"`` for a
+    taken port, else ``"error"``."""
+
+    kind: Literal["port_in_use", "error"]
+    message: str
+
+
+@dataclass(frozen=True)
+class LastStep:
+    """The figures of the last snapshot of the run."""
+
+    step: int
+    global_norm: float
+    groups: dict[str, float]
+    ratios: dict[str, float]
+    health: float
+
+
+@dataclass(frozen=True)
+class HealthMin:
+    """The lowest health score of the run and the first step that had it."""
+
+    value: float
+    step: int
 
 
 @dataclass
-class DemoOptions:
-    """The command line of ``gradwatch demo``, checked."""
+class Summary:
+    """Training is over (``summary.json``): what rank 0 saw in every snapshot, one :meth:`add`
+    per step (a scrape can miss a step, the job cannot).
 
-    nproc: int
-    steps: int
-    port: int
-    bind: str
-    nan_at: int | None
-    explode_at: int | None
-    seed_at: int | None
-    blend_at: int | None
-    step_sleep: float
-    linger: float
-    spike_at: int | None = None
-    nan_rank: int | None = None
-    guard: bool = False
+    Attributes:
+        steps_run: snapshots rank 0 saw.
+        world_size, parallelism: as the snapshots describe the job.
+        last: the last snapshot's figures (None when no step ran).
+        events: the steps of each class (:class:`StepEvents`, as ``Snapshot`` classifies them).
+        isolation_violation_steps: isolated group -> steps where its isolation was violated
+            (every isolated group present, violated or not).
+        health_min: the lowest health (None when no step ran).
+        nonfinite_origins: step -> the ranks whose local gradients were non-finite before the
+            reduction (the per-rank view; steps with a known origin only).
+    """
+
+    steps_run: int = 0
+    world_size: int = 1
+    parallelism: str = ""
+    last: LastStep | None = None
+    events: StepEvents = field(default_factory=StepEvents)
+    isolation_violation_steps: dict[str, list[int]] = field(default_factory=dict)
+    health_min: HealthMin | None = None
+    nonfinite_origins: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, snap: Snapshot) -> None:
+        """Count ``snap``, the newest snapshot."""
+        self.steps_run += 1
+        self.world_size, self.parallelism = snap.world_size, snap.parallelism
+        self.last = LastStep(
+            step=snap.step,
+            global_norm=snap.global_norm,
+            groups={g: s.norm for g, s in snap.groups.items()},
+            ratios=dict(snap.ratios),
+            health=snap.health,
+        )
+        self.events.add(snap)
+        for group, violated in snap.isolation_violated.items():
+            steps = self.isolation_violation_steps.setdefault(group, [])
+            if violated:
+                steps.append(snap.step)
+        if self.health_min is None or snap.health < self.health_min.value:
+            self.health_min = HealthMin(value=snap.health, step=snap.step)
+        if snap.nonfinite_origin_ranks:
+            self.nonfinite_origins[snap.step] = list(snap.nonfinite_origin_ranks)
+
+
+class Workdir:
+    """The private directory of one run, the job's ``--workdir``: every message between the
+    parent and the job is a file here (NaN and infinities as Python's ``json`` literals: a NaN
+    norm is the point of the demo)."""
+
+    OPTIONS = "options.json"
+    READY = "endpoint.json"
+    ERROR = "error.json"
+    SUMMARY = "summary.json"
+    ACK = "ack"
+    _FILES: ClassVar[Mapping[type, str]] = {
+        DemoOptions: OPTIONS, Ready: READY, JobError: ERROR, Summary: SUMMARY
+    }  # fmt: skip
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, message: DemoOptions | Ready | JobError | Summary) -> None:
+        """Write ``message`` to its file, whole (a temporary name, then a rename)."""
+        name = self._FILES[type(message)]
+        tmp = self.path / (name + ".tmp")
+        tmp.write_text(json.dumps(asdict(message)))
+        os.replace(tmp, self.path / name)
+
+    def read(self, kind: type[_M]) -> _M | None:
+        """The message of type ``kind``: None while it is missing or malformed (from an older
+        job, or a file someone else put there: the parent then reports the job as failed, not a
+        traceback)."""
+        try:
+            return _adapter(kind).validate_json((self.path / self._FILES[kind]).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def read_options(self) -> DemoOptions:
+        """The job's options: the defaults when no ``options.json`` was written (a job started
+        by hand); a malformed file raises :class:`ValueError` naming the field."""
+        path = self.path / self.OPTIONS
+        if not path.exists():
+            return DemoOptions()
+        return DemoOptions.from_json(path.read_text())
+
+    def has_error(self) -> bool:
+        return (self.path / self.ERROR).exists()
+
+    def ack(self) -> None:
+        """The parent's final scrape is done: rank 0 may stop serving."""
+        (self.path / self.ACK).touch()
+
+    def acked(self) -> bool:
+        return (self.path / self.ACK).exists()
+
+
+# -- the parent -----------------------------------------------------------------------------
+
+
+class _Terminated(Exception):
+    """Raised by the parent's SIGTERM handler to unwind like a Ctrl-C."""
 
 
 def port_in_use(port: int, bind: str) -> bool:
@@ -140,33 +348,11 @@ def port_message(port: int) -> str:
     )
 
 
-def job_args(opts: DemoOptions, workdir: Path) -> JobArgs:
-    """The demo job's arguments: ``opts``, the ack and this process as the parent to watch."""
-    return JobArgs(
-        workdir=workdir,
-        steps=opts.steps,
-        port=opts.port,
-        bind=opts.bind,
-        step_sleep=opts.step_sleep,
-        anomaly_pause=DEFAULT_ANOMALY_PAUSE,
-        linger=opts.linger,
-        nan_at=() if opts.nan_at is None else (opts.nan_at,),
-        explode_at=() if opts.explode_at is None else (opts.explode_at,),
-        spike_at=() if opts.spike_at is None else (opts.spike_at,),
-        seed_at=opts.seed_at,
-        blend_at=opts.blend_at,
-        ack=True,
-        parent_pid=os.getpid(),
-        nan_rank=opts.nan_rank,
-        guard=opts.guard,
-    )
-
-
 def expected_seconds(opts: DemoOptions) -> float:
     """How long the training takes, at least: every step's ``--step-sleep`` and the pause
     after each injected step (starting torchrun's ranks comes on top, a few seconds)."""
     injected = sum(at is not None for at in (opts.nan_at, opts.explode_at, opts.spike_at))
-    return opts.steps * opts.step_sleep + injected * DEFAULT_ANOMALY_PAUSE
+    return opts.steps * opts.step_sleep + injected * ANOMALY_PAUSE
 
 
 def intro_lines(opts: DemoOptions) -> list[str]:
@@ -185,12 +371,13 @@ def intro_lines(opts: DemoOptions) -> list[str]:
 
 
 def job_command(opts: DemoOptions, workdir: Path) -> list[str]:
-    """The torchrun command line of the demo job."""
+    """The torchrun command line of the demo job (its options are ``workdir``'s
+    ``options.json``; this process is the parent it watches)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc_per_node", str(opts.nproc),
         "-m", "gradwatch.cli.demo_job",
-        *job_args(opts, workdir).to_argv(),
+        "--workdir", str(workdir), "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
 
 
@@ -210,10 +397,6 @@ def stop_process_group(proc: subprocess.Popen[bytes], sig: int, timeout: float) 
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-#: What identifies the job's spike warnings in job.log (gradwatch.spikes' WARNING).
-SPIKE_LOG_MARK = "gradient-norm spike"
-
-
 def spike_log_lines(log_path: Path) -> list[str]:
     """The spike warnings gradwatch logged in the job (rank 0's stderr, in job.log)."""
     try:
@@ -221,82 +404,6 @@ def spike_log_lines(log_path: Path) -> list[str]:
     except OSError:
         return []
     return [line.strip() for line in text.splitlines() if SPIKE_LOG_MARK in line]
-
-
-# -- the run --------------------------------------------------------------------------------
-
-
-def _steps_text(steps: Sequence[int]) -> str:
-    if not steps:
-        return "0"
-    shown = ", ".join(str(s) for s in steps[:20]) + (", ..." if len(steps) > 20 else "")
-    return f"{len(steps)} (step{'s' if len(steps) > 1 else ''} {shown})"
-
-
-def summary_lines(summary: Summary, final: EndpointView | None, url: str) -> list[str]:
-    """The end-of-run summary: from the job's summary message and the final scrape."""
-    seed_at, blend_at, steps = summary.seed_at, summary.blend_at, summary.steps
-    lines = [
-        f"gradwatch demo finished: {summary.steps_run} steps on {summary.world_size} "
-        f"ranks ({summary.parallelism}); phases: host 0-{seed_at - 1}, "
-        f"seed {seed_at}-{blend_at - 1} (host frozen), blend {blend_at}-{steps - 1}",
-    ]
-    last = summary.last
-    if last is not None:
-        groups = ", ".join(f"{g} {fmt(v)}" for g, v in last.groups.items())
-        ratios = ", ".join(
-            f"{k} {UNDEFINED if v != v and math.isfinite(last.global_norm) else fmt(v)}"
-            for k, v in last.ratios.items()
-        )
-        lines.append(
-            f"last step {last.step}: global norm {fmt(last.global_norm)}; {groups}; "
-            f"{ratios}; health {fmt(last.health, 3)}"
-        )
-    events = summary.events
-    lines.append(f"non-finite steps: {_steps_text(events.nonfinite)}")
-    for step, ranks in sorted(summary.nonfinite_origins.items()):
-        lines.append(
-            f"non-finite origin at step {step}: rank(s) {', '.join(map(str, ranks))} "
-            "(local gradients before the all-reduce)"
-        )
-    lines.append(f"exploding steps: {_steps_text(events.exploding)} (non-finite included)")
-    if events.amp_skipped:  # the demo uses no GradScaler; a job reusing this summary may
-        lines.append(f"AMP-skipped steps: {_steps_text(events.amp_skipped)}")
-    lines.append(f"spike steps: {_steps_text(events.spikes)} (adaptive spike detection)")
-    if summary.guarded:
-        lines.append(
-            f"guard-skipped steps: {_steps_text(events.skipped)} (optimizer update not applied)"
-        )
-    hmin = summary.health_min
-    if hmin is not None:
-        lines.append(f"health min: {fmt(hmin.value, 3)} at step {hmin.step}")
-    for group, bad in summary.isolation_violation_steps.items():
-        lines.append(f"isolation of {group}: {_steps_text(bad)} violating steps")
-    if final is not None:
-        lines.append(
-            f"endpoint {url} (final scrape, step {final.step}): "
-            f"gradwatch_nonfinite_steps_total {final.nonfinite_steps}, "
-            f"gradwatch_exploding_steps_total {final.exploding_steps}, "
-            f"gradwatch_collections_total {final.collections}, "
-            f"gradwatch_global_grad_norm_spikes_total {final.global_spikes}"
-            + "".join(
-                f', gradwatch_skipped_steps_total{{reason="{r}"}} {n}'
-                for r, n in final.skipped_steps.items()
-            )
-            + "".join(
-                f', gradwatch_grad_norm_spikes_total{{group="{g}"}} {s.spikes}'
-                for g, s in final.groups.items()
-                if s.spikes
-            )
-        )
-        if final.nonfinite_origin:
-            lines.append(
-                f"endpoint: last non-finite origin (step {final.nonfinite_origin_step}): "
-                + ", ".join(f"rank {r} ({h})" for r, h in final.nonfinite_origin)
-            )
-    else:
-        lines.append(f"endpoint {url}: no final scrape (the endpoint did not answer)")
-    return lines
 
 
 class DemoRun:
@@ -320,6 +427,7 @@ class DemoRun:
         """Run to completion; returns the exit status (signals propagate to :meth:`stop`)."""
         for line in intro_lines(self.opts):
             self.console.print(line, soft_wrap=True)
+        self.work.write(self.opts)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would set, without its warning
         env["PYTHONUNBUFFERED"] = "1"
@@ -332,23 +440,20 @@ class DemoRun:
                 env=env,
                 start_new_session=True,  # Ctrl-C reaches the parent only; it forwards it
             )
-        if isinstance(self.display, PlainDisplay):
+        plain = isinstance(self.display, PlainDisplay)
+        if plain:
             self.display.status(f"starting torchrun: {self.opts.nproc} ranks, gloo, CPU")
         endpoint = self._wait_for_endpoint()
         if endpoint is None:
             return self._failed()
         self.url = self.display.url = endpoint.metrics_url
-        self.display.phases = (endpoint.seed_at, endpoint.blend_at)
-        if isinstance(self.display, PlainDisplay):
-            self.display.status(f"metrics: {self.url}")
-        else:
-            self.display.status("training (Ctrl-C to stop)")
+        self.display.status(f"metrics: {self.url}" if plain else "training (Ctrl-C to stop)")
         final, summary = self._watch()
         if summary is None:  # the job ended before finishing its steps
             return self._failed()
         self.display.status("training done")
         self.display.close()
-        for line in summary_lines(summary, final, self.url or "?"):
+        for line in summary_lines(self.opts, summary, final, self.url or "?"):
             self.console.print(line, soft_wrap=True)
         for line in spike_log_lines(self.log_path):
             self.console.print(f"job log: {line}", soft_wrap=True)
@@ -372,7 +477,7 @@ class DemoRun:
         assert self.proc is not None
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
-            endpoint = self.work.read_ready()
+            endpoint = self.work.read(Ready)
             if endpoint is not None:
                 return endpoint
             if self.work.has_error() or self.proc.poll() is not None:
@@ -395,13 +500,13 @@ class DemoRun:
         while self.proc.poll() is None:
             view, error = self._scrape()
             self.display.update(view, error if self.proc.poll() is None else None)
-            summary = self.work.read_summary()
+            summary = self.work.read(Summary)
             if summary is not None:
                 final = self._final_scrape(summary, view)
                 self.work.ack()
                 return final, summary
             time.sleep(REFRESH)
-        return None, self.work.read_summary()
+        return None, self.work.read(Summary)
 
     def _final_scrape(self, summary: Summary, view: EndpointView | None) -> EndpointView | None:
         """Scrape until the endpoint shows the last step the job collected (bounded)."""
@@ -424,9 +529,9 @@ class DemoRun:
                 self.proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 stop_process_group(self.proc, signal.SIGTERM, STOP_TIMEOUT)
-        error = self.work.read_error()
+        error = self.work.read(JobError)
         if error is not None and error.kind == "port_in_use":
-            self.err.print(port_message(error.port), style="red")
+            self.err.print(port_message(self.opts.port), style="red")
             return 2
         rc = self.proc.poll() if self.proc is not None else None
         self.err.print(
@@ -485,32 +590,10 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _check(opts: DemoOptions) -> None:
-    """Refuse inconsistent options with a usage error naming the option."""
-    for flag, value in (
-        ("--nan-at", opts.nan_at),
-        ("--explode-at", opts.explode_at),
-        ("--spike-at", opts.spike_at),
-    ):
-        if value is not None and not 0 <= value < opts.steps:
-            raise typer.BadParameter(f"must be in [0, {opts.steps}) (--steps)", param_hint=flag)
-    for flag, value in (("--seed-at", opts.seed_at), ("--blend-at", opts.blend_at)):
-        if value is not None and not 0 <= value <= opts.steps:
-            raise typer.BadParameter(f"must be in [0, {opts.steps}]", param_hint=flag)
-    if opts.seed_at is not None and opts.blend_at is not None and opts.blend_at < opts.seed_at:
-        raise typer.BadParameter("must not be before --seed-at", param_hint="--blend-at")
-    if opts.nan_rank is not None:
-        hint = "--nan-rank"
-        if opts.nan_at is None:
-            raise typer.BadParameter("needs --nan-at (the step to inject at)", param_hint=hint)
-        if not 0 <= opts.nan_rank < opts.nproc:
-            raise typer.BadParameter(f"must be in [0, {opts.nproc}) (--nproc)", param_hint=hint)
-    if not math.isfinite(opts.step_sleep) or not math.isfinite(opts.linger):
-        raise typer.BadParameter("must be finite", param_hint="--step-sleep/--linger")
-
-
 def demo(
-    nproc: Annotated[int, typer.Option(min=1, max=64, help="Ranks (torchrun processes).")] = 2,
+    nproc: Annotated[
+        int, typer.Option(min=1, max=MAX_NPROC, help="Ranks (torchrun processes).")
+    ] = 2,
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = DEFAULT_STEPS,
     port: Annotated[
         int,
@@ -568,11 +651,10 @@ def demo(
 
     A model grows a "seed" module next to a "host" backbone: the host trains alone, then the seed with the host frozen (isolated), then both. Rank 0 serves the metrics; the table shows what it serves.
     """  # noqa: E501 (one line per paragraph: the help is rewrapped to the terminal)
-    opts = DemoOptions(
-        nproc, steps, port, bind, nan_at, explode_at, seed_at, blend_at, step_sleep, linger,
-        spike_at=spike_at, nan_rank=nan_rank, guard=guard,
-    )
-    _check(opts)
+    try:  # the parameters are the fields (tests/unit/test_demo_options.py): nothing restated
+        opts = DemoOptions(**locals())
+    except DemoOptionError as exc:
+        raise typer.BadParameter(exc.problem, param_hint=exc.flag) from None
     console = Console(highlight=False, markup=False)
     if port_in_use(port, bind):
         Console(stderr=True, markup=False).print(port_message(port), style="red", soft_wrap=True)

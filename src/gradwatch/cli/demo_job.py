@@ -1,11 +1,12 @@
 """The training job behind ``gradwatch demo``: a small CPU DDP model growing a seed module.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        -m gradwatch.cli.demo_job --workdir DIR
+        -m gradwatch.cli.demo_job --workdir DIR [--parent-pid PID]
 
-It ships in the package so ``gradwatch demo`` works from an installed wheel; it can also be run
-by hand as above (without ``--ack`` and ``--parent-pid`` it needs no parent). The options and
-their defaults are :class:`gradwatch.cli.demo_protocol.JobArgs` (``--help`` lists them).
+It ships in the package so ``gradwatch demo`` works from an installed wheel. Its options are the
+parent's :class:`gradwatch.cli.demo.DemoOptions`, read whole from ``DIR/options.json`` and
+checked (a bad field is an error naming it, exit status 2); a job started by hand without that
+file runs with the defaults, and without ``--parent-pid`` it needs no parent.
 
 The model: a frozen input projection ``stem``, the ``host`` backbone (``host.*`` and its output
 ``head.*``), and a small ``seed`` module added to the host's features through a 0.1 gate.
@@ -36,34 +37,35 @@ noise scale) sees the same step, as it would a real fault. The optimizer skips t
 GradScaler would), so training is healthy again afterwards. With ``--guard`` the loop does not
 skip by itself: it steps a fused SGD through ``watch.guard(optimizer)`` (``skip_spike_score``
 6), which skips the non-finite and spiking steps on every rank. After an injected step the job
-pauses ``--anomaly-pause`` seconds so a scraper polling a few times a second sees the step's
+pauses ``ANOMALY_PAUSE`` seconds so a scraper polling a few times a second sees the step's
 gauges (the counters keep it anyway).
 
 What rank 0 tells the parent (the ready message once serving, an error if it cannot serve, the
-summary of every snapshot it saw at the end) is defined in :mod:`gradwatch.cli.demo_protocol`,
-with the command line and its defaults. After the summary, rank 0 keeps serving until the
-parent's ack (with ``--ack``, at most ``ACK_TIMEOUT`` seconds: the parent's final scrape) and
-for ``--linger`` seconds. Every rank stops at the same step when ``--parent-pid`` disappears (a
-one-element all-reduce per step agrees on it), so a killed ``gradwatch demo`` leaves no job
-behind. SIGINT and SIGTERM stop a rank quietly (exit 130 / 143), closing the endpoint.
+:class:`~gradwatch.cli.demo.Summary` of every snapshot it saw at the end) are the parent's typed
+messages, written to the work directory (:class:`~gradwatch.cli.demo.Workdir`). After the
+summary, rank 0 keeps serving until the parent's ack (with ``--parent-pid``, at most
+``ACK_TIMEOUT`` seconds: the parent's final scrape) and for ``--linger`` seconds. Every rank
+stops at the same step when ``--parent-pid`` disappears (a one-element all-reduce per step
+agrees on it), so a killed ``gradwatch demo`` leaves no job behind. SIGINT and SIGTERM stop a
+rank quietly (exit 130 / 143), closing the endpoint.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
 import sys
 import time
-import urllib.parse
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradwatch.cli.demo_protocol import JobArgs, JobError, Ready, SummaryRecorder, Workdir
-from gradwatch.cli.phases import default_phases, phase_of
+from gradwatch.cli.demo import ANOMALY_PAUSE, DemoOptions, JobError, Ready, Summary, Workdir
 
 #: How long rank 0 waits for the parent's ``ack`` after writing ``summary.json``.
 ACK_TIMEOUT = 10.0
@@ -93,6 +95,8 @@ DEMO_BATCH = 128
 
 #: ``skip_spike_score`` of ``--guard``.
 GUARD_SPIKE_SCORE = 6.0
+#: Rank 0 prints a progress line to the job's log every this many steps.
+LOG_EVERY = 20
 
 class DemoNet(nn.Module):
     """stem (frozen) -> host backbone -> head, with a gated seed module on the host features."""
@@ -138,14 +142,11 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Interrupted
 
 
-def train(args: JobArgs) -> int:
+def train(opts: DemoOptions, work: Workdir, parent_pid: int | None) -> int:
     """The whole job on one rank; returns the exit code."""
     from gradwatch import GradWatch, WatchConfig
     from gradwatch.errors import PortInUseError
 
-    work = Workdir(args.workdir)
-    batch = DEMO_BATCH if args.batch_size is None else args.batch_size
-    seed_at, blend_at = default_phases(args.steps, args.seed_at, args.blend_at)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")
@@ -162,7 +163,7 @@ def train(args: JobArgs) -> int:
         else net
     )
     optimizer = torch.optim.SGD(
-        [p for p in model.parameters() if p.requires_grad], lr=0.05, fused=args.guard or None
+        [p for p in model.parameters() if p.requires_grad], lr=0.05, fused=opts.guard or None
     )
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
 
@@ -170,68 +171,49 @@ def train(args: JobArgs) -> int:
         groups=GROUPS,
         ratios=RATIOS,
         isolated=ISOLATED,
-        port=args.port,
-        bind_address=args.bind,
+        port=opts.port,
+        bind_address=opts.bind,
         rank_view=True,  # opt-in: the demo shows where a NaN started and the noise scale
-        skip_spike_score=GUARD_SPIKE_SCORE if args.guard else None,
+        skip_spike_score=GUARD_SPIKE_SCORE if opts.guard else None,
     )
     try:
         watch = GradWatch(model, cfg)
-    except PortInUseError as exc:
-        work.write_error(JobError(kind="port_in_use", message=str(exc), port=args.port))
+    except OSError as exc:  # PortInUseError is one
+        kind = "port_in_use" if isinstance(exc, PortInUseError) else "error"
+        work.write(JobError(kind=kind, message=str(exc)))
         print(str(exc), file=sys.stderr, flush=True)
         return 2
-    except OSError as exc:
-        work.write_error(JobError(kind="error", message=str(exc), port=args.port))
-        print(str(exc), file=sys.stderr, flush=True)
-        return 2
-    guarded = watch.guard(optimizer) if args.guard else None
-    url = watch.metrics_url
+    guarded = watch.guard(optimizer) if opts.guard else None
     if rank == 0:
-        assert url is not None  # rank 0 serves: cfg.port is set
-        port = urllib.parse.urlsplit(url).port
-        work.write_ready(
-            Ready(
-                metrics_url=url,
-                port=args.port if port is None else port,
-                steps=args.steps,
-                seed_at=seed_at,
-                blend_at=blend_at,
-            )
-        )
-        print(f"gradwatch demo job: serving {url}", flush=True)
-    record = SummaryRecorder(
-        steps=args.steps, seed_at=seed_at, blend_at=blend_at, metrics_url=url
-    )
-    nan_at, explode_at = set(args.nan_at), set(args.explode_at)
-    spike_at = set(args.spike_at)
+        assert watch.metrics_url is not None  # rank 0 serves: cfg.port is set
+        work.write(Ready(metrics_url=watch.metrics_url))
+        print(f"gradwatch demo job: serving {watch.metrics_url}", flush=True)
+    summary = Summary()
     try:
-        for step in range(args.steps):
-            stop = torch.tensor([0.0 if _alive(args.parent_pid) else 1.0])
+        for step in range(opts.steps):
+            stop = torch.tensor([0.0 if _alive(parent_pid) else 1.0])
             if distributed:
                 dist.all_reduce(stop, op=dist.ReduceOp.MAX)
             if stop.item() > 0:
                 print(f"rank {rank}: the parent process is gone; stopping", flush=True)
                 return 1
-            phase = phase_of(step, seed_at, blend_at)
+            phase = opts.phase(step)
             if phase != net.phase:  # the host's isolation is expected in phase 2 only
                 watch.set_isolated([*ISOLATED, "host"] if phase == "seed" else ISOLATED)
             net.phase = phase
-            x = torch.randn(batch, 16, generator=data)
+            x = torch.randn(DEMO_BATCH, 16, generator=data)
             with torch.no_grad():  # a noisy target keeps a floor under the gradients
-                y = torch.tanh(teacher(x)) + 0.1 * torch.randn(batch, 1, generator=data)
+                y = torch.tanh(teacher(x)) + 0.1 * torch.randn(DEMO_BATCH, 1, generator=data)
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
-            factor = NAN_FACTOR if step in nan_at else EXPLODE_FACTOR if step in explode_at else 1.0
-            if step in spike_at and factor == 1.0:
-                factor = SPIKE_FACTOR
+            factor = injected_factor(opts, step)
             injected = factor != 1.0
             # The fault enters the local gradients through the loss, before DDP's all-reduce,
             # as a real one would: the reduced figures, the per-rank view and the noise scale
             # all see the same step. --nan-rank: on that rank only (the per-rank view names it
             # as the origin; the all-reduce spreads the NaN to every rank).
-            local_nan = args.nan_rank is not None and step in nan_at
-            scale = (NAN_FACTOR if rank == args.nan_rank else 1.0) if local_nan else factor
+            local_nan = opts.nan_rank is not None and step == opts.nan_at
+            scale = (NAN_FACTOR if rank == opts.nan_rank else 1.0) if local_nan else factor
             (loss * scale if scale != 1.0 else loss).backward()
             pending = watch.collect(step=step)
             if guarded is not None:
@@ -240,45 +222,79 @@ def train(args: JobArgs) -> int:
                 optimizer.step()
             if rank == 0:
                 snap = pending.result()
-                record.add(snap)
-                if injected or (args.log_every > 0 and step % args.log_every == 0):
+                summary.add(snap)
+                if injected or step % LOG_EVERY == 0:
                     print(
                         f"step {step} phase {phase} loss {loss.item():.4f} global_norm "
                         f"{snap.global_norm:.4g} health {snap.health:.2f}"
                         + (f" (gradients x {factor})" if injected else "")
-                        + (f"; guard skipped it ({snap.guard_skipped})" if snap.guard_skipped
-                           else ""),
+                        + (
+                            f"; guard skipped it ({snap.guard_skipped})"
+                            if snap.guard_skipped
+                            else ""
+                        ),
                         flush=True,
                     )
-            pause = args.anomaly_pause if injected else 0.0
-            if args.step_sleep > 0 or pause > 0:
-                time.sleep(max(args.step_sleep, pause))
+            pause = ANOMALY_PAUSE if injected else 0.0
+            if opts.step_sleep > 0 or pause > 0:
+                time.sleep(max(opts.step_sleep, pause))
         if rank == 0:
-            work.write_summary(record.summary)
-            _hold(work, args)
+            work.write(summary)
+            _hold(work, opts, parent_pid)
         return 0
     finally:
         watch.close()
 
 
-def _hold(work: Workdir, args: JobArgs) -> None:
-    """Rank 0 keeps serving: until the parent's ``ack`` (bounded) and for ``--linger`` s."""
+def injected_factor(opts: DemoOptions, step: int) -> float:
+    """What the loss of ``step`` is multiplied by: NaN at ``--nan-at``, 1e6 at
+    ``--explode-at``, 30 at ``--spike-at`` (the first of these when several fall on ``step``),
+    else 1."""
+    for at, factor in (
+        (opts.nan_at, NAN_FACTOR),
+        (opts.explode_at, EXPLODE_FACTOR),
+        (opts.spike_at, SPIKE_FACTOR),
+    ):
+        if step == at:
+            return factor
+    return 1.0
+
+
+def _hold(work: Workdir, opts: DemoOptions, parent_pid: int | None) -> None:
+    """Rank 0 keeps serving: until the parent's ack (bounded; with a parent only) and for
+    ``--linger`` s."""
     start = time.monotonic()
     while True:
         elapsed = time.monotonic() - start
-        acked = not args.ack or work.acked() or elapsed > ACK_TIMEOUT
-        if (acked and elapsed >= args.linger) or not _alive(args.parent_pid):
+        acked = parent_pid is None or work.acked() or elapsed > ACK_TIMEOUT
+        if (acked and elapsed >= opts.linger) or not _alive(parent_pid):
             return
         time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = JobArgs.from_argv(sys.argv[1:] if argv is None else argv)
-    args.workdir.mkdir(parents=True, exist_ok=True)
+    p = argparse.ArgumentParser(
+        prog="python -m gradwatch.cli.demo_job",
+        description="The training job behind gradwatch demo; its options are "
+        "WORKDIR/options.json (gradwatch.cli.demo.DemoOptions; defaults when absent).",
+    )
+    p.add_argument("--workdir", type=Path, required=True, help="the run's private directory")
+    p.add_argument(
+        "--parent-pid", type=int, default=None,
+        help="stop when this process is gone; keep serving until its ack",
+    )  # fmt: skip
+    ns = p.parse_args(sys.argv[1:] if argv is None else argv)
+    ns.workdir.mkdir(parents=True, exist_ok=True)
+    work = Workdir(ns.workdir)
+    try:
+        opts = work.read_options()
+    except ValueError as exc:
+        print(f"{ns.workdir / Workdir.OPTIONS}: {exc}", file=sys.stderr, flush=True)
+        return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
     code = 0
     try:
-        code = train(args)
+        code = train(opts, work, ns.parent_pid)
     except KeyboardInterrupt:
         code = 130
     except _Interrupted:
@@ -286,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_available() and dist.is_initialized():
             # best effort while stopping
-            with contextlib.suppress(Exception, KeyboardInterrupt, _Interrupted):
+            with contextlib.suppress(RuntimeError, ValueError, KeyboardInterrupt, _Interrupted):
                 dist.destroy_process_group()
     return code
 

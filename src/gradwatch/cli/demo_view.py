@@ -1,10 +1,14 @@
-"""What ``gradwatch demo`` shows while its job runs: a live table refreshed from scrapes on a
-terminal, plain progress lines otherwise (pipes, CI)."""
+"""What ``gradwatch demo`` shows: while its job runs, a live table refreshed from scrapes on a
+terminal and plain progress lines otherwise (pipes, CI); at the end, the summary lines. The
+parent (:mod:`gradwatch.cli.demo`) owns the run; this module only draws it, with
+:mod:`gradwatch.cli.render`'s parts (the ``gradwatch top`` table)."""
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -13,8 +17,8 @@ from rich.table import Table
 from rich.text import Text
 
 from gradwatch.cli.endpoint import EndpointView
-from gradwatch.cli.phases import phase_of
 from gradwatch.cli.render import (
+    UNDEFINED,
     Trends,
     anomalies_text,
     fmt,
@@ -22,14 +26,10 @@ from gradwatch.cli.render import (
     isolation_text,
     render_view,
 )
+from gradwatch.export import metrics as catalog
 
-
-class RunSize(Protocol):
-    """What a display reads of the demo's options."""
-
-    nproc: int
-    steps: int
-
+if TYPE_CHECKING:  # the parent imports this module; its types only are needed here
+    from gradwatch.cli.demo import DemoOptions, Summary
 
 PHASE_TEXT = {
     "host": "host trains (seed not grown yet)",
@@ -41,12 +41,11 @@ PHASE_TEXT = {
 class Display:
     """Where the parent shows the run: a live table (terminal) or plain lines."""
 
-    def __init__(self, console: Console, opts: RunSize) -> None:
+    def __init__(self, console: Console, opts: DemoOptions) -> None:
         self.console = console
         self.opts = opts
         self.trends = Trends()
         self.url: str | None = None
-        self.phases: tuple[int, int] = (0, 0)
 
     def status(self, message: str) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -60,13 +59,13 @@ class Display:
     def phase(self, step: int | None) -> str:
         if step is None:
             return "-"
-        return phase_of(step, *self.phases)
+        return self.opts.phase(step)
 
 
 class LiveDisplay(Display):
     """A rich ``Live`` table redrawn after every scrape."""
 
-    def __init__(self, console: Console, opts: RunSize) -> None:
+    def __init__(self, console: Console, opts: DemoOptions) -> None:
         super().__init__(console, opts)
         self._started = time.monotonic()
         self._message = "starting torchrun ..."
@@ -117,7 +116,7 @@ class LiveDisplay(Display):
 class PlainDisplay(Display):
     """Plain progress lines: at every tenth of the run and when an anomaly counter moves."""
 
-    def __init__(self, console: Console, opts: RunSize) -> None:
+    def __init__(self, console: Console, opts: DemoOptions) -> None:
         super().__init__(console, opts)
         self._next_milestone = 0
         self._counters: tuple[int, int, int] | None = None
@@ -155,3 +154,81 @@ class PlainDisplay(Display):
 def _spike_count(view: EndpointView) -> int:
     """Every spike counter of ``view`` summed: moves whenever a spike was published."""
     return view.global_spikes + sum(s.spikes for s in view.groups.values())
+
+
+# -- the end of the run ---------------------------------------------------------------------
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    if not steps:
+        return "0"
+    shown = ", ".join(str(s) for s in steps[:20]) + (", ..." if len(steps) > 20 else "")
+    return f"{len(steps)} (step{'s' if len(steps) > 1 else ''} {shown})"
+
+
+def summary_lines(
+    opts: DemoOptions, summary: Summary, final: EndpointView | None, url: str
+) -> list[str]:
+    """The end-of-run summary: from the job's summary message and the final scrape."""
+    seed_at, blend_at = opts.phases
+    lines = [
+        f"gradwatch demo finished: {summary.steps_run} steps on {summary.world_size} "
+        f"ranks ({summary.parallelism}); phases: host 0-{seed_at - 1}, "
+        f"seed {seed_at}-{blend_at - 1} (host frozen), blend {blend_at}-{opts.steps - 1}",
+    ]
+    last = summary.last
+    if last is not None:
+        groups = ", ".join(f"{g} {fmt(v)}" for g, v in last.groups.items())
+        ratios = ", ".join(
+            f"{k} {UNDEFINED if v != v and math.isfinite(last.global_norm) else fmt(v)}"
+            for k, v in last.ratios.items()
+        )
+        lines.append(
+            f"last step {last.step}: global norm {fmt(last.global_norm)}; {groups}; "
+            f"{ratios}; health {fmt(last.health, 3)}"
+        )
+    events = summary.events
+    lines.append(f"non-finite steps: {_steps_text(events.nonfinite)}")
+    for step, ranks in sorted(summary.nonfinite_origins.items()):
+        lines.append(
+            f"non-finite origin at step {step}: rank(s) {', '.join(map(str, ranks))} "
+            "(local gradients before the all-reduce)"
+        )
+    lines.append(f"exploding steps: {_steps_text(events.exploding)} (non-finite included)")
+    if events.amp_skipped:  # the demo uses no GradScaler; a job reusing this summary may
+        lines.append(f"AMP-skipped steps: {_steps_text(events.amp_skipped)}")
+    lines.append(f"spike steps: {_steps_text(events.spikes)} (adaptive spike detection)")
+    if opts.guard:
+        lines.append(
+            f"guard-skipped steps: {_steps_text(events.skipped)} (optimizer update not applied)"
+        )
+    hmin = summary.health_min
+    if hmin is not None:
+        lines.append(f"health min: {fmt(hmin.value, 3)} at step {hmin.step}")
+    for group, bad in summary.isolation_violation_steps.items():
+        lines.append(f"isolation of {group}: {_steps_text(bad)} violating steps")
+    if final is None:
+        lines.append(f"endpoint {url}: no final scrape (the endpoint did not answer)")
+        return lines
+    lines.append(
+        f"endpoint {url} (final scrape, step {final.step}): "
+        f"{catalog.NONFINITE_STEPS_TOTAL.name} {final.nonfinite_steps}, "
+        f"{catalog.EXPLODING_STEPS_TOTAL.name} {final.exploding_steps}, "
+        f"{catalog.COLLECTIONS_TOTAL.name} {final.collections}, "
+        f"{catalog.GLOBAL_GRAD_NORM_SPIKES_TOTAL.name} {final.global_spikes}"
+        + "".join(
+            f', {catalog.SKIPPED_STEPS_TOTAL.name}{{reason="{r}"}} {n}'
+            for r, n in final.skipped_steps.items()
+        )
+        + "".join(
+            f', {catalog.GRAD_NORM_SPIKES_TOTAL.name}{{group="{g}"}} {s.spikes}'
+            for g, s in final.groups.items()
+            if s.spikes
+        )
+    )
+    if final.nonfinite_origin:
+        lines.append(
+            f"endpoint: last non-finite origin (step {final.nonfinite_origin_step}): "
+            + ", ".join(f"rank {r} ({h})" for r, h in final.nonfinite_origin)
+        )
+    return lines

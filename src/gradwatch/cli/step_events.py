@@ -11,9 +11,8 @@ each class, for the views that name steps rather than count them: the demo's sum
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from gradwatch.snapshot import Snapshot
 
@@ -48,22 +47,3 @@ class StepEvents:
             self.spikes.append(snap.step)
         if snap.guard_skipped is not None:
             self.skipped.append(snap.step)
-
-    def to_dict(self) -> dict[str, list[int]]:
-        return {
-            "nonfinite": list(self.nonfinite),
-            "amp_skipped": list(self.amp_skipped),
-            "exploding": list(self.exploding),
-            "spikes": list(self.spikes),
-            "skipped": list(self.skipped),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StepEvents:
-        return cls(
-            nonfinite=[int(s) for s in data["nonfinite"]],
-            amp_skipped=[int(s) for s in data["amp_skipped"]],
-            exploding=[int(s) for s in data["exploding"]],
-            spikes=[int(s) for s in data.get("spikes", ())],
-            skipped=[int(s) for s in data.get("skipped", ())],
-        )

@@ -500,7 +500,7 @@ def _feed(server: ExporterServer, stdin: BinaryIO, acks: BinaryIO) -> None:
 def _die_with_parent(parent: int) -> None:
     """Linux: SIGTERM when the thread that started us dies; and never run without a parent."""
     if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, AttributeError):  # no libc, or no prctl in it
             import ctypes
 
             libc = ctypes.CDLL(None, use_errno=True)
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent)
     with contextlib.suppress(OSError):
         os.nice(NICE)
-    with contextlib.suppress(Exception):  # room for MAX_CONNECTIONS
+    with contextlib.suppress(ImportError, OSError, ValueError):  # room for MAX_CONNECTIONS
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     ).start()
     try:
         asyncio.run(server.serve(sock))
-    except Exception as exc:
+    except (OSError, RuntimeError, ValueError) as exc:  # ssl errors are OSErrors
         print(f"gradwatch exporter: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -227,7 +227,7 @@ def _accelerate_kind() -> str | None:
         if not is_initialized():
             return None
         return str(AcceleratorState().distributed_type.value)
-    except Exception:  # accelerate missing or laid out differently: unknown
+    except (ImportError, AttributeError):  # accelerate missing or laid out differently
         return None
 
 
@@ -248,7 +248,7 @@ def _cannot_route() -> str | None:
         state = AcceleratorState()
         kind = state.distributed_type.value
         fsdp1 = kind == "FSDP" and not getattr(state, "is_fsdp2", False)
-    except Exception:  # an uninitialized or unknown state: the per-call check decides
+    except (ImportError, AttributeError):  # an unknown state: the per-call check decides
         return None
     if kind in _ENGINE_CLIPS or fsdp1:
         return f"accelerate runs {kind}{' (FSDP1)' if fsdp1 else ''}, whose engine clips"
