@@ -409,7 +409,7 @@ GUARD_STOPPED = MetricDef(
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.consecutive_skipped_steps is None else one(s.snap.guard_stopped),
 )
-# -- spikes and every step between scrapes (gradwatch.spikes, state.SeriesCounts) ----------
+# -- spikes and every step between scrapes (gradwatch.spikes, state.Counts) ----------------
 GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
     "gradwatch_global_grad_norm_spike_score",
     "gauge",
