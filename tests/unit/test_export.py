@@ -6,6 +6,7 @@ exposition with prometheus_client's own parser. Every test that starts a server 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import gc
@@ -1247,6 +1248,20 @@ def test_every_definition_is_named_after_its_metric() -> None:
         assert getattr(catalog, d.name.removeprefix("gradwatch_").upper()) is d, d.name
         assert bool(d.buckets) == (d.type == "histogram"), d.name
     assert catalog.COLLECT_SECONDS.buckets == COLLECT_SECONDS_BUCKETS
+
+
+def test_no_module_joins_by_a_metric_name_string() -> None:
+    """Outside the catalog, code refers to a metric by its definition, never by its name: no
+    string constant of the package (prose aside) is a catalog name."""
+    names = set(METRICS_BY_NAME)
+    found = []
+    for path in sorted((SRC / "gradwatch").rglob("*.py")):
+        if path == SRC / "gradwatch" / "export" / "metrics.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.value}")
+    assert not found, found
 
 
 def test_counts_use_the_snapshots_step_classification() -> None:

@@ -91,7 +91,8 @@ class GroupView:
 
 @dataclass(frozen=True)
 class EndpointView:
-    """What one scrape of a gradwatch endpoint says.
+    """What one scrape of a gradwatch endpoint says: each field is one catalog metric's
+    series as :func:`parse_exposition` read them (the figures ``top`` and the demo draw).
 
     Per-step gauges are ``None`` (or empty) before the job published its first snapshot, as the
     endpoint leaves them absent then. Counters are always present (0 at start).
