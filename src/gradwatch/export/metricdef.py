@@ -16,7 +16,6 @@ snapshots into the sources is :mod:`gradwatch.export.state`'s job, rendering the
 from __future__ import annotations
 
 import enum
-import functools
 import itertools
 import math
 import operator
@@ -218,7 +217,7 @@ def each(items: Iterable[tuple[str, float]]) -> tuple[Sample, ...]:
 def group_field(name: str) -> Callable[[PublishedStep], tuple[Sample, ...]]:
     """A per-group gauge: ``GroupStats.<name>`` of every group of the published snapshot."""
     get = operator.attrgetter(name)
-    return lambda s: each((g, get(stats)) for g, stats in s.snap.groups.items())
+    return lambda s: tuple(((g,), float(get(stats))) for g, stats in s.snap.groups.items())
 
 
 def rank_view_field(name: str) -> Callable[[PublishedStep], tuple[Sample, ...] | None]:
@@ -228,15 +227,15 @@ def rank_view_field(name: str) -> Callable[[PublishedStep], tuple[Sample, ...] |
     return lambda s: one(get(s.snap)) if s.snap.rank_view else None
 
 
-def cumulative_histogram(
-    bounds: tuple[float, ...], counts: Iterable[float], total: float
-) -> HistogramValue:
-    """A histogram from its per-bucket counts (not cumulative, ``+Inf`` last) and its sum."""
-    cumulative = itertools.accumulate(float(n) for n in counts)
-    return HistogramValue(tuple(zip(_le(bounds), cumulative, strict=True)), total)
-
-
-@functools.cache
-def _le(bounds: tuple[float, ...]) -> tuple[str, ...]:
-    """The ``le`` label values of ``bounds`` and ``+Inf``, as the exposition writes them."""
+def le_values(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The ``le`` label values of a histogram with ``bounds``, ``+Inf`` last, as the exposition
+    writes them."""
     return tuple(floatToGoString(b) for b in (*bounds, math.inf))
+
+
+def cumulative_histogram(
+    le: tuple[str, ...], counts: Iterable[float], total: float
+) -> HistogramValue:
+    """A histogram from its ``le`` values (:func:`le_values`), its per-bucket counts (floats,
+    not cumulative, ``+Inf`` last) and its sum."""
+    return HistogramValue(tuple(zip(le, itertools.accumulate(counts), strict=True)), total)

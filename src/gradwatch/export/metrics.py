@@ -3,15 +3,11 @@
 Each definition is the whole metric: name, type, labels, HELP text, buckets and ``read``, how
 its samples come from its source. The names are a contract (alert rules, the dashboard and
 outside checks rely on them), so they are written once, here; everything else refers to the
-objects (``metrics.GRAD_NORM``, ``metrics.GRAD_NORM.name``), never to a name string. Each
-object is named after its metric: the name without ``gradwatch_``, upper case.
-
-* :mod:`gradwatch.export.state` folds published snapshots into the sources and reads them
-  through :func:`read_all`; :mod:`gradwatch.export.collector` renders exactly :data:`METRICS`,
-  in order; ``gradwatch top`` parses an exposition by them (:mod:`gradwatch.cli.endpoint`);
-  docs/metrics.md is generated from them (``python scripts/gen_metrics_docs.py``).
-
-This module holds data only: no threads, no HTTP, no torch.
+objects (``metrics.GRAD_NORM.name``), never to a name string. Each object is named after its
+metric: the name without ``gradwatch_``, upper case. The published state reads its samples
+through :func:`read_all`, the Collector renders exactly :data:`METRICS` in order, ``gradwatch
+top`` parses an exposition by them and ``scripts/gen_metrics_docs.py`` writes docs/metrics.md
+from them. Data only: no threads, no HTTP, no torch.
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ from gradwatch.export.metricdef import (
     cumulative_histogram,
     each,
     group_field,
+    le_values,
     one,
     rank_view_field,
     select_param_series,
@@ -93,14 +90,18 @@ def _replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
     return each((stat, v) for stat, v in stats if v is not None)
 
 
+_NORM_LE = le_values(NORM_BUCKETS)
+_COLLECT_SECONDS_LE = le_values(COLLECT_SECONDS_BUCKETS)
+
+
 def _norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
     """One series of the per-step norm histograms from its counts per bucket and sum."""
-    return cumulative_histogram(NORM_BUCKETS, *hist)
+    return cumulative_histogram(_NORM_LE, *hist)
 
 
 def _collect_seconds(v: SelfView) -> HistogramValue:
     """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
-    return cumulative_histogram(COLLECT_SECONDS_BUCKETS, v.bucket_counts, v.seconds_sum)
+    return cumulative_histogram(_COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
 
 
 def _ratio_bands(j: JobInfo) -> tuple[Sample, ...]:
