@@ -9,6 +9,7 @@
 * :mod:`benchmarks.rankview_bench`: the per-rank view's cost on DDP, the default DDP path's
   saving (no all-reduce under pure replication) over ``always_reduce=True``, and a
   benchmark-only prototype (a post-reduction pass in the comm hook's callback).
-* :mod:`benchmarks.report`: the markdown of docs/performance.md, from the results alone.
+* :mod:`benchmarks.report`: the markdown of docs/performance.md, from the results alone:
+  figures, targets and verdicts (how each section measures: docs/benchmarks.md, by hand).
 * :mod:`benchmarks.run`: the command line.
 """

@@ -9,7 +9,7 @@ The kinds (:class:`~benchmarks.results.RankViewMode`), each a DDP copy of the sa
   this pure replication an ordinary collect issues no all-reduce of its own, the divergence
   step, every ``divergence_every``-th collect, does).
 * ``ALWAYS_REDUCE``: ``WatchConfig(always_reduce=True)`` without the view: one all-reduce per
-  collect (the previous default), what the default's saving is measured against.
+  collect, what the default's saving is measured against.
 * ``HOOK_ONLY``: as ``ALWAYS_REDUCE``, with gradwatch's comm hook registered but measuring
   nothing (``ddp_comm_hook`` of a watch without the view): what the Python hook itself costs
   over DDP's built-in reduction, over the same all-reduces as ``RANK_VIEW``.
@@ -43,7 +43,6 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from benchmarks.cases import ModelSpec, build_model, wrap
 from benchmarks.distributed import WORLD, _free_port, _init
 from benchmarks.results import RankViewMode, RankViewResult
 from gradwatch.ddp_hook import _sum_options
+from gradwatch.timing import palindromic
 
 #: The kinds timed in the documented collect-only loop too (the in-callback prototype only
 #: moves work between two calls on the training thread: the other loop shows it).
@@ -165,7 +165,6 @@ def _worker(rank: int, port: int, blocks: int, out: str, kinds: tuple[RankViewMo
     import torch.distributed as dist
 
     _init(rank, port)
-    block = (*kinds, *reversed(kinds))
     try:
         jobs = {mode: _job(mode, collect_only and rank == 0) for mode in kinds}
         _, width, batch = build_model(ModelSpec("demo", "demo model"))
@@ -181,16 +180,8 @@ def _worker(rank: int, port: int, blocks: int, out: str, kinds: tuple[RankViewMo
             if not collect_only:
                 pending.result()
 
-        for i in range(3 * len(block)):  # warm-up (DDP rebuilds its buckets after one step)
-            step(block[i % len(block)], i)
-        times: dict[RankViewMode, list[float]] = {m: [] for m in kinds}
-        for i in range(blocks * len(block)):
-            mode = block[i % len(block)]
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(mode, 1000 + i)
-            times[mode].append(time.perf_counter() - t0)
-        dist.barrier()
+        # three warm-up blocks first (DDP rebuilds its buckets after one step)
+        times = palindromic(step, kinds, blocks, barrier=dist.barrier)
         buckets = ops = 0
         if RankViewMode.RANK_VIEW in jobs:
             buckets, ops = _hook_ops(jobs[RankViewMode.RANK_VIEW][2],

@@ -86,6 +86,10 @@ class TargetCheck:
     target: Target
     value: float
     shown: str  # the measured value as the table prints it (with its spread when it has one)
+    #: the figures of the same run that bear on a miss (shown when the target is not met)
+    figures: str = ""
+    #: the heading of its known cause in docs/benchmarks.md (report.CAUSES)
+    cause: str = ""
 
     @property
     def met(self) -> bool:
@@ -324,7 +328,7 @@ class RankViewMode(Enum):
     #: built-in one reduced the gradients)
     WATCHED = ("gradwatch without the per-rank view (default: no all-reduce under pure "
                "replication)")
-    #: the previous default: one all-reduce per collect
+    #: one all-reduce per collect, what the default's saving is measured against
     ALWAYS_REDUCE = "gradwatch without the view, `always_reduce=True` (one all-reduce per collect)"
     #: as ``ALWAYS_REDUCE``, the comm hook in place of DDP's built-in reduction: the same
     #: all-reduces as ``RANK_VIEW``, so the two differ by the view's own measurement alone
@@ -430,14 +434,16 @@ class GuardMode(Enum):
 
 @dataclass(frozen=True)
 class GuardResult:
-    """Rank 0's step times of every :class:`GuardMode` (2 ranks, DDP, demo model), in
-    palindromic blocks, and the host scalar reads and ops of one warm guarded step."""
+    """Rank 0's step times of every :class:`GuardMode` (2 ranks, DDP, demo model, fused
+    AdamW), in palindromic blocks; the host scalar reads and aten ops of one warm guarded
+    optimizer step (collect, decision, fused step) and the ops of one unguarded one."""
 
     model: str
     blocks: int
     step_times: dict[GuardMode, tuple[float, ...]]
     scalar_reads: int
     ops: int
+    unguarded_ops: int = 0
 
     def timing(self, mode: GuardMode) -> Timing:
         return Timing.of(self.step_times[mode])
@@ -510,7 +516,8 @@ class ScaleResult:
     peak_bytes: int  # its peak Python memory (tracemalloc)
     sent_bytes: int  # handshake bytes per rank
     received_bytes: int
-    old_received_bytes: int  # the former all-gather of every rank's JSON description
+    #: what an all-gather of every rank's full JSON description would receive per rank
+    gather_all_received_bytes: int
     packed_bytes: int  # the per-step all-reduce vector
     replicas: int  # replica slots in it
     agreed: bool = False  # phase 0 alone (every rank agrees), else the records path

@@ -24,8 +24,8 @@ vote, decoding the records (and, when descriptions differ, the distinct descript
 every rank agrees, and deriving the layout (:func:`benchmarks.handshake_sim.simulate` +
 :func:`gradwatch.layout.derive_layout`), its wall time on one core and its peak Python memory
 (tracemalloc), which handshake path the world takes, and the handshake bytes per rank
-(:func:`benchmarks.handshake_sim.bytes_per_rank`), next to what the former handshake (every rank's
-JSON description all-gathered, padded to the longest) would have received.
+(:func:`benchmarks.handshake_sim.bytes_per_rank`), next to what the simple alternative (every rank's
+JSON description all-gathered, padded to the longest) would receive.
 """
 
 from __future__ import annotations
@@ -289,10 +289,10 @@ def self_check(world: int = 8, params: Sequence[Param] | None = None) -> None:
             assert [tuple(row) for row in table.tolist()] == [rec.coords for _d, rec in simulated]
 
 
-def _old_handshake_bytes(pairs: Sequence[tuple[Any, Any]], spec: Spec,
-                         params: Sequence[Param]) -> int:
-    """Received per rank by the former handshake: every rank's JSON description (keys with
-    coordinates, explicit local sizes), all-gathered padded to the longest, plus the lengths."""
+def _gather_all_bytes(pairs: Sequence[tuple[Any, Any]], spec: Spec,
+                      params: Sequence[Param]) -> int:
+    """Received per rank by an all-gather of every rank's JSON description (keys with
+    coordinates, explicit local sizes), padded to the longest, plus the lengths."""
     longest, seen = 0, set()
     for rank, sig in enumerate(structures(spec, params)):
         if sig in seen:
@@ -344,7 +344,7 @@ def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
         case=case, world=world, n_params=len(params), mesh=_mesh_text(spec),
         distinct=len(gathered.descriptions), seconds=seconds, peak_bytes=peak,
         sent_bytes=sent, received_bytes=received,
-        old_received_bytes=_old_handshake_bytes(pairs, spec, params),
+        gather_all_received_bytes=_gather_all_bytes(pairs, spec, params),
         packed_bytes=8 * layout.packed_length, replicas=layout.replicas,
         agreed=gathered.agreed,
     )

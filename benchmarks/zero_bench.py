@@ -137,13 +137,9 @@ def text(result: ZeroNormResult | Failure | None) -> str:
     g, d = result.gradwatch, result.deepspeed
     verdict = "met" if result.ratio <= TARGET else "not met"
     return (
-        f"One ZeRO-{result.stage} engine on {result.world} ranks ({result.params:,} parameters "
-        f"in {LAYERS} fp32 `Linear({WIDTH}, {WIDTH})`, torch's Adam), after one backward; "
-        f"{result.rounds} rounds alternating the two methods on the same gradients (order "
-        "flipped every round), rank 0's wall times. *gradwatch*: `watch.collect(step)"
-        ".result()` (local slices read in place, one all-reduce, the host summary); "
-        "*DeepSpeed*: `engine.optimizer.scaled_global_norm()`, the norm `engine.step()` "
-        f"computes. Target: gradwatch <= {TARGET}x DeepSpeed.\n\n"
+        f"ZeRO-{result.stage}, {result.world} ranks, {result.params:,} parameters in {LAYERS} fp32 "
+        f"`Linear({WIDTH}, {WIDTH})`; rounds: {result.rounds}. Target: gradwatch <= {TARGET}x "
+        "DeepSpeed.\n\n"
         "| method | median | p25-p75 | ratio | target |\n| --- | --- | --- | --- | --- |\n"
         f"| gradwatch collect + result | {g.median * 1e3:.2f} ms | {g.quartiles[0] * 1e3:.2f}-"
         f"{g.quartiles[1] * 1e3:.2f} ms | {result.ratio:.2f}x | {verdict} |\n"

@@ -9,20 +9,23 @@ The decision (:class:`StepGuard`) is a device tensor computed from the step's re
 (:class:`~gradwatch.reduce.ReducedVector`), the same bits on every rank:
 
 * ``nonfinite``: some rank flagged NaN/Inf in some gradient, or the whole-model norm is not
-  finite (``skip_nonfinite``); ``ln(norm)`` comes straight from the reduced bands,
-  ``0.5 * logsumexp(ln(band sums) + ln(band scales))``, which never leaves float64;
+  finite (``skip_nonfinite``), told straight from the reduced bands and flags, never outside
+  float64 (:meth:`StepGuard.decide`);
 * ``spike``: ``score = (ln(norm) - m) / max(1.4826 * MAD, 0.05)`` exceeds
   ``skip_spike_score``, where ``m`` and MAD are the median and median absolute deviation of the
-  last ``spike_window`` samples of ``ln(norm)``, kept on the device in a shift register (the
-  definition of :mod:`gradwatch.spikes`). A sample is a step whose gradients were all finite
-  and whose norm is positive; every sample enters the window, skipped spikes too, so a lasting
-  change of level becomes normal after ``spike_window / 2`` steps. The score is defined once
-  the window holds ``spike_warmup`` samples;
+  last ``spike_window`` samples of ``ln(norm)``, kept on the device in a ring (the definition
+  of :mod:`gradwatch.spikes`; :class:`_SpikeWindow`). A sample is a measured step whose
+  gradients were all finite and whose norm is positive; every sample enters the window,
+  skipped spikes too, so a lasting change of level becomes normal after ``spike_window / 2``
+  steps. The score is defined once the window holds ``spike_warmup`` samples;
 * ``max_consecutive_skips``: the guard skips at most that many steps in a row; a further step
   it would skip is applied (the guard has *stopped*, ``gradwatch_guard_stopped`` 1 and the
   alert says why) until a step it would not skip re-arms it;
-* a step some rank failed to measure (NaN step slot) is never skipped: a guard that cannot see
-  does not act.
+* a step some rank stood in for (its step slot NaN: a failed local pass, or -inf: a closed
+  watcher) is never skipped and is no sample: a guard that cannot see does not act.
+
+Cost per step: a fixed sequence of small device ops, 11 (37 with ``skip_spike_score``), on
+state allocated once; no host read (docs/integrations.md, *What it costs*).
 
 Why the bits agree on every rank: the inputs are the reduced vector (the result of one
 all-reduce, identical everywhere) or, under plain DDP without gradwatch's all-reduce, each
@@ -54,7 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradwatch.bands import BANDS, HIGH_SHIFT, LOW_SHIFT
+from gradwatch.bands import HIGH_SHIFT, LOW_SHIFT
 from gradwatch.collective import wait_event
 from gradwatch.config import WatchConfig
 from gradwatch.reduce import ReducedVector
@@ -67,13 +70,26 @@ log = logging.getLogger("gradwatch")
 #: The reasons of ``gradwatch_skipped_steps_total``, in decision-vector order.
 SKIP_REASONS = ("nonfinite", "spike")
 
-#: ``ln`` of the largest float64: a larger whole-model norm reads +Inf (non-finite) elsewhere.
-_LN_FLOAT64_MAX = math.log(sys.float_info.max)
+#: ``ln`` of the largest float64, twice: ``ln(norm^2)`` at or above it is a whole-model norm
+#: float64 cannot hold (+Inf elsewhere), so the step is non-finite.
+_LN_SQUARE_LIMIT = 2.0 * math.log(sys.float_info.max)
 
-# Offsets of the decision vector (float64): whether the step is skipped, whether it would
-# be for a non-finite gradient, for a spike, for either; the score, the consecutive skips,
-# the steps skipped so far and those skipped for a non-finite gradient.
-_SKIP, _NONFINITE, _SPIKE, _WANT, _SCORE, _CONSECUTIVE, _SKIPPED, _SKIPPED_NONFINITE = range(8)
+#: Added to ``ln`` of the non-finite flags' sum in the norm's ``logsumexp``: one flag anywhere
+#: puts ``ln(norm^2)`` above :data:`_LN_SQUARE_LIMIT`, so one comparison tells a non-finite step.
+_FLAGGED = 2048.0
+
+#: Whole-model norms from ``2^1024`` up do not fit float64: their high band sum (the squares
+#: times ``2^-HIGH_SHIFT``) reaches ``2^(2048 - HIGH_SHIFT)``.
+_HIGH_BAND_LIMIT_EXPONENT = 2048 - HIGH_SHIFT
+
+#: One non-finite flag weighs ``2^1000`` in the finiteness test: beyond every finite norm's.
+_FLAG_EXPONENT = 1000
+
+# Offsets of the decision vector (float64): the consecutive skips before this step and after
+# it (a skip raised the count: a skip; a count above 0: the guard wanted to skip), whether it
+# wanted to for a non-finite gradient, the spike score, the steps skipped so far and those
+# skipped for a non-finite gradient.
+_BEFORE, _CONSECUTIVE, _NONFINITE, _SCORE, _SKIPPED, _SKIPPED_NONFINITE = range(6)
 
 
 @dataclass(frozen=True)
@@ -124,14 +140,16 @@ class GuardReading:
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> GuardReading:
+        consecutive = int(values[_CONSECUTIVE])
+        skip = consecutive > values[_BEFORE]
         skipped = None
-        if values[_SKIP] > 0:
+        if skip:
             skipped = "nonfinite" if values[_NONFINITE] > 0 else "spike"
         skipped_all, skipped_nonfinite = int(values[_SKIPPED]), int(values[_SKIPPED_NONFINITE])
         return cls(
             skipped=skipped,
-            consecutive=int(values[_CONSECUTIVE]),
-            stopped=values[_WANT] > 0 and not values[_SKIP] > 0,
+            consecutive=consecutive,
+            stopped=consecutive > 0 and not skip,
             score=float(values[_SCORE]),
             totals=dict(
                 zip(SKIP_REASONS, (skipped_nonfinite, skipped_all - skipped_nonfinite), strict=True)
@@ -149,21 +167,23 @@ class GuardReading:
 
 
 class GuardDecision:
-    """One step's decision: the device tensor the optimizer step uses (``skip``), and a host
-    copy of the whole decision that the snapshot reads later, off the training thread.
+    """One step's decision: ``found_inf``, the float32 0-dim tensor (1.0: skip) the optimizer
+    step uses, and a host copy of the whole decision that the snapshot reads later, off the
+    training thread.
 
-    ``parts``: the decision's 0-dim tensors, in decision-vector order; tensors
-    the guard never writes again (it replaces its state each step), so on the CPU they are
-    packed only when read; on CUDA they are packed at once and copied, non-blocking, to pinned
-    memory with an event, as :class:`~gradwatch.reduce.ReducedVector` does.
+    ``parts``: the decision's 0-dim tensors, in decision-vector order; tensors the guard never
+    writes again (it replaces that state each step), so on the CPU they are packed only when
+    read; on CUDA they are packed at once and copied, non-blocking, to pinned memory with an
+    event, as :class:`~gradwatch.reduce.ReducedVector` does. ``found_inf`` itself is the
+    guard's one reused buffer: read it within the step it belongs to.
     """
 
-    def __init__(self, skip: Tensor, parts: Sequence[Tensor], timeout: float) -> None:
-        self.skip = skip
+    def __init__(self, found_inf: Tensor, parts: Sequence[Tensor], timeout: float) -> None:
+        self.skip = found_inf
         self._parts = tuple(parts)
         self._timeout = timeout
         self._reading: GuardReading | None = None
-        if skip.device.type != "cpu":  # CUDA path, untested on this project's machines
+        if found_inf.device.type != "cpu":  # CUDA path, untested on this project's machines
             vector = _pack(self._parts)
             self._pinned = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
             self._pinned.copy_(vector, non_blocking=True)
@@ -172,7 +192,10 @@ class GuardDecision:
 
     def found_inf(self, device: torch.device) -> Tensor:
         """The skip as a float32 ``found_inf`` (1.0: skip) on ``device``, no host read."""
-        return self.skip.to(device=device, dtype=torch.float32, non_blocking=True)
+        skip = self.skip
+        if skip.device == device:
+            return skip
+        return skip.to(device=device, non_blocking=True)
 
     def reading(self) -> GuardReading:
         """Read the decision to the host (once; waits at most ``collective_timeout_seconds``
@@ -192,11 +215,60 @@ def _pack(parts: Sequence[Tensor]) -> Tensor:
     return torch.stack([t.to(torch.float64) for t in parts])
 
 
+class _SpikeWindow:
+    """The last ``size`` samples of ``y = ln(norm^2)`` on the device, and the spike score of a
+    new one against them: ``(y - m) / max(1.4826 * MAD, 2 * MIN_LOG_SPREAD)`` with ``m`` the
+    median and MAD the median absolute deviation of the samples (``statistics.median``: the
+    mean of the two middle ones for an even count). In ``ln(norm^2)`` every term is twice its
+    ``ln(norm)`` value (exactly: a factor of 2), so the score is the ``ln(norm)`` one of
+    :mod:`gradwatch.spikes`.
+
+    A ring of ``size`` slots (NaN: empty; filled in order, then the oldest replaced) and one
+    discard slot, where a step that is no sample writes (no branch). Each slot holds ``y`` and
+    ``-y``: one ``nanmedian(dim=1)`` of the two rows gives the lower middle sample and minus
+    the upper one, whose mean is the median; the deviations are stored the same way. Each
+    call is a fixed sequence of 16 small ops, no host read, no allocation of state.
+    """
+
+    def __init__(self, size: int, warmup: int, threshold: float, device: torch.device) -> None:
+        f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
+        self.threshold = torch.tensor(threshold, **f64)
+        self._ring = torch.full((2, size + 1), math.nan, **f64)
+        self._samples = self._ring[:, :size]  # rows y, -y
+        self._values = self._ring[0, :size]
+        # NaN until ``warmup`` samples entered: the score is defined from then on
+        self._warm = self._ring[0, warmup - 1]
+        self._next = torch.zeros(1, dtype=torch.int64, device=device)
+        self._discard = torch.full((1,), size, dtype=torch.int64, device=device)
+        self._size = torch.tensor(size, dtype=torch.int64, device=device)
+        self._signs = torch.tensor([[1.0], [-1.0]], **f64)
+        self._halves = torch.tensor([0.5, -0.5], **f64)
+        self._sigma_halves = torch.tensor([0.5 * MAD_TO_SIGMA, -0.5 * MAD_TO_SIGMA], **f64)
+        self._floor = torch.tensor(2.0 * MIN_LOG_SPREAD, **f64)
+        self._zero = torch.zeros((), **f64)
+        self._nan = torch.full((), math.nan, **f64)
+
+    def score(self, y: Tensor, sample: Tensor) -> Tensor:
+        """The score of ``y`` against the window (NaN while undefined: before ``warmup``
+        samples, or when ``sample`` is False); then ``y`` enters the window if ``sample``."""
+        lower_upper = self._samples.nanmedian(dim=1).values  # [lower middle, -upper middle]
+        median = torch.addcmul(torch.dot(lower_upper, self._halves), self._warm, self._zero)
+        deviations = torch.copysign(self._values - median, self._signs)  # |y_i - m|, -|y_i - m|
+        lower_upper = deviations.nanmedian(dim=1).values
+        spread = torch.maximum(torch.dot(lower_upper, self._sigma_halves), self._floor)
+        score = (torch.where(sample, y, self._nan) - median) / spread
+        slot = torch.where(sample, self._next, self._discard)
+        self._ring.index_copy_(1, slot, y * self._signs)
+        self._next.add_(sample).remainder_(self._size)
+        return score
+
+
 class StepGuard:
     """The guard's device state and its decision per step (see the module docstring).
 
-    State on the reduce device: the window of recent log-norms (NaN: empty slot), the number of
-    samples seen, the consecutive skips and the skip totals. All updated by device ops only.
+    State on the reduce device: the spike window (:class:`_SpikeWindow`), the consecutive
+    skips and the skip totals, updated by device ops only: 11 small ops per step without
+    spike skipping, 37 with it (``tests/unit/test_guard_cost.py`` pins the counts).
     """
 
     def __init__(
@@ -207,68 +279,114 @@ class StepGuard:
         # the guard adds its spike skips only, identically with fused and other optimizers.
         self._skip_nonfinite = policy.skip_nonfinite and not amp
         self._timeout = timeout
-        f64 = {"dtype": torch.float64, "device": device}
-        self._window = torch.full((policy.window,), math.nan, **f64)
-        self._samples = torch.zeros((), dtype=torch.int64, device=device)
-        # the two middle positions of a sorted window of n samples: (n - 1) // 2 and n // 2
-        self._middle_offsets = torch.tensor([-1, 0], dtype=torch.int64, device=device)
-        self._consecutive = torch.zeros((), **f64)
-        self._skipped = torch.zeros((), **f64)  # every skip so far
-        self._skipped_nonfinite = torch.zeros((), **f64)  # the non-finite ones
-        self._nan = torch.full((), math.nan, **f64)
-        self._zero = torch.zeros((), **f64)
-        # ln of each band's scale: ln(total^2) = logsumexp(ln(band sums) + these)
-        self._band_logs = torch.tensor(
-            [0.0, HIGH_SHIFT * math.log(2.0), -LOW_SHIFT * math.log(2.0)], **f64
-        )
         self._logged: set[str] = set()
+        self._start(device)
+
+    def _start(self, device: torch.device) -> None:
+        """The state on ``device``: empty, or moved there with the gradients."""
+        f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
+        previous = getattr(self, "_device", None)
+        self._device = device
+        # ln(norm^2) = logsumexp(ln(row sums) + these): the bands' scales, and the flags'.
+        self._row_logs = torch.tensor(
+            [0.0, HIGH_SHIFT * math.log(2.0), -LOW_SHIFT * math.log(2.0), _FLAGGED], **f64
+        )
+        self._square_limit = torch.tensor(_LN_SQUARE_LIMIT, **f64)
+        self._high_limit = torch.tensor(2.0**_HIGH_BAND_LIMIT_EXPONENT, **f64)
+        self._weights = torch.empty(0, **f64)
+        self._neg_inf = torch.tensor(-math.inf, **f64)
+        self._one = torch.ones((), **f64)
+        self._zero = torch.zeros((), **f64)
+        self._cap = torch.tensor(float(self.policy.max_consecutive_skips), **f64)
+        self._false = torch.zeros((), dtype=torch.bool, device=device)
+        self._nan = torch.full((), math.nan, **f64)
+        # The skip as the optimizer takes it: the one buffer reused step after step.
+        self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        if previous is None:
+            self._consecutive = torch.zeros((), **f64)
+            self._skipped = torch.zeros((), **f64)
+            self._skipped_nonfinite = self._skipped if self._skip_nonfinite else self._zero
+            self._window = None
+            if self.policy.skip_spike_score is not None:
+                p = self.policy
+                self._window = _SpikeWindow(p.window, p.warmup, p.skip_spike_score, device)
+            return
+        self._consecutive = self._consecutive.to(device)
+        self._skipped = self._skipped.to(device)
+        both = self._skip_nonfinite and self._window is not None
+        if not self._skip_nonfinite:
+            self._skipped_nonfinite = self._zero
+        elif not both:
+            self._skipped_nonfinite = self._skipped
+        else:
+            self._skipped_nonfinite = self._skipped_nonfinite.to(device)
+        if self._window is not None:
+            window = self._window
+            p = self.policy
+            assert p.skip_spike_score is not None
+            self._window = _SpikeWindow(p.window, p.warmup, p.skip_spike_score, device)
+            self._window._ring.copy_(window._ring)
+            self._window._next.copy_(window._next)
+
+    def _weights_for(self, head: Tensor) -> Tensor:
+        """The dot product's weights for ``head`` (``4N``: 0 on the plain and low bands, 1 on
+        the high one, ``2^1000`` on the flags), made again when ``N`` changes."""
+        if self._weights.numel() != head.numel():
+            n = head.numel() // 4
+            weights = torch.zeros(4, n, dtype=torch.float64, device=head.device)
+            weights[1] = 1.0
+            weights[3] = 2.0**_FLAG_EXPONENT
+            self._weights = weights.view(-1)
+        return self._weights
 
     def decide(self, reduced: ReducedVector) -> GuardDecision:
-        """This step's decision from its reduced vector; updates the state. No host read."""
-        policy = self.policy
-        # ln(norm) straight from the bands (a few ops, never outside float64): -inf for a zero
-        # norm, NaN or +inf when a gradient was non-finite.
-        sums = reduced.device_bands().view(BANDS, -1).sum(dim=1)
-        log_norm = torch.logsumexp(sums.log() + self._band_logs, dim=0) * 0.5
-        finite = (log_norm < _LN_FLOAT64_MAX) & (reduced.device_nonfinite().sum() == 0)
-        nonfinite = ~finite
-        step = reduced.device_step()
-        measured = step == step  # NaN: some rank's local pass failed
-        want_nonfinite = nonfinite if self._skip_nonfinite else torch.zeros_like(nonfinite)
-        score = self._nan
-        if policy.skip_spike_score is not None:
-            score, want_spike = self._spike(log_norm, finite, policy.skip_spike_score)
-        else:
-            want_spike = torch.zeros_like(nonfinite)
-        want = (want_nonfinite | want_spike) & measured
-        consecutive = self._consecutive
-        limit = float(policy.max_consecutive_skips)
-        skip = want & (consecutive < limit)
-        self._consecutive = torch.where(want, torch.clamp(consecutive + 1.0, max=limit), self._zero)
-        self._skipped = self._skipped + skip
-        self._skipped_nonfinite = self._skipped_nonfinite + (skip & want_nonfinite)
-        parts = (skip, want_nonfinite, want_spike, want, score, self._consecutive,
-                 self._skipped, self._skipped_nonfinite)  # fmt: skip
-        return GuardDecision(skip, parts, self._timeout)
+        """This step's decision from its reduced vector; updates the state. No host read.
 
-    def _spike(self, x: Tensor, finite: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
-        """The global spike score of ``x = ln(norm)`` against the window, whether it spikes,
-        and the window updated with this step's sample (finite, positive norms only)."""
+        Whether the step is finite: without spike skipping, from one dot product of the
+        bands and flags, ``t = high band sum + 2^1000 * flag sum`` (NaN when any band holds
+        NaN or Inf): finite when ``t < 2^948``, the high band's value of a norm of
+        ``2^1024``; with it, from ``y = ln(norm^2) = logsumexp(ln(band sums) + ln(band
+        scales))`` straight from the reduced bands (never outside float64), with ``ln(flag
+        sum) + 2048`` as a fourth term: finite when ``y < 2 ln(float64 max)``. Both say the
+        same to rounding: every gradient was finite and the norm fits float64.
+        """
+        head, step = reduced.device_bands_flags_and_step()
+        if head.device != self._device:  # the reducer followed the gradients
+            self._start(head.device)
         window = self._window
-        sample = finite & (x > -math.inf)
-        # The median of the n samples: sorted, empty (NaN) slots last; the mean of the two
-        # middle ones for an even n, as the host detector's (torch.nanmedian takes the lower).
-        n = torch.clamp(self._samples, max=self.policy.window)
-        middle = (n + self._middle_offsets).div_(2, rounding_mode="floor").clamp_(min=0)
-        median = torch.sort(window).values.index_select(0, middle).mean()
-        deviations = torch.sort((window - median).abs()).values
-        mad = deviations.index_select(0, middle).mean()
-        score = (x - median) / torch.clamp(mad * MAD_TO_SIGMA, min=MIN_LOG_SPREAD)
-        defined = sample & (self._samples >= self.policy.warmup)
-        score = torch.where(defined, score, self._nan)
-        self._window = torch.where(sample, torch.cat((window[1:], x.view(1))), window)
-        self._samples = self._samples + sample
-        return score, score > threshold  # NaN (undefined) is never above it
+        if window is None:
+            finite = torch.dot(head, self._weights_for(head)) < self._high_limit
+        else:
+            y = torch.logsumexp(head.view(4, -1).sum(dim=1).log() + self._row_logs, dim=0)
+            finite = y < self._square_limit  # False for NaN and +inf too
+        measured = step > self._neg_inf  # NaN or -inf: a rank stood in
+        want_nonfinite = self._false
+        if self._skip_nonfinite:
+            want_nonfinite = torch.gt(measured, finite)  # measured and not finite
+        score = self._nan
+        if window is not None:
+            sample = finite & measured & (y > self._neg_inf)
+            score = window.score(y, sample)
+            want_spike = score > window.threshold  # NaN (undefined) is never above it
+            want = want_spike | want_nonfinite if self._skip_nonfinite else want_spike
+        else:
+            want = want_nonfinite
+        before = self._consecutive
+        # A wanted skip raises the count, up to the cap, where the guard stops skipping: the
+        # step is skipped exactly when the count rose. Not wanted: back to 0.
+        consecutive = torch.where(want, torch.minimum(before + self._one, self._cap), self._zero)
+        skip = torch.gt(consecutive, before, out=self._found_inf)  # 1.0: skip
+        self._consecutive = consecutive
+        self._skipped = skipped = self._skipped + skip
+        if self._skip_nonfinite:
+            if window is None:
+                self._skipped_nonfinite = skipped  # the only reason
+            else:
+                self._skipped_nonfinite = torch.addcmul(
+                    self._skipped_nonfinite, skip, want_nonfinite
+                )
+        parts = (before, consecutive, want_nonfinite, score, skipped, self._skipped_nonfinite)
+        return GuardDecision(self._found_inf, parts, self._timeout)
 
     def report(self, reading: GuardReading, step: int, rank: int) -> None:
         """Log a skip (the first of each reason) and the guard stopping (each time it starts
@@ -429,13 +547,25 @@ def _params_device(optimizer: torch.optim.Optimizer) -> torch.device:
 def _step_with(inner: torch.optim.Optimizer, found_inf: Tensor, grad_scale: Any) -> Any:
     """``inner.step()`` with ``found_inf`` (and the scaler's ``grad_scale``) set as the
     attributes ``fused`` optimizers read, as ``GradScaler.step`` sets them; restored after."""
-    saved = {k: inner.__dict__[k] for k in ("found_inf", "grad_scale") if k in inner.__dict__}
-    inner.found_inf = found_inf  # type: ignore[attr-defined]
+    own = inner.__dict__
+    saved_inf = own.get("found_inf", _UNSET)
+    saved_scale = own.get("grad_scale", _UNSET)
+    own["found_inf"] = found_inf
     if grad_scale is not None:
-        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+        own["grad_scale"] = grad_scale
     try:
         return inner.step()
     finally:
-        for k in ("found_inf", "grad_scale"):
-            inner.__dict__.pop(k, None)
-        inner.__dict__.update(saved)
+        _restore(own, "found_inf", saved_inf)
+        _restore(own, "grad_scale", saved_scale)
+
+
+#: An attribute the optimizer did not have before the guarded step set it.
+_UNSET = object()
+
+
+def _restore(own: dict[str, Any], name: str, saved: Any) -> None:
+    if saved is _UNSET:
+        own.pop(name, None)
+    else:
+        own[name] = saved

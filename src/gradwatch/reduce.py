@@ -530,6 +530,14 @@ class ReducedVector:
         no copy)."""
         return self._device()[sections(self._layout).step]
 
+    def device_bands_flags_and_step(self) -> tuple[Tensor, Tensor]:
+        """The three bands and the non-finite flags as one ``4N`` view (plain, high, low,
+        flags: adjacent in the layout) and the step slot (:meth:`device_step`), on the device:
+        two view ops, no copy (what the optimizer-step guard reads each step)."""
+        packed = self._device()
+        s = sections(self._layout)
+        return packed.narrow(0, s.bands.start, s.nonfinite.stop), packed[s.step]
+
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:

@@ -66,6 +66,11 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     assert paths["PP x FSDP2 x TP"] == "records"  # stages differ
     assert not re.search(r"\bissues?\b", text, re.IGNORECASE)  # targets stated as targets
     assert "Command: `python benchmarks/run.py --quick" in text
+    # Numbers and verdicts only: every section links the hand-written page that says how it
+    # is measured, and each link lands on one of its headings.
+    links = re.findall(r"\]\(benchmarks\.md#([^)]+)\)", text)
+    assert len(links) >= 14 and set(links) <= _methods_page_anchors()
+    assert "this machine" not in text
     header, rows = _rows(text, "| case | method |")
     assert header == report.PER_COLLECT_COLUMNS
     methods = {r[1].removeprefix("read limit: ").split(" (")[0] for r in rows}
@@ -96,6 +101,20 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     assert re.search(r"skipped: `torch\.cuda\.is_available\(\)` is False|Device: ", text)
     header, rows = _rows(text, "| parameters | top-k |")
     assert [r[1] for r in rows] == ["50", "200"]
+
+
+def _methods_page_anchors() -> set[str]:
+    page = (ROOT / "docs" / report.METHODS_PAGE).read_text()
+    return {report.anchor(line.lstrip("#")) for line in page.splitlines()
+            if line.startswith("#")}
+
+
+def test_every_known_cause_is_a_heading_of_the_methods_page() -> None:
+    anchors = _methods_page_anchors()
+    assert {report.anchor(c) for c in report.CAUSES} <= anchors
+    assert report.anchor("Mixed sizes, fp32") == "mixed-sizes-fp32"  # GitHub's rule
+    assert report.anchor("`.item()` loops and float64 copies on CPU") == (
+        "item-loops-and-float64-copies-on-cpu")
 
 
 def test_target_bounds() -> None:
@@ -196,11 +215,13 @@ def test_quick_rank_view_section() -> None:
     rows = [c.subject for c in report.target_checks(both) if "per-rank view" in c.subject]
     assert len(rows) == 2
     assert "on the training thread" in rows[0] and "`collect` only" in rows[1]
-    # The section's text says what is measured: the default makes no all-reduce on an
-    # ordinary collect, `always_reduce=True` is the comparison.
+    # The section links the page that says what is measured: the default makes no
+    # all-reduce on an ordinary collect, `always_reduce=True` is the comparison.
     section = report.render(both).split("## Per-rank view and the DDP path")[1].split("\n## ")[0]
-    assert "default under pure replication makes no all-reduce on an ordinary collect" in section
-    assert "`always_reduce=True` restores one all-reduce per collect" in section
+    assert "(benchmarks.md#per-rank-view-and-the-ddp-path-2-ranks-gloo-cpu)" in section
+    page = (ROOT / "docs" / report.METHODS_PAGE).read_text().replace("\n", " ")
+    assert "default under pure replication makes no all-reduce on an ordinary collect" in page
+    assert "`always_reduce=True` restores one all-reduce per collect" in page
 
 
 def test_rank_view_ratio_and_its_noise_verdict() -> None:
@@ -254,7 +275,7 @@ def test_quick_guard_section() -> None:
     found = guard_bench.guard(2)
     assert isinstance(found, GuardResult)
     assert all(len(found.timing(m)) == 4 for m in GuardMode)  # two per block
-    assert found.scalar_reads == 0 and found.ops > 0
+    assert found.scalar_reads == 0 and found.ops > found.unguarded_ops > 0
     _header, rows = _rows(report.guard_table(found), "| step |")
     assert [r[0] for r in rows] == [m.value for m in GuardMode]
     assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)", rows[1][2])
@@ -263,4 +284,4 @@ def test_quick_guard_section() -> None:
     row = [c for c in report.target_checks(run) if "watch.guard" in c.subject]
     assert len(row) == 1 and "<= +2%" in row[0].subject
     text = report.miss_notes(run)
-    assert row[0].met or "guarded DDP step" in text
+    assert row[0].met or "DDP step guarded by `watch.guard`" in text

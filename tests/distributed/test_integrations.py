@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs.framework_ddp_job import Regression, RegressionModel
+from jobs.framework_ddp_job import Regression, RegressionModel, quiet_trainer, training_args
 from promserver import free_port
 from torch import nn
 
@@ -301,17 +301,8 @@ def test_huggingface_trainer_callback(tmp_path) -> None:
         ratios=[("seed", "host")],
         history_path=str(history),
     )
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=4,
-        per_device_train_batch_size=8,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        max_grad_norm=0.0,  # no clipping: the callback then sees the Trainer's own gradients
-        disable_tqdm=True,
-    )
+    # max_grad_norm=0: no clipping, the callback then sees the Trainer's own gradients
+    args = training_args(tmp_path, max_steps=4, logging_steps=1, max_grad_norm=0.0)
     model = RegressionModel()
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Regression(), callbacks=[callback]
@@ -352,7 +343,6 @@ def _lightning_module() -> type:
 
 @pytest.mark.timeout(300)
 def test_lightning_callback(tmp_path) -> None:
-    import lightning.pytorch as pl
 
     from gradwatch.integrations.lightning import GradWatchCallback
 
@@ -363,16 +353,11 @@ def test_lightning_callback(tmp_path) -> None:
             grads_seen.append(ref_norm([p.grad for p in self.parameters()]))
 
     callback = GradWatchCallback(groups={"host": ["backbone.*"], "seed": ["seed.*"]})
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
+        tmp_path,
         max_steps=4,
-        accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         gradient_clip_val=0.01,  # clipping happens after the hook: gradwatch sees pre-clip norms
-        default_root_dir=str(tmp_path),
         callbacks=[callback],
     )
     loader = torch.utils.data.DataLoader(Regression(), batch_size=8)
@@ -600,15 +585,10 @@ def test_lightning_callback_audits_lightnings_logged_norm(tmp_path: Path, factor
                 time.sleep(0.05)
             super().on_fit_end(trainer, pl_module)
 
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
+        tmp_path,
         max_steps=4,
-        accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
         callbacks=[Probe(port=0)],
     )
     module = Module()
@@ -646,11 +626,7 @@ def test_huggingface_callback_guard_skips_the_nan_step(
 
     history = tmp_path / "gradwatch.jsonl"
     callback = GradWatchCallback(guard=True, history_path=str(history))
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=8, logging_steps=1,
-        report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=max_grad_norm,
-        disable_tqdm=True,
-    )  # fmt: skip
+    args = training_args(tmp_path, max_steps=5, logging_steps=1, max_grad_norm=max_grad_norm)
     _NanOnThirdCall.calls = 0
     model = _NanOnThirdCall()
     trainer = transformers.Trainer(
@@ -665,7 +641,6 @@ def test_huggingface_callback_guard_skips_the_nan_step(
 
 @pytest.mark.timeout(300)
 def test_lightning_callback_guard_skips_the_nan_step(tmp_path: Path) -> None:
-    import lightning.pytorch as pl
 
     from gradwatch.history import read_history
     from gradwatch.integrations.lightning import GradWatchCallback
@@ -676,11 +651,10 @@ def test_lightning_callback_guard_skips_the_nan_step(tmp_path: Path) -> None:
             return loss * math.nan if batch_idx == 2 else loss
 
     history = tmp_path / "gradwatch.jsonl"
-    trainer = pl.Trainer(
-        max_steps=5, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    trainer = quiet_trainer(
+        tmp_path, max_steps=5, devices=1,
         callbacks=[GradWatchCallback(guard=True, history_path=str(history))],
-    )  # fmt: skip
+    )
     module = Module()
     trainer.fit(module, torch.utils.data.DataLoader(Regression(), batch_size=8))
     assert all(torch.isfinite(p).all() for p in module.parameters())

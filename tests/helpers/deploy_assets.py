@@ -4,6 +4,7 @@ rules, the dashboard, the Compose stack and the Kubernetes manifests, and promto
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -123,6 +124,15 @@ _NAME = re.compile(r"(?<![A-Za-z0-9_:])[A-Za-z_:][A-Za-z0-9_:]*")
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def load_script(path: Path) -> Any:
+    """The Python file ``path`` (a script of the repository, not a package module), imported."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def promtool() -> str:

@@ -431,6 +431,15 @@ def expect_error(build: Callable[[], Any]) -> dict:
     return {"error_type": None}
 
 
+def result_or_error(pending: Any) -> dict:
+    """What ``pending.result()`` raised, by type and message (``error_type`` None: nothing)."""
+    try:
+        pending.result()
+    except Exception as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc)}
+    return {"error_type": None}
+
+
 def case_stage_collision(rank: int, world: int) -> dict:
     from gradwatch import GradWatch
 
@@ -622,12 +631,7 @@ def case_timeout_raise(rank: int, world: int) -> dict:
 
         watch._collector.engine.squared_norms_and_plan = boom  # type: ignore[method-assign]
     t0 = time.monotonic()
-    out: dict[str, Any] = {"error_type": None}
-    pending = watch.collect(0)
-    try:
-        pending.result()
-    except Exception as exc:
-        out = {"error_type": type(exc).__name__, "message": str(exc)}
+    out = result_or_error(watch.collect(0))
     out["seconds"] = time.monotonic() - t0
     out["broken"] = watch._collector.broken is not None
     # A later collect is a no-op on every rank: no collective, no new wait.
@@ -651,11 +655,7 @@ def case_timeout_absent(rank: int, world: int) -> dict:
     out: dict[str, Any] = {"error_type": None}
     t0 = time.monotonic()
     if rank != world - 1:
-        pending = watch.collect(0)
-        try:
-            pending.result()
-        except Exception as exc:
-            out = {"error_type": type(exc).__name__, "message": str(exc)}
+        out = result_or_error(watch.collect(0))
     out["seconds"] = time.monotonic() - t0
     dist.barrier()
     t1 = time.monotonic()

@@ -8,7 +8,6 @@ real job are in tests/e2e/test_deploy_e2e.py.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -45,6 +44,7 @@ from deploy_assets import (
     k8s_docs,
     k8s_one,
     label_values_selector,
+    load_script,
     load_yaml,
     rule_groups,
     run_promtool,
@@ -153,10 +153,7 @@ def test_rule_metric_names_are_exported_or_recorded() -> None:
 
 
 def test_generated_prometheusrule_matches_source() -> None:
-    spec = importlib.util.spec_from_file_location("gen_k8s_rules", GEN_K8S)
-    assert spec is not None and spec.loader is not None
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script(GEN_K8S)
     generated = K8S / "prometheusrule.yaml"
     assert generated.read_text() == gen.render(RULES), (
         "deploy/kubernetes/prometheusrule.yaml differs from deploy/prometheus/gradwatch-rules.yml:"
@@ -515,11 +512,7 @@ def test_kustomize_build() -> None:
 
 
 def _example_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_ddp_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 def test_example_step_specs() -> None:
@@ -615,16 +608,32 @@ def test_step_count_panels_count_a_restarted_runs_first_steps(
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_every_file_the_deployment_docs_cite_exists() -> None:
-    """The deployment READMEs and docs/ name test, benchmark and script files by path: each
-    one exists, so a reader following the validation story finds the file."""
+#: A path the docs cite from the repository root (``tests/unit/test_x.py``, ``src/...``,
+#: ``deploy/compose/``), optionally with a test (``::test_name``); not part of a URL.
+CITED_PATH = re.compile(
+    r"(?<![\w/.:-])((?:tests|src|benchmarks|scripts|examples|deploy)/[\w/.-]*\w)(?:::(\w+))?"
+)
+#: A relative markdown link: ``[text](performance.md#anchor)``, ``(../deploy/README.md)``.
+RELATIVE_LINK = re.compile(r"\]\((?![a-z]+:)([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_every_file_the_docs_cite_exists() -> None:
+    """README.md, tests/README.md, docs/ and the deployment READMEs name test, source,
+    benchmark, script, example and deploy files by path (and tests by ``::name``), and link
+    each other: every one exists, so a reader following the docs finds the file."""
     root = Path(__file__).resolve().parents[2]
-    docs = [root / "README.md", *root.glob("docs/*.md"), *root.glob("deploy/**/*.md")]
-    cited = re.compile(r"\b((?:tests|benchmarks|scripts)/[\w/.-]+\.py)\b")
-    missing = [
-        f"{doc.relative_to(root)}: {m.group(1)}"
-        for doc in docs
-        for m in cited.finditer(doc.read_text())
-        if not (root / m.group(1)).is_file()
-    ]
+    docs = [root / "README.md", root / "tests" / "README.md", *root.glob("docs/*.md"),
+            *root.glob("deploy/**/*.md")]
+    missing = []
+    for doc in docs:
+        text = doc.read_text()
+        where = doc.relative_to(root)
+        for m in CITED_PATH.finditer(text):
+            path, test = root / m.group(1), m.group(2)
+            if not (path.exists() or (doc.parent / m.group(1)).exists()):
+                missing.append(f"{where}: {m.group(1)}")
+            elif test and not re.search(rf"^(?:async )?def {test}\(", path.read_text(), re.M):
+                missing.append(f"{where}: {m.group(1)}::{test}")
+        missing += [f"{where}: link {m.group(1)}" for m in RELATIVE_LINK.finditer(text)
+                    if not (doc.parent / m.group(1)).exists()]
     assert not missing, f"docs cite files that do not exist: {missing}"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradwatch import GradWatch, WatchConfig
+from gradwatch import GradWatch, Snapshot, WatchConfig
 from gradwatch.guard import GuardedOptimizer, GuardReading
 from gradwatch.testing import OpCounter
 
@@ -57,6 +57,28 @@ def _recording(watch: GradWatch) -> list[GuardReading]:
 
     guard.decide = recorded  # type: ignore[method-assign]
     return readings
+
+
+def _guarded_steps_with_a_nan_at_step_1(
+    config: WatchConfig, steps: int, attach: bool = False
+) -> Snapshot | None:
+    """Guarded fused-SGD steps of a one-parameter model whose gradient is 1 but NaN at step 1;
+    asserts only step 1 leaves the parameter untouched and returns the last snapshot.
+    ``attach``: the optimizer is also attached (its pre-step hook would collect too)."""
+    param = nn.Parameter(torch.zeros(3))
+    model = nn.Module()
+    model.p = param
+    opt = torch.optim.SGD([param], lr=0.1, fused=True)
+    with GradWatch(model, config) as watch:
+        if attach:
+            watch.attach(opt)
+        guarded = watch.guard(opt)
+        for step in range(steps):
+            param.grad = torch.full((3,), math.nan if step == 1 else 1.0)
+            before = param.detach().clone()
+            guarded.step()
+            assert torch.equal(before, param) == (step == 1), step
+        return watch.last
 
 
 @pytest.mark.parametrize(
@@ -274,18 +296,7 @@ def test_a_disabled_watch_guards_nothing() -> None:
 def test_steps_the_schedule_skips_are_guarded_too() -> None:
     """``every_n_steps=3``: collects 1 and 2 publish nothing, yet the guard decides on every
     step (a pass without snapshot), and the next snapshot counts the skip between them."""
-    param = nn.Parameter(torch.zeros(3))
-    model = nn.Module()
-    model.p = param
-    opt = torch.optim.SGD([param], lr=0.1, fused=True)
-    with GradWatch(model, WatchConfig(every_n_steps=3)) as watch:
-        guarded = watch.guard(opt)
-        for step in range(4):
-            param.grad = torch.full((3,), math.nan if step == 1 else 1.0)
-            before = param.detach().clone()
-            guarded.step()
-            assert torch.equal(before, param) == (step == 1), step
-        last = watch.last
+    last = _guarded_steps_with_a_nan_at_step_1(WatchConfig(every_n_steps=3), steps=4)
     assert last is not None and last.step == 3
     assert last.skipped_steps == {"nonfinite": 1, "spike": 0}
 
@@ -314,19 +325,7 @@ def test_top_shows_the_guard_counters() -> None:
 def test_attach_and_guard_collect_once_per_step() -> None:
     """An attached optimizer's pre-step hook would collect inside the guarded step, after the
     decision: with a guard it leaves the collect to the guard (one per step, on time)."""
-    param = nn.Parameter(torch.zeros(3))
-    model = nn.Module()
-    model.p = param
-    opt = torch.optim.SGD([param], lr=0.1, fused=True)
-    with GradWatch(model, WatchConfig()) as watch:
-        watch.attach(opt)
-        guarded = watch.guard(opt)
-        for step in range(3):
-            param.grad = torch.full((3,), math.nan if step == 1 else 1.0)
-            before = param.detach().clone()
-            guarded.step()
-            assert torch.equal(before, param) == (step == 1), step
-        last = watch.last
+    last = _guarded_steps_with_a_nan_at_step_1(WatchConfig(), steps=3, attach=True)
     assert last is not None and last.step == 2
     assert last.skipped_steps == {"nonfinite": 1, "spike": 0}
 

@@ -7,7 +7,6 @@ selector, thresholds, ``for`` durations and runbook URL it was given."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,17 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from deploy_assets import ROOT, run_promtool
+from deploy_assets import ROOT, load_script, run_promtool
 
 GEN = ROOT / "scripts" / "gen_mixin.py"
 
 
 def gen() -> Any:
-    spec = importlib.util.spec_from_file_location("gen_mixin", GEN)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GEN)
 
 
 def test_shipped_files_are_the_mixin_output() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from pydantic import ValidationError
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.errors import GradWatchError
-from gradwatch.sinks import StepScalars
+from gradwatch.sinks import MlflowSink, StepScalars, TensorBoardSink, WandbSink
 from gradwatch.sinks.mlflow import mlflow_key
 from gradwatch.snapshot import GroupStats, Snapshot
 
@@ -202,3 +203,25 @@ def test_a_sink_that_cannot_start_fails_construction_naming_it(
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(GradWatchError, match=r"sinks.*'wandb'.*pip install"):
         job(sinks=["wandb"])
+
+
+@pytest.mark.parametrize(
+    ("module", "build", "message"),
+    [
+        ("wandb", lambda: WandbSink(),
+         "gradwatch: WandbSink needs the wandb package: pip install 'torch-gradwatch[wandb]'"),
+        ("mlflow", lambda: MlflowSink(),
+         "gradwatch: MlflowSink needs mlflow (or mlflow-skinny): "
+         "pip install 'torch-gradwatch[mlflow]'"),
+        ("torch.utils.tensorboard", lambda: TensorBoardSink("unused"),
+         "gradwatch: TensorBoardSink needs the tensorboard package: "
+         "pip install 'torch-gradwatch[tensorboard]'"),
+    ],
+)
+def test_a_missing_tracker_names_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch, module: str, build: Callable[[], object], message: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    with pytest.raises(ImportError) as raised:
+        build()
+    assert str(raised.value) == message

@@ -15,7 +15,9 @@ Every tracker is an optional extra (``torch-gradwatch[tensorboard]``, ``[wandb]`
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from gradwatch.sinks.scalars import StepScalars
@@ -38,10 +40,18 @@ _LAZY = {
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def import_tracker(module: str, missing: str) -> ModuleType:
+    """The tracker package ``module``, imported when a sink is built (never on ``import
+    gradwatch``); when it is not installed, an ImportError ``gradwatch: <missing>`` that names
+    the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"gradwatch: {missing}") from exc
 
 
 def sinks_from_config(cfg: WatchConfig) -> Iterator[Sink]:

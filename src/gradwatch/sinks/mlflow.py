@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from gradwatch.config import WatchConfig
+from gradwatch.sinks import import_tracker
 from gradwatch.sinks.scalars import StepScalars
 from gradwatch.snapshot import Snapshot
 
@@ -59,15 +60,13 @@ class MlflowSink:
         config: WatchConfig | None = None,
         prefix: str = "gradwatch",
     ) -> None:
-        try:
-            import mlflow
-            from mlflow.entities import Metric
-            from mlflow.tracking import MlflowClient
-        except ImportError as exc:
-            raise ImportError(
-                "gradwatch: MlflowSink needs mlflow (or mlflow-skinny): "
-                "pip install 'torch-gradwatch[mlflow]'"
-            ) from exc
+        mlflow = import_tracker(
+            "mlflow",
+            "MlflowSink needs mlflow (or mlflow-skinny): pip install 'torch-gradwatch[mlflow]'",
+        )
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
         self._metric = Metric
         self._scalars = StepScalars(config, prefix=prefix)
         self._client: Any = MlflowClient(tracking_uri=tracking_uri)

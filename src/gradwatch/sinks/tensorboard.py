@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from gradwatch.config import WatchConfig
+from gradwatch.sinks import import_tracker
 from gradwatch.sinks.scalars import StepScalars
 from gradwatch.snapshot import Snapshot
 
@@ -41,16 +42,14 @@ class TensorBoardSink:
         prefix: str = "gradwatch",
         flush_secs: int = 10,
     ) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ImportError(
-                "gradwatch: TensorBoardSink needs the tensorboard package: "
-                "pip install 'torch-gradwatch[tensorboard]'"
-            ) from exc
+        tensorboard = import_tracker(
+            "torch.utils.tensorboard",
+            "TensorBoardSink needs the tensorboard package: "
+            "pip install 'torch-gradwatch[tensorboard]'",
+        )
         self.log_dir = os.fspath(log_dir)
         self._scalars = StepScalars(config, prefix=prefix)
-        self._writer: Any = SummaryWriter(log_dir=self.log_dir, flush_secs=flush_secs)
+        self._writer: Any = tensorboard.SummaryWriter(log_dir=self.log_dir, flush_secs=flush_secs)
 
     def write(self, snapshot: Snapshot) -> None:
         walltime = snapshot.timestamp or None

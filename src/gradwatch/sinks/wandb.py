@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradwatch.config import WatchConfig
+from gradwatch.sinks import import_tracker
 from gradwatch.sinks.scalars import StepScalars
 from gradwatch.snapshot import Snapshot
 
@@ -44,12 +45,9 @@ class WandbSink:
         prefix: str = "gradwatch",
         **init_kwargs: Any,
     ) -> None:
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ImportError(
-                "gradwatch: WandbSink needs the wandb package: pip install 'torch-gradwatch[wandb]'"
-            ) from exc
+        wandb = import_tracker(
+            "wandb", "WandbSink needs the wandb package: pip install 'torch-gradwatch[wandb]'"
+        )
         self._scalars = StepScalars(config, prefix=prefix)
         self._step_key = f"{prefix}/step"
         self._owns_run = run is None and wandb.run is None

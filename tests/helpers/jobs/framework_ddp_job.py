@@ -47,6 +47,29 @@ class RegressionModel(nn.Module):
         return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
 
 
+def training_args(out_dir: Path, **settings: Any) -> Any:
+    """Hugging Face ``TrainingArguments`` of a short CPU run, 8 examples per device, that
+    writes nothing the tests do not read (no report, checkpoint or progress bar); ``settings``
+    add to them."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=8, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, **settings,
+    )
+
+
+def quiet_trainer(root: Path, **settings: Any) -> Any:
+    """A Lightning ``Trainer`` on CPU that writes and prints nothing the tests do not read (no
+    logger, checkpoint, progress bar or model summary); ``settings`` add to it."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(root), **settings,
+    )
+
+
 def run_huggingface(out: Path) -> dict[str, Any]:
     import transformers
 
@@ -65,16 +88,7 @@ def run_huggingface(out: Path) -> dict[str, Any]:
             seen["world_size"] = self.watch.last.world_size if self.watch.last else None
             super().on_train_end(*args, **kwargs)
 
-    args = transformers.TrainingArguments(
-        output_dir=str(out / "hf"),
-        max_steps=2,
-        per_device_train_batch_size=8,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        ddp_backend="gloo",
-    )
+    args = training_args(out / "hf", max_steps=2, ddp_backend="gloo")
     trainer = transformers.Trainer(
         model=RegressionModel(),
         args=args,
@@ -111,16 +125,8 @@ def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
     def train(callbacks: list[Any], tag: str) -> tuple[Any, nn.Module]:
         torch.manual_seed(0)
         model = RegressionModel()
-        args = transformers.TrainingArguments(
-            output_dir=str(out / tag),
-            max_steps=3,
-            per_device_train_batch_size=8,
-            logging_steps=1,
-            learning_rate=0.5,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            disable_tqdm=True,
+        args = training_args(
+            out / tag, max_steps=3, logging_steps=1, learning_rate=0.5,
             ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
             max_grad_norm=max_grad_norm,
         )
@@ -215,19 +221,9 @@ def run_huggingface_deepspeed(out: Path) -> dict[str, Any]:
         "zero_optimization": {"stage": 2},
     }
     torch.manual_seed(0)
-    args = transformers.TrainingArguments(
-        output_dir=str(out / "hf-ds"),
-        max_steps=3,
-        per_device_train_batch_size=8,
-        logging_steps=1,
-        learning_rate=0.5,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        ddp_backend="gloo",
-        max_grad_norm=0.5,
-        deepspeed=ds_config,
+    args = training_args(
+        out / "hf-ds", max_steps=3, logging_steps=1, learning_rate=0.5, ddp_backend="gloo",
+        max_grad_norm=0.5, deepspeed=ds_config,
     )
     callback = Probe(groups=GROUPS, history_path=str(history))
     trainer = transformers.Trainer(model=RegressionModel(), args=args,
@@ -276,18 +272,8 @@ def run_lightning(out: Path) -> dict[str, Any]:
             seen["world_size"] = self.watch.last.world_size if self.watch.last else None
             super().on_fit_end(trainer, pl_module)
 
-    trainer = pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(out / "pl"),
-        callbacks=[Probe(groups=GROUPS)],
-    )
+    trainer = quiet_trainer(out / "pl", max_steps=2, devices=2, strategy="ddp",
+                            callbacks=[Probe(groups=GROUPS)])
     trainer.fit(Module(), torch.utils.data.DataLoader(Regression(), batch_size=8))
     return seen
 
