@@ -527,6 +527,8 @@ def check_endpoint(device: torch.device) -> Check:
         return Check("endpoint", SKIP, "not rank 0", "rank 0 serves")
     from prometheus_client.parser import text_string_to_metric_families
 
+    from gradwatch.export.metrics import GRAD_NORM
+
     configured = WatchConfig()  # defaults < GRADWATCH_* environment, as the job gets them
     port, address = configured.port, configured.bind_address
     if not port:
@@ -543,12 +545,12 @@ def check_endpoint(device: torch.device) -> Check:
         with urllib.request.urlopen(url, timeout=10) as response:
             body = response.read().decode()
     families = {f.name: f for f in text_string_to_metric_families(body)}
-    family = families.get("gradwatch_grad_norm")
+    family = families.get(GRAD_NORM.name)
     served = [s.value for s in family.samples] if family is not None else []
     ok = bool(served) and any(_rel_err(v, snap.global_norm) <= 1e-12 for v in served)
     measured = f"{len(families)} metric families parsed from {url} (bound {where})"
     if not ok:
-        measured += f"; gradwatch_grad_norm {served} vs snapshot {snap.global_norm}"
+        measured += f"; {GRAD_NORM.name} {served} vs snapshot {snap.global_norm}"
     return Check("endpoint", PASS if ok else FAIL, measured, threshold)
 
 

@@ -123,8 +123,8 @@ def metric_samples(snap: Any) -> dict[str, Any]:
             "gradwatch_replica_grad_norm_max_rank", "gradwatch_replica_outlier_score",
             "gradwatch_gradient_noise_scale", "gradwatch_group_gradient_noise_scale",
             "gradwatch_last_nonfinite_origin"}  # fmt: skip
-    return {k: [[list(labels), value] for labels, value in vals] for k, vals in out.items()
-            if k in view and vals}  # fmt: skip
+    return {d.name: [[list(labels), value] for labels, value in vals] for d, vals in out.items()
+            if d.name in view and vals}  # fmt: skip
 
 
 # -- scenarios --------------------------------------------------------------------------------

@@ -267,14 +267,16 @@ def test_noop_and_disabled_watchers_accept_audit_norm() -> None:
 
 def test_audit_sources_are_bounded() -> None:
     """User-given source labels cannot grow the series without bound."""
-    from gradwatch.export.state import MAX_AUDIT_SOURCES, SelfStats
+    from gradwatch.export.metricdef import MAX_AUDIT_SOURCES
+    from gradwatch.export.metrics import NORM_AUDIT_DISAGREEMENTS_TOTAL, REPORTED_NORM_RATIO
+    from gradwatch.export.state import SelfStats
 
     stats = SelfStats()
     for i in range(MAX_AUDIT_SOURCES + 5):
         stats.add_audit(f"s{i}", 1.0, i % 2 == 0)
     samples = stats.view().samples()
-    assert len(samples["gradwatch_reported_norm_ratio"]) == MAX_AUDIT_SOURCES
-    counts = dict(samples["gradwatch_norm_audit_disagreements_total"])
+    assert len(samples[REPORTED_NORM_RATIO]) == MAX_AUDIT_SOURCES
+    counts = dict(samples[NORM_AUDIT_DISAGREEMENTS_TOTAL])
     assert counts[("s1",)] == 1.0 and counts[("s0",)] == 0.0
 
 

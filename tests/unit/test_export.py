@@ -6,6 +6,7 @@ exposition with prometheus_client's own parser. Every test that starts a server 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import gc
@@ -48,20 +49,20 @@ from gradwatch.export import (
     MetricsServer,
     Publishing,
     Sink,
-    metrics_reference_markdown,
     open_publishing,
     select_param_series,
 )
+from gradwatch.export import metrics as catalog
 from gradwatch.export.server import RateLimit
 from gradwatch.export.state import (
     Counts,
     PublishedState,
     SelfStats,
-    SeriesCounts,
     snapshot_samples,
 )
 from gradwatch.history import HistoryWriter
 from gradwatch.snapshot import GroupStats, Snapshot
+from scripts.gen_metrics_docs import metrics_reference_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -1212,33 +1213,55 @@ def test_markdown_entry_point(tmp_path: Path) -> None:
 
 def test_every_metric_names_the_source_that_provides_it() -> None:
     """Each source provides exactly the metrics the catalog assigns to it, no more."""
-    by_source = {source: {d.name for d in METRICS if d.source is source} for source in MetricSource}
+    by_source = {source: {d for d in METRICS if d.source is source} for source in MetricSource}
     assert all(isinstance(d.source, MetricSource) for d in METRICS)
-    assert set().union(*by_source.values()) == set(METRICS_BY_NAME)
+    assert set().union(*by_source.values()) == set(METRICS_BY_NAME.values())
     snap = rich_snapshot()  # clip_coef set: every snapshot metric present
     assert set(snapshot_samples(snap, {}, top_k=3)) == by_source[MetricSource.SNAPSHOT]
-    assert (
-        set(Counts().samples()) | set(SeriesCounts().samples()) == by_source[MetricSource.COUNTS]
-    )
+    assert set(Counts().samples()) == by_source[MetricSource.COUNTS]
     stats = SelfStats()
-    assert "gradwatch_collecting" not in stats.view().samples()  # no watcher reported yet
+    assert catalog.COLLECTING not in stats.view().samples()  # no watcher reported yet
     stats.set_collecting(True)
-    assert "gradwatch_reported_norm_ratio" not in stats.view().samples()  # nothing audited yet
+    assert catalog.REPORTED_NORM_RATIO not in stats.view().samples()  # nothing audited yet
     stats.add_audit("trainer", 1.0, True)
     assert set(stats.view().samples()) == by_source[MetricSource.SELF_STATS]
-    assert by_source[MetricSource.INFO] == {
+    assert {d.name for d in by_source[MetricSource.INFO]} == {
         "gradwatch_build_info",
         "gradwatch_run_info",
         "gradwatch_start_time_seconds",
         "gradwatch_grad_norm_ratio_band",
     }
-    assert {METRICS_BY_NAME[n].type for n in by_source[MetricSource.SNAPSHOT]} == {"gauge"}
+    assert {d.type for d in by_source[MetricSource.SNAPSHOT]} == {"gauge"}
     # Running totals are counters; the one gauge is the last non-finite origin (an event kept
     # across steps, so it lives with the counts rather than with one snapshot).
-    assert {
-        METRICS_BY_NAME[n].type
-        for n in by_source[MetricSource.COUNTS] - {"gradwatch_last_nonfinite_origin"}
-    } == {"counter", "histogram"}
+    assert {d.type for d in by_source[MetricSource.COUNTS] - {catalog.LAST_NONFINITE_ORIGIN}} == {
+        "counter",
+        "histogram",
+    }
+
+
+def test_every_definition_is_named_after_its_metric() -> None:
+    """``catalog.<NAME>`` is the definition of ``gradwatch_<name>``: one object per metric, in
+    METRICS once, and the buckets of each histogram are its own."""
+    assert len(set(METRICS)) == len(METRICS) == len(METRICS_BY_NAME)
+    for d in METRICS:
+        assert getattr(catalog, d.name.removeprefix("gradwatch_").upper()) is d, d.name
+        assert bool(d.buckets) == (d.type == "histogram"), d.name
+    assert catalog.COLLECT_SECONDS.buckets == COLLECT_SECONDS_BUCKETS
+
+
+def test_no_module_joins_by_a_metric_name_string() -> None:
+    """Outside the catalog, code refers to a metric by its definition, never by its name: no
+    string constant of the package (prose aside) is a catalog name."""
+    names = set(METRICS_BY_NAME)
+    found = []
+    for path in sorted((SRC / "gradwatch").rglob("*.py")):
+        if path == SRC / "gradwatch" / "export" / "metrics.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.value}")
+    assert not found, found
 
 
 def test_counts_use_the_snapshots_step_classification() -> None:
@@ -1640,7 +1663,7 @@ def test_undefined_ratio_is_exported_as_nan_not_zero(
     held = 0.0
     snap = Snapshot(step=1, global_norm=1.0, groups=groups, ratios={"seed/host": held})
     samples = snapshot_samples(snap, {"seed/host": ("seed", "host")}, top_k=0)
-    ((labels, exported),) = samples["gradwatch_grad_norm_ratio"]
+    ((labels, exported),) = samples[catalog.GRAD_NORM_RATIO]
     assert labels == ("seed", "host")
     if defined:
         assert exported == 0.0  # the numerator has no gradient: dormant, a real 0
@@ -1653,8 +1676,8 @@ def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
     the guard gauges are absent from an unguarded snapshot."""
     state = PublishedState(config())
     state.write(Snapshot(step=0))
-    assert "gradwatch_consecutive_skipped_steps" not in state.current().samples
-    assert state.current().count_samples["gradwatch_skipped_steps_total"] == ()
+    assert catalog.CONSECUTIVE_SKIPPED_STEPS not in state.current().samples
+    assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL] == ()
     state.write(
         Snapshot(
             step=5,
@@ -1665,11 +1688,11 @@ def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
         )
     )
     current = state.current()
-    assert current.count_samples["gradwatch_skipped_steps_total"] == (
+    assert current.count_samples[catalog.SKIPPED_STEPS_TOTAL] == (
         (("nonfinite",), 2.0),
         (("spike",), 3.0),
     )
-    assert current.samples["gradwatch_consecutive_skipped_steps"] == (((), 2.0),)
-    assert current.samples["gradwatch_guard_stopped"] == (((), 0.0),)
+    assert current.samples[catalog.CONSECUTIVE_SKIPPED_STEPS] == (((), 2.0),)
+    assert current.samples[catalog.GUARD_STOPPED] == (((), 0.0),)
     state.write(Snapshot(step=6))  # an unguarded snapshot keeps the totals
-    assert state.current().count_samples["gradwatch_skipped_steps_total"][1] == (("spike",), 3.0)
+    assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL][1] == (("spike",), 3.0)

@@ -32,6 +32,22 @@ def _backward(model: nn.Module, step: int) -> None:
     (model(x) - y).pow(2).mean().backward()
 
 
+def _record_readings(watch: GradWatch) -> list[GuardReading]:
+    """The reading of every decision the watcher's guard makes from now on, in order."""
+    guard = watch._collector.guard
+    assert guard is not None
+    decide = guard.decide
+    readings: list[GuardReading] = []
+
+    def recorded(reduced) -> GuardDecision:  # type: ignore[no-untyped-def]
+        decision = decide(reduced)
+        readings.append(decision.reading())
+        return decision
+
+    guard.decide = recorded  # type: ignore[method-assign]
+    return readings
+
+
 def _warm_step_ops(spike: float | None, guarded: bool) -> tuple[OpCounter, OpCounter | None]:
     """Ops of the 6th optimizer step (collect included) and of its decision alone."""
     model = _model()
@@ -115,19 +131,9 @@ def test_the_spike_window_skips_non_samples_and_wraps_against_a_float64_referenc
     for k in (9, 21):
         norms[k] = 0.0
     norms[33] *= 500.0
-    readings: list[GuardReading] = []
     with GradWatch(model, cfg) as watch:
         guarded = watch.guard(opt)
-        guard = watch._collector.guard
-        assert guard is not None
-        decide = guard.decide
-
-        def recorded(reduced) -> GuardDecision:  # type: ignore[no-untyped-def]
-            decision = decide(reduced)
-            readings.append(decision.reading())
-            return decision
-
-        guard.decide = recorded  # type: ignore[method-assign]
+        readings = _record_readings(watch)
         for k, n in enumerate(norms):
             param.grad = torch.full((4,), n / 2.0)
             if n == n:
@@ -188,19 +194,9 @@ def test_only_a_norm_beyond_float64_is_non_finite(spike: float | None) -> None:
     model = nn.Module()
     model.p = param
     opt = torch.optim.SGD([param], lr=0.0)
-    readings: list[GuardReading] = []
     with GradWatch(model, WatchConfig(skip_spike_score=spike)) as watch:
         guarded = watch.guard(opt)
-        guard = watch._collector.guard
-        assert guard is not None
-        decide = guard.decide
-
-        def recorded(reduced) -> GuardDecision:  # type: ignore[no-untyped-def]
-            decision = decide(reduced)
-            readings.append(decision.reading())
-            return decision
-
-        guard.decide = recorded  # type: ignore[method-assign]
+        readings = _record_readings(watch)
         for value in (1e200, 1.5e308, 1e-200, 0.0, 1.0):
             param.grad = torch.full((2,), value, dtype=torch.float64)
             guarded.step()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gradwatch.export.reference import series_count
-from gradwatch.export.state import NORM_BUCKETS
+from gradwatch.export.metricdef import NORM_BUCKETS
+from scripts.gen_metrics_docs import series_count
 
 SCALE = Path(__file__).resolve().parents[2] / "docs" / "scale.md"
 METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"

@@ -37,11 +37,12 @@ from gradwatch.cli.render import (
     render_view,
 )
 from gradwatch.export.collector import SnapshotCollector
-from gradwatch.export.reference import metrics_reference_markdown, series_count
-from gradwatch.export.state import NORM_BUCKETS, PublishedState, SelfStats
+from gradwatch.export.metricdef import NORM_BUCKETS
+from gradwatch.export.state import PublishedState, SelfStats
 from gradwatch.snapshot import GroupStats, Snapshot
 from gradwatch.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD, SHIFT_RUN, SHIFT_SCORE, SpikeDetector
 from gradwatch.testing import OpCounter, count_host_reads
+from scripts.gen_metrics_docs import metrics_reference_markdown, series_count
 
 pytestmark = pytest.mark.timeout(120)
 

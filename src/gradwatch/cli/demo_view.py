@@ -26,6 +26,7 @@ from gradwatch.cli.render import (
     isolation_text,
     render_view,
 )
+from gradwatch.export import metrics as catalog
 
 if TYPE_CHECKING:  # the parent imports this module; its types only are needed here
     from gradwatch.cli.demo import DemoOptions, Summary
@@ -211,16 +212,16 @@ def summary_lines(
         return lines
     lines.append(
         f"endpoint {url} (final scrape, step {final.step}): "
-        f"gradwatch_nonfinite_steps_total {final.nonfinite_steps}, "
-        f"gradwatch_exploding_steps_total {final.exploding_steps}, "
-        f"gradwatch_collections_total {final.collections}, "
-        f"gradwatch_global_grad_norm_spikes_total {final.global_spikes}"
+        f"{catalog.NONFINITE_STEPS_TOTAL.name} {final.nonfinite_steps}, "
+        f"{catalog.EXPLODING_STEPS_TOTAL.name} {final.exploding_steps}, "
+        f"{catalog.COLLECTIONS_TOTAL.name} {final.collections}, "
+        f"{catalog.GLOBAL_GRAD_NORM_SPIKES_TOTAL.name} {final.global_spikes}"
         + "".join(
-            f', gradwatch_skipped_steps_total{{reason="{r}"}} {n}'
+            f', {catalog.SKIPPED_STEPS_TOTAL.name}{{reason="{r}"}} {n}'
             for r, n in final.skipped_steps.items()
         )
         + "".join(
-            f', gradwatch_grad_norm_spikes_total{{group="{g}"}} {s.spikes}'
+            f', {catalog.GRAD_NORM_SPIKES_TOTAL.name}{{group="{g}"}} {s.spikes}'
             for g, s in final.groups.items()
             if s.spikes
         )

@@ -7,8 +7,9 @@ drawing the view is :mod:`gradwatch.cli.render`'s job.
   :class:`ScrapeError` whose message is a short reason fit for a status line: callers never
   show a traceback for a dead endpoint.
 * :func:`parse_exposition`: the pure part (text in, :class:`EndpointView` out), built on
-  ``prometheus_client.parser.text_string_to_metric_families`` and the metric names of
-  :data:`gradwatch.export.METRICS` (a contract: nothing here invents a name).
+  ``prometheus_client.parser.text_string_to_metric_families`` and the catalog's definitions
+  (:mod:`gradwatch.export.metrics`): each sample is matched to its ``MetricDef`` and read by
+  that definition's labels and type, so nothing here restates a name or a label.
 
 The counters (``gradwatch_nonfinite_steps_total`` and friends) are read as the exporter counts
 them, with :class:`gradwatch.Snapshot`'s step classification; nothing here re-classifies a step.
@@ -26,7 +27,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gradwatch.export import METRICS_BY_NAME
+from gradwatch.config import ratio_key
+from gradwatch.export import metrics as catalog
+from gradwatch.export.metricdef import MetricDef
 
 #: Seconds a scrape may take unless the caller says otherwise.
 DEFAULT_TIMEOUT = 2.0
@@ -48,56 +51,26 @@ UNREACHABLE = "unreachable"
 NOT_GRADWATCH = "not a gradwatch endpoint"
 
 
-def _name(metric: str) -> str:
-    """``metric`` after checking it is one of gradwatch's exported names (the contract)."""
-    if metric not in METRICS_BY_NAME:  # pragma: no cover - guards against typos in this module
-        raise KeyError(f"not a gradwatch metric: {metric}")
-    return metric
-
-
-STEP = _name("gradwatch_step")
-TIMESTAMP = _name("gradwatch_last_collect_timestamp_seconds")
-GLOBAL_NORM = _name("gradwatch_global_grad_norm")
-GROUP_NORM = _name("gradwatch_grad_norm")
-RATIO = _name("gradwatch_grad_norm_ratio")
-GROUP_NUMEL = _name("gradwatch_group_parameters")
-VANISHING = _name("gradwatch_vanishing_tensors")
-EXPLODING = _name("gradwatch_exploding_tensors")
-NONFINITE = _name("gradwatch_nonfinite_tensors")
-HEALTH = _name("gradwatch_health_score")
-ISOLATION = _name("gradwatch_isolation_violated")
-CLIP_COEF = _name("gradwatch_clip_coef")
-COLLECTIONS = _name("gradwatch_collections_total")
-NONFINITE_STEPS = _name("gradwatch_nonfinite_steps_total")
-AMP_SKIPPED_STEPS = _name("gradwatch_amp_skipped_steps_total")
-EXPLODING_STEPS = _name("gradwatch_exploding_steps_total")
-ISOLATION_VIOLATIONS = _name("gradwatch_isolation_violations_total")
-PUBLISH_ERRORS = _name("gradwatch_publish_errors_total")
-DROPPED = _name("gradwatch_dropped_snapshots_total")
-BUILD_INFO = _name("gradwatch_build_info")
-RUN_INFO = _name("gradwatch_run_info")
-GLOBAL_SPIKE_SCORE = _name("gradwatch_global_grad_norm_spike_score")
-SPIKE_SCORE = _name("gradwatch_grad_norm_spike_score")
-GLOBAL_SPIKES = _name("gradwatch_global_grad_norm_spikes_total")
-GROUP_SPIKES = _name("gradwatch_grad_norm_spikes_total")
-NONFINITE_GROUP_STEPS = _name("gradwatch_nonfinite_group_steps_total")
-GLOBAL_NORM_HIST = _name("gradwatch_global_grad_norm_per_step")
-GROUP_NORM_HIST = _name("gradwatch_grad_norm_per_step")
-
 #: A histogram as scraped: ``(upper bound, cumulative count)`` per bucket, ``+Inf`` last.
 Buckets = tuple[tuple[float, float], ...]
-LAST_ORIGIN = _name("gradwatch_last_nonfinite_origin")
-# the per-rank view's gauges (absent without it: read as None/empty, never as zeros)
-ORIGIN_RANKS = _name("gradwatch_nonfinite_origin_ranks")
-REPLICA_NORM = _name("gradwatch_replica_grad_norm")
-REPLICA_MAX_RANK = _name("gradwatch_replica_grad_norm_max_rank")
-OUTLIER_SCORE = _name("gradwatch_replica_outlier_score")
-NOISE_SCALE = _name("gradwatch_gradient_noise_scale")
-GROUP_NOISE_SCALE = _name("gradwatch_group_gradient_noise_scale")
-# the optimizer-step guard (absent without watch.guard())
-SKIPPED_STEPS = _name("gradwatch_skipped_steps_total")
-CONSECUTIVE_SKIPPED = _name("gradwatch_consecutive_skipped_steps")
-GUARD_STOPPED = _name("gradwatch_guard_stopped")
+
+#: Each exposed sample name of the catalog -> its definition. A histogram is read from its
+#: ``_bucket`` samples (its ``_sum`` and ``_count`` add nothing the view shows).
+_BY_SAMPLE: Mapping[str, MetricDef] = {
+    (d.name + "_bucket" if d.type == "histogram" else d.name): d for d in catalog.METRICS
+}
+
+#: The per-group metrics a :class:`GroupView` shows; a group appears when one of them names it.
+_GROUP_METRICS = (
+    catalog.GRAD_NORM,
+    catalog.GROUP_PARAMETERS,
+    catalog.VANISHING_TENSORS,
+    catalog.EXPLODING_TENSORS,
+    catalog.NONFINITE_TENSORS,
+    catalog.GRAD_NORM_SPIKE_SCORE,
+    catalog.GRAD_NORM_SPIKES_TOTAL,
+    catalog.NONFINITE_GROUP_STEPS_TOTAL,
+)
 
 
 @dataclass(frozen=True)
@@ -118,7 +91,8 @@ class GroupView:
 
 @dataclass(frozen=True)
 class EndpointView:
-    """What one scrape of a gradwatch endpoint says.
+    """What one scrape of a gradwatch endpoint says: each field is one catalog metric's
+    series as :func:`parse_exposition` read them (the figures ``top`` and the demo draw).
 
     Per-step gauges are ``None`` (or empty) before the job published its first snapshot, as the
     endpoint leaves them absent then. Counters are always present (0 at start).
@@ -204,6 +178,10 @@ def _opener(url: str) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener()
 
 
+#: What a scrape holds per metric: ``(label values in the definition's order, value)``.
+_Found = Mapping[MetricDef, list[tuple[tuple[str, ...], float]]]
+
+
 def parse_exposition(text: str) -> EndpointView:
     """The gradwatch figures of a Prometheus text exposition.
 
@@ -214,105 +192,93 @@ def parse_exposition(text: str) -> EndpointView:
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     except Exception as exc:  # the parser raises ValueError and friends on malformed input
         raise ScrapeError(f"not a Prometheus exposition: {exc}", NOT_GRADWATCH) from exc
-    single: dict[str, float] = {}
-    by_group: dict[str, dict[str, float]] = {}
-    ratios: dict[str, float] = {}
-    violations: dict[str, int] = {}
-    violated: dict[str, bool] = {}
-    build: dict[str, str] = {}
-    run: dict[str, str] = {}
-    buckets: dict[str | None, list[tuple[float, float]]] = {}  # None: the global histogram
-    origin: list[tuple[str, str]] = []
-    origin_step: int | None = None
-    replica_norm: dict[str, float] = {}
-    group_noise: dict[str, float] = {}
-    skipped: dict[str, int] = {}
+    found: dict[MetricDef, list[tuple[tuple[str, ...], float]]] = {}
+    buckets: dict[MetricDef, dict[tuple[str, ...], list[tuple[float, float]]]] = {}
     for s in samples:
-        if not s.name.startswith("gradwatch_"):
+        d = _BY_SAMPLE.get(s.name)
+        if d is None:
             continue
-        if s.name in (GLOBAL_NORM_HIST + "_bucket", GROUP_NORM_HIST + "_bucket"):
-            key = s.labels.get("group") if s.name.startswith(GROUP_NORM_HIST) else None
-            buckets.setdefault(key, []).append((float(s.labels.get("le", "nan")), s.value))
-        elif s.name.startswith((GLOBAL_NORM_HIST + "_", GROUP_NORM_HIST + "_")):
-            continue  # _count and _sum: the buckets say it all
-        elif s.name == LAST_ORIGIN:
-            origin.append((s.labels.get("rank", ""), s.labels.get("host", "")))
-            origin_step = int(s.value) if math.isfinite(s.value) else None
-        elif s.name == REPLICA_NORM:
-            replica_norm[s.labels.get("stat", "")] = s.value
-        elif s.name == SKIPPED_STEPS:
-            skipped[s.labels.get("reason", "")] = _int(s.value)
-        elif s.name == GROUP_NOISE_SCALE:  # labelled by group, but not a group's own gauge
-            group_noise[s.labels.get("group", "")] = s.value
-        elif s.name == RATIO:
-            ratios[f"{s.labels.get('numerator')}/{s.labels.get('denominator')}"] = s.value
-        elif s.name == ISOLATION:
-            violated[s.labels.get("group", "")] = s.value >= 0.5
-        elif s.name == ISOLATION_VIOLATIONS:
-            violations[s.labels.get("group", "")] = int(s.value)
-        elif s.name == BUILD_INFO:
-            build = dict(s.labels)
-        elif s.name == RUN_INFO:
-            run = dict(s.labels)
-        elif "group" in s.labels:
-            by_group.setdefault(s.labels["group"], {})[s.name] = s.value
-        elif not s.labels:
-            single[s.name] = s.value
-    if not single and not by_group and not build:
+        labels = tuple(s.labels.get(name, "") for name in d.labels)
+        if d.type == "histogram":
+            le = float(s.labels.get("le", "nan"))
+            buckets.setdefault(d, {}).setdefault(labels, []).append((le, s.value))
+        else:
+            found.setdefault(d, []).append((labels, s.value))
+    if not found and not buckets:
         raise ScrapeError("no gradwatch metrics at this URL", NOT_GRADWATCH)
+    single = {d: v for d, series in found.items() if not d.labels for _, v in series}
+    per_group: dict[str, dict[MetricDef, float]] = {}
+    for d in _GROUP_METRICS:
+        for (group,), v in found.get(d, ()):
+            per_group.setdefault(group, {})[d] = v
+    norm_buckets = buckets.get(catalog.GRAD_NORM_PER_STEP, {})
     groups = {
         g: GroupView(
-            norm=m.get(GROUP_NORM, math.nan),
-            numel=m.get(GROUP_NUMEL, 0.0),
-            vanishing=m.get(VANISHING, 0.0),
-            exploding=m.get(EXPLODING, 0.0),
-            nonfinite=m.get(NONFINITE, 0.0),
-            spike_score=m.get(SPIKE_SCORE),
-            spikes=_int(m.get(GROUP_SPIKES, 0.0)),
-            nonfinite_steps=_int(m.get(NONFINITE_GROUP_STEPS, 0.0)),
-            norm_buckets=tuple(sorted(buckets.get(g, ()))),
+            norm=v.get(catalog.GRAD_NORM, math.nan),
+            numel=v.get(catalog.GROUP_PARAMETERS, 0.0),
+            vanishing=v.get(catalog.VANISHING_TENSORS, 0.0),
+            exploding=v.get(catalog.EXPLODING_TENSORS, 0.0),
+            nonfinite=v.get(catalog.NONFINITE_TENSORS, 0.0),
+            spike_score=v.get(catalog.GRAD_NORM_SPIKE_SCORE),
+            spikes=_int(v.get(catalog.GRAD_NORM_SPIKES_TOTAL, 0.0)),
+            nonfinite_steps=_int(v.get(catalog.NONFINITE_GROUP_STEPS_TOTAL, 0.0)),
+            norm_buckets=tuple(sorted(norm_buckets.get((g,), ()))),
         )
-        for g, m in by_group.items()
+        for g, v in per_group.items()
     }
 
-    def count(name: str) -> int:
-        return _int(single.get(name, 0.0))
+    def count(d: MetricDef) -> int:
+        return _int(single.get(d, 0.0))
 
-    step = single.get(STEP)
+    origin = found.get(catalog.LAST_NONFINITE_ORIGIN, [])
+    version = _info(found, catalog.BUILD_INFO)[0]
+    world_size, parallelism, _ = _info(found, catalog.RUN_INFO)
     return EndpointView(
-        step=int(step) if step is not None and math.isfinite(step) else None,
-        timestamp=single.get(TIMESTAMP),
-        global_norm=single.get(GLOBAL_NORM),
-        health=single.get(HEALTH),
-        clip_coef=single.get(CLIP_COEF),
+        step=_opt_int(single.get(catalog.STEP)),
+        timestamp=single.get(catalog.LAST_COLLECT_TIMESTAMP_SECONDS),
+        global_norm=single.get(catalog.GLOBAL_GRAD_NORM),
+        health=single.get(catalog.HEALTH_SCORE),
+        clip_coef=single.get(catalog.CLIP_COEF),
         groups=groups,
-        ratios=ratios,
-        isolation_violated=violated,
-        isolation_violations=violations,
-        collections=count(COLLECTIONS),
-        nonfinite_steps=count(NONFINITE_STEPS),
-        amp_skipped_steps=count(AMP_SKIPPED_STEPS),
-        exploding_steps=count(EXPLODING_STEPS),
-        publish_errors=count(PUBLISH_ERRORS),
-        dropped=count(DROPPED),
-        version=build.get("version"),
-        world_size=run.get("world_size"),
-        parallelism=run.get("parallelism"),
-        global_spike_score=single.get(GLOBAL_SPIKE_SCORE),
-        global_spikes=count(GLOBAL_SPIKES),
-        global_norm_buckets=tuple(sorted(buckets.get(None, ()))),
-        nonfinite_origin=tuple(sorted(origin, key=lambda o: (len(o[0]), o[0]))),
-        nonfinite_origin_step=origin_step,
-        nonfinite_origin_ranks=_opt_int(single.get(ORIGIN_RANKS)),
-        replica_norm=replica_norm,
-        replica_max_rank=_opt_int(single.get(REPLICA_MAX_RANK)),
-        replica_outlier_score=single.get(OUTLIER_SCORE),
-        noise_scale=single.get(NOISE_SCALE),
-        group_noise_scale=group_noise,
-        skipped_steps=skipped,
-        consecutive_skipped_steps=_opt_int(single.get(CONSECUTIVE_SKIPPED)),
-        guard_stopped=None if GUARD_STOPPED not in single else single[GUARD_STOPPED] >= 0.5,
+        ratios={ratio_key(*pair): v for pair, v in found.get(catalog.GRAD_NORM_RATIO, ())},
+        isolation_violated={g: v >= 0.5 for (g,), v in found.get(catalog.ISOLATION_VIOLATED, ())},
+        isolation_violations={
+            g: int(v) for (g,), v in found.get(catalog.ISOLATION_VIOLATIONS_TOTAL, ())
+        },
+        collections=count(catalog.COLLECTIONS_TOTAL),
+        nonfinite_steps=count(catalog.NONFINITE_STEPS_TOTAL),
+        amp_skipped_steps=count(catalog.AMP_SKIPPED_STEPS_TOTAL),
+        exploding_steps=count(catalog.EXPLODING_STEPS_TOTAL),
+        publish_errors=count(catalog.PUBLISH_ERRORS_TOTAL),
+        dropped=count(catalog.DROPPED_SNAPSHOTS_TOTAL),
+        version=version,
+        world_size=world_size,
+        parallelism=parallelism,
+        global_spike_score=single.get(catalog.GLOBAL_GRAD_NORM_SPIKE_SCORE),
+        global_spikes=count(catalog.GLOBAL_GRAD_NORM_SPIKES_TOTAL),
+        global_norm_buckets=tuple(
+            sorted(buckets.get(catalog.GLOBAL_GRAD_NORM_PER_STEP, {}).get((), ()))
+        ),
+        nonfinite_origin=tuple(sorted((o for o, _ in origin), key=lambda o: (len(o[0]), o[0]))),
+        nonfinite_origin_step=_opt_int(origin[-1][1]) if origin else None,
+        nonfinite_origin_ranks=_opt_int(single.get(catalog.NONFINITE_ORIGIN_RANKS)),
+        replica_norm={stat: v for (stat,), v in found.get(catalog.REPLICA_GRAD_NORM, ())},
+        replica_max_rank=_opt_int(single.get(catalog.REPLICA_GRAD_NORM_MAX_RANK)),
+        replica_outlier_score=single.get(catalog.REPLICA_OUTLIER_SCORE),
+        noise_scale=single.get(catalog.GRADIENT_NOISE_SCALE),
+        group_noise_scale={g: v for (g,), v in found.get(catalog.GROUP_GRADIENT_NOISE_SCALE, ())},
+        skipped_steps={r: _int(v) for (r,), v in found.get(catalog.SKIPPED_STEPS_TOTAL, ())},
+        consecutive_skipped_steps=_opt_int(single.get(catalog.CONSECUTIVE_SKIPPED_STEPS)),
+        guard_stopped=None
+        if catalog.GUARD_STOPPED not in single
+        else single[catalog.GUARD_STOPPED] >= 0.5,
     )
+
+
+def _info(found: _Found, d: MetricDef) -> tuple[str | None, ...]:
+    """The label values of an info metric, in the definition's order (None when absent)."""
+    series = found.get(d)
+    return series[-1][0] if series else (None,) * len(d.labels)
 
 
 def _int(value: float) -> int:

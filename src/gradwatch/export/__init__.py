@@ -4,8 +4,10 @@ One publisher thread hands every materialized snapshot to a list of sinks (:clas
 Prometheus endpoint's published state, the history file, and any sink a user adds. The modules,
 each with one job:
 
-* :mod:`~gradwatch.export.metrics`: the catalog (:data:`METRICS`), every exported name, type,
-  label, HELP text and the source of its value; a contract.
+* :mod:`~gradwatch.export.metricdef`: what one metric's definition is (:class:`MetricDef`:
+  name, type, labels, HELP text, buckets, how its samples are read) and the values it reads.
+* :mod:`~gradwatch.export.metrics`: the catalog (:data:`METRICS`), one definition per exported
+  metric, referred to by object everywhere else; a contract.
 * :mod:`~gradwatch.export.state`: the published state (counts and the last step's samples, one
   immutable object per publish) and the exporter's self-stats.
 * :mod:`~gradwatch.export.collector`: the prometheus_client Collector rendering the catalog.
@@ -18,7 +20,8 @@ each with one job:
   web configuration file (or the older TLS fields).
 * :mod:`~gradwatch.export.publishing`: :func:`open_publishing`, the watcher's entry point, and
   :class:`Publishing` / :class:`MetricsServer`, which wire the above together.
-* :mod:`~gradwatch.export.reference`: docs/metrics.md rendered from the catalog.
+
+docs/metrics.md is rendered from the catalog outside the package (``scripts/gen_metrics_docs.py``).
 
 Nothing here can raise into the training loop once publishing is open: errors are logged once
 per kind and counted in ``gradwatch_publish_errors_total``.
@@ -42,9 +45,9 @@ _EXPORTS = {
     "RENDER_INTERVAL": "http",
     "METRICS": "metrics",
     "METRICS_BY_NAME": "metrics",
-    "MetricDef": "metrics",
-    "MetricSource": "metrics",
-    "MetricType": "metrics",
+    "MetricDef": "metricdef",
+    "MetricSource": "metricdef",
+    "MetricType": "metricdef",
     "MAX_PENDING": "publisher",
     "PendingLike": "publisher",
     "Sink": "publisher",
@@ -53,10 +56,9 @@ _EXPORTS = {
     "MetricsServer": "publishing",
     "Publishing": "publishing",
     "open_publishing": "publishing",
-    "metrics_reference_markdown": "reference",
-    "COLLECT_SECONDS_BUCKETS": "state",
-    "MAX_PARAM_SERIES": "state",
-    "select_param_series": "state",
+    "COLLECT_SECONDS_BUCKETS": "metricdef",
+    "MAX_PARAM_SERIES": "metricdef",
+    "select_param_series": "metricdef",
     "WebSettings": "webconfig",
     "load_web_config": "webconfig",
 }
@@ -64,13 +66,15 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from gradwatch.export.collector import SnapshotCollector
     from gradwatch.export.http import RENDER_INTERVAL
-    from gradwatch.export.metrics import (
-        METRICS,
-        METRICS_BY_NAME,
+    from gradwatch.export.metricdef import (
+        COLLECT_SECONDS_BUCKETS,
+        MAX_PARAM_SERIES,
         MetricDef,
         MetricSource,
         MetricType,
+        select_param_series,
     )
+    from gradwatch.export.metrics import METRICS, METRICS_BY_NAME
     from gradwatch.export.publisher import MAX_PENDING, PendingLike, Sink
     from gradwatch.export.publishing import (
         CLOSE_TIMEOUT,
@@ -79,7 +83,6 @@ if TYPE_CHECKING:
         Publishing,
         open_publishing,
     )
-    from gradwatch.export.reference import metrics_reference_markdown
     from gradwatch.export.server import (
         HEAD_TIMEOUT,
         LISTEN_BACKLOG,
@@ -87,11 +90,6 @@ if TYPE_CHECKING:
         MAX_SCRAPE_WAIT,
         MAX_SCRAPES_PER_SECOND,
         SCRAPE_BURST,
-    )
-    from gradwatch.export.state import (
-        COLLECT_SECONDS_BUCKETS,
-        MAX_PARAM_SERIES,
-        select_param_series,
     )
     from gradwatch.export.webconfig import WebSettings, load_web_config
 
@@ -120,7 +118,6 @@ __all__ = [
     "SnapshotCollector",
     "WebSettings",
     "load_web_config",
-    "metrics_reference_markdown",
     "open_publishing",
     "select_param_series",
 ]

@@ -3,8 +3,9 @@ the published state, the self-stats and the job's constant info.
 
 A scrape reads the published :class:`~gradwatch.export.state.State` once (one immutable
 object: one step) and the self-stats once, then renders every metric of the catalog in order
-from the source its :class:`~gradwatch.export.metrics.MetricDef` names. A metric whose source
-holds no sample is absent, not zero.
+from the samples its :class:`~gradwatch.export.metricdef.MetricDef` read from its source. A
+metric whose source holds no sample is absent, not zero. This module is the encoding only:
+what a metric is and how its samples are read is the catalog's.
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ from prometheus_client.core import (
 from prometheus_client.samples import Exemplar
 
 from gradwatch.config import RatioSpec
-from gradwatch.export.metrics import METRICS, MetricDef, MetricSource
-from gradwatch.export.state import (
+from gradwatch.export.metricdef import (
     HistogramValue,
+    JobInfo,
     LabelledHistograms,
+    MetricDef,
+    MetricSource,
     MetricValue,
-    PublishedState,
-    Sample,
-    SelfStats,
-    StepExemplar,
 )
+from gradwatch.export.metrics import METRICS, read_all
+from gradwatch.export.state import PublishedState, Samples, SelfStats, StepExemplar
 
 __all__ = ["SnapshotCollector"]
 
@@ -55,17 +56,8 @@ class SnapshotCollector:
     ) -> None:
         self._state = state
         self._stats = stats
-        info: dict[str, tuple[Sample, ...]] = {
-            "gradwatch_build_info": ((_build_labels(), 1.0),),
-            "gradwatch_run_info": (((str(world_size), str(parallelism), run_id), 1.0),),
-            "gradwatch_start_time_seconds": (((), float(start_time)),),
-            "gradwatch_grad_norm_ratio_band": tuple(
-                ((r.numerator, r.denominator, bound), float(level))
-                for r in ratios
-                for bound, level in (("low", r.low), ("high", r.high), ("dormant", r.dormant))
-            ),
-        }
-        self._info: Mapping[str, MetricValue] = info
+        job = JobInfo(_build_labels(), world_size, str(parallelism), run_id, start_time, ratios)
+        self._info: Samples = read_all(MetricSource.INFO, job)
 
     def version(self) -> tuple[int, int]:
         """Changes whenever a scrape would show something new (a publish, a counter, a
@@ -80,7 +72,7 @@ class SnapshotCollector:
     def collect(self) -> Iterator[Metric]:
         state = self._state.current()
         view = self._stats.view()
-        sources: dict[MetricSource, Mapping[str, MetricValue]] = {
+        sources: dict[MetricSource, Samples] = {
             # Not collecting: the last snapshot is no longer a measurement of the job's present.
             MetricSource.SNAPSHOT: {} if view.collecting is False else state.samples,
             MetricSource.COUNTS: state.count_samples,
@@ -88,7 +80,7 @@ class SnapshotCollector:
             MetricSource.INFO: self._info,
         }
         for d in METRICS:
-            value = sources[d.source].get(d.name)
+            value = sources[d.source].get(d)
             if value:  # absent, not zero: nothing measured
                 yield _render(d, value, state.exemplars if d.exemplar else None)
 
@@ -115,7 +107,7 @@ def _family(d: MetricDef) -> Metric:
 def _render(
     d: MetricDef,
     value: MetricValue,
-    exemplars: Mapping[tuple[str, tuple[str, ...]], StepExemplar] | None = None,
+    exemplars: Mapping[tuple[MetricDef, tuple[str, ...]], StepExemplar] | None = None,
 ) -> Metric:
     """The family of ``d`` with its samples; a counter's series carry their exemplar when
     ``exemplars`` has one (only the OpenMetrics format shows them)."""
@@ -135,7 +127,7 @@ def _render(
         return family
     family = _family(d)
     for labels, v in value:
-        ex = exemplars.get((d.name, tuple(labels))) if exemplars else None
+        ex = exemplars.get((d, tuple(labels))) if exemplars else None
         if ex is not None and isinstance(family, CounterMetricFamily):
             exemplar = Exemplar(ex.labels(), ex.increase, ex.timestamp)
             family.add_metric(labels, v, exemplar=exemplar)

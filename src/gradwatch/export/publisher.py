@@ -19,10 +19,12 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from gradwatch.export.state import SelfStats
 from gradwatch.snapshot import Snapshot
+
+if TYPE_CHECKING:  # the catalog reads MAX_PENDING; the state reads the catalog
+    from gradwatch.export.state import SelfStats
 
 __all__ = ["MAX_PENDING", "PendingLike", "Publisher", "Sink", "sink_action"]
 

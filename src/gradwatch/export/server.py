@@ -30,18 +30,15 @@ Serving, in one asyncio loop:
 * ``GET`` and ``HEAD`` on any path (as prometheus_client), content negotiation of the text
   format and OpenMetrics, gzip, ``name[]`` filters; ``401`` with ``WWW-Authenticate: Basic``
   when basic-auth users are configured and the request does not carry a valid password
-  (checked with bcrypt, successful checks cached by a salted digest of the credentials).
+  (:class:`~gradwatch.export.webconfig.BasicAuth`: bcrypt, successful checks cached).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import gzip
-import hashlib
-import hmac
 import os
 import signal
 import socket
@@ -50,14 +47,12 @@ import struct
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import BinaryIO
 from urllib.parse import parse_qs, urlsplit
 
-from gradwatch.export.webconfig import WebSettings, tls_context
+from gradwatch.export.webconfig import BasicAuth, WebSettings, tls_context
 
 __all__ = [
     "HEAD_TIMEOUT",
@@ -100,8 +95,6 @@ LISTEN_BACKLOG = 128
 #: training job always comes first (serving a cached exposition needs little CPU; a middle
 #: value still let client floods show in the step time, see docs/performance.md).
 NICE = 19
-#: Successful (user, password) checks remembered, so a scraper costs one bcrypt, not one a scrape.
-AUTH_CACHE_SIZE = 64
 
 FRAME_HEADER = struct.Struct(">cI")
 SEQ = struct.Struct(">Q")
@@ -187,69 +180,6 @@ class ClientLimits:
         for address in [a for a, c in self._clients.items()
                         if c.inflight <= 0 and c.limit.idle_since < now]:  # fmt: skip
             del self._clients[address]
-
-
-# -- authentication -------------------------------------------------------------------------------
-
-
-class BasicAuth:
-    """Checks ``Authorization: Basic`` against bcrypt hashes, remembering successes.
-
-    The cache key is a digest of the credentials with a per-process salt; a failed check is
-    never cached (it costs a bcrypt each time, behind the client's rate limit). An unknown
-    user costs a bcrypt too, so timing does not tell which users exist.
-    """
-
-    def __init__(self, users: dict[str, str]) -> None:
-        import bcrypt
-
-        self._bcrypt = bcrypt
-        self._users = {user.encode(): hashed.encode() for user, hashed in users.items()}
-        self._decoy = next(iter(self._users.values()))
-        self._salt = os.urandom(16)
-        self._ok: OrderedDict[bytes, None] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gradwatch-bcrypt")
-
-    async def check(self, header: str | None) -> bool:
-        credentials = _basic_credentials(header)
-        if credentials is None:
-            return False
-        user, password = credentials
-        key = hmac.new(self._salt, user + b"\0" + password, hashlib.sha256).digest()
-        if key in self._ok:
-            self._ok.move_to_end(key)
-            return True
-        hashed = self._users.get(user)
-        loop = asyncio.get_running_loop()
-        ok = await loop.run_in_executor(
-            self._pool, self._checkpw, password, hashed if hashed is not None else self._decoy
-        )
-        if ok and hashed is not None:
-            self._ok[key] = None
-            if len(self._ok) > AUTH_CACHE_SIZE:
-                self._ok.popitem(last=False)
-            return True
-        return False
-
-    def _checkpw(self, password: bytes, hashed: bytes) -> bool:
-        try:
-            return bool(self._bcrypt.checkpw(password, hashed))
-        except ValueError:
-            return False
-
-
-def _basic_credentials(header: str | None) -> tuple[bytes, bytes] | None:
-    if not header:
-        return None
-    scheme, _, encoded = header.strip().partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        decoded = base64.b64decode(encoded.strip(), validate=True)
-    except ValueError:
-        return None
-    user, sep, password = decoded.partition(b":")
-    return (user, password) if sep else None
 
 
 # -- the exposition -------------------------------------------------------------------------------

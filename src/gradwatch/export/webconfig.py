@@ -11,18 +11,25 @@ from either
 Everything is checked here, in the constructing process, so a bad file fails the construction
 with an error naming the key, before any port is taken. The settings then travel to the server
 process as JSON (:meth:`WebSettings.to_json`), which builds its TLS context with
-:func:`tls_context` and checks passwords against the bcrypt hashes.
+:func:`tls_context` and checks passwords with :class:`BasicAuth` (bcrypt, successful checks
+cached by a salted digest of the credentials).
 
 This module imports neither torch nor pydantic: the server process imports it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import hashlib
+import hmac
 import json
 import os
 import re
 import ssl
+from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +39,17 @@ from gradwatch.errors import GradWatchError
 if TYPE_CHECKING:
     from gradwatch.config import WatchConfig
 
-__all__ = ["TLSSettings", "WebSettings", "load_web_config", "tls_context", "web_settings"]
+__all__ = [
+    "BasicAuth",
+    "TLSSettings",
+    "WebSettings",
+    "load_web_config",
+    "tls_context",
+    "web_settings",
+]
+
+#: Successful (user, password) checks remembered, so a scraper costs one bcrypt, not one a scrape.
+AUTH_CACHE_SIZE = 64
 
 #: exporter-toolkit's ``client_auth_type`` values gradwatch honours, and what they mean here.
 #: ``RequestClientCert`` and ``RequireAnyClientCert`` (a certificate asked for but not
@@ -312,3 +329,66 @@ def tls_context(tls: TLSSettings) -> ssl.SSLContext:
         ctx.load_verify_locations(cafile=tls.client_ca_file)
         ctx.verify_mode = ssl.CERT_REQUIRED if tls.client_auth == "required" else ssl.CERT_OPTIONAL
     return ctx
+
+
+# -- authentication -------------------------------------------------------------------------------
+
+
+class BasicAuth:
+    """Checks ``Authorization: Basic`` against bcrypt hashes, remembering successes.
+
+    The cache key is a digest of the credentials with a per-process salt; a failed check is
+    never cached (it costs a bcrypt each time, behind the client's rate limit). An unknown
+    user costs a bcrypt too, so timing does not tell which users exist.
+    """
+
+    def __init__(self, users: dict[str, str]) -> None:
+        import bcrypt
+
+        self._bcrypt = bcrypt
+        self._users = {user.encode(): hashed.encode() for user, hashed in users.items()}
+        self._decoy = next(iter(self._users.values()))
+        self._salt = os.urandom(16)
+        self._ok: OrderedDict[bytes, None] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gradwatch-bcrypt")
+
+    async def check(self, header: str | None) -> bool:
+        credentials = _basic_credentials(header)
+        if credentials is None:
+            return False
+        user, password = credentials
+        key = hmac.new(self._salt, user + b"\0" + password, hashlib.sha256).digest()
+        if key in self._ok:
+            self._ok.move_to_end(key)
+            return True
+        hashed = self._users.get(user)
+        loop = asyncio.get_running_loop()
+        ok = await loop.run_in_executor(
+            self._pool, self._checkpw, password, hashed if hashed is not None else self._decoy
+        )
+        if ok and hashed is not None:
+            self._ok[key] = None
+            if len(self._ok) > AUTH_CACHE_SIZE:
+                self._ok.popitem(last=False)
+            return True
+        return False
+
+    def _checkpw(self, password: bytes, hashed: bytes) -> bool:
+        try:
+            return bool(self._bcrypt.checkpw(password, hashed))
+        except ValueError:
+            return False
+
+
+def _basic_credentials(header: str | None) -> tuple[bytes, bytes] | None:
+    if not header:
+        return None
+    scheme, _, encoded = header.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True)
+    except ValueError:
+        return None
+    user, sep, password = decoded.partition(b":")
+    return (user, password) if sep else None

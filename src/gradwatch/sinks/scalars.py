@@ -24,31 +24,32 @@ This module imports no tracker and no torch.
 from __future__ import annotations
 
 from gradwatch.config import WatchConfig
-from gradwatch.export.metrics import METRICS, MetricDef, MetricSource
+from gradwatch.export import metrics
+from gradwatch.export.metricdef import MetricDef, MetricSource
 from gradwatch.export.state import PublishedState
 from gradwatch.snapshot import Snapshot
 
 __all__ = ["EXCLUDED_METRICS", "StepScalars", "scalar_metrics", "tag"]
 
 #: Catalog metrics a tracker row never carries (see the module docstring).
-EXCLUDED_METRICS = frozenset(
-    {
-        "gradwatch_step",
-        "gradwatch_last_collect_timestamp_seconds",
-        "gradwatch_param_grad_norm",
-        "gradwatch_last_nonfinite_origin",
-    }
+_EXCLUDED: tuple[MetricDef, ...] = (
+    metrics.STEP,
+    metrics.LAST_COLLECT_TIMESTAMP_SECONDS,
+    metrics.PARAM_GRAD_NORM,
+    metrics.LAST_NONFINITE_ORIGIN,
 )
+#: Their names.
+EXCLUDED_METRICS = frozenset(d.name for d in _EXCLUDED)
 
 
 def scalar_metrics() -> tuple[MetricDef, ...]:
     """The catalog metrics a row may carry: per-step gauges and counters, in catalog order."""
     return tuple(
         d
-        for d in METRICS
+        for d in metrics.METRICS
         if d.source in (MetricSource.SNAPSHOT, MetricSource.COUNTS)
         and d.type in ("gauge", "counter")
-        and d.name not in EXCLUDED_METRICS
+        and d not in _EXCLUDED
     )
 
 
@@ -83,7 +84,7 @@ class StepScalars:
         row: dict[str, float] = {}
         for d in self._metrics:
             source = state.samples if d.source is MetricSource.SNAPSHOT else state.count_samples
-            value = source.get(d.name)
+            value = source.get(d)
             if not isinstance(value, tuple):  # absent (no key), or a histogram
                 continue
             for labels, v in value:

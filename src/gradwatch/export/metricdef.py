@@ -1,0 +1,241 @@
+"""One exported metric's definition and the values it reads: the catalog's data model.
+
+* :class:`MetricDef`: name, type, labels, HELP text, buckets and ``read``, the function giving
+  the metric's samples from its :class:`MetricSource`'s object. :mod:`gradwatch.export.metrics`
+  holds one per metric; everything else refers to those objects, never to a name string.
+* The samples a ``read`` returns (:data:`MetricValue`), the objects it reads
+  (:class:`PublishedStep`, :class:`JobInfo`; the running totals and the self-stats are
+  :mod:`gradwatch.export.state`'s) and the small readers the definitions compose.
+* The catalog's bounds: histogram buckets and series caps, so no label set grows without limit.
+
+Like prometheus_client's ``metrics_core``, this module is the data model only: folding
+snapshots into the sources is :mod:`gradwatch.export.state`'s job, rendering the exposition
+:mod:`gradwatch.export.collector`'s. No threads, no HTTP, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prometheus_client.utils import floatToGoString
+
+from gradwatch.config import RatioSpec
+from gradwatch.snapshot import Snapshot
+
+__all__ = [
+    "COLLECT_SECONDS_BUCKETS",
+    "MAX_AUDIT_SOURCES",
+    "MAX_ORIGIN_SERIES",
+    "MAX_PARAM_SERIES",
+    "NORM_BUCKETS",
+    "HistogramValue",
+    "JobInfo",
+    "LabelledHistograms",
+    "MetricDef",
+    "MetricSource",
+    "MetricType",
+    "MetricValue",
+    "PublishedStep",
+    "Sample",
+    "select_param_series",
+]
+
+MetricType = Literal["gauge", "counter", "histogram", "info"]
+
+
+class MetricSource(enum.Enum):
+    """The object a metric's ``read`` is given (see :mod:`gradwatch.export.state`)."""
+
+    #: The last published snapshot (a :class:`PublishedStep`); absent before the first one, so
+    #: a gauge never shows a zero that was not measured.
+    SNAPSHOT = "snapshot"
+    #: Running totals over published snapshots (:class:`~gradwatch.export.state.Counts`),
+    #: swapped together with the snapshot so a scrape never mixes two steps.
+    COUNTS = "counts"
+    #: The exporter's own counters (:class:`~gradwatch.export.state.SelfView`): errors,
+    #: drops and the training thread's time in ``collect()``; not part of any step.
+    SELF_STATS = "self_stats"
+    #: Constant for the job's lifetime (a :class:`JobInfo`: versions, world size, parallelism).
+    INFO = "info"
+
+
+#: One sample: label values (in the order of ``MetricDef.labels``) and the value.
+Sample = tuple[tuple[str, ...], float]
+
+
+@dataclass(frozen=True)
+class HistogramValue:
+    """One unlabelled histogram: ``(le, cumulative count)`` per bucket (``+Inf`` last), sum."""
+
+    buckets: tuple[tuple[str, float], ...]
+    sum: float
+
+
+@dataclass(frozen=True)
+class LabelledHistograms:
+    """The series of one histogram metric: ``(label values, histogram)`` pairs; falsy
+    (the metric absent) without a series."""
+
+    series: tuple[tuple[tuple[str, ...], HistogramValue], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.series)
+
+
+#: What a metric's ``read`` gives: its samples, or a histogram. ``None`` (or an empty value):
+#: the metric is absent, never shown as zero.
+MetricValue = tuple[Sample, ...] | HistogramValue | LabelledHistograms
+
+
+@dataclass(frozen=True, eq=False)
+class MetricDef:
+    """One exported metric, whole: the Collector, the CLI's parse and docs/metrics.md all read
+    this object. Compared and hashed by identity: samples are keyed by the object itself.
+
+    Attributes:
+        name: the exposed name (counters include ``_total``, info metrics ``_info``).
+        type: Prometheus type.
+        labels: label names, in order (histogram ``le`` not included).
+        help: the HELP text, one sentence.
+        notes: extra documentation for docs/metrics.md (when the series is absent, etc.).
+        source: which object ``read`` is given.
+        read: the metric's samples from that object; ``None`` when it is absent.
+        buckets: a histogram's finite upper bounds (``+Inf`` implied); empty otherwise.
+        exemplar: each series carries, in the OpenMetrics format, an exemplar of the step that
+            last increased it (event counters only).
+    """
+
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    help: str
+    notes: str = ""
+    source: MetricSource = field(kw_only=True)
+    read: Callable[[Any], MetricValue | None] = field(kw_only=True, repr=False)
+    buckets: tuple[float, ...] = field(default=(), kw_only=True)
+    exemplar: bool = field(default=False, kw_only=True)
+
+
+# -- what the sources are ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublishedStep:
+    """What the per-step gauges read: the published snapshot and the export settings that
+    shape its series (the ratios' label pairs by ``Snapshot.ratios`` key, the per-parameter
+    top-k)."""
+
+    snap: Snapshot
+    ratio_labels: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What the info metrics read: constant for the job's lifetime."""
+
+    build: tuple[str, str]  # (gradwatch version, torch version)
+    world_size: int
+    parallelism: str
+    run_id: str
+    start_time: float
+    ratios: Sequence[RatioSpec] = ()
+
+
+# -- bounds: buckets and series caps ----------------------------------------------------------
+
+#: Upper bounds of the ``gradwatch_*grad_norm_per_step`` buckets: 1 and 3 times each power of
+#: ten from 1e-6 to 1e6 (two per decade, a factor of about 3 apart), so a 10x spike always moves
+#: up at least two buckets, and 11 histograms (10 groups and the global norm) stay under 310
+#: series. Norms below 1e-6 (vanishing or absent gradients) land in the first bucket, finite
+#: norms above 1e6 (far beyond any exploding threshold) in ``+Inf`` only. NaN and Inf norms are
+#: not observed: the non-finite counters count them, and an Inf would make the sum Inf forever.
+NORM_BUCKETS: tuple[float, ...] = (
+    *(float(f"{m}e{e}") for e in range(-6, 6) for m in (1, 3)),
+    1e6,
+)
+
+#: Upper bounds (seconds) of the ``gradwatch_collect_seconds`` buckets: collect() queues work
+#: and normally takes 0.1-10 ms; the upper buckets catch host syncs and pathological models.
+COLLECT_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+#: At most this many ``gradwatch_param_grad_norm`` series per scrape, whatever
+#: ``param_metrics_top_k`` is and however many parameters are non-finite, so a 10,000-parameter
+#: model can never create 10,000 series.
+MAX_PARAM_SERIES = 200
+
+#: At most this many ``gradwatch_last_nonfinite_origin{rank,host}`` series (the lowest ranks of
+#: the last event), however many ranks went non-finite at once.
+MAX_ORIGIN_SERIES = 8
+
+#: At most this many ``source`` label values of the norm-audit series (user-given strings).
+MAX_AUDIT_SOURCES = 16
+
+
+def select_param_series(
+    snap: Snapshot, top_k: int, cap: int = MAX_PARAM_SERIES
+) -> list[tuple[str, float]]:
+    """The ``gradwatch_param_grad_norm`` series of ``snap``: ``(param, norm)`` pairs.
+
+    Every non-finite parameter (sorted by name) then the ``top_k`` largest finite norms (ties
+    by name), at most ``cap`` in all. ``top_k == 0`` disables the series entirely.
+    """
+    if top_k <= 0 or cap <= 0:
+        return []
+    norms = snap.param_norms
+    bad = set(snap.nonfinite_params) | {n for n, v in norms.items() if not math.isfinite(v)}
+    chosen = [(name, norms.get(name, math.nan)) for name in sorted(bad)][:cap]
+    room = min(top_k, cap - len(chosen))
+    if room > 0:
+        finite = [(n, v) for n, v in norms.items() if n not in bad]
+        finite.sort(key=lambda item: (-item[1], item[0]))
+        chosen.extend(finite[:room])
+    return chosen
+
+
+# -- readers the definitions compose ----------------------------------------------------------
+
+
+def one(value: float | None) -> tuple[Sample, ...] | None:
+    """The one unlabelled sample of ``value``; absent when it is None (not measured)."""
+    return None if value is None else (((), float(value)),)
+
+
+def each(items: Iterable[tuple[str, float]]) -> tuple[Sample, ...]:
+    """One sample per ``(label value, value)`` pair, in order."""
+    return tuple(((key,), float(value)) for key, value in items)
+
+
+def group_field(name: str) -> Callable[[PublishedStep], tuple[Sample, ...]]:
+    """A per-group gauge: ``GroupStats.<name>`` of every group of the published snapshot."""
+    get = operator.attrgetter(name)
+    return lambda s: tuple(((g,), float(get(stats))) for g, stats in s.snap.groups.items())
+
+
+def rank_view_field(name: str) -> Callable[[PublishedStep], tuple[Sample, ...] | None]:
+    """A gauge of the per-rank view: ``Snapshot.<name>``, absent without the view or when the
+    view did not measure it."""
+    get = operator.attrgetter(name)
+    return lambda s: one(get(s.snap)) if s.snap.rank_view else None
+
+
+def le_values(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The ``le`` label values of a histogram with ``bounds``, ``+Inf`` last, as the exposition
+    writes them."""
+    return tuple(floatToGoString(b) for b in (*bounds, math.inf))
+
+
+def cumulative_histogram(
+    le: tuple[str, ...], counts: Iterable[float], total: float
+) -> HistogramValue:
+    """A histogram from its ``le`` values (:func:`le_values`), its per-bucket counts (floats,
+    not cumulative, ``+Inf`` last) and its sum."""
+    return HistogramValue(tuple(zip(le, itertools.accumulate(counts), strict=True)), total)
