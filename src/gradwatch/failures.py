@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.reduce import ReducedStats, ReducedVector, Reducer
 from gradwatch.reporter import Reporter
 from gradwatch.stats import MetaGradientError
+
+if TYPE_CHECKING:
+    from gradwatch.guard import GuardDecision, StepGuard
 
 log = logging.getLogger("gradwatch")
 
@@ -43,6 +47,7 @@ class Failures:
         self._reporter = reporter
         self.broken: str | None = None  # why collection stopped for the rest of the run
         self.last_failed_attempt = 0
+        self.stand_in: ReducedVector | None = None  # the last failed pass's stand-in
 
     def failed(
         self,
@@ -55,6 +60,7 @@ class Failures:
         """A collect whose local pass raised: count and log it, keep the ranks' collective
         sequences aligned (a stand-in all-reduce when this collect issued none), and return
         why the step was not measured."""
+        self.stand_in = None
         if isinstance(exc, UnsupportedParallelismError):
             # Raised identically on every rank before any collective (a layout gradwatch
             # cannot count, e.g. a Partial gradient): every rank stops together, no stand-in.
@@ -79,10 +85,26 @@ class Failures:
         reducer = self._reducer
         if reducer.issued == issued:
             try:
-                reducer.reduce_failed(step, device_collective=clip, with_replicas=with_replicas)
+                self.stand_in = reducer.reduce_failed(
+                    step, device_collective=clip, with_replicas=with_replicas
+                )
             except Exception as inner:  # never-crash boundary: the stand-in stops collection
                 self.stop("collective", f"{type(inner).__name__}: {inner}", step)
         return f"collect(step={step}) failed: {why}"
+
+    def decide_stood_in(self, guard: StepGuard, step: int) -> GuardDecision | None:
+        """The optimizer-step guard's decision from this rank's stand-in all-reduce: the very
+        vector every other rank decides from (its step slot NaN), so no rank skips, every
+        guard's consecutive-skip count returns to 0 and no sample enters a spike window, bit
+        for bit alike. None when no stand-in went out, or when its all-reduce failed
+        (collection stops, as on the others at their next collect)."""
+        if self.stand_in is None:
+            return None
+        try:
+            return guard.decide(self.stand_in)
+        except (GradWatchError, RuntimeError) as exc:
+            self.stop("collective", f"{type(exc).__name__}: {exc}", step)
+            return None
 
     def stop(self, kind: str, reason: str, step: int) -> None:
         """Stop collecting for the rest of the run (the ranks' collective sequences may have

@@ -284,10 +284,14 @@ class Collector:
             total = self._clip_total  # the pass clipped before it failed: never clip twice
             stood_in = before_issue and reducer.issued > issued and self.resolved.world_size > 1
             fresh = total is None and self.decision is None and self.broken is None
-            if fresh and max_norm is not None and stood_in:
-                # The stand-in went out: every rank reads "unmeasured" from the same vector
-                # and leaves its gradients unclipped (clip_grads_); so does this one.
-                total = unmeasured_total(reducer.device)
+            if fresh and stood_in:
+                # The stand-in went out: every rank reads "unmeasured" from the same vector,
+                # leaves its gradients unclipped (clip_grads_) and its guard skips nothing;
+                # so does this one, its guard's state updated as theirs.
+                if max_norm is not None:
+                    total = unmeasured_total(reducer.device)
+                if self.guard is not None:
+                    self.decision = self.failures.decide_stood_in(self.guard, step)
             elif fresh and (max_norm is not None or self.guard is not None) and (
                 self.resolved.world_size > 1 and not reducer.issues_collective(measure)
             ):  # no rank all-reduced: the others clipped and decided by their own vector

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.distributed]
 #: Scheduling noise allowed on top of the bound (seconds).
 NOISE_S = 0.5
 
-CASES = [name for name, _ in fc.CASES if not name.endswith("/none") and name != "guard/raise"]
+CASES = [name for name, _ in fc.CASES if not name.endswith("/none") and name not in fc.GUARD_CASES]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
@@ -77,13 +77,19 @@ def test_invariants_hold_under_every_fault(world: list[dict[str, Any]], name: st
             name, r["seconds"], fault_free)
 
 
-def test_one_guard_decision_when_one_pass_fails_alone(world: list[dict[str, Any]]) -> None:
-    """DDP's default path (no gradwatch all-reduce), the optimizer-step guard on (non-finite
-    and spike skips, fused AdamW): the last rank's local pass raises on a normal step, on the
-    step with a NaN and on the 200x spike. That rank measures again and decides as the others:
-    every rank skips both bad steps, takes the same decision on every step (its spike window
-    too, bit for bit) and ends with the same parameters."""
-    per_rank = case_results(world, "guard/raise")
+@pytest.mark.parametrize("name", fc.GUARD_CASES)
+def test_one_guard_decision_when_one_pass_fails_alone(
+    world: list[dict[str, Any]], name: str
+) -> None:
+    """The optimizer-step guard on (non-finite and spike skips, fused AdamW), DDP. On DDP's
+    default path (no gradwatch all-reduce) the last rank's local pass raises on a normal step,
+    on the step with a NaN and on the 200x spike: that rank measures again and decides as the
+    others. With ``always_reduce`` it raises on a normal step and on the one after the NaN
+    skip: it decides from its stand-in all-reduce, as the others do (nobody skips; every
+    consecutive-skip count returns to 0). Either way every rank skips both bad steps, takes
+    the same decision on every step (its spike window too, bit for bit) and ends with the same
+    parameters."""
+    per_rank = case_results(world, name)
     for rank, r in enumerate(per_rank):
         assert None not in r["decisions"], (rank, r["decisions"])
         skipped = [s for s, changed in enumerate(r["changed"]) if not changed]

@@ -207,19 +207,24 @@ GUARD_CLIP_STEPS = (1, 4, 8)
 GUARD_NAN_STEP = 6
 GUARD_SPIKE_STEP = 8
 GUARD_RAISE_STEPS = (3, GUARD_NAN_STEP, GUARD_SPIKE_STEP)
+#: With ``always_reduce`` the failing rank stands in: on a normal step and on the step right
+#: after the NaN skip (where the others' consecutive-skip count returns to 0).
+GUARD_STAND_IN_RAISE_STEPS = (3, GUARD_NAN_STEP + 1)
 
 
-def guard_case(rank: int, world: int) -> dict[str, Any]:
+def guard_case(rank: int, world: int, always_reduce: bool = False) -> dict[str, Any]:
     """Each rank's guard decisions (their host readings, ``None``: no decision) and whether
     its parameters changed, per step; its guard's device state and its parameters' digest at
-    the end."""
+    the end. ``always_reduce``: every collect all-reduces, so the failing rank stands in."""
     from gradwatch import GradWatch, WatchConfig
 
     model, _, _ = _model("ddp", rank)
     cfg = WatchConfig(
         port=None, collective_timeout_seconds=TIMEOUT_S, divergence_every=5,
         skip_nonfinite=True, skip_spike_score=6.0, spike_window=8, spike_warmup=4,
+        always_reduce=always_reduce,
     )
+    raise_steps = GUARD_STAND_IN_RAISE_STEPS if always_reduce else GUARD_RAISE_STEPS
     watch = GradWatch(model, cfg)
     collector = watch._collector
     decide = collector.guard_decision
@@ -243,7 +248,7 @@ def guard_case(rank: int, world: int) -> dict[str, Any]:
             loss = loss * 200.0
         loss.backward()
         before = _digest(model)
-        armed = rank == world - 1 and step in GUARD_RAISE_STEPS
+        armed = rank == world - 1 and step in raise_steps
         disarm = _arm_raise(watch) if armed else lambda: None
         if step in GUARD_CLIP_STEPS:
             watch.clip_grad_norm_(MAX_NORM, step=step)
@@ -264,9 +269,15 @@ def guard_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def guard_stand_in_case(rank: int, world: int) -> dict[str, Any]:
+    """:func:`guard_case` with ``always_reduce``: the failing rank's stand-in all-reduce."""
+    return guard_case(rank, world, always_reduce=True)
+
+
+GUARD_CASES = ("guard/raise", "guard_always/raise")
 CASES: list[tuple[str, Callable[[int, int], dict[str, Any]]]] = [
     (f"{p}/{f}", case(p, f)) for p in PARALLELISMS for f in FAULT_STEPS
-] + [("guard/raise", guard_case)]
+] + list(zip(GUARD_CASES, (guard_case, guard_stand_in_case), strict=True))
 
 
 def worker(rank: int, world: int, port: int, out: str, suite: str = "") -> None:
