@@ -318,7 +318,7 @@ class Plan:
     fsdp1_rounds: int = 60  # interleaved calls of each kind in the FSDP1 section
     fsdp1_width: int = 512  # of its Linear layers
     zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
-    guard_blocks: int = 300  # palindromic blocks of the guard section
+    guard_blocks: int = 900  # palindromic blocks of the guard section (a median to ~1%)
 
 
 def full_plan() -> Plan:

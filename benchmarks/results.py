@@ -429,28 +429,38 @@ class GuardMode(Enum):
     """The kinds of DDP step the guard's benchmark times against each other."""
 
     WATCHED = "gradwatch `collect`, then the fused optimizer's step (unguarded)"
-    GUARDED = "`watch.guard(optimizer).step()`: collect, decide, fused step with `found_inf`"
+    GUARDED_NONFINITE = (
+        "`watch.guard(optimizer).step()`, `skip_nonfinite` (the default): collect, decide, "
+        "fused step with `found_inf`"
+    )
+    GUARDED = (
+        "`watch.guard(optimizer).step()`, `skip_nonfinite` and `skip_spike_score=6`: collect, "
+        "decide, fused step with `found_inf`"
+    )
 
 
 @dataclass(frozen=True)
 class GuardResult:
     """Rank 0's step times of every :class:`GuardMode` (2 ranks, DDP, demo model, fused
-    AdamW), in palindromic blocks; the host scalar reads and aten ops of one warm guarded
-    optimizer step (collect, decision, fused step) and the ops of one unguarded one."""
+    AdamW), in palindromic blocks; per kind, the aten ops of one warm optimizer step (collect,
+    decision, fused step) and the host scalar reads of the guarded ones."""
 
     model: str
     blocks: int
     step_times: dict[GuardMode, tuple[float, ...]]
     scalar_reads: int
-    ops: int
-    unguarded_ops: int = 0
+    ops: dict[GuardMode, int]
 
     def timing(self, mode: GuardMode) -> Timing:
         return Timing.of(self.step_times[mode])
 
-    def ratio(self) -> PairedRatio:
-        """The guarded step's extra time over the unguarded one (see :func:`paired_ratio`)."""
-        return paired_ratio(self.step_times[GuardMode.GUARDED], self.step_times[GuardMode.WATCHED])
+    def ratio(self, mode: GuardMode = GuardMode.GUARDED) -> PairedRatio:
+        """The ``mode`` step's extra time over the unguarded one (see :func:`paired_ratio`)."""
+        return paired_ratio(self.step_times[mode], self.step_times[GuardMode.WATCHED])
+
+    def extra_ops(self, mode: GuardMode) -> int:
+        """The ``mode`` step's aten ops over the unguarded step's."""
+        return self.ops[mode] - self.ops[GuardMode.WATCHED]
 
 
 @dataclass(frozen=True)
