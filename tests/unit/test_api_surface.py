@@ -29,6 +29,7 @@ EXPORTED = {
     "LayoutMismatchError",
     "PortInUseError",
     "UnsupportedParallelismError",
+    "capture_window",
 }
 
 #: GradWatch's public methods and their parameters (``self`` left out).
@@ -39,6 +40,7 @@ METHODS = {
     "attach": ["optimizer", "scaler"],
     "set_isolated": ["groups"],
     "add_sink": ["sink"],
+    "guard": ["optimizer", "scaler"],
     "flush": ["timeout"],
     "close": [],
 }
