@@ -20,6 +20,7 @@ device-to-host copy.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
@@ -27,6 +28,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -386,10 +388,12 @@ class _HostThread:
             return
         work._issued(None, exc)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the thread once it issued what was submitted before (joined at most
+        ``timeout`` seconds: a copy that never lands is stood in for after its own wait)."""
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=1.0)
+            self._thread.join(timeout=timeout)
             self._thread = None
 
 
@@ -408,6 +412,18 @@ def job_timeout() -> timedelta:
 
 #: Issued all-reduces whose completion each collect checks without waiting (oldest dropped).
 _WATCHED = 64
+
+#: Every multi-rank :class:`Collective` still alive, drained by :func:`_drain_at_exit`.
+_OPEN: weakref.WeakSet[Collective] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """At interpreter exit (while it is still whole): wait, bounded, for the all-reduces of
+    watchers that were never closed, or collected after ``close()`` (see
+    :meth:`Collective.drain`)."""
+    for collective in list(_OPEN):
+        collective.drain(collective.timeout)
 
 
 class Collective:
@@ -454,8 +470,11 @@ class Collective:
             # group serves clips and the guard only: it is created at the first all-reduce
             # that takes it (:meth:`device_group`), so a job that never clips through
             # gradwatch holds no second communicator on its backend.
-            return cls(None, dist.new_group(backend="gloo", timeout=span), timeout, lazy=True)
-        return cls(dist.new_group(timeout=span), None, timeout)
+            opened = cls(None, dist.new_group(backend="gloo", timeout=span), timeout, lazy=True)
+        else:
+            opened = cls(dist.new_group(timeout=span), None, timeout)
+        _OPEN.add(opened)
+        return opened
 
     @property
     def handshake_group(self) -> Any:
@@ -526,13 +545,47 @@ class Collective:
         self._watched.append(pending)
         return packed, pending
 
+    def drain(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds in all until no all-reduce this rank issued is
+        still in flight (or queued on the host thread); True when none is left.
+
+        Why: ``destroy_process_group()`` does not wait for a gloo all-reduce in flight, and a
+        process that exits while one is (its handle already dropped, which is the normal
+        case for a monitoring all-reduce no one reads, e.g. on ranks other than 0) can be
+        aborted by the C++ runtime as the work's thread outlives the interpreter
+        (``terminate called without an active exception``, exit signal 6): the job would
+        end failed after training finished."""
+        deadline = time.monotonic() + timeout
+        while self._watched:
+            try:
+                self._watched[0].wait(max(0.0, deadline - time.monotonic()))
+            except CollectiveTimeout:
+                return False
+            except (CollectiveFailed, StandIn):
+                pass  # completed, with an error: nothing in flight
+            self._watched.popleft()
+        return True
+
     def close(self) -> None:
-        """Stop the host thread. The groups are kept (a closed watcher's explicit collects
-        and clips still issue their all-reduce, so the other ranks' sequences stay aligned)
-        and *not* destroyed here: ranks close at different moments, and destroying a gloo
-        group while a peer may still be receiving the last message of its final collective
-        can abort that peer's process. The job's ``destroy_process_group()`` (or process
-        exit) releases them with every other group."""
+        """Wait (bounded by ``collective_timeout_seconds``) for this rank's all-reduces in
+        flight (:meth:`drain`), then stop the host thread. The groups are kept (a closed
+        watcher's explicit collects and clips still issue their all-reduce, so the other
+        ranks' sequences stay aligned) and *not* destroyed here: ranks close at different
+        moments, and destroying a gloo group while a peer may still be receiving the last
+        message of its final collective can abort that peer's process. The job's
+        ``destroy_process_group()`` (or process exit) releases them with every other group;
+        an exit handler drains the all-reduces of watchers never closed."""
+        if not self.closed:
+            started = time.monotonic()
+            if not self.drain(self.timeout):
+                log.warning(
+                    "gradwatch: close(): a gradwatch all-reduce is still in flight after "
+                    "%.0fs (collective_timeout_seconds): a rank stopped collecting or died",
+                    self.timeout,
+                )
+            elif time.monotonic() - started > 1.0:
+                log.info("gradwatch: close() waited %.1fs for the other ranks' last collect",
+                         time.monotonic() - started)
         self.closed = True
         if self._host is not None:
             self._host.close()
