@@ -13,18 +13,21 @@ The decision (:class:`StepGuard`) is a device tensor computed from the step's re
   float64 (:meth:`StepGuard.decide`);
 * ``spike``: ``score = (ln(norm) - m) / max(1.4826 * MAD, 0.05)`` exceeds
   ``skip_spike_score``, where ``m`` and MAD are the median and median absolute deviation of the
-  last ``spike_window`` samples of ``ln(norm)``, kept on the device in a ring (the definition
-  of :mod:`gradwatch.spikes`; :class:`_SpikeWindow`). A sample is a measured step whose
-  gradients were all finite and whose norm is positive; every sample enters the window,
-  skipped spikes too, so a lasting change of level becomes normal after ``spike_window / 2``
-  steps. The score is defined once the window holds ``spike_warmup`` samples;
+  last ``spike_window`` samples of ``ln(norm)``, kept on the device (the definition of
+  :mod:`gradwatch.spikes`; :class:`_SpikeWindow`). A sample is a measured step whose
+  gradients were all finite and whose norm is positive and at most ``2^550`` (about 4e165: a
+  norm above scores +Inf, a spike once the window is warm), outside the low band (pieces
+  below ``2^-450``, whose squares float64 may not hold: a step whose whole norm lies there
+  has no score); every sample enters the window, skipped spikes too, so a lasting change of level
+  becomes normal after ``spike_window / 2`` steps. The score is defined once the window holds
+  ``spike_warmup`` samples;
 * ``max_consecutive_skips``: the guard skips at most that many steps in a row; a further step
   it would skip is applied (the guard has *stopped*, ``gradwatch_guard_stopped`` 1 and the
   alert says why) until a step it would not skip re-arms it;
 * a step some rank stood in for (its step slot NaN: a failed local pass, or -inf: a closed
   watcher) is never skipped and is no sample: a guard that cannot see does not act.
 
-Cost per step: a fixed sequence of small device ops, 11 (37 with ``skip_spike_score``), on
+Cost per step: a fixed sequence of small device ops, 11 (34 with ``skip_spike_score``), on
 state allocated once; no host read (docs/integrations.md, *What it costs*).
 
 Why the bits agree on every rank: the inputs are the reduced vector (the result of one
@@ -50,7 +53,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradwatch.bands import HIGH_SHIFT, LOW_SHIFT
+from gradwatch.bands import HIGH_SHIFT
 from gradwatch.collective import wait_event
 from gradwatch.config import WatchConfig
 from gradwatch.reduce import ReducedVector
@@ -71,13 +73,13 @@ log = logging.getLogger("gradwatch")
 #: The reasons of ``gradwatch_skipped_steps_total``, in decision-vector order.
 SKIP_REASONS = ("nonfinite", "spike")
 
-#: ``ln`` of the largest float64, twice: ``ln(norm^2)`` at or above it is a whole-model norm
-#: float64 cannot hold (+Inf elsewhere), so the step is non-finite.
-_LN_SQUARE_LIMIT = 2.0 * math.log(sys.float_info.max)
-
-#: Added to ``ln`` of the non-finite flags' sum in the norm's ``logsumexp``: one flag anywhere
-#: puts ``ln(norm^2)`` above :data:`_LN_SQUARE_LIMIT`, so one comparison tells a non-finite step.
-_FLAGGED = 2048.0
+#: The spike window's ``y`` is ``ln`` of the plain and high bands as one float64 sum,
+#: ``norm^2 * 2^Y_EXPONENT``: the high band weighs ``2^1023`` (its ``2^-HIGH_SHIFT`` scale
+#: cannot be undone in one float64 weight), the plain band ``2^Y_EXPONENT`` to match. The sum
+#: is exact to rounding up to norms of ``2^550`` (``ln`` +Inf above: a spike once the window
+#: is warm); the low band (pieces below ``2^-450``) is left out (a step whose whole norm lies
+#: there has ``ln`` -Inf: no sample).
+_Y_EXPONENT = 1023 - HIGH_SHIFT
 
 #: Whole-model norms from ``2^1024`` up do not fit float64: their high band sum (the squares
 #: times ``2^-HIGH_SHIFT``) reaches ``2^(2048 - HIGH_SHIFT)``.
@@ -217,51 +219,65 @@ def _pack(parts: Sequence[Tensor]) -> Tensor:
 
 
 class _SpikeWindow:
-    """The last ``size`` samples of ``y = ln(norm^2)`` on the device, and the spike score of a
-    new one against them: ``(y - m) / max(1.4826 * MAD, 2 * MIN_LOG_SPREAD)`` with ``m`` the
-    median and MAD the median absolute deviation of the samples (``statistics.median``: the
-    mean of the two middle ones for an even count). In ``ln(norm^2)`` every term is twice its
-    ``ln(norm)`` value (exactly: a factor of 2), so the score is the ``ln(norm)`` one of
+    """The last ``size`` samples of ``y = ln(norm^2) + c`` on the device (``c`` a constant of
+    the band scales, which every score cancels), and the spike score of a new one against
+    them: ``(y - m) / max(1.4826 * MAD, 2 * MIN_LOG_SPREAD)`` with ``m`` the median and MAD
+    the median absolute deviation of the samples (``statistics.median``: the mean of the two
+    middle ones for an even count). In ``ln(norm^2)`` every term is twice its ``ln(norm)``
+    value (exactly: a factor of 2), so the score is the ``ln(norm)`` one of
     :mod:`gradwatch.spikes`.
 
-    A ring of ``size`` slots (NaN: empty; filled in order, then the oldest replaced) and one
-    discard slot, where a step that is no sample writes (no branch). Each slot holds ``y`` and
-    ``-y``: one ``nanmedian(dim=1)`` of the two rows gives the lower middle sample and minus
-    the upper one, whose mean is the median; the deviations are stored the same way. Each
-    call is a fixed sequence of 16 small ops, no host read, no allocation of state.
+    The window is a ``(2, size)`` tensor, oldest sample first, NaN while empty: a sample
+    shifts it by one, in place; a step that is no sample leaves it as it was. Each column
+    holds ``y`` and ``-y``: one ``nanmedian(dim=1)`` of the two rows gives the lower middle
+    sample and minus the upper one, whose mean is the median; the deviations are stored the
+    same way. Each call is a
+    fixed sequence of 13 small ops, no host read, no allocation of state.
+
+    Why so few kinds of op: on the CPU a small op costs its dispatch, and right after the
+    backward pass (which evicts the caches) each *kind* of kernel first costs several times
+    its warm dispatch; the window reuses the guard's own kinds (``dot``, ``where``) where it
+    can.
     """
 
     def __init__(self, size: int, warmup: int, threshold: float, device: torch.device) -> None:
         f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
         self.threshold = torch.tensor(threshold, **f64)
-        self._ring = torch.full((2, size + 1), math.nan, **f64)
-        self._samples = self._ring[:, :size]  # rows y, -y
-        self._values = self._ring[0, :size]
-        # NaN until ``warmup`` samples entered: the score is defined from then on
-        self._warm = self._ring[0, warmup - 1]
-        self._next = torch.zeros(1, dtype=torch.int64, device=device)
-        self._discard = torch.full((1,), size, dtype=torch.int64, device=device)
-        self._size = torch.tensor(size, dtype=torch.int64, device=device)
+        self.samples = torch.full((2, size), math.nan, **f64)  # rows y, -y; oldest first
+        self._warmup = warmup
+        self._views()
         self._signs = torch.tensor([[1.0], [-1.0]], **f64)
         self._halves = torch.tensor([0.5, -0.5], **f64)
         self._sigma_halves = torch.tensor([0.5 * MAD_TO_SIGMA, -0.5 * MAD_TO_SIGMA], **f64)
         self._floor = torch.tensor(2.0 * MIN_LOG_SPREAD, **f64)
         self._zero = torch.zeros((), **f64)
-        self._nan = torch.full((), math.nan, **f64)
 
-    def score(self, y: Tensor, sample: Tensor) -> Tensor:
-        """The score of ``y`` against the window (NaN while undefined: before ``warmup``
-        samples, or when ``sample`` is False); then ``y`` enters the window if ``sample``."""
-        lower_upper = self._samples.nanmedian(dim=1).values  # [lower middle, -upper middle]
+    def _views(self) -> None:
+        size = self.samples.shape[1]
+        self._values = self.samples[0]
+        self._older = self.samples[:, 1:]  # all but the oldest sample
+        # NaN until ``warmup`` samples entered: then the median, and everything after it, is
+        self._warm = self.samples[0, size - self._warmup]
+
+    def move_to(self, device: torch.device) -> None:
+        """Keep the window, on ``device``."""
+        for name in ("threshold", "samples", "_signs", "_halves", "_sigma_halves", "_floor",
+                     "_zero"):
+            setattr(self, name, getattr(self, name).to(device))
+        self._views()
+
+    def score(self, scored: Tensor, y: Tensor, sample: Tensor) -> Tensor:
+        """The score of ``scored`` (``y`` where ``sample``, else NaN) against the window (NaN
+        before ``warmup`` samples); then ``y`` enters the window if ``sample``."""
+        samples = self.samples
+        lower_upper = samples.nanmedian(dim=1).values  # [lower middle, -upper middle]
         median = torch.addcmul(torch.dot(lower_upper, self._halves), self._warm, self._zero)
         deviations = torch.copysign(self._values - median, self._signs)  # |y_i - m|, -|y_i - m|
         lower_upper = deviations.nanmedian(dim=1).values
         spread = torch.maximum(torch.dot(lower_upper, self._sigma_halves), self._floor)
-        score = (torch.where(sample, y, self._nan) - median) / spread
-        slot = torch.where(sample, self._next, self._discard)
-        self._ring.index_copy_(1, slot, y * self._signs)
-        self._next.add_(sample).remainder_(self._size)
-        return score
+        shifted = torch.cat((self._older, y * self._signs), dim=1)
+        samples.copy_(torch.where(sample, shifted, samples))
+        return (scored - median) / spread
 
 
 class StepGuard:
@@ -269,7 +285,7 @@ class StepGuard:
 
     State on the reduce device: the spike window (:class:`_SpikeWindow`), the consecutive
     skips and the skip totals, updated by device ops only: 11 small ops per step without
-    spike skipping, 37 with it (``tests/unit/test_guard_cost.py`` pins the counts).
+    spike skipping, 34 with it (``tests/unit/test_guard_cost.py`` pins the counts).
     """
 
     def __init__(
@@ -288,13 +304,9 @@ class StepGuard:
         f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
         previous = getattr(self, "_device", None)
         self._device = device
-        # ln(norm^2) = logsumexp(ln(row sums) + these): the bands' scales, and the flags'.
-        self._row_logs = torch.tensor(
-            [0.0, HIGH_SHIFT * math.log(2.0), -LOW_SHIFT * math.log(2.0), _FLAGGED], **f64
-        )
-        self._square_limit = torch.tensor(_LN_SQUARE_LIMIT, **f64)
         self._high_limit = torch.tensor(2.0**_HIGH_BAND_LIMIT_EXPONENT, **f64)
         self._weights = torch.empty(0, **f64)
+        self._y_weights = torch.empty(0, **f64)
         self._neg_inf = torch.tensor(-math.inf, **f64)
         self._one = torch.ones((), **f64)
         self._zero = torch.zeros((), **f64)
@@ -322,52 +334,46 @@ class StepGuard:
         else:
             self._skipped_nonfinite = self._skipped_nonfinite.to(device)
         if self._window is not None:
-            window = self._window
-            p = self.policy
-            assert p.skip_spike_score is not None
-            self._window = _SpikeWindow(p.window, p.warmup, p.skip_spike_score, device)
-            self._window._ring.copy_(window._ring)
-            self._window._next.copy_(window._next)
+            self._window.move_to(device)
 
-    def _weights_for(self, head: Tensor) -> Tensor:
-        """The dot product's weights for ``head`` (``4N``: 0 on the plain and low bands, 1 on
-        the high one, ``2^1000`` on the flags), made again when ``N`` changes."""
+    def _weights_for(self, head: Tensor) -> tuple[Tensor, Tensor]:
+        """The dot products' weights for ``head`` (``4N``: plain, high, low bands, flags),
+        made again when ``N`` changes: the finiteness test's (0, 1, 0, ``2^1000``) and the
+        spike window's ``y`` (``2^Y_EXPONENT``, ``2^1023``, 0, 0)."""
         if self._weights.numel() != head.numel():
             n = head.numel() // 4
-            weights = torch.zeros(4, n, dtype=torch.float64, device=head.device)
-            weights[1] = 1.0
-            weights[3] = 2.0**_FLAG_EXPONENT
-            self._weights = weights.view(-1)
-        return self._weights
+            weights = torch.zeros(2, 4, n, dtype=torch.float64, device=head.device)
+            weights[0, 1] = 1.0
+            weights[0, 3] = 2.0**_FLAG_EXPONENT
+            weights[1, 0] = 2.0**_Y_EXPONENT
+            weights[1, 1] = 2.0**1023
+            self._weights, self._y_weights = weights[0].view(-1), weights[1].view(-1)
+        return self._weights, self._y_weights
 
     def decide(self, reduced: ReducedVector) -> GuardDecision:
         """This step's decision from its reduced vector; updates the state. No host read.
 
-        Whether the step is finite: without spike skipping, from one dot product of the
-        bands and flags, ``t = high band sum + 2^1000 * flag sum`` (NaN when any band holds
-        NaN or Inf): finite when ``t < 2^948``, the high band's value of a norm of
-        ``2^1024``; with it, from ``y = ln(norm^2) = logsumexp(ln(band sums) + ln(band
-        scales))`` straight from the reduced bands (never outside float64), with ``ln(flag
-        sum) + 2048`` as a fourth term: finite when ``y < 2 ln(float64 max)``. Both say the
-        same to rounding: every gradient was finite and the norm fits float64.
+        Whether the step is finite, from one dot product of the bands and flags, ``t = high
+        band sum + 2^1000 * flag sum`` (NaN when any band holds NaN or Inf): finite when
+        ``t < 2^948``, the high band's value of a norm of ``2^1024`` (every gradient was finite
+        and the norm fits float64). The spike window's sample, from a second dot product,
+        ``y = ln(plain + 2^1100 * high) - 77 ln 2`` (:data:`_Y_EXPONENT`).
         """
         head, step = reduced.device_bands_flags_and_step()
         if head.device != self._device:  # the reducer followed the gradients
             self._start(head.device)
         window = self._window
-        if window is None:
-            finite = torch.dot(head, self._weights_for(head)) < self._high_limit
-        else:
-            y = torch.logsumexp(head.view(4, -1).sum(dim=1).log() + self._row_logs, dim=0)
-            finite = y < self._square_limit  # False for NaN and +inf too
+        weights, y_weights = self._weights_for(head)
+        finite = torch.dot(head, weights) < self._high_limit  # False for NaN too
         measured = step > self._neg_inf  # NaN or -inf: a rank stood in
         want_nonfinite = self._false
         if self._skip_nonfinite:
             want_nonfinite = torch.gt(measured, finite)  # measured and not finite
         score = self._nan
         if window is not None:
+            y = torch.dot(head, y_weights).log()
             sample = finite & measured & (y > self._neg_inf)
-            score = window.score(y, sample)
+            score = window.score(torch.where(sample, y, self._nan), y, sample)
             want_spike = score > window.threshold  # NaN (undefined) is never above it
             want = want_spike | want_nonfinite if self._skip_nonfinite else want_spike
         else:

@@ -258,7 +258,7 @@ def guard_case(rank: int, world: int, always_reduce: bool = False) -> dict[str, 
     guard = collector.guard
     assert guard is not None and guard._window is not None
     state = [guard._consecutive, guard._skipped, guard._skipped_nonfinite,
-             guard._window._ring, guard._window._next]
+             guard._window.samples]
     out = {
         "decisions": [None if d is None else repr(d.reading()) for d in decisions],
         "changed": changed,

@@ -18,7 +18,7 @@ from gradwatch.testing import OpCounter
 
 #: The device ops of one warm decision: the norm, the non-finite test and the skip counters;
 #: and with ``skip_spike_score`` the spike window's median, MAD, score and update too.
-DECISION_OPS = {None: 11, 6.0: 37}
+DECISION_OPS = {None: 11, 6.0: 34}
 
 
 def _model() -> nn.Module:
@@ -201,3 +201,25 @@ def test_only_a_norm_beyond_float64_is_non_finite(spike: float | None) -> None:
             param.grad = torch.full((2,), value, dtype=torch.float64)
             guarded.step()
     assert [r.skipped for r in readings] == [None, "nonfinite", None, None, None]
+
+
+def test_a_finite_norm_beyond_the_windows_range_is_a_spike_once_warm() -> None:
+    """The window's ``ln(norm^2)`` is one float64 sum, exact up to norms of 2^550: a finite
+    norm above (1e200, float64 gradients) scores +Inf and is skipped as a spike once the window
+    is warm; a norm in the low band (1e-200: its square is below float64's range) has no score
+    and is not skipped."""
+    param = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    model = nn.Module()
+    model.p = param
+    opt = torch.optim.SGD([param], lr=0.0)
+    cfg = WatchConfig(skip_spike_score=6.0, spike_window=8, spike_warmup=4)
+    with GradWatch(model, cfg) as watch:
+        guarded = watch.guard(opt)
+        readings = _record_readings(watch)
+        for value in (1.0, 1.1, 0.9, 1.05, 1e200, 1.0, 1e-200, 1.0):
+            param.grad = torch.full((2,), value, dtype=torch.float64)
+            guarded.step()
+    assert [r.skipped for r in readings] == [None] * 4 + ["spike"] + [None] * 3
+    assert readings[4].score == math.inf
+    assert math.isnan(readings[6].score)
+    assert all(math.isfinite(readings[k].score) for k in (5, 7))
