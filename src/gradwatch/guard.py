@@ -232,7 +232,7 @@ class _SpikeWindow:
     holds ``y`` and ``-y``: one ``nanmedian(dim=1)`` of the two rows gives the lower middle
     sample and minus the upper one, whose mean is the median; the deviations are stored the
     same way. Each call is a
-    fixed sequence of 13 small ops, no host read, no allocation of state.
+    fixed sequence of 14 small ops, no host read, no allocation of state.
 
     Why so few kinds of op: on the CPU a small op costs its dispatch, and right after the
     backward pass (which evicts the caches) each *kind* of kernel first costs several times
