@@ -26,6 +26,7 @@ import contextlib
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -421,7 +422,10 @@ _OPEN: weakref.WeakSet[Collective] = weakref.WeakSet()
 def _drain_at_exit() -> None:
     """At interpreter exit (while it is still whole): wait, bounded, for the all-reduces of
     watchers that were never closed, or collected after ``close()`` (see
-    :meth:`Collective.drain`)."""
+    :meth:`Collective.drain`). Not when the program is dying of an uncaught exception: it
+    fails either way, and must not wait for peers that may never come."""
+    if getattr(sys, "last_value", None) is not None:
+        return
     for collective in list(_OPEN):
         collective.drain(collective.timeout)
 
@@ -566,16 +570,17 @@ class Collective:
             self._watched.popleft()
         return True
 
-    def close(self) -> None:
+    def close(self, drain: bool = True) -> None:
         """Wait (bounded by ``collective_timeout_seconds``) for this rank's all-reduces in
-        flight (:meth:`drain`), then stop the host thread. The groups are kept (a closed
-        watcher's explicit collects and clips still issue their all-reduce, so the other
+        flight (:meth:`drain`; not with ``drain=False``: an exception is ending the training
+        loop, and the peers may never come), then stop the host thread. The groups are kept
+        (a closed watcher's explicit collects and clips still issue their all-reduce, so the other
         ranks' sequences stay aligned) and *not* destroyed here: ranks close at different
         moments, and destroying a gloo group while a peer may still be receiving the last
         message of its final collective can abort that peer's process. The job's
         ``destroy_process_group()`` (or process exit) releases them with every other group;
         an exit handler drains the all-reduces of watchers never closed."""
-        if not self.closed:
+        if drain and not self.closed:
             started = time.monotonic()
             if not self.drain(self.timeout):
                 log.warning(

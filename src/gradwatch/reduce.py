@@ -349,9 +349,9 @@ class Reducer:
         return ReducedVector(result, pending, self.timeout, step, self.layout,
                              device_timeout=self.collective.group_timeout)
 
-    def close(self) -> None:
+    def close(self, drain: bool = True) -> None:
         """Stop using gradwatch's process groups (see :meth:`Collective.close`)."""
-        self.collective.close()
+        self.collective.close(drain)
 
 
 @dataclass(frozen=True)

@@ -224,20 +224,17 @@ class GradWatch:
     ) -> None:
         """Check a gradient norm the training code computed against gradwatch's exact one.
 
-        ``reported``: the whole-model norm the training code clips with or logs (its clip's
-        return value, its ``grad_norm``), a float or a scalar tensor on any device (a DTensor:
-        its replicated value). ``step``: the collected step it belongs to (default: the last
-        collected one). ``source``: the ``source`` label of the exported series.
-
-        Nothing is read here: the value is carried with the step and compared in ``result()``
-        (the exporter's thread), so auditing adds no host read and no collective to the
-        training thread. The verdict exports ``gradwatch_reported_norm_ratio{source}``
-        (reported / exact) and counts ``gradwatch_norm_audit_disagreements_total{source}``
-        beyond ``audit_tolerance`` (relative); the first disagreement of a kind is logged
-        once, with a diagnosis when the ratio matches a known failure (a rank-local norm,
-        1/sqrt(shards or replicas), sqrt(tp), tp, a double reduction, a bf16-rounded norm). A
-        non-finite or unreadable value is counted and logged, never raised. A step not measured
-        (a schedule skip, a failed collect) is not audited.
+        ``reported``: the whole-model norm the loop clips with or logs (its clip's return
+        value, its ``grad_norm``): a float or a scalar tensor on any device (a DTensor: its
+        replicated value). ``step``: its collected step (default: the last collected one).
+        ``source``: the ``source`` label of the exported series. Nothing is read here: the value
+        is compared in ``result()``, on the exporter's thread (no host read, no collective on
+        the training thread), and exported as ``gradwatch_reported_norm_ratio{source}``
+        (reported / exact), with ``gradwatch_norm_audit_disagreements_total{source}`` counting
+        those beyond ``audit_tolerance``; the first of a kind is logged once, with a diagnosis
+        when the ratio matches a known failure (a rank-local norm, 1/sqrt(shards or replicas),
+        sqrt(tp), tp, a double reduction, a bf16-rounded norm). A non-finite or unreadable value
+        is counted and logged, never raised; a step not measured is not audited.
         """
         if self._closed:
             return
@@ -307,8 +304,12 @@ class GradWatch:
         return done
 
     def close(self) -> None:
-        """Flush and stop the endpoint and the history (bounded wait), release gradwatch's
-        process group. Idempotent."""
+        """Flush and stop the endpoint and the history, wait for this rank's gradwatch
+        all-reduces in flight, release gradwatch's process group (each wait bounded).
+        Idempotent."""
+        self._close(drain=True)
+
+    def _close(self, drain: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -322,13 +323,13 @@ class GradWatch:
                 self._summarizer.audit()  # reports whose step was built: judged while served
                 self._publishing.close()  # flushes first: pending steps reach every sink
         finally:
-            self._reducer.close()
+            self._reducer.close(drain)
 
     def __enter__(self) -> GradWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._close(drain=exc[0] is None)  # an exception: no wait for peers that may not come
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -17,9 +17,11 @@ from torch import nn
 LATE_S = 2.0
 
 
-def worker(rank: int, world: int, port: int, out: str, destroy: bool) -> None:
+def worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
     """Rank 1 collects, drops the pending result unread (as every rank but 0 does), closes and
-    returns, with or without ``destroy_process_group()``; rank 0 joins that collect late."""
+    returns, with or without ``destroy_process_group()`` (``mode`` "exit", "destroy"); rank 0
+    joins that collect late. ``mode`` "raise": rank 1's ``with GradWatch(...)`` block ends by
+    an exception, whose exit must not wait for the late peer."""
     from gradwatch import GradWatch, WatchConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -31,17 +33,37 @@ def worker(rank: int, world: int, port: int, out: str, destroy: bool) -> None:
     model(torch.randn(4, 64)).square().sum().backward()
     watch = GradWatch(model, WatchConfig(collective_timeout_seconds=30))
     if rank == 0:
+        closing = Path(out, "closing")
+        deadline = time.monotonic() + 60
+        while not closing.exists() and time.monotonic() < deadline:  # rank 1 is about to wait
+            time.sleep(0.01)
         time.sleep(LATE_S)
         watch.collect(0).result()
+        if mode == "raise":
+            dist.barrier()
         watch.close()
         dist.destroy_process_group()
         return
+    if mode == "raise":
+        started = time.monotonic()
+        Path(out, "closing").touch()
+        try:
+            with watch:
+                watch.collect(0)
+                raise RuntimeError("the training loop failed")
+        except RuntimeError:
+            pass
+        Path(out, "1.json").write_text(json.dumps({"close_seconds": time.monotonic() - started}))
+        dist.barrier()  # rank 0 joined the collect: let the all-reduce finish before leaving
+        watch._reducer.collective.drain(30.0)
+        return
     watch.collect(0)  # issued; its result is never read on this rank
     started = time.monotonic()
+    Path(out, "closing").touch()
     watch.close()
     in_flight = [p for p in watch._reducer.collective._watched if not p.settled()]
     Path(out, "1.json").write_text(json.dumps({
         "close_seconds": time.monotonic() - started, "in_flight": len(in_flight),
     }))
-    if destroy:
+    if mode == "destroy":
         dist.destroy_process_group()
