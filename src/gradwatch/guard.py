@@ -231,8 +231,8 @@ class _SpikeWindow:
     shifts it by one, in place; a step that is no sample leaves it as it was. Each column
     holds ``y`` and ``-y``: one ``nanmedian(dim=1)`` of the two rows gives the lower middle
     sample and minus the upper one, whose mean is the median; the deviations are stored the
-    same way. Each call is a
-    fixed sequence of 14 small ops, no host read, no allocation of state.
+    same way. Each call is a fixed sequence of 14 small ops, no host read, no allocation of
+    state.
 
     Why so few kinds of op: on the CPU a small op costs its dispatch, and right after the
     backward pass (which evicts the caches) each *kind* of kernel first costs several times
@@ -256,7 +256,7 @@ class _SpikeWindow:
         size = self.samples.shape[1]
         self._values = self.samples[0]
         self._older = self.samples[:, 1:]  # all but the oldest sample
-        # NaN until ``warmup`` samples entered: then the median, and everything after it, is
+        # NaN until ``warmup`` samples entered, and with it the median and the score
         self._warm = self.samples[0, size - self._warmup]
 
     def move_to(self, device: torch.device) -> None:
