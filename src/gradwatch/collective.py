@@ -389,12 +389,10 @@ class _HostThread:
             return
         work._issued(None, exc)
 
-    def close(self, timeout: float = 1.0) -> None:
-        """Stop the thread once it issued what was submitted before (joined at most
-        ``timeout`` seconds: a copy that never lands is stood in for after its own wait)."""
+    def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=timeout)
+            self._thread.join(timeout=1.0)
             self._thread = None
 
 
