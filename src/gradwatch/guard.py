@@ -251,6 +251,7 @@ class _SpikeWindow:
         self._sigma_halves = torch.tensor([0.5 * MAD_TO_SIGMA, -0.5 * MAD_TO_SIGMA], **f64)
         self._floor = torch.tensor(2.0 * MIN_LOG_SPREAD, **f64)
         self._zero = torch.zeros((), **f64)
+        self._nan = torch.full((), math.nan, **f64)
 
     def _views(self) -> None:
         size = self.samples.shape[1]
@@ -262,13 +263,13 @@ class _SpikeWindow:
     def move_to(self, device: torch.device) -> None:
         """Keep the window, on ``device``."""
         for name in ("threshold", "samples", "_signs", "_halves", "_sigma_halves", "_floor",
-                     "_zero"):
+                     "_zero", "_nan"):
             setattr(self, name, getattr(self, name).to(device))
         self._views()
 
-    def score(self, scored: Tensor, y: Tensor, sample: Tensor) -> Tensor:
-        """The score of ``scored`` (``y`` where ``sample``, else NaN) against the window (NaN
-        before ``warmup`` samples); then ``y`` enters the window if ``sample``."""
+    def score(self, y: Tensor, sample: Tensor) -> Tensor:
+        """The score of ``y`` against the window (NaN while undefined: before ``warmup``
+        samples, or when ``sample`` is False); then ``y`` enters the window if ``sample``."""
         samples = self.samples
         lower_upper = samples.nanmedian(dim=1).values  # [lower middle, -upper middle]
         median = torch.addcmul(torch.dot(lower_upper, self._halves), self._warm, self._zero)
@@ -277,7 +278,7 @@ class _SpikeWindow:
         spread = torch.maximum(torch.dot(lower_upper, self._sigma_halves), self._floor)
         shifted = torch.cat((self._older, y * self._signs), dim=1)
         samples.copy_(torch.where(sample, shifted, samples))
-        return (scored - median) / spread
+        return (torch.where(sample, y, self._nan) - median) / spread
 
 
 class StepGuard:
@@ -373,7 +374,7 @@ class StepGuard:
         if window is not None:
             y = torch.dot(head, y_weights).log()
             sample = finite & measured & (y > self._neg_inf)
-            score = window.score(torch.where(sample, y, self._nan), y, sample)
+            score = window.score(y, sample)
             want_spike = score > window.threshold  # NaN (undefined) is never above it
             want = want_spike | want_nonfinite if self._skip_nonfinite else want_spike
         else:
