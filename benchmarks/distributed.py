@@ -409,7 +409,10 @@ def scrapers_during_training(plan: ScrapersPlan) -> ScrapersResult:
                 windows.append((k % 2 == 1, t0, time.monotonic()))
             here.send(None)
             Path(tmp, "stop").touch()
-            ctx.join(timeout=120)
+            deadline = time.monotonic() + 120
+            while not ctx.join(timeout=1.0):  # join() returns once any one rank has exited
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the training job did not stop in 120 s")
             stamps = json.loads(Path(tmp, "steps.json").read_text())
         finally:
             if clients is not None:
