@@ -45,10 +45,33 @@ def clip_grads_(
     :func:`unmeasured_total`), leaves its gradients as they are (coefficient 1) and returns
     NaN, decided on the device from the same reduced vector, so no two ranks clip differently.
     """
+    total, unmeasured = whole_norm(reduced)
+    scale_grads_(total, unmeasured, max_norm, grads, plan)
+    return total
+
+
+def whole_norm(reduced: ReducedVector) -> tuple[Tensor, Tensor]:
+    """``(total, unmeasured)`` of a reduced vector, on its device: the whole-model L2 norm
+    (0-dim float64; NaN when some replica flagged NaN/Inf or some rank stood in) and whether
+    some rank stood in (0-dim bool). Device ops only."""
     bands = reduced.device_bands()
     total = banded_total_device(bands, bands.numel() // BANDS)
     unmeasured = reduced.device_unmeasured()
     total = torch.where((reduced.device_nonfinite().sum() > 0) | unmeasured, torch.nan, total)
+    return total, unmeasured
+
+
+def scale_grads_(
+    total: Tensor,
+    unmeasured: Tensor,
+    max_norm: float | Tensor,
+    grads: LocalGradients,
+    plan: NormPlan,
+) -> None:
+    """Multiply the local gradients by ``clamp(max_norm / (total + 1e-6), max=1)`` (1 where
+    ``unmeasured``), in place, one ``_foreach_mul_`` per bucket; ``max_norm`` a float or a
+    0-dim tensor on ``total``'s device (the adaptive threshold, ``+inf``: coefficient 1 for a
+    finite norm). No host read."""
     coef = torch.where(unmeasured, 1.0, torch.clamp(max_norm / (total + CLIP_EPS), max=1.0))
     sparse = grads.sparse_positions
     for g in grads.sparse_grads:
@@ -61,7 +84,6 @@ def clip_grads_(
             bucket_tensors = [t for t in bucket_tensors if id(t) not in skip]
         if bucket_tensors:
             torch._foreach_mul_(bucket_tensors, coef.to(bucket.device, bucket.dtype))
-    return total
 
 
 def unmeasured_total(device: torch.device) -> Tensor:

@@ -268,6 +268,27 @@ class WatchConfig(BaseSettings):
         guard: the framework integrations (Hugging Face ``GradWatchCallback``, Lightning
             ``GradWatchCallback``) step the optimizer through ``watch.guard()``; in your own
             loop call ``watch.guard(optimizer)`` instead.
+        guard_spike_statistic: the guard's spike score: ``"median_mad"`` (the robust score
+            above) or ``"ema"``, the z-score ``(norm - mean) / sd`` of the adaptive clip's EMA
+            history (:mod:`gradwatch.adaptive`; cheaper, defined after
+            ``adaptive_clip_warmup`` samples).
+        on_max_consecutive_skips: what happens when the guard has skipped
+            ``max_consecutive_skips`` steps in a row: ``"continue"`` (it stops skipping, see
+            above), ``"raise"`` (:class:`~gradwatch.errors.GuardStopError` from the next
+            guarded ``step()`` on every rank) or ``"exit"`` (every rank exits with
+            :data:`gradwatch.incidents.GUARD_STOP_EXIT_CODE`, for a scheduler to requeue).
+
+    Adaptive clipping (``watch.clip_grad_norm_("auto")``, :mod:`gradwatch.adaptive`) and spike
+    forensics (:mod:`gradwatch.incidents`):
+
+    Attributes:
+        adaptive_clip_z: the threshold is the EMA mean plus this many EMA standard deviations.
+        adaptive_clip_alpha: the EMA's decay per step (0 < alpha < 1; closer to 1: longer
+            memory).
+        adaptive_clip_warmup: measured steps before the first threshold (nothing is clipped
+            before).
+        incident_path: rank 0 appends one JSON line per skipped or adaptively clipped step
+            (``step``, ``reason``, ``norm``, ``threshold``, ``batch``) to this file.
     """
 
     model_config = SettingsConfigDict(
@@ -320,6 +341,14 @@ class WatchConfig(BaseSettings):
     skip_spike_score: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     max_consecutive_skips: int = Field(default=10, ge=1, le=MAX_INT)
     guard: bool = False
+    guard_spike_statistic: Literal["median_mad", "ema"] = "median_mad"
+    on_max_consecutive_skips: Literal["continue", "raise", "exit"] = "continue"
+
+    # -- adaptive clipping (gradwatch.adaptive) and spike forensics (gradwatch.incidents) --
+    adaptive_clip_z: float = Field(default=2.5, gt=0.0, allow_inf_nan=False)
+    adaptive_clip_alpha: float = Field(default=0.97, gt=0.0, lt=1.0, allow_inf_nan=False)
+    adaptive_clip_warmup: int = Field(default=25, ge=1, le=MAX_INT)
+    incident_path: Path | None = None
 
     @field_validator("spike_warmup")
     @classmethod
@@ -385,6 +414,13 @@ class WatchConfig(BaseSettings):
             raise ValueError("history_path is empty; unset it (no history) or name a file")
         return value
 
+    @field_validator("incident_path", mode="before")
+    @classmethod
+    def _incident_path_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("incident_path is empty; unset it (no incident file) or name a file")
+        return value
+
     @field_validator("bind_address")
     @classmethod
     def _check_bind_address(cls, value: str) -> str:
@@ -427,6 +463,12 @@ LAYOUT_HASH_FIELDS = (
     "guard",
     "spike_window",
     "spike_warmup",
+    "guard_spike_statistic",
+    "on_max_consecutive_skips",  # every rank stops alike
+    # the adaptive clip threshold: every rank must clip by the same one
+    "adaptive_clip_z",
+    "adaptive_clip_alpha",
+    "adaptive_clip_warmup",
 )
 
 

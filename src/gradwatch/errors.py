@@ -21,3 +21,9 @@ class LayoutMismatchError(GradWatchError):
 
 class UnsupportedParallelismError(GradWatchError):
     """A wrapper gradwatch cannot measure correctly (e.g. FSDP1)."""
+
+
+class GuardStopError(GradWatchError):
+    """The guard skipped ``max_consecutive_skips`` steps in a row and
+    ``on_max_consecutive_skips="raise"``: raised from the next guarded ``step()`` on every
+    rank, before that step is applied."""

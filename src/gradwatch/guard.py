@@ -104,6 +104,7 @@ class GuardPolicy:
     max_consecutive_skips: int
     window: int
     warmup: int
+    statistic: str = "median_mad"  # or "ema": the adaptive history's z-score (gradwatch.adaptive)
 
     @classmethod
     def from_config(cls, cfg: WatchConfig) -> GuardPolicy:
@@ -113,6 +114,7 @@ class GuardPolicy:
             max_consecutive_skips=cfg.max_consecutive_skips,
             window=cfg.spike_window,
             warmup=cfg.spike_warmup,
+            statistic=cfg.guard_spike_statistic,
         )
         if not policy.skip_nonfinite and policy.skip_spike_score is None:
             raise ValueError(
@@ -314,6 +316,8 @@ class StepGuard:
         self._cap = torch.tensor(float(self.policy.max_consecutive_skips), **f64)
         self._false = torch.zeros((), dtype=torch.bool, device=device)
         self._nan = torch.full((), math.nan, **f64)
+        spike = self.policy.skip_spike_score
+        self._ema_limit = None if spike is None else torch.tensor(spike, **f64)
         # The skip as the optimizer takes it: the one buffer reused step after step.
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         if previous is None:
@@ -321,7 +325,7 @@ class StepGuard:
             self._skipped = torch.zeros((), **f64)
             self._skipped_nonfinite = self._skipped if self._skip_nonfinite else self._zero
             self._window = None
-            if self.policy.skip_spike_score is not None:
+            if self.policy.skip_spike_score is not None and self.policy.statistic != "ema":
                 p = self.policy
                 self._window = _SpikeWindow(p.window, p.warmup, p.skip_spike_score, device)
             return
@@ -351,8 +355,10 @@ class StepGuard:
             self._weights, self._y_weights = weights[0].view(-1), weights[1].view(-1)
         return self._weights, self._y_weights
 
-    def decide(self, reduced: ReducedVector) -> GuardDecision:
+    def decide(self, reduced: ReducedVector, ema_score: Tensor | None = None) -> GuardDecision:
         """This step's decision from its reduced vector; updates the state. No host read.
+        ``ema_score``: the adaptive history's z-score of this step (the spike score with
+        ``statistic="ema"``; None: undefined, no spike skip).
 
         Whether the step is finite, from one dot product of the bands and flags, ``t = high
         band sum + 2^1000 * flag sum`` (NaN when any band holds NaN or Inf): finite when
@@ -376,6 +382,10 @@ class StepGuard:
             sample = finite & measured & (y > self._neg_inf)
             score = window.score(y, sample)
             want_spike = score > window.threshold  # NaN (undefined) is never above it
+            want = want_spike | want_nonfinite if self._skip_nonfinite else want_spike
+        elif self._ema_limit is not None:  # statistic "ema": the shared history's score
+            score = self._nan if ema_score is None else ema_score.to(self._device)
+            want_spike = score > self._ema_limit  # NaN (undefined) is never above it
             want = want_spike | want_nonfinite if self._skip_nonfinite else want_spike
         else:
             want = want_nonfinite

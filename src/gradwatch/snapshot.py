@@ -116,6 +116,12 @@ class Snapshot:
             ``max_consecutive_skips`` in a row, so the update was applied.
         skipped_steps: reason -> steps the guard skipped so far (every guarded step,
             published or not).
+        guard_score: the spike score the guard compared with ``skip_spike_score`` on this
+            step (the robust median/MAD score or, with ``guard_spike_statistic="ema"``, the
+            EMA z-score); None while undefined or with spike skips off.
+        adaptive_clip_threshold: the adaptive clip threshold of this step (the EMA mean plus
+            ``adaptive_clip_z`` EMA deviations of earlier norms, :mod:`gradwatch.adaptive`);
+            None during its warm-up or when no adaptive history runs.
 
     The per-rank view (DDP, docs/distributed.md; absent/None/empty when not available):
 
@@ -163,6 +169,8 @@ class Snapshot:
     consecutive_skipped_steps: int | None = None
     guard_stopped: bool = False
     skipped_steps: Mapping[str, int] = field(default_factory=dict)
+    guard_score: float | None = None
+    adaptive_clip_threshold: float | None = None
     # -- the per-rank view (DDP comm hook; see docs/distributed.md)
     rank_view: bool = False
     nonfinite_origin_ranks: tuple[int, ...] = ()

@@ -21,15 +21,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradwatch.adaptive import AUTO, AdaptiveHistory, AdaptiveStep
 from gradwatch.amp import pending_scale
 from gradwatch.audit import LocalSquares
-from gradwatch.clip import clip_grads_, unmeasured_total
+from gradwatch.clip import clip_grads_, scale_grads_, unmeasured_total, whole_norm
 from gradwatch.collective import refuse_capture
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError
 from gradwatch.failures import Failures, Replaced
 from gradwatch.gradients import LocalGradients
 from gradwatch.guard import GuardDecision, GuardPolicy, StepGuard
+from gradwatch.incidents import IncidentLog, SkipLimit
 from gradwatch.main_grad import clip_local_, gradients_for_fallback
 from gradwatch.reduce import ReducedVector
 from gradwatch.reporter import Reporter
@@ -116,6 +118,14 @@ class Collector:
         self.reporter = reporter
         self.isolated: tuple[str, ...] = tuple(cfg.isolated)
         self.guard: StepGuard | None = None  # GradWatch.guard(): decides on every collect
+        # The EMA history of the whole-model norm (clip_grad_norm_("auto"), the guard's "ema"
+        # statistic): fed by every collect that makes a pass, once it exists
+        self.history: AdaptiveHistory | None = None
+        self.incidents: IncidentLog | None = None  # rank 0 with incident_path
+        self.skip_limit: SkipLimit | None = None  # on_max_consecutive_skips "raise"/"exit"
+        self.batch: Any = None  # note_batch(ids): the coming collect's batch
+        self._batch: Any = None  # the batch of the collect in progress
+        self._decided_step = 0  # the step of self.decision
         self.decision: GuardDecision | None = None  # the last collect's, until step() takes it
         self._collected = False  # a collect ran (or failed) since the last guarded step
         self.latest: PendingSnapshot | None = None
@@ -150,22 +160,26 @@ class Collector:
         step: int,
         scaler: Any,
         optimizer: Any,
-        max_norm: float | None,
+        max_norm: float | str | None,
         batch_size: int | None = None,
     ) -> Collected:
         """Collect ``step`` (and clip to ``max_norm`` when given), handing a new result to
         :attr:`publish`; never raises for a failed local pass (see :mod:`gradwatch.failures`)."""
         if max_norm is None:
             self._next_step = max(self._next_step, step + 1)
+        self._batch, self.batch = self.batch, None
         collected = self._collect(step, scaler, optimizer, max_norm, batch_size)
         if collected.seconds is not None and self.publish is not None and not self.closed:
             self.publish(collected.pending, collected.seconds)
         return collected
 
-    def clip(self, step: int | None, scaler: Any, max_norm: float) -> Tensor | None:
-        """Collect and clip ``step`` (default: the optimizer-step counter); the whole-model
+    def clip(self, step: int | None, scaler: Any, max_norm: float | str) -> Tensor | None:
+        """Collect and clip ``step`` (default: the optimizer-step counter) to ``max_norm``,
+        or to the adaptive threshold for :data:`~gradwatch.adaptive.AUTO`; the whole-model
         norm, or None when the step was not measured. Raises when this setup cannot clip
         through gradwatch (DeepSpeed: :meth:`gradwatch.zero.ZeroGradients.clip_refusal`)."""
+        if max_norm == AUTO:
+            self.start_history()
         zero = self.resolved.zero
         if zero is not None:
             refusal = zero.clip_refusal() or zero.off_boundary()
@@ -190,6 +204,17 @@ class Collector:
         )
         return torch.tensor(math.nan, dtype=torch.float64)
 
+    def unclipped_auto(self) -> Tensor:
+        """What ``clip_grad_norm_("auto")`` returns for a step it could not measure: NaN,
+        gradients left as they are (no threshold without the whole-model norm), logged once."""
+        self.reporter.log_once(
+            "auto-not-clipped",
+            "gradwatch: step %d was not clipped (collection failed or stopped): "
+            "clip_grad_norm_('auto') needs the whole-model norm",
+            self._clipped_step,
+        )
+        return torch.tensor(math.nan, dtype=torch.float64)
+
     def hooked(self) -> Callable[[Any, Any], None]:
         """The collect an ``attach()`` hook runs before each optimizer step, numbered by the
         optimizer-step counter (continuing after the highest step collected so far)."""
@@ -206,10 +231,28 @@ class Collector:
 
         return collect
 
+    def start_history(self) -> AdaptiveHistory:
+        """The EMA history of the whole-model norm, made at its first use (the first
+        ``clip_grad_norm_("auto")``, a guard with the ``"ema"`` statistic or a checkpoint
+        load); every collect that makes a pass feeds it from then on."""
+        if self.history is None:
+            cfg = self.cfg
+            self.history = AdaptiveHistory(
+                cfg.adaptive_clip_z, cfg.adaptive_clip_alpha, cfg.adaptive_clip_warmup,
+                self.resolved.reducer.device, cfg.collective_timeout_seconds,
+            )
+        return self.history
+
     def start_guard(self, scaler: Any) -> None:
         """From now on every collect decides whether the optimizer steps (see
         :meth:`gradwatch.watcher.GradWatch.guard`)."""
         policy = GuardPolicy.from_config(self.cfg)
+        if policy.statistic == "ema" and policy.skip_spike_score is not None:
+            self.start_history()
+        if self.cfg.on_max_consecutive_skips != "continue" and self.skip_limit is None:
+            self.skip_limit = SkipLimit(
+                self.cfg.on_max_consecutive_skips, self.cfg.max_consecutive_skips, self.incidents
+            )
         if self.guard is None:
             self.guard = StepGuard(
                 policy, self.resolved.reducer.device, self.cfg.collective_timeout_seconds,
@@ -224,6 +267,8 @@ class Collector:
         if not self._collected:  # a failed collect counts: collecting again would add a
             self.collect(self._next_step, scaler, optimizer, None)  # collective others lack
         decision, self.decision, self._collected = self.decision, None, False
+        if self.skip_limit is not None:
+            self.skip_limit.check(self._decided_step, decision)
         return decision
 
     def _collect(
@@ -231,7 +276,7 @@ class Collector:
         step: int,
         scaler: Any,
         optimizer: Any,
-        max_norm: float | None,
+        max_norm: float | str | None,
         batch_size: int | None,
     ) -> Collected:
         refuse_capture()
@@ -292,12 +337,15 @@ class Collector:
                     total = unmeasured_total(reducer.device)
                 if self.guard is not None:
                     self.decision = self.failures.decide_stood_in(self.guard, step)
+                    self._decided_step = step
             elif fresh and (max_norm is not None or self.guard is not None) and (
                 self.resolved.world_size > 1 and not reducer.issues_collective(measure)
             ):  # no rank all-reduced: the others clipped and decided by their own vector
                 total, self.decision = act_alone(
-                    self.resolved, self.reporter, step, scaler, optimizer, max_norm, self.guard
+                    self.resolved, self.reporter, step, scaler, optimizer, max_norm,
+                    Acting(self.guard, self.history),
                 )
+                self._decided_step = step
             return Collected(not_measured(step, why), total)
         if skipped:
             return Collected(self._pending_last(step), total)
@@ -309,7 +357,7 @@ class Collector:
         step: int,
         scaler: Any,
         optimizer: Any,
-        max_norm: float | None,
+        max_norm: float | str | None,
         measure: bool,
         attempt: int,
         batch_size: int | None,
@@ -330,10 +378,13 @@ class Collector:
             sq, has_grad, step, with_replicas=measure, rank_local=local,
             device_collective=max_norm is not None or guard is not None,
         )
-        total = None
-        if max_norm is not None:
-            total = self._clip_total = clip_grads_(reduced, max_norm, grads, plan)
-        decision = self.decision = guard.decide(reduced) if guard is not None else None
+        acting = Acting(guard, self.history, self.incidents is not None)
+        acted = acting.act(reduced, max_norm, grads, plan)
+        total = self._clip_total = acted.total
+        decision = self.decision = acted.decision
+        self._decided_step = step
+        if self.incidents is not None:
+            self.incidents.submit(step, self._batch, acted.norm, acted.adaptive, decision)
         collected = CollectedStep(
             step=step,
             timestamp=time.time(),
@@ -346,6 +397,7 @@ class Collector:
             local_sq=local_sq,
             guard=guard,
             decision=decision,
+            adaptive=acted.adaptive,
         )
         return PendingSnapshot(step, lambda: self._build(reduced, collected)), total
 
@@ -418,25 +470,72 @@ def measure_alone(
     return grads, plan, r.reducer.pack_and_reduce(sq, has_grad, step, with_replicas=False)
 
 
+@dataclass(frozen=True)
+class Acted:
+    """What a collect did with its reduced vector: the clip's returned norm (None: no clip),
+    the whole-model norm (None: not needed), the adaptive history's figures of the step and
+    the guard's decision (None: none)."""
+
+    total: Tensor | None = None
+    norm: Tensor | None = None
+    adaptive: AdaptiveStep | None = None
+    decision: GuardDecision | None = None
+
+
+@dataclass(frozen=True)
+class Acting:
+    """What acts on a reduced vector: the guard and the adaptive history (each optional);
+    ``with_norm``: the whole-model norm is wanted anyway (rank 0's incident file)."""
+
+    guard: StepGuard | None
+    history: AdaptiveHistory | None
+    with_norm: bool = False
+
+    def act(
+        self, reduced: ReducedVector, max_norm: float | str | None, grads: LocalGradients,
+        plan: NormPlan,
+    ) -> Acted:
+        """Feed the history, clip (to ``max_norm`` or, for ``"auto"``, to the history's
+        threshold) and decide, in that order, from ``reduced``; device ops only."""
+        norm = adaptive = total = None
+        if self.history is not None or self.with_norm or max_norm == AUTO:
+            norm, unmeasured = whole_norm(reduced)
+            if self.history is not None:
+                adaptive = self.history.observe(norm)
+            if max_norm is not None:
+                limit = adaptive.threshold if max_norm == AUTO and adaptive else max_norm
+                scale_grads_(norm, unmeasured, limit, grads, plan)
+                total = norm
+        elif max_norm is not None:
+            total = clip_grads_(reduced, float(max_norm), grads, plan)
+        guard, decision = self.guard, None
+        if guard is not None:
+            decision = guard.decide(reduced) if adaptive is None else guard.decide(
+                reduced, adaptive.score
+            )
+        return Acted(total, norm, adaptive, decision)
+
+
 def act_alone(
     r: Resolved,
     reporter: Reporter,
     step: int,
     scaler: Any,
     optimizer: Any,
-    max_norm: float | None,
-    guard: StepGuard | None,
+    max_norm: float | str | None,
+    acting: Acting,
 ) -> tuple[Tensor | None, GuardDecision | None]:
-    """The clip (to ``max_norm``, when given) and the guard's decision (``guard``, when given)
-    of a rank whose pass failed alone where no rank all-reduces, from one measurement again
-    (:func:`measure_alone`) taken before the clip, as the other ranks' pass takes it: its norm,
-    its clipped gradients, its decision and the guard's spike window equal theirs bit for bit.
+    """The clip (to ``max_norm``, when given) and the decision of ``acting`` (the guard and
+    the adaptive history, each when given) of a rank whose pass failed alone where no rank
+    all-reduces, from one measurement again (:func:`measure_alone`) taken before the clip, as
+    the other ranks' pass takes it: its norm, its clipped gradients, its decision, the guard's
+    spike window and the adaptive history equal theirs bit for bit.
     ``(None, None)`` when that fails too: torch's rank-local clip, and the step applied
     unguarded with no sample in the window (logged once; docs/distributed.md)."""
     try:
         grads, plan, alone = measure_alone(r, step, scaler, optimizer)
-        total = None if max_norm is None else clip_grads_(alone, max_norm, grads, plan)
-        return total, None if guard is None else guard.decide(alone)
+        acted = acting.act(alone, max_norm, grads, plan)
+        return acted.total, acted.decision
     except Exception as exc:  # never-crash boundary: torch's clip takes over, logged
         reporter.log_once(
             "act-alone", "gradwatch: step %d: the replicated clip and guard decision could not "

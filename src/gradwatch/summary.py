@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gradwatch.adaptive import AUTO, AdaptiveStep
 from gradwatch.anomalies import AnomalyLog
 from gradwatch.audit import LocalSquares, NormAuditor, parallel_factors
 from gradwatch.bands import norm_from_bands
@@ -213,12 +214,13 @@ class CollectedStep:
     attempt: int  # numbers the collects: orders spike windows
     measure_divergence: bool
     isolated: tuple[str, ...]  # the expectation at collect time, not at build time
-    max_norm: float | None = None
+    max_norm: float | str | None = None  # "auto": the adaptive threshold
     amp: bool = False
     batch_size: int | None = None
     local_sq: LocalSquares | None = None  # this rank's squares: the audit's local diagnosis
     guard: StepGuard | None = None  # GradWatch.guard(): its decision on this step
     decision: GuardDecision | None = None
+    adaptive: AdaptiveStep | None = None  # the adaptive history's figures of this step
 
 
 class Summarizer:
@@ -277,13 +279,19 @@ class Summarizer:
             timestamp=step.timestamp,
         )
         changes: dict[str, Any] = {}
-        if step.max_norm is not None:
-            changes["clip_coef"] = clip_coefficient(step.max_norm, snap.global_norm)
+        if step.adaptive is not None:
+            adaptive = step.adaptive.reading()
+            changes["adaptive_clip_threshold"] = adaptive.threshold
+            if step.max_norm == AUTO:
+                changes["clip_coef"] = adaptive.coef  # the device's figure, read
+        if step.max_norm is not None and step.max_norm != AUTO:
+            changes["clip_coef"] = clip_coefficient(float(step.max_norm), snap.global_norm)
         if step.amp and not snap.is_finite:
             changes["amp_skipped"] = True
         if step.decision is not None and step.guard is not None:
             reading = step.decision.reading()
             changes.update(reading.snapshot_fields())
+            changes["guard_score"] = None if math.isnan(reading.score) else reading.score
             step.guard.report(reading, step.step, r.rank)
         if stats.rank_view is not None:
             changes.update(

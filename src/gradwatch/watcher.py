@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,12 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradwatch.adaptive import AUTO
 from gradwatch.config import WatchConfig
 from gradwatch.configfile import load_config
 from gradwatch.ddp_hook import detach
 from gradwatch.errors import GradWatchError
 from gradwatch.guard import GuardedOptimizer
 from gradwatch.hooks import before_optimizer_step
+from gradwatch.incidents import IncidentLog, batch_ids
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import resolve
 from gradwatch.snapshot import Snapshot
@@ -102,6 +105,8 @@ class GradWatch:
         self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
         self._reducer = resolved.reducer
         if self.rank == 0:
+            if cfg.incident_path is not None:
+                self._collector.incidents = IncidentLog(cfg.incident_path)
             self._open_publishing()
 
     # -- public API ---------------------------------------------------------------------------
@@ -180,7 +185,7 @@ class GradWatch:
 
     def clip_grad_norm_(
         self,
-        max_norm: float,
+        max_norm: float | str,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
         *,
@@ -188,6 +193,12 @@ class GradWatch:
         scaler: Any = None,
     ) -> Tensor:
         """Clip all gradients to a whole-model L2 norm of ``max_norm`` and collect, in one pass.
+
+        ``max_norm="auto"``: clip to the adaptive threshold, the EMA mean plus
+        ``adaptive_clip_z`` EMA standard deviations of the whole-model norms of earlier steps
+        (:mod:`gradwatch.adaptive`), computed on the device from the same reduced norm on
+        every rank; nothing is clipped during the first ``adaptive_clip_warmup`` measured
+        steps. Its state is part of :meth:`state_dict`.
 
         Equals ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on one process,
         and the whole-model result under DDP, FSDP2, TP and pipeline stages (where torch's own
@@ -205,11 +216,14 @@ class GradWatch:
             raise ValueError(
                 f"gradwatch: clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}"
             )
-        total = self._collector.clip(step, scaler, float(max_norm))
+        limit = _max_norm(max_norm)
+        total = self._collector.clip(step, scaler, limit)
         if total is None:  # collection stopped, or this collect failed
             unclipped = self._collector.unclipped()
             if unclipped is not None:
                 return unclipped
+            if limit == AUTO:  # no threshold without the norm: the step is left unclipped
+                return self._collector.unclipped_auto()
             held = self._resolved.slots.current()
             return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -218,6 +232,28 @@ class GradWatch:
                 "cannot be clipped; set error_if_nonfinite=False to clip anyway"
             )
         return total
+
+    def note_batch(self, ids: Any) -> None:
+        """Name the batch of the coming step (its collect or clip) for the incident file:
+        any JSON-able value (sample indices, shard and offset, file names), copied now;
+        ``ValueError`` naming ``note_batch(ids)`` otherwise. Host only, no collective."""
+        self._collector.batch = batch_ids(ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue as this one: the adaptive clip's EMA history
+        (:meth:`gradwatch.adaptive.AdaptiveHistory.state_dict`, CPU tensors; None before its
+        first use). The same on every rank; save it with the model's checkpoint. One host
+        transfer of three scalars."""
+        history = self._collector.history
+        return {"version": 1, "adaptive_clip": None if history is None else history.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the adaptive threshold resumes where it was, bit
+        for bit (load the same state on every rank). ``ValueError`` for a foreign dict."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("gradwatch: load_state_dict expects a GradWatch.state_dict()")
+        if state.get("adaptive_clip") is not None:
+            self._collector.start_history().load_state_dict(state["adaptive_clip"])
 
     def audit_norm(
         self, reported: Any, *, step: int | None = None, source: str = "trainer"
@@ -322,6 +358,8 @@ class GradWatch:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served
                 self._publishing.close()  # flushes first: pending steps reach every sink
+            if self._collector.incidents is not None:
+                self._collector.incidents.close()
         finally:
             self._reducer.close(drain)
 
@@ -346,6 +384,18 @@ class GradWatch:
         if self._publishing is not None:
             self._reporter.stats = self._publishing.self_stats
             self._collector.publish = functools.partial(_publish, self._publishing)
+
+
+def _max_norm(max_norm: float | str) -> float | str:
+    """``"auto"``, or ``max_norm`` as a float; ``ValueError`` naming ``max_norm`` else."""
+    if isinstance(max_norm, str):
+        if max_norm != AUTO:
+            raise ValueError(
+                f"gradwatch: clip_grad_norm_(max_norm=...) takes a number or 'auto', got "
+                f"{max_norm!r}"
+            )
+        return AUTO
+    return float(max_norm)
 
 
 def _publish(publishing: Publishing, pending: PendingSnapshot, seconds: float) -> None:
@@ -403,13 +453,26 @@ class NoOpWatch:
 
     def clip_grad_norm_(
         self,
-        max_norm: float,
+        max_norm: float | str,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
         **_: Any,
     ) -> Tensor:
+        """torch's clip; ``"auto"`` (no history without gradwatch) clips nothing and returns
+        the rank-local norm."""
+        limit = _max_norm(max_norm)
         held = list(self._model.parameters())
-        return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
+        bound = math.inf if limit == AUTO else float(limit)
+        return clip_locally(held, bound, norm_type, error_if_nonfinite)
+
+    def note_batch(self, ids: Any) -> None:
+        batch_ids(ids)  # validated alike: a script that runs disabled runs enabled
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "adaptive_clip": None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
 
     def audit_norm(
         self, reported: Any, *, step: int | None = None, source: str = "trainer"

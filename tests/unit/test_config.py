@@ -393,7 +393,9 @@ def test_layout_hash_is_the_digest_of_the_agreed_fields() -> None:
         "always_reduce": True, "rank_view": True, "expert_parameters": ["e.*"],
         "skip_nonfinite": False, "skip_spike_score": 3.0, "max_consecutive_skips": 2,
         "guard": False, "spike_window": 64, "spike_warmup": 8, "groups": {"a": ["y.*"]},
-        "ratios": [("other", "a")],
+        "ratios": [("other", "a")], "guard_spike_statistic": "ema",
+        "on_max_consecutive_skips": "exit", "adaptive_clip_z": 3.0, "adaptive_clip_alpha": 0.9,
+        "adaptive_clip_warmup": 10,
     }  # fmt: skip
     assert set(changed) == set(LAYOUT_HASH_FIELDS)
     base = cfg.model_dump()
