@@ -222,6 +222,8 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         guard_skipped="spike",
         consecutive_skipped_steps=1,
         skipped_steps={"nonfinite": 0, "spike": 1},
+        guard_score=7.5,
+        adaptive_clip_threshold=1.25,
         amp_skipped=False,
         timestamp=1_700_000_000.123456,
         global_spike_score=math.nan,
@@ -1471,6 +1473,9 @@ SPIKE_FAMILIES = (
     "gradwatch_skipped_steps",
     "gradwatch_consecutive_skipped_steps",
     "gradwatch_guard_stopped",
+    # what acted on a step (tested in test_adaptive_and_guard_score_gauges)
+    "gradwatch_guard_score",
+    "gradwatch_adaptive_clip_threshold",
 )
 
 
@@ -1696,3 +1701,16 @@ def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
     assert current.samples[catalog.GUARD_STOPPED] == (((), 0.0),)
     state.write(Snapshot(step=6))  # an unguarded snapshot keeps the totals
     assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL][1] == (("spike",), 3.0)
+
+
+def test_adaptive_and_guard_score_gauges() -> None:
+    """The adaptive threshold and the guard's score are the snapshot's figures, absent when
+    undefined (never a 0 that was not measured)."""
+    state = PublishedState(config())
+    state.write(Snapshot(step=0))
+    assert catalog.ADAPTIVE_CLIP_THRESHOLD not in state.current().samples
+    assert catalog.GUARD_SCORE not in state.current().samples
+    state.write(Snapshot(step=1, adaptive_clip_threshold=0.75, guard_score=-1.5))
+    current = state.current()
+    assert current.samples[catalog.ADAPTIVE_CLIP_THRESHOLD] == (((), 0.75),)
+    assert current.samples[catalog.GUARD_SCORE] == (((), -1.5),)

@@ -25,24 +25,23 @@ from gradwatch.export.metricdef import (
     MAX_PARAM_SERIES,
     NORM_BUCKETS,
     HistogramValue,
-    JobInfo,
     LabelledHistograms,
     MetricDef,
     MetricSource,
     MetricValue,
-    PublishedStep,
-    Sample,
     cumulative_histogram,
     each,
     group_field,
     le_values,
     one,
     rank_view_field,
+    ratio_band_samples,
+    ratio_samples,
+    replica_spread_samples,
     select_param_series,
 )
 from gradwatch.export.publisher import MAX_PENDING
 from gradwatch.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
-from gradwatch.snapshot import ratio_defined
 
 if TYPE_CHECKING:  # the state reads through this catalog: its types for annotations only
     from gradwatch.export.state import SelfView
@@ -66,30 +65,6 @@ NORM_BUCKETS_TEXT = (
 # -- readers of one metric each ----------------------------------------------------------------
 
 
-def _ratios(s: PublishedStep) -> tuple[Sample, ...]:
-    """``gradwatch_grad_norm_ratio``: NaN where undefined (the denominator without a usable
-    norm), not the 0 the snapshot holds, which would read as "dormant"."""
-    out: list[Sample] = []
-    for key, value in s.snap.ratios.items():
-        labels = s.ratio_labels.get(key) or tuple(key.split("/", 1))
-        defined = ratio_defined(s.snap.groups.get(labels[-1]))
-        out.append((labels, float(value) if defined else float("nan")))
-    return tuple(out)
-
-
-def _replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
-    """``gradwatch_replica_grad_norm{stat}``: the replicas' min, median and max local norms."""
-    snap = s.snap
-    if not snap.rank_view or snap.replica_grad_norm_max is None:
-        return None
-    stats = (
-        ("min", snap.replica_grad_norm_min),
-        ("median", snap.replica_grad_norm_median),
-        ("max", snap.replica_grad_norm_max),
-    )
-    return each((stat, v) for stat, v in stats if v is not None)
-
-
 _NORM_LE = le_values(NORM_BUCKETS)
 _COLLECT_SECONDS_LE = le_values(COLLECT_SECONDS_BUCKETS)
 
@@ -102,15 +77,6 @@ def _norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
 def _collect_seconds(v: SelfView) -> HistogramValue:
     """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
     return cumulative_histogram(_COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
-
-
-def _ratio_bands(j: JobInfo) -> tuple[Sample, ...]:
-    """``gradwatch_grad_norm_ratio_band``: three levels per configured ratio."""
-    return tuple(
-        ((r.numerator, r.denominator, bound), float(level))
-        for r in j.ratios
-        for bound, level in (("low", r.low), ("high", r.high), ("dormant", r.dormant))
-    )
 
 
 # -- the definitions ----------------------------------------------------------------------------
@@ -161,7 +127,7 @@ GRAD_NORM_RATIO = MetricDef(
     "denominator group has no gradient or a norm below 1e-8 or non-finite (0 would read "
     "as dormant); 0 when only the numerator's norm is below 1e-8 or it has no gradient.",
     source=MetricSource.SNAPSHOT,
-    read=_ratios,
+    read=ratio_samples,
 )
 GROUP_PARAMETERS = MetricDef(
     "gradwatch_group_parameters",
@@ -236,6 +202,18 @@ CLIP_COEF = MetricDef(
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.clip_coef),
 )
+ADAPTIVE_CLIP_THRESHOLD = MetricDef(
+    "gradwatch_adaptive_clip_threshold",
+    "gauge",
+    (),
+    "Adaptive clip threshold of the last published step: the EMA mean plus adaptive_clip_z "
+    "EMA standard deviations of the whole-model norms of earlier steps, on the device.",
+    "Absent during the first `adaptive_clip_warmup` measured steps and without an adaptive "
+    "history (no `clip_grad_norm_(\"auto\")`, no guard with `guard_spike_statistic=\"ema\"`); "
+    "`clip_grad_norm_(\"auto\")` clips a step whose gradwatch_global_grad_norm exceeds it.",
+    source=MetricSource.SNAPSHOT,
+    read=lambda s: one(s.snap.adaptive_clip_threshold),
+)
 PARAM_GRAD_NORM = MetricDef(
     "gradwatch_param_grad_norm",
     "gauge",
@@ -270,7 +248,7 @@ REPLICA_GRAD_NORM = MetricDef(
     "above the slot world size (docs/distributed.md). NaN (median) or NaN/+Inf (max) when "
     "some replica's local gradient was non-finite.",
     source=MetricSource.SNAPSHOT,
-    read=_replica_spread,
+    read=replica_spread_samples,
 )
 REPLICA_GRAD_NORM_MAX_RANK = MetricDef(
     "gradwatch_replica_grad_norm_max_rank",
@@ -409,6 +387,18 @@ GUARD_STOPPED = MetricDef(
     "The guard skips again after a step it would not skip. Absent without `watch.guard()`.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.consecutive_skipped_steps is None else one(s.snap.guard_stopped),
+)
+GUARD_SCORE = MetricDef(
+    "gradwatch_guard_score",
+    "gauge",
+    (),
+    "Spike score the guard compared with skip_spike_score at the last published step: the "
+    "device median/MAD score of ln(norm) or, with guard_spike_statistic=ema, the EMA "
+    "z-score (norm - mean) / sd of the adaptive history.",
+    "Absent while undefined (warm-up, a non-finite or unmeasured step), with spike skips off "
+    "or without `watch.guard()`. Not the alerts' host-side gradwatch_global_grad_norm_spike_score.",
+    source=MetricSource.SNAPSHOT,
+    read=lambda s: one(s.snap.guard_score),
 )
 # -- spikes and every step between scrapes (gradwatch.spikes, state.Counts) ----------------
 GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
@@ -624,7 +614,7 @@ GRAD_NORM_RATIO_BAND = MetricDef(
     "0.2, dormant 0.01); present from the first scrape. The dormant alert and the "
     "dashboard read them.",
     source=MetricSource.INFO,
-    read=_ratio_bands,
+    read=ratio_band_samples,
 )
 
 METRICS: tuple[MetricDef, ...] = (
@@ -641,6 +631,7 @@ METRICS: tuple[MetricDef, ...] = (
     ISOLATION_VIOLATED,
     REPLICA_DIVERGENCE,
     CLIP_COEF,
+    ADAPTIVE_CLIP_THRESHOLD,
     PARAM_GRAD_NORM,
     NONFINITE_ORIGIN_RANKS,
     REPLICA_GRAD_NORM,
@@ -657,6 +648,7 @@ METRICS: tuple[MetricDef, ...] = (
     SKIPPED_STEPS_TOTAL,
     CONSECUTIVE_SKIPPED_STEPS,
     GUARD_STOPPED,
+    GUARD_SCORE,
     GLOBAL_GRAD_NORM_SPIKE_SCORE,
     GRAD_NORM_SPIKE_SCORE,
     GLOBAL_GRAD_NORM_SPIKES_TOTAL,
