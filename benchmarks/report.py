@@ -17,7 +17,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks import zero_bench
+from benchmarks import divergence_bench, zero_bench
 from benchmarks.cases import (
     DDP_OVERHEAD_TARGET,
     FLOAT64_COPIES_ELEMENTS,
@@ -717,6 +717,8 @@ def render(run: RunResults) -> str:
         scrape_latency_table(run.scrape_latency) + "\n",
         _head("Spike detection"),
         _spike_section(run.spike_cost) + "\n",
+        _head("Adaptive clipping: a divergence case (one process, CPU)"),
+        divergence_bench.text(run.divergence),
         _head("CUDA"),
         _cuda_section(run) + "\n",
         f"Load average at end: {run.load_end[0]:.2f} {run.load_end[1]:.2f} "

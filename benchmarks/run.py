@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
     distributed,
+    divergence_bench,
     fsdp1_bench,
     guard_bench,
     measure,
@@ -94,6 +95,7 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
     run.spike_cost = section("spike detection", lambda: measure.spike_cost(
         plan.scrape_params, plan.spike_rounds))
     run.scale = section("scale", lambda: scale.measure(plan.scale_worlds))
+    run.divergence = section("divergence", divergence_bench.measure)
     if distributed_sections:
         run.distributed = section("distributed", lambda: distributed.overhead(
             plan.models, plan.dist_steps))

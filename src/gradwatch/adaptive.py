@@ -1,7 +1,8 @@
 """The adaptive clip threshold: an EMA history of the exact whole-model norm, on the device.
 
-``watch.clip_grad_norm_("auto")`` clips at ``mean + z * std``, the exponential moving mean and
-standard deviation of the whole-model norms of earlier steps (ZClip, arXiv 2504.02507), and
+``watch.clip_grad_norm_("auto")`` clips a norm above ``mean + z * std``, the exponential moving
+mean and standard deviation of the whole-model norms of earlier steps (ZClip, arXiv
+2504.02507, with its default "adaptive scaling"), and
 the guard's ``guard_spike_statistic="ema"`` skips on the z-score ``(norm - mean) / std`` of the
 same history. One :class:`AdaptiveHistory` per watcher, fed once per collect that makes a pass
 (:meth:`AdaptiveHistory.observe`), so both read the same figures.
@@ -10,11 +11,14 @@ The math, per measured step with whole-model norm ``g`` (float64 throughout):
 
 * ``sd = max(sqrt(var), MIN_RELATIVE_STD * mean)``: the spread, floored so that a run whose
   norm hardly moves is not clipped at every ripple;
-* warm (``count >= warmup``): threshold ``t = mean + z * sd``, score ``(g - mean) / sd``;
-  during the first ``warmup`` samples there is no threshold (``t = +inf``: the coefficient
-  ``clamp(t / (g + 1e-6), max=1)`` is 1, nothing is clipped) and no score (NaN);
-* the sample is ``x = min(g, t)``: a clipped spike enters as the threshold it was clipped to,
-  so one spike moves the history by at most ``z * sd * (1 - alpha)``;
+* warm (``count >= warmup``): threshold ``t = mean + z * sd``, score ``s = (g - mean) / sd``;
+  during the first ``warmup`` samples there is no threshold (``t = +inf``) and no score (NaN);
+* the limit ``c``: ``t`` for a norm at most ``t``; above it, ``mean + z^2 * sd / s`` (below
+  ``t``, and the closer to the mean the larger the spike: ZClip's "adaptive scaling"); the
+  gradients are multiplied by ``clamp(c / (g + 1e-6), max=1)`` (1 during warm-up);
+* the sample is ``x = min(g, c)``: a clipped spike enters as the norm it was clipped to, at
+  most ``t``, so one spike moves the mean by at most ``z * sd * (1 - alpha)`` and a large one
+  hardly moves the history at all (a sample near the mean);
 * the update with weight ``w = 1 / (count + 1)`` during warm-up (the plain mean and population
   variance of the warm-up samples, Welford's recurrence) and ``w = 1 - alpha`` after:
   ``d = x - mean``, ``mean += w * d``, ``var = (1 - w) * (var + w * d^2)``; ``count += 1``.
@@ -64,7 +68,9 @@ class AdaptiveReading:
     Attributes:
         norm: the whole-model norm the step was judged by (NaN: not finite or not measured).
         threshold: the adaptive clip threshold of the step; None during warm-up.
-        coef: the coefficient ``min(1, threshold / (norm + 1e-6))`` (1.0 during warm-up).
+        limit: the norm the step was clipped to when above the threshold (else the
+            threshold); None during warm-up.
+        coef: the coefficient ``min(1, limit / (norm + 1e-6))`` (1.0 during warm-up).
         score: the EMA z-score ``(norm - mean) / sd``; None when undefined.
         samples: samples in the history before this step (the warm-up count, capped at no
             figure: it keeps counting).
@@ -72,6 +78,7 @@ class AdaptiveReading:
 
     norm: float
     threshold: float | None
+    limit: float | None
     coef: float
     score: float | None
     samples: int
@@ -84,15 +91,17 @@ class AdaptiveReading:
 
 class AdaptiveStep:
     """One step's device figures (0-dim float64 tensors, never written again): ``norm``,
-    ``threshold`` (``+inf`` during warm-up), ``score`` (NaN when undefined) and the history's
-    ``count`` before the step; read to the host once by :meth:`reading` (on CUDA from a pinned
-    copy queued at once, waiting at most ``timeout`` seconds for its event)."""
+    ``threshold`` and ``limit`` (``+inf`` during warm-up), ``score`` (NaN when undefined) and
+    the history's ``count`` before the step; read to the host once by :meth:`reading` (on CUDA
+    from a pinned copy queued at once, waiting at most ``timeout`` seconds for its event)."""
 
     def __init__(
-        self, norm: Tensor, threshold: Tensor, score: Tensor, count: Tensor, timeout: float
+        self, norm: Tensor, threshold: Tensor, limit: Tensor, score: Tensor, count: Tensor,
+        timeout: float,
     ) -> None:
         self.norm = norm
         self.threshold = threshold
+        self.limit = limit
         self.score = score
         self._count = count
         self._timeout = timeout
@@ -106,23 +115,24 @@ class AdaptiveStep:
             self._event.record(torch.cuda.current_stream(vector.device))
 
     def _pack(self) -> Tensor:
-        return torch.stack((self.norm, self.threshold, self.score, self._count))
+        return torch.stack((self.norm, self.threshold, self.limit, self.score, self._count))
 
     def reading(self) -> AdaptiveReading:
         """The host copy (computed once)."""
         if self._reading is None:
             if self._vector is not None:
                 wait_event(self._event, self._timeout, "the adaptive clip's figures")
-                norm, threshold, score, count = self._vector.tolist()
+                norm, threshold, limit, score, count = self._vector.tolist()
             else:
-                norm, threshold, score, count = self._pack().tolist()
+                norm, threshold, limit, score, count = self._pack().tolist()
             warm = math.isfinite(threshold)
-            coef = min(1.0, threshold / (norm + CLIP_EPS)) if warm else 1.0
+            coef = min(1.0, limit / (norm + CLIP_EPS)) if warm else 1.0
             if math.isnan(norm):
                 coef = math.nan if warm else 1.0
             self._reading = AdaptiveReading(
                 norm=norm,
                 threshold=threshold if warm else None,
+                limit=limit if warm else None,
                 coef=coef,
                 score=None if math.isnan(score) else score,
                 samples=int(count),
@@ -186,14 +196,17 @@ class AdaptiveHistory:
         threshold = torch.where(warm, torch.addcmul(mean, sd, self._one, value=self.z), self._inf)
         sample = torch.isfinite(norm)
         score = torch.where(warm & sample, (norm - mean) / sd, self._nan)
-        x = torch.minimum(norm, threshold)
+        over = norm > threshold  # False during warm-up and for NaN
+        scaled = torch.addcdiv(mean, sd, score, value=self.z * self.z)  # mean + z^2 sd / s
+        limit = torch.where(over, scaled, threshold)
+        x = torch.minimum(norm, limit)
         weight = torch.where(warm, self._ema_weight, (count + 1.0).reciprocal())
         delta = torch.where(sample, x - mean, 0.0)
         kept = torch.where(sample, 1.0 - weight, 1.0)
         self.mean = torch.addcmul(mean, weight, delta)
         self.var = torch.where(sample, kept * torch.addcmul(var, weight * delta, delta), var)
         self.count = torch.where(sample, count + 1.0, count)
-        self.last = AdaptiveStep(norm, threshold, score, count, self._timeout)
+        self.last = AdaptiveStep(norm, threshold, limit, score, count, self._timeout)
         return self.last
 
     # -- checkpoints ---------------------------------------------------------------------------

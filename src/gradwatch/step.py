@@ -503,7 +503,7 @@ class Acting:
             if self.history is not None:
                 adaptive = self.history.observe(norm)
             if max_norm is not None:
-                limit = adaptive.threshold if max_norm == AUTO and adaptive else max_norm
+                limit = adaptive.limit if max_norm == AUTO and adaptive else max_norm
                 scale_grads_(norm, unmeasured, limit, grads, plan)
                 total = norm
         elif max_norm is not None:

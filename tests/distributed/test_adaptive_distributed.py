@@ -115,6 +115,7 @@ def _run(rank: int, world: int, kind: str) -> dict:
         rows.append({
             "norm": float(total).hex(),
             "threshold": None if reading.threshold is None else reading.threshold.hex(),
+            "limit": None if reading.limit is None else reading.limit.hex(),
             "coef": reading.coef.hex(),
             "samples": reading.samples,
             "state": [float(t).hex() for t in history.state()],
@@ -144,8 +145,8 @@ def test_auto_clip_agrees_on_every_rank_and_cuts_spikes(tmp_path: Path) -> None:
             threshold = row["threshold"]
             assert (threshold is None) == (step < WARMUP), (kind, step)
             if threshold is not None:
-                # the clipped gradients' norm, measured independently, is min(norm, threshold)
-                want = min(norms[step], float.fromhex(threshold))
+                # the clipped gradients' norm, measured independently, is min(norm, limit)
+                want = min(norms[step], float.fromhex(row["limit"]))
                 assert row["post"] == pytest.approx(want, rel=1e-5), (kind, step)
         for spike in SPIKES:
             assert norms[spike] > 20 * typical, (kind, spike)

@@ -53,7 +53,8 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
                     "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
                     "## Spike detection", "## CUDA", "## Construction at scale",
-                    "## Per-rank view and the DDP path", "## FSDP1"):
+                    "## Per-rank view and the DDP path", "## FSDP1",
+                    "## Adaptive clipping: a divergence case"):
         assert heading in text
     header, rows = _rows(text, "| parameters | groups | window |")
     assert len(rows) == 1 and rows[0][1] == str(cases.SPIKE_GROUPS) and rows[0][5].endswith("%")
@@ -250,6 +251,24 @@ def test_rank_view_ratio_and_its_noise_verdict() -> None:
 
 
 @pytest.mark.distributed
+def test_divergence_section() -> None:
+    """The adaptive clipping divergence case on one seed: the control trains at that learning
+    rate with either clip, corrupt batches make fixed clipping at 1.0 diverge and not "auto";
+    rendered with its verdict and its method link."""
+    from benchmarks import divergence_bench
+
+    found = divergence_bench.measure(seeds=1)
+    assert len(found.runs) == 2 * len(divergence_bench.RATES)
+    for r in found.runs:
+        assert r.diverged == (r.every != 0 and r.mode != "auto"), r
+    assert found.met
+    text = report.render(RunResults(command="x", rounds=(1, 1), divergence=found))
+    section = text.split("## Adaptive clipping: a divergence case")[1].split("\n## ")[0]
+    assert "): met." in section and "benchmarks.md#adaptive-clipping-a-divergence-case" in section
+    _header, rows = _rows(section, "| corrupt batches |")
+    assert [r[0] for r in rows] == ["none", "none", "1 in 10", "1 in 10", "1 in 5", "1 in 5"]
+
+
 def test_quick_deepspeed_zero_section() -> None:
     """The DeepSpeed ZeRO-2 section (what `make bench` runs) on 2 rounds: both methods timed in
     every round on one engine, rendered with their ratio and the target verdict."""

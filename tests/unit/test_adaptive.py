@@ -15,19 +15,22 @@ from gradwatch.adaptive import MIN_RELATIVE_STD, AdaptiveHistory
 from gradwatch.testing import OpCounter, count_host_reads
 
 
-def reference(norms: list[float], z: float, alpha: float, warmup: int) -> list[float | None]:
-    """The threshold of each step by the module's math, in Python floats (math.sqrt)."""
+def reference(
+    norms: list[float], z: float, alpha: float, warmup: int
+) -> list[tuple[float, float] | None]:
+    """The threshold and the limit of each step by the module's math, in Python floats."""
     mean = var = 0.0
     count = 0
-    out: list[float | None] = []
+    out: list[tuple[float, float] | None] = []
     for g in norms:
         warm = count >= warmup
         sd = max(math.sqrt(var), mean * MIN_RELATIVE_STD)
         t = mean + z * sd if warm else math.inf
-        out.append(t if warm else None)
+        limit = mean + z * z * sd / ((g - mean) / sd) if g > t else t
+        out.append((t, limit) if warm else None)
         if not math.isfinite(g):
             continue
-        x = min(g, t)
+        x = min(g, limit)
         w = (1.0 - alpha) if warm else 1.0 / (count + 1)
         d = x - mean
         mean += w * d
@@ -45,13 +48,15 @@ def test_history_matches_a_float64_reference() -> None:
     h = AdaptiveHistory(2.5, 0.97, 25, torch.device("cpu"), 10.0)
     expected = reference(NORMS, 2.5, 0.97, 25)
     for g, want in zip(NORMS, expected, strict=True):
-        got = h.observe(torch.tensor(g, dtype=torch.float64)).reading().threshold
+        got = h.observe(torch.tensor(g, dtype=torch.float64)).reading()
         if want is None:
-            assert got is None
+            assert got.threshold is None and got.limit is None and got.coef == 1.0
         else:
-            assert got == pytest.approx(want, rel=1e-12, abs=0.0)
-    spike = reference(NORMS[:31], 2.5, 0.97, 25)[30]
-    assert spike is not None and spike < 1.5  # the spike is cut to about the usual norm
+            assert got.threshold == pytest.approx(want[0], rel=1e-12, abs=0.0)
+            assert got.limit == pytest.approx(want[1], rel=1e-12, abs=0.0)
+    spike = expected[30]
+    assert spike is not None and spike[1] < spike[0] < 1.5  # cut below the threshold
+    assert abs(spike[1] - 1.0) < 0.1  # a 40x spike is cut to about the usual norm
 
 
 def test_nonfinite_norm_is_no_sample() -> None:
@@ -100,8 +105,9 @@ def test_auto_clips_to_the_threshold_after_warmup() -> None:
             assert reading.threshold is None and reading.coef == 1.0
             assert post == pytest.approx(total, rel=1e-6)
         else:
-            assert reading.threshold is not None
-            assert post == pytest.approx(min(total, reading.threshold), rel=1e-6)
+            assert reading.threshold is not None and reading.limit is not None
+            assert post == pytest.approx(min(total, reading.limit), rel=1e-6)
+            assert (reading.limit < reading.threshold) == (total > reading.threshold)
     typical = sorted(r[0] for r in rows)[len(rows) // 2]
     for spike in (30, 37):
         assert rows[spike][0] > 20 * typical and rows[spike][1] < 3 * typical
