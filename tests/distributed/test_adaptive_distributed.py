@@ -89,7 +89,7 @@ def _post_clip_norm(model: nn.Module, kind: str) -> float:
 
 def _run(rank: int, world: int, kind: str) -> dict:
     from gradwatch import GradWatch, WatchConfig
-    from gradwatch.testing import OpCounter
+    from gradwatch.doctor.testing import OpCounter
 
     model, same_batch = _wrap(kind, world)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

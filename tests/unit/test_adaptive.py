@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
-from gradwatch.adaptive import MIN_RELATIVE_STD, AdaptiveHistory
-from gradwatch.testing import OpCounter, count_host_reads
+from gradwatch.doctor.testing import OpCounter, count_host_reads
+from gradwatch.step.adaptive import MIN_RELATIVE_STD, AdaptiveHistory
 
 
 def reference(

@@ -17,7 +17,7 @@ from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.errors import GuardStopError
-from gradwatch.incidents import GUARD_STOP_EXIT_CODE, MAX_BATCH_BYTES
+from gradwatch.step.incidents import GUARD_STOP_EXIT_CODE, MAX_BATCH_BYTES
 
 
 def _model() -> nn.Module:
