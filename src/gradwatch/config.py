@@ -271,8 +271,9 @@ class WatchConfig(BaseSettings):
             loop call ``watch.guard(optimizer)`` instead.
         guard_spike_statistic: the guard's spike score: ``"median_mad"`` (the robust score
             above) or ``"ema"``, the z-score ``(norm - mean) / sd`` of the adaptive clip's EMA
-            history (:mod:`gradwatch.step.adaptive`; cheaper, defined after
-            ``adaptive_clip_warmup`` samples).
+            history (:mod:`gradwatch.step.adaptive`; defined after ``adaptive_clip_warmup``
+            samples; fewer device ops than the window when ``clip_grad_norm_("auto")`` keeps
+            the history, more without it).
         on_max_consecutive_skips: what happens when the guard has skipped
             ``max_consecutive_skips`` steps in a row: ``"continue"`` (it stops skipping, see
             above), ``"raise"`` (:class:`~gradwatch.errors.GuardStopError` from the next

@@ -212,3 +212,50 @@ def test_guard_skips_on_the_ema_score() -> None:
             assert snap.guard_score == history.last.reading().score
     assert 30 in skipped and len(skipped) <= 2, skipped
     assert all(s is None for s in scores[:10]) and scores[30] is not None and scores[30] > 6
+
+
+
+def _warm_guarded_ops(statistic: str | None, clip: bool) -> OpCounter:
+    """Ops of the 6th optimizer step: the collect (``clip_grad_norm_("auto")`` when ``clip``)
+    then the fused step, guarded with spike skips by ``statistic`` (None: unguarded)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    cfg = WatchConfig(
+        skip_spike_score=6.0, spike_warmup=2, adaptive_clip_warmup=2,
+        guard_spike_statistic=statistic or "median_mad",
+    )
+    with GradWatch(model, cfg) as watch:
+        stepper = watch.guard(opt) if statistic else opt
+        for step in range(6):
+            opt.zero_grad()
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            with OpCounter() as ops:
+                if clip:
+                    watch.clip_grad_norm_("auto", step=step)
+                elif statistic is None:
+                    watch.collect(step)
+                stepper.step()
+    return ops
+
+
+#: Device ops of a warm guarded step over the unguarded one (pinned, as tests/unit/
+#: test_guard_cost.py pins the guard's): (statistic, with clip_grad_norm_("auto")).
+GUARD_EXTRA_OPS = {("ema", True): 14, ("median_mad", True): 35, ("ema", False): 86,
+                   ("median_mad", False): 35}
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["auto-clip", "no-clip"])
+def test_what_the_ema_statistic_costs(clip: bool) -> None:
+    """With clip_grad_norm_("auto") the EMA statistic only compares the history's score (the
+    clip keeps the history), far fewer ops than the median/MAD window; without it, the guard
+    pays the whole-model norm and the history's update itself, more than the window. No host
+    read either way."""
+    plain = _warm_guarded_ops(None, clip)
+    for statistic in ("ema", "median_mad"):
+        ops = _warm_guarded_ops(statistic, clip)
+        assert ops.scalar_reads == 0
+        extra = ops.ops - plain.ops
+        assert ("aten.nanmedian" in extra) == (statistic == "median_mad")
+        assert sum(extra.values()) == GUARD_EXTRA_OPS[statistic, clip], dict(extra)

@@ -93,12 +93,14 @@ class AdaptiveReading:
 class AdaptiveStep:
     """One step's device figures (0-dim float64 tensors, never written again): ``norm``,
     ``threshold`` and ``limit`` (``+inf`` during warm-up), ``score`` (NaN when undefined) and
-    the history's ``count`` before the step; read to the host once by :meth:`reading` (on CUDA
-    from a pinned copy queued at once, waiting at most ``timeout`` seconds for its event)."""
+    the history's ``count`` before the step; read to the host once by :meth:`reading` (on CUDA,
+    with ``copy_to_host``, from a pinned copy queued at once, waiting at most ``timeout``
+    seconds for its event; without, by a blocking read, which a rank that publishes nothing
+    never makes)."""
 
     def __init__(
         self, norm: Tensor, threshold: Tensor, limit: Tensor, score: Tensor, count: Tensor,
-        timeout: float,
+        timeout: float, copy_to_host: bool = True,
     ) -> None:
         self.norm = norm
         self.threshold = threshold
@@ -108,7 +110,7 @@ class AdaptiveStep:
         self._timeout = timeout
         self._reading: AdaptiveReading | None = None
         self._vector: Tensor | None = None
-        if norm.device.type != "cpu":  # CUDA path, untested on this project's machines
+        if copy_to_host and norm.device.type != "cpu":  # CUDA path, untested here
             vector = self._pack()
             self._vector = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
             self._vector.copy_(vector, non_blocking=True)
@@ -151,11 +153,15 @@ class AdaptiveHistory:
         warmup: samples before the first threshold (``adaptive_clip_warmup``).
         device: where the state lives (moved with the reducer's device).
         timeout: the longest wait of a host reading on CUDA.
+        copy_to_host: queue each step's figures to pinned host memory (global rank 0, which
+            publishes them and writes the incident file); other ranks queue nothing.
     """
 
     def __init__(
-        self, z: float, alpha: float, warmup: int, device: torch.device, timeout: float
+        self, z: float, alpha: float, warmup: int, device: torch.device, timeout: float,
+        copy_to_host: bool = True,
     ) -> None:
+        self._copy_to_host = copy_to_host
         self.z = z
         self.alpha = alpha
         self.warmup = warmup
@@ -207,7 +213,9 @@ class AdaptiveHistory:
         self.mean = torch.addcmul(mean, weight, delta)
         self.var = torch.where(sample, kept * torch.addcmul(var, weight * delta, delta), var)
         self.count = torch.where(sample, count + 1.0, count)
-        self.last = AdaptiveStep(norm, threshold, limit, score, count, self._timeout)
+        self.last = AdaptiveStep(
+            norm, threshold, limit, score, count, self._timeout, self._copy_to_host
+        )
         return self.last
 
     # -- checkpoints ---------------------------------------------------------------------------

@@ -241,6 +241,7 @@ class Collector:
             self.history = AdaptiveHistory(
                 cfg.adaptive_clip_z, cfg.adaptive_clip_alpha, cfg.adaptive_clip_warmup,
                 self.resolved.reducer.device, cfg.collective_timeout_seconds,
+                copy_to_host=self.resolved.rank == 0,
             )
         return self.history
 
