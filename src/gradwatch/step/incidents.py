@@ -122,6 +122,8 @@ class IncidentLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.open("a").close()  # an unwritable path fails at construction
         self.dropped = 0
+        self.failed = 0  # steps whose line could not be written
+        self._logged: set[str] = set()
         self._full = False
         self._queue: queue.Queue[_Pending | dict[str, Any] | None] = queue.Queue(MAX_QUEUED)
         self._thread = threading.Thread(
@@ -167,8 +169,14 @@ class IncidentLog:
                 if record is not None:
                     self._append(record)
             except Exception as exc:  # never-crash boundary: forensics never stop training
-                log.warning("gradwatch: an incident could not be written to %s: %s",
-                            self.path, exc)
+                self.failed += 1
+                if type(exc).__name__ not in self._logged:
+                    self._logged.add(type(exc).__name__)
+                    log.warning(
+                        "gradwatch: an incident could not be written to %s: %s: %s (logged "
+                        "once per error type, counted in IncidentLog.failed)",
+                        self.path, type(exc).__name__, exc,
+                    )
             finally:
                 self._queue.task_done()
 
