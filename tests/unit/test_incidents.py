@@ -133,3 +133,22 @@ def test_exit_code_at_the_skip_limit(tmp_path: Path) -> None:
     last = _lines(path)[-1]
     assert last["reason"] == "max_consecutive_skips" and last["step"] == 7
     assert last["exit_code"] == 75
+
+
+def test_a_write_that_fails_is_counted_and_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer thread is a failure boundary: a file that cannot be written (here replaced
+    by a directory) costs its lines, counted and logged once, never the training step."""
+    from gradwatch.step.incidents import IncidentLog
+
+    path = tmp_path / "incidents.jsonl"
+    incidents = IncidentLog(path)
+    path.unlink()
+    path.mkdir()
+    for step in range(3):
+        incidents.write({"step": step, "reason": "spike"})
+    assert incidents.flush(10)
+    incidents.close()
+    assert incidents.failed == 3
+    assert sum("could not be written" in r.message for r in caplog.records) == 1
