@@ -152,3 +152,8 @@ def test_a_write_that_fails_is_counted_and_logged_once(
     incidents.close()
     assert incidents.failed == 3
     assert sum("could not be written" in r.message for r in caplog.records) == 1
+
+
+def test_an_unwritable_incident_path_is_refused_at_construction(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="incident_path"):
+        GradWatch(_model(), WatchConfig(incident_path=tmp_path))  # a directory

@@ -119,8 +119,13 @@ class IncidentLog:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.open("a").close()  # an unwritable path fails at construction
+        try:  # an unwritable path fails at construction, naming the field
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.open("a").close()
+        except OSError as exc:
+            raise ValueError(
+                f"gradwatch: incident_path {str(path)!r} cannot be written: {exc}"
+            ) from exc
         self.dropped = 0
         self.failed = 0  # steps whose line could not be written
         self._logged: set[str] = set()
