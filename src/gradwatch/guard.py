@@ -529,11 +529,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         inner = self.optimizer
         decision = self._decide(self)
-        if decision is None:  # not measured (a failed collect): a guard that cannot see
-            inner.step()
-            return loss
         scaler_found_inf = self.__dict__.get("found_inf")
-        if getattr(inner, "_step_supports_amp_scaling", False):
+        fused = getattr(inner, "_step_supports_amp_scaling", False)
+        if decision is None:  # not measured: a guard that cannot see is the bare step
+            if fused and scaler_found_inf is not None:  # exactly as GradScaler.step set them
+                _step_with(inner, scaler_found_inf, self.__dict__.get("grad_scale"))
+            else:
+                inner.step()
+            return loss
+        if fused:
             device = _params_device(inner)
             found_inf = decision.found_inf(device)
             if scaler_found_inf is not None:

@@ -1,0 +1,117 @@
+"""First, do no harm: whatever happens to gradwatch (it cannot see, its pass failed, a
+collective failed or timed out, it is closed or disabled), the guarded optimizer step is bitwise
+the bare optimizer's with the user's GradScaler; a skip the guard takes leaves optimizer state
+as a fresh optimizer's."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import GradWatch, WatchConfig
+from gradwatch.errors import GradWatchTimeoutError
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _backward(model: nn.Module, scaler: torch.amp.GradScaler, step: int, inf: bool) -> None:
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen)
+    loss = (model(x) - y).pow(2).mean()
+    if inf:
+        loss = loss * math.inf
+    scaler.scale(loss).backward()
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    for s in opt.state.values():
+        out.extend(v.detach().clone() for v in s.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _bits(tensors: list[torch.Tensor]) -> list[bytes]:
+    """Each tensor's bytes: equal lists are bitwise equal states (NaN payloads included)."""
+    return [t.numpy().tobytes() for t in tensors]
+
+
+def _raise(exc: Exception) -> Callable[..., Any]:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return fail
+
+
+def _inject(fault: str, watch: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make gradwatch unable to decide from now on, the way ``fault`` does in a real run."""
+    if fault == "closed":
+        watch.close()
+        return
+    collector = watch._collector
+    if fault == "failed-pass":  # every local pass raises: no decision, collection goes on
+        monkeypatch.setattr(
+            collector.engine, "squared_norms_and_plan", _raise(RuntimeError("boom"))
+        )
+    elif fault == "timed-out-collective":  # a timed-out clip/guard wait stops collection
+        monkeypatch.setattr(
+            collector.engine, "squared_norms_and_plan", _raise(GradWatchTimeoutError("late"))
+        )
+    elif fault == "failed-collective":  # an earlier all-reduce failed: stopped at check
+        monkeypatch.setattr(
+            collector.resolved.reducer.collective, "failure", lambda: "peer reset"
+        )
+    else:
+        raise AssertionError(fault)
+
+
+FAULTS = ["failed-pass", "timed-out-collective", "failed-collective", "closed", "disabled"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_guard_that_cannot_decide_steps_bitwise_as_the_bare_scaler_path(
+    name: str, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 0-1 guarded normally, then the fault; steps 2-6 (an fp16-style overflow at step
+    4, which the scaler skips and halves its scale for) must equal the bare optimizer + the
+    bare GradScaler bit for bit: parameters, optimizer state and the scale."""
+    make = OPTIMIZERS[name]
+    model, twin = _model(), _model()
+    opt, twin_opt = make(model.parameters()), make(twin.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    twin_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    cfg = WatchConfig(skip_nonfinite=True, enabled=fault != "disabled")
+    watch = GradWatch(model, cfg)
+    try:
+        guarded = watch.guard(opt, scaler=scaler)
+        for step in range(7):
+            if step == 2 and fault != "disabled":
+                _inject(fault, watch, monkeypatch)
+            for m, s, o in ((model, scaler, guarded), (twin, twin_scaler, twin_opt)):
+                _backward(m, s, step, inf=step == 4)
+                s.step(o)
+                s.update()
+                o.zero_grad()
+            assert _bits(_state(model, opt)) == _bits(_state(twin, twin_opt)), step
+            assert float(scaler.get_scale()) == float(twin_scaler.get_scale()), step
+        assert float(scaler.get_scale()) == 2.0**9  # the overflow was the scaler's skip
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        if fault in ("timed-out-collective", "failed-collective"):
+            assert watch._collector.broken is not None  # collection stopped, visibly
+    finally:
+        watch.close()
