@@ -434,8 +434,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``watch.clip_grad_norm_``) when one was made since the last ``step()``, otherwise it
     collects first. A skipped step leaves parameters and optimizer state untouched: the fused
     optimizers' step counters are restored on the device, other optimizers' ``step()`` is not
-    called at all (as ``GradScaler`` does). LR schedulers still advance when the loop calls
-    ``scheduler.step()``, as after a GradScaler-skipped step.
+    called at all (as ``GradScaler`` does); nor is fused SGD's while it has no momentum
+    buffers (its first step: one host read of the decision), so a skipped first step leaves
+    the state of a fresh optimizer. Without a decision (the step was not measured, collection
+    stopped, the watcher closed) ``step()`` is the bare optimizer's, the scaler's
+    ``found_inf`` and ``grad_scale`` passed through as ``GradScaler.step`` sets them. LR
+    schedulers still advance when the loop calls ``scheduler.step()``, as after a
+    GradScaler-skipped step.
     """
 
     def __init__(
@@ -542,6 +547,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             found_inf = decision.found_inf(device)
             if scaler_found_inf is not None:
                 found_inf = torch.maximum(found_inf, scaler_found_inf.to(device, torch.float32))
+            if _unset_momentum(inner) and bool(found_inf):  # the one host read, first step
+                return loss  # not stepped: the state stays a fresh optimizer's
             _step_with(inner, found_inf, self.__dict__.get("grad_scale"))
             return loss
         if not bool(decision.skip):  # the one host read of optimizers without found_inf
@@ -554,6 +561,26 @@ def _params_device(optimizer: torch.optim.Optimizer) -> torch.device:
         for p in group["params"]:
             return p.device
     return torch.device("cpu")
+
+
+def _unset_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """Would this ``step()`` create momentum buffers uninitialized? Fused SGD with momentum
+    makes a group's first buffers with ``empty_like`` and fills them in the kernel, which
+    returns early on ``found_inf``: a skipped first step would leave garbage that the next
+    step reads. True while a fused group with momentum has no buffer for its first parameter
+    with a gradient (torch makes a group's buffers all at once). O(groups), no tensor op."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group.get("momentum", 0) == 0:
+            continue
+        for p in group["params"]:
+            if p.grad is not None:
+                state = optimizer.state.get(p)
+                if state is None or state.get("momentum_buffer") is None:
+                    return True
+                break
+    return False
 
 
 def _step_with(inner: torch.optim.Optimizer, found_inf: Tensor, grad_scale: Any) -> Any:

@@ -115,3 +115,34 @@ def test_a_guard_that_cannot_decide_steps_bitwise_as_the_bare_scaler_path(
             assert watch._collector.broken is not None  # collection stopped, visibly
     finally:
         watch.close()
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["guard-skip", "scaler-overflow"])
+def test_a_skipped_first_fused_sgd_step_leaves_a_fresh_optimizer(scaled: bool) -> None:
+    """Fused SGD with momentum makes its first buffers with ``empty_like`` and its kernel
+    returns early on ``found_inf``: a skipped first step (the guard's NaN skip, or under the
+    guard the scaler's overflow) must leave no buffer, and the next step must equal, bit for
+    bit, a fresh optimizer's first step on the same gradients."""
+    model, twin = _model(), _model()
+    opt = OPTIMIZERS["sgd-fused"](model.parameters())
+    twin_opt = OPTIMIZERS["sgd-fused"](twin.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+    twin_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**9, enabled=scaled)
+    junk = torch.full((4096,), math.nan)  # the allocator hands this block out next: garbage
+    del junk
+    with GradWatch(model, WatchConfig(skip_nonfinite=True)) as watch:
+        guarded = watch.guard(opt, scaler=scaler if scaled else None)
+        before = _bits(_state(model, opt))
+        _backward(model, scaler, 0, inf=True)
+        scaler.step(guarded)
+        scaler.update()
+        guarded.zero_grad()
+        assert _bits(_state(model, opt)) == before  # parameters untouched, no state
+        assert all("momentum_buffer" not in opt.state.get(p, {}) for p in model.parameters())
+        for step in (1, 2):
+            for m, s, o in ((model, scaler, guarded), (twin, twin_scaler, twin_opt)):
+                _backward(m, s, step, inf=False)
+                s.step(o)
+                s.update()
+                o.zero_grad()
+            assert _bits(_state(model, opt)) == _bits(_state(twin, twin_opt)), step
