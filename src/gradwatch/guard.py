@@ -27,7 +27,7 @@ The decision (:class:`StepGuard`) is a device tensor computed from the step's re
 * a step some rank stood in for (its step slot NaN: a failed local pass, or -inf: a closed
   watcher) is never skipped and is no sample: a guard that cannot see does not act.
 
-Cost per step: a fixed sequence of small device ops, 11 (34 with ``skip_spike_score``), on
+Cost per step: a fixed sequence of small device ops, 11 (43 with ``skip_spike_score``), on
 state allocated once; no host read (docs/integrations.md, *What it costs*).
 
 Why the bits agree on every rank: the inputs are the reduced vector (the result of one
@@ -229,10 +229,12 @@ class _SpikeWindow:
 
     The window is a ``(2, size)`` tensor, oldest sample first, NaN while empty: a sample
     shifts it by one, in place; a step that is no sample leaves it as it was. Each column
-    holds ``y`` and ``-y``: one ``nanmedian(dim=1)`` of the two rows gives the lower middle
-    sample and minus the upper one, whose mean is the median; the deviations are stored the
-    same way. Each call is a fixed sequence of 14 small ops, no host read, no allocation of
-    state.
+    holds ``y`` and ``-y``: the lower middle order statistic of the two rows (one sort, NaN
+    last, read at ``(n - 1) // 2`` for ``n`` samples) gives the lower middle sample and minus
+    the upper one, whose mean is the median; the deviations are taken the same way. No op
+    PyTorch refuses or lists as nondeterministic on CUDA under
+    ``torch.use_deterministic_algorithms(True)`` (no ``median(dim=)``: its indices). Each call
+    is a fixed sequence of small ops, no host read, no allocation of state.
 
     Why so few kinds of op: on the CPU a small op costs its dispatch, and right after the
     backward pass (which evicts the caches) each *kind* of kernel first costs several times
@@ -271,14 +273,31 @@ class _SpikeWindow:
         """The score of ``y`` against the window (NaN while undefined: before ``warmup``
         samples, or when ``sample`` is False); then ``y`` enters the window if ``sample``."""
         samples = self.samples
-        lower_upper = samples.nanmedian(dim=1).values  # [lower middle, -upper middle]
+        middle = _lower_middle_index(self._values)
+        lower_upper = _at_sorted(samples, middle)  # [lower middle, -upper middle]
         median = torch.addcmul(torch.dot(lower_upper, self._halves), self._warm, self._zero)
         deviations = torch.copysign(self._values - median, self._signs)  # |y_i - m|, -|y_i - m|
-        lower_upper = deviations.nanmedian(dim=1).values
+        lower_upper = _at_sorted(deviations, middle)  # as many NaN (while warm), same index
         spread = torch.maximum(torch.dot(lower_upper, self._sigma_halves), self._floor)
         shifted = torch.cat((self._older, y * self._signs), dim=1)
         samples.copy_(torch.where(sample, shifted, samples))
         return (torch.where(sample, y, self._nan) - median) / spread
+
+
+def _lower_middle_index(values: Tensor) -> Tensor:
+    """The index, in ascending order with NaN last, of the lower middle of the non-NaN
+    ``values`` (``(n - 1) // 2`` of ``n``; 0 when there is none): a one-element int64 device
+    tensor, no host read."""
+    count = torch.eq(values, values).sum(dim=0, keepdim=True)  # NaN != NaN
+    return torch.floor_divide(count - 1, 2).clamp_(min=0)
+
+
+def _at_sorted(rows: Tensor, index: Tensor) -> Tensor:
+    """Each row's value at ``index`` once sorted ascending (NaN sort last): the exact order
+    statistic ``nanmedian`` gives, by a values-only sort and an ``index_select``, ops torch
+    runs deterministically on CUDA (``median``/``nanmedian`` with a ``dim`` return indices,
+    which ``torch.use_deterministic_algorithms(True)`` refuses there)."""
+    return rows.sort(dim=1).values.index_select(1, index).view(-1)
 
 
 class StepGuard:
@@ -286,7 +305,7 @@ class StepGuard:
 
     State on the reduce device: the spike window (:class:`_SpikeWindow`), the consecutive
     skips and the skip totals, updated by device ops only: 11 small ops per step without
-    spike skipping, 34 with it (``tests/unit/test_guard_cost.py`` pins the counts).
+    spike skipping, 43 with it (``tests/unit/test_guard_cost.py`` pins the counts).
     """
 
     def __init__(
