@@ -30,16 +30,18 @@ The decision (:class:`StepGuard`) is a device tensor computed from the step's re
 Cost per step: a fixed sequence of small device ops, 11 (43 with ``skip_spike_score``), on
 state allocated once; no host read (docs/integrations.md, *What it costs*).
 
-Why the bits agree on every rank: the inputs are the reduced vector (the result of one
-all-reduce, identical everywhere) or, under plain DDP without gradwatch's all-reduce, each
-rank's own norms of DDP's already reduced gradients, which are bitwise identical across ranks
-(one all-reduce result, divided by the same world size), normed by the same kernels (a rank
-whose own pass failed measures again and decides from that: :func:`gradwatch.step.act_alone`); every
-later op is a deterministic function of those values and of the guard's own device state,
-which starts equal and is updated by the same ops on every rank.
+Why the bits agree on every rank: the inputs are the reduced vector, the result of one
+all-reduce, identical everywhere. With a guard every collect all-reduces, under plain DDP too
+(where collects otherwise skip it: :meth:`gradwatch.reduce.Reducer.issues_collective`), so a
+gradient that one rank alone holds differently after DDP's reduction (a NaN written by a
+post-backward hook) is every rank's, decided and published alike. Every later op is a
+deterministic function of that vector and of the guard's own device state, which starts equal
+and is updated by the same ops on every rank. A rank whose own pass failed stands in (a NaN
+step slot): no rank skips that step. Call ``guard()`` on every rank, before the first guarded
+step.
 
-Sync behaviour: no host read and no collective of its own (the collect it uses makes its usual
-one, or none under plain DDP). With an optimizer that accepts ``found_inf``
+Sync behaviour: no host read and no collective of its own (the collect it uses makes its one
+all-reduce). With an optimizer that accepts ``found_inf``
 (``fused=True`` Adam, AdamW, SGD: ``_step_supports_amp_scaling``) the decision is handed to it
 as ``found_inf`` the way ``torch.amp.GradScaler`` does, so the kernel skips the update on the
 device and the step counters are restored (``step += 1 - found_inf``). Any other optimizer

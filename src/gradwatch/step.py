@@ -210,6 +210,7 @@ class Collector:
         """From now on every collect decides whether the optimizer steps (see
         :meth:`gradwatch.watcher.GradWatch.guard`)."""
         policy = GuardPolicy.from_config(self.cfg)
+        self.resolved.reducer.guarded = True  # its inputs agreed: one all-reduce per collect
         if self.guard is None:
             self.guard = StepGuard(
                 policy, self.resolved.reducer.device, self.cfg.collective_timeout_seconds,
