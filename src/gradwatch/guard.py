@@ -18,16 +18,19 @@ The decision (:class:`StepGuard`) is a device tensor computed from the step's re
   gradients were all finite and whose norm is positive and at most ``2^550`` (about 4e165: a
   norm above scores +Inf, a spike once the window is warm), outside the low band (pieces
   below ``2^-450``, whose squares float64 may not hold: a step whose whole norm lies there
-  has no score); every sample enters the window, skipped spikes too, so a lasting change of level
-  becomes normal after ``spike_window / 2`` steps. The score is defined once the window holds
-  ``spike_warmup`` samples;
+  has no score); every sample enters the window, skipped spikes too. Changes of level re-base
+  the window exactly as the published score's does (:mod:`gradwatch.spikes`): a new stage
+  (the isolated groups changed, ``set_isolated``) empties it, and ``SHIFT_RUN`` consecutive
+  scores beyond ``SHIFT_SCORE`` on one side keep only those samples. The score is defined once
+  the window holds ``spike_warmup`` samples; it is published as ``gradwatch_guard_score``, the
+  figure the guard acted on;
 * ``max_consecutive_skips``: the guard skips at most that many steps in a row; a further step
   it would skip is applied (the guard has *stopped*, ``gradwatch_guard_stopped`` 1 and the
   alert says why) until a step it would not skip re-arms it;
 * a step some rank stood in for (its step slot NaN: a failed local pass, or -inf: a closed
   watcher) is never skipped and is no sample: a guard that cannot see does not act.
 
-Cost per step: a fixed sequence of small device ops, 11 (43 with ``skip_spike_score``), on
+Cost per step: a fixed sequence of small device ops, 11 (58 with ``skip_spike_score``), on
 state allocated once; no host read (docs/integrations.md, *What it costs*).
 
 Why the bits agree on every rank: the inputs are the reduced vector, the result of one
@@ -66,7 +69,7 @@ from gradwatch.bands import HIGH_SHIFT
 from gradwatch.collective import wait_event
 from gradwatch.config import WatchConfig
 from gradwatch.reduce import ReducedVector
-from gradwatch.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD
+from gradwatch.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD, SHIFT_RUN, SHIFT_SCORE
 
 __all__ = ["GuardDecision", "GuardPolicy", "GuardReading", "GuardedOptimizer", "StepGuard"]
 
@@ -161,14 +164,18 @@ class GuardReading:
             ),
         )
 
-    def snapshot_fields(self) -> dict[str, Any]:
-        """The :class:`~gradwatch.snapshot.Snapshot` fields this reading sets."""
-        return {
+    def snapshot_fields(self, spikes: bool = False) -> dict[str, Any]:
+        """The :class:`~gradwatch.snapshot.Snapshot` fields this reading sets (``spikes``:
+        the guard skips spikes, so its score is published too)."""
+        fields: dict[str, Any] = {
             "guard_skipped": self.skipped,
             "consecutive_skipped_steps": self.consecutive,
             "guard_stopped": self.stopped,
             "skipped_steps": self.totals,
         }
+        if spikes:
+            fields["guard_score"] = self.score
+        return fields
 
 
 class GuardDecision:
@@ -256,6 +263,13 @@ class _SpikeWindow:
         self._floor = torch.tensor(2.0 * MIN_LOG_SPREAD, **f64)
         self._zero = torch.zeros((), **f64)
         self._nan = torch.full((), math.nan, **f64)
+        self._shift_score = torch.tensor(SHIFT_SCORE, **f64)
+        self._shift_run = torch.tensor(float(SHIFT_RUN), **f64)
+        # The latest scores beyond SHIFT_SCORE on one side: their count, signed by the side.
+        self._run = torch.zeros((), **f64)
+        # The samples older than a full run: emptied when the run re-bases the window.
+        older = torch.arange(size, device=device) < size - SHIFT_RUN
+        self._before_run = older.expand(2, size).contiguous()
 
     def _views(self) -> None:
         size = self.samples.shape[1]
@@ -267,7 +281,8 @@ class _SpikeWindow:
     def move_to(self, device: torch.device) -> None:
         """Keep the window, on ``device``."""
         for name in ("threshold", "samples", "_signs", "_halves", "_sigma_halves", "_floor",
-                     "_zero", "_nan"):
+                     "_zero", "_nan", "_shift_score", "_shift_run", "_run",
+                     "_before_run"):
             setattr(self, name, getattr(self, name).to(device))
         self._views()
 
@@ -283,7 +298,28 @@ class _SpikeWindow:
         spread = torch.maximum(torch.dot(lower_upper, self._sigma_halves), self._floor)
         shifted = torch.cat((self._older, y * self._signs), dim=1)
         samples.copy_(torch.where(sample, shifted, samples))
-        return (torch.where(sample, y, self._nan) - median) / spread
+        score = (torch.where(sample, y, self._nan) - median) / spread
+        self._track_shift(score)
+        return score
+
+    def _track_shift(self, score: Tensor) -> None:
+        """:meth:`gradwatch.spikes.SpikeWindow.track_shift` on the device: a defined ``score``
+        beyond ``SHIFT_SCORE`` on the side of the current run extends it, on the other side
+        starts a new one, within it ends it; the ``SHIFT_RUN``-th sample of a run re-bases
+        the window on the run's samples (its last ``SHIFT_RUN`` columns: they entered one
+        after another), as the published score's window does. The run is one signed count
+        (its length, signed by its side): ``(max(run * side, 0) + 1) * side``."""
+        side = torch.where(score.abs() > self._shift_score, score.sign(), self._zero)
+        extended = (torch.clamp(self._run * side, min=0.0) + 1.0) * side
+        run = torch.where(torch.eq(score, score), extended, self._run)  # NaN: undefined
+        rebase = torch.ge(run.abs(), self._shift_run)
+        self.samples.masked_fill_(rebase & self._before_run, math.nan)
+        self._run = torch.where(rebase, self._zero, run)
+
+    def clear(self) -> None:
+        """Empty the window (a new stage: a new baseline, as the published score's)."""
+        self.samples.fill_(math.nan)
+        self._run = self._zero.clone()
 
 
 def _lower_middle_index(values: Tensor) -> Tensor:
@@ -307,7 +343,7 @@ class StepGuard:
 
     State on the reduce device: the spike window (:class:`_SpikeWindow`), the consecutive
     skips and the skip totals, updated by device ops only: 11 small ops per step without
-    spike skipping, 43 with it (``tests/unit/test_guard_cost.py`` pins the counts).
+    spike skipping, 58 with it (``tests/unit/test_guard_cost.py`` pins the counts).
     """
 
     def __init__(
@@ -319,6 +355,10 @@ class StepGuard:
         self._skip_nonfinite = policy.skip_nonfinite and not amp
         self._timeout = timeout
         self._logged: set[str] = set()
+        # The stage (the isolated groups) of the step being decided, set by the collect on
+        # every rank alike, and of the last decided step.
+        self.stage: frozenset[str] = frozenset()
+        self._decided_stage: frozenset[str] | None = None
         self._start(device)
 
     def _start(self, device: torch.device) -> None:
@@ -385,6 +425,10 @@ class StepGuard:
         if head.device != self._device:  # the reducer followed the gradients
             self._start(head.device)
         window = self._window
+        if self.stage != self._decided_stage:
+            if window is not None and self._decided_stage is not None:
+                window.clear()  # the isolated groups changed: a new baseline, as published
+            self._decided_stage = self.stage
         weights, y_weights = self._weights_for(head)
         finite = torch.dot(head, weights) < self._high_limit  # False for NaN too
         measured = step > self._neg_inf  # NaN or -inf: a rank stood in

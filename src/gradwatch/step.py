@@ -255,6 +255,8 @@ class Collector:
                 )
                 return Collected(not_measured(step, off))
         started = time.perf_counter()
+        if self.guard is not None:  # its spike window re-bases on a new stage, as published
+            self.guard.stage = frozenset(self.isolated)
         reducer = self.resolved.reducer
         issued = reducer.issued
         self._collected = True

@@ -221,6 +221,7 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         clip_coef=0.123456789,
         guard_skipped="spike",
         consecutive_skipped_steps=1,
+        guard_score=7.5,
         skipped_steps={"nonfinite": 0, "spike": 1},
         amp_skipped=False,
         timestamp=1_700_000_000.123456,
@@ -1471,6 +1472,7 @@ SPIKE_FAMILIES = (
     "gradwatch_skipped_steps",
     "gradwatch_consecutive_skipped_steps",
     "gradwatch_guard_stopped",
+    "gradwatch_guard_score",
 )
 
 

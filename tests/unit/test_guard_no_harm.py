@@ -146,3 +146,49 @@ def test_a_skipped_first_fused_sgd_step_leaves_a_fresh_optimizer(scaled: bool) -
                 s.update()
                 o.zero_grad()
             assert _bits(_state(model, opt)) == _bits(_state(twin, twin_opt)), step
+
+
+class _TwoGroups(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = nn.Parameter(torch.zeros(5))
+        self.s = nn.Parameter(torch.zeros(3))
+
+
+def test_the_guard_acts_on_the_spike_score_it_publishes_across_stage_changes() -> None:
+    """A run with an announced stage change (``set_isolated``) that moves the level 30x up, a
+    sustained 20x shift down without one, and spikes after each: on every step the guard
+    skipped for a spike exactly when its published ``guard_score`` is above
+    ``skip_spike_score``, that score is the published global spike score (the same NaN
+    steps, equal to rounding), and both spikes are skipped, neither change of level."""
+    threshold = 6.0
+    model = _TwoGroups()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, fused=True)
+    cfg = WatchConfig(
+        groups={"host": ["h"], "seed": ["s"]}, spike_window=16, spike_warmup=4,
+        spike_threshold=threshold, skip_spike_score=threshold,
+    )
+    gen = torch.Generator().manual_seed(3)
+    stage_at, shift_at, spikes = 30, 70, (45, 100)
+    snaps = []
+    with GradWatch(model, cfg) as watch:
+        guarded = watch.guard(opt)
+        for step in range(120):
+            if step == stage_at:
+                watch.set_isolated(["seed"])
+            level = 30.0 if stage_at <= step < shift_at else 1.0 if step < stage_at else 1.5
+            level *= 10.0 if step in spikes else 1.0
+            for p in model.parameters():
+                p.grad = level * (1.0 + 0.05 * torch.randn(p.shape, generator=gen))
+            guarded.step()
+            snaps.append(watch._collector.latest.result())
+    skipped = [s.step for s in snaps if s.guard_skipped == "spike"]
+    assert skipped == list(spikes), skipped
+    for s in snaps:
+        assert s.guard_score is not None and s.global_spike_score is not None
+        assert (s.guard_skipped == "spike") == (s.guard_score > threshold), s.step
+        assert math.isnan(s.guard_score) == math.isnan(s.global_spike_score), s.step
+        if not math.isnan(s.guard_score):
+            assert s.guard_score == pytest.approx(s.global_spike_score, rel=1e-9, abs=1e-9)
+    # the stage change and the shift re-based both windows: undefined for the warm-up
+    assert math.isnan(snaps[stage_at].guard_score)
