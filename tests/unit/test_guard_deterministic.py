@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from gradwatch import GradWatch, WatchConfig, stats
-from gradwatch.testing import NondeterministicOps
+from gradwatch import GradWatch, WatchConfig
+from gradwatch.doctor.testing import NondeterministicOps
+from gradwatch.norms import stats
 
 
 @pytest.fixture
