@@ -27,6 +27,7 @@ from torch import nn
 from gradwatch.config import WatchConfig
 from gradwatch.doctor.options import FAIL, PASS, Check
 from gradwatch.doctor.testing import NondeterministicOps
+from gradwatch.errors import GradWatchError
 from gradwatch.watcher import GradWatch
 
 #: Steps of each guard check (a spike or an overflow among them).
@@ -125,7 +126,7 @@ def check_deterministic(device: torch.device) -> Check:
                 if latest is not None and latest.step == step:
                     snap = latest.result()  # raises for a step that was not measured
                     measured.append(snap.skipped_steps.get("spike", 0))
-    except Exception as exc:  # a refused op, or the reason a step was not measured
+    except (RuntimeError, GradWatchError) as exc:  # a refused op; why a step was not measured
         return Check("cuda[deterministic]", FAIL, f"{type(exc).__name__}: {exc}"[:200],
                      threshold)
     finally:
