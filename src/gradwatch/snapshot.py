@@ -116,9 +116,10 @@ class Snapshot:
             ``max_consecutive_skips`` in a row, so the update was applied.
         skipped_steps: reason -> steps the guard skipped so far (every guarded step,
             published or not).
-        guard_score: the spike score the guard compared with ``skip_spike_score`` on this
-            step (the robust median/MAD score or, with ``guard_spike_statistic="ema"``, the
-            EMA z-score); None while undefined or with spike skips off.
+        guard_score: the spike score the guard acted on at this step (NaN while undefined;
+            None without spike skipping): it skipped for a spike exactly when this is above
+            ``skip_spike_score``. The median/MAD window's score or, with
+            ``guard_spike_statistic="ema"``, the adaptive history's EMA z-score.
         adaptive_clip_threshold: the adaptive clip threshold of this step (the EMA mean plus
             ``adaptive_clip_z`` EMA deviations of earlier norms, :mod:`gradwatch.step.adaptive`);
             None during its warm-up or when no adaptive history runs.

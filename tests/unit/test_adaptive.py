@@ -209,9 +209,12 @@ def test_guard_skips_on_the_ema_score() -> None:
             scores.append(snap.guard_score)
             history = watch._collector.history
             assert history is not None and history.last is not None
-            assert snap.guard_score == history.last.reading().score
+            ema_score = history.last.reading().score
+            assert snap.guard_score == ema_score or (ema_score is None and math.isnan(
+                snap.guard_score))
     assert 30 in skipped and len(skipped) <= 2, skipped
-    assert all(s is None for s in scores[:10]) and scores[30] is not None and scores[30] > 6
+    assert all(math.isnan(s) for s in scores[:10]) and scores[30] > 6
+    assert snap.skipped_steps == {"nonfinite": 0, "spike": len(skipped)}
 
 
 
@@ -242,8 +245,8 @@ def _warm_guarded_ops(statistic: str | None, clip: bool) -> OpCounter:
 
 #: Device ops of a warm guarded step over the unguarded one (pinned, as tests/unit/
 #: test_guard_cost.py pins the guard's): (statistic, with clip_grad_norm_("auto")).
-GUARD_EXTRA_OPS = {("ema", True): 14, ("median_mad", True): 35, ("ema", False): 86,
-                   ("median_mad", False): 35}
+GUARD_EXTRA_OPS = {("ema", True): 15, ("median_mad", True): 59, ("ema", False): 87,
+                   ("median_mad", False): 59}
 
 
 @pytest.mark.parametrize("clip", [True, False], ids=["auto-clip", "no-clip"])
@@ -257,5 +260,5 @@ def test_what_the_ema_statistic_costs(clip: bool) -> None:
         ops = _warm_guarded_ops(statistic, clip)
         assert ops.scalar_reads == 0
         extra = ops.ops - plain.ops
-        assert ("aten.nanmedian" in extra) == (statistic == "median_mad")
+        assert ("aten.sort" in extra) == (statistic == "median_mad"), dict(extra)
         assert sum(extra.values()) == GUARD_EXTRA_OPS[statistic, clip], dict(extra)

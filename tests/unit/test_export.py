@@ -221,8 +221,8 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         clip_coef=0.123456789,
         guard_skipped="spike",
         consecutive_skipped_steps=1,
-        skipped_steps={"nonfinite": 0, "spike": 1},
         guard_score=7.5,
+        skipped_steps={"nonfinite": 0, "spike": 1},
         adaptive_clip_threshold=1.25,
         amp_skipped=False,
         timestamp=1_700_000_000.123456,
@@ -1473,8 +1473,8 @@ SPIKE_FAMILIES = (
     "gradwatch_skipped_steps",
     "gradwatch_consecutive_skipped_steps",
     "gradwatch_guard_stopped",
-    # what acted on a step (tested in test_adaptive_and_guard_score_gauges)
     "gradwatch_guard_score",
+    # what acted on a step (tested in test_adaptive_and_guard_score_gauges)
     "gradwatch_adaptive_clip_threshold",
 )
 

@@ -392,11 +392,13 @@ GUARD_SCORE = MetricDef(
     "gradwatch_guard_score",
     "gauge",
     (),
-    "Spike score the guard compared with skip_spike_score at the last published step: the "
-    "device median/MAD score of ln(norm) or, with guard_spike_statistic=ema, the EMA "
-    "z-score (norm - mean) / sd of the adaptive history.",
-    "Absent while undefined (warm-up, a non-finite or unmeasured step), with spike skips off "
-    "or without `watch.guard()`. Not the alerts' host-side gradwatch_global_grad_norm_spike_score.",
+    "The spike score the optimizer-step guard acted on at the last published step: it "
+    "skipped that step for a spike exactly when this is above skip_spike_score.",
+    "The definition of `gradwatch_global_grad_norm_spike_score` (the same window, warm-up "
+    "and re-basing on a new stage or a level shift), computed on the device from the "
+    "reduced vector; with `guard_spike_statistic=\"ema\"` the EMA z-score (norm - mean) / sd "
+    "of the adaptive clip's history. NaN while undefined; absent without `watch.guard()` and "
+    "`skip_spike_score`.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.guard_score),
 )
