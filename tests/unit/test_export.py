@@ -264,10 +264,13 @@ def expected_gauges(snap: Snapshot, ratio_pairs: dict[str, tuple[str, str]]) -> 
         },
         "gradwatch_health_score": {(): snap.health},
         "gradwatch_isolation_violated": {
-            (("group", g),): 1.0 if v else 0.0 for g, v in snap.isolation_violated.items()
+            (("group", g),): 1.0 if v else 0.0
+            for g, v in snap.isolation_violated.items()
+            if v is not None
         },
-        "gradwatch_replica_divergence": {(): snap.replica_divergence},
     }
+    if snap.replica_divergence is not None:  # None: nothing measured it, no sample
+        out["gradwatch_replica_divergence"] = {(): snap.replica_divergence}
     if snap.clip_coef is not None:
         out["gradwatch_clip_coef"] = {(): snap.clip_coef}
     if snap.rank_view:  # the per-rank view
@@ -564,6 +567,7 @@ NOT_STEP_VALUED = {
     "gradwatch_run_info",
     "gradwatch_amp_skipped_steps_total",
     "gradwatch_nonfinite_steps_total",
+    "gradwatch_no_gradient_steps_total",
     "gradwatch_nonfinite_group_steps_total",
     # the norm histograms' _count is the step (one observation per publish), not the rest
     "gradwatch_global_grad_norm_per_step_bucket",
@@ -1380,6 +1384,9 @@ gradwatch_collections_total 2.0
 # HELP gradwatch_nonfinite_steps_total Published snapshots with a NaN or Inf gradient, except steps the AMP GradScaler skipped.
 # TYPE gradwatch_nonfinite_steps_total counter
 gradwatch_nonfinite_steps_total 1.0
+# HELP gradwatch_no_gradient_steps_total Published snapshots of steps on which no parameter had a gradient at all.
+# TYPE gradwatch_no_gradient_steps_total counter
+gradwatch_no_gradient_steps_total 0.0
 # HELP gradwatch_amp_skipped_steps_total Published snapshots of steps the AMP GradScaler skipped (non-finite gradients under loss scaling).
 # TYPE gradwatch_amp_skipped_steps_total counter
 gradwatch_amp_skipped_steps_total 0.0
