@@ -17,6 +17,7 @@ from types import MappingProxyType
 
 from prometheus_client.utils import floatToGoString
 
+from gradwatch.analysis.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
 from gradwatch.export.metricdef import (
     ABSENT_SPIKES_OFF,
     ABSENT_UNTIL_MEASURED,
@@ -46,7 +47,6 @@ from gradwatch.export.metricdef import (
     select_param_series,
 )
 from gradwatch.export.publisher import MAX_PENDING
-from gradwatch.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
 
 __all__ = [
     "EXEMPLAR_COUNTERS",
@@ -352,7 +352,7 @@ ISOLATION_VIOLATIONS_TOTAL = MetricDef(
     source=MetricSource.COUNTS,
     read=lambda c: each(c.isolation_violations.items()),
 )
-# -- the optimizer-step guard (watch.guard, gradwatch.guard) ---------------------------------
+# -- the optimizer-step guard (watch.guard, gradwatch.step.guard) ---------------------------------
 SKIPPED_STEPS_TOTAL = MetricDef(
     "gradwatch_skipped_steps_total",
     "counter",
@@ -389,7 +389,7 @@ GUARD_STOPPED = MetricDef(
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.consecutive_skipped_steps is None else one(s.snap.guard_stopped),
 )
-# -- spikes and every step between scrapes (gradwatch.spikes, state.Counts) ----------------
+# -- spikes and every step between scrapes (gradwatch.analysis.spikes, state.Counts)
 GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
     "gradwatch_global_grad_norm_spike_score",
     "gauge",
