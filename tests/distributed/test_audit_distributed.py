@@ -107,6 +107,7 @@ def _ddp_loop(rank: int, world: int, source: str, reduce_again: bool) -> dict:
                     dist.all_reduce(p.grad)  # the bug: already averaged by DDP
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             watch.audit_norm(norm, step=step, source=source)
+            assert watch.last is not None  # every rank builds its results: rank 0 alone logs
         watch.flush()
         if rank == 0:
             out["ratio"], out["disagreements"] = _audit_series(watch.metrics_url, source, STEPS)
@@ -161,3 +162,7 @@ def test_audit_diagnoses_reproduced_bugs_and_stays_silent_on_a_correct_loop(
     assert correct["ratio"] == pytest.approx(1.0, abs=1e-6)
     assert correct["disagreements"] == 0
     assert not [m for m in messages if "'torch_clip'" in m]
+
+    # Rank 1 built the same results (watch.last) and judged the same reports: only rank 0 logs.
+    rank1 = json.loads((tmp_path / "1.json").read_text())["messages"]
+    assert not [m for m in rank1 if "disagrees" in m], rank1
