@@ -1703,3 +1703,25 @@ def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
     assert current.samples[catalog.GUARD_STOPPED] == (((), 0.0),)
     state.write(Snapshot(step=6))  # an unguarded snapshot keeps the totals
     assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL][1] == (("spike",), 3.0)
+
+
+def test_a_timed_out_step_is_logged_in_one_line_an_unexpected_error_with_its_traceback(
+    servers: Callable[..., MetricsServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A straggler's timeout is gradwatch's own error: its message says everything (the step,
+    the setting that bounded the wait), so no 40-line traceback; a sink's bug keeps its own."""
+    from gradwatch.errors import GradWatchTimeoutError
+
+    server = servers()
+    caplog.set_level(logging.WARNING, logger="gradwatch.export")
+    try:
+        raise GradWatchTimeoutError("gradwatch: step 1 ... (collective_timeout_seconds)")
+    except GradWatchTimeoutError as exc:
+        straggler = exc
+    for pending in (Failing(1, straggler), Failing(2, ValueError("a bug"))):
+        server.submit(pending)
+        assert server.flush(10)
+    records = {r.getMessage().split("(")[1].split(":")[0]: r for r in caplog.records}
+    assert records["GradWatchTimeoutError"].exc_info is None
+    assert "collective_timeout_seconds" in records["GradWatchTimeoutError"].getMessage()
+    assert records["ValueError"].exc_info is not None

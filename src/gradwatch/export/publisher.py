@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from gradwatch.errors import GradWatchError
 from gradwatch.snapshot import Snapshot
 
 if TYPE_CHECKING:  # the catalog reads MAX_PENDING; the state reads the catalog
@@ -195,5 +196,7 @@ class Publisher:
                 action,
                 type(exc).__name__,
                 exc,
-                exc_info=exc,
+                # gradwatch's own errors (a straggler's timeout...) say all in one line; a
+                # traceback is for the unexpected (a bug in a sink)
+                exc_info=None if isinstance(exc, GradWatchError) else exc,
             )

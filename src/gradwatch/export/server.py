@@ -90,7 +90,7 @@ REFUSE_DELAY = 1.0
 MAX_INFLIGHT_PER_CLIENT = 64
 #: Open connections in all, and per client (IP address): see :class:`ConnectionLimits`.
 MAX_CONNECTIONS = 2048
-MAX_CONNECTIONS_PER_CLIENT = 64
+MAX_CONNECTIONS_PER_CLIENT = 256
 #: The request line and headers (after the TLS handshake) must arrive within this many seconds
 #: and this many bytes: a client sending a byte at a time cannot hold a connection for long.
 HEAD_TIMEOUT = 10.0
