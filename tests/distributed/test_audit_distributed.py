@@ -61,6 +61,7 @@ def _backward(model: nn.Module, rank: int, step: int) -> None:
 def _fsdp2_local_clip(rank: int, source: str) -> dict:
     """The bug: the clip norm is this rank's shards only (no all-reduce of the squares)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.utils import get_total_norm
 
     from gradwatch import GradWatch, WatchConfig
 
@@ -77,6 +78,8 @@ def _fsdp2_local_clip(rank: int, source: str) -> dict:
                 math.sqrt(_fsum_sq(p.grad.full_tensor() for p in model.parameters()))
             )
             out["local"].append(math.sqrt(_fsum_sq(p.grad.to_local() for p in model.parameters())))
+            total = get_total_norm([p.grad for p in model.parameters()], 2.0)
+            out.setdefault("total_to_local", []).append(float(total.to_local()))
             watch.collect(step)
             local_sq = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
             norm = local_sq.sqrt()  # the missing dist.all_reduce(local_sq) is the bug
@@ -149,6 +152,10 @@ def test_audit_diagnoses_reproduced_bugs_and_stays_silent_on_a_correct_loop(
     assert fsdp["disagreements"] == STEPS
     logged = [m for m in messages if "'fsdp_clip'" in m and "likely cause" in m]
     assert logged and "local norm" in logged[0] and "1/sqrt(2)" in logged[0], messages
+    # docs/integrations.md, section 7: torch's get_total_norm of DTensor gradients is already
+    # the whole model's norm, replicated: its to_local() is no rank-local norm (ratio 1).
+    for got, exact in zip(fsdp["total_to_local"], fsdp["exact"], strict=True):
+        assert got == pytest.approx(exact, rel=1e-6)
 
     # Gradients all-reduced again after DDP averaged them: twice the norm, diagnosed.
     twice = r["ddp_twice"]
