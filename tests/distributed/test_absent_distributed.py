@@ -45,3 +45,14 @@ def test_catalog_walk(w2: list[dict[str, Any]], case: str, parallelism: str) -> 
         elif metric != "gradwatch_gradient_noise_scale":  # NaN while undefined, yet published
             assert value is not None and value == value, (metric, value)
             assert tag in rank0["row_tags"], tag
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 60)
+def test_step_warnings_come_from_rank_0_only(w2: list[dict[str, Any]]) -> None:
+    """Both ranks built the snapshots of a step without gradient and of a NaN step (result()
+    on every rank): the warnings are rank 0's alone."""
+    rank0, rank1 = case_results(w2, "ddp")
+    assert any("no parameter has a gradient" in m for m in rank0["warnings"]), rank0["warnings"]
+    assert any("non-finite gradients" in m for m in rank0["warnings"]), rank0["warnings"]
+    quiet = [m for m in rank1["warnings"] if "gradient" in m]
+    assert not quiet, quiet

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from logs import Capture
 from prometheus_client.parser import text_string_to_metric_families
 from promserver import http_get
 from torch import nn
@@ -170,9 +171,17 @@ def _dist_case(wrap: str, **cfg: Any) -> Any:
             fully_shard(model[2])
             fully_shard(model)
         torch.manual_seed(100 + rank)  # different data per replica: a noise scale to measure
-        with GradWatch(model, _dist_config(**cfg)) as watch:
+        with Capture() as logged, GradWatch(model, _dist_config(**cfg)) as watch:
             seen = observe(watch, model, torch.randn(8, 4), None)
             seen["parallelism"] = watch.parallelism
+            if wrap == "ddp":  # then a step without gradient and a NaN step, built on every rank
+                model.zero_grad(set_to_none=True)
+                watch.collect(STEPS).result()
+                model(torch.randn(8, 4)).sum().backward()
+                for p in model.parameters():
+                    p.grad.fill_(math.nan)
+                watch.collect(STEPS + 1).result()
+        seen["warnings"] = logged.lines
         return seen
 
     return run

@@ -196,3 +196,18 @@ def test_disabled_snapshot_has_the_enabled_keys_and_no_figure() -> None:
     assert not snap.nonfinite_step and not snap.exploding_step  # counted as nothing
     pending = off.collect(5)
     assert pending.result() is off.last and off.last.step == 5
+
+
+def test_refused_watcher_snapshots_have_the_enabled_keys_too() -> None:
+    from gradwatch.watcher import RefusedWatch
+
+    model = _Net()
+    refused = RefusedWatch(model, _config(True), RuntimeError("unsupported"))
+    try:
+        snap = refused.collect(3).result()
+    finally:
+        refused.close()
+    assert refused.last is snap and not snap.measured and snap.parallelism == "refused"
+    assert list(snap.groups) == ["host", "seed", "other"]
+    assert set(snap.ratios) == {"seed/host", "other/seed"}
+    assert math.isnan(snap.global_norm) and math.isnan(snap.ratios["seed/host"])
