@@ -40,7 +40,7 @@ from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.configfile import load_config
 from gradwatch.errors import GradWatchError
 from gradwatch.norms.hooks import before_optimizer_step
-from gradwatch.norms.model import group_membership, named_parameters
+from gradwatch.norms.model import shown_groups
 from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.ddp_hook import detach
 from gradwatch.step.collector import Collector, PendingSnapshot, clip_locally
@@ -387,7 +387,7 @@ class NoOpWatch:
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()  # not a collective
         self._isolated = tuple(self.config.isolated)
-        self._groups = _group_order(model, self.config)
+        self._groups = shown_groups(model, self.config.groups)
         self._last: Snapshot | None = None
         self._steps = 0
 
@@ -516,16 +516,6 @@ class RefusedWatch(NoOpWatch):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _group_order(model: nn.Module, cfg: WatchConfig) -> tuple[str, ...]:
-    """The groups an enabled watcher's snapshots would show for ``model`` (the configured
-    ones, then ``"other"`` when a parameter matches no pattern); the configured ones alone
-    when the model's names cannot be read (a refused setup must not raise here)."""
-    try:
-        return tuple(group_membership(named_parameters(model)[0], cfg.groups)[1])
-    except Exception:
-        return tuple(cfg.groups)
 
 
 def watch(

@@ -270,7 +270,7 @@ def unregister_for_sigterm(target: FileSDTarget) -> None:
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     # No lock here: the handler runs on the main thread, which may hold any of them.
     for target in list(_live):
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError):
             target.remove_now()
     previous = _previous
     if callable(previous):
