@@ -135,6 +135,18 @@ def _scrape_last(url: str, step: int, timeout: float = 30.0) -> set[str]:
         time.sleep(0.1)
 
 
+def scrape_catalog(url: str, timeout: float = 30.0) -> set[str]:
+    """The catalog metrics of the first scrape that answers (a refused watcher's endpoint)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return catalog_names_with_samples(http_get(url))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def nan_or_none(value: Any) -> bool:
     """Not a measurement: None, or NaN."""
     return value is None or (isinstance(value, float) and math.isnan(value))

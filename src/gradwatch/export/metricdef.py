@@ -138,7 +138,7 @@ ABSENT_UNTIL_MEASURED = (
     "Before the first measured step is published, while `gradwatch_collecting` is 0 "
     "(a refused watcher), and when disabled."
 )
-ABSENT_WHEN_DISABLED = "Only when disabled or refused (present from the first scrape otherwise)."
+ABSENT_WHEN_DISABLED = "Only when disabled (present from the first scrape otherwise, refused too)."
 ABSENT_WITHOUT_RANK_VIEW = (
     "Without the per-rank view: one process, DDP without `rank_view`, FSDP, ZeRO, pipeline "
     "stages without DDP, above the slot world size (docs/distributed.md); and as the per-step "
