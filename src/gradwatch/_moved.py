@@ -38,7 +38,7 @@ MOVED: dict[str, str] = {
         "fsdp1": "stacks.fsdp1",
         "zero": "stacks.zero",
         "main_grad": "stacks.main_grad",
-        "experts": "stacks.experts",
+        "experts": "reduce.experts",
         "ddp_hook": "stacks.ddp_hook",
         "layout": "reduce.layout",
         "handshake": "reduce.handshake",

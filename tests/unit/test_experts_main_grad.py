@@ -22,7 +22,7 @@ from torch import nn
 
 import gradwatch
 from gradwatch import GradWatch, LayoutMismatchError, UnsupportedParallelismError, WatchConfig
-from gradwatch.stacks.experts import check_expert_holders, expert_names
+from gradwatch.reduce.experts import check_expert_holders, expert_names
 from gradwatch.watcher import RefusedWatch
 
 
