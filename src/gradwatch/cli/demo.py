@@ -397,7 +397,7 @@ def demo(
 
     A model grows a "seed" module next to a "host" backbone: the host trains alone, then the seed with the host frozen (isolated), then both. Rank 0 serves the metrics; the table shows what it serves.
     """  # noqa: E501 (one line per paragraph: the help is rewrapped to the terminal)
-    try:  # the parameters are the fields (tests/unit/test_demo_options.py): nothing restated
+    try:  # the parameters are the fields (tests/unit/cli/test_demo_options.py): nothing restated
         opts = DemoOptions(**locals())
     except DemoOptionError as exc:
         raise typer.BadParameter(exc.problem, param_hint=exc.flag) from None

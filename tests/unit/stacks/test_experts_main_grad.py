@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from allocations import OutputRecorder
 from pydantic import ValidationError
-from test_stats import OutputRecorder
 from torch import nn
 
 import gradwatch
