@@ -386,3 +386,23 @@ def test_the_tree_shows_the_layers() -> None:
     subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
     assert len(subpackages) >= MIN_SUBPACKAGES, subpackages
+
+
+#: The size limits of the developers' guide.
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 300
+
+
+def test_no_module_or_class_over_its_size_limit() -> None:
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(PACKAGE).as_posix()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    too_long.append(f"{rel}: class {node.name}: {lines} lines")
+    assert not too_long, too_long
