@@ -70,6 +70,16 @@ def ratio_defined(denominator: GroupStats | None) -> bool:
     )
 
 
+#: Added to the total norm in the clip coefficient, like ``torch.nn.utils.clip_grad_norm_``.
+CLIP_EPS = 1e-6
+
+
+def clip_coefficient(max_norm: float, total: float) -> float:
+    """``min(1, max_norm / (total + 1e-6))`` on the host: :attr:`Snapshot.clip_coef`, by the
+    same float64 formula as the device-side coefficient ``step.clip.clip_grads_`` applies."""
+    return min(1.0, max_norm / (total + CLIP_EPS))
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Gradient statistics of the whole model for one step, as one process would see them.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from prometheus_client.utils import floatToGoString
 
@@ -24,7 +23,9 @@ from gradwatch.export.metricdef import (
     MAX_AUDIT_SOURCES,
     MAX_ORIGIN_SERIES,
     MAX_PARAM_SERIES,
+    MAX_PENDING,
     NORM_BUCKETS,
+    CollectTimes,
     HistogramValue,
     JobInfo,
     LabelledHistograms,
@@ -41,11 +42,7 @@ from gradwatch.export.metricdef import (
     rank_view_field,
     select_param_series,
 )
-from gradwatch.export.publisher import MAX_PENDING
 from gradwatch.snapshot import ratio_defined
-
-if TYPE_CHECKING:  # the state reads through this catalog: its types for annotations only
-    from gradwatch.export.state import SelfView
 
 __all__ = [
     "EXEMPLAR_COUNTERS",
@@ -99,7 +96,7 @@ def _norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
     return cumulative_histogram(_NORM_LE, *hist)
 
 
-def _collect_seconds(v: SelfView) -> HistogramValue:
+def _collect_seconds(v: CollectTimes) -> HistogramValue:
     """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
     return cumulative_histogram(_COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
 
