@@ -33,6 +33,7 @@ ABSENT_IN_THESE_RUNS = frozenset({
     "gradwatch_skipped_steps_total",
     "gradwatch_consecutive_skipped_steps",
     "gradwatch_guard_stopped",
+    "gradwatch_guard_score",
     "gradwatch_reported_norm_ratio",
     "gradwatch_norm_audit_disagreements_total",
 })

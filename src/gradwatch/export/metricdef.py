@@ -21,15 +21,12 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from prometheus_client.utils import floatToGoString
 
 from gradwatch.config import RatioSpec
 from gradwatch.snapshot import Snapshot, ratio_defined
-
-if TYPE_CHECKING:  # the state reads through the catalog: its types for annotations only
-    from gradwatch.export.state import SelfView
 
 __all__ = [
     "COLLECT_SECONDS_BUCKETS",
@@ -176,6 +173,17 @@ class JobInfo:
     ratios: Sequence[RatioSpec] = ()
 
 
+class CollectTimes(Protocol):
+    """What ``gradwatch_collect_seconds`` reads of the exporter's self-stats (``state``'s
+    ``SelfView``): the count per bucket (not cumulative; the last is ``+Inf``) and the sum."""
+
+    @property
+    def bucket_counts(self) -> tuple[int, ...]: ...
+
+    @property
+    def seconds_sum(self) -> float: ...
+
+
 # -- bounds: buckets and series caps ----------------------------------------------------------
 
 #: Upper bounds of the ``gradwatch_*grad_norm_per_step`` buckets: 1 and 3 times each power of
@@ -206,6 +214,10 @@ MAX_ORIGIN_SERIES = 8
 
 #: At most this many ``source`` label values of the norm-audit series (user-given strings).
 MAX_AUDIT_SOURCES = 16
+
+#: Pending results waiting for the publisher; a submit beyond this drops the oldest one.
+#: Small on purpose: a few steps absorb scheduling jitter, more would only publish stale steps.
+MAX_PENDING = 4
 
 
 def select_param_series(
@@ -318,7 +330,7 @@ def norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
     return cumulative_histogram(NORM_LE, *hist)
 
 
-def collect_seconds_histogram(v: SelfView) -> HistogramValue:
+def collect_seconds_histogram(v: CollectTimes) -> HistogramValue:
     """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
     return cumulative_histogram(COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
 

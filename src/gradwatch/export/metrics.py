@@ -18,35 +18,25 @@ from types import MappingProxyType
 from prometheus_client.utils import floatToGoString
 
 from gradwatch.analysis.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
+from gradwatch.export import metricdef as md
 from gradwatch.export.metricdef import (
-    ABSENT_SPIKES_OFF,
-    ABSENT_UNTIL_MEASURED,
-    ABSENT_WHEN_DISABLED,
-    ABSENT_WITHOUT_GUARD,
-    ABSENT_WITHOUT_RANK_VIEW,
     COLLECT_SECONDS_BUCKETS,
     MAX_AUDIT_SOURCES,
     MAX_ORIGIN_SERIES,
     MAX_PARAM_SERIES,
+    MAX_PENDING,
     NORM_BUCKETS,
     NORM_BUCKETS_TEXT,
     LabelledHistograms,
     MetricDef,
     MetricSource,
     MetricValue,
-    collect_seconds_histogram,
     each,
     group_field,
-    isolation_samples,
-    norm_histogram,
     one,
     rank_view_field,
-    ratio_bands,
-    ratio_samples,
-    replica_spread,
     select_param_series,
 )
-from gradwatch.export.publisher import MAX_PENDING
 
 __all__ = [
     "EXEMPLAR_COUNTERS",
@@ -65,7 +55,7 @@ STEP = MetricDef(
     "gauge",
     (),
     "Training step of the last published snapshot.",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.step),
 )
@@ -74,7 +64,7 @@ LAST_COLLECT_TIMESTAMP_SECONDS = MetricDef(
     "gauge",
     (),
     "Wall-clock time (Unix seconds) of the collect() call of the last published snapshot.",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.timestamp),
 )
@@ -84,7 +74,7 @@ GLOBAL_GRAD_NORM = MetricDef(
     (),
     "L2 norm of all gradients of the whole model at the last published step.",
     "NaN or +Inf when a gradient holds NaN or Inf.",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.global_norm),
 )
@@ -94,7 +84,7 @@ GRAD_NORM = MetricDef(
     ("group",),
     "L2 norm of the gradients of one parameter group at the last published step.",
     "Configured groups always appear; `other` only when some parameter matched no pattern.",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("norm"),
 )
@@ -109,14 +99,14 @@ GRAD_NORM_RATIO = MetricDef(
     "as dormant); 0 when only the numerator's norm is below 1e-8 or it has no gradient.",
     absent="Without configured `ratios`; and as the per-step gauges.",
     source=MetricSource.SNAPSHOT,
-    read=ratio_samples,
+    read=md.ratio_samples,
 )
 GROUP_PARAMETERS = MetricDef(
     "gradwatch_group_parameters",
     "gauge",
     ("group",),
     "Number of gradient elements (numel) of the group's parameters that had a gradient.",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("numel"),
 )
@@ -125,7 +115,7 @@ VANISHING_TENSORS = MetricDef(
     "gauge",
     ("group",),
     "Parameters of the group whose gradient L2 norm is below vanishing_threshold.",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("vanishing"),
 )
@@ -134,7 +124,7 @@ EXPLODING_TENSORS = MetricDef(
     "gauge",
     ("group",),
     "Parameters of the group whose gradient L2 norm is above exploding_threshold or non-finite.",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("exploding"),
 )
@@ -143,7 +133,7 @@ NONFINITE_TENSORS = MetricDef(
     "gauge",
     ("group",),
     "Parameters of the group whose gradient holds NaN or Inf.",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("nonfinite"),
 )
@@ -155,7 +145,7 @@ HEALTH_SCORE = MetricDef(
     "global norm is non-finite.",
     "n is the number of parameters with a gradient; NaN when no parameter has one (nothing "
     "to judge: `gradwatch_no_gradient_steps_total` counts such steps).",
-    absent=ABSENT_UNTIL_MEASURED,
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.health),
 )
@@ -168,7 +158,7 @@ ISOLATION_VIOLATED = MetricDef(
     "One series per `isolated` group.",
     absent="Without `isolated` groups; and as the per-step gauges.",
     source=MetricSource.SNAPSHOT,
-    read=isolation_samples,
+    read=md.isolation_samples,
 )
 REPLICA_DIVERGENCE = MetricDef(
     "gradwatch_replica_divergence",
@@ -213,7 +203,7 @@ NONFINITE_ORIGIN_RANKS = MetricDef(
     "Ranks whose local gradients were already NaN or Inf before the data-parallel "
     "reduction, at the last published step.",
     "0 on a finite step.",
-    absent=ABSENT_WITHOUT_RANK_VIEW,
+    absent=md.ABSENT_WITHOUT_RANK_VIEW,
     source=MetricSource.SNAPSHOT,
     read=rank_view_field("nonfinite_origin_count"),
 )
@@ -225,9 +215,9 @@ REPLICA_GRAD_NORM = MetricDef(
     "(stat: min, median, max) at the last published step.",
     "A replica's norm covers its pipeline stages. NaN (median) or NaN/+Inf (max) when "
     "some replica's local gradient was non-finite.",
-    absent=ABSENT_WITHOUT_RANK_VIEW,
+    absent=md.ABSENT_WITHOUT_RANK_VIEW,
     source=MetricSource.SNAPSHOT,
-    read=replica_spread,
+    read=md.replica_spread,
 )
 REPLICA_GRAD_NORM_MAX_RANK = MetricDef(
     "gradwatch_replica_grad_norm_max_rank",
@@ -236,7 +226,7 @@ REPLICA_GRAD_NORM_MAX_RANK = MetricDef(
     "Rank holding the largest local gradient norm (the lowest rank of that replica) at "
     "the last published step.",
     "A non-finite local norm counts as the largest.",
-    absent=ABSENT_WITHOUT_RANK_VIEW,
+    absent=md.ABSENT_WITHOUT_RANK_VIEW,
     source=MetricSource.SNAPSHOT,
     read=rank_view_field("replica_grad_norm_max_rank"),
 )
@@ -249,7 +239,7 @@ REPLICA_OUTLIER_SCORE = MetricDef(
     "0 when all replicas agree; +Inf when a local norm is non-finite or the median is 0 "
     "while some norm is not. The GradwatchReplicaOutlier alert fires on a persistent "
     "outlier.",
-    absent=ABSENT_WITHOUT_RANK_VIEW,
+    absent=md.ABSENT_WITHOUT_RANK_VIEW,
     source=MetricSource.SNAPSHOT,
     read=rank_view_field("replica_outlier_score"),
 )
@@ -294,7 +284,7 @@ COLLECTIONS_TOTAL = MetricDef(
     "counter",
     (),
     "Snapshots published (collected steps that reached the exporter).",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.collections),
 )
@@ -303,7 +293,7 @@ NONFINITE_STEPS_TOTAL = MetricDef(
     "counter",
     (),
     "Published snapshots with a NaN or Inf gradient, except steps the AMP GradScaler skipped.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.nonfinite_steps),
     exemplar=True,
@@ -313,10 +303,9 @@ NO_GRADIENT_STEPS_TOTAL = MetricDef(
     "counter",
     (),
     "Published snapshots of steps on which no parameter had a gradient at all.",
-    "collect() before backward(), or after zero_grad(set_to_none=True): such a step's norms, "
-    "ratios and health are NaN (never a 0.0 and 1.0 that read as healthy); logged once. The "
-    "GradwatchNoGradient alert fires on it.",
-    absent=ABSENT_WHEN_DISABLED,
+    "collect() before backward(), or after zero_grad(set_to_none=True): its norms, ratios and "
+    "health are NaN (not 0.0 and 1.0); logged once. The GradwatchNoGradient alert fires on it.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.no_gradient_steps),
 )
@@ -327,7 +316,7 @@ AMP_SKIPPED_STEPS_TOTAL = MetricDef(
     "Published snapshots of steps the AMP GradScaler skipped (non-finite gradients under "
     "loss scaling).",
     "Such a step is not counted in `gradwatch_nonfinite_steps_total`.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.amp_skipped_steps),
     exemplar=True,
@@ -338,7 +327,7 @@ EXPLODING_STEPS_TOTAL = MetricDef(
     (),
     "Published snapshots with at least one exploding parameter (non-finite ones included).",
     "AMP-skipped steps count here too: their non-finite parameters are exploding by definition.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.exploding_steps),
 )
@@ -362,7 +351,7 @@ SKIPPED_STEPS_TOTAL = MetricDef(
     "skip_spike_score).",
     "Counted by the guard on the device on every guarded step, published or not (the "
     "value of the last published step). Both reasons start at 0.",
-    absent=ABSENT_WITHOUT_GUARD,
+    absent=md.ABSENT_WITHOUT_GUARD,
     source=MetricSource.COUNTS,
     read=lambda c: each(c.skipped_steps.items()),
     exemplar=True,
@@ -374,7 +363,7 @@ CONSECUTIVE_SKIPPED_STEPS = MetricDef(
     "Optimizer steps the guard skipped in a row up to the last published step (0: that "
     "step was applied).",
     "At most `max_consecutive_skips`.",
-    absent=ABSENT_WITHOUT_GUARD,
+    absent=md.ABSENT_WITHOUT_GUARD,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.consecutive_skipped_steps),
 )
@@ -385,9 +374,22 @@ GUARD_STOPPED = MetricDef(
     "1 when the guard applied the last published step although it would have skipped it, "
     "because max_consecutive_skips steps in a row were already skipped; else 0.",
     "The guard skips again after a step it would not skip.",
-    absent=ABSENT_WITHOUT_GUARD,
+    absent=md.ABSENT_WITHOUT_GUARD,
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.consecutive_skipped_steps is None else one(s.snap.guard_stopped),
+)
+GUARD_SCORE = MetricDef(
+    "gradwatch_guard_score",
+    "gauge",
+    (),
+    "The spike score the optimizer-step guard acted on at the last published step: it "
+    "skipped that step for a spike exactly when this is above skip_spike_score.",
+    "The definition of `gradwatch_global_grad_norm_spike_score` (the same window, warm-up "
+    "and re-basing on a new stage or a level shift), computed on the device from the "
+    "reduced vector. NaN while undefined.",
+    absent="Without `watch.guard()` and `skip_spike_score`; and as the per-step gauges.",
+    source=MetricSource.SNAPSHOT,
+    read=lambda s: one(s.snap.guard_score),
 )
 # -- spikes and every step between scrapes (gradwatch.analysis.spikes, state.Counts)
 GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
@@ -399,7 +401,7 @@ GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
     "spike_window collected steps.",
     "NaN while undefined (fewer than `spike_warmup` samples, a non-finite or zero norm). "
     "Negative below the median.",
-    absent=ABSENT_SPIKES_OFF,
+    absent=md.ABSENT_SPIKES_OFF,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.global_spike_score),
 )
@@ -409,7 +411,7 @@ GRAD_NORM_SPIKE_SCORE = MetricDef(
     ("group",),
     "Robust deviations of one group's log-norm above its recent median at the last published step.",
     "As `gradwatch_global_grad_norm_spike_score`, per group.",
-    absent=ABSENT_SPIKES_OFF,
+    absent=md.ABSENT_SPIKES_OFF,
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.global_spike_score is None else each(s.snap.spike_scores.items()),
 )
@@ -419,7 +421,7 @@ GLOBAL_GRAD_NORM_SPIKES_TOTAL = MetricDef(
     (),
     "Published steps whose global norm was a spike (spike score above spike_threshold).",
     "Counts every published step, also those between two scrapes.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.global_spikes),
     exemplar=True,
@@ -430,7 +432,7 @@ GRAD_NORM_SPIKES_TOTAL = MetricDef(
     ("group",),
     "Published steps in which the group's norm was a spike (spike score above spike_threshold).",
     "Starts at 0 for every configured group; `other` from its first step.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: each(c.group_spikes.items()),
     exemplar=True,
@@ -443,7 +445,7 @@ NONFINITE_GROUP_STEPS_TOTAL = MetricDef(
     "Steps counted by `gradwatch_nonfinite_steps_total` (AMP-skipped steps are not), per "
     "group that held a NaN or Inf: names the groups of a non-finite step after the "
     "per-step gauges moved on. Starts at 0 for every configured group.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: each(c.nonfinite_group_steps.items()),
     exemplar=True,
@@ -456,9 +458,9 @@ GLOBAL_GRAD_NORM_PER_STEP = MetricDef(
     f"Buckets (le): {NORM_BUCKETS_TEXT}. Only finite norms are observed (non-finite steps "
     "are counted by `gradwatch_nonfinite_steps_total`); norms below 1e-06 land in the "
     "first bucket, finite norms above 1e+06 in +Inf only.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
-    read=lambda c: LabelledHistograms((((), norm_histogram(c.global_norms)),)),
+    read=lambda c: LabelledHistograms((((), md.norm_histogram(c.global_norms)),)),
     buckets=NORM_BUCKETS,
 )
 GRAD_NORM_PER_STEP = MetricDef(
@@ -468,10 +470,10 @@ GRAD_NORM_PER_STEP = MetricDef(
     "Distribution of one group's gradient norm over every published step.",
     "Buckets as `gradwatch_global_grad_norm_per_step`; non-finite norms are counted by "
     "`gradwatch_nonfinite_group_steps_total`.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: LabelledHistograms(
-        tuple(((g,), norm_histogram(h)) for g, h in c.group_norms.items())
+        tuple(((g,), md.norm_histogram(h)) for g, h in c.group_norms.items())
     ),
     buckets=NORM_BUCKETS,
 )
@@ -485,7 +487,7 @@ PUBLISH_ERRORS_TOTAL = MetricDef(
     "or an exception raised by a sink: a failed write to the history file "
     "(`history_path`) or a sink you added (`Sink`, docs/integrations.md); each failing "
     "sink counts once. Publishing continues with the other sinks and the next step.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.SELF_STATS,
     read=lambda v: one(v.publish_errors),
 )
@@ -496,7 +498,7 @@ DROPPED_SNAPSHOTS_TOTAL = MetricDef(
     "Collected steps never published because publishing fell behind.",
     f"At most {MAX_PENDING} pending steps (`MAX_PENDING`) wait for the publisher; a newer "
     "one drops the oldest.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.SELF_STATS,
     read=lambda v: one(v.dropped),
 )
@@ -508,9 +510,9 @@ COLLECT_SECONDS = MetricDef(
     "Bucket upper bounds (s): "
     + ", ".join(floatToGoString(b) for b in COLLECT_SECONDS_BUCKETS)
     + ", +Inf. Observed for every collected step, published or not.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.SELF_STATS,
-    read=collect_seconds_histogram,
+    read=md.collect_seconds_histogram,
     buckets=COLLECT_SECONDS_BUCKETS,
 )
 # -- norm auditing (GradWatch.audit_norm) ---------------------------------------------------
@@ -540,7 +542,7 @@ NORM_AUDIT_DISAGREEMENTS_TOTAL = MetricDef(
     source=MetricSource.SELF_STATS,
     read=lambda v: tuple(((source,), float(n)) for source, _, n in v.audits) or None,
 )
-# -- constant info -------------------------------------------------------------------------
+# -- constant info, restarts and ratio bands: constant for the run ---------------------------
 COLLECTING = MetricDef(
     "gradwatch_collecting",
     "gauge",
@@ -579,7 +581,7 @@ BUILD_INFO = MetricDef(
     ("version", "torch_version"),
     "Versions of gradwatch and torch in the job (value 1).",
     "Present from the first scrape, before any collection.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.INFO,
     read=lambda j: ((j.build, 1.0),),
 )
@@ -592,11 +594,10 @@ RUN_INFO = MetricDef(
     "`run_id` is `WatchConfig.run_id`, or generated when the endpoint starts (UTC start "
     "time and random digits): a restarted job on the same address is a new series. Present "
     "from the first scrape.",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.INFO,
     read=lambda j: (((str(j.world_size), j.parallelism, j.run_id), 1.0),),
 )
-# -- restarts and ratio bands: constant for the run ----------------------------------------
 START_TIME_SECONDS = MetricDef(
     "gradwatch_start_time_seconds",
     "gauge",
@@ -606,7 +607,7 @@ START_TIME_SECONDS = MetricDef(
     "same target is a restart: every counter started again from 0, so the alert rules "
     "treat a counter above 0 in a run that started recently as new events (a step counted "
     "before the new run's first scrape is not lost to `increase()`).",
-    absent=ABSENT_WHEN_DISABLED,
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.INFO,
     read=lambda j: one(j.start_time),
 )
@@ -621,7 +622,7 @@ GRAD_NORM_RATIO_BAND = MetricDef(
     "dashboard read them.",
     absent="Without configured `ratios`; and when disabled.",
     source=MetricSource.INFO,
-    read=ratio_bands,
+    read=md.ratio_bands,
 )
 
 METRICS: tuple[MetricDef, ...] = (
@@ -655,6 +656,7 @@ METRICS: tuple[MetricDef, ...] = (
     SKIPPED_STEPS_TOTAL,
     CONSECUTIVE_SKIPPED_STEPS,
     GUARD_STOPPED,
+    GUARD_SCORE,
     GLOBAL_GRAD_NORM_SPIKE_SCORE,
     GRAD_NORM_SPIKE_SCORE,
     GLOBAL_GRAD_NORM_SPIKES_TOTAL,
