@@ -27,6 +27,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +37,11 @@ from torch import Tensor, nn
 
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.analysis.summary import Summarizer
-from gradwatch.config import WatchConfig
+from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.configfile import load_config
 from gradwatch.errors import GradWatchError
 from gradwatch.norms.hooks import before_optimizer_step
+from gradwatch.norms.model import shown_groups
 from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.ddp_hook import detach
 from gradwatch.step.adaptive import AUTO
@@ -56,7 +58,37 @@ __all__ = ["GradWatch", "NoOpWatch", "PendingSnapshot", "RefusedWatch", "watch"]
 log = logging.getLogger("gradwatch")
 
 
-class GradWatch:
+class StepControls:
+    """What a loop tells a :class:`GradWatch` about its steps and what it saves with a
+    checkpoint: the batch of a step, the adaptive clip's history (thin wiring to the
+    collector: :mod:`gradwatch.step.incidents`, :mod:`gradwatch.step.adaptive`)."""
+
+    _collector: Collector
+
+    def note_batch(self, ids: Any) -> None:
+        """Name the batch of the coming step (its collect or clip) for the incident file:
+        any JSON-able value (sample indices, shard and offset, file names), copied now;
+        ``ValueError`` naming ``note_batch(ids)`` otherwise. Host only, no collective."""
+        self._collector.batch = batch_ids(ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue as this one: the adaptive clip's EMA history
+        (:meth:`gradwatch.step.adaptive.AdaptiveHistory.state_dict`, CPU tensors; None before its
+        first use). The same on every rank; save it with the model's checkpoint. One host
+        transfer of three scalars."""
+        history = self._collector.history
+        return {"version": 1, "adaptive_clip": None if history is None else history.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the adaptive threshold resumes where it was, bit
+        for bit (load the same state on every rank). ``ValueError`` for a foreign dict."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("gradwatch: load_state_dict expects a GradWatch.state_dict()")
+        if state.get("adaptive_clip") is not None:
+            self._collector.start_history().load_state_dict(state["adaptive_clip"])
+
+
+class GradWatch(StepControls):
     """Gradient health of a (possibly distributed) model; see the package docs.
 
     Args:
@@ -106,8 +138,7 @@ class GradWatch:
         self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
         self._reducer = resolved.reducer
         if self.rank == 0:
-            if cfg.incident_path is not None:
-                self._collector.incidents = IncidentLog(cfg.incident_path)
+            self._collector.incidents = IncidentLog.of(cfg.incident_path)
             self._open_publishing()
 
     # -- public API ---------------------------------------------------------------------------
@@ -193,13 +224,8 @@ class GradWatch:
         step: int | None = None,
         scaler: Any = None,
     ) -> Tensor:
-        """Clip all gradients to a whole-model L2 norm of ``max_norm`` and collect, in one pass.
-
-        ``max_norm="auto"``: clip to the adaptive threshold, the EMA mean plus
-        ``adaptive_clip_z`` EMA standard deviations of the whole-model norms of earlier steps
-        (:mod:`gradwatch.step.adaptive`), computed on the device from the same reduced norm on
-        every rank; nothing is clipped during the first ``adaptive_clip_warmup`` measured
-        steps. Its state is part of :meth:`state_dict`.
+        """Clip all gradients to a whole-model L2 norm of ``max_norm`` (``"auto"``: the adaptive
+        threshold of :mod:`gradwatch.step.adaptive`, kept in :meth:`state_dict`) and collect.
 
         Equals ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on one process,
         and the whole-model result under DDP, FSDP2, TP and pipeline stages (where torch's own
@@ -217,14 +243,11 @@ class GradWatch:
             raise ValueError(
                 f"gradwatch: clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}"
             )
-        limit = _max_norm(max_norm)
-        total = self._collector.clip(step, scaler, limit)
+        total = self._collector.clip(step, scaler, _max_norm(max_norm))
         if total is None:  # collection stopped, or this collect failed
-            unclipped = self._collector.unclipped()
+            unclipped = self._collector.unclipped(auto=max_norm == AUTO)
             if unclipped is not None:
                 return unclipped
-            if limit == AUTO:  # no threshold without the norm: the step is left unclipped
-                return self._collector.unclipped_auto()
             held = self._resolved.slots.current()
             return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -233,28 +256,6 @@ class GradWatch:
                 "cannot be clipped; set error_if_nonfinite=False to clip anyway"
             )
         return total
-
-    def note_batch(self, ids: Any) -> None:
-        """Name the batch of the coming step (its collect or clip) for the incident file:
-        any JSON-able value (sample indices, shard and offset, file names), copied now;
-        ``ValueError`` naming ``note_batch(ids)`` otherwise. Host only, no collective."""
-        self._collector.batch = batch_ids(ids)
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to continue as this one: the adaptive clip's EMA history
-        (:meth:`gradwatch.step.adaptive.AdaptiveHistory.state_dict`, CPU tensors; None before its
-        first use). The same on every rank; save it with the model's checkpoint. One host
-        transfer of three scalars."""
-        history = self._collector.history
-        return {"version": 1, "adaptive_clip": None if history is None else history.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the adaptive threshold resumes where it was, bit
-        for bit (load the same state on every rank). ``ValueError`` for a foreign dict."""
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ValueError("gradwatch: load_state_dict expects a GradWatch.state_dict()")
-        if state.get("adaptive_clip") is not None:
-            self._collector.start_history().load_state_dict(state["adaptive_clip"])
 
     def audit_norm(
         self, reported: Any, *, step: int | None = None, source: str = "trainer"
@@ -362,8 +363,7 @@ class GradWatch:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served
                 self._publishing.close()  # flushes first: pending steps reach every sink
-            if self._collector.incidents is not None:
-                self._collector.incidents.close()
+            IncidentLog.close_any(self._collector.incidents)
         finally:
             self._reducer.close(drain)
 
@@ -413,6 +413,10 @@ class NoOpWatch:
 
     What ``enabled=False`` gives, from :func:`watch` and from ``GradWatch(...)`` alike.
     ``clip_grad_norm_`` is torch's (a rank-local norm), returned as float64 like GradWatch's.
+    ``collect`` and ``clip_grad_norm_`` give :meth:`Snapshot.unmeasured` snapshots: the keys
+    an enabled watcher would give (groups, ratios, isolated groups), every figure NaN or None,
+    so a loop written for one runs with the other and nothing reads as healthy; :attr:`last`
+    is the newest of them.
     """
 
     metrics_url: str | None = None
@@ -433,13 +437,32 @@ class NoOpWatch:
         self.rank = int(os.environ.get("RANK", "0"))
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()  # not a collective
+        self._isolated = tuple(self.config.isolated)
+        self._groups = shown_groups(model, self.config.groups)
+        self._last: Snapshot | None = None
+        self._steps = 0
 
     @property
     def last(self) -> Snapshot | None:
-        return None
+        """The unmeasured snapshot of the last ``collect``/``clip_grad_norm_`` (None before)."""
+        return self._last
 
     def collect(self, step: int, **_: Any) -> PendingSnapshot:
-        return PendingSnapshot(step, snapshot=Snapshot(step=step))
+        return PendingSnapshot(step, snapshot=self._unmeasured(step))
+
+    def _unmeasured(self, step: int | None) -> Snapshot:
+        """The snapshot of ``step`` (default: one past the last), with this watcher's keys."""
+        step = self._steps if step is None else int(step)
+        self._steps = step + 1
+        self._last = Snapshot.unmeasured(
+            step,
+            groups=self._groups,
+            ratios=[ratio_key(*r) for r in self.config.ratios],
+            isolated=self._isolated,
+            parallelism=self.parallelism,
+            timestamp=time.time(),
+        )
+        return self._last
 
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         return None
@@ -450,21 +473,24 @@ class NoOpWatch:
 
     @property
     def isolated(self) -> tuple[str, ...]:
-        return tuple(self.config.isolated)
+        return self._isolated
 
-    def set_isolated(self, groups: Any) -> None:
-        return None
+    def set_isolated(self, groups: Iterable[str]) -> None:
+        self._isolated = tuple(groups)
 
     def clip_grad_norm_(
         self,
         max_norm: float | str,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
+        *,
+        step: int | None = None,
         **_: Any,
     ) -> Tensor:
         """torch's clip; ``"auto"`` (no history without gradwatch) clips nothing and returns
         the rank-local norm."""
         limit = _max_norm(max_norm)
+        self._unmeasured(step)
         held = list(self._model.parameters())
         bound = math.inf if limit == AUTO else float(limit)
         return clip_locally(held, bound, norm_type, error_if_nonfinite)

@@ -95,7 +95,60 @@ class Collected:
     seconds: float | None = None
 
 
-class Collector:
+class StepActions:
+    """The adaptive clip's history, rank 0's incident file and the skip-limit action of a
+    :class:`Collector` (:mod:`gradwatch.step.adaptive`, :mod:`gradwatch.step.incidents`)."""
+
+    cfg: WatchConfig
+    resolved: Resolved
+    reporter: Reporter
+    _clipped_step: int | None
+
+    def _init_actions(self) -> None:
+        # The EMA history of the whole-model norm (clip_grad_norm_("auto"), the guard's "ema"
+        # statistic): fed by every collect that makes a pass, once it exists
+        self.history: AdaptiveHistory | None = None
+        self.incidents: IncidentLog | None = None  # rank 0 with incident_path
+        self.skip_limit: SkipLimit | None = None  # on_max_consecutive_skips "raise"/"exit"
+        self.batch: Any = None  # note_batch(ids): the coming collect's batch
+        self._batch: Any = None  # the batch of the collect in progress
+        self._decided_step = 0  # the step of the last decision
+
+    def _start_actions(self, policy: GuardPolicy) -> None:
+        """What the guard's policy starts: the history (``"ema"``), the skip limit."""
+        if policy.statistic == "ema" and policy.skip_spike_score is not None:
+            self.start_history()
+        if self.cfg.on_max_consecutive_skips != "continue" and self.skip_limit is None:
+            self.skip_limit = SkipLimit(
+                self.cfg.on_max_consecutive_skips, self.cfg.max_consecutive_skips, self.incidents
+            )
+
+    def start_history(self) -> AdaptiveHistory:
+        """The EMA history of the whole-model norm, made at its first use (the first
+        ``clip_grad_norm_("auto")``, a guard with the ``"ema"`` statistic or a checkpoint
+        load); every collect that makes a pass feeds it from then on."""
+        if self.history is None:
+            cfg = self.cfg
+            self.history = AdaptiveHistory(
+                cfg.adaptive_clip_z, cfg.adaptive_clip_alpha, cfg.adaptive_clip_warmup,
+                self.resolved.reducer.device, cfg.collective_timeout_seconds,
+                copy_to_host=self.resolved.rank == 0,
+            )
+        return self.history
+
+    def unclipped_auto(self) -> Tensor:
+        """What ``clip_grad_norm_("auto")`` returns for a step it could not measure: NaN,
+        gradients left as they are (no threshold without the whole-model norm), logged once."""
+        self.reporter.log_once(
+            "auto-not-clipped",
+            "gradwatch: step %d was not clipped (collection failed or stopped): "
+            "clip_grad_norm_('auto') needs the whole-model norm",
+            self._clipped_step,
+        )
+        return torch.tensor(math.nan, dtype=torch.float64)
+
+
+class Collector(StepActions):
     """Runs the collects of one watcher, in order, on the training thread.
 
     Owns the schedule (``every_n_steps``, ``divergence_every``), the local pass and its
@@ -118,14 +171,7 @@ class Collector:
         self.reporter = reporter
         self.isolated: tuple[str, ...] = tuple(cfg.isolated)
         self.guard: StepGuard | None = None  # GradWatch.guard(): decides on every collect
-        # The EMA history of the whole-model norm (clip_grad_norm_("auto"), the guard's "ema"
-        # statistic): fed by every collect that makes a pass, once it exists
-        self.history: AdaptiveHistory | None = None
-        self.incidents: IncidentLog | None = None  # rank 0 with incident_path
-        self.skip_limit: SkipLimit | None = None  # on_max_consecutive_skips "raise"/"exit"
-        self.batch: Any = None  # note_batch(ids): the coming collect's batch
-        self._batch: Any = None  # the batch of the collect in progress
-        self._decided_step = 0  # the step of self.decision
+        self._init_actions()
         self.decision: GuardDecision | None = None  # the last collect's, until step() takes it
         self._collected = False  # a collect ran (or failed) since the last guarded step
         self.latest: PendingSnapshot | None = None
@@ -191,27 +237,19 @@ class Collector:
         self._clipped_step = step
         return self.collect(step, scaler, None, max_norm).total
 
-    def unclipped(self) -> Tensor | None:
+    def unclipped(self, auto: bool = False) -> Tensor | None:
         """Under DeepSpeed, what the last clip returns when gradwatch did not measure it: nothing
         can be clipped by torch's function (the gradients are not in ``.grad``): logged once,
-        NaN. None otherwise (torch's function clips: :func:`clip_locally`)."""
+        NaN. ``auto``: the adaptive clip's (:meth:`unclipped_auto`). None otherwise (torch's
+        function clips: :func:`clip_locally`)."""
+        if auto:
+            return self.unclipped_auto()
         if self.resolved.zero is None:
             return None
         self.reporter.log_once(
             "zero-not-clipped",
             "gradwatch: step %d was not clipped (collection failed or stopped); DeepSpeed "
             "steps with unclipped gradients",
-            self._clipped_step,
-        )
-        return torch.tensor(math.nan, dtype=torch.float64)
-
-    def unclipped_auto(self) -> Tensor:
-        """What ``clip_grad_norm_("auto")`` returns for a step it could not measure: NaN,
-        gradients left as they are (no threshold without the whole-model norm), logged once."""
-        self.reporter.log_once(
-            "auto-not-clipped",
-            "gradwatch: step %d was not clipped (collection failed or stopped): "
-            "clip_grad_norm_('auto') needs the whole-model norm",
             self._clipped_step,
         )
         return torch.tensor(math.nan, dtype=torch.float64)
@@ -232,30 +270,12 @@ class Collector:
 
         return collect
 
-    def start_history(self) -> AdaptiveHistory:
-        """The EMA history of the whole-model norm, made at its first use (the first
-        ``clip_grad_norm_("auto")``, a guard with the ``"ema"`` statistic or a checkpoint
-        load); every collect that makes a pass feeds it from then on."""
-        if self.history is None:
-            cfg = self.cfg
-            self.history = AdaptiveHistory(
-                cfg.adaptive_clip_z, cfg.adaptive_clip_alpha, cfg.adaptive_clip_warmup,
-                self.resolved.reducer.device, cfg.collective_timeout_seconds,
-                copy_to_host=self.resolved.rank == 0,
-            )
-        return self.history
-
     def start_guard(self, scaler: Any) -> None:
         """From now on every collect decides whether the optimizer steps (see
         :meth:`gradwatch.watcher.GradWatch.guard`)."""
         policy = GuardPolicy.from_config(self.cfg)
         self.resolved.reducer.guarded = True  # its inputs agreed: one all-reduce per collect
-        if policy.statistic == "ema" and policy.skip_spike_score is not None:
-            self.start_history()
-        if self.cfg.on_max_consecutive_skips != "continue" and self.skip_limit is None:
-            self.skip_limit = SkipLimit(
-                self.cfg.on_max_consecutive_skips, self.cfg.max_consecutive_skips, self.incidents
-            )
+        self._start_actions(policy)
         if self.guard is None:
             self.guard = StepGuard(
                 policy, self.resolved.reducer.device, self.cfg.collective_timeout_seconds,
@@ -419,7 +439,8 @@ class Collector:
             attempt=attempt,
             measure_divergence=measure,
             isolated=self.isolated,
-            max_norm=max_norm,
+            max_norm=None if max_norm == AUTO else max_norm,
+            adaptive_clip=max_norm == AUTO,
             amp=scaler is not None and scaler.is_enabled(),
             batch_size=batch_size if batch_size is not None else self.cfg.batch_size,
             local_sq=local_sq,

@@ -136,6 +136,17 @@ class IncidentLog:
         )
         self._thread.start()
 
+    @classmethod
+    def of(cls, path: Path | None) -> IncidentLog | None:
+        """The incident file at ``path`` (None: none)."""
+        return None if path is None else cls(path)
+
+    @staticmethod
+    def close_any(incidents: IncidentLog | None) -> None:
+        """Close ``incidents`` when there is one."""
+        if incidents is not None:
+            incidents.close()
+
     def submit(
         self,
         step: int,
