@@ -4,14 +4,15 @@ Given the gradients a rank holds (plain tensors, or the local shards of DTensors
 :class:`NormEngine` returns one float64 vector of their squared norms in three bands
 (:mod:`gradwatch.norms.bands`), computed without a float64 copy of any gradient and with a number of
 dispatched ops that does not grow with the number of tensors of up to :data:`WHOLE_NUMEL`
-elements (each larger one costs two ops: a view and a norm). Per (device, dtype) bucket, like
+elements (two per fill of the pack buffer, :data:`PACK_NUMEL` elements; each larger tensor
+costs two ops: a view and a norm). Per (device, dtype) bucket, like
 ``torch.nn.utils.get_total_norm``:
 
 * accelerators, float32/bf16/fp16: one ``torch._foreach_norm(..., dtype=torch.float64)``;
 * float64 on accelerators: rescaled rows in one persistent scratch (:func:`rescaled_norms`);
 * CPU float32/bf16/fp16: rows of :data:`ROW_NUMEL` elements normed in float32 (small tensors
-  packed into one buffer, large ones read in place), their squares summed per tensor in
-  float64 by one sparse-CSR product;
+  packed into one cache-sized buffer, fill after fill; large ones read in place), their
+  squares summed per tensor in float64 (``index_add_``, or one sparse-CSR product);
 * CPU repair: a tensor whose fast norm is non-finite or tiny is recomputed exactly in float64,
   chunk by chunk.
 
