@@ -44,7 +44,7 @@ from transformers import TrainerCallback
 
 from gradwatch.config import WatchConfig
 from gradwatch.guard import GuardedOptimizer
-from gradwatch.integrations.common import log_figures
+from gradwatch.integrations.common import LIVE_RUNS, close_watch, log_figures
 from gradwatch.watcher import GradWatch
 
 log = logging.getLogger("gradwatch")
@@ -79,7 +79,12 @@ class GradWatchCallback(TrainerCallback):
         return self in _ROUTE.callbacks
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
-        if self.watch is None and model is not None and self.config.enabled:
+        # A run whose training raised never reached on_train_end: its watcher is closed here
+        # (this callback's included), so this run watches and clips the model it is given.
+        LIVE_RUNS.begin(self)
+        self._routed_step = None
+        self._warned = False
+        if model is not None and self.config.enabled:
             self.watch = GradWatch(model, self.config)
         zero = self.watch._resolved.zero if self.watch is not None else None
         if zero is not None:
@@ -140,12 +145,20 @@ class GradWatchCallback(TrainerCallback):
             state.log_history[-1].update(figures)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any):
+        self.end_run(drain=True)
+
+    def end_run(self, drain: bool) -> None:
+        """Close the run's watcher (``drain``: wait, bounded, for its all-reduces in flight),
+        remove the clip route and the engine wrapper. Idempotent; also called, without
+        draining, when a later run begins on this thread and this one never ended."""
+        LIVE_RUNS.end(self)
         _ROUTE.remove(self)
+        self._params = frozenset()
         if self._engine is not None:
             self._engine.__dict__.pop("step", None)  # the class's step again
             self._engine = None
         if self.watch is not None:
-            self.watch.close()
+            close_watch(self.watch, drain)
             self.watch = None
 
     # -- DeepSpeed ----------------------------------------------------------------------------

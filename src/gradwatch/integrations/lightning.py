@@ -23,7 +23,7 @@ import torch
 
 from gradwatch.config import WatchConfig
 from gradwatch.guard import GuardedOptimizer
-from gradwatch.integrations.common import log_figures
+from gradwatch.integrations.common import LIVE_RUNS, close_watch, log_figures
 from gradwatch.watcher import GradWatch
 
 #: The key of the total norm ``lightning.pytorch.utilities.grad_norm(module, 2)`` returns.
@@ -44,11 +44,14 @@ class GradWatchCallback(pl.Callback):
         self._wrapped: pl.LightningModule | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.watch is None and self.config.enabled:
+        # A run that ended without on_fit_end or on_exception (a framework that skipped them)
+        # is closed here, this callback's included: this run watches the module it is given.
+        LIVE_RUNS.begin(self)
+        self._step = None
+        if self.config.enabled:
             self.watch = GradWatch(pl_module, self.config)
             if self.config.guard:
                 self._guard(trainer)
-        if self.watch is not None and self._wrapped is None:
             self._wrap_log(pl_module)
 
     def _guard(self, trainer: pl.Trainer) -> None:
@@ -97,9 +100,22 @@ class GradWatchCallback(pl.Callback):
         self._step = None  # a value logged outside the optimizer step is not audited
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.end_run(drain=True)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """The fit raised: its watcher is closed now (port freed), without waiting for peers."""
+        self.end_run(drain=False)
+
+    def end_run(self, drain: bool) -> None:
+        """Close the run's watcher (``drain``: wait, bounded, for its all-reduces in flight) and
+        unwrap the module's ``log``. Idempotent."""
+        LIVE_RUNS.end(self)
+        self._step = None
         if self._wrapped is not None:
             self._wrapped.__dict__.pop("log", None)
             self._wrapped = None
         if self.watch is not None:
-            self.watch.close()
+            close_watch(self.watch, drain)
             self.watch = None
