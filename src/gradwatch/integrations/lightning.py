@@ -23,7 +23,7 @@ import torch
 
 from gradwatch.config import WatchConfig
 from gradwatch.guard import GuardedOptimizer
-from gradwatch.integrations.common import LIVE_RUNS, close_watch, log_figures
+from gradwatch.integrations.common import LIVE_RUNS, PREFIX, close_watch, log_figures
 from gradwatch.watcher import GradWatch
 
 #: The key of the total norm ``lightning.pytorch.utilities.grad_norm(module, 2)`` returns.
@@ -34,20 +34,23 @@ class GradWatchCallback(pl.Callback):
     """Collects before each optimizer step and logs gradwatch's figures with ``log_dict``.
 
     ``Trainer(callbacks=[GradWatchCallback(WatchConfig(groups=...))])``. Figures of step N are
-    logged at step N+1 (materializing them at step N would wait on the device).
+    logged at step N+1, on rank 0, as CPU tensors, with ``gradwatch/step`` = N (materializing
+    them at step N would wait on the device; other ranks log none: Lightning's loggers write
+    from rank 0).
     """
 
     def __init__(self, config: WatchConfig | None = None, **overrides: Any) -> None:
         self.config = config if config is not None else WatchConfig(**overrides)
         self.watch: GradWatch | None = None
         self._step: int | None = None  # the step collected in the current optimizer step
+        self._logged: int | None = None  # the step of the last snapshot logged
         self._wrapped: pl.LightningModule | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A run that ended without on_fit_end or on_exception (a framework that skipped them)
         # is closed here, this callback's included: this run watches the module it is given.
         LIVE_RUNS.begin(self)
-        self._step = None
+        self._step = self._logged = None
         if self.config.enabled:
             self.watch = GradWatch(pl_module, self.config)
             if self.config.guard:
@@ -88,11 +91,29 @@ class GradWatchCallback(pl.Callback):
     ) -> None:
         if self.watch is None:
             return
-        previous = self.watch.last
-        if previous is not None:
-            pl_module.log_dict(log_figures(previous), on_step=True, on_epoch=False)
+        self._log_ready(pl_module)
         self.watch.collect(step=trainer.global_step)
         self._step = trainer.global_step
+
+    def _log_ready(self, pl_module: pl.LightningModule) -> None:
+        """On rank 0, log the newest measured snapshot (the previous step's, built by the
+        publisher or here from its landed result), once, with its own step as
+        ``gradwatch/step``. Other ranks log nothing: Lightning's loggers write from rank 0.
+
+        Lightning turns a logged Python number into ``torch.tensor(v, device=module.device)``,
+        one blocking host-to-device copy per figure; a logged CPU tensor is only cloned on the
+        host. So the figures go as views of one CPU tensor per step: nothing reaches the
+        device, nothing is read back from it."""
+        watch = self.watch
+        snap = watch.last if watch is not None and watch.rank == 0 else None
+        if snap is None or snap.step == self._logged:
+            return
+        self._logged = snap.step
+        figures = {**log_figures(snap), f"{PREFIX}step": float(snap.step)}
+        values = torch.tensor(list(figures.values()), dtype=torch.float64)  # host memory
+        pl_module.log_dict(
+            dict(zip(figures, values.unbind(), strict=True)), on_step=True, on_epoch=False
+        )
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
