@@ -14,7 +14,7 @@ import torch
 from jobs.framework_ddp_job import Regression, quiet_trainer
 from torch import nn
 
-from gradwatch.testing import OpCounter, count_blocking_copies, count_host_reads
+from gradwatch.doctor.testing import OpCounter, count_blocking_copies, count_host_reads
 
 
 def _module(guarded_nan_at: int = -1) -> Any:
