@@ -224,3 +224,40 @@ def test_a_vector_that_never_landed_is_stood_in_for(world_of_one: None) -> None:
         pending.wait(5.0)
     assert thread.failed_copies == 1
     thread.close()
+
+
+class _RaisingEvent:
+    """A CUDA event stand-in whose ``synchronize()`` raises, as on a device error."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_failed_event_wait_never_marks_its_buffer_landed() -> None:
+    """The landing thread wakes the waiter at once, but with the error: the flag is not
+    "landed", a waiter raises naming it (never a read of a buffer the device did not write,
+    and never a wait until the timeout)."""
+    flag = collective.landed(_RaisingEvent())
+    assert flag.wait(5.0)
+    assert not flag.landed() and isinstance(flag.error, RuntimeError)
+    started = time.monotonic()
+    with pytest.raises(collective.GradWatchError, match=r"never reached the host.*illegal"):
+        collective.wait_landed(flag, 30.0, "the packed vector")
+    assert time.monotonic() - started < 5.0
+    fine = collective.landed(_Event())
+    collective.wait_landed(fine, 5.0, "the packed vector")
+    assert fine.landed() and fine.error is None
+
+
+def test_an_audit_copy_whose_wait_failed_is_never_read() -> None:
+    from gradwatch.analysis.audit import LocalSquares
+
+    host = torch.full((3,), float("nan"), dtype=torch.float64)  # never written
+    copy = LocalSquares(host, collective.landed(_RaisingEvent()))
+    copy._landed.wait(5.0)
+    assert copy.norm() is None

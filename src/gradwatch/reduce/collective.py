@@ -103,6 +103,21 @@ def refuse_capture() -> None:
         )
 
 
+class LandedFlag(threading.Event):
+    """Set when a recorded event completed, or when waiting for it raised: then :attr:`error`
+    holds why, and the buffer the event guards was never known to be written (a device error).
+    :meth:`landed` is the only test for "the data is there"; :func:`wait_landed` raises on an
+    error instead of returning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: BaseException | None = None
+
+    def landed(self) -> bool:
+        """Set, and the wait succeeded: the guarded buffer holds the device's data."""
+        return self.is_set() and self.error is None
+
+
 class _Landing:
     """One daemon thread that waits for CUDA events in record order (``Event.synchronize()``)
     and wakes each waiter the moment its event completed: no sleep poll (a poll is late by its
@@ -117,17 +132,17 @@ class _Landing:
     captures do not need a window."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, LandedFlag]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._gate = threading.Condition()
         self._windows = 0  # capture windows open
         self._in_wait = False  # inside Event.synchronize()
 
-    def watch(self, event: Any) -> threading.Event:
-        """A flag set once ``event`` completed (or its wait raised: the waiter then reads a
-        device error of its own)."""
-        landed = threading.Event()
+    def watch(self, event: Any) -> LandedFlag:
+        """A flag set once ``event`` completed, or once its wait raised (with the error: the
+        waiter never reads the buffer then)."""
+        landed = LandedFlag()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -145,8 +160,8 @@ class _Landing:
                 self._in_wait = True
             try:
                 event.synchronize()
-            except Exception:  # never-crash boundary: the waiter's own read reports it
-                pass
+            except Exception as exc:  # never-crash boundary: the waiter raises it instead
+                landed.error = exc
             finally:
                 with self._gate:
                     self._in_wait = False
@@ -191,7 +206,7 @@ def capture_window(timeout: float = 60.0) -> contextlib.AbstractContextManager[N
     return _LANDING.window(timeout)
 
 
-def landed(event: Any) -> threading.Event:
+def landed(event: Any) -> LandedFlag:
     """Start watching ``event`` (a CUDA event, or anything with ``synchronize()``): the flag is
     set when it completed. Watch it as soon as it is recorded, so the wait overlaps the
     device's work."""
@@ -207,12 +222,19 @@ def record_event(device: torch.device) -> Any:
 
 
 def wait_landed(flag: threading.Event, timeout: float, what: str) -> None:
-    """Wait at most ``timeout`` seconds for a :func:`landed` flag, woken when it is set."""
+    """Wait at most ``timeout`` seconds for a :func:`landed` flag, woken when it is set; a
+    flag whose event wait raised raises :class:`GradWatchError` (the data never landed)."""
     if not flag.wait(timeout):
         raise GradWatchTimeoutError(
             f"gradwatch: {what} did not reach the host within {timeout}s "
             "(collective_timeout_seconds): the device is stuck"
         )
+    error = getattr(flag, "error", None)
+    if error is not None:
+        raise GradWatchError(
+            f"gradwatch: {what} never reached the host: waiting for its copy raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def wait_event(event: Any, timeout: float, what: str) -> None:
