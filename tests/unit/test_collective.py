@@ -261,3 +261,66 @@ def test_an_audit_copy_whose_wait_failed_is_never_read() -> None:
     copy = LocalSquares(host, collective.landed(_RaisingEvent()))
     copy._landed.wait(5.0)
     assert copy.norm() is None
+
+
+class _CopySpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each ``copy_`` into a tensor and whether it was non-blocking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket is torch.ops.aten.copy_:
+            self.copies.append(bool(args[2] if len(args) > 2 else (kwargs or {}).get(
+                "non_blocking", False)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_closed_collective_copies_before_it_issues_on_the_host_route(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closed, no thread waits for a copy's event: the host copy is an ordered one, done
+    before the all-reduce is issued on the calling thread (a non-blocking copy from a device
+    would let gloo send the pinned block's previous contents); open, it stays non-blocking."""
+    monkeypatch.setattr(collective, "MONITOR_ON_HOST_BACKENDS", ("gloo",))
+    coll = Collective.open(5.0, "gloo", torch.device("cpu"))
+    packed = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    with _CopySpy() as open_spy:
+        _, pending = coll.issue(packed, on_host=True)
+    pending.wait(5.0)
+    coll.close()
+    with _CopySpy() as closed_spy:
+        result, pending = coll.issue(packed, on_host=True)
+    pending.wait(5.0)
+    assert open_spy.copies == [True]
+    assert closed_spy.copies == [False]
+    assert result.tolist() == [1.0, 2.0]
+
+
+def test_a_failed_collects_stand_in_for_the_host_route_is_built_on_the_host(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its values are known (zeros, the step slot's marker): built in host memory, nothing
+    copied from the device before the host all-reduce."""
+    from torch import nn
+
+    from gradwatch import GradWatch, WatchConfig
+
+    monkeypatch.setattr(collective, "MONITOR_ON_HOST_BACKENDS", ("gloo",))
+    model = nn.Linear(3, 2)
+    with GradWatch(model, WatchConfig()) as watch:
+        reducer = watch._reducer
+        reducer.collective = Collective.open(5.0, "gloo", torch.device("cpu"))
+        assert reducer.collective.host_group is not None
+        built: list[torch.device] = []
+        issue = reducer.collective.issue
+
+        def spy(packed: torch.Tensor, on_host: bool = False):  # type: ignore[no-untyped-def]
+            built.append(packed.device)
+            return issue(packed, on_host=on_host)
+
+        monkeypatch.setattr(reducer, "device", torch.device("meta"))  # an accelerator's
+        monkeypatch.setattr(reducer.collective, "issue", spy)
+        reducer.reduce_failed(step=0, device_collective=False, with_replicas=True)
+        assert built == [torch.device("cpu")]

@@ -549,14 +549,20 @@ class Collective:
             host = torch.empty(
                 packed.shape, dtype=packed.dtype, pin_memory=packed.device.type != "cpu"
             )
+            if self._host is None:
+                # Closed: no thread waits for the copy, the all-reduce is issued right here,
+                # so the copy must be done first (a non-blocking one would send whatever the
+                # reused pinned block held). Stand-ins for this route are built on the host
+                # (Reducer.reduce_failed): this copy of a device vector is the exception.
+                host.copy_(packed)
+                pending = Pending(self.host_group.allreduce([host], self._options))
+                self._watched.append(pending)
+                return host, pending
             host.copy_(packed, non_blocking=True)
             event = None
             if packed.device.type != "cpu":  # the CUDA path: no CUDA device in CI
                 event = landed(record_event(packed.device))
-            if self._host is None:  # closed: stand-ins only, CPU tensors, issued here
-                pending = Pending(self.host_group.allreduce([host], self._options))
-            else:
-                pending = self._host.submit(host, event)
+            pending = self._host.submit(host, event)
             self._watched.append(pending)
             return host, pending
         group = self.device_group()

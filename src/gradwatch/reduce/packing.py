@@ -337,8 +337,12 @@ class Reducer:
         collect that would not have all-reduced (:meth:`issues_collective`) issues nothing:
         the other ranks measured the same gradients alone. ``marker``: the step slot's value,
         NaN for a failed pass, ``-inf`` for a closed watcher (:attr:`ReducedStats.closed_rank`);
-        written by ``fill_`` (a kernel argument: no blocking copy on an accelerator)."""
-        packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
+        written by ``fill_`` (a kernel argument: no blocking copy on an accelerator). Built on
+        the host when it goes by the host route: its values are known, so no device copy has
+        to land before the host all-reduce."""
+        on_host = not device_collective and self.collective.host_group is not None
+        device = torch.device("cpu") if on_host else self.device
+        packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=device)
         packed.narrow(0, sections(self.layout).step, 1).fill_(marker)
         if not self.issues_collective(with_replicas):
             return ReducedVector(packed, Pending(), self.timeout, step, self.layout, ranks=1)
