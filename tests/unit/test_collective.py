@@ -324,3 +324,33 @@ def test_a_failed_collects_stand_in_for_the_host_route_is_built_on_the_host(
         monkeypatch.setattr(reducer.collective, "issue", spy)
         reducer.reduce_failed(step=0, device_collective=False, with_replicas=True)
         assert built == [torch.device("cpu")]
+
+
+def test_a_vector_that_moves_to_an_accelerator_on_gloo_gets_a_host_route(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gloo with a CPU model opens no host group; after ``model.cuda()`` the packed vector
+    follows the gradients, and the host route is added then (one ``new_group``, at the collect
+    where every rank's gradients moved), so monitoring collects all-reduce a host copy from the
+    host thread instead of blocking the training thread in gloo's ``wait()``. The device is
+    stood in for by ``meta`` (the packing's buffers are not rebuilt here)."""
+    from torch import nn
+
+    from gradwatch import GradWatch, WatchConfig
+    from gradwatch.reduce import packing
+
+    with GradWatch(nn.Linear(3, 2), WatchConfig()) as watch:
+        reducer = watch._reducer
+        reducer.collective = Collective.open(5.0, "gloo", torch.device("cpu"))
+        reducer._backend = "gloo"
+        assert reducer.host_group is None and reducer.group is not None
+        monkeypatch.setattr(packing, "reducer_device", lambda *_: torch.device("meta"))
+        monkeypatch.setattr(reducer, "_plan_packing", lambda layout: None)
+        assert reducer.follow(torch.device("meta"))
+        assert reducer.host_group is not None and reducer.host_group is not reducer.group
+        assert not reducer.collective.open_host_route()  # once
+        packed = torch.tensor([1.0, 2.0], dtype=torch.float64)
+        result, pending = reducer.collective.issue(packed, on_host=True)
+        pending.wait(5.0)
+        assert result is not packed and result.tolist() == [1.0, 2.0]  # the host route
+        reducer.collective.close()

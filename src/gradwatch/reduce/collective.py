@@ -500,6 +500,22 @@ class Collective:
         _OPEN.add(opened)
         return opened
 
+    def open_host_route(self) -> bool:
+        """Add the host group :meth:`open` gives a job whose vector lives on an accelerator,
+        when the vector moved there after construction on a backend that opened none (gloo
+        with a CPU model, then ``model.cuda()``): without it every monitoring collect would
+        all-reduce device tensors on gloo, whose ``wait()`` blocks the training thread until
+        the backward is done. ``new_group`` is collective over the world: called from the
+        collect at which the gradients moved, the same collect on every rank (they move alike
+        on every rank, as :meth:`Reducer.follow` assumes). True when it was added."""
+        if self.host_group is not None or self.group is None or self.closed:
+            return False
+        self.host_group = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=self.group_timeout)
+        )
+        self._host = _HostThread(self.host_group, self.timeout)
+        return True
+
     @property
     def handshake_group(self) -> Any:
         """The group the construction handshake runs on: the host group when there is one."""

@@ -167,13 +167,21 @@ class Reducer:
         ``model.cuda()`` keeps the same Parameters on another device), by the rule of
         :func:`~gradwatch.reduce.collective.reducer_device`; True when it moved. Every rank's
         gradients move alike, so the vector's route stays the same on every rank. The move
-        rebuilds the packing's index tensors once (a host copy then, never per collect)."""
+        rebuilds the packing's index tensors once (a host copy then, never per collect); a move
+        to an accelerator on a backend that opened no host group (gloo) opens one
+        (:meth:`Collective.open_host_route`), so collects keep off the training thread."""
         wanted = reducer_device(gradients, self._backend, self._bound)
         if wanted == self.device:
             return False
         log.info("gradwatch: the gradients moved; the packed vector follows them to %s", wanted)
         self.device = wanted
         self._plan_packing(self.layout)
+        if wanted.type != "cpu" and self.collective.open_host_route():
+            log.info(
+                "gradwatch: the vector moved to %s after construction on %s: monitoring "
+                "collects now all-reduce a host copy on their own gloo group (constructing "
+                "GradWatch after moving the model avoids this new group)", wanted, self._backend,
+            )
         return True
 
     @property
