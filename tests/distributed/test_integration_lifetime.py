@@ -176,3 +176,40 @@ def test_lightning_callback_after_a_raise_watches_the_new_module(
     assert len(module.references) == 3
     for got, ref in zip(measured, module.references, strict=True):
         assert abs(got - ref) <= 1e-6 * ref, (measured, module.references)
+
+
+FRAMEWORK_JOB = Path(__file__).resolve().parents[1] / "helpers" / "jobs" / "framework_ddp_job.py"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_huggingface_new_callback_same_port_after_a_raise_on_two_ranks(tmp_path: Path) -> None:
+    """2 gloo ranks: the Trainer's forward raises on every rank, then a new Trainer with a new
+    callback on the same port trains: rank 0 binds the port (no PortInUseError, rank 1 does not
+    lose its peer), the stale watcher is closed on both, the Trainer logs real pre-clip norms
+    and gradwatch's last figure is the last logged one, the same on both ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "GRADWATCH_TEST_PORT": str(port)}
+    env.pop("GRADWATCH_PORT", None)
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--max_restarts=0", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            str(FRAMEWORK_JOB), "hf-after-raise", str(tmp_path),
+        ],
+        env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    for res in seen:
+        assert res["raised"] and res["stale_open"] and res["stale_closed"], res
+        assert len(res["logged"]) == 3 and all(v > 0 for v in res["logged"]), res
+        assert abs(res["history"] - res["logged"][-1]) <= 1e-12 * res["history"], res
+    assert seen[0]["url"].endswith(f":{port}/metrics") and seen[1]["url"] is None
+    assert seen[0]["logged"] == seen[1]["logged"]

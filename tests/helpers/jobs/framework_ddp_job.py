@@ -305,6 +305,64 @@ def run_huggingface_fsdp1(out: Path, use_orig_params: bool) -> dict[str, Any]:
     }
 
 
+def run_huggingface_after_a_raise(out: Path) -> dict[str, Any]:
+    """A Trainer whose forward raises at its second step on every rank (its callback's
+    on_train_end never runs), then a new Trainer and a new callback on the same fixed port
+    (``GRADWATCH_TEST_PORT``), clipping at 0.5: what the second run measured and logged."""
+    import transformers
+
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    port = int(os.environ["GRADWATCH_TEST_PORT"])
+
+    class Failing(RegressionModel):
+        calls = 0
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            type(self).calls += 1
+            if type(self).calls == 2:
+                raise RuntimeError("forward failed")
+            return super().forward(x, labels)
+
+    def train(model: nn.Module, callback: Any, tag: str, steps: int) -> Any:
+        args = training_args(out / tag, max_steps=steps, logging_steps=1, learning_rate=0.5,
+                             ddp_backend="gloo", max_grad_norm=0.5)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Regression(),
+                                       callbacks=[callback])
+        trainer.train()
+        return trainer
+
+    first = GradWatchCallback(groups=GROUPS, port=port)
+    raised = False
+    try:
+        train(Failing(), first, "first", 3)
+    except RuntimeError:
+        raised = True
+    stale = first.watch
+    seen: dict[str, Any] = {"raised": raised, "stale_open": stale is not None}
+    urls: list[Any] = []
+
+    class Second(GradWatchCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            super().on_train_begin(*args, **kwargs)
+            assert self.watch is not None
+            urls.append(self.watch.metrics_url)
+
+        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            assert self.watch is not None
+            seen["history"] = self.watch.last.global_norm if self.watch.last else None
+            super().on_train_end(*args, **kwargs)
+
+    torch.manual_seed(1)
+    trainer = train(RegressionModel(), Second(groups=GROUPS, port=port), "second", 3)
+    seen.update(
+        stale_closed=stale is not None and stale._closed,
+        url=urls[0] if urls else None,
+        logged=[h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+    )
+    return seen
+
+
 def run_lightning(out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -353,6 +411,7 @@ def main() -> None:
         "hf-noclip": lambda o: run_huggingface_clip(o, 0.0),
         "hf-deepspeed": run_huggingface_deepspeed,
         "hf-fsdp1": lambda o: run_huggingface_fsdp1(o, use_orig_params=False),
+        "hf-after-raise": run_huggingface_after_a_raise,
         "hf-fsdp1-orig": lambda o: run_huggingface_fsdp1(o, use_orig_params=True),
     }[framework]
     try:
