@@ -578,9 +578,15 @@ def test_gradients_split_between_host_and_device_repair_only_in_host_memory(
         torch.full((9,), 1e-200, dtype=torch.float64),
         values((4100,), torch.float32, -2, 2, gen),  # the row path
     ]
+    from gradwatch.doctor.testing import count_blocking_copies
+
     engine = NormEngine(rescale_float64=True)
-    for _ in range(2):  # cold, then warm with the cached plans
-        sq, plan = engine._mixed(tensors, torch.device("cpu"))
+    for call in range(2):  # cold, then warm with the cached plans
+        with OpCounter() as ops, count_host_reads() as reads, count_blocking_copies() as copies:
+            sq, plan = engine._mixed(tensors, torch.device("cpu"))
+        if call:  # warm: the host engine's mask and its exact repair of the 1e-30 tensor
+            assert ops.scalar_reads == 0 and sum(reads.values()) == 2, reads  # host memory
+            assert copies.total == 0, copies.describe()
         for i, t in enumerate(tensors):
             want = 0.0 if t is None else ref_norm([t])
             assert rel_err(engine_norm(sq, i), want) <= REL, i
