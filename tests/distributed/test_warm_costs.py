@@ -4,7 +4,7 @@ gradwatch's dispatch-mode instruments (``OpCounter``: ``aten._local_scalar_dense
 ``BlockingCopyCounter``: tensors made from Python data, which on an accelerator travel by a
 blocking copy, and blocking host<->device copies). ZeRO: tests/distributed/test_zero.py;
 Lightning: test_integration_cost.py; gradients split between host and device:
-tests/unit/test_stats.py."""
+tests/unit/norms/test_stats.py."""
 
 from __future__ import annotations
 
