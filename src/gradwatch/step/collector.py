@@ -346,8 +346,7 @@ class Collector:
         grads, sq, plan, scale64 = measure_local(r, self.engine, scaler, optimizer)
         local = r.local_view.take() if r.local_view is not None else None
         if scale64 is not None and local is not None:
-            square = scale64 * scale64
-            local = local / (square if isinstance(square, float) else square.to(local.device))
+            local = local / _square_on(scale64, local.device)
         has_grad = [g is not None for g in grads.tensors]
         # Queued before the packed vector's copy: landed by the time its step is judged.
         local_sq = LocalSquares.of(sq, self.summarizer.auditing) if r.world_size > 1 else None
@@ -479,6 +478,13 @@ def act_alone(
             "step is applied unguarded", step, type(exc).__name__, exc,
         )
         return None, None
+
+
+def _square_on(scale: Tensor | float, device: torch.device) -> Tensor | float:
+    """``scale**2`` where it divides a tensor on ``device``: a Python float as is (a kernel
+    argument), a tensor moved there."""
+    square = scale * scale
+    return square if isinstance(square, float) else square.to(device)
 
 
 def accelerator_of(plan: NormPlan) -> torch.device | None:
