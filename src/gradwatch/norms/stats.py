@@ -497,11 +497,19 @@ class NormEngine:
         self._key: tuple | None = None
         self._rescale_float64 = rescale_float64
         self.host_reads = 0
+        self._split: _SplitEngines | None = None  # gradients on the host and on a device
+        self._split_key: tuple | None = None
+        self._split_layout = False
 
     def plan_for(
-        self, tensors: Sequence[Tensor | None], out_device: torch.device, replan: bool = False
+        self,
+        tensors: Sequence[Tensor | None],
+        out_device: torch.device,
+        replan: bool = False,
+        key: tuple | None = None,
     ) -> NormPlan:
-        key = (out_device, _layout_key(tensors))
+        if key is None:
+            key = (out_device, _layout_key(tensors))
         if replan or self._plan is None or key != self._key:
             self._plan = None  # free the old plan's buffers before allocating the new ones
             self._plan = build_plan(tensors, out_device, self._rescale_float64)
@@ -538,7 +546,14 @@ class NormEngine:
             staged = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
             staged.copy_(sq)
             return staged.to(out_device, non_blocking=True), plan
-        plan = self.plan_for(tensors, out_device)
+        key = (out_device, _layout_key(tensors))
+        if out_device.type != "cpu":
+            if key != self._split_key:  # once per layout: which devices hold the gradients
+                self._split_key = key
+                self._split_layout = _split_between_host_and_device(tensors)
+            if self._split_layout:
+                return self._mixed(tensors, out_device)
+        plan = self.plan_for(tensors, out_device, key=key)
         try:
             sq = _fast_squared_norms(plan, tensors)
         except (StalePlan, RuntimeError):
@@ -568,6 +583,73 @@ class NormEngine:
                     torch.tensor(fixed, dtype=torch.float64, device=out_device),
                 )
         return sq, plan
+
+    def _mixed(
+        self, tensors: Sequence[Tensor | None], out_device: torch.device
+    ) -> tuple[Tensor, NormPlan] | None:
+        """Gradients partly in host memory, partly on a device (CPU offload of some
+        parameters, CPU embedding tables): None when they are not. Else the host ones are
+        normed (and repaired: a read of host memory) by a host engine, the device ones by a
+        device engine that never repairs (no host read), each with its own cached plan in the
+        same positions, and the host vector joins the device one by one non-blocking copy
+        from pinned memory: the repair mask is never computed from a device tensor. Whether a
+        layout is split is decided once per layout; each call sorts the tensors into the two
+        lists (O(len(tensors)) Python), the sub-plans are cached per layout."""
+        on_host = [t if t is not None and is_host_resident(t) else None for t in tensors]
+        on_device = [t if t is not None and not is_host_resident(t) else None for t in tensors]
+        if all(t is None for t in on_host) or all(t is None for t in on_device):
+            self._split = None
+            return None
+        if self._split is None:
+            self._split = _SplitEngines(NormEngine(self._rescale_float64),
+                                        NormEngine(self._rescale_float64))
+        split = self._split
+        reads = split.host.host_reads + split.device.host_reads
+        host_sq, host_plan = split.host.squared_norms_and_plan(on_host, torch.device("cpu"))
+        sq, device_plan = split.device.squared_norms_and_plan(on_device, out_device)
+        self.host_reads += split.host.host_reads + split.device.host_reads - reads
+        # Disjoint positions: every entry of one vector is 0 where the other's is set.
+        sq.add_(_host_vector_to(host_sq, out_device))
+        return sq, split.plan(host_plan, device_plan, out_device)
+
+
+def _split_between_host_and_device(tensors: Sequence[Tensor | None]) -> bool:
+    """Some gradients in host memory and some on a device (O(len(tensors)), once a layout)."""
+    present = [t for t in tensors if t is not None]
+    host = sum(1 for t in present if is_host_resident(t))
+    return 0 < host < len(present)
+
+
+def is_host_resident(t: Tensor) -> bool:
+    """A tensor in host memory (the split of :meth:`NormEngine._mixed`)."""
+    return t.device.type == "cpu"
+
+
+def _host_vector_to(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device`` by one non-blocking copy from pinned memory (as is on the CPU)."""
+    if device.type == "cpu":
+        return host
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staged.copy_(host)
+    return staged.to(device, non_blocking=True)
+
+
+@dataclass
+class _SplitEngines:
+    """The engines of gradients split between host memory and a device, and their joint plan
+    (every bucket of both, in the same positions: what a clip scales)."""
+
+    host: NormEngine
+    device: NormEngine
+    _joint: tuple[int, int, NormPlan] | None = None
+
+    def plan(self, host: NormPlan, device: NormPlan, out_device: torch.device) -> NormPlan:
+        if self._joint is None or self._joint[:2] != (id(host), id(device)):
+            joint = NormPlan(n=host.n, out_device=out_device,
+                             buckets=[*host.buckets, *device.buckets],
+                             needs_repair=False, repair_floor=None)
+            self._joint = (id(host), id(device), joint)
+        return self._joint[2]
 
 
 def sqrt_sum(squares: Sequence[float]) -> float:

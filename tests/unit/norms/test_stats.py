@@ -524,3 +524,47 @@ def test_pack_fills_constant_tensors_and_extremes(value: float) -> None:
     for i, t in enumerate(ts):
         exact = float(t[0].double()) * math.sqrt(t.numel())
         assert rel_err(engine_norm(sq, i), exact) <= REL, i
+
+def test_gradients_split_between_host_and_device_repair_only_in_host_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Some gradients in host memory, some on a device (CPU offload of a few parameters, CPU
+    embeddings): the host ones are normed and repaired by a host engine (its mask a host
+    tensor), the device ones by an engine that never repairs, joined by one copy; the joint
+    plan carries every bucket (what a clip scales) and no repair of the device vector. No
+    CUDA here: CPU float64 tensors stand in for the device's (they take the accelerator's
+    rescaled float64 path), the rest are host-resident; every norm against the float64
+    reference, extremes that need the repair included."""
+    from gradwatch.norms import stats
+
+    monkeypatch.setattr(stats, "is_host_resident", lambda t: t.dtype != torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    tensors = [
+        values((300,), torch.float32, -4, 4, gen),
+        torch.full((50,), 1e-30, dtype=torch.float32),  # squares underflow float32: repaired
+        values((700,), torch.float64, -300, 300, gen),  # the "device" part, extreme
+        None,
+        torch.full((9,), 1e-200, dtype=torch.float64),
+        values((4100,), torch.float32, -2, 2, gen),  # the row path
+    ]
+    from gradwatch.doctor.testing import count_blocking_copies
+
+    engine = NormEngine(rescale_float64=True)
+    for call in range(2):  # cold, then warm with the cached plans
+        with OpCounter() as ops, count_host_reads() as reads, count_blocking_copies() as copies:
+            sq, plan = engine._mixed(tensors, torch.device("cpu"))
+        if call:  # warm: the host engine's mask and its exact repair of the 1e-30 tensor
+            assert ops.scalar_reads == 0 and sum(reads.values()) == 2, reads  # host memory
+            # The repair's index and values: built in host memory by the host engine, never
+            # on the device (the host vector reaches it by one non-blocking copy).
+            assert copies.blocking_copies == 0 and copies.python_tensors == 2, copies.describe()
+        for i, t in enumerate(tensors):
+            want = 0.0 if t is None else ref_norm([t])
+            assert rel_err(engine_norm(sq, i), want) <= REL, i
+        assert not plan.needs_repair and plan.repair_floor is None
+        positions = sorted(p for b in plan.buckets for p in b.positions)
+        assert positions == [0, 1, 2, 4, 5]
+        assert engine._split is not None and engine._split.device.host_reads == 0
+    assert engine._split.host.host_reads == 2 == engine.host_reads  # one mask read a call
+    plain = NormEngine(rescale_float64=True)  # not split: nothing to join
+    assert plain._mixed([tensors[0], tensors[5]], torch.device("cpu")) is None
