@@ -95,13 +95,66 @@ class Collected:
 
 
 class StepActions:
-    """The adaptive clip's history, rank 0's incident file and the skip-limit action of a
-    :class:`Collector` (:mod:`gradwatch.step.adaptive`, :mod:`gradwatch.step.incidents`)."""
+    """What a :class:`Collector` does besides its collects: the isolation expectation, what a
+    clip returns unmeasured, the ``attach()`` hook, and the adaptive clip's history, rank 0's
+    incident file and the skip-limit action (:mod:`gradwatch.step.adaptive`,
+    :mod:`gradwatch.step.incidents`)."""
 
     cfg: WatchConfig
     resolved: Resolved
     reporter: Reporter
+    isolated: tuple[str, ...]
+    guard: StepGuard | None
     _clipped_step: int | None
+    _next_step: int
+    _optimizer_steps: int
+    collect: Callable[..., Collected]  # Collector.collect
+
+    def set_isolated(self, groups: Iterable[str]) -> None:
+        """The groups expected to receive no gradient from the next collect on (see
+        :meth:`gradwatch.watcher.GradWatch.set_isolated`)."""
+        wanted = tuple(dict.fromkeys(groups))
+        known = set(self.cfg.groups) | {OTHER_GROUP}
+        unknown = [g for g in wanted if g not in known]
+        if unknown:
+            raise ValueError(
+                f"gradwatch: set_isolated(groups=...) names unknown group(s) {unknown}; "
+                f"known: {sorted(known)}"
+            )
+        self.isolated = wanted
+
+    def unclipped(self, auto: bool = False) -> Tensor | None:
+        """Under DeepSpeed, what the last clip returns when gradwatch did not measure it: nothing
+        can be clipped by torch's function (the gradients are not in ``.grad``): logged once,
+        NaN. ``auto``: the adaptive clip's (:meth:`unclipped_auto`). None otherwise (torch's
+        function clips: :func:`clip_locally`)."""
+        if auto:
+            return self.unclipped_auto()
+        if self.resolved.zero is None:
+            return None
+        self.reporter.log_once(
+            "zero-not-clipped",
+            "gradwatch: step %d was not clipped (collection failed or stopped); DeepSpeed "
+            "steps with unclipped gradients",
+            self._clipped_step,
+        )
+        return torch.tensor(math.nan, dtype=torch.float64)
+
+    def hooked(self) -> Callable[[Any, Any], None]:
+        """The collect an ``attach()`` hook runs before each optimizer step, numbered by the
+        optimizer-step counter (continuing after the highest step collected so far)."""
+        self._optimizer_steps = max(self._optimizer_steps, self._next_step)
+
+        def collect(scaler: Any, optimizer: Any) -> None:
+            step = self._optimizer_steps
+            self._optimizer_steps += 1
+            if self._clipped_step == step or self.guard is not None:
+                # clip_grad_norm_ already collected this step (pre-clip), or the guard collects
+                # before its step (a collect in the optimizer's own step would decide too late)
+                return
+            self.collect(step, scaler, optimizer, None)
+
+        return collect
 
     def _init_actions(self) -> None:
         # The EMA history of the whole-model norm (clip_grad_norm_("auto"), the guard's "ema"
@@ -187,19 +240,6 @@ class Collector(StepActions):
         self.attempts = 0  # collects that did work, numbered: orders failures and results
         self.failures = Failures(resolved.reducer, resolved.local_names, reporter)
 
-    def set_isolated(self, groups: Iterable[str]) -> None:
-        """The groups expected to receive no gradient from the next collect on (see
-        :meth:`gradwatch.watcher.GradWatch.set_isolated`)."""
-        wanted = tuple(dict.fromkeys(groups))
-        known = set(self.cfg.groups) | {OTHER_GROUP}
-        unknown = [g for g in wanted if g not in known]
-        if unknown:
-            raise ValueError(
-                f"gradwatch: set_isolated(groups=...) names unknown group(s) {unknown}; "
-                f"known: {sorted(known)}"
-            )
-        self.isolated = wanted
-
     def collect(
         self,
         step: int,
@@ -235,39 +275,6 @@ class Collector(StepActions):
             step = self._optimizer_steps
         self._clipped_step = step
         return self.collect(step, scaler, None, max_norm).total
-
-    def unclipped(self, auto: bool = False) -> Tensor | None:
-        """Under DeepSpeed, what the last clip returns when gradwatch did not measure it: nothing
-        can be clipped by torch's function (the gradients are not in ``.grad``): logged once,
-        NaN. ``auto``: the adaptive clip's (:meth:`unclipped_auto`). None otherwise (torch's
-        function clips: :func:`clip_locally`)."""
-        if auto:
-            return self.unclipped_auto()
-        if self.resolved.zero is None:
-            return None
-        self.reporter.log_once(
-            "zero-not-clipped",
-            "gradwatch: step %d was not clipped (collection failed or stopped); DeepSpeed "
-            "steps with unclipped gradients",
-            self._clipped_step,
-        )
-        return torch.tensor(math.nan, dtype=torch.float64)
-
-    def hooked(self) -> Callable[[Any, Any], None]:
-        """The collect an ``attach()`` hook runs before each optimizer step, numbered by the
-        optimizer-step counter (continuing after the highest step collected so far)."""
-        self._optimizer_steps = max(self._optimizer_steps, self._next_step)
-
-        def collect(scaler: Any, optimizer: Any) -> None:
-            step = self._optimizer_steps
-            self._optimizer_steps += 1
-            if self._clipped_step == step or self.guard is not None:
-                # clip_grad_norm_ already collected this step (pre-clip), or the guard collects
-                # before its step (a collect in the optimizer's own step would decide too late)
-                return
-            self.collect(step, scaler, optimizer, None)
-
-        return collect
 
     def start_guard(self, scaler: Any) -> None:
         """From now on every collect decides whether the optimizer steps (see
