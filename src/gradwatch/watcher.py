@@ -291,17 +291,20 @@ class GradWatch:
             self._publishing.add_sink(sink)
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every step collected so far reached the endpoint and the history file.
+        """Wait until every step collected so far is published on the endpoint (audited: the
+        verdicts of :meth:`audit_norm` counted and served), then written by the history file and
+        every sink, or lost by a sink and counted; at most ``timeout`` seconds in all.
 
         Only global rank 0 publishes; elsewhere, and with neither ``port`` nor
-        ``history_path``, returns True at once. False on timeout or after :meth:`close`.
+        ``history_path`` nor a sink, returns True at once. False on timeout (a sink still
+        writing: logged, and its steps stay queued) or after :meth:`close`.
         """
         if self._publishing is None:
-            done = not self._closed
-        else:
-            done = bool(self._publishing.flush(timeout))
-        self._summarizer.audit()  # reports that arrived after their step was built
-        return done
+            self._summarizer.audit()  # reports that arrived after their step was built
+            return not self._closed
+        # The late reports are judged once every submitted step is built, and counted before
+        # the endpoint syncs: a scrape right after flush() shows every verdict.
+        return bool(self._publishing.flush(timeout, settle=self._summarizer.audit))
 
     def close(self) -> None:
         """Flush and stop the endpoint and the history, wait for this rank's gradwatch

@@ -21,11 +21,19 @@ from pydantic import ValidationError
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.errors import GradWatchError
+from gradwatch.export import sinkworker
 from gradwatch.sinks import MlflowSink, StepScalars, TensorBoardSink, WandbSink
 from gradwatch.sinks.mlflow import mlflow_key
 from gradwatch.snapshot import GroupStats, Snapshot
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+@pytest.fixture(autouse=True)
+def _fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing sink's backoff in milliseconds, so a test waits for retries in milliseconds."""
+    monkeypatch.setattr(sinkworker, "RETRY_FIRST_SECONDS", 0.001)
+    monkeypatch.setattr(sinkworker, "RETRY_MAX_SECONDS", 0.01)
 
 
 def job(**cfg: object) -> tuple[GradWatch, object]:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from prometheus_client.utils import floatToGoString
 
 from gradwatch.config import RatioSpec
-from gradwatch.snapshot import Snapshot
+from gradwatch.snapshot import Snapshot, ratio_defined
 
 __all__ = [
     "COLLECT_SECONDS_BUCKETS",
@@ -239,3 +239,39 @@ def cumulative_histogram(
     """A histogram from its ``le`` values (:func:`le_values`), its per-bucket counts (floats,
     not cumulative, ``+Inf`` last) and its sum."""
     return HistogramValue(tuple(zip(le, itertools.accumulate(counts), strict=True)), total)
+
+
+# -- readers of one catalog metric each ----------------------------------------------------------
+
+
+def ratio_samples(s: PublishedStep) -> tuple[Sample, ...]:
+    """``gradwatch_grad_norm_ratio``: NaN where undefined (the denominator without a usable
+    norm), not the 0 the snapshot holds, which would read as "dormant"."""
+    out: list[Sample] = []
+    for key, value in s.snap.ratios.items():
+        labels = s.ratio_labels.get(key) or tuple(key.split("/", 1))
+        defined = ratio_defined(s.snap.groups.get(labels[-1]))
+        out.append((labels, float(value) if defined else float("nan")))
+    return tuple(out)
+
+
+def replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
+    """``gradwatch_replica_grad_norm{stat}``: the replicas' min, median and max local norms."""
+    snap = s.snap
+    if not snap.rank_view or snap.replica_grad_norm_max is None:
+        return None
+    stats = (
+        ("min", snap.replica_grad_norm_min),
+        ("median", snap.replica_grad_norm_median),
+        ("max", snap.replica_grad_norm_max),
+    )
+    return each((stat, v) for stat, v in stats if v is not None)
+
+
+def ratio_bands(j: JobInfo) -> tuple[Sample, ...]:
+    """``gradwatch_grad_norm_ratio_band``: three levels per configured ratio."""
+    return tuple(
+        ((r.numerator, r.denominator, bound), float(level))
+        for r in j.ratios
+        for bound, level in (("low", r.low), ("high", r.high), ("dormant", r.dormant))
+    )

@@ -25,24 +25,23 @@ from gradwatch.export.metricdef import (
     MAX_PARAM_SERIES,
     NORM_BUCKETS,
     HistogramValue,
-    JobInfo,
     LabelledHistograms,
     MetricDef,
     MetricSource,
     MetricValue,
-    PublishedStep,
-    Sample,
     cumulative_histogram,
     each,
     group_field,
     le_values,
     one,
     rank_view_field,
+    ratio_bands,
+    ratio_samples,
+    replica_spread,
     select_param_series,
 )
 from gradwatch.export.publisher import MAX_PENDING
 from gradwatch.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
-from gradwatch.snapshot import ratio_defined
 
 if TYPE_CHECKING:  # the state reads through this catalog: its types for annotations only
     from gradwatch.export.state import SelfView
@@ -66,30 +65,6 @@ NORM_BUCKETS_TEXT = (
 # -- readers of one metric each ----------------------------------------------------------------
 
 
-def _ratios(s: PublishedStep) -> tuple[Sample, ...]:
-    """``gradwatch_grad_norm_ratio``: NaN where undefined (the denominator without a usable
-    norm), not the 0 the snapshot holds, which would read as "dormant"."""
-    out: list[Sample] = []
-    for key, value in s.snap.ratios.items():
-        labels = s.ratio_labels.get(key) or tuple(key.split("/", 1))
-        defined = ratio_defined(s.snap.groups.get(labels[-1]))
-        out.append((labels, float(value) if defined else float("nan")))
-    return tuple(out)
-
-
-def _replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
-    """``gradwatch_replica_grad_norm{stat}``: the replicas' min, median and max local norms."""
-    snap = s.snap
-    if not snap.rank_view or snap.replica_grad_norm_max is None:
-        return None
-    stats = (
-        ("min", snap.replica_grad_norm_min),
-        ("median", snap.replica_grad_norm_median),
-        ("max", snap.replica_grad_norm_max),
-    )
-    return each((stat, v) for stat, v in stats if v is not None)
-
-
 _NORM_LE = le_values(NORM_BUCKETS)
 _COLLECT_SECONDS_LE = le_values(COLLECT_SECONDS_BUCKETS)
 
@@ -102,15 +77,6 @@ def _norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
 def _collect_seconds(v: SelfView) -> HistogramValue:
     """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
     return cumulative_histogram(_COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
-
-
-def _ratio_bands(j: JobInfo) -> tuple[Sample, ...]:
-    """``gradwatch_grad_norm_ratio_band``: three levels per configured ratio."""
-    return tuple(
-        ((r.numerator, r.denominator, bound), float(level))
-        for r in j.ratios
-        for bound, level in (("low", r.low), ("high", r.high), ("dormant", r.dormant))
-    )
 
 
 # -- the definitions ----------------------------------------------------------------------------
@@ -161,7 +127,7 @@ GRAD_NORM_RATIO = MetricDef(
     "denominator group has no gradient or a norm below 1e-8 or non-finite (0 would read "
     "as dormant); 0 when only the numerator's norm is below 1e-8 or it has no gradient.",
     source=MetricSource.SNAPSHOT,
-    read=_ratios,
+    read=ratio_samples,
 )
 GROUP_PARAMETERS = MetricDef(
     "gradwatch_group_parameters",
@@ -270,7 +236,7 @@ REPLICA_GRAD_NORM = MetricDef(
     "above the slot world size (docs/distributed.md). NaN (median) or NaN/+Inf (max) when "
     "some replica's local gradient was non-finite.",
     source=MetricSource.SNAPSHOT,
-    read=_replica_spread,
+    read=replica_spread,
 )
 REPLICA_GRAD_NORM_MAX_RANK = MetricDef(
     "gradwatch_replica_grad_norm_max_rank",
@@ -494,11 +460,11 @@ PUBLISH_ERRORS_TOTAL = MetricDef(
     "gradwatch_publish_errors_total",
     "counter",
     (),
-    "Collected steps that failed to materialize or publish (logged once per kind).",
-    "For example a `GradWatchTimeoutError` when another rank stopped calling collect(), "
-    "or an exception raised by a sink: a failed write to the history file "
-    "(`history_path`) or a sink you added (`Sink`, docs/integrations.md); each failing "
-    "sink counts once. Publishing continues with the other sinks and the next step.",
+    "Collected steps that failed to materialize or to publish on the endpoint (logged once "
+    "per kind).",
+    "For example a `GradWatchTimeoutError` when another rank stopped calling collect(). A "
+    "sink's failures (the history file, a tracker, a sink you added) are counted per sink in "
+    "`gradwatch_sink_errors_total`. Publishing continues with the next step.",
     source=MetricSource.SELF_STATS,
     read=lambda v: one(v.publish_errors),
 )
@@ -511,6 +477,32 @@ DROPPED_SNAPSHOTS_TOTAL = MetricDef(
     "one drops the oldest.",
     source=MetricSource.SELF_STATS,
     read=lambda v: one(v.dropped),
+)
+SINK_ERRORS_TOTAL = MetricDef(
+    "gradwatch_sink_errors_total",
+    "counter",
+    ("sink",),
+    "Failed or stalled writes of one sink (the history file, a tracker, a sink you added).",
+    "One series per sink (`history`, `tensorboard`, `wandb`, `mlflow`, or a user sink's "
+    "`name`), at 0 from when the sink is added; absent without sinks. Counts every write that "
+    "raised (each retry too) and, once per stall, a write still running after "
+    "`sink_timeout_seconds`. Each sink has its own queue and thread: the endpoint and the "
+    "other sinks go on. The GradwatchSinkFailing alert fires on it.",
+    source=MetricSource.SELF_STATS,
+    read=lambda v: each(v.sink_errors) or None,
+)
+SINK_DROPPED_STEPS_TOTAL = MetricDef(
+    "gradwatch_sink_dropped_steps_total",
+    "counter",
+    ("sink",),
+    "Published steps one sink never received.",
+    "Series as `gradwatch_sink_errors_total`. A sink that falls behind keeps the newest "
+    "`sink_queue_size` steps (an older waiting one is dropped), a step whose write failed "
+    "three times is given up, and closing counts what a sink could not write in time. The "
+    "tracker sinks record their own total as the scalar `gradwatch/dropped_steps`. The "
+    "GradwatchSinkDroppingSteps alert fires on it.",
+    source=MetricSource.SELF_STATS,
+    read=lambda v: each(v.sink_dropped) or None,
 )
 COLLECT_SECONDS = MetricDef(
     "gradwatch_collect_seconds",
@@ -624,7 +616,7 @@ GRAD_NORM_RATIO_BAND = MetricDef(
     "0.2, dormant 0.01); present from the first scrape. The dormant alert and the "
     "dashboard read them.",
     source=MetricSource.INFO,
-    read=_ratio_bands,
+    read=ratio_bands,
 )
 
 METRICS: tuple[MetricDef, ...] = (
@@ -666,6 +658,8 @@ METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_PER_STEP,
     PUBLISH_ERRORS_TOTAL,
     DROPPED_SNAPSHOTS_TOTAL,
+    SINK_ERRORS_TOTAL,
+    SINK_DROPPED_STEPS_TOTAL,
     COLLECT_SECONDS,
     REPORTED_NORM_RATIO,
     NORM_AUDIT_DISAGREEMENTS_TOTAL,

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -167,8 +167,13 @@ class Publishing:
         try:
             if cfg.file_sd_path is not None and self.port is not None:
                 self._discovery = _write_discovery(cfg, self.port, self.run_id)
-            first = () if self._state is None else (self._state,)
-            self._publisher = Publisher([*first, *sinks], self._stats)
+            self._publisher = Publisher(
+                self._state,
+                sinks,
+                self._stats,
+                queue_size=cfg.sink_queue_size,
+                sink_timeout=cfg.sink_timeout_seconds,
+            )
         except BaseException:
             if self._discovery is not None:
                 with contextlib.suppress(OSError):
@@ -222,15 +227,32 @@ class Publishing:
         """Record the training thread's time in one ``collect()`` call. Never raises."""
         self._stats.observe(float(seconds))  # a bucket count under a lock
 
-    def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything submitted so far reached every sink, failed or was dropped,
-        and the endpoint serves it (the self-stats included).
+    def flush(
+        self, timeout: float = 10.0, settle: Callable[[], object] | None = None
+    ) -> bool:
+        """Wait until everything submitted so far is on the endpoint and the endpoint serves it
+        (the self-stats included), then until every sink wrote it or lost it (counted), and the
+        endpoint serves those counts.
 
-        Returns False on timeout, or at once when closed.
+        ``settle`` runs once the endpoint's state holds every submitted step and before the
+        endpoint is synced: what it counts (the watcher's late norm audits) is served when this
+        returns. The whole wait is bounded by ``timeout`` seconds; the endpoint goes first, so a
+        blocked sink never keeps it behind. Returns False on timeout (a sink still writing,
+        logged and counted as it goes), or at once when closed.
         """
         deadline = time.monotonic() + max(timeout, 0.0)
-        if not self._publisher.flush(timeout):
+        if self.closed:
             return False
+        handled = self._publisher.flush_endpoint(deadline)
+        if settle is not None:
+            settle()
+        if not (handled and self._sync(deadline)):
+            return False
+        # The sinks' own counts (errors, drops) changed meanwhile: served too.
+        return self._publisher.flush_sinks(deadline) and self._sync(deadline)
+
+    def _sync(self, deadline: float) -> bool:
+        """Wait until the endpoint serves what the state and self-stats hold now."""
         return self._http is None or self._http.sync(max(deadline - time.monotonic(), 0.0))
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:

@@ -48,7 +48,9 @@ class MlflowSink:
         prefix: first component of every key.
     """
 
-    #: Completes "could not ... a collected step" in the publisher's error log.
+    #: The ``sink`` label of its ``gradwatch_sink_*`` series.
+    name = "mlflow"
+    #: Completes "could not ... a collected step" in error logs.
     action = "log to MLflow the scalars of"
 
     def __init__(
@@ -79,6 +81,10 @@ class MlflowSink:
                 run = self._client.create_run(experiment_id or _default_experiment(self._client))
                 run_id, self._owns_run = run.info.run_id, True
         self.run_id: str = run_id
+
+    def note_dropped(self, total: int) -> None:
+        """Steps this sink lost so far: logged as ``<prefix>/dropped_steps`` with the next row."""
+        self._scalars.dropped_steps = total
 
     def write(self, snapshot: Snapshot) -> None:
         millis = int(snapshot.timestamp * 1000)
