@@ -500,7 +500,7 @@ SINK_DROPPED_STEPS_TOTAL = MetricDef(
     "`sink_queue_size` steps (an older waiting one is dropped), a step whose write failed "
     "three times is given up, and closing counts what a sink could not write in time. The "
     "tracker sinks record their own total as the scalar `gradwatch/dropped_steps`. The "
-    "GradwatchSinkDroppingSteps alert fires on it.",
+    "GradwatchSinkFailing alert fires on it.",
     source=MetricSource.SELF_STATS,
     read=lambda v: each(v.sink_dropped) or None,
 )

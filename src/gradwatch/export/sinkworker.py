@@ -15,9 +15,11 @@ the next one, still backing off until a write succeeds. A ``write`` that runs lo
 ``WatchConfig.sink_timeout_seconds`` is counted once per stall as an error (the sink is
 blocked; its queue keeps the newest steps meanwhile). Every step a sink never got (dropped from
 a full queue, given up, discarded or stuck at close) is counted in
-``gradwatch_sink_dropped_steps_total{sink}`` and given to the sink itself through its optional
-``note_dropped(total)`` before its next write (the tracker sinks log it as the scalar
-``<prefix>/dropped_steps``). The first error, drop and recovery of each sink are logged at
+``gradwatch_sink_dropped_steps_total{sink}``. The sink itself is told, through its optional
+``note_dropped(total)`` before each write, how many collected steps it never got: its own
+losses plus the steps the publisher dropped before any sink saw them
+(``gradwatch_dropped_snapshots_total``); the tracker sinks log it as the scalar
+``<prefix>/dropped_steps``. The first error, drop and recovery of each sink are logged at
 once, later ones at most once per :data:`LOG_INTERVAL_SECONDS` with how many happened since.
 """
 
@@ -62,6 +64,11 @@ class SinkCounters(Protocol):
     def add_sink_error(self, sink: str) -> None: ...
 
     def add_sink_dropped(self, sink: str, steps: int = 1) -> None: ...
+
+    @property
+    def dropped(self) -> int:
+        """Collected steps the publisher dropped before any sink saw them."""
+        ...
 
 
 def sink_name(sink: Sink, taken: set[str] | frozenset[str] = frozenset()) -> str:
@@ -244,8 +251,8 @@ class SinkWorker:
         note = getattr(self.sink, "note_dropped", None)
         self._busy_since = time.monotonic()
         try:
-            if callable(note):
-                note(self.dropped)
+            if callable(note):  # every collected step it never got, here or upstream
+                note(self.dropped + self._counters.dropped)
             self.sink.write(snapshot)
         finally:
             self._busy_since = None

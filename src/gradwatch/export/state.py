@@ -357,6 +357,12 @@ class SelfStats:
             self._publish_errors += 1
             self.version += 1
 
+    @property
+    def dropped(self) -> int:
+        """``gradwatch_dropped_snapshots_total`` so far."""
+        with self._lock:
+            return self._dropped
+
     def add_dropped(self) -> None:
         with self._lock:
             self._dropped += 1

@@ -83,7 +83,8 @@ class MlflowSink:
         self.run_id: str = run_id
 
     def note_dropped(self, total: int) -> None:
-        """Steps this sink lost so far: logged as ``<prefix>/dropped_steps`` with the next row."""
+        """Collected steps this sink never got so far (its worker's count, see
+        :mod:`gradwatch.export.sinkworker`): ``<prefix>/dropped_steps`` in the next row."""
         self._scalars.dropped_steps = total
 
     def write(self, snapshot: Snapshot) -> None:

@@ -14,8 +14,10 @@ show for that step, with the same meaning (it is built by the endpoint's own
   catalog gains), so a chart shows *when* they increased.
 
 When the sink's worker tells it (``note_dropped``), the row also carries
-``<prefix>/dropped_steps``: how many published steps this sink lost so far (its
-``gradwatch_sink_dropped_steps_total``), so a gap in a chart is explained in the tracker itself.
+``<prefix>/dropped_steps``: how many collected steps this sink never got so far (its
+``gradwatch_sink_dropped_steps_total`` plus ``gradwatch_dropped_snapshots_total``, the steps
+the publisher dropped before any sink saw them), so a gap in a chart is explained in the
+tracker itself.
 
 Tags are ``<prefix>/<metric name without gradwatch_>[/<label value>...]``, e.g.
 ``gradwatch/grad_norm/attn`` or ``gradwatch/grad_norm_ratio/seed/host``. Left out: the step and
@@ -81,7 +83,7 @@ class StepScalars:
         cfg = config if config is not None else WatchConfig.model_construct()
         self._state = PublishedState(cfg)
         self._metrics = scalar_metrics()
-        #: Steps the sink lost so far (set by its ``note_dropped``); None: not known, no tag.
+        #: Collected steps the sink never got (set by its ``note_dropped``); None: no tag.
         self.dropped_steps: int | None = None
         self._last: Snapshot | None = None
         self._row: dict[str, float] = {}

@@ -58,7 +58,8 @@ class WandbSink:
         self.run.define_metric(f"{prefix}/*", step_metric=self._step_key)
 
     def note_dropped(self, total: int) -> None:
-        """Steps this sink lost so far: logged as ``<prefix>/dropped_steps`` with the next row."""
+        """Collected steps this sink never got so far (its worker's count, see
+        :mod:`gradwatch.export.sinkworker`): ``<prefix>/dropped_steps`` in the next row."""
         self._scalars.dropped_steps = total
 
     def write(self, snapshot: Snapshot) -> None:
