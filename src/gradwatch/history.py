@@ -135,8 +135,8 @@ class HistoryWriter:
     Thread-safe, and a :class:`~gradwatch.export.Sink` (``write``, ``action``, ``close``). Two
     ways to write:
 
-    * :meth:`write` raises the ``OSError`` of a failed write (the publisher thread uses it, so
-      the failure is logged once and counted like any other publishing error);
+    * :meth:`write` raises the ``OSError`` of a failed write (the history's sink thread uses it,
+      so the failure is counted, logged and retried like any sink's);
     * :meth:`append` never raises on I/O errors: it returns False and keeps the error in
       :attr:`last_error`, so a full disk cannot kill whoever calls it.
 

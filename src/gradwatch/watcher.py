@@ -277,11 +277,11 @@ class GradWatch:
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every snapshot published from now on to ``sink`` too (see
-        :class:`gradwatch.export.Sink`), from the publisher thread, never the training thread.
+        :class:`gradwatch.export.Sink`), from its own thread, never the training thread.
 
         Global rank 0 only (the other ranks publish nothing): a no-op elsewhere, after
-        :meth:`close` and when disabled. Errors a sink raises are logged once and counted, never
-        raised here.
+        :meth:`close` and when disabled. Errors a sink raises are counted
+        (``gradwatch_sink_errors_total``), logged and retried, never raised here.
         """
         if self.rank != 0 or self._closed:
             return

@@ -7,7 +7,7 @@
   (:class:`~gradwatch.export.http.HTTPEndpoint` serving the
   :class:`~gradwatch.export.collector.SnapshotCollector`);
 * with ``WatchConfig.history_path``: the history file, a sink
-  (:class:`~gradwatch.history.HistoryWriter`, opened lazily by the publisher thread so a slow or
+  (:class:`~gradwatch.history.HistoryWriter`, opened lazily by its own thread so a slow or
   broken file system can neither block construction nor raise into training);
 * with ``WatchConfig.sinks``: the tracker sinks (:mod:`gradwatch.sinks`: TensorBoard, W&B,
   MLflow), imported only then;
@@ -15,9 +15,11 @@
 * with ``WatchConfig.file_sd_path``: the endpoint's Prometheus ``file_sd`` target, written once
   the port is bound and removed at close (:mod:`gradwatch.export.filesd`).
 
-All of them are fed by the same :class:`~gradwatch.export.publisher.Publisher` thread, so the
-training thread only ever queues a pending result. :class:`MetricsServer` is a
-:class:`Publishing` that must serve (the endpoint on its own, as tests and tools use it).
+All of them are fed by the same :class:`~gradwatch.export.publisher.Publisher` thread (the
+endpoint directly, every other sink through its own queue and thread), so the training thread
+only ever queues a pending result and no sink can hold up the endpoint or another sink.
+:class:`MetricsServer` is a :class:`Publishing` that must serve (the endpoint on its own, as
+tests and tools use it).
 """
 
 from __future__ import annotations
@@ -98,12 +100,14 @@ def open_publishing(
 class Publishing:
     """One publisher thread feeding ``sinks``, after the endpoint's state when ``cfg.port`` is set.
 
-    Three threads touch it: the **training thread** calls :meth:`submit` and
+    These threads touch it: the **training thread** calls :meth:`submit` and
     :meth:`observe_collect_seconds` (never block on the network or the device, never raise);
-    the **publisher thread** materializes each pending result and hands the snapshot to every
-    sink; the **exporter thread** renders the published state (read once, so an exposition
-    never shows half of one step and half of another) when it changed and hands the bytes to
-    the exporter process, which serves every scrape. All public methods are thread-safe.
+    the **publisher thread** materializes each pending result, publishes it on the endpoint's
+    state and offers it to every other sink; one **sink thread** per sink writes it there
+    (:mod:`gradwatch.export.sinkworker`); the **exporter thread** renders the published state
+    (read once, so an exposition never shows half of one step and half of another) when it
+    changed and hands the bytes to the exporter process, which serves every scrape. All public
+    methods are thread-safe.
 
     Construction binds the port in the caller's thread (0 = ephemeral) and starts the exporter
     process. :meth:`close` returns within its ``timeout`` (5 s by default) whatever the sinks

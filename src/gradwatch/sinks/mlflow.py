@@ -36,7 +36,7 @@ class MlflowSink:
     ``step=snapshot.step`` with the collect's wall time. Keys are :func:`mlflow_key` of the tags.
 
     The run is resolved once, at construction (MLflow's active run is per thread, and the sink
-    writes from the publisher thread).
+    writes from its own thread).
 
     Args:
         run_id: the run to log to; None: the active run of the constructing thread

@@ -68,7 +68,7 @@ class StepScalars:
     """Turns each snapshot, in step order, into its row ``{tag: value}``.
 
     Stateful (the counters run over the snapshots it was given), so one instance serves one
-    sink. Not thread-safe: the publisher thread is its only caller.
+    sink. Not thread-safe: the sink's thread is its only caller.
 
     Args:
         config: the watcher's configuration (ratio labels, groups whose counters start at 0);
