@@ -54,6 +54,7 @@ from gradwatch.export import (
     sinkworker,
 )
 from gradwatch.export import metrics as catalog
+from gradwatch.export.history import HistoryWriter
 from gradwatch.export.server import RateLimit
 from gradwatch.export.sinkworker import RETRY_ATTEMPTS
 from gradwatch.export.state import (
@@ -62,7 +63,6 @@ from gradwatch.export.state import (
     SelfStats,
     snapshot_samples,
 )
-from gradwatch.history import HistoryWriter
 from gradwatch.snapshot import GroupStats, Snapshot
 from scripts.gen_metrics_docs import metrics_reference_markdown
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from gradwatch import GradWatch, GroupStats, Snapshot, WatchConfig
 from gradwatch.export import sinkworker
+from gradwatch.export.history import HistoryWriter, read_history, rotated_path
 from gradwatch.export.sinkworker import RETRY_ATTEMPTS
-from gradwatch.history import HistoryWriter, read_history, rotated_path
 
 
 @pytest.fixture(autouse=True)

@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.export import Publishing, sinkworker
+from gradwatch.export.history import read_history
 from gradwatch.export.sinkworker import RETRY_ATTEMPTS, RateLimitedLog, SinkWorker
 from gradwatch.export.state import SelfStats
-from gradwatch.history import read_history
 from gradwatch.snapshot import GroupStats, Snapshot
 
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
@@ -220,7 +220,7 @@ def test_a_tracker_server_that_dies_then_comes_back(
     resumes at the next step."""
     from mlflow.tracking import MlflowClient
 
-    from gradwatch.sinks import MlflowSink
+    from gradwatch.export.sinks import MlflowSink
 
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the store that needs no server
@@ -339,7 +339,7 @@ def test_tensorboard_sink_resumes_after_its_disk_heals(tmp_path: Path) -> None:
 
     import trackers
 
-    from gradwatch.sinks import TensorBoardSink
+    from gradwatch.export.sinks import TensorBoardSink
 
     log_dir = tmp_path / "tb"
     sink = TensorBoardSink(log_dir)

@@ -78,7 +78,7 @@ class Sink(Protocol):
       ``<prefix>/dropped_steps``);
     * ``close() -> None`` is called once, after the last ``write``, when publishing closes.
 
-    :class:`gradwatch.history.HistoryWriter` and the endpoint's published state are sinks.
+    :class:`gradwatch.export.history.HistoryWriter` and the endpoint's published state are sinks.
     """
 
     def write(self, snapshot: Snapshot) -> None: ...
