@@ -156,6 +156,7 @@ class SinkWorker:
     def offer(self, snapshot: Snapshot) -> None:
         """Queue ``snapshot`` for the sink; never blocks on it, never raises. A full queue drops
         its oldest step (counted); ignored once stopping."""
+        dropped = 0
         with self._cond:
             if self._stopping:
                 return
@@ -163,9 +164,11 @@ class SinkWorker:
             if len(self._queue) >= self._queue_size:
                 seq, _ = self._queue.popleft()
                 self._done = max(self._done, seq)
-                self._drop_locked(1, "queue")
+                dropped = self._drop_locked(1)
             self._queue.append((self._offered, snapshot))
             self._cond.notify_all()
+        if dropped:  # logged outside the lock: a slow log handler never holds the publisher
+            self._log_drop(1, "queue", dropped)
         self._check_stall()
 
     def flush(self, deadline: float) -> bool:
@@ -205,8 +208,9 @@ class SinkWorker:
             if self._in_hand:
                 lost += 1  # stuck in the sink's write (or its backoff) and abandoned
                 self._in_hand = False
-            if lost:
-                self._drop_locked(lost, "close")
+            total = self._drop_locked(lost) if lost else 0
+        if lost:
+            self._log_drop(lost, "close", total)
         return lost
 
     # -- the worker thread ------------------------------------------------------------------
@@ -244,8 +248,9 @@ class SinkWorker:
                 )
             return
         with self._cond:
-            if self._in_hand:
-                self._drop_locked(1, "given up")
+            total = self._drop_locked(1) if self._in_hand else 0
+        if total:
+            self._log_drop(1, "given up", total)
 
     def _write(self, snapshot: Snapshot) -> None:
         note = getattr(self.sink, "note_dropped", None)
@@ -292,14 +297,18 @@ class SinkWorker:
             self.name, self._timeout, self.name, self._queue_size,
         )  # fmt: skip
 
-    def _drop_locked(self, steps: int, why: str) -> None:
+    def _drop_locked(self, steps: int) -> int:
+        """Count ``steps`` lost (the caller holds ``_cond``); the total so far."""
         self._dropped += steps
         self._counters.add_sink_dropped(self.name, steps)
+        return self._dropped
+
+    def _log_drop(self, steps: int, why: str, total: int) -> None:
         self._log.warning(
             f"drop:{why}",
             "gradwatch: the %r sink lost %d step(s) (%s; %d so far); counted in "
             "gradwatch_sink_dropped_steps_total{sink=%r} and given to the sink",
-            self.name, steps, _WHY[why], self._dropped, self.name,
+            self.name, steps, _WHY[why], total, self.name,
         )  # fmt: skip
 
 
