@@ -297,8 +297,9 @@ class GradWatch:
         every sink, or lost by a sink and counted; at most ``timeout`` seconds in all.
 
         Only global rank 0 publishes; elsewhere, and with neither ``port`` nor
-        ``history_path`` nor a sink, returns True at once. False on timeout (a sink still
-        writing: logged, and its steps stay queued) or after :meth:`close`.
+        ``history_path`` nor a sink, returns True at once. False on timeout, when a sink is
+        failing or stalled (not waited for: its steps are written or counted as lost later;
+        logged), or after :meth:`close`.
         """
         if self._publishing is None:
             self._summarizer.audit()  # reports that arrived after their step was built

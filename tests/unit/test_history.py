@@ -261,8 +261,11 @@ def test_history_with_endpoint_and_errors_counted(
     with caplog.at_level(logging.WARNING, logger="gradwatch"), GradWatch(model, cfg) as watch:
         blocker.write_text("x")  # after the construction-time check: cannot be created now
         _train(watch, model, steps=3)  # training is unaffected
-        assert watch.flush(10.0)
+        watch.flush(10.0)  # the endpoint's part; a failing history is not waited for
         assert watch._publishing.published_step == 2  # the endpoint still publishes
+        (history,) = watch._publishing._publisher.workers
+        assert history.flush(time.monotonic() + 30, wait_failing=True)  # every step given up
+        assert watch._publishing._http.sync(10)
         body = _scrape(watch.metrics_url)
     # each step: RETRY_ATTEMPTS failed writes, then given up (counted as dropped)
     assert f'gradwatch_sink_errors_total{{sink="history"}} {3.0 * RETRY_ATTEMPTS}' in body

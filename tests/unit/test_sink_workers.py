@@ -147,7 +147,7 @@ def test_a_blocked_and_a_failing_sink_never_hold_up_the_endpoint(
             deadline = time.monotonic() + 10
             assert pub._publisher.flush_endpoint(deadline)
             assert pub.published_step == step  # the endpoint advanced at once, every step
-            assert flaky_worker.flush(deadline)  # retried, then written or given up
+            assert flaky_worker.flush(deadline, wait_failing=True)  # written, or given up
             if step == 1:
                 assert blocking.entered.wait(10)
                 time.sleep(0.3)  # past sink_timeout_seconds: the next offer reports the stall
@@ -236,7 +236,7 @@ def test_a_tracker_server_that_dies_then_comes_back(
                 (tmp_path / "away").rename(run_dir)  # and back
             pub.submit(Ready(snap(step)))
             assert pub._publisher.flush_endpoint(time.monotonic() + 10)
-            assert worker.flush(time.monotonic() + 30)
+            assert worker.flush(time.monotonic() + 30, wait_failing=True)
         view = pub.self_stats.view()
     finally:
         pub.close()
@@ -248,6 +248,25 @@ def test_a_tracker_server_that_dies_then_comes_back(
     history = client.get_metric_history(sink.run_id, "gradwatch/dropped_steps")
     dropped = {m.step: m.value for m in history}
     assert dropped == {1: 0.0, 2: 0.0, 3: 0.0, 7: 3.0, 8: 3.0, 9: 3.0, 10: 3.0}
+
+
+def test_flush_does_not_wait_for_a_failing_sink(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead tracker retrying with backoff must not make every flush() last its timeout:
+    flush returns False at once for it, and still waits for the healthy sinks."""
+    monkeypatch.setattr(sinkworker, "RETRY_FIRST_SECONDS", 5.0)
+    monkeypatch.setattr(sinkworker, "RETRY_MAX_SECONDS", 5.0)
+    flaky, healthy = Flaky(), Slow(0.05)
+    flaky.down = True
+    pub = Publishing(WatchConfig(), world_size=1, parallelism="single", sinks=[flaky, healthy])
+    try:
+        pub.submit(Ready(snap(1)))
+        started = time.monotonic()
+        assert not pub.flush(timeout=10)
+        assert time.monotonic() - started < 4.0  # not the 10 s timeout, nor the 5 s backoff
+        assert healthy.steps == [1]  # the healthy sink was waited for
+        assert flaky.calls == 1  # the failing one is backing off
+    finally:
+        pub.close(timeout=0.5)
 
 
 def test_rate_limited_log_says_how_many_it_kept_quiet(caplog: pytest.LogCaptureFixture) -> None:
@@ -354,7 +373,7 @@ def test_tensorboard_sink_resumes_after_its_disk_heals(tmp_path: Path) -> None:
                 log_dir.unlink()  # healed
             pub.submit(Ready(snap(step)))
             assert pub._publisher.flush_endpoint(time.monotonic() + 10)
-            assert worker.flush(time.monotonic() + 30)
+            assert worker.flush(time.monotonic() + 30, wait_failing=True)
         view = pub.self_stats.view()
     finally:
         pub.close()

@@ -241,8 +241,10 @@ class Publishing:
         ``settle`` runs once the endpoint's state holds every submitted step and before the
         endpoint is synced: what it counts (the watcher's late norm audits) is served when this
         returns. The whole wait is bounded by ``timeout`` seconds; the endpoint goes first, so a
-        blocked sink never keeps it behind. Returns False on timeout (a sink still writing,
-        logged and counted as it goes), or at once when closed.
+        blocked sink never keeps it behind, and a sink that is failing or stalled is not waited
+        for (:meth:`~gradwatch.export.sinkworker.SinkWorker.flush`). Returns False when a sink
+        has not written everything (logged; its steps are written or counted as lost later), on
+        timeout, or at once when closed.
         """
         deadline = time.monotonic() + max(timeout, 0.0)
         if self.closed:

@@ -54,6 +54,8 @@ RETRY_FIRST_SECONDS = 0.1
 RETRY_MAX_SECONDS = 10.0
 #: Attempts of one step before it is given up (counted as dropped) for the next one.
 RETRY_ATTEMPTS = 3
+#: How often a flush waiting for a sink looks whether it stalled meanwhile.
+_FLUSH_POLL_SECONDS = 0.1
 #: After the first of a kind, a sink's errors, drops and recoveries are logged at most this often.
 LOG_INTERVAL_SECONDS = 60.0
 
@@ -171,27 +173,41 @@ class SinkWorker:
             self._log_drop(1, "queue", dropped)
         self._check_stall()
 
-    def flush(self, deadline: float) -> bool:
+    def flush(self, deadline: float, *, wait_failing: bool = False) -> bool:
         """Wait (until the monotonic ``deadline``) until every step offered so far was written,
-        given up or dropped; False on timeout (logged, rate-limited) or once stopping."""
+        given up or dropped; False on timeout or once stopping (logged, rate-limited).
+
+        A sink that is failing (retrying with backoff) or stalled (a write running past
+        ``timeout``) is not waited for unless ``wait_failing``: its steps will be written or
+        counted as lost without the caller, and a dead tracker must not make every
+        ``flush()`` last its whole timeout.
+        """
         with self._cond:
             if self._stopping:
                 return False
             target = self._offered
-            done = self._cond.wait_for(
-                lambda: self._done >= target or not self.thread.is_alive(),
-                max(deadline - time.monotonic(), 0.0),
-            )
-            if done and self._done >= target:
+            while self._done < target and self.thread.is_alive():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (not wait_failing and self._failing()):
+                    break
+                self._cond.wait(min(remaining, _FLUSH_POLL_SECONDS))  # a stall is not notified
+            if self._done >= target:
                 return True
             waiting = len(self._queue) + int(self._in_hand)
+            failing = self._failing()
         self._log.warning(
             "flush",
-            "gradwatch: flushing timed out (the timeout of flush() or close()) with %d step(s) "
-            "still waiting for the %r sink",
+            "gradwatch: flushing returned with %d step(s) not yet written by the %r sink (%s)",
             waiting, self.name,
+            "failing or stalled: not waited for" if failing
+            else "the timeout of flush() or close() passed",
         )  # fmt: skip
         return False
+
+    def _failing(self) -> bool:
+        """Retrying a failed write, or in a write running past ``timeout``."""
+        busy = self._busy_since
+        return self._backoff > 0 or (busy is not None and time.monotonic() - busy > self._timeout)
 
     def stop(self, deadline: float) -> int:
         """Stop after the write in hand, waiting for it until the monotonic ``deadline``; the
