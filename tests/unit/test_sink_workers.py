@@ -382,3 +382,22 @@ def test_tensorboard_sink_resumes_after_its_disk_heals(tmp_path: Path) -> None:
     rows = trackers.tensorboard_rows(log_dir)
     assert sorted(rows["gradwatch/global_grad_norm"]) == [7, 8, 9, 10]
     assert rows["gradwatch/dropped_steps"] == {7: 3.0, 8: 3.0, 9: 3.0, 10: 3.0}
+
+
+def test_top_shows_the_sinks_that_fail_or_lose_steps() -> None:
+    from gradwatch.cli.endpoint import parse_exposition
+    from gradwatch.cli.render import anomalies_text
+
+    text = (
+        "gradwatch_step 7\n"
+        'gradwatch_sink_errors_total{sink="mlflow"} 6\n'
+        'gradwatch_sink_errors_total{sink="history"} 0\n'
+        'gradwatch_sink_dropped_steps_total{sink="mlflow"} 2\n'
+        'gradwatch_sink_dropped_steps_total{sink="history"} 0\n'
+    )
+    view = parse_exposition(text)
+    assert view.sink_errors == {"mlflow": 6, "history": 0}
+    assert view.sink_dropped == {"mlflow": 2, "history": 0}
+    shown = anomalies_text(view).plain
+    assert shown.endswith(", sink mlflow: errors 6, dropped 2"), shown  # history keeps up
+    assert "sink" not in anomalies_text(parse_exposition("gradwatch_step 7\n")).plain
