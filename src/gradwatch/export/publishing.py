@@ -254,7 +254,9 @@ class Publishing:
             settle()
         if not (handled and self._sync(deadline)):
             return False
-        # The sinks' own counts (errors, drops) changed meanwhile: served too.
+        if not self._publisher.workers:
+            return True
+        # The sinks' own counts (errors, drops) may have changed meanwhile: served too.
         return self._publisher.flush_sinks(deadline) and self._sync(deadline)
 
     def _sync(self, deadline: float) -> bool:
