@@ -10,7 +10,7 @@ After ``flush`` and ``close`` it reads back what each sink stored (the history f
 TensorBoard event files, the MLflow run) and the counters: the endpoint's published steps and
 ``gradwatch_dropped_snapshots_total``, each sink's ``gradwatch_sink_dropped_steps_total``.
 Accounting holds when, per sink, received + dropped == published, and published + dropped
-snapshots == steps (``tests/unit/test_sink_workers.py`` asserts it on every run; this prints
+snapshots == steps (``tests/unit/export/test_sink_workers.py`` asserts it on every run; this prints
 the figures docs/integrations.md quotes).
 
 Standalone::
