@@ -299,16 +299,14 @@ class GradWatch:
         verdicts of :meth:`audit_norm` counted and served), then written by the history file and
         every sink, or lost by a sink and counted; at most ``timeout`` seconds in all.
 
-        Only global rank 0 publishes; elsewhere, and with neither ``port`` nor
-        ``history_path`` nor a sink, returns True at once. False on timeout, when a sink is
-        failing or stalled (not waited for: its steps are written or counted as lost later;
-        logged), or after :meth:`close`.
+        Only global rank 0 publishes; elsewhere, and with neither ``port`` nor ``history_path``
+        nor a sink, returns True at once. False on timeout, when a sink is failing or stalled
+        (not waited for; logged), or after :meth:`close`.
         """
         if self._publishing is None:
             self._summarizer.audit()  # reports that arrived after their step was built
             return not self._closed
-        # The late reports are judged once every submitted step is built, and counted before
-        # the endpoint syncs: a scrape right after flush() shows every verdict.
+        # Late reports are judged before the endpoint syncs: a scrape after this shows them.
         return bool(self._publishing.flush(timeout, settle=self._summarizer.audit))
 
     def close(self) -> None:

@@ -489,28 +489,21 @@ DROPPED_SNAPSHOTS_TOTAL = MetricDef(
     read=lambda v: one(v.dropped),
 )
 SINK_ERRORS_TOTAL = MetricDef(
-    "gradwatch_sink_errors_total",
-    "counter",
-    ("sink",),
+    "gradwatch_sink_errors_total", "counter", ("sink",),
     "Failed or stalled writes of one sink (the history file, a tracker, a sink you added).",
     "One series per sink (`history`, `tensorboard`, `wandb`, `mlflow`, or a user sink's "
-    "`name`), at 0 from when the sink is added; absent without sinks. Counts every write that "
-    "raised (each retry too) and, once per stall, a write still running after "
-    "`sink_timeout_seconds`. Each sink has its own queue and thread: the endpoint and the "
-    "other sinks go on. The GradwatchSinkFailing alert fires on it.",
+    "`name`) from when it is added; absent without sinks. Every write that raised (each retry) "
+    "and, once per stall, one running past `sink_timeout_seconds`. The endpoint and the other "
+    "sinks go on. The GradwatchSinkFailing alert fires on it.",
     source=MetricSource.SELF_STATS,
     read=lambda v: each(v.sink_errors) or None,
 )
 SINK_DROPPED_STEPS_TOTAL = MetricDef(
-    "gradwatch_sink_dropped_steps_total",
-    "counter",
-    ("sink",),
+    "gradwatch_sink_dropped_steps_total", "counter", ("sink",),
     "Published steps one sink never received.",
-    "Series as `gradwatch_sink_errors_total`. A sink that falls behind keeps the newest "
-    "`sink_queue_size` steps (an older waiting one is dropped), a step whose write failed "
-    "three times is given up, and closing counts what a sink could not write in time. The "
-    "tracker sinks record their own total as the scalar `gradwatch/dropped_steps`. The "
-    "GradwatchSinkFailing alert fires on it.",
+    "Series as `gradwatch_sink_errors_total`. A sink keeps the newest `sink_queue_size` "
+    "waiting steps; a write that failed three times is given up; close counts what was not "
+    "written in time. Trackers also log `gradwatch/dropped_steps`. Alert: GradwatchSinkFailing.",
     source=MetricSource.SELF_STATS,
     read=lambda v: each(v.sink_dropped) or None,
 )

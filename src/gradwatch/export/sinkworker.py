@@ -29,12 +29,9 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from gradwatch.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from gradwatch.export.publisher import Sink
 
 __all__ = [
     "LOG_INTERVAL_SECONDS",
@@ -58,6 +55,13 @@ RETRY_ATTEMPTS = 3
 _FLUSH_POLL_SECONDS = 0.1
 #: After the first of a kind, a sink's errors, drops and recoveries are logged at most this often.
 LOG_INTERVAL_SECONDS = 60.0
+
+
+class Sink(Protocol):
+    """What a worker writes to (:class:`gradwatch.export.publisher.Sink`, whose module imports
+    this one)."""
+
+    def write(self, snapshot: Snapshot) -> None: ...
 
 
 class SinkCounters(Protocol):
