@@ -109,6 +109,9 @@ class MetricDef:
         buckets: a histogram's finite upper bounds (``+Inf`` implied); empty otherwise.
         exemplar: each series carries, in the OpenMetrics format, an exemplar of the step that
             last increased it (event counters only).
+        absent: when the metric has no sample on the endpoint (and no value in the trackers'
+            rows): the configurations and moments in which gradwatch cannot measure it.
+            Every definition states it (docs/metrics.md's "absent when" column).
     """
 
     name: str
@@ -120,6 +123,28 @@ class MetricDef:
     read: Callable[[Any], MetricValue | None] = field(kw_only=True, repr=False)
     buckets: tuple[float, ...] = field(default=(), kw_only=True)
     exemplar: bool = field(default=False, kw_only=True)
+    absent: str = field(default="", kw_only=True)
+
+
+# -- when a metric is absent (MetricDef.absent): the cases most metrics share ----------------
+
+#: Nothing is served by a disabled watcher, so every metric is absent there; these say when
+#: an enabled (or refused: it serves the info metrics and ``gradwatch_collecting 0``) one has
+#: no sample.
+ABSENT_UNTIL_MEASURED = (
+    "Before the first measured step is published, while `gradwatch_collecting` is 0 "
+    "(a refused watcher), and when disabled."
+)
+ABSENT_WHEN_DISABLED = "Only when disabled (present from the first scrape otherwise, refused too)."
+ABSENT_WITHOUT_RANK_VIEW = (
+    "Without the per-rank view: one process, DDP without `rank_view`, FSDP, ZeRO, pipeline "
+    "stages without DDP, above the slot world size (docs/distributed.md); and as the per-step "
+    "gauges."
+)
+ABSENT_WITHOUT_GUARD = "Without `watch.guard()`; and as the per-step gauges."
+ABSENT_SPIKES_OFF = (
+    "When spike detection is off (`spike_threshold` = 0); and as the per-step gauges."
+)
 
 
 # -- what the sources are ---------------------------------------------------------------------
@@ -256,7 +281,14 @@ def cumulative_histogram(
     return HistogramValue(tuple(zip(le, itertools.accumulate(counts), strict=True)), total)
 
 
-# -- readers of one catalog metric each ----------------------------------------------------------
+#: The per-step norm histograms' bucket bounds, as documented.
+NORM_BUCKETS_TEXT = (
+    "1e-06, 3e-06, 1e-05, ... (1 and 3 times each power of ten) up to 1e+06, then +Inf "
+    f"({len(NORM_BUCKETS)} bounds)"
+)
+
+
+# -- readers of one metric each (the catalog, gradwatch.export.metrics, uses them) ----------
 
 
 def ratio_samples(s: PublishedStep) -> tuple[Sample, ...]:
@@ -270,6 +302,12 @@ def ratio_samples(s: PublishedStep) -> tuple[Sample, ...]:
     return tuple(out)
 
 
+def isolation_samples(s: PublishedStep) -> tuple[Sample, ...]:
+    """``gradwatch_isolation_violated``: 1 or 0 per isolated group; a group whose isolation
+    was not measured (None) has no sample."""
+    return each((g, float(v)) for g, v in s.snap.isolation_violated.items() if v is not None)
+
+
 def replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
     """``gradwatch_replica_grad_norm{stat}``: the replicas' min, median and max local norms."""
     snap = s.snap
@@ -281,6 +319,20 @@ def replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
         ("max", snap.replica_grad_norm_max),
     )
     return each((stat, v) for stat, v in stats if v is not None)
+
+
+NORM_LE = le_values(NORM_BUCKETS)
+COLLECT_SECONDS_LE = le_values(COLLECT_SECONDS_BUCKETS)
+
+
+def norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
+    """One series of the per-step norm histograms from its counts per bucket and sum."""
+    return cumulative_histogram(NORM_LE, *hist)
+
+
+def collect_seconds_histogram(v: CollectTimes) -> HistogramValue:
+    """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
+    return cumulative_histogram(COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
 
 
 def ratio_bands(j: JobInfo) -> tuple[Sample, ...]:
