@@ -14,7 +14,8 @@ from references import EXP_RANGE, ref_norm, rel_err, values
 
 from gradwatch import total_norm
 from gradwatch.doctor.testing import OpCounter, count_host_reads, largest_allocation
-from gradwatch.norms.stats import NormEngine
+from gradwatch.norms.rows import aligned
+from gradwatch.norms.stats import PACK_NUMEL, NormEngine
 
 REL = 1e-6
 
@@ -244,8 +245,11 @@ def test_engine_ops_constant_in_tensor_count() -> None:
         for i in (0, 1, n - 1):
             assert rel_err(engine_norm(sq, i), ref_norm([ts[i]])) <= REL
         assert counter.scalar_reads == 0
-        return counter.total, sum(reads.values())
+        fills = engine.plan_for(ts, torch.device("cpu")).pack_fills
+        assert fills == -(-sum(aligned(t.numel()) for t in ts) // PACK_NUMEL)  # no gaps
+        return counter.total - 2 * fills, sum(reads.values())
 
+    # Two ops per fill of the pack buffer (a copy, a norm), none per tensor.
     small, large = ops(20), ops(400)
     assert small == large
     assert small[1] <= 1
@@ -483,3 +487,40 @@ def test_float64_norm_beyond_float64_is_inf_and_exploding() -> None:
     with GradWatch(torch.nn.ParameterList([p]), WatchConfig()) as watch:
         snap = watch.collect(0).result()
     assert snap.global_norm == math.inf and snap.exploding_step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_fills_zero_padding_other_fills_wrote(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mid-size tensors and partial last rows go through many fills of one small pack buffer
+    whose layouts differ: padding one fill leaves is data another wrote (this call's or the
+    previous call's). Every norm stays exact call after call, with values that change."""
+    import gradwatch.norms.stats as stats
+
+    monkeypatch.setattr(stats, "PACK_NUMEL", 4096)
+    gen = torch.Generator().manual_seed(33)
+    sizes = [3, 1500, 700, 4096, 513, 2049, 70_001, 1, 3000, 65_537, 511, 2500]
+    engine = NormEngine()
+    for scale in (1.0, 1e3, 1e-2):
+        ts = [(torch.randn(n, generator=gen) * scale).to(dtype) for n in sizes]
+        sq = engine.squared_norms(ts)
+        plan = engine.plan_for(ts, torch.device("cpu"))
+        assert plan.pack_fills > 3
+        assert any(fill.pads for b in plan.buckets for fill in b.fills)
+        for i, t in enumerate(ts):
+            assert rel_err(engine_norm(sq, i), ref_norm([t])) <= REL, (i, scale)
+
+
+@pytest.mark.parametrize("value", [1e-30, 1e30, 0.1])
+def test_pack_fills_constant_tensors_and_extremes(value: float) -> None:
+    """Many constant (worst-case) mid-size tensors across several fills, at magnitudes whose
+    float32 squares underflow or overflow: the repair keeps every norm exact."""
+    sizes = [65_536, 40_000, 30_001, 513] * 8  # about 1.1M elements: three fills
+    ts = [torch.full((n,), value) for n in sizes]
+    engine = NormEngine()
+    sq = engine.squared_norms(ts)
+    assert engine.plan_for(ts, torch.device("cpu")).pack_fills >= 3
+    for i, t in enumerate(ts):
+        exact = float(t[0].double()) * math.sqrt(t.numel())
+        assert rel_err(engine_norm(sq, i), exact) <= REL, i
