@@ -47,7 +47,7 @@ from gradwatch.stacks.ddp_hook import detach
 from gradwatch.step.adaptive import AUTO
 from gradwatch.step.collector import Collector, PendingSnapshot, clip_locally
 from gradwatch.step.guard import GuardedOptimizer
-from gradwatch.step.incidents import IncidentLog, batch_ids
+from gradwatch.step.incidents import batch_ids
 from gradwatch.step.resolve import resolve
 
 if TYPE_CHECKING:
@@ -138,7 +138,6 @@ class GradWatch(StepControls):
         self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
         self._reducer = resolved.reducer
         if self.rank == 0:
-            self._collector.incidents = IncidentLog.of(cfg.incident_path)
             self._open_publishing()
 
     # -- public API ---------------------------------------------------------------------------
@@ -359,13 +358,12 @@ class GradWatch(StepControls):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        self._collector.closed = True
+        self._collector.close()  # no collect from now on; rank 0's incident file written
         detach(self._resolved.comm_hook)
         try:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served
                 self._publishing.close()  # flushes first: pending steps reach every sink
-            IncidentLog.close_any(self._collector.incidents)
         finally:
             self._reducer.close(drain)
 

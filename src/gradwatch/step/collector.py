@@ -109,6 +109,12 @@ class StepActions:
     _next_step: int
     _optimizer_steps: int
     collect: Callable[..., Collected]  # Collector.collect
+    closed: bool
+
+    def close(self) -> None:
+        """No collect from now on; rank 0's incident file gets what is queued (bounded)."""
+        self.closed = True
+        IncidentLog.close_any(self.incidents)
 
     def set_isolated(self, groups: Iterable[str]) -> None:
         """The groups expected to receive no gradient from the next collect on (see
@@ -160,7 +166,8 @@ class StepActions:
         # The EMA history of the whole-model norm (clip_grad_norm_("auto"), the guard's "ema"
         # statistic): fed by every collect that makes a pass, once it exists
         self.history: AdaptiveHistory | None = None
-        self.incidents: IncidentLog | None = None  # rank 0 with incident_path
+        rank0 = self.resolved.rank == 0  # rank 0 writes the incident file (incident_path)
+        self.incidents = IncidentLog.of(self.cfg.incident_path) if rank0 else None
         self.skip_limit: SkipLimit | None = None  # on_max_consecutive_skips "raise"/"exit"
         self.batch: Any = None  # note_batch(ids): the coming collect's batch
         self._batch: Any = None  # the batch of the collect in progress
