@@ -111,6 +111,8 @@ class Layout:
     # (replicated_and_synced): a collect needs gradwatch's all-reduce only on
     # divergence steps and with the rank view (Reducer.issues_collective)
     replicated_synced: bool = False
+    # -- optimizer-update health (gradwatch.updates): groups of the update section; 0 = none
+    update_groups: int = 0
 
     @property
     def rank_view_slots(self) -> bool:
@@ -144,6 +146,7 @@ class Sections(NamedTuple):
     step: int  # the sum of the ranks' steps
     length: int
     rank_view: slice = slice(0, 0)  # after the step: per-rank slots or bounded sums
+    updates: slice = slice(0, 0)  # after the rank view: update figures per group (summed)
 
 
 def _rank_view_width(layout: Layout) -> int:
@@ -153,11 +156,20 @@ def _rank_view_width(layout: Layout) -> int:
     return layout.world_size * (g + 1) if layout.rank_view_slots else 2 * g + 3
 
 
+def update_width(groups: int) -> int:
+    """The update section of ``groups`` groups: ``[weight squares | update squares | stalled
+    elements | elements with an intended update]`` per group (``4G``), then the ranks that
+    could not measure the update and the ranks with no previous collect (2); 0 when off."""
+    return 4 * groups + 2 if groups > 0 else 0
+
+
 def sections(layout: Layout) -> Sections:
     n, r = layout.size, layout.replicas
     view = 5 * n + r + 1
+    upd = view + _rank_view_width(layout)
     return Sections(
-        rank_view=slice(view, view + _rank_view_width(layout)),
+        rank_view=slice(view, upd),
+        updates=slice(upd, upd + update_width(layout.update_groups)),
         squares=slice(0, n),
         squares_high=slice(n, 2 * n),
         squares_low=slice(2 * n, 3 * n),
@@ -166,7 +178,7 @@ def sections(layout: Layout) -> Sections:
         has_grad=slice(4 * n, 5 * n),
         replicas=slice(5 * n, 5 * n + r),
         step=5 * n + r,
-        length=5 * n + r + 1 + _rank_view_width(layout),
+        length=upd + update_width(layout.update_groups),
     )
 
 

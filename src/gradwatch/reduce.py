@@ -42,6 +42,7 @@ never a second collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -109,6 +110,7 @@ class Reducer:
         synced: bool = False,
         device: torch.device | None = None,
         experts: Sequence[str] = (),
+        update_groups: int = 0,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
@@ -129,6 +131,9 @@ class Reducer:
             self.layout = self._agree(desc, record, pieces, str(backend), experts)
         else:
             self.layout = derive_layout(handshake.local(desc, record), 0)
+        # Every rank has the same update section: update_stats is in the layout hash the
+        # handshake compared, and the groups come from the same configuration.
+        self.layout = dataclasses.replace(self.layout, update_groups=update_groups)
         self._plan_packing(self.layout)
 
     def _agree(
@@ -261,6 +266,7 @@ class Reducer:
         with_replicas: bool,
         rank_local: Tensor | None = None,
         device_collective: bool = True,
+        updates: Tensor | None = None,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.stats`) and
@@ -290,6 +296,8 @@ class Reducer:
         if with_replicas and self._slot_sums is not None:
             packed.index_copy_(0, self._slot_global, self._slot_sums(sq_local))
         self._pack_rank_view(packed, rank_local)
+        if updates is not None:
+            packed[sections(lay).updates].copy_(updates)
         if alone:
             return ReducedVector(packed, Pending(), self.timeout, step, lay, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
@@ -385,6 +393,7 @@ class ReducedStats:
     world_size: int
     rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
     ranks: int = 0  # 0: world_size
+    updates: list[float] | None = None  # the update section (None: update_stats off)
 
     @classmethod
     def from_values(
@@ -409,6 +418,7 @@ class ReducedStats:
             world_size=layout.world_size,
             rank_view=RankView.from_section(values[at.rank_view], layout),
             ranks=layout.world_size if ranks is None else ranks,
+            updates=values[at.updates] if layout.update_groups else None,
         )
 
     def steps_agree(self, step: int) -> bool:

@@ -13,12 +13,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
 from gradwatch.ddp_hook import GradWatchCommHook, LocalView, attach, detach
-from gradwatch.errors import GradWatchError
+from gradwatch.errors import GradWatchError, UnsupportedParallelismError
 from gradwatch.fsdp1 import Fsdp1GradientReader, Fsdp1Model
 from gradwatch.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.gradients import GradientReader
@@ -36,6 +37,7 @@ from gradwatch.model import (
     wrapping_ddp,
 )
 from gradwatch.reduce import Reducer, gradient_device
+from gradwatch.updates import UpdateMeter
 from gradwatch.zero import ZeroGradients, find_engine
 
 log = logging.getLogger("gradwatch")
@@ -70,6 +72,8 @@ class Resolved:
     # partitions, not from .grad; None otherwise.
     zero: ZeroGradients | None = None
     fsdp1: Fsdp1Model | None = None  # FSDP1 units (gradwatch.fsdp1), None otherwise
+    # update_stats (gradwatch.updates): this rank's optimizer-update figures; None when off
+    updates: UpdateMeter | None = None
 
 
 def resolve(
@@ -85,6 +89,11 @@ def resolve(
     # shards, whatever the model's parameters are (flat ones or views)
     flat = resolve_fsdp1(model) if zero is None else None
     reject_distributed_optimizer(model)
+    if cfg.update_stats and (zero is not None or flat is not None):
+        raise UnsupportedParallelismError(
+            "gradwatch: update_stats=True reads the optimizer's state of the model's own "
+            "parameters: DeepSpeed ZeRO and FSDP1 step flat copies of them (not supported)"
+        )
     if flat is None:
         names, params = named_parameters(model)
     else:
@@ -134,6 +143,7 @@ def resolve(
                  or (flat is not None and flat.reduces_every_gradient(world_size))),
             device=gradient_device(params),
             experts=cfg.expert_parameters,
+            update_groups=len(view_groups) if cfg.update_stats else 0,
         )
     except BaseException:
         detach(comm_hook)
@@ -157,6 +167,13 @@ def resolve(
                 list(cfg.groups[group]),
                 layout.names[0] if layout.names else "",
             )
+    updates = None
+    if cfg.update_stats:
+        position = {g: k for k, g in enumerate(view_groups)}
+        updates = UpdateMeter(
+            params, [position[group_of(n, cfg.groups)] for n in names], len(view_groups),
+            layout.contributes, gradient_device(params) or torch.device("cpu"),
+        )
     return Resolved(
         params=params,
         local_names=names if flat is None else list(flat.names),
@@ -178,6 +195,7 @@ def resolve(
         local_view=local_view,
         zero=zero,
         fsdp1=flat,
+        updates=updates,
     )
 
 

@@ -326,9 +326,12 @@ class Collector:
         # Queued before the packed vector's copy: landed by the time its step is judged.
         local_sq = LocalSquares.of(sq, self.summarizer.auditing) if r.world_size > 1 else None
         guard = self.guard  # decides on the device: the job's backend, like a clip
+        updates = None
+        if r.updates is not None:  # a rank that does not all-reduce counts every piece
+            updates = r.updates.figures(count_all=not r.reducer.issues_collective(measure))
         reduced = r.reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
-            device_collective=max_norm is not None or guard is not None,
+            device_collective=max_norm is not None or guard is not None, updates=updates,
         )
         total = None
         if max_norm is not None:

@@ -30,6 +30,7 @@ from gradwatch.resolve import Resolved
 from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, ratio_defined
 from gradwatch.spikes import SpikeDetector
 from gradwatch.stats import sqrt_sum
+from gradwatch.update_health import update_fields
 
 
 def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:
@@ -291,6 +292,8 @@ class Summarizer:
                     stats.rank_view, snap, r.view_groups, self._noise, step.batch_size or 1
                 )
             )
+        if stats.updates is not None:
+            changes.update(update_fields(stats.updates, r.view_groups, snap.groups, self.last))
         # Host-side, after the one read: scored in collect order, see gradwatch.spikes.
         changes.update(self._spikes.fields(snap, step.attempt))
         if changes:
