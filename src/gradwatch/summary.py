@@ -251,6 +251,10 @@ class Summarizer:
             cfg.audit_tolerance, parallel_factors(resolved.parallelism, resolved.world_size)
         )
         self.last: Snapshot | None = None  # the newest measured step
+        # The last snapshot built and its collect: a silent skip is judged against the collect
+        # just before (the publisher builds every step in order; otherwise when built so).
+        self._previous: Snapshot | None = None
+        self._previous_attempt = -1
 
     def build(self, stats: ReducedStats, step: CollectedStep) -> Snapshot:
         """The snapshot of ``step`` from its reduced ``stats``: the summary, the clip
@@ -293,12 +297,14 @@ class Summarizer:
                 )
             )
         if stats.updates is not None:
-            changes.update(update_fields(stats.updates, r.view_groups, snap.groups, self.last))
+            previous = self._previous if self._previous_attempt == step.attempt - 1 else None
+            changes.update(update_fields(stats.updates, r.view_groups, snap.groups, previous))
         # Host-side, after the one read: scored in collect order, see gradwatch.spikes.
         changes.update(self._spikes.fields(snap, step.attempt))
         if changes:
             snap = snap.replace(**changes)
         self._anomalies.report(snap)
+        self._previous, self._previous_attempt = snap, step.attempt
         if self.last is None or snap.step >= self.last.step:
             self.last = snap
         self.audit(snap, step.local_sq)
