@@ -168,6 +168,9 @@ class Snapshot:
         no_update_step: a *silent skip*: no optimizer step changed a weight since the
             previous collect (``update_norm == 0.0``) although that collect's gradients were
             finite and non-zero and neither AMP nor the guard skipped it.
+        deepspeed_skipped_steps: under DeepSpeed, the optimizer steps the engine skipped on an
+            overflow since the previous collect (its ``skipped_steps`` count); None otherwise
+            and on the first collect.
     """
 
     step: int
@@ -215,6 +218,7 @@ class Snapshot:
     update_ratio: float | None = None
     stalled_fraction: float | None = None
     no_update_step: bool = False
+    deepspeed_skipped_steps: int | None = None
 
     def __post_init__(self) -> None:
         for name in _MAPPINGS:

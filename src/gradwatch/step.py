@@ -129,6 +129,7 @@ class Collector:
         self._clipped_step: int | None = None
         self._clip_total: Tensor | None = None  # this collect's clip, once applied
         self._collections = 0
+        self._deepspeed_skipped: int | None = None  # the engine's skip count at the last collect
         self.attempts = 0  # collects that did work, numbered: orders failures and results
         self.failures = Failures(resolved.reducer, resolved.local_names, reporter)
 
@@ -349,8 +350,19 @@ class Collector:
             local_sq=local_sq,
             guard=guard,
             decision=decision,
+            deepspeed_skipped_steps=self._deepspeed_skips(),
         )
         return PendingSnapshot(step, lambda: self._build(reduced, collected)), total
+
+    def _deepspeed_skips(self) -> int | None:
+        """Under DeepSpeed, the steps its engine skipped on an overflow since the previous
+        collect (host integers; None otherwise and on the first collect)."""
+        zero = self.resolved.zero
+        count = zero.skipped_steps() if zero is not None else None
+        if count is None:
+            return None
+        previous, self._deepspeed_skipped = self._deepspeed_skipped, count
+        return None if previous is None else count - previous
 
     def _build(self, reduced: ReducedVector, collected: CollectedStep) -> Snapshot:
         """Wait for the reduced figures of ``collected`` and summarize them."""

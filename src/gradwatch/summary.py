@@ -220,6 +220,7 @@ class CollectedStep:
     local_sq: LocalSquares | None = None  # this rank's squares: the audit's local diagnosis
     guard: StepGuard | None = None  # GradWatch.guard(): its decision on this step
     decision: GuardDecision | None = None
+    deepspeed_skipped_steps: int | None = None  # DeepSpeed's overflow skips since the last
 
 
 class Summarizer:
@@ -296,6 +297,8 @@ class Summarizer:
                     stats.rank_view, snap, r.view_groups, self._noise, step.batch_size or 1
                 )
             )
+        if step.deepspeed_skipped_steps is not None:
+            changes["deepspeed_skipped_steps"] = step.deepspeed_skipped_steps
         if stats.updates is not None:
             previous = self._previous if self._previous_attempt == step.attempt - 1 else None
             changes.update(update_fields(stats.updates, r.view_groups, snap.groups, previous))

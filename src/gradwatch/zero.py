@@ -194,6 +194,12 @@ class ZeroGradients:
             )
         return None
 
+    def skipped_steps(self) -> int | None:
+        """The engine's count of optimizer steps it skipped on an overflow (a host integer
+        DeepSpeed keeps: ``engine.skipped_steps``), None when this version has none."""
+        value = getattr(self.engine, "skipped_steps", None)
+        return value if isinstance(value, int) else None
+
     def loss_scale(self) -> float | None:
         """The loss scale the gradients still carry (DeepSpeed's fp16 optimizers), else None."""
         if self.kind == "torch":

@@ -196,8 +196,12 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         step=step,
         global_norm=math.nan,
         groups={
-            "host": GroupStats(norm=1.2345678901234567, numel=123457, tensors=4, vanishing=1),
-            "seed": GroupStats(norm=math.inf, numel=3, tensors=2, exploding=1, nonfinite=1),
+            "host": GroupStats(norm=1.2345678901234567, numel=123457, tensors=4, vanishing=1,
+                               weight_norm=12.5, update_norm=0.0125, update_ratio=0.001,
+                               stalled_fraction=0.0),
+            "seed": GroupStats(norm=math.inf, numel=3, tensors=2, exploding=1, nonfinite=1,
+                               weight_norm=0.0, update_norm=0.0, update_ratio=math.nan,
+                               stalled_fraction=math.nan),
             "stem": GroupStats(norm=5e-324, numel=17, tensors=1, vanishing=1),
             "other": GroupStats(norm=0.1 + 0.2, numel=9, tensors=1),
         },
@@ -532,7 +536,8 @@ def test_no_param_series_by_default(servers: Callable[..., MetricsServer]) -> No
 def uniform_snapshot(step: int) -> Snapshot:
     """Every gauge and every snapshot-derived counter equals ``step`` once published in order."""
     x = float(step)
-    g = GroupStats(norm=x, numel=step, tensors=step, vanishing=step, exploding=step, nonfinite=step)
+    g = GroupStats(norm=x, numel=step, tensors=step, vanishing=step, exploding=step, nonfinite=step,
+                   weight_norm=x, update_norm=x, update_ratio=x, stalled_fraction=x)
     return Snapshot(
         step=step,
         global_norm=x,
@@ -563,6 +568,7 @@ NOT_STEP_VALUED = {
     "gradwatch_build_info",
     "gradwatch_run_info",
     "gradwatch_amp_skipped_steps_total",
+    "gradwatch_skipped_steps_total",  # amp_overflow, no_update: never incremented here
     "gradwatch_nonfinite_steps_total",
     "gradwatch_nonfinite_group_steps_total",
     # the norm histograms' _count is the step (one observation per publish), not the rest
@@ -587,7 +593,7 @@ def _check_one_step(samples: Samples) -> float | None:
     }
     distinct = set(values.values())
     assert len(distinct) == 1, f"one scrape mixes steps: {sorted(distinct)[:5]}"
-    assert len(values) == 33 + 15, sorted(values)  # every series, every time
+    assert len(values) == 33 + 15 + 16, sorted(values)  # every series, every time
     return distinct.pop()
 
 
@@ -1471,6 +1477,11 @@ SPIKE_FAMILIES = (
     "gradwatch_skipped_steps",
     "gradwatch_consecutive_skipped_steps",
     "gradwatch_guard_stopped",
+    # optimizer-update health (tested in test_update_metrics_read_the_measured_groups_only)
+    "gradwatch_weight_norm",
+    "gradwatch_update_norm",
+    "gradwatch_update_ratio",
+    "gradwatch_stalled_update_fraction",
 )
 
 
@@ -1677,7 +1688,10 @@ def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
     state = PublishedState(config())
     state.write(Snapshot(step=0))
     assert catalog.CONSECUTIVE_SKIPPED_STEPS not in state.current().samples
-    assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL] == ()
+    # without the guard only AMP's reason, measured on every published snapshot
+    assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL] == (
+        (("amp_overflow",), 0.0),
+    )
     state.write(
         Snapshot(
             step=5,
@@ -1691,8 +1705,32 @@ def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
     assert current.count_samples[catalog.SKIPPED_STEPS_TOTAL] == (
         (("nonfinite",), 2.0),
         (("spike",), 3.0),
+        (("amp_overflow",), 0.0),
     )
     assert current.samples[catalog.CONSECUTIVE_SKIPPED_STEPS] == (((), 2.0),)
     assert current.samples[catalog.GUARD_STOPPED] == (((), 0.0),)
     state.write(Snapshot(step=6))  # an unguarded snapshot keeps the totals
     assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL][1] == (("spike",), 3.0)
+
+
+def test_update_metrics_read_the_measured_groups_only() -> None:
+    """The update gauges per group, absent where unmeasured (update_stats off, the first
+    collect); the silent-skip and overflow reasons appear once they can be measured."""
+    state = PublishedState(config())
+    state.write(Snapshot(step=0, groups={"host": GroupStats(weight_norm=2.0)}))
+    current = state.current()
+    assert current.samples[catalog.WEIGHT_NORM] == ((("host",), 2.0),)
+    for d in (catalog.UPDATE_NORM, catalog.UPDATE_RATIO, catalog.STALLED_UPDATE_FRACTION):
+        assert d not in current.samples
+    measured = GroupStats(weight_norm=2.0, update_norm=0.0, update_ratio=0.0,
+                          stalled_fraction=math.nan)
+    state.write(Snapshot(step=1, groups={"host": measured, "seed": GroupStats()},
+                         update_norm=0.0, weight_norm=2.0, no_update_step=True,
+                         deepspeed_skipped_steps=2))
+    current = state.current()
+    assert current.samples[catalog.UPDATE_NORM] == ((("host",), 0.0),)
+    ((labels, stalled),) = current.samples[catalog.STALLED_UPDATE_FRACTION]
+    assert labels == ("host",) and math.isnan(stalled)
+    assert dict(current.count_samples[catalog.SKIPPED_STEPS_TOTAL]) == {
+        ("amp_overflow",): 0.0, ("deepspeed_overflow",): 2.0, ("no_update",): 1.0,
+    }

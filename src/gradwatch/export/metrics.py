@@ -36,6 +36,7 @@ from gradwatch.export.metricdef import (
     each,
     group_field,
     le_values,
+    measured_group_field,
     one,
     rank_view_field,
     select_param_series,
@@ -162,6 +163,51 @@ GRAD_NORM_RATIO = MetricDef(
     "as dormant); 0 when only the numerator's norm is below 1e-8 or it has no gradient.",
     source=MetricSource.SNAPSHOT,
     read=_ratios,
+)
+# -- optimizer-update health (update_stats=True, gradwatch.updates) ------------------------
+WEIGHT_NORM = MetricDef(
+    "gradwatch_weight_norm",
+    "gauge",
+    ("group",),
+    "L2 norm of the weights of one parameter group at the last published step.",
+    "Exact across shards (each piece counted once). Absent without `update_stats`.",
+    source=MetricSource.SNAPSHOT,
+    read=measured_group_field("weight_norm"),
+)
+UPDATE_NORM = MetricDef(
+    "gradwatch_update_norm",
+    "gauge",
+    ("group",),
+    "L2 norm of the update the last optimizer step applied to one parameter group's weights "
+    "(theta_t - theta_{t-1}).",
+    "Recovered from the optimizer's state after its step, exact to the applied (rounded) "
+    "update; 0 when no step changed the weights since the previous collect. Absent without "
+    "`update_stats`, on the first collect, and when the optimizer's step could not be read "
+    "(an optimizer other than torch.optim SGD, Adam, AdamW).",
+    source=MetricSource.SNAPSHOT,
+    read=measured_group_field("update_norm"),
+)
+UPDATE_RATIO = MetricDef(
+    "gradwatch_update_ratio",
+    "gauge",
+    ("group",),
+    "Update-to-weight ratio of one parameter group: gradwatch_update_norm / "
+    "gradwatch_weight_norm.",
+    "NaN when the group's weight norm is 0 or not finite; absent when the update is.",
+    source=MetricSource.SNAPSHOT,
+    read=measured_group_field("update_ratio"),
+)
+STALLED_UPDATE_FRACTION = MetricDef(
+    "gradwatch_stalled_update_fraction",
+    "gauge",
+    ("group",),
+    "Fraction of one group's elements whose intended update the last optimizer step rounded "
+    "away (under half an ulp of the weight).",
+    "Over the elements with a non-zero intended update; measured for every dtype (float32 "
+    "weights read a measured 0 in practice, bf16/fp16 weights at small learning rates "
+    "approach 1). NaN when no element was meant to change; absent when the update is.",
+    source=MetricSource.SNAPSHOT,
+    read=measured_group_field("stalled_fraction"),
 )
 GROUP_PARAMETERS = MetricDef(
     "gradwatch_group_parameters",
@@ -380,14 +426,18 @@ SKIPPED_STEPS_TOTAL = MetricDef(
     "gradwatch_skipped_steps_total",
     "counter",
     ("reason",),
-    "Optimizer steps the guard skipped, by reason: nonfinite (a NaN/Inf gradient anywhere "
-    "in the model, skip_nonfinite) or spike (the global spike score above "
-    "skip_spike_score).",
-    "Counted by the guard on the device on every guarded step, published or not (the "
-    "value of the last published step). Both reasons start at 0; absent without "
-    "`watch.guard()`.",
+    "Optimizer steps skipped, by reason: the guard's nonfinite (a NaN/Inf gradient anywhere "
+    "in the model, skip_nonfinite) and spike (the global spike score above "
+    "skip_spike_score); amp_overflow (the AMP GradScaler skipped the step); "
+    "deepspeed_overflow (DeepSpeed skipped it on an overflow); no_update (no weight changed "
+    "although the gradients were finite and non-zero: a silent skip).",
+    "The guard's reasons are counted on the device on every guarded step, published or not "
+    "(the value of the last published step), start at 0 and are absent without "
+    "`watch.guard()`. The others count published snapshots: amp_overflow from the first "
+    "publish, deepspeed_overflow under DeepSpeed only, no_update with `update_stats` only "
+    "(it needs the measured update).",
     source=MetricSource.COUNTS,
-    read=lambda c: each(c.skipped_steps.items()),
+    read=lambda c: each([*c.skipped_steps.items(), *c.step_skips.items()]),
     exemplar=True,
 )
 CONSECUTIVE_SKIPPED_STEPS = MetricDef(
@@ -633,6 +683,10 @@ METRICS: tuple[MetricDef, ...] = (
     GLOBAL_GRAD_NORM,
     GRAD_NORM,
     GRAD_NORM_RATIO,
+    WEIGHT_NORM,
+    UPDATE_NORM,
+    UPDATE_RATIO,
+    STALLED_UPDATE_FRACTION,
     GROUP_PARAMETERS,
     VANISHING_TENSORS,
     EXPLODING_TENSORS,
