@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from gradwatch.doctor.testing import OpCounter, count_host_reads
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
-from gradwatch.testing import OpCounter, count_host_reads
-from gradwatch.update_health import stalled_fraction, update_fields, update_ratio
+from gradwatch.analysis.update_health import stalled_fraction, update_fields, update_ratio
 
 GROUPS = {"first": ["0.*"]}
 WEIGHT_TOL = 1e-6
