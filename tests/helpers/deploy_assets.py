@@ -51,6 +51,11 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_clip_coef",
         "gradwatch_param_grad_norm",
         "gradwatch_collecting",
+        # optimizer-update health (update_stats)
+        "gradwatch_weight_norm",
+        "gradwatch_update_norm",
+        "gradwatch_update_ratio",
+        "gradwatch_stalled_update_fraction",
         # the per-rank view (DDP comm hook)
         "gradwatch_nonfinite_origin_ranks",
         "gradwatch_replica_grad_norm",
@@ -116,6 +121,9 @@ REQUIRED_ALERTS = {
     "GradwatchReplicaOutlier": ("warning", True),
     "GradwatchStepsSkipped": ("warning", False),
     "GradwatchGuardStopped": ("critical", False),
+    "GradwatchOptimizerNotUpdating": ("critical", False),
+    "GradwatchUpdateRatioOutOfBand": ("warning", True),
+    "GradwatchStalledUpdates": ("warning", True),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}
