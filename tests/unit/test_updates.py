@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from gradwatch.doctor.testing import OpCounter, count_host_reads
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.analysis.update_health import stalled_fraction, update_fields, update_ratio
+from gradwatch.doctor.testing import OpCounter, count_host_reads
 
 GROUPS = {"first": ["0.*"]}
 WEIGHT_TOL = 1e-6
@@ -252,3 +252,19 @@ def test_host_formulas() -> None:
     first = update_fields([*values[:8], 0.0, 2.0], ("a", "other"), groups, None)
     assert "update_norm" not in first and first["weight_norm"] == 5.0  # stays None
     assert first["groups"]["a"].update_norm is None
+
+
+def test_framework_callbacks_switch_it_on_and_log_the_measured_figures_only() -> None:
+    from gradwatch.integrations.common import log_figures
+    from gradwatch.integrations.huggingface import GradWatchCallback as HuggingFaceCallback
+    from gradwatch.integrations.lightning import GradWatchCallback as LightningCallback
+    from gradwatch.snapshot import GroupStats, Snapshot
+
+    assert HuggingFaceCallback(update_stats=True).config.update_stats
+    assert LightningCallback(update_stats=True).config.update_stats
+    first = Snapshot(step=0, weight_norm=3.0, groups={"a": GroupStats(weight_norm=3.0)})
+    logged = log_figures(first)
+    assert logged["gradwatch/weight_norm"] == 3.0 and logged["gradwatch/weight_norm/a"] == 3.0
+    assert not any("update" in k or "stalled" in k for k in logged)  # unmeasured: left out
+    later = first.replace(update_norm=0.3, update_ratio=0.1, stalled_fraction=0.0)
+    assert log_figures(later)["gradwatch/update_ratio"] == 0.1
