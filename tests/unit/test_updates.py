@@ -268,3 +268,24 @@ def test_framework_callbacks_switch_it_on_and_log_the_measured_figures_only() ->
     assert not any("update" in k or "stalled" in k for k in logged)  # unmeasured: left out
     later = first.replace(update_norm=0.3, update_ratio=0.1, stalled_fraction=0.0)
     assert log_figures(later)["gradwatch/update_ratio"] == 0.1
+
+
+def test_top_shows_update_ratio_stalled_updates_and_skips_outside_the_guard() -> None:
+    from gradwatch.cli.endpoint import parse_exposition
+    from gradwatch.cli.render import skipped_text, updates_text
+
+    view = parse_exposition(
+        "gradwatch_step 7\n"
+        'gradwatch_update_ratio{group="host"} 0.001\n'
+        'gradwatch_update_ratio{group="seed"} NaN\n'
+        'gradwatch_stalled_update_fraction{group="host"} 0.95\n'
+        'gradwatch_skipped_steps_total{reason="amp_overflow"} 0\n'
+        'gradwatch_skipped_steps_total{reason="no_update"} 3\n'
+    )
+    assert view.update_ratio["host"] == 0.001 and math.isnan(view.update_ratio["seed"])
+    shown = updates_text(view)
+    assert shown is not None
+    assert shown.plain == "updates: ratio host 0.001, seed undefined; stalled host 95%"
+    skips = skipped_text(view).plain
+    assert skips == ", optimizer skips: no_update 3"  # no guard: no guard-skipped part
+    assert updates_text(parse_exposition("gradwatch_step 7\n")) is None
