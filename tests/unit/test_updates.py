@@ -289,3 +289,10 @@ def test_top_shows_update_ratio_stalled_updates_and_skips_outside_the_guard() ->
     skips = skipped_text(view).plain
     assert skips == ", optimizer skips: no_update 3"  # no guard: no guard-skipped part
     assert updates_text(parse_exposition("gradwatch_step 7\n")) is None
+
+
+def test_the_environment_switches_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_UPDATE_STATS", "1")
+    assert WatchConfig().update_stats
+    monkeypatch.setenv("GRADWATCH_UPDATE_STATS", "0")
+    assert not WatchConfig().update_stats

@@ -6,18 +6,20 @@ What an optimizer step did to the weights, measured without a copy of the parame
 ``p_new = rnd(rnd(p_old * (1 - c)) - u)``, where ``u`` is the optimizer's intended step (from
 its state, which the step just updated), ``c`` the decoupled weight decay (``lr * wd``; 0 when
 there is none) and ``rnd`` rounding to the parameter's dtype. Given ``p_new``, ``u`` and ``c``,
-this module inverts the step (:func:`recover`): ``p_mid = rnd(p_new + u)``, ``p_old =
-rnd(p_mid / (1 - c))``, computed in float64 and rounded back to the parameter's dtype. Every
-value of the dtype is a grid point, and ``p_new + u`` lies within half a unit in the last place
-(ulp) of ``p_mid`` (the step's own rounding), plus the difference between this float64 ``u``
-and the one the optimizer computed in its own precision (a few ulps *of u*, far below an ulp of
-``p`` whenever ``|u| << |p|``); so the nearest grid point is ``p_mid`` itself except for
-elements whose rounding error lay within that difference of a tie, where it is the neighbour:
-an error of one ulp of ``p`` on a few elements. The applied update is then ``delta = p_new -
-p_old``, exact in float64 (a difference of two values of a narrower dtype), and its squared
-norm, the elements whose intended update was non-zero and those where it was rounded away
-(``delta == 0``: the intended change was under half an ulp of the weight) are summed per
-parameter in float64. Nothing is copied but one chunk at a time (:data:`CHUNK` elements).
+this module inverts the step: ``p_mid = rnd(p_new + u)``, ``p_old = rnd(p_mid / (1 - c))``,
+each rounding done by the dtype's own arithmetic (the foreach ops below run in the parameter's
+dtype, as the optimizer's do). Every value of the dtype is a grid point, and ``p_new + u`` lies
+within half an ulp of ``p_mid`` (the step's own rounding) plus the difference between this
+``u`` and the one the optimizer computed (a few ulps *of u*, far below an ulp of ``p`` whenever
+``|u| << |p|``); so the nearest grid point is ``p_mid`` itself except for elements whose
+rounding error lay within that difference of a tie, where it is the neighbour: an error of one
+ulp of ``p`` on a few elements. The applied update is then ``delta = p_new - p_old``, exact (two
+neighbouring values of one dtype: Sterbenz), its squared norm accumulated in float64
+(``_foreach_norm(dtype=float64)``). An element is *moving* when its intended change ``u + c *
+p_old`` is not 0 and *stalled* when it is moving and ``delta == 0`` (the change was under half
+an ulp of the weight and was rounded away); both are counted with order-0 norms (the number of
+non-zero elements), the stalled ones as ``moving - nnz(intended * delta)`` (a product that
+underflows only for weights below about 1e-19 in float32/bf16).
 
 Why not the alternatives. ``||p_new - p_old||^2 = ||p_new||^2 + ||p_old||^2 - 2<p_new, p_old>``
 from norms alone cancels catastrophically: an update of relative size 1e-4 leaves 1e-8 of the
@@ -26,14 +28,16 @@ intended update ``||u||`` alone is not the applied one for bf16/fp16 weights (an
 half an ulp is rounded away, yet ``u`` says it moved). A shadow copy of the weights costs
 their bytes (or half of them for low bits only); this reads the optimizer's state instead.
 
-**Which optimizers** (:func:`intended_step`): ``torch.optim.SGD`` (momentum, dampening,
+**Which optimizers** (:func:`optimizer_kind`): ``torch.optim.SGD`` (momentum, dampening,
 Nesterov, weight decay, ``maximize``), ``Adam`` and ``AdamW`` (``amsgrad``, ``maximize``, L2
 or decoupled weight decay), each for-loop, ``foreach`` or ``fused``, with ``lr`` a float or a
 tensor. A fused step skipped by ``found_inf`` (GradScaler, the optimizer-step guard) changed
 nothing: ``u`` and ``c`` are multiplied by ``1 - found_inf`` on the device, and a fused SGD's
 gradients are divided by its ``grad_scale`` (the kernel unscales them, ``.grad`` stays
 scaled). Any other optimizer holding a watched parameter makes the step's update unmeasured
-(the snapshot's update figures are None, logged once), never a guess.
+(the snapshot's update figures are None, logged once), never a guess. fp16 weights: an
+intended update below fp16's smallest subnormal is 0 in the optimizer's arithmetic and here
+(not moving).
 
 **When.** A global optimizer step post-hook (``register_optimizer_step_post_hook``) measures
 every step of an optimizer holding watched parameters; each parameter's figures overwrite the
@@ -46,9 +50,10 @@ which is how a skipped step is seen. The first collect has no previous one (mark
 update figures are None). No host read anywhere: learning rates, step counts and ``found_inf``
 stay tensors; the per-group sums are device ops.
 
-Cost: a float64 pass over the parameters on every optimizer step (about twenty elementwise
-ops per chunk) and a float64-accumulating norm of the weights per collect; persistent memory
-``3 x parameters`` float64 figures, temporaries of a few chunks (:data:`CHUNK` elements).
+Cost: per parameter group of the optimizer and batch of at most :data:`BATCH` elements, about
+fifteen foreach ops in the parameters' dtype (a constant number however many tensors a batch
+holds), and one float64-accumulating norm of the weights per collect. Persistent memory: three
+float64 figures per parameter *tensor*; temporaries: three of a batch's size in its dtype.
 """
 
 from __future__ import annotations
@@ -66,8 +71,9 @@ from gradwatch.norms.stats import foreach_norms
 
 log = logging.getLogger("gradwatch")
 
-#: Elements read per float64 temporary: bounds the pass's extra memory (about five of these).
-CHUNK = 1 << 16
+#: Elements of one batch of the hook's foreach ops: bounds its temporaries (three of this
+#: size, in the parameters' dtype: 3 MiB for float32).
+BATCH = 1 << 18
 
 Scalar = float | Tensor
 
@@ -77,32 +83,12 @@ def _local(t: Tensor) -> Tensor:
     return getattr(t, "_local_tensor", t).detach()
 
 
-def _chunks(t: Tensor) -> list[Tensor]:
-    """``t``'s elements as flat views of at most :data:`CHUNK` (one view when it has no flat
-    view: not contiguous)."""
+def _views(t: Tensor) -> list[Tensor]:
+    """``t``'s elements as flat views of at most :data:`BATCH` (``t`` itself when it has no
+    flat view: not contiguous)."""
     if not t.is_contiguous():
         return [t]
-    return list(t.view(-1).split(CHUNK))
-
-
-def recover(
-    p_new: Tensor, u: Tensor, c: Scalar, dtype: torch.dtype, decay_rounded: bool = True
-) -> tuple[Tensor, Tensor]:
-    """The weights before the step and whether each element's intended update was non-zero,
-    in float64, from the weights after it (``p_new``, float64), the intended step ``u``
-    (float64) and the decay ``c`` (see the module docstring: each rounding of the step is
-    inverted by rounding to ``dtype``). ``decay_rounded``: the step rounded the decayed
-    weights before subtracting ``u`` (Adam's decoupled decay), else once at the end (SGD's
-    ``p - lr * (g + wd * p)``)."""
-    if isinstance(c, float) and c == 0.0:
-        old = (p_new + u).to(dtype).to(torch.float64)
-        return old, u != 0
-    if decay_rounded:
-        mid = (p_new + u).to(dtype).to(torch.float64)
-        old = (mid / (1 - c)).to(dtype).to(torch.float64)
-    else:
-        old = ((p_new + u) / (1 - c)).to(dtype).to(torch.float64)
-    return old, (u + old * c) != 0
+    return list(t.view(-1).split(BATCH))
 
 
 def _scalar(value: Any, device: torch.device) -> Scalar:
@@ -130,27 +116,6 @@ def optimizer_kind(optimizer: Any) -> str | None:
     return None
 
 
-def intended_step(
-    kind: str, group: dict[str, Any], state: dict[str, Any], param: Tensor, optimizer: Any
-) -> tuple[list[Tensor], list[Tensor], Scalar]:
-    """For one parameter after the step: the chunks of its intended update ``u`` (float64, as
-    a list aligned with :func:`_chunks` of the parameter), its weights' chunks, and the
-    decoupled decay ``c`` (``p_new = rnd(rnd(p_old (1 - c)) - u)``). Raises ``KeyError`` when
-    the state lacks what the step left there."""
-    p = _local(param)
-    dev = p.device
-    lr = _scalar(group["lr"], dev)
-    keep = _keep(optimizer, dev)
-    if kind == _Kind.ADAM:
-        u, c = _adam_step(group, state, lr, dev)
-    else:
-        u, c = _sgd_step(group, state, param, lr, optimizer, dev)
-    if keep is not None:
-        u = [x * keep for x in u]
-        c = c * keep
-    return u, _chunks(p), c
-
-
 def _keep(optimizer: Any, device: torch.device) -> Tensor | None:
     """``1 - found_inf`` when a fused step may have been skipped on the device, else None."""
     found_inf = getattr(optimizer, "found_inf", None)
@@ -159,78 +124,138 @@ def _keep(optimizer: Any, device: torch.device) -> Tensor | None:
     return 1 - found_inf.to(device=device, dtype=torch.float64)
 
 
-def _adam_step(
-    group: dict[str, Any], state: dict[str, Any], lr: Scalar, dev: torch.device
-) -> tuple[list[Tensor], Scalar]:
+class _Batch:
+    """Views of stepped parameters of one optimizer parameter group (one device and dtype),
+    at most :data:`BATCH` elements in all unless one tensor alone is larger than that: the
+    parameters' views, the same views of the state tensors the inversion reads, and the
+    owner (local position) and step count of each view."""
+
+    def __init__(self) -> None:
+        self.params: list[Tensor] = []
+        self.owners: list[int] = []
+        self.tensors: dict[str, list[Tensor]] = {}
+        self.steps: list[Tensor] = []
+        self.numel = 0
+
+    def add(self, position: int, param: Tensor, state: dict[str, Tensor],
+            step: Tensor | None) -> None:
+        views = _views(param)
+        split = {name: _views(t) for name, t in state.items()}
+        if any(len(v) != len(views) for v in split.values()):  # a non-contiguous state
+            views, split = [param], {name: [t] for name, t in state.items()}
+        self.params += views
+        self.owners += [position] * len(views)
+        for name, vs in split.items():
+            self.tensors.setdefault(name, []).extend(vs)
+        if step is not None:
+            self.steps += [step] * len(views)
+        self.numel += param.numel()
+
+
+def _intended_adam(b: _Batch, group: dict[str, Any], keep: Tensor | None,
+                   dev: torch.device) -> tuple[list[Tensor], Scalar]:
     """Adam/AdamW: ``u = lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` with the bias
-    corrections of the step count the step left (``amsgrad``: the running max of ``v``); L2
-    weight decay is inside ``m`` and ``v`` already, decoupled decay is ``c = lr * wd``."""
-    beta1, beta2 = group["betas"]
-    beta1, beta2 = _scalar(beta1, dev), _scalar(beta2, dev)
-    step = state["step"].to(device=dev, dtype=torch.float64)
-    bc1 = 1 - torch.pow(beta1, step)
-    bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, step))
-    step_size = lr / bc1
-    eps = float(group["eps"])
-    v_key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
-    m_chunks = _chunks(_local(state["exp_avg"]))
-    v_chunks = _chunks(_local(state[v_key]))
-    u = [
-        step_size * m.to(torch.float64) / (v.to(torch.float64).sqrt() / bc2_sqrt + eps)
-        for m, v in zip(m_chunks, v_chunks, strict=True)
-    ]
-    decoupled = group.get("decoupled_weight_decay", False)
+    corrections of each parameter's step count after the step (``amsgrad``: the running max
+    of ``v``); L2 decay is inside ``m`` and ``v``, decoupled decay is ``c = lr * wd``."""
+    beta1, beta2 = (_scalar(x, dev) for x in group["betas"])
+    lr = _scalar(group["lr"], dev)
+    steps = torch.stack([s.to(dev) for s in b.steps]).to(torch.float64)
+    step_size = lr / (1 - torch.pow(beta1, steps))
+    if keep is not None:
+        step_size = step_size * keep
+    bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, steps))
+    u = torch._foreach_sqrt(b.tensors["v"])
+    torch._foreach_div_(u, list(bc2_sqrt.unbind()))
+    torch._foreach_add_(u, float(group["eps"]))
+    torch._foreach_reciprocal_(u)
+    torch._foreach_mul_(u, b.tensors["m"])
+    torch._foreach_mul_(u, list(step_size.unbind()))
     wd = float(group["weight_decay"])
-    c: Scalar = lr * wd if decoupled and wd != 0.0 else 0.0
+    c: Scalar = 0.0
+    if group.get("decoupled_weight_decay", False) and wd != 0.0:
+        c = lr * wd if keep is None else lr * wd * keep
     return u, c
 
 
-def _sgd_step(
-    group: dict[str, Any],
-    state: dict[str, Any],
-    param: Tensor,
-    lr: Scalar,
-    optimizer: Any,
-    dev: torch.device,
-) -> tuple[list[Tensor], Scalar]:
+def _intended_sgd(b: _Batch, group: dict[str, Any], optimizer: Any, keep: Tensor | None,
+                  dev: torch.device) -> tuple[list[Tensor], Scalar]:
     """SGD: ``p_new = p_old - lr * d`` with ``d = buf`` (momentum, the buffer the step left,
-    weight decay inside it), else ``d = g + wd * p_old (+ mu * buf, Nesterov)``: then ``u =
-    lr * (g + mu * buf)`` and the decay ``c = lr * wd`` acts like a decoupled one (``g`` is
-    ``-grad`` under ``maximize``, unscaled by a fused step's ``grad_scale``)."""
-    mu = float(group["momentum"])
-    wd = float(group["weight_decay"])
-    buf = state.get("momentum_buffer") if mu != 0.0 else None
-    if buf is not None and not group["nesterov"]:
-        return [lr * b.to(torch.float64) for b in _chunks(_local(buf))], 0.0
-    grad = _local(param.grad)
-    sign = -1.0 if group["maximize"] else 1.0
+    weight decay inside it), else ``d = g + wd * p_old (+ mu * buf, Nesterov)``: ``u = lr *
+    (g + mu * buf)`` and the decay ``c = lr * wd`` (``g`` is ``-grad`` under ``maximize``,
+    unscaled by a fused step's ``grad_scale``)."""
+    lr = _scalar(group["lr"], dev)
+    rate = lr if keep is None else lr * keep
+    mu, wd = float(group["momentum"]), float(group["weight_decay"])
+    bufs = b.tensors.get("buf")
+    if bufs is not None and not group["nesterov"]:
+        return _times(bufs, rate, copy=True), 0.0
     scale = getattr(optimizer, "grad_scale", None)
-    inv = sign if scale is None else sign / scale.to(device=dev, dtype=torch.float64)
-    g_chunks = _chunks(grad)
-    b_chunks = _chunks(_local(buf)) if buf is not None else [None] * len(g_chunks)
-    u = []
-    for g, b in zip(g_chunks, b_chunks, strict=True):
-        d = g.to(torch.float64) * inv
-        if b is not None:
-            d = d + mu * b.to(torch.float64)
-        u.append(lr * d)
-    return u, (lr * wd if wd != 0.0 else 0.0)
+    sign = -1.0 if group["maximize"] else 1.0
+    inv: Scalar = sign if scale is None else sign / scale.to(device=dev, dtype=torch.float64)
+    u = _times(b.tensors["g"], inv, copy=True)
+    if bufs is not None:
+        torch._foreach_add_(u, bufs, alpha=mu)
+    u = _times(u, rate, copy=False)
+    return u, (rate * wd if wd != 0.0 else 0.0)
 
 
-def parameter_figures(
-    u: Sequence[Tensor], p: Sequence[Tensor], c: Scalar, dtype: torch.dtype,
-    decay_rounded: bool = True,
-) -> Tensor:
-    """``[||delta||^2, stalled elements, elements with an intended update]`` of one parameter
-    (float64, on its device) from its chunks (:func:`intended_step`)."""
-    out = torch.zeros(3, dtype=torch.float64, device=p[0].device if p else None)
-    for u_k, p_k in zip(u, p, strict=True):
-        new = p_k.to(torch.float64)
-        old, moving = recover(new, u_k, c, dtype, decay_rounded)
-        delta = new - old
-        out[0] += torch.dot(delta.reshape(-1), delta.reshape(-1))
-        out[1] += (moving & (delta == 0)).sum()
-        out[2] += moving.sum()
+def _times(tensors: list[Tensor], factor: Scalar, copy: bool) -> list[Tensor]:
+    """``tensors * factor`` (a new list when ``copy``, else in place), ``factor`` a float or
+    a 0-dim tensor (no host read)."""
+    factors: Any = factor if isinstance(factor, float) else [factor] * len(tensors)
+    if copy:
+        return list(torch._foreach_mul(tensors, factors))
+    torch._foreach_mul_(tensors, factors)
+    return tensors
+
+
+def batch_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
+    """``[||delta||^2, stalled, moving]`` per view (``3 x views`` float64) from the intended
+    update ``u`` (consumed) and the decay ``c`` (see the module docstring). The decay's
+    inversion rounds twice, as Adam's step does; SGD's step rounds ``p - lr (g + wd p)`` once,
+    so there a tie can leave one more element one ulp off."""
+    old = torch._foreach_add(b.params, u)  # rnd(p_new + u)
+    if not (isinstance(c, float) and c == 0.0):
+        keep = 1 - c
+        torch._foreach_div_(old, keep if isinstance(keep, float) else [keep] * len(old))
+        torch._foreach_add_(u, _times(old, c, copy=True))  # the intended change u + c p_old
+    torch._foreach_sub_(old, b.params)  # -delta
+    squares = torch.stack(torch._foreach_norm(old, 2, dtype=torch.float64)).square()
+    moving = torch.stack(torch._foreach_norm(u, 0)).to(torch.float64)
+    torch._foreach_mul_(u, old)  # non-zero where it was meant to move and moved
+    moved = torch.stack(torch._foreach_norm(u, 0)).to(torch.float64)
+    return torch.stack([squares, moving - moved, moving])
+
+
+def _batches(
+    kind: str, optimizer: Any, held: list[tuple[dict[str, Any], Tensor, int]]
+) -> list[tuple[dict[str, Any], _Batch]]:
+    """The stepped parameters (a gradient, and Adam's state) grouped by optimizer parameter
+    group, device and dtype, in batches of at most :data:`BATCH` elements."""
+    out: list[tuple[dict[str, Any], _Batch]] = []
+    open_: dict[tuple[int, torch.device, torch.dtype], _Batch] = {}
+    for group, param, position in held:
+        if param.grad is None:  # the optimizer left it alone this step
+            continue
+        state = optimizer.state.get(param, {})
+        local = _local(param)
+        if kind == _Kind.ADAM:
+            if not state:
+                continue
+            v = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
+            reads = {"m": _local(state["exp_avg"]), "v": _local(state[v])}
+            step = state["step"]
+        else:
+            reads = {"g": _local(param.grad)}
+            if state.get("momentum_buffer") is not None:
+                reads["buf"] = _local(state["momentum_buffer"])
+            step = None
+        key = (id(group), local.device, local.dtype)
+        batch = open_.get(key)
+        if batch is None or (batch.numel and batch.numel + local.numel() > BATCH):
+            batch = open_[key] = _Batch()
+            out.append((group, batch))
+        batch.add(position, local, reads, step)
     return out
 
 
@@ -305,20 +330,17 @@ class UpdateMeter:
                        "torch.optim SGD, Adam, AdamW); update figures are unmeasured",
                        type(optimizer).__name__)
             return
-        rows: list[Tensor] = []
-        at: list[int] = []
-        for group, p, i in held:
-            if p.grad is None:  # the optimizer left it alone this step
-                continue
-            state = optimizer.state.get(p, {})
-            if kind == _Kind.ADAM and not state:
-                continue
-            u, chunks, c = intended_step(kind, group, state, p, optimizer)
-            figures = parameter_figures(u, chunks, c, p.dtype, kind == _Kind.ADAM)
-            rows.append(figures.to(self._device))
-            at.append(i)
-        if rows:
-            self._updates.index_copy_(1, self._index_of(tuple(at)), torch.stack(rows, dim=1))
+        for group, batch in _batches(kind, optimizer, held):
+            dev = batch.params[0].device
+            keep = _keep(optimizer, dev)
+            if kind == _Kind.ADAM:
+                u, c = _intended_adam(batch, group, keep, dev)
+            else:
+                u, c = _intended_sgd(batch, group, optimizer, keep, dev)
+            figures = batch_figures(batch, u, c).to(self._device)
+            owners = self._index_of(tuple(batch.owners))
+            self._updates.index_fill_(1, owners, 0.0)
+            self._updates.index_add_(1, owners, figures)
 
     def _index_of(self, positions: tuple[int, ...]) -> Tensor:
         """The positions as a device index, built once per pattern (one non-blocking copy)."""
