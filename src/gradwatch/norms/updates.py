@@ -17,9 +17,13 @@ ulp of ``p`` on a few elements. The applied update is then ``delta = p_new - p_o
 neighbouring values of one dtype: Sterbenz), its squared norm accumulated in float64
 (``_foreach_norm(dtype=float64)``). An element is *moving* when its intended change ``u + c *
 p_old`` is not 0 and *stalled* when it is moving and ``delta == 0`` (the change was under half
-an ulp of the weight and was rounded away); both are counted with order-0 norms (the number of
-non-zero elements), the stalled ones as ``moving - nnz(intended * delta)`` (a product that
-underflows only for weights below about 1e-19 in float32/bf16).
+an ulp of the weight and was rounded away); both are counted as squared norms of signs
+(``sign(intended)``, and its product with ``sign(delta)``: the number of non-zero elements,
+exact in float32 below 2^24 elements per view). The squared norm of ``delta`` is accumulated
+in float32 per view of at most :data:`BATCH` elements (relative error about 1e-7, against the
+1e-4 the update is held to) and summed over views in float64; an element of the update above
+about 1e19 or below 1e-19 in magnitude would overflow or vanish in its float32 square (weights
+of ordinary training are far inside).
 
 Why not the alternatives. ``||p_new - p_old||^2 = ||p_new||^2 + ||p_old||^2 - 2<p_new, p_old>``
 from norms alone cancels catastrophically: an update of relative size 1e-4 leaves 1e-8 of the
@@ -52,7 +56,8 @@ stay tensors; the per-group sums are device ops.
 
 Cost: per parameter group of the optimizer and batch of at most :data:`BATCH` elements, about
 fifteen foreach ops in the parameters' dtype (a constant number however many tensors a batch
-holds), and one float64-accumulating norm of the weights per collect. Persistent memory: three
+holds), and per collect one float32 norm per view of :data:`WEIGHT_ROWS` weights (their
+squares summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
 float64 figures per parameter *tensor*; temporaries: three of a batch's size in its dtype.
 """
 
@@ -66,8 +71,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from gradwatch.norms.rows import foreach_splits, host_to_device
-from gradwatch.norms.stats import foreach_norms
+from gradwatch.norms.rows import host_to_device
 
 log = logging.getLogger("gradwatch")
 
@@ -83,12 +87,16 @@ def _local(t: Tensor) -> Tensor:
     return getattr(t, "_local_tensor", t).detach()
 
 
-def _views(t: Tensor) -> list[Tensor]:
-    """``t``'s elements as flat views of at most :data:`BATCH` (``t`` itself when it has no
-    flat view: not contiguous)."""
+#: Elements per float32-accumulated norm of the weights (their squares summed in float64).
+WEIGHT_ROWS = 1 << 16
+
+
+def _views(t: Tensor, size: int = BATCH) -> list[Tensor]:
+    """``t``'s elements as flat views of at most ``size`` (``t`` itself when it has no flat
+    view: not contiguous)."""
     if not t.is_contiguous():
         return [t]
-    return list(t.view(-1).split(BATCH))
+    return list(t.view(-1).split(size))
 
 
 def _scalar(value: Any, device: torch.device) -> Scalar:
@@ -220,11 +228,25 @@ def batch_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
         torch._foreach_div_(old, keep if isinstance(keep, float) else [keep] * len(old))
         torch._foreach_add_(u, _times(old, c, copy=True))  # the intended change u + c p_old
     torch._foreach_sub_(old, b.params)  # -delta
-    squares = torch.stack(torch._foreach_norm(old, 2, dtype=torch.float64)).square()
-    moving = torch.stack(torch._foreach_norm(u, 0)).to(torch.float64)
-    torch._foreach_mul_(u, old)  # non-zero where it was meant to move and moved
-    moved = torch.stack(torch._foreach_norm(u, 0)).to(torch.float64)
+    squares = _norms(old).square()
+    torch._foreach_sign_(u)  # -1, 0, 1: whether each element was meant to move
+    moving = _norms(u).square().round()
+    torch._foreach_sign_(old)
+    torch._foreach_mul_(u, old)  # +-1 where it was meant to move and moved
+    moved = _norms(u).square().round()
     return torch.stack([squares, moving - moved, moving])
+
+
+def _norms(tensors: list[Tensor]) -> Tensor:
+    """The L2 norm of each tensor, accumulated in float32 (bf16/fp16 widened by the op), as
+    one float64 vector. A norm of signs squares to the count of non-zero elements, exactly
+    below 2^24 elements per view (a view holds at most :data:`BATCH`)."""
+    wide = [t.dtype in (torch.bfloat16, torch.float16) for t in tensors]
+    if any(wide):
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    else:
+        norms = torch._foreach_norm(tensors, 2)
+    return torch.stack(norms).to(torch.float64)
 
 
 def _batches(
@@ -290,7 +312,6 @@ class UpdateMeter:
         self._mask = torch.tensor(list(contributes), dtype=torch.bool, device=device)
         self._all = torch.ones_like(self._mask)
         self._updates = torch.zeros(3, len(self._params), dtype=torch.float64, device=device)
-        self._splits = foreach_splits([_local(p).numel() for p in self._params])
         self._armed = False  # a collect packed figures before: the next one has an update
         self._unmeasured = False  # a step this module cannot invert touched a parameter
         self._warned: set[str] = set()
@@ -360,9 +381,7 @@ class UpdateMeter:
         piece when ``count_all``: the collect does not all-reduce); then 1 when some step
         could not be measured, 1 when there is no previous collect. Clears the update
         figures. A constant number of ops, no host read."""
-        weights = [_local(p) for p in self._params]
-        norms = foreach_norms(weights, self._splits).to(self._device)
-        local = torch.cat([(norms * norms).unsqueeze(0), self._updates])
+        local = torch.cat([self._weight_squares().unsqueeze(0), self._updates])
         counted = torch.where(self._all if count_all else self._mask, local, 0.0)
         sums = torch.zeros(4, self._groups, dtype=torch.float64, device=self._device)
         sums.index_add_(1, self._group, counted)
@@ -372,6 +391,22 @@ class UpdateMeter:
         self._updates.zero_()
         self._armed, self._unmeasured = True, False
         return torch.cat([sums.reshape(-1), tail])
+
+    def _weight_squares(self) -> Tensor:
+        """Each local piece's squared norm: float32 norms of views of at most
+        :data:`WEIGHT_ROWS` elements (relative error about 1e-7 each), squared and summed per
+        piece in float64. A constant number of ops, no host read."""
+        views: list[Tensor] = []
+        owners: list[int] = []
+        for i, p in enumerate(self._params):
+            parts = [v for v in _views(_local(p), WEIGHT_ROWS) if v.numel()]
+            views += parts
+            owners += [i] * len(parts)
+        out = torch.zeros(len(self._params), dtype=torch.float64, device=self._device)
+        if views:
+            squares = _norms(views).square().to(self._device)
+            out.index_add_(0, self._index_of(tuple(owners)), squares)
+        return out
 
     def _warn(self, key: str, message: str, *args: Any) -> None:
         if key not in self._warned:
