@@ -116,3 +116,14 @@ def test_no_gradient_sized_temporary(stage: int, w2: list[dict[str, Any]]) -> No
         assert res["local_bytes"] > 2**16
         assert res["largest"] <= res["local_bytes"] // 16, res
         assert math.isfinite(res["largest"])
+
+
+def test_deepspeed_overflow_skips_are_counted(tmp_path: Any) -> None:
+    """Steps 1 and 2 overflow (non-finite gradients under DeepSpeed's loss scaler), which
+    skips them, maybe without a log line: each collect reports the skips since the previous
+    collect, and the published counter reads them as ``deepspeed_overflow``."""
+    world = spawn_suite(zero_cases.worker, "overflow", 2, tmp_path, WORLD_TIMEOUT)
+    for res in case_results(world, "overflow_skips"):
+        assert res["engine_skipped"] == 2
+        assert res["skipped"] == [None, 0, 1, 1]
+        assert res["counts"]["deepspeed_overflow"] == 2

@@ -360,6 +360,31 @@ def case_temporaries(stage: int) -> Callable[[int, int], dict]:
     return run
 
 
+def case_overflow_skips(rank: int, world: int) -> dict:
+    """Steps DeepSpeed's loss scaler skips on an overflow (non-finite gradients at steps 1 and
+    2): each collect reports the steps the engine skipped since the previous collect (None on
+    the first), and the published counter counts them under ``deepspeed_overflow``."""
+    from gradwatch import GradWatch
+    from gradwatch.export.state import PublishedState
+
+    engine, _replica = engine_and_replica(2)
+    engine.optimizer.loss_scaler.cur_scale = 1024.0  # the scaler that detects overflows
+    watch = GradWatch(engine, config())
+    state = PublishedState(config())
+    skipped: list[Any] = []
+    for step in range(4):
+        x = batch(dist.get_rank(), step).to(_low(engine))
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss * float("inf") if step in (1, 2) else loss)
+        snap = watch.collect(step).result()
+        state.write(snap)
+        skipped.append(snap.deepspeed_skipped_steps)
+        engine.step()
+    watch.close()
+    counts = dict(state.current().counts.step_skips)
+    return {"skipped": skipped, "engine_skipped": int(engine.skipped_steps), "counts": counts}
+
+
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
     "w2": [
         *[(f"exact_s{s}_{d}", case_exact(s, d)) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")],
@@ -379,6 +404,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("temporaries_s2", case_temporaries(2)),
         ("temporaries_s3", case_temporaries(3)),
     ],
+    "overflow": [("overflow_skips", case_overflow_skips)],
     "w4": [
         ("exact_s3_fp32", case_exact(3, "fp32")),
         ("exact_s2_bf16", case_exact(2, "bf16")),
