@@ -99,10 +99,12 @@ def _views(t: Tensor, size: int = BATCH) -> list[Tensor]:
     return list(t.view(-1).split(size))
 
 
-def _scalar(value: Any, device: torch.device) -> Scalar:
-    """A hyperparameter as a Python float or a float64 tensor on ``device`` (no host read)."""
+def _scalar(value: Any) -> Scalar:
+    """A hyperparameter as a Python float or a float64 tensor where it lives (a CPU learning
+    rate or step count stays on the CPU: moving it to an accelerator from pageable memory
+    would be a blocking copy; as a 0-dim CPU tensor it acts as a scalar there)."""
     if isinstance(value, Tensor):
-        return value.to(device=device, dtype=torch.float64)
+        return value.to(dtype=torch.float64)
     return float(value)
 
 
@@ -160,14 +162,15 @@ class _Batch:
         self.numel += param.numel()
 
 
-def _intended_adam(b: _Batch, group: dict[str, Any], keep: Tensor | None,
-                   dev: torch.device) -> tuple[list[Tensor], Scalar]:
+def _intended_adam(
+    b: _Batch, group: dict[str, Any], keep: Tensor | None
+) -> tuple[list[Tensor], Scalar]:
     """Adam/AdamW: ``u = lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` with the bias
     corrections of each parameter's step count after the step (``amsgrad``: the running max
     of ``v``); L2 decay is inside ``m`` and ``v``, decoupled decay is ``c = lr * wd``."""
-    beta1, beta2 = (_scalar(x, dev) for x in group["betas"])
-    lr = _scalar(group["lr"], dev)
-    steps = torch.stack([s.to(dev) for s in b.steps]).to(torch.float64)
+    beta1, beta2 = (_scalar(x) for x in group["betas"])
+    lr = _scalar(group["lr"])
+    steps = torch.stack(b.steps).to(torch.float64)  # where the optimizer keeps them
     step_size = lr / (1 - torch.pow(beta1, steps))
     if keep is not None:
         step_size = step_size * keep
@@ -185,13 +188,14 @@ def _intended_adam(b: _Batch, group: dict[str, Any], keep: Tensor | None,
     return u, c
 
 
-def _intended_sgd(b: _Batch, group: dict[str, Any], optimizer: Any, keep: Tensor | None,
-                  dev: torch.device) -> tuple[list[Tensor], Scalar]:
+def _intended_sgd(
+    b: _Batch, group: dict[str, Any], optimizer: Any, keep: Tensor | None
+) -> tuple[list[Tensor], Scalar]:
     """SGD: ``p_new = p_old - lr * d`` with ``d = buf`` (momentum, the buffer the step left,
     weight decay inside it), else ``d = g + wd * p_old (+ mu * buf, Nesterov)``: ``u = lr *
     (g + mu * buf)`` and the decay ``c = lr * wd`` (``g`` is ``-grad`` under ``maximize``,
     unscaled by a fused step's ``grad_scale``)."""
-    lr = _scalar(group["lr"], dev)
+    lr = _scalar(group["lr"])
     rate = lr if keep is None else lr * keep
     mu, wd = float(group["momentum"]), float(group["weight_decay"])
     bufs = b.tensors.get("buf")
@@ -199,7 +203,7 @@ def _intended_sgd(b: _Batch, group: dict[str, Any], optimizer: Any, keep: Tensor
         return _times(bufs, rate, copy=True), 0.0
     scale = getattr(optimizer, "grad_scale", None)
     sign = -1.0 if group["maximize"] else 1.0
-    inv: Scalar = sign if scale is None else sign / scale.to(device=dev, dtype=torch.float64)
+    inv: Scalar = sign if scale is None else sign / scale.to(dtype=torch.float64)
     u = _times(b.tensors["g"], inv, copy=True)
     if bufs is not None:
         torch._foreach_add_(u, bufs, alpha=mu)
@@ -355,9 +359,9 @@ class UpdateMeter:
             dev = batch.params[0].device
             keep = _keep(optimizer, dev)
             if kind == _Kind.ADAM:
-                u, c = _intended_adam(batch, group, keep, dev)
+                u, c = _intended_adam(batch, group, keep)
             else:
-                u, c = _intended_sgd(batch, group, optimizer, keep, dev)
+                u, c = _intended_sgd(batch, group, optimizer, keep)
             figures = batch_figures(batch, u, c).to(self._device)
             owners = self._index_of(tuple(batch.owners))
             self._updates.index_fill_(1, owners, 0.0)
