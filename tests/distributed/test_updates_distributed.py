@@ -50,3 +50,9 @@ def test_update_stats_add_no_collective(w2: list[dict[str, Any]]) -> None:
     for name in ("ddp_reduced", "fsdp2_sgd"):
         for res in case_results(w2, name):
             assert res["collectives"] == [1, 1, 1, 1]
+
+
+def test_fsdp1_is_refused_naming_the_setting(w2: list[dict[str, Any]]) -> None:
+    for res in case_results(w2, "fsdp1_refused"):
+        assert res["error_type"] == "UnsupportedParallelismError", res
+        assert "update_stats" in res["message"]

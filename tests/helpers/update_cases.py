@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_cases import CollectiveSpy, inputs, run_suite
+from dist_cases import CollectiveSpy, expect_error, inputs, run_suite
 from torch import nn
 
 
@@ -122,8 +122,20 @@ def case_fsdp2_fused_adamw(rank: int, world: int) -> dict:
     return _run(model, model, opt, rank)
 
 
+def case_fsdp1_refused(rank: int, world: int) -> dict:
+    """FSDP1 steps flat copies of the parameters: refused at construction, naming the
+    setting, on every rank alike."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from gradwatch import GradWatch, WatchConfig
+
+    model = FullyShardedDataParallel(_mlp(), device_id=torch.device("cpu"))
+    return expect_error(lambda: GradWatch(model, WatchConfig(update_stats=True)))
+
+
 SUITES = {
     "w2": [
+        ("fsdp1_refused", case_fsdp1_refused),
         ("ddp_alone", case_ddp(always_reduce=False)),
         ("ddp_reduced", case_ddp(always_reduce=True)),
         ("fsdp2_sgd", case_fsdp2),
