@@ -129,6 +129,9 @@ class Snapshot:
             ``max_consecutive_skips`` in a row, so the update was applied.
         skipped_steps: reason -> steps the guard skipped so far (every guarded step,
             published or not).
+        guard_score: the spike score the guard acted on at this step (NaN while undefined;
+            None without spike skipping): it skipped for a spike exactly when this is above
+            ``skip_spike_score``.
 
     The per-rank view (DDP, docs/distributed.md; absent/None/empty when not available):
 
@@ -199,6 +202,7 @@ class Snapshot:
     consecutive_skipped_steps: int | None = None
     guard_stopped: bool = False
     skipped_steps: Mapping[str, int] = field(default_factory=dict)
+    guard_score: float | None = None
     # -- the per-rank view (DDP comm hook; see docs/distributed.md)
     rank_view: bool = False
     nonfinite_origin_ranks: tuple[int, ...] = ()

@@ -225,6 +225,7 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         clip_coef=0.123456789,
         guard_skipped="spike",
         consecutive_skipped_steps=1,
+        guard_score=7.5,
         skipped_steps={"nonfinite": 0, "spike": 1},
         amp_skipped=False,
         timestamp=1_700_000_000.123456,
@@ -1477,6 +1478,7 @@ SPIKE_FAMILIES = (
     "gradwatch_skipped_steps",
     "gradwatch_consecutive_skipped_steps",
     "gradwatch_guard_stopped",
+    "gradwatch_guard_score",
     # optimizer-update health (tested in test_update_metrics_read_the_measured_groups_only)
     "gradwatch_weight_norm",
     "gradwatch_update_norm",

@@ -289,7 +289,8 @@ class Summarizer:
             changes["amp_skipped"] = True
         if step.decision is not None and step.guard is not None:
             reading = step.decision.reading()
-            changes.update(reading.snapshot_fields())
+            spikes = step.guard.policy.skip_spike_score is not None
+            changes.update(reading.snapshot_fields(spikes))
             step.guard.report(reading, step.step, r.rank)
         if stats.rank_view is not None:
             changes.update(

@@ -460,6 +460,19 @@ GUARD_STOPPED = MetricDef(
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.consecutive_skipped_steps is None else one(s.snap.guard_stopped),
 )
+GUARD_SCORE = MetricDef(
+    "gradwatch_guard_score",
+    "gauge",
+    (),
+    "The spike score the optimizer-step guard acted on at the last published step: it "
+    "skipped that step for a spike exactly when this is above skip_spike_score.",
+    "The definition of `gradwatch_global_grad_norm_spike_score` (the same window, warm-up "
+    "and re-basing on a new stage or a level shift), computed on the device from the "
+    "reduced vector. NaN while undefined; absent without `watch.guard()` and "
+    "`skip_spike_score`.",
+    source=MetricSource.SNAPSHOT,
+    read=lambda s: one(s.snap.guard_score),
+)
 # -- spikes and every step between scrapes (gradwatch.analysis.spikes, state.Counts)
 GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
     "gradwatch_global_grad_norm_spike_score",
@@ -711,6 +724,7 @@ METRICS: tuple[MetricDef, ...] = (
     SKIPPED_STEPS_TOTAL,
     CONSECUTIVE_SKIPPED_STEPS,
     GUARD_STOPPED,
+    GUARD_SCORE,
     GLOBAL_GRAD_NORM_SPIKE_SCORE,
     GRAD_NORM_SPIKE_SCORE,
     GLOBAL_GRAD_NORM_SPIKES_TOTAL,
