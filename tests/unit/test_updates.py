@@ -296,3 +296,40 @@ def test_the_environment_switches_it_on(monkeypatch: pytest.MonkeyPatch) -> None
     assert WatchConfig().update_stats
     monkeypatch.setenv("GRADWATCH_UPDATE_STATS", "0")
     assert not WatchConfig().update_stats
+
+
+def test_mixed_dtype_weights_are_exact() -> None:
+    """float64, float32 and bf16 parameters in one model (a group each): every weight norm to
+    1e-6; the float64 and float32 groups' updates to 1e-4 of the copies, the bf16 group's to
+    its rounding (a recovered weight one ulp off where a step crossed a power of two)."""
+    torch.manual_seed(5)
+    m = nn.Sequential(nn.Linear(8, 16).double(), nn.Linear(16, 16), nn.Linear(16, 4).bfloat16())
+    groups = {"f64": ["0.*"], "f32": ["1.*"], "b16": ["2.*"]}
+    tolerance = {"f64": UPDATE_TOL, "f32": UPDATE_TOL, "b16": 1e-2}
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = m[0](x.double()).float()
+        return m[2](m[1](h).bfloat16()).float()
+
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    snaps, refs = [], []
+    with GradWatch(m, WatchConfig(update_stats=True, groups=groups)) as watch:
+        for step in range(3):
+            forward(torch.randn(4, 8)).pow(2).sum().backward()
+            watch.collect(step)
+            snaps.append(watch.last)
+            before = copies(m)
+            opt.step()
+            opt.zero_grad()
+            after = copies(m)
+            refs.append({
+                g: (norm_of([before[n] for n in before if n[0] == pat[0][0]]),
+                    norm_of([after[n] - before[n] for n in after if n[0] == pat[0][0]]))
+                for g, pat in groups.items()
+            })
+    for k, snap in enumerate(snaps):
+        for g in groups:
+            stats = snap.groups[g]
+            assert stats.weight_norm == pytest.approx(refs[k][g][0], rel=WEIGHT_TOL), g
+            if k:
+                assert stats.update_norm == pytest.approx(refs[k - 1][g][1], rel=tolerance[g]), g

@@ -242,15 +242,25 @@ def batch_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
 
 
 def _norms(tensors: list[Tensor]) -> Tensor:
-    """The L2 norm of each tensor, accumulated in float32 (bf16/fp16 widened by the op), as
-    one float64 vector. A norm of signs squares to the count of non-zero elements, exactly
-    below 2^24 elements per view (a view holds at most :data:`BATCH`)."""
-    wide = [t.dtype in (torch.bfloat16, torch.float16) for t in tensors]
-    if any(wide):
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    else:
-        norms = torch._foreach_norm(tensors, 2)
-    return torch.stack(norms).to(torch.float64)
+    """The L2 norm of each tensor, accumulated in float32 (bf16/fp16 widened by the op;
+    float64 in float64), as one float64 vector on the first tensor's device: one
+    ``_foreach_norm`` per (device, dtype). A norm of signs squares to the count of non-zero
+    elements, exactly below 2^24 elements per view (a view holds at most :data:`BATCH`)."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    device = tensors[0].device
+    parts: list[Tensor] = []
+    order: list[int] = []
+    for (_, dtype), idx in buckets.items():
+        wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+        norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=wide)
+        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
+        order += idx
+    if len(parts) == 1:
+        return parts[0]
+    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    return out.index_copy_(0, torch.tensor(order, device=device), torch.cat(parts))
 
 
 def _batches(
