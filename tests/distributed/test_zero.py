@@ -127,3 +127,19 @@ def test_deepspeed_overflow_skips_are_counted(tmp_path: Any) -> None:
         assert res["engine_skipped"] == 2
         assert res["skipped"] == [None, 0, 1, 1]
         assert res["counts"]["deepspeed_overflow"] == 2
+
+
+def test_update_stats_of_the_fp32_master_weights(tmp_path: Any) -> None:
+    """ZeRO stages 0-3: the weight norm of the fp32 master weights to 1e-6 and the update
+    each step applied to them to 1e-4, against full fp32 copies gathered around the step."""
+    world = spawn_suite(zero_cases.worker, "updates", 2, tmp_path, WORLD_TIMEOUT)
+    for name in ("update_stats_s0", "update_stats_s1", "update_stats_s2", "update_stats_s3",
+                 "update_stats_s2_bf16", "update_stats_s3_bf16"):
+        for res in case_results(world, name):
+            rows = res["rows"]
+            assert rows[0]["update"] is None, name
+            for row in rows:
+                assert row["weight"] == pytest.approx(row["ref_weight"], rel=1e-6), name
+            for row in rows[1:]:
+                assert row["ref_update"] > 0, name
+                assert row["update"] == pytest.approx(row["ref_update"], rel=1e-4), name

@@ -64,7 +64,7 @@ float64 figures per parameter *tensor*; temporaries: three of a batch's size in 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -295,6 +295,37 @@ def _batches(
     return out
 
 
+def _fragment_batches(
+    kind: str, optimizer: Any, parts: list[tuple[dict[str, Any], Tensor, tuple[int, int, int]]]
+) -> list[tuple[dict[str, Any], _Batch]]:
+    """:func:`_batches` for fragments of flat partitions (DeepSpeed ZeRO 1-3): each piece's
+    slice of the partition, of its gradient and of its optimizer state."""
+    out: list[tuple[dict[str, Any], _Batch]] = []
+    open_: dict[int, _Batch] = {}
+    for group, flat, (position, start, numel) in parts:
+        state = optimizer.state.get(flat, {})
+        if kind == _Kind.ADAM:
+            if not state:
+                continue
+            v = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
+            reads = {"m": state["exp_avg"], "v": state[v]}
+            step = state["step"]
+        else:
+            if flat.grad is None:
+                continue
+            reads = {"g": flat.grad}
+            if state.get("momentum_buffer") is not None:
+                reads["buf"] = state["momentum_buffer"]
+            step = None
+        batch = open_.get(id(flat))
+        if batch is None or (batch.numel and batch.numel + numel > BATCH):
+            batch = open_[id(flat)] = _Batch()
+            out.append((group, batch))
+        batch.add(position, flat.detach().narrow(0, start, numel),
+                  {k: t.detach().narrow(0, start, numel) for k, t in reads.items()}, step)
+    return out
+
+
 class UpdateMeter:
     """This rank's optimizer-update figures, kept between collects on the packed vector's
     device.
@@ -306,6 +337,9 @@ class UpdateMeter:
         contributes: per local parameter, does this rank count its piece (the layout's
             contributor: replicas counted once).
         device: the packed vector's device.
+        fragments: under DeepSpeed ZeRO stages 1-3 (``params`` are then the pieces' fp32
+            master fragments): per flat partition the optimizer steps (by ``id``), the
+            ``(position, start, numel)`` of each piece's fragment in it.
 
     Thread-safety: :meth:`after_step` and :meth:`figures` run on the training thread.
     """
@@ -317,9 +351,13 @@ class UpdateMeter:
         groups: int,
         contributes: Sequence[bool],
         device: torch.device,
+        fragments: Mapping[int, Sequence[tuple[int, int, int]]] | None = None,
     ) -> None:
         self._params = list(params)
         self._position = {id(p): i for i, p in enumerate(self._params)}
+        # DeepSpeed ZeRO 1-3: the inner optimizer steps flat fp32 partitions; per partition
+        # (by id), the (piece position, start, numel) of each watched fragment
+        self._fragments = dict(fragments or {})
         self._groups = groups
         self._device = device
         self._group = torch.tensor(list(group_index), dtype=torch.long, device=device)
@@ -356,7 +394,13 @@ class UpdateMeter:
             for i in (self._position.get(id(p)),)
             if i is not None
         ]
-        if not held:
+        parts = [
+            (group, p, fragment)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            for fragment in self._fragments.get(id(p), ())
+        ]
+        if not held and not parts:
             return
         kind = optimizer_kind(optimizer)
         if kind is None:
@@ -365,7 +409,9 @@ class UpdateMeter:
                        "torch.optim SGD, Adam, AdamW); update figures are unmeasured",
                        type(optimizer).__name__)
             return
-        for group, batch in _batches(kind, optimizer, held):
+        for group, batch in _batches(kind, optimizer, held) + _fragment_batches(
+            kind, optimizer, parts
+        ):
             dev = batch.params[0].device
             keep = _keep(optimizer, dev)
             if kind == _Kind.ADAM:

@@ -90,10 +90,12 @@ def resolve(
     # shards, whatever the model's parameters are (flat ones or views)
     flat = resolve_fsdp1(model) if zero is None else None
     reject_distributed_optimizer(model)
-    if cfg.update_stats and (zero is not None or flat is not None):
+    targets = zero.update_targets() if cfg.update_stats and zero is not None else None
+    if cfg.update_stats and (flat is not None or (zero is not None and targets is None)):
         raise UnsupportedParallelismError(
-            "gradwatch: update_stats=True reads the optimizer's state of the model's own "
-            "parameters: DeepSpeed ZeRO and FSDP1 step flat copies of them (not supported)"
+            "gradwatch: update_stats=True reads the optimizer's state of the parameters it "
+            "steps: FSDP1's flat parameters, DeepSpeed ZeRO stage 3 and DeepSpeed's fp16 "
+            "optimizer are not supported (ZeRO stages 0-2 are)"
         )
     if flat is None:
         names, params = named_parameters(model)
@@ -171,9 +173,10 @@ def resolve(
     updates = None
     if cfg.update_stats:
         position = {g: k for k, g in enumerate(view_groups)}
+        weights, fragments = targets if targets is not None and targets[0] else (params, {})
         updates = UpdateMeter(
-            params, [position[group_of(n, cfg.groups)] for n in names], len(view_groups),
-            layout.contributes, gradient_device(params) or torch.device("cpu"),
+            weights, [position[group_of(n, cfg.groups)] for n in names], len(view_groups),
+            layout.contributes, gradient_device(params) or torch.device("cpu"), fragments,
         )
     return Resolved(
         params=params,
