@@ -67,6 +67,7 @@ CONTRACT_METRICS = frozenset(
         # counters
         "gradwatch_collections_total",
         "gradwatch_nonfinite_steps_total",
+        "gradwatch_no_gradient_steps_total",
         "gradwatch_exploding_steps_total",
         "gradwatch_isolation_violations_total",
         "gradwatch_publish_errors_total",
@@ -124,6 +125,7 @@ REQUIRED_ALERTS = {
     "GradwatchOptimizerNotUpdating": ("critical", False),
     "GradwatchUpdateRatioOutOfBand": ("warning", True),
     "GradwatchStalledUpdates": ("warning", True),
+    "GradwatchNoGradient": ("warning", False),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}
