@@ -2,7 +2,7 @@
 fields.
 
 On Python floats, after the one read of the packed vector (no torch). The section
-(:func:`gradwatch.layout.update_width`) holds, per group of the rank view's group order, the
+(:func:`gradwatch.norms.updates.section_width`) holds, per group of the rank view's group order, the
 summed weight squares, update squares, stalled and moving elements (each piece counted once),
 then how many ranks could not measure their update and how many had no previous collect
 (:class:`gradwatch.norms.updates.UpdateMeter`). From them:

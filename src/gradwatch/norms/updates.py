@@ -326,6 +326,13 @@ def _fragment_batches(
     return out
 
 
+def section_width(groups: int) -> int:
+    """The packed vector's update section for ``groups`` groups: ``[weight squares | update
+    squares | stalled elements | moving elements]`` per group (``4G``), then the ranks that
+    could not measure the update and the ranks with no previous collect (2); 0 when off."""
+    return 4 * groups + 2 if groups > 0 else 0
+
+
 class UpdateMeter:
     """This rank's optimizer-update figures, kept between collects on the packed vector's
     device.
@@ -436,7 +443,7 @@ class UpdateMeter:
 
     def figures(self, count_all: bool) -> Tensor:
         """This rank's update section for the packed vector (``4G + 2`` float64, see
-        :func:`gradwatch.layout.update_width`): per group the weights' and the updates'
+        :func:`section_width`): per group the weights' and the updates'
         squared norms, stalled and moving elements, over the pieces this rank counts (every
         piece when ``count_all``: the collect does not all-reduce); then 1 when some step
         could not be measured, 1 when there is no previous collect. Clears the update

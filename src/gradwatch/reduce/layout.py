@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.errors import LayoutMismatchError, UnsupportedParallelismError
+from gradwatch.norms.updates import section_width
 from gradwatch.reduce.experts import check_expert_holders, expert_names
 from gradwatch.reduce.handshake import (
     DERIVED_NESTED,
@@ -112,8 +113,7 @@ class Layout:
     # (replicated_and_synced): a collect needs gradwatch's all-reduce only on
     # divergence steps and with the rank view (Reducer.issues_collective)
     replicated_synced: bool = False
-    # -- optimizer-update health (gradwatch.norms.updates): groups of the update section; 0 = none
-    update_groups: int = 0
+    update_groups: int = 0  # groups of the update section (gradwatch.norms.updates); 0 = none
 
     @property
     def rank_view_slots(self) -> bool:
@@ -157,20 +157,13 @@ def _rank_view_width(layout: Layout) -> int:
     return layout.world_size * (g + 1) if layout.rank_view_slots else 2 * g + 3
 
 
-def update_width(groups: int) -> int:
-    """The update section of ``groups`` groups: ``[weight squares | update squares | stalled
-    elements | elements with an intended update]`` per group (``4G``), then the ranks that
-    could not measure the update and the ranks with no previous collect (2); 0 when off."""
-    return 4 * groups + 2 if groups > 0 else 0
-
-
 def sections(layout: Layout) -> Sections:
     n, r = layout.size, layout.replicas
     view = 5 * n + r + 1
     upd = view + _rank_view_width(layout)
     return Sections(
         rank_view=slice(view, upd),
-        updates=slice(upd, upd + update_width(layout.update_groups)),
+        updates=slice(upd, upd + section_width(layout.update_groups)),
         squares=slice(0, n),
         squares_high=slice(n, 2 * n),
         squares_low=slice(2 * n, 3 * n),
@@ -179,7 +172,7 @@ def sections(layout: Layout) -> Sections:
         has_grad=slice(4 * n, 5 * n),
         replicas=slice(5 * n, 5 * n + r),
         step=5 * n + r,
-        length=upd + update_width(layout.update_groups),
+        length=upd + section_width(layout.update_groups),
     )
 
 

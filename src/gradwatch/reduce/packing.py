@@ -34,7 +34,7 @@ group, the count and the sum of the ids of non-finite ranks, the count of report
 never a second collective.
 
 **The update section** (``update_stats=True``, agreed through the layout hash): after the rank
-view, ``4G + 2`` float64 (:func:`~gradwatch.reduce.layout.update_width`): per group the
+view, ``4G + 2`` float64 (:func:`~gradwatch.norms.updates.section_width`): per group the
 weights' and the last optimizer step's update's squared norms, stalled and moving elements,
 each rank adding the pieces it counts (:class:`gradwatch.norms.updates.UpdateMeter`), then the
 ranks that could not measure the update and those without a previous collect. Summed like the

@@ -139,6 +139,7 @@ class ZeroGradients:
         # The watcher's names and order (gradwatch.norms.model): state_dict-style, wrappers removed.
         self.names, self.params = named_parameters(self.module)
         self._pieces, self._slices = self._describe()
+        self._skipped_seen: int | None = None  # the engine's skip count at the last collect
 
     # -- construction -------------------------------------------------------------------------
 
@@ -246,11 +247,15 @@ class ZeroGradients:
             links.setdefault(id(flat), []).append((position, start, numel))
         return weights, links
 
-    def skipped_steps(self) -> int | None:
-        """The engine's count of optimizer steps it skipped on an overflow (a host integer
-        DeepSpeed keeps: ``engine.skipped_steps``), None when this version has none."""
-        value = getattr(self.engine, "skipped_steps", None)
-        return value if isinstance(value, int) else None
+    def skips_since_last(self) -> int | None:
+        """The optimizer steps the engine skipped on an overflow since the previous call (its
+        ``skipped_steps``, a host integer DeepSpeed keeps); None on the first call and when
+        this version keeps no count. Called once per collect."""
+        count = getattr(self.engine, "skipped_steps", None)
+        if not isinstance(count, int):
+            return None
+        previous, self._skipped_seen = self._skipped_seen, count
+        return None if previous is None else count - previous
 
     def loss_scale(self) -> float | None:
         """The loss scale the gradients still carry (DeepSpeed's fp16 optimizers), else None."""

@@ -129,7 +129,6 @@ class Collector:
         self._clipped_step: int | None = None
         self._clip_total: Tensor | None = None  # this collect's clip, once applied
         self._collections = 0
-        self._deepspeed_skipped: int | None = None  # the engine's skip count at the last collect
         self.attempts = 0  # collects that did work, numbered: orders failures and results
         self.failures = Failures(resolved.reducer, resolved.local_names, reporter)
 
@@ -353,12 +352,10 @@ class Collector:
         # Queued before the packed vector's copy: landed by the time its step is judged.
         local_sq = LocalSquares.of(sq, self.summarizer.auditing) if r.world_size > 1 else None
         guard = self.guard  # decides on the device: the job's backend, like a clip
-        updates = None
-        if r.updates is not None:  # a rank that does not all-reduce counts every piece
-            updates = r.updates.figures(count_all=not r.reducer.issues_collective(measure))
         reduced = r.reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
-            device_collective=max_norm is not None or guard is not None, updates=updates,
+            device_collective=max_norm is not None or guard is not None,
+            updates=update_section(r, measure),
         )
         total = None
         if max_norm is not None:
@@ -376,19 +373,9 @@ class Collector:
             local_sq=local_sq,
             guard=guard,
             decision=decision,
-            deepspeed_skipped_steps=self._deepspeed_skips(),
+            deepspeed_skipped_steps=None if r.zero is None else r.zero.skips_since_last(),
         )
         return PendingSnapshot(step, lambda: self._build(reduced, collected)), total
-
-    def _deepspeed_skips(self) -> int | None:
-        """Under DeepSpeed, the steps its engine skipped on an overflow since the previous
-        collect (host integers; None otherwise and on the first collect)."""
-        zero = self.resolved.zero
-        count = zero.skipped_steps() if zero is not None else None
-        if count is None:
-            return None
-        previous, self._deepspeed_skipped = self._deepspeed_skipped, count
-        return None if previous is None else count - previous
 
     def _build(self, reduced: ReducedVector, collected: CollectedStep) -> Snapshot:
         """Wait for the reduced figures of ``collected`` and summarize them."""
@@ -422,6 +409,15 @@ class Collector:
         if self.latest is not None:
             return self.latest
         return not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+
+def update_section(r: Resolved, measure: bool) -> Tensor | None:
+    """This collect's update section (``update_stats``; None when off): every piece counts on
+    a rank that does not all-reduce (:meth:`gradwatch.reduce.packing.Reducer.issues_collective`
+    with ``measure``, the divergence step), else the pieces it contributes."""
+    if r.updates is None:
+        return None
+    return r.updates.figures(count_all=not r.reducer.issues_collective(measure))
 
 
 def measure_local(
