@@ -21,11 +21,11 @@ SKIPPED_STEPS_TOTAL = MetricDef(
     "The guard's reasons are counted on the device on every guarded step, published or not "
     "(the value of the last published step), start at 0 and are absent without "
     "`watch.guard()`. The others count published snapshots: amp_overflow from the first "
-    "publish, deepspeed_overflow under DeepSpeed only, no_update with `update_stats` only "
-    "(it needs the measured update).",
-    absent="Before the first published snapshot (`amp_overflow` from then on; the guard's "
-    "reasons without `watch.guard()`, `no_update` without `update_stats`, "
-    "`deepspeed_overflow` without DeepSpeed); and when disabled.",
+    "scrape (at 0), deepspeed_overflow under DeepSpeed only, no_update with `update_stats` "
+    "only (it needs the measured update); each appears once it can be measured.",
+    absent="Only when disabled (`amp_overflow` from the first scrape; the guard's reasons "
+    "without `watch.guard()`, `no_update` without `update_stats`, `deepspeed_overflow` "
+    "without DeepSpeed).",
     source=MetricSource.COUNTS,
     read=lambda c: each([*c.skipped_steps.items(), *c.step_skips.items()]),
     exemplar=True,

@@ -115,6 +115,7 @@ class Counts:
             group_spikes=zeros,
             nonfinite_group_steps=zeros,
             group_norms=MappingProxyType(dict.fromkeys(groups, _NO_OBSERVATION)),
+            step_skips=MappingProxyType({"amp_overflow": 0}),
         )
 
     def after(self, snap: Snapshot) -> Counts:

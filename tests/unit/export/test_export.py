@@ -1255,7 +1255,9 @@ def test_no_module_joins_by_a_metric_name_string() -> None:
     names = set(METRICS_BY_NAME)
     found = []
     for path in sorted((SRC / "gradwatch").rglob("*.py")):
-        if path == SRC / "gradwatch" / "export" / "metrics.py":
+        if path.parent == SRC / "gradwatch" / "export" and path.name in (
+            "metrics.py", "optimizer_metrics.py"  # the catalog's two modules
+        ):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:
