@@ -528,8 +528,7 @@ def test_no_param_series_by_default(servers: Callable[..., MetricsServer]) -> No
 def uniform_snapshot(step: int) -> Snapshot:
     """Every gauge and every snapshot-derived counter equals ``step`` once published in order."""
     x = float(step)
-    g = GroupStats(norm=x, numel=step, tensors=step, vanishing=step, exploding=step, nonfinite=step,
-                   weight_norm=x, update_norm=x, update_ratio=x, stalled_fraction=x)
+    g = GroupStats(norm=x, numel=step, tensors=step, vanishing=step, exploding=step, nonfinite=step)
     return Snapshot(
         step=step,
         global_norm=x,
@@ -586,7 +585,7 @@ def _check_one_step(samples: Samples) -> float | None:
     }
     distinct = set(values.values())
     assert len(distinct) == 1, f"one scrape mixes steps: {sorted(distinct)[:5]}"
-    assert len(values) == 33 + 15 + 16, sorted(values)  # every series, every time
+    assert len(values) == 33 + 15, sorted(values)  # every series, every time
     return distinct.pop()
 
 
