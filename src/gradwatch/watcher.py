@@ -326,6 +326,8 @@ class GradWatch:
         self._hooks.clear()
         self._collector.closed = True
         detach(self._resolved.comm_hook)
+        if self._resolved.updates is not None:
+            self._resolved.updates.close()
         try:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served
@@ -511,6 +513,9 @@ class RefusedWatch(NoOpWatch):
             return
         if publishing is not None:
             publishing.self_stats.set_collecting(False)
+            # Served before construction returns: the first scrape already says "not
+            # collecting" (bounded; a slow exporter start only delays when it does).
+            publishing.flush(timeout=5.0)
             self._publishing = publishing
             self.metrics_url = publishing.url
 

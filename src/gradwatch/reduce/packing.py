@@ -33,6 +33,13 @@ ranks per
 group, the count and the sum of the ids of non-finite ranks, the count of reporting ranks):
 never a second collective.
 
+**The update section** (``update_stats=True``, agreed through the layout hash): after the rank
+view, ``4G + 2`` float64 (:func:`~gradwatch.norms.updates.section_width`): per group the
+weights' and the last optimizer step's update's squared norms, stalled and moving elements,
+each rank adding the pieces it counts (:class:`gradwatch.norms.updates.UpdateMeter`), then the
+ranks that could not measure the update and those without a previous collect. Summed like the
+rest: no second collective.
+
 **Reading it.** Only this module and :mod:`gradwatch.reduce.layout` (which defines them:
 :class:`~gradwatch.reduce.layout.Sections`) know those offsets. The rest of gradwatch reads a
 :class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
@@ -42,6 +49,7 @@ never a second collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -109,6 +117,7 @@ class Reducer:
         synced: bool = False,
         device: torch.device | None = None,
         experts: Sequence[str] = (),
+        update_groups: int = 0,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
@@ -132,6 +141,9 @@ class Reducer:
             self.layout = self._agree(desc, record, pieces, str(backend), experts)
         else:
             self.layout = derive_layout(handshake.local(desc, record), 0)
+        # Every rank has the same update section: update_stats is in the layout hash the
+        # handshake compared, and the groups come from the same configuration.
+        self.layout = dataclasses.replace(self.layout, update_groups=update_groups)
         self._plan_packing(self.layout)
 
     def _agree(
@@ -272,6 +284,7 @@ class Reducer:
         with_replicas: bool,
         rank_local: Tensor | None = None,
         device_collective: bool = True,
+        updates: Tensor | None = None,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.norms.stats`) and
@@ -301,6 +314,8 @@ class Reducer:
         if with_replicas and self._slot_sums is not None:
             packed.index_copy_(0, self._slot_global, self._slot_sums(sq_local))
         self._pack_rank_view(packed, rank_local)
+        if updates is not None:
+            packed[sections(lay).updates].copy_(updates)
         if alone:
             return ReducedVector(packed, Pending(), self.timeout, step, lay, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
@@ -411,6 +426,7 @@ class ReducedStats:
     world_size: int
     rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
     ranks: int = 0  # 0: world_size
+    updates: list[float] | None = None  # the update section (None: update_stats off)
 
     @classmethod
     def from_values(
@@ -435,6 +451,7 @@ class ReducedStats:
             world_size=layout.world_size,
             rank_view=RankView.from_section(values[at.rank_view], layout),
             ranks=layout.world_size if ranks is None else ranks,
+            updates=values[at.updates] if layout.update_groups else None,
         )
 
     def steps_agree(self, step: int) -> bool:

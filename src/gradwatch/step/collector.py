@@ -354,6 +354,7 @@ class Collector:
         reduced = r.reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
             device_collective=max_norm is not None or guard is not None,
+            updates=update_section(r, measure),
         )
         total = None
         if max_norm is not None:
@@ -371,6 +372,7 @@ class Collector:
             local_sq=local_sq,
             guard=guard,
             decision=decision,
+            deepspeed_skipped_steps=None if r.zero is None else r.zero.skips_since_last(),
         )
         return PendingSnapshot(step, lambda: self._build(reduced, collected)), total
 
@@ -406,6 +408,15 @@ class Collector:
         if self.latest is not None:
             return self.latest
         return not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+
+def update_section(r: Resolved, measure: bool) -> Tensor | None:
+    """This collect's update section (``update_stats``; None when off): every piece counts on
+    a rank that does not all-reduce (:meth:`gradwatch.reduce.packing.Reducer.issues_collective`
+    with ``measure``, the divergence step), else the pieces it contributes."""
+    if r.updates is None:
+        return None
+    return r.updates.figures(count_all=not r.reducer.issues_collective(measure))
 
 
 def measure_local(
