@@ -504,6 +504,33 @@ class Collective:
                     dist.distributed_c10d._set_pg_timeout(longest, group)
         self.group_timeout = longest.total_seconds()
 
+    def agree(self, refused: bool, device: torch.device) -> tuple[int, ...]:
+        """Which ranks refused the setup, agreed by every rank: one SUM all-reduce of a
+        world-sized float64 vector (1.0 at each refusing rank's slot) on the handshake's
+        group, in ``device`` memory. Every rank calls it once, at the same point of
+        construction, whatever it decided: nothing is left unpaired.
+
+        The wait is bounded by the groups' settled timeout (the job's, :meth:`settle`), not by
+        ``collective_timeout_seconds``: a rank that gives up earlier than a peer whose vote
+        still arrives would take the other decision. A vote that fails or times out raises
+        :class:`~gradwatch.errors.GradWatchTimeoutError` (the group is broken on every rank,
+        so every rank refuses)."""
+        group = self.handshake_group
+        world = dist.get_world_size(group)
+        votes = torch.zeros(world, dtype=torch.float64, device=device)
+        if refused:
+            votes[dist.get_rank(group)] = 1.0
+        try:
+            Pending(group.allreduce([votes], self._options)).wait(
+                max(self.timeout, self.group_timeout)
+            )
+        except RuntimeError as exc:
+            raise GradWatchTimeoutError(
+                f"gradwatch: the ranks could not agree on the setup ({type(exc).__name__}: "
+                f"{exc}); every rank must construct GradWatch"
+            ) from exc
+        return tuple(int(r) for r in torch.nonzero(votes.cpu() > 0).flatten().tolist())
+
     def failure(self) -> str | None:
         """Without waiting: why an all-reduce issued earlier failed, if one did (a broken
         group or a dead peer); checked by every rank at every collect, so every rank stops on

@@ -113,6 +113,7 @@ class Reducer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
         self.collective = Collective()
+        self._handshake_device = torch.device("cpu")
         multi = self.distributed and dist.get_world_size() > 1
         stage_ranks = None
         if multi and stage_group is not None:
@@ -147,6 +148,7 @@ class Reducer:
             # the device NCCL needs otherwise.
             on_device = "nccl" in backend and self.collective.host_group is None
             handshake_device = self.device if on_device else torch.device("cpu")
+            self._handshake_device = handshake_device
             gathered = handshake.exchange(desc, record, self.collective.handshake_group,
                                           handshake_device, meshes=handshake.mesh_slots(pieces))
             self.collective.settle()
@@ -161,6 +163,16 @@ class Reducer:
         except (LayoutMismatchError, UnsupportedParallelismError):
             self.close()  # every rank raises the same error: release the group everywhere
             raise
+
+    def agree_setup(self, refused: bool) -> tuple[int, ...]:
+        """The ranks that refused the setup after the handshake (``refused``: this one did),
+        the same tuple on every rank: one all-reduce of a world-sized vector (1.0 at each
+        refusing rank) on the handshake's group, every rank's last collective of the
+        construction (:meth:`gradwatch.collective.Collective.agree`). A world of one: this
+        rank's own answer, no collective."""
+        if not self.distributed or dist.get_world_size() <= 1:
+            return (0,) if refused else ()
+        return self.collective.agree(refused, self._handshake_device)
 
     def follow(self, gradients: torch.device | None) -> bool:
         """Move the packed vector to where the gradients are now (``GradWatch(model)`` then

@@ -35,13 +35,13 @@ from torch import Tensor, nn
 from gradwatch.config import WatchConfig
 from gradwatch.configfile import load_config
 from gradwatch.ddp_hook import detach
-from gradwatch.errors import GradWatchError
+from gradwatch.errors import GradWatchError, SetupRefusedError
 from gradwatch.guard import GuardedOptimizer
 from gradwatch.hooks import before_optimizer_step
 from gradwatch.reporter import Reporter
 from gradwatch.resolve import resolve
 from gradwatch.snapshot import Snapshot
-from gradwatch.step import Collector, PendingSnapshot, clip_locally
+from gradwatch.step import Collector, PendingSnapshot, bare_loop_clip, clip_locally
 from gradwatch.summary import Summarizer
 
 if TYPE_CHECKING:
@@ -96,13 +96,18 @@ class GradWatch:
         self.rank = resolved.rank
         self.world_size = resolved.world_size
         self.parallelism = resolved.parallelism
-        self._reporter = Reporter(self.rank)
-        self._summarizer = Summarizer(cfg, resolved, self._reporter)
-        self._collector = Collector(cfg, resolved, self._summarizer, self._reporter)
-        self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
         self._reducer = resolved.reducer
-        if self.rank == 0:
-            self._open_publishing()
+        refusal: Exception | None = None
+        try:
+            self._reporter = Reporter(self.rank)
+            self._summarizer = Summarizer(cfg, resolved, self._reporter)
+            self._collector = Collector(cfg, resolved, self._summarizer, self._reporter)
+            self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
+            if self.rank == 0:
+                self._open_publishing()
+        except Exception as exc:  # agreed below: every rank refuses together, or none
+            refusal = exc
+        agree_setup(self, refusal)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -325,6 +330,18 @@ class GradWatch:
         finally:
             self._reducer.close(drain)
 
+    def _release(self) -> None:
+        """Release what a refused construction opened: the endpoint and sinks, the comm hook,
+        gradwatch's host thread (no wait: nothing was issued after the handshake)."""
+        self._closed = True
+        detach(self._resolved.comm_hook)
+        publishing, self._publishing = self._publishing, None
+        try:
+            if publishing is not None:
+                publishing.close()
+        finally:
+            self._reducer.close(drain=False)
+
     def __enter__(self) -> GradWatch:
         return self
 
@@ -348,6 +365,30 @@ class GradWatch:
             self._collector.publish = functools.partial(_publish, self._publishing)
 
 
+def agree_setup(watcher: GradWatch, refusal: Exception | None) -> None:
+    """After the handshake, every rank learns whether any rank refused its part of the setup
+    (rank 0's endpoint, sinks, ``file_sd`` target; anything after the handshake that raised):
+    one agreed all-reduce (:meth:`gradwatch.reduce.Reducer.agree_setup`). A refusal on any
+    rank makes every rank release what it opened and raise: the refusing rank its own error,
+    the others :class:`~gradwatch.errors.SetupRefusedError` naming it, so :func:`watch` gives
+    a no-op on every rank together and no rank is left issuing collectives no one pairs."""
+    try:
+        refused_by = watcher._reducer.agree_setup(refusal is not None)
+    except Exception:
+        watcher._release()
+        raise
+    if not refused_by:
+        return
+    watcher._release()
+    if refusal is not None:
+        raise refusal
+    ranks = ", ".join(str(r) for r in refused_by)
+    raise SetupRefusedError(
+        f"gradwatch: rank {ranks} refused the setup after the construction handshake (its log "
+        "says why); no rank collects"
+    )
+
+
 def _publish(publishing: Publishing, pending: PendingSnapshot, seconds: float) -> None:
     """Hand a new pending result, and its collect's duration, to rank 0's publisher."""
     publishing.observe_collect_seconds(seconds)
@@ -358,7 +399,8 @@ class NoOpWatch:
     """Same methods as :class:`GradWatch`; collects nothing, opens no port, issues no collective.
 
     What ``enabled=False`` gives, from :func:`watch` and from ``GradWatch(...)`` alike.
-    ``clip_grad_norm_`` is torch's (a rank-local norm), returned as float64 like GradWatch's.
+    ``clip_grad_norm_`` is the bare loop's (:func:`gradwatch.step.bare_loop_clip`: torch's,
+    FSDP1's own, nothing under DeepSpeed), returned as float64 like GradWatch's.
     """
 
     metrics_url: str | None = None
@@ -408,8 +450,7 @@ class NoOpWatch:
         error_if_nonfinite: bool = False,
         **_: Any,
     ) -> Tensor:
-        held = list(self._model.parameters())
-        return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
+        return bare_loop_clip(self._model, max_norm, norm_type, error_if_nonfinite)
 
     def audit_norm(
         self, reported: Any, *, step: int | None = None, source: str = "trainer"
@@ -434,8 +475,9 @@ class NoOpWatch:
 
 class RefusedWatch(NoOpWatch):
     """What :func:`watch` returns when :class:`GradWatch` refused the setup: a
-    :class:`NoOpWatch` (collects nothing, issues no collective, clips with torch's rank-local
-    function) that logged the refusal once and, on global rank 0 with a ``port``, serves
+    :class:`NoOpWatch` (collects nothing, issues no collective of its own, clips as the bare
+    loop would: :func:`gradwatch.step.bare_loop_clip`) that logged the refusal once and, on
+    global rank 0 with a ``port``, serves
     ``gradwatch_collecting 0`` (with ``gradwatch_run_info{parallelism="refused"}`` and the
     exporter's own series), so the missing measurement is visible at once. When even the
     endpoint cannot start (e.g. the port is taken) that is logged too and nothing is served.
@@ -466,15 +508,22 @@ class RefusedWatch(NoOpWatch):
     def _serve_not_collecting(self, config: WatchConfig, world_size: int) -> None:
         from gradwatch.export import open_publishing
 
-        try:
-            publishing = open_publishing(
-                config.model_copy(update={"history_path": None}),
-                world_size=world_size,
-                parallelism=self.parallelism,
-            )
-        except Exception as exc:
-            log.error("gradwatch: the endpoint could not start either: %s", exc)
-            return
+        # What serves the endpoint only: no history, no tracker sinks (either may be what was
+        # refused); the file_sd target when it can be written (Prometheus finds the endpoint),
+        # else without it.
+        bare = config.model_copy(update={"history_path": None, "sinks": []})
+        attempts = [bare]
+        if bare.file_sd_path is not None:
+            attempts.append(bare.model_copy(update={"file_sd_path": None}))
+        publishing = None
+        for attempt in attempts:
+            try:
+                publishing = open_publishing(
+                    attempt, world_size=world_size, parallelism=self.parallelism
+                )
+                break
+            except Exception as exc:
+                log.error("gradwatch: the endpoint could not start either: %s", exc)
         if publishing is not None:
             publishing.self_stats.set_collecting(False)
             self._publishing = publishing
