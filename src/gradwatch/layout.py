@@ -143,7 +143,34 @@ class Sections(NamedTuple):
     replicas: slice  # R replica sums
     step: int  # the sum of the ranks' steps
     length: int
-    rank_view: slice = slice(0, 0)  # after the step: per-rank slots or bounded sums
+    rank_view: slice = slice(0, 0)  # after the residues: per-rank slots or bounded sums
+    # After the step: the sums of the ranks' step residues ``q = step mod 2^STEP_RESIDUE_BITS``
+    # and of their squares: every rank tells from these alone, identically, whether the ranks
+    # collected different steps (``world * sum(q^2) != sum(q)^2``; :func:`steps_differ`).
+    residues: slice = slice(0, 0)
+
+
+#: Steps enter the agreement check modulo ``2^20``: ``world * sum(q^2)`` stays an exact float64
+#: integer (below ``2^53``) up to 8192 ranks. Ranks whose steps differ by a multiple of
+#: ``2^20`` at one collect pass the check; their step slot still tells each rank its own step
+#: disagrees.
+STEP_RESIDUE_BITS = 20
+
+
+def step_residues(step: int) -> tuple[float, float]:
+    """What a rank adds to the residue slots for ``step``: ``q`` and ``q^2``."""
+    q = float(step % (1 << STEP_RESIDUE_BITS))
+    return q, q * q
+
+
+def steps_differ(ranks: int, residues: float, squares: float) -> bool:
+    """Did the ``ranks`` ranks whose residues were summed collect different steps? Equal
+    steps give ``ranks * sum(q^2) == sum(q)^2`` exactly (Cauchy-Schwarz: only then); the same
+    answer on every rank, from the reduced sums alone. False for non-finite sums (a stand-in:
+    the step was not measured for another reason)."""
+    if not (math.isfinite(residues) and math.isfinite(squares)):
+        return False
+    return ranks * squares != residues * residues
 
 
 def _rank_view_width(layout: Layout) -> int:
@@ -155,9 +182,10 @@ def _rank_view_width(layout: Layout) -> int:
 
 def sections(layout: Layout) -> Sections:
     n, r = layout.size, layout.replicas
-    view = 5 * n + r + 1
+    view = 5 * n + r + 3
     return Sections(
         rank_view=slice(view, view + _rank_view_width(layout)),
+        residues=slice(5 * n + r + 1, 5 * n + r + 3),
         squares=slice(0, n),
         squares_high=slice(n, 2 * n),
         squares_low=slice(2 * n, 3 * n),
@@ -166,7 +194,7 @@ def sections(layout: Layout) -> Sections:
         has_grad=slice(4 * n, 5 * n),
         replicas=slice(5 * n, 5 * n + r),
         step=5 * n + r,
-        length=5 * n + r + 1 + _rank_view_width(layout),
+        length=5 * n + r + 3 + _rank_view_width(layout),
     )
 
 

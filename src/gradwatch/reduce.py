@@ -70,7 +70,14 @@ from gradwatch.errors import (
     LayoutMismatchError,
     UnsupportedParallelismError,
 )
-from gradwatch.layout import Layout, LocalPiece, derive_layout, sections
+from gradwatch.layout import (
+    Layout,
+    LocalPiece,
+    derive_layout,
+    sections,
+    step_residues,
+    steps_differ,
+)
 from gradwatch.rows import SegmentReduction, host_to_device
 
 log = logging.getLogger("gradwatch")
@@ -114,6 +121,9 @@ class Reducer:
         self.timeout = timeout_seconds
         self.collective = Collective()
         self._handshake_device = torch.device("cpu")
+        # The last all-reduce issued whose step agreement no collect checked yet
+        # (gradwatch.failures.Failures.check_steps).
+        self.unchecked: ReducedVector | None = None
         multi = self.distributed and dist.get_world_size() > 1
         stage_ranks = None
         if multi and stage_group is not None:
@@ -210,14 +220,17 @@ class Reducer:
         at = sections(lay)
         dev = self.device
         n_local = len(lay.local_to_global)
-        # Persistent staging vector [3 bands | non-finite flags | has-grad | step], filled by
-        # out= ops and scattered into the fresh packed vector by one index_copy_.
+        # Persistent staging vector [3 bands | non-finite flags | has-grad | step, residue,
+        # residue^2], filled by out= ops and scattered into the fresh packed vector by one
+        # index_copy_.
         self._n_local = n_local
-        self._staging = torch.zeros(5 * n_local + 1, dtype=torch.float64, device=dev)
+        self._staging = torch.zeros(5 * n_local + 3, dtype=torch.float64, device=dev)
         self._staged_squares = self._staging[: 3 * n_local]
         self._staged_flags = self._staging[3 * n_local : 4 * n_local]
         self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
-        self._staged_step = self._staging[5 * n_local :]
+        self._staged_step = self._staging[5 * n_local : 5 * n_local + 1]
+        self._staged_residue = self._staging[5 * n_local + 1 : 5 * n_local + 2]
+        self._staged_residue_sq = self._staging[5 * n_local + 2 :]
         # has-gradient patterns already on the device (which gradients are None changes rarely:
         # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
@@ -231,7 +244,7 @@ class Reducer:
                 to_global + at.squares_low.start,
                 to_global + at.nonfinite.start,
                 to_global + at.has_grad.start,
-                torch.tensor([at.step]),
+                torch.tensor([at.step, at.residues.start, at.residues.start + 1]),
             ]
         ).to(dev)
         # Divergence steps: each replica slot's sum of this rank's pieces, in a fixed order
@@ -333,6 +346,9 @@ class Reducer:
             self._staged_has_grad.copy_(flags)
             self._has_grad_key = key
         self._staged_step.fill_(float(step))
+        residue, square = step_residues(step)
+        self._staged_residue.fill_(residue)
+        self._staged_residue_sq.fill_(square)
 
     def reduce_failed(
         self,
@@ -351,15 +367,23 @@ class Reducer:
         NaN for a failed pass, ``-inf`` for a closed watcher (:attr:`ReducedStats.closed_rank`);
         written by ``fill_`` (a kernel argument: no blocking copy on an accelerator)."""
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
-        packed.narrow(0, sections(self.layout).step, 1).fill_(marker)
+        at = sections(self.layout)
+        packed.narrow(0, at.step, 1).fill_(marker)
+        # The step's residues as a measured collect's: the step agreement stays readable.
+        residue, square = step_residues(step)
+        packed.narrow(0, at.residues.start, 1).fill_(residue)
+        packed.narrow(0, at.residues.start + 1, 1).fill_(square)
         if not self.issues_collective(with_replicas):
             return ReducedVector(packed, Pending(), self.timeout, step, self.layout, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
 
     def _issue(self, packed: Tensor, step: int, on_host: bool = False) -> ReducedVector:
         result, pending = self.collective.issue(packed, on_host=on_host)
-        return ReducedVector(result, pending, self.timeout, step, self.layout,
-                             device_timeout=self.collective.group_timeout)
+        reduced = ReducedVector(result, pending, self.timeout, step, self.layout,
+                                device_timeout=self.collective.group_timeout)
+        if self.layout.world_size > 1:
+            self.unchecked = reduced
+        return reduced
 
     def close(self, drain: bool = True) -> None:
         """Stop using gradwatch's process groups (see :meth:`Collective.close`)."""
@@ -382,6 +406,8 @@ class ReducedStats:
         replica_squares: per replica slot, the squared norm its holders add (``R`` values;
             filled on divergence steps only).
         step_check: the sum of the steps the ranks collected.
+        step_residues: the sums of the ranks' step residues and of their squares
+            (:func:`~gradwatch.layout.steps_differ`).
         world_size: the number of ranks of the job.
         ranks: the number of ranks whose vectors were summed: ``world_size``, or 1 when the
             collect skipped the all-reduce (:meth:`Reducer.issues_collective`).
@@ -395,6 +421,7 @@ class ReducedStats:
     replica_squares: list[float]
     step_check: float
     world_size: int
+    step_residues: tuple[float, float] = (0.0, 0.0)
     rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
     ranks: int = 0  # 0: world_size
 
@@ -418,10 +445,18 @@ class ReducedStats:
             has_grad=values[at.has_grad],
             replica_squares=values[at.replicas],
             step_check=values[at.step],
+            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
             world_size=layout.world_size,
             rank_view=RankView.from_section(values[at.rank_view], layout),
             ranks=layout.world_size if ranks is None else ranks,
         )
+
+    @property
+    def steps_differ(self) -> bool:
+        """The ranks collected different steps: the same answer on every rank (from the
+        reduced residues alone, :func:`~gradwatch.layout.steps_differ`), False for a stand-in
+        or a collect without the all-reduce."""
+        return steps_differ(self.ranks or self.world_size, *self.step_residues)
 
     def steps_agree(self, step: int) -> bool:
         """Did every rank collect ``step``? (A rank that collected another step changes the
@@ -485,6 +520,7 @@ class ReducedVector:
         self._step = step
         self._layout = layout
         self._stats: ReducedStats | None = None
+        self._device_step: Tensor | None = None
         if packed.device.type != "cpu":
             # NCCL: make the compute stream wait for the collective (no host wait), then start
             # a non-blocking copy to pinned memory; stats() waits on the event, once.
@@ -501,10 +537,11 @@ class ReducedVector:
         succeed): :class:`GradWatchTimeoutError` with ``in_flight`` True; a failed one:
         ``in_flight`` False; this rank's stand-in (:class:`gradwatch.collective.StandIn`): a
         plain :class:`GradWatchError`."""
-        if self._pending is not None:
+        pending = self._pending  # read once: the publisher and the training thread may race
+        if pending is not None:
             timeout = self._timeout if timeout is None else timeout
             try:
-                self._pending.wait(timeout)
+                pending.wait(timeout)
             except StandIn as exc:
                 raise GradWatchError(
                     f"gradwatch: step {self._step} was not measured: {exc}"
@@ -533,39 +570,115 @@ class ReducedVector:
 
     def device_unmeasured(self) -> Tensor:
         """A 0-dim bool on the device: some rank stood in for this collect (its step slot is
-        NaN or ``-inf``, see :meth:`Reducer.reduce_failed`): the vector holds no measurement,
-        and every rank reading it knows so without a host read."""
-        return ~torch.isfinite(self._device().narrow(0, sections(self._layout).step, 1))[0]
+        NaN or ``-inf``, see :meth:`Reducer.reduce_failed`) or the ranks collected different
+        steps (:func:`~gradwatch.layout.steps_differ`): the vector holds no measurement, and
+        every rank reading it knows so without a host read."""
+        return ~torch.isfinite(self.device_step())
+
+    def device_step(self) -> Tensor:
+        """The reduced step slot, NaN where the ranks collected different steps (the
+        residues' test of :func:`~gradwatch.layout.steps_differ`, on the device: the same
+        bits on every rank), on the device (NaN or ``-inf``: some rank stood in). Computed
+        once per vector (a clip and a guard share it): with the residues ``r = (sum q,
+        sum q^2)``, ``r . (r * (1, 0) - (0, ranks)) = (sum q)^2 - ranks * sum q^2``, zero
+        exactly when the steps agree; five small ops, no host read (none at all for a vector
+        no other rank added to)."""
+        if self._device_step is None:
+            packed = self._device()
+            s = sections(self._layout)
+            ranks = self._ranks if self._ranks is not None else self._layout.world_size
+            if ranks == 1:  # this rank's own vector (no all-reduce): nothing to disagree
+                self._device_step = packed[s.step]
+                return self._device_step
+            pick, minus_ranks = _residue_weights(packed.device, ranks)
+            r = packed.narrow(0, s.residues.start, 2)
+            gap = torch.dot(r, torch.addcmul(minus_ranks, r, pick))
+            self._device_step = torch.where(gap != 0, torch.nan, packed[s.step])
+        return self._device_step
+
+    @property
+    def step(self) -> int:
+        """The step this rank collected with this vector."""
+        return self._step
+
+    @property
+    def on_cpu(self) -> bool:
+        """The vector lives in host memory (gloo): reading it costs no device sync."""
+        return self._packed.device.type == "cpu"
+
+    @property
+    def ranks(self) -> int | None:
+        """How many ranks' vectors it sums (None: the whole world's)."""
+        return self._ranks
+
+    def _wait_landed(self, timeout: float) -> None:
+        """Wait at most ``timeout`` for the pinned copy of an accelerator vector. A copy not
+        landed yet is *in flight* (it waits on the stream behind the all-reduce, which
+        completes when a late rank arrives): :class:`~gradwatch.errors.GradWatchTimeoutError`
+        with ``in_flight`` True, never a reason to stop on this rank alone (the others' next
+        all-reduces would have no partner)."""
+        try:
+            wait_landed(self._landed, timeout, f"the vector of step {self._step}")
+        except GradWatchTimeoutError as exc:
+            exc.in_flight = True  # type: ignore[attr-defined]
+            raise
+
+    def step_sums(self, timeout: float) -> tuple[float, float, float]:
+        """The reduced step slot and residue sums, on the host: waits at most ``timeout``
+        for the all-reduce (or the copy to the host), then reads three values.
+        :class:`~gradwatch.errors.GradWatchTimeoutError` (``in_flight``) when it is still
+        in flight."""
+        s = sections(self._layout)
+        if self._packed.device.type != "cpu":
+            self._wait_landed(timeout)
+            host = self._pinned
+        else:
+            self._wait_collective(timeout)
+            host = self._packed
+        step, residue, square = host.narrow(0, s.step, 3).tolist()
+        return step, residue, square
 
     def device_nonfinite(self) -> Tensor:
         """Per parameter, the reduced non-finite flags (> 0: some rank saw NaN/Inf), on the
         device (a view: no copy)."""
         return self._device()[sections(self._layout).nonfinite]
 
-    def device_step(self) -> Tensor:
-        """The reduced step slot (NaN: some rank's local pass failed), on the device (a view:
-        no copy)."""
-        return self._device()[sections(self._layout).step]
-
     def device_bands_flags_and_step(self) -> tuple[Tensor, Tensor]:
         """The three bands and the non-finite flags as one ``4N`` view (plain, high, low,
-        flags: adjacent in the layout) and the step slot (:meth:`device_step`), on the device:
-        two view ops, no copy (what the optimizer-step guard reads each step)."""
+        flags: adjacent in the layout) and the step slot (:meth:`device_step`: NaN where the
+        ranks' steps differ), on the device, no copy (what the optimizer-step guard reads each
+        step)."""
         packed = self._device()
         s = sections(self._layout)
-        return packed.narrow(0, s.bands.start, s.nonfinite.stop), packed[s.step]
+        return packed.narrow(0, s.bands.start, s.nonfinite.stop), self.device_step()
 
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
             if self._packed.device.type != "cpu":
-                wait_landed(self._landed, self._timeout, f"the vector of step {self._step}")
+                self._wait_landed(self._timeout)
                 values = self._pinned.tolist()
             else:
                 self._wait_collective()
                 values = self._packed.tolist()
             self._stats = ReducedStats.from_values(values, self._layout, self._ranks)
         return self._stats
+
+
+#: Per (device, ranks): the residue test's weights ``(1, 0)`` and ``(0, -ranks)``
+#: (:meth:`ReducedVector.device_step`), made on the device by fills once (no host copy).
+_RESIDUE_WEIGHTS: dict[tuple[torch.device, int], tuple[Tensor, Tensor]] = {}
+
+
+def _residue_weights(device: torch.device, ranks: int) -> tuple[Tensor, Tensor]:
+    weights = _RESIDUE_WEIGHTS.get((device, ranks))
+    if weights is None:
+        pick = torch.zeros(2, dtype=torch.float64, device=device)
+        pick.narrow(0, 0, 1).fill_(1.0)
+        minus_ranks = torch.zeros(2, dtype=torch.float64, device=device)
+        minus_ranks.narrow(0, 1, 1).fill_(-float(ranks))
+        weights = _RESIDUE_WEIGHTS[(device, ranks)] = (pick, minus_ranks)
+    return weights
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ class GradWatch:
         self._hooks: list[Any] = []
         self._closed = False
         self._publishing: Publishing | None = None  # rank 0; gradwatch.export imported lazily
+        self._model = model  # the bare loop's clip (bare_loop_clip) needs the wrapper
         resolved = resolve(model, cfg, process_group=process_group, stage_group=stage_group)
         self._resolved = resolved
         self.rank = resolved.rank
@@ -215,6 +216,8 @@ class GradWatch:
             unclipped = self._collector.unclipped()
             if unclipped is not None:
                 return unclipped
+            if self._collector.failures.stopped_together:  # every rank here, at this step
+                return bare_loop_clip(self._model, max_norm, norm_type, error_if_nonfinite)
             held = self._resolved.slots.current()
             return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
         if error_if_nonfinite and not bool(torch.isfinite(total)):

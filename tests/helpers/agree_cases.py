@@ -38,6 +38,12 @@ class Built:
         self.stack = stack
         self.engine: Any = None
         self.extra: dict[str, Any] = {"always_reduce": stack == "ddp_always"}
+        if stack == "pipeline":  # two stages, no communication of their own
+            from dist_cases import Stage
+
+            torch.manual_seed(rank)
+            net = Stage(rank, 6, 3)
+            self.extra["stage_group"] = dist.group.WORLD
         if stack in ("ddp", "ddp_always"):
             self.model: nn.Module = nn.parallel.DistributedDataParallel(net)
         elif stack == "fsdp2":
@@ -46,6 +52,8 @@ class Built:
             for layer in (net[0], net[2]):
                 fully_shard(layer)
             self.model = fully_shard(net)
+        elif stack == "pipeline":
+            self.model = net
         elif stack == "fsdp1":
             from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -77,6 +85,13 @@ class Built:
             self.engine.step()
         else:
             (opt if opt is not None else self.opt).step()
+
+    def local_squares(self) -> float:
+        """This rank's gradients' squared norm in float64 (its shards, its stage)."""
+        return math.fsum(
+            float(v) ** 2 for p in self.model.parameters() if p.grad is not None
+            for v in getattr(p.grad, "_local_tensor", p.grad).double().flatten().tolist()
+        )
 
     def reference(self) -> float:
         """The whole model's gradient norm in float64 (the clip's truth)."""
@@ -183,9 +198,104 @@ def case_refused_on_rank0(stack: str, out: str) -> Callable[[int, int], dict[str
     return run
 
 
+def _config(built: Built, **fields: Any) -> tuple[Any, dict[str, Any]]:
+    """The case's WatchConfig and GradWatch's keyword arguments for ``built``."""
+    from gradwatch import WatchConfig
+
+    extra = dict(built.extra)
+    kwargs = {"stage_group": extra.pop("stage_group")} if "stage_group" in extra else {}
+    cfg = WatchConfig(port=None, collective_timeout_seconds=TIMEOUT_S, skip_nonfinite=True,
+                      **extra, **fields)
+    return cfg, kwargs
+
+
+def _recording(watch: Any) -> list[Any]:
+    """Every guard decision's host reading from now on, in order (None: no decision)."""
+    collector = watch._collector
+    decide = collector.guard_decision
+    readings: list[Any] = []
+
+    def recorded(scaler: Any, optimizer: Any) -> Any:
+        decision = decide(scaler, optimizer)
+        readings.append(None if decision is None else repr(decision.reading()))
+        return decision
+
+    collector.guard_decision = recorded
+    return readings
+
+
+MISMATCH_ITERATIONS = 8
+MISMATCH_AT = 5  # the iteration whose forward raises on the last rank
+
+
+def case_step_mismatch(stack: str, shifted: bool) -> Callable[[int, int], dict[str, Any]]:
+    """The last rank's forward raises at iteration ``MISMATCH_AT`` (before any collective)
+    and its loop skips that step: it collects no step ``MISMATCH_AT``. ``shifted``: the loop
+    retries, so every rank runs as many iterations and the job's own collectives stay paired,
+    but that rank's step numbers run one ahead from then on; else (pipeline stages: no
+    collective of the job's own) it runs one iteration fewer. Clip (``clip_grad_norm_``) and
+    guard every step. Each rank records its steps, clip norms, local squares, guard readings,
+    why collection stopped and its run time."""
+
+    def run(rank: int, world: int) -> dict[str, Any]:
+        from gradwatch import GradWatch
+
+        built = Built(stack, rank)
+        cfg, kwargs = _config(built, divergence_every=1)
+        faulty = rank == world - 1
+        if faulty:
+            steps = [s for s in range(MISMATCH_ITERATIONS + int(shifted)) if s != MISMATCH_AT]
+        else:
+            steps = list(range(MISMATCH_ITERATIONS))
+        dist.barrier()
+        started = time.monotonic()
+        with Errors() as errors:
+            watch = GradWatch(built.model, cfg, **kwargs)
+            recorder = _Published()
+            if rank == 0:
+                watch.add_sink(recorder)
+            readings = _recording(watch)
+            opt = watch.guard(built.opt)
+            clips, squares, refs = [], [], []
+            for step in steps:
+                built.backward(step, rank)
+                squares.append(built.local_squares())
+                refs.append(built.reference() if shifted else None)
+                clips.append(repr(float(watch.clip_grad_norm_(MAX_NORM, step=step))))
+                built.step(opt)
+            watch.flush(timeout=10.0)
+            seconds = time.monotonic() - started
+            result = {
+                "steps": steps, "clips": clips, "squares": squares, "references": refs,
+                "readings": readings, "seconds": seconds, "broken": watch._collector.broken,
+                "published": recorder.published, "errors": errors.lines,
+                "internal_errors": dict(watch._reporter.stats._internal_errors)
+                if rank == 0 else {},
+                "params": built.digest(),
+            }
+            watch.close()
+        return result
+
+    return run
+
+
+class _Published:
+    """A sink: the steps rank 0 published, with their whole-model norm."""
+
+    def __init__(self) -> None:
+        self.published: dict[int, float] = {}
+
+    def write(self, snapshot: Any) -> None:
+        self.published[int(snapshot.step)] = float(snapshot.global_norm)
+
+
 def cases(out: str) -> list[tuple[str, Callable[[int, int], dict[str, Any]]]]:
-    return [(f"refused/{stack}", case_refused_on_rank0(stack, out))
-            for stack in ("ddp", "fsdp2", "fsdp1")]
+    return [
+        *((f"refused/{stack}", case_refused_on_rank0(stack, out))
+          for stack in ("ddp", "fsdp2", "fsdp1")),
+        ("mismatch/fsdp2", case_step_mismatch("fsdp2", shifted=True)),
+        ("mismatch/pipeline", case_step_mismatch("pipeline", shifted=False)),
+    ]
 
 
 def worker(rank: int, world: int, port: int, out: str, suite: str = "") -> None:
