@@ -49,7 +49,7 @@ from benchmarks.results import (
     StepMode,
     Timing,
 )
-from gradwatch.testing import OpCounter
+from gradwatch.doctor.testing import OpCounter
 
 WORLD = 2
 #: One block: each mode twice, palindromic, so a linear drift cancels within a block.

@@ -1,6 +1,6 @@
 """The optimizer-step guard's cost: the DDP step of the demo model on 2 gloo ranks (one thread
 each) with a ``fused=True`` AdamW, guarded and unguarded, in the same processes, interleaved in
-palindromic blocks (A B B A, :func:`gradwatch.timing.palindromic`) so drift and cache effects
+palindromic blocks (A B B A, :func:`gradwatch.doctor.timing.palindromic`) so drift and cache effects
 hit both alike; the ratio is the median over blocks with a 95% bootstrap interval
 (:func:`benchmarks.results.paired_ratio`).
 
@@ -16,7 +16,7 @@ The kinds (:class:`~benchmarks.results.GuardMode`), each a DDP copy of the same 
 Every step is forward, backward, the optimizer step (and the collect) in the documented loop:
 rank 0's exporter thread builds the results. Rank 0's times are kept. One warm optimizer step
 of each kind (collect, decision and fused step) is counted, untimed, under
-``gradwatch.testing.OpCounter``: its aten ops and host scalar reads (0 expected).
+``gradwatch.doctor.testing.OpCounter``: its aten ops and host scalar reads (0 expected).
 
 Standalone::
 
@@ -37,7 +37,7 @@ from torch import nn
 from benchmarks.cases import ModelSpec, build_model, wrap
 from benchmarks.distributed import WORLD, _free_port, _init
 from benchmarks.results import GuardMode, GuardResult
-from gradwatch.timing import palindromic
+from gradwatch.doctor.timing import palindromic
 
 #: ``skip_spike_score`` of the guarded kind.
 SPIKE_SCORE = 6.0
@@ -61,7 +61,7 @@ def _job(mode: GuardMode, endpoint: bool) -> tuple[nn.Module, Any, Any]:
 def _worker(rank: int, port: int, blocks: int, out: str) -> None:
     import torch.distributed as dist
 
-    from gradwatch.testing import OpCounter
+    from gradwatch.doctor.testing import OpCounter
 
     _init(rank, port)
     kinds = tuple(GuardMode)

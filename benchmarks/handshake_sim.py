@@ -1,9 +1,9 @@
 """The construction handshake of a whole world, computed in one process (the scale benchmark and
 the tests).
 
-:func:`simulate` runs the same decoding steps as :func:`gradwatch.handshake.exchange` on every
-rank's description and record, with no collective; :func:`bytes_per_rank` counts what one rank
-sends and receives.
+:func:`simulate` runs the same decoding steps as :func:`gradwatch.reduce.handshake.exchange` on
+every rank's description and record, with no collective; :func:`bytes_per_rank` counts what one
+rank sends and receives.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gradwatch.handshake import (
+from gradwatch.reduce.handshake import (
     AGREE_WORDS,
     HOST_BYTES,
     PHASE0_BYTES,

@@ -3,7 +3,7 @@
 Every comparison is interleaved: the compared methods run round-robin on the same tensors,
 each round in a rotated order, so load drift (other jobs on a shared machine) hits all of them
 alike; results are medians with quartiles. Op and host-read counts come from separate untimed
-calls under :mod:`gradwatch.testing`'s instruments, so counting never slows a timed call.
+calls under :mod:`gradwatch.doctor.testing`'s instruments, so counting never slows a timed call.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from benchmarks.results import (
     SpikeCostResult,
     Timing,
 )
-from gradwatch import timing
-from gradwatch.testing import OpCounter, count_host_reads, largest_allocation
+from gradwatch.doctor import timing
+from gradwatch.doctor.testing import OpCounter, count_host_reads, largest_allocation
 
 K = TypeVar("K")
 
@@ -63,7 +63,7 @@ def interleaved(
     budget_s: float,
     sync: Callable[[], None] | None = None,
 ) -> dict[K, Timing]:
-    """:func:`gradwatch.timing.interleaved`, each method's times as a :class:`Timing`."""
+    """:func:`gradwatch.doctor.timing.interleaved`, each method's times as a :class:`Timing`."""
     times = timing.interleaved(fns, rounds, budget_s, sync)
     return {name: Timing.of(ts) for name, ts in times.items()}
 
@@ -251,7 +251,7 @@ def spike_cost(n_params: int, rounds: int) -> SpikeCostResult:
     spike detection on (the defaults), against ``SpikeDetector.score`` alone on the same
     snapshots once every window is full (its most expensive state)."""
     from gradwatch import GradWatch, WatchConfig
-    from gradwatch.spikes import SpikeDetector
+    from gradwatch.analysis.spikes import SpikeDetector
 
     model = GradHolder(make_grads([64] * n_params, torch.float32))
     # Parameter names are ps.0, ps.1, ...: one group per last digit.

@@ -53,8 +53,8 @@ from torch import Tensor, nn
 from benchmarks.cases import ModelSpec, build_model, wrap
 from benchmarks.distributed import WORLD, _free_port, _init
 from benchmarks.results import RankViewMode, RankViewResult
-from gradwatch.ddp_hook import _sum_options
-from gradwatch.timing import palindromic
+from gradwatch.doctor.timing import palindromic
+from gradwatch.stacks.ddp_hook import _sum_options
 
 #: The kinds timed in the documented collect-only loop too (the in-callback prototype only
 #: moves work between two calls on the training thread: the other loop shows it).
@@ -68,14 +68,14 @@ class _InCallbackSquares:
     engine's pass (its ``squared_norms_and_plan``).
 
     The reduction is ``allreduce_hook``'s (divide by the group size, all-reduce) with one
-    callback; per bucket, the rank view's own plan (:class:`gradwatch.ddp_hook._BucketPlan`)
+    callback; per bucket, the rank view's own plan (:class:`gradwatch.stacks.ddp_hook._BucketPlan`)
     with parameters in place of groups: rows of 512 float32 elements normed in place, squared
     into float64 and added per parameter by ``index_add_``, straddling rows element by element. The
     squares land in the plain band of a ``3N`` banded vector (no repair pass: a benchmark
     prototype, not the engine's exactness contract for extreme magnitudes)."""
 
     def __init__(self, params: list[Tensor]) -> None:
-        from gradwatch.ddp_hook import _BucketPlan
+        from gradwatch.stacks.ddp_hook import _BucketPlan
 
         self._plan_type = _BucketPlan
         self._n = len(params)
@@ -138,10 +138,10 @@ def _job(mode: RankViewMode, endpoint: bool) -> tuple[nn.Module, torch.optim.Opt
 
 def _hook_ops(watch: Any, step: Callable[[], None]) -> tuple[int, int]:
     """(buckets, aten ops) of one backward's rank-view measurement
-    (:meth:`gradwatch.ddp_hook.LocalView.observe`, all buckets) under
-    :class:`gradwatch.testing.OpCounter`."""
-    from gradwatch.ddp_hook import LocalView
-    from gradwatch.testing import OpCounter
+    (:meth:`gradwatch.stacks.ddp_hook.LocalView.observe`, all buckets) under
+    :class:`gradwatch.doctor.testing.OpCounter`."""
+    from gradwatch.doctor.testing import OpCounter
+    from gradwatch.stacks.ddp_hook import LocalView
 
     observe = LocalView.observe
     counted = {"buckets": 0, "ops": 0}

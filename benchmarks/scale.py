@@ -3,9 +3,9 @@
 No machine here has 16,384 ranks, so the ranks are simulated: for a 3,000-parameter
 transformer-like model under DDP, FSDP2, FSDP2 x TP, HSDP and PP x FSDP2 x TP (and HSDP of
 the same model with its vocabulary padded so every shard is even), each rank's
-pieces are built by the production :func:`gradwatch.layout.piece_from_placements` (real torch
+pieces are built by the production :func:`gradwatch.reduce.layout.piece_from_placements` (real torch
 placements, local shard sizes by the chunking DTensor uses: uneven and empty shards included)
-and described by the production :func:`gradwatch.handshake.describe`. Ranks whose pieces are
+and described by the production :func:`gradwatch.reduce.handshake.describe`. Ranks whose pieces are
 the same (same stage, same local shard sizes) share one description object; their records
 differ only in coordinates, stage group and host, which are filled per rank. Standard uneven
 shards are described alike on every rank (their sizes are derived from the spec), so ranks of
@@ -22,7 +22,7 @@ every rank's coordinates; the self-check proves the derived coordinates equal th
 Measured: the layout step every rank runs after the exchange: phase 0's coordinate table and
 vote, decoding the records (and, when descriptions differ, the distinct descriptions) unless
 every rank agrees, and deriving the layout (:func:`benchmarks.handshake_sim.simulate` +
-:func:`gradwatch.layout.derive_layout`), its wall time on one core and its peak Python memory
+:func:`gradwatch.reduce.layout.derive_layout`), its wall time on one core and its peak Python memory
 (tracemalloc), which handshake path the world takes, and the handshake bytes per rank
 (:func:`benchmarks.handshake_sim.bytes_per_rank`), next to what the simple alternative (every rank's
 JSON description all-gathered, padded to the longest) would receive.
@@ -47,8 +47,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from benchmarks import handshake_sim
 from benchmarks.results import ScaleResult
-from gradwatch import handshake
-from gradwatch.layout import LocalPiece, derive_layout, piece_from_placements
+from gradwatch.reduce import handshake
+from gradwatch.reduce.layout import LocalPiece, derive_layout, piece_from_placements
 
 CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP", "HSDP, even shards")
 #: The case whose model pads its vocabulary to a multiple of 128 (50,304, as GPT-2 training

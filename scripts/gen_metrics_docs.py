@@ -17,6 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from gradwatch.analysis.rankview import NOISE_SCALE_WINDOW
+from gradwatch.analysis.spikes import SHIFT_RUN, SHIFT_SCORE
 from gradwatch.config import WatchConfig
 from gradwatch.export.collector import SnapshotCollector
 from gradwatch.export.http import RENDER_INTERVAL
@@ -30,9 +32,7 @@ from gradwatch.export.server import (
     SCRAPE_BURST,
 )
 from gradwatch.export.state import PublishedState, SelfStats
-from gradwatch.rankview import NOISE_SCALE_WINDOW
 from gradwatch.snapshot import GroupStats, Snapshot
-from gradwatch.spikes import SHIFT_RUN, SHIFT_SCORE
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "docs" / "metrics.md"

@@ -1,7 +1,8 @@
 """Generate the documentation images in docs/img/ (run from the repository root).
 
 * ``docs/img/plot.png``: ``gradwatch plot`` of a synthetic history written with
-  :class:`gradwatch.history.HistoryWriter` from made-up snapshots that tell the demo's story: a
+  :class:`gradwatch.export.history.HistoryWriter` from made-up snapshots that tell the demo's
+  story: a
   "host" backbone trains alone (the "seed" module has no gradient: ratio 0), then the seed
   trains with the host frozen (isolated: the ratio is undefined, a gap), then both blend and
   the seed's share fades towards dormant; one step has a NaN gradient and one explodes.
@@ -24,9 +25,9 @@ import tempfile
 from pathlib import Path
 
 from gradwatch import GroupStats, Snapshot
+from gradwatch.analysis.summary import normalized_ratio
 from gradwatch.cli.plot import load_records, render_history
-from gradwatch.history import HistoryWriter
-from gradwatch.summary import normalized_ratio
+from gradwatch.export.history import HistoryWriter
 
 STEPS = 300
 SEED_AT = 75  # the seed starts training, host frozen

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gradwatch.testing import OpCounter, count_host_reads
+from gradwatch.doctor.testing import OpCounter, count_host_reads
 
 __all__ = ["OpCounter", "count_host_reads"]
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from gradwatch._moved import install as _install_moved_paths
+from gradwatch.version import __version__
+
+_install_moved_paths()
 
 #: public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "GradWatch": "gradwatch.watcher",
     "PendingSnapshot": "gradwatch.watcher",
-    "GuardedOptimizer": "gradwatch.guard",
+    "GuardedOptimizer": "gradwatch.step.guard",
     "WatchConfig": "gradwatch.config",
     "NoOpWatch": "gradwatch.watcher",
     "watch": "gradwatch.watcher",
@@ -33,9 +36,9 @@ _EXPORTS: dict[str, str] = {
     "GroupStats": "gradwatch.snapshot",
     "Snapshot": "gradwatch.snapshot",
     "Sink": "gradwatch.export",
-    "total_norm": "gradwatch.stats",
-    "ddp_comm_hook": "gradwatch.ddp_hook",
-    "capture_window": "gradwatch.collective",
+    "total_norm": "gradwatch.norms.stats",
+    "ddp_comm_hook": "gradwatch.stacks.ddp_hook",
+    "capture_window": "gradwatch.reduce.collective",
 }
 
 __all__ = [
@@ -60,9 +63,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from gradwatch.collective import capture_window
     from gradwatch.config import WatchConfig
-    from gradwatch.ddp_hook import ddp_comm_hook
     from gradwatch.errors import (
         GradWatchError,
         GradWatchTimeoutError,
@@ -71,9 +72,11 @@ if TYPE_CHECKING:
         UnsupportedParallelismError,
     )
     from gradwatch.export import Sink
-    from gradwatch.guard import GuardedOptimizer
+    from gradwatch.norms.stats import total_norm
+    from gradwatch.reduce.collective import capture_window
     from gradwatch.snapshot import GroupStats, Snapshot
-    from gradwatch.stats import total_norm
+    from gradwatch.stacks.ddp_hook import ddp_comm_hook
+    from gradwatch.step.guard import GuardedOptimizer
     from gradwatch.watcher import GradWatch, NoOpWatch, PendingSnapshot, watch
 
 

@@ -218,7 +218,8 @@ class WatchConfig(BaseSettings):
         enabled: ``False`` makes :func:`gradwatch.watch` return a no-op watcher and a
             directly constructed :class:`~gradwatch.GradWatch` inert.
         spike_window: spike detection compares each norm with the median and MAD of the
-            last this many collected log-norms of the same series (:mod:`gradwatch.spikes`).
+            last this many collected log-norms of the same series
+            (:mod:`gradwatch.analysis.spikes`).
         spike_threshold: a norm this many robust deviations above its recent median is a
             spike; ``0`` disables spike detection.
         spike_warmup: samples a series' window needs before its spike score is defined.
@@ -244,7 +245,7 @@ class WatchConfig(BaseSettings):
             they live. Ranks must agree (checked by the handshake); see docs/distributed.md,
             *Expert parallelism*.
         sinks: tracker sinks rank 0 feeds with one row of scalars per published step
-            (:mod:`gradwatch.sinks`): ``"tensorboard"`` (needs ``tensorboard_dir``),
+            (:mod:`gradwatch.export.sinks`): ``"tensorboard"`` (needs ``tensorboard_dir``),
             ``"wandb"`` (the active run, else a new one), ``"mlflow"`` (likewise).
         tensorboard_dir: the TensorBoard run directory of the ``"tensorboard"`` sink.
         file_sd_path: rank 0 writes a Prometheus ``file_sd`` target for its endpoint here
@@ -252,7 +253,7 @@ class WatchConfig(BaseSettings):
             directory gets a file named after the Slurm job or the run. Needs ``port``.
         file_sd_labels: extra target labels of that entry (Slurm's are added when present).
 
-    The optimizer-step guard (``watch.guard(optimizer)``, :mod:`gradwatch.guard`); ranks must
+    The optimizer-step guard (``watch.guard(optimizer)``, :mod:`gradwatch.step.guard`); ranks must
     agree (checked by the handshake):
 
     Attributes:
@@ -310,12 +311,12 @@ class WatchConfig(BaseSettings):
 
     enabled: bool = True
 
-    # -- spike detection (gradwatch.spikes) --
+    # -- spike detection (gradwatch.analysis.spikes) --
     spike_window: int = Field(default=128, ge=2, le=MAX_SPIKE_WINDOW)
     spike_threshold: float = Field(default=6.0, ge=0.0, allow_inf_nan=False)
     spike_warmup: int = Field(default=32, ge=1, le=MAX_SPIKE_WINDOW)
 
-    # -- the optimizer-step guard (gradwatch.guard) --
+    # -- the optimizer-step guard (gradwatch.step.guard) --
     skip_nonfinite: bool = True
     skip_spike_score: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     max_consecutive_skips: int = Field(default=10, ge=1, le=MAX_INT)
@@ -335,14 +336,14 @@ class WatchConfig(BaseSettings):
     def _check_run_id(cls, value: str | None) -> str | None:
         return value if value is None else _checked_run_id(value)
 
-    # -- norm auditing (GradWatch.audit_norm, gradwatch.audit) --
+    # -- norm auditing (GradWatch.audit_norm, gradwatch.analysis.audit) --
     audit_tolerance: Threshold = 1e-3
 
     # -- the per-rank view (DDP comm hook; docs/distributed.md) --------------------------------
     rank_view: bool = False
     batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
 
-    # -- tracker sinks (gradwatch.sinks) and discovery without Kubernetes (export.filesd) -----
+    # -- tracker sinks (gradwatch.export.sinks) and discovery without Kubernetes (export.filesd)
     sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
     tensorboard_dir: Path | None = None
     file_sd_path: Path | None = None

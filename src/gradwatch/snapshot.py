@@ -9,7 +9,7 @@ Prometheus counters, the demo's summary, ``gradwatch top`` and ``gradwatch plot`
 * :attr:`Snapshot.nonfinite_step`: some gradient held NaN/Inf, and AMP did not skip the step;
 * :attr:`Snapshot.amp_skipped`: the GradScaler found NaN/Inf and skips the optimizer step;
 * :attr:`Snapshot.exploding_step`: some parameter is exploding (non-finite ones included);
-* :attr:`Snapshot.spike_step`: the global or a group norm spiked (:mod:`gradwatch.spikes`);
+* :attr:`Snapshot.spike_step`: the global or a group norm spiked (:mod:`gradwatch.analysis.spikes`);
 * :attr:`Snapshot.guard_skipped`: the optimizer-step guard skipped this step (its reason).
 
 History records are ``Snapshot.to_dict()`` lines: classify them with ``Snapshot.from_dict``.
@@ -99,14 +99,14 @@ class Snapshot:
         amp_skipped: the AMP GradScaler found Inf/NaN and skips this optimizer step.
         timestamp: wall-clock time (seconds since the epoch) of the ``collect`` call.
         global_spike_score: robust deviations of the global log-norm above its recent median
-            (:mod:`gradwatch.spikes`); NaN while undefined (warm-up, a non-finite or zero
+            (:mod:`gradwatch.analysis.spikes`); NaN while undefined (warm-up, a non-finite or zero
             norm), None when spike detection is off (``spike_threshold=0``) or in a record
             written before it existed.
         spike_scores: group -> its score, likewise (empty when detection is off).
         global_spike: the global score exceeded ``spike_threshold``.
         spiking_groups: groups whose score exceeded ``spike_threshold``, in group order.
 
-    The optimizer-step guard (``watch.guard``, :mod:`gradwatch.guard`; None/empty without it):
+    The optimizer-step guard (``watch.guard``, :mod:`gradwatch.step.guard`; None/empty without it):
 
     Attributes:
         guard_skipped: ``"nonfinite"`` or ``"spike"`` when the guard skipped this step's
@@ -132,7 +132,8 @@ class Snapshot:
         replica_outlier_score: ``max |x_r - median| / median`` over the replica norms;
             replica_outlier_rank: lowest rank of that replica.
         gradient_noise_scale: B_simple of the whole model (smoothed over the last
-            ``NOISE_SCALE_WINDOW`` rank-view steps, :mod:`gradwatch.rankview`; unit: that of
+            ``NOISE_SCALE_WINDOW`` rank-view steps, :mod:`gradwatch.analysis.rankview`; unit: that
+            of
             ``batch_size``, per-replica batches without it); NaN while undefined (either
             smoothed estimate not positive), never negative.
         group_noise_scale: group -> B_simple.
@@ -153,12 +154,12 @@ class Snapshot:
     clip_coef: float | None = None
     amp_skipped: bool = False
     timestamp: float = 0.0
-    # -- spike detection (gradwatch.spikes) --
+    # -- spike detection (gradwatch.analysis.spikes) --
     global_spike_score: float | None = None
     spike_scores: Mapping[str, float] = field(default_factory=dict)
     global_spike: bool = False
     spiking_groups: tuple[str, ...] = ()
-    # -- the optimizer-step guard (gradwatch.guard) --
+    # -- the optimizer-step guard (gradwatch.step.guard) --
     guard_skipped: str | None = None
     consecutive_skipped_steps: int | None = None
     guard_stopped: bool = False
@@ -204,7 +205,7 @@ class Snapshot:
     @property
     def spike_step(self) -> bool:
         """A *spike step*: the global norm or some group's norm spiked (see
-        :mod:`gradwatch.spikes`)."""
+        :mod:`gradwatch.analysis.spikes`)."""
         return self.global_spike or bool(self.spiking_groups)
 
     @property
@@ -257,7 +258,7 @@ class Snapshot:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields; NaN/Inf stay floats (a history line spells them as strings,
-        :mod:`gradwatch.history`)."""
+        :mod:`gradwatch.export.history`)."""
         out = self._fields()
         for name in _MAPPINGS:
             value = getattr(self, name)

@@ -1,11 +1,12 @@
 """The :class:`GradWatch` facade, the no-op watcher and :func:`watch`.
 
 Construction (once, collective on every rank when a process group is initialized) resolves the
-model, its DDP module and the reducer (:mod:`gradwatch.resolve`) and, on global rank 0, starts
+model, its DDP module and the reducer (:mod:`gradwatch.step.resolve`) and, on global rank 0, starts
 publishing (the endpoint and/or the history file). Every collect is run by the
-:class:`~gradwatch.step.Collector`; its result is built by the
-:class:`~gradwatch.summary.Summarizer` where it is first asked for (the publisher thread). Both
-stages report through one :class:`~gradwatch.reporter.Reporter`.
+:class:`~gradwatch.step.collector.Collector`; its result is built by the
+:class:`~gradwatch.analysis.summary.Summarizer` where it is first asked for (the publisher thread).
+Both
+stages report through one :class:`~gradwatch.analysis.reporter.Reporter`.
 
 The same training script runs with the monitor on or off: under ``enabled=False``
 (``GRADWATCH_ENABLED=0``) both :func:`watch` and ``GradWatch(...)`` give a :class:`NoOpWatch`,
@@ -32,17 +33,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradwatch.analysis.reporter import Reporter
+from gradwatch.analysis.summary import Summarizer
 from gradwatch.config import WatchConfig
 from gradwatch.configfile import load_config
-from gradwatch.ddp_hook import detach
 from gradwatch.errors import GradWatchError, SetupRefusedError
-from gradwatch.guard import GuardedOptimizer
-from gradwatch.hooks import before_optimizer_step
-from gradwatch.reporter import Reporter
-from gradwatch.resolve import resolve
+from gradwatch.norms.hooks import before_optimizer_step
 from gradwatch.snapshot import Snapshot
-from gradwatch.step import Collector, PendingSnapshot, bare_loop_clip, clip_locally
-from gradwatch.summary import Summarizer
+from gradwatch.stacks.ddp_hook import detach
+from gradwatch.step.collector import Collector, PendingSnapshot, bare_loop_clip, clip_locally
+from gradwatch.step.guard import GuardedOptimizer
+from gradwatch.step.resolve import resolve
 
 if TYPE_CHECKING:
     from gradwatch.export import Publishing, Sink
@@ -275,7 +276,7 @@ class GradWatch:
         """``optimizer`` whose ``step()`` is skipped on non-finite or spiking gradients
         (``skip_nonfinite``, ``skip_spike_score``, ``max_consecutive_skips``), the same
         decision on every rank, with no host read for ``fused=True`` optimizers; see
-        :mod:`gradwatch.guard`. ``scaler``: the GradScaler, when the loop uses one (the guard's
+        :mod:`gradwatch.step.guard`. ``scaler``: the GradScaler, when the loop uses one (the guard's
         own collects then see unscaled norms; non-finite steps are the scaler's skips). From
         now on every collect decides, and :meth:`attach` hooks no longer collect (the guard
         does, before the optimizer's step)."""
@@ -371,7 +372,7 @@ class GradWatch:
 def agree_setup(watcher: GradWatch, refusal: Exception | None) -> None:
     """After the handshake, every rank learns whether any rank refused its part of the setup
     (rank 0's endpoint, sinks, ``file_sd`` target; anything after the handshake that raised):
-    one agreed all-reduce (:meth:`gradwatch.reduce.Reducer.agree_setup`). A refusal on any
+    one agreed all-reduce (:meth:`gradwatch.reduce.packing.Reducer.agree_setup`). A refusal on any
     rank makes every rank release what it opened and raise: the refusing rank its own error,
     the others :class:`~gradwatch.errors.SetupRefusedError` naming it, so :func:`watch` gives
     a no-op on every rank together and no rank is left issuing collectives no one pairs."""
@@ -402,8 +403,8 @@ class NoOpWatch:
     """Same methods as :class:`GradWatch`; collects nothing, opens no port, issues no collective.
 
     What ``enabled=False`` gives, from :func:`watch` and from ``GradWatch(...)`` alike.
-    ``clip_grad_norm_`` is the bare loop's (:func:`gradwatch.step.bare_loop_clip`: torch's,
-    FSDP1's own, nothing under DeepSpeed), returned as float64 like GradWatch's.
+    ``clip_grad_norm_`` is the bare loop's (:func:`gradwatch.step.collector.bare_loop_clip`:
+    torch's, FSDP1's own, nothing under DeepSpeed), returned as float64 like GradWatch's.
     """
 
     metrics_url: str | None = None
@@ -479,8 +480,8 @@ class NoOpWatch:
 class RefusedWatch(NoOpWatch):
     """What :func:`watch` returns when :class:`GradWatch` refused the setup: a
     :class:`NoOpWatch` (collects nothing, issues no collective of its own, clips as the bare
-    loop would: :func:`gradwatch.step.bare_loop_clip`) that logged the refusal once and, on
-    global rank 0 with a ``port``, serves
+    loop would: :func:`gradwatch.step.collector.bare_loop_clip`) that logged the refusal
+    once and, on global rank 0 with a ``port``, serves
     ``gradwatch_collecting 0`` (with ``gradwatch_run_info{parallelism="refused"}`` and the
     exporter's own series), so the missing measurement is visible at once. When even the
     endpoint cannot start (e.g. the port is taken) that is logged too and nothing is served.

@@ -205,7 +205,7 @@ def test_handshake_bytes_constant_across_model_sizes_and_world_sizes(w2: list, w
     view adds one all-gather of the host names."""
     import socket
 
-    from gradwatch.handshake import HOST_BYTES, PHASE0_BYTES
+    from gradwatch.reduce.handshake import HOST_BYTES, PHASE0_BYTES
 
     seen: dict[str, set[tuple[int, int]]] = {}
     for world, per_rank in ((2, _case(w2, "handshake_bytes")), (4, _case(w4, "handshake_bytes"))):

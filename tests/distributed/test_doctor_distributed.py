@@ -90,7 +90,7 @@ def test_a_missing_rank_is_reported_within_the_timeout() -> None:
 #: in the configuration every rank must agree on), then the real command line.
 _MISCONFIGURED_RANK = (
     "import sys\n"
-    "import gradwatch.doctor as d\n"
+    "import gradwatch.doctor.checks as d\n"
     "config = d._config\n"
     "d._config = lambda **kw: config(**{**kw, 'exploding_threshold': 1e9})\n"
     "from gradwatch.cli.main import main\n"

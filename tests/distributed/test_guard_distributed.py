@@ -46,7 +46,7 @@ def _guarded_run(rank: int, world: int, kind: str) -> dict:
     """200 normal steps, a NaN on one rank and a 200x spike, under ``kind``; this rank's
     decisions, host reads and the replicas' agreement."""
     from gradwatch import GradWatch, WatchConfig
-    from gradwatch.testing import OpCounter
+    from gradwatch.doctor.testing import OpCounter
 
     torch.manual_seed(0)
     model: nn.Module = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))

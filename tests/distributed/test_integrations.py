@@ -315,7 +315,7 @@ def test_huggingface_trainer_callback(tmp_path) -> None:
         assert "gradwatch/grad_norm/seed" in entry and "gradwatch/ratio/seed/host" in entry
         assert entry["gradwatch/health"] == 1.0
     # gradwatch's steps are the Trainer's: its logs, gradwatch's history and metrics agree.
-    from gradwatch.history import read_history
+    from gradwatch.export.history import read_history
 
     assert [h["step"] for h in logged if "loss" in h] == [1, 2, 3, 4]  # not the final summary
     assert [r["step"] for r in read_history(history)] == [1, 2, 3, 4]
@@ -621,7 +621,7 @@ def test_huggingface_callback_guard_skips_the_nan_step(
     NaN step (weights stay finite); with clipping routed or not."""
     import transformers
 
-    from gradwatch.history import read_history
+    from gradwatch.export.history import read_history
     from gradwatch.integrations.huggingface import GradWatchCallback
 
     history = tmp_path / "gradwatch.jsonl"
@@ -642,7 +642,7 @@ def test_huggingface_callback_guard_skips_the_nan_step(
 @pytest.mark.timeout(300)
 def test_lightning_callback_guard_skips_the_nan_step(tmp_path: Path) -> None:
 
-    from gradwatch.history import read_history
+    from gradwatch.export.history import read_history
     from gradwatch.integrations.lightning import GradWatchCallback
 
     class Module(_lightning_module()):

@@ -56,7 +56,7 @@ from gradwatch.cli.render import (
 from gradwatch.cli.top import EXIT_SCRAPE_FAILED
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
-from gradwatch.history import read_history
+from gradwatch.export.history import read_history
 from gradwatch.snapshot import GroupStats, Snapshot
 
 GRADWATCH = str(Path(sys.executable).with_name("gradwatch"))

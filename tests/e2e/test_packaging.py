@@ -41,9 +41,9 @@ def _requirements(metadata: str, extra: str) -> list[str]:
 
 
 def _version() -> str:
-    text = (ROOT / "src" / "gradwatch" / "__init__.py").read_text()
+    text = (ROOT / "src" / "gradwatch" / "version.py").read_text()
     match = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
-    assert match, "src/gradwatch/__init__.py defines no __version__"
+    assert match, "src/gradwatch/version.py defines no __version__"
     return match.group(1)
 
 

@@ -10,7 +10,7 @@ live in the test module; cases measure.
 The reference of every figure is computed from the full unsharded gradients: ``full_tensor()``
 of DTensor gradients (here only, never in gradwatch) or the plain gradient of each stage, as
 Python floats squared and summed with ``math.fsum``, then fed through the same host summary
-(:func:`gradwatch.summary.summarize`); the global norm and each parameter norm are also
+(:func:`gradwatch.analysis.summary.summarize`); the global norm and each parameter norm are also
 compared with a direct ``sqrt(fsum(...))``.
 """
 
@@ -98,7 +98,7 @@ def stage_reference(model: nn.Module, clean: Callable[[str], str]) -> dict[str, 
 def compare(snap: Any, ref_sq: dict[str, float | None], watch: Any) -> dict[str, Any]:
     """Max relative error of every float figure of ``snap`` against the reference; integer
     figures and key sets must match exactly (mismatches are listed)."""
-    from gradwatch.summary import summarize
+    from gradwatch.analysis.summary import summarize
 
     lay = watch._resolved.layout
     names = list(lay.names)
@@ -213,7 +213,7 @@ def construct(model: nn.Module, cfg: Any, **kwargs: Any) -> tuple[Any, int]:
 
 
 def clean(name: str) -> str:
-    from gradwatch.model import clean_name
+    from gradwatch.norms.model import clean_name
 
     return clean_name(name)
 

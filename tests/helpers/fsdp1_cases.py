@@ -183,12 +183,12 @@ def case_fsdp1(strategy: str, orig: bool, kind: str = FP32, nesting: str = "auto
 
 def case_temporaries(rank: int, world: int) -> dict:
     """Larger units: the collect allocates nothing gradient-sized, gathers nothing, and its
-    one collective carries O(parameters) float64 (gradwatch.testing.OpCounter)."""
+    one collective carries O(parameters) float64 (gradwatch.doctor.testing.OpCounter)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from gradwatch import GradWatch
-    from gradwatch.testing import OpCounter
+    from gradwatch.doctor.testing import OpCounter
 
     out: dict[str, Any] = {}
     for orig in (False, True):

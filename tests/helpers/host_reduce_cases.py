@@ -25,7 +25,7 @@ def _norm(model: nn.Module) -> float:
 
 def run(rank: int) -> tuple[dict[str, Any], Any]:
     from gradwatch import GradWatch, GradWatchError, GradWatchTimeoutError, WatchConfig, collective
-    from gradwatch.testing import OpCounter
+    from gradwatch.doctor.testing import OpCounter
 
     collective.MONITOR_ON_HOST_BACKENDS = ("nccl", "gloo")
     torch.manual_seed(0)  # identical replicas: the whole-model norm is one copy's

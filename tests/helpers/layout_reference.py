@@ -1,11 +1,11 @@
 """The reference layout: what every rank must derive, stated over every rank's full description.
 
-An independent statement of the layout semantics of :mod:`gradwatch.layout` (global names in
+An independent statement of the layout semantics of :mod:`gradwatch.reduce.layout` (global names in
 order of first appearance, the lowest holder of each piece as its only contributor, replica
 slots for the most replicated pieces, the same consistency checks), walking world x parameters
 entries in plain Python. The product derives the layout from the handshake's distinct
-descriptions (:func:`gradwatch.layout.derive_layout`); tests hold the two equal over generated
-layouts, and use this one to state expected layouts directly.
+descriptions (:func:`gradwatch.reduce.layout.derive_layout`); tests hold the two equal over
+generated layouts, and use this one to state expected layouts directly.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.layout import MAX_REPLICA_SLOTS, Layout
+from gradwatch.reduce.layout import MAX_REPLICA_SLOTS, Layout
 
 
 def build_layout(per_rank: Sequence[dict[str, Any]], rank: int) -> Layout:

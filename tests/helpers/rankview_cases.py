@@ -67,7 +67,7 @@ def batch(rank: int, step: int, dtype: torch.dtype = torch.float32, scale: float
 def group_reference(model: nn.Module, batches: list[torch.Tensor]) -> list[float]:
     """This rank's local (pre-reduction, accumulated) squared norm per group, in float64 from
     a plain copy of ``model`` (no DDP, no gradwatch)."""
-    from gradwatch.model import group_of
+    from gradwatch.norms.model import group_of
 
     plain = type(model)(next(model.parameters()).dtype)
     plain.load_state_dict(model.state_dict())

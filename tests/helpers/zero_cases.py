@@ -344,7 +344,7 @@ def case_temporaries(stage: int) -> Callable[[int, int], dict]:
 
     def run(rank: int, world: int) -> dict:
         from gradwatch import GradWatch
-        from gradwatch.testing import largest_allocation
+        from gradwatch.doctor.testing import largest_allocation
 
         engine, _replica = engine_and_replica(stage, width=8192)
         watch = GradWatch(engine, config())

@@ -1,5 +1,5 @@
-"""The norm auditor (gradwatch.audit, GradWatch.audit_norm): verdicts, diagnoses, metrics, bad
-input and the absence of host reads on the training thread."""
+"""The norm auditor (gradwatch.analysis.audit, GradWatch.audit_norm): verdicts, diagnoses, metrics,
+bad input and the absence of host reads on the training thread."""
 
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ from test_export import parse
 from torch import nn
 
 from gradwatch import GradWatch, NoOpWatch, WatchConfig
-from gradwatch.audit import MAX_PENDING, NormAuditor, bf16_round, diagnose, parallel_factors
-from gradwatch.testing import OpCounter, count_host_reads
+from gradwatch.analysis.audit import (
+    MAX_PENDING,
+    NormAuditor,
+    bf16_round,
+    diagnose,
+    parallel_factors,
+)
+from gradwatch.doctor.testing import OpCounter, count_host_reads
 
 
 @pytest.fixture(autouse=True)
@@ -303,7 +309,7 @@ def test_collect_costs_the_same_with_auditing() -> None:
 def test_local_squares_on_the_cpu_are_held_and_read_when_judged() -> None:
     import threading
 
-    from gradwatch.audit import LocalSquares
+    from gradwatch.analysis.audit import LocalSquares
 
     sq = torch.tensor([9.0, 16.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     held = LocalSquares.of(sq, auditing=False)
@@ -319,7 +325,7 @@ def test_local_squares_on_the_cpu_are_held_and_read_when_judged() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_local_squares_reach_pinned_memory_without_a_sync() -> None:
-    from gradwatch.audit import LocalSquares
+    from gradwatch.analysis.audit import LocalSquares
 
     sq = torch.tensor([9.0, 16.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device="cuda")
     assert LocalSquares.of(sq, auditing=False) is None  # nothing reported: no copy at all

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gradwatch import GroupStats, Snapshot
-from gradwatch.history import HistoryWriter, rotated_path
+from gradwatch.export.history import HistoryWriter, rotated_path
 
 TIMEOUT = 120
 

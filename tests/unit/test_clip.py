@@ -1,5 +1,5 @@
-"""Unit tests of clipping from the reduced statistics (gradwatch.clip) with an explicit
-LocalGradients value (gradwatch.gradients), on one process: no watcher, no hidden state."""
+"""Unit tests of clipping from the reduced statistics (gradwatch.step.clip) with an explicit
+LocalGradients value (gradwatch.norms.gradients), on one process: no watcher, no hidden state."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from gradwatch.clip import CLIP_EPS, clip_coefficient, clip_grads_
-from gradwatch.gradients import GradientReader, LocalGradients
-from gradwatch.layout import piece_of
-from gradwatch.reduce import Reducer
-from gradwatch.stats import NormEngine
+from gradwatch.norms.gradients import GradientReader, LocalGradients
+from gradwatch.norms.stats import NormEngine
+from gradwatch.reduce.layout import piece_of
+from gradwatch.reduce.packing import Reducer
+from gradwatch.step.clip import CLIP_EPS, clip_coefficient, clip_grads_
 
 
 def reduce_once(params: list[torch.Tensor], grads: LocalGradients):  # type: ignore[no-untyped-def]

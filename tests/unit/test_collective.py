@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradwatch import collective
-from gradwatch.collective import (
+from gradwatch.reduce import collective
+from gradwatch.reduce.collective import (
     Collective,
     CollectiveFailed,
     CollectiveTimeout,

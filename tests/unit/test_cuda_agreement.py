@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from gradwatch import collective, doctor_cuda
+from gradwatch.doctor import cuda as doctor_cuda
+from gradwatch.reduce import collective
 
 
 class _Event:
@@ -198,7 +199,7 @@ def test_cuda_failure_path_makes_no_blocking_copy() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_audit_reads_no_device_tensor_when_judging() -> None:
-    from gradwatch.audit import HostCopy, NormAuditor  # noqa: F401
+    from gradwatch.analysis.audit import HostCopy, NormAuditor  # noqa: F401
 
     value = torch.tensor(3.0, device="cuda")
     copy = HostCopy.of(value)

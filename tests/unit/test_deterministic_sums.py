@@ -21,11 +21,11 @@ from layout_reference import build_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradwatch import GradWatch, WatchConfig
-from gradwatch.layout import LocalPiece
-from gradwatch.reduce import Reducer
-from gradwatch.rescale import build_rescale_plan, rescaled_norms
-from gradwatch.rows import SegmentReduction
-from gradwatch.stats import NormEngine
+from gradwatch.norms.rescale import build_rescale_plan, rescaled_norms
+from gradwatch.norms.rows import SegmentReduction
+from gradwatch.norms.stats import NormEngine
+from gradwatch.reduce.layout import LocalPiece
+from gradwatch.reduce.packing import Reducer
 
 #: Ops that accumulate in arrival order on CUDA.
 ATOMIC = {"aten.index_add", "aten.index_add_", "aten.scatter_add", "aten.scatter_add_",

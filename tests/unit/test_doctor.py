@@ -13,8 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gradwatch import doctor, doctor_options
 from gradwatch.cli.main import app
+from gradwatch.doctor import checks as doctor
+from gradwatch.doctor import options as doctor_options
 
 TIMEOUT = 240  # a loaded shared CPU; the doctor's own budget is 60 s
 #: Every check the CPU run reports (the distributed one is SKIP outside torchrun).
@@ -167,7 +168,7 @@ def test_exactness_check_fails_on_a_wrong_norm(monkeypatch: pytest.MonkeyPatch) 
 
 def test_sync_check_fails_on_a_python_built_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-step tail built by torch.tensor(list), as it once was, is caught."""
-    from gradwatch import reduce
+    from gradwatch.reduce import packing as reduce
 
     original = reduce.Reducer._stage_tail
 
@@ -182,7 +183,7 @@ def test_sync_check_fails_on_a_python_built_tensor(monkeypatch: pytest.MonkeyPat
 
 
 def test_memory_check_fails_on_a_gradient_sized_temporary(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gradwatch import stats
+    from gradwatch.norms import stats
 
     original = stats.NormEngine.squared_norms_and_plan
 
@@ -409,7 +410,7 @@ def test_the_handshake_gathers_without_a_deprecated_call() -> None:
 
     import torch.distributed as dist
 
-    from gradwatch import handshake
+    from gradwatch.reduce import handshake
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -22,7 +22,7 @@ from torch import nn
 
 import gradwatch
 from gradwatch import GradWatch, LayoutMismatchError, UnsupportedParallelismError, WatchConfig
-from gradwatch.experts import check_expert_holders, expert_names
+from gradwatch.stacks.experts import check_expert_holders, expert_names
 from gradwatch.watcher import RefusedWatch
 
 
@@ -192,8 +192,8 @@ def test_watch_refused_without_a_port_serves_nothing(monkeypatch: pytest.MonkeyP
 
 def _world(per_rank: list[list[str]], stages: list | None = None) -> Any:
     from benchmarks.handshake_sim import simulate
-    from gradwatch import handshake
-    from gradwatch.layout import LocalPiece
+    from gradwatch.reduce import handshake
+    from gradwatch.reduce.layout import LocalPiece
 
     return simulate([
         handshake.describe([LocalPiece(n, (2,), ("whole",), 2) for n in names], version="v",
@@ -203,7 +203,7 @@ def _world(per_rank: list[list[str]], stages: list | None = None) -> Any:
 
 
 def test_layout_counts_each_declared_expert_once_also_inside_pipeline_stages() -> None:
-    from gradwatch.layout import derive_layout
+    from gradwatch.reduce.layout import derive_layout
 
     # pp2 x ep2: ranks (pp, ep) = 0 (0,0), 1 (0,1), 2 (1,0), 3 (1,1); stage groups {0,2}, {1,3}.
     per_rank = [[f"s{r // 2}.dense", f"s{r // 2}.experts.{2 * (r % 2)}",

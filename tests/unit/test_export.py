@@ -53,6 +53,7 @@ from gradwatch.export import (
     select_param_series,
 )
 from gradwatch.export import metrics as catalog
+from gradwatch.export.history import HistoryWriter
 from gradwatch.export.server import RateLimit
 from gradwatch.export.state import (
     Counts,
@@ -60,7 +61,6 @@ from gradwatch.export.state import (
     SelfStats,
     snapshot_samples,
 )
-from gradwatch.history import HistoryWriter
 from gradwatch.snapshot import GroupStats, Snapshot
 from scripts.gen_metrics_docs import metrics_reference_markdown
 

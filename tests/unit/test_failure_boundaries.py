@@ -128,7 +128,7 @@ def test_every_documented_boundary_exists() -> None:
 
 def test_the_table_is_read() -> None:
     rows = boundaries()
-    assert ("step.py", "Collector._collect") in rows
+    assert ("step/collector.py", "Collector._collect") in rows
     assert ("export/http.py", "_Feed._run") in rows
     assert len(rows) >= 10
 

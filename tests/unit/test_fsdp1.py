@@ -1,6 +1,6 @@
-"""Unit tests of FSDP1's flat shards as the handshake describes them (gradwatch.fsdp1,
-gradwatch.handshake): the slice rule against torch.chunk, the split plan of a local shard, and
-the parallelism labels. The distributed behaviour is tested in
+"""Unit tests of FSDP1's flat shards as the handshake describes them (gradwatch.stacks.fsdp1,
+gradwatch.reduce.handshake): the slice rule against torch.chunk, the split plan of a local shard,
+and the parallelism labels. The distributed behaviour is tested in
 tests/distributed/test_fsdp1_distributed.py."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import random
 
 import torch
 
-from gradwatch import handshake, layout
-from gradwatch.audit import parallel_factors
-from gradwatch.fsdp1 import Unit, _split_plan
+from gradwatch.analysis.audit import parallel_factors
+from gradwatch.reduce import handshake, layout
+from gradwatch.stacks.fsdp1 import Unit, _split_plan
 
 
 def _layout(rng: random.Random) -> tuple[list[tuple[int, ...]], list[int], int]:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from gradwatch import GradWatch, Snapshot, WatchConfig
-from gradwatch.guard import GuardedOptimizer, GuardReading
-from gradwatch.testing import OpCounter
+from gradwatch.doctor.testing import OpCounter
+from gradwatch.step.guard import GuardedOptimizer, GuardReading
 
 
 def _model() -> nn.Module:

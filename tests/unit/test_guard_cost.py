@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
-from gradwatch.guard import GuardDecision, GuardReading
-from gradwatch.layout import sections
-from gradwatch.testing import OpCounter
+from gradwatch.doctor.testing import OpCounter
+from gradwatch.reduce.layout import sections
+from gradwatch.step.guard import GuardDecision, GuardReading
 
 #: The device ops of one warm decision: the norm, the non-finite test and the skip counters;
 #: and with ``skip_spike_score`` the spike window's median, MAD, score and update too.

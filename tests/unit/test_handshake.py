@@ -18,9 +18,9 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from benchmarks import handshake_sim
-from gradwatch import handshake, layout
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.layout import LocalPiece, derive_layout, piece_from_placements
+from gradwatch.reduce import handshake, layout
+from gradwatch.reduce.layout import LocalPiece, derive_layout, piece_from_placements
 
 Rank = list[LocalPiece]
 
@@ -683,9 +683,9 @@ def test_the_synced_declaration_survives_encoding() -> None:
 
 def flat_world(shard: int, replicas: int = 1) -> tuple[list[Rank], list[Any]]:
     """FSDP1 flat shards (``FlatShard(start, total)`` on the last dim of a (replicas, shard)
-    mesh, as gradwatch.fsdp1 describes them): parameters laid end to end with alignment gaps,
+    mesh, as gradwatch.stacks.fsdp1 describes them): parameters laid end to end with alignment gaps,
     uneven and empty slices; each rank's numel counted from torch.chunk of the flat range."""
-    from gradwatch.fsdp1 import ShardMesh
+    from gradwatch.stacks.fsdp1 import ShardMesh
 
     shapes = [(5, 7), (7,), (3, 7), (3,), (1,), (2, 3)]
     starts, at = [], 0

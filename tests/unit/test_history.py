@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gradwatch import GradWatch, GroupStats, Snapshot, WatchConfig
-from gradwatch.history import HistoryWriter, read_history, rotated_path
+from gradwatch.export.history import HistoryWriter, read_history, rotated_path
 
 
 @pytest.fixture(autouse=True)

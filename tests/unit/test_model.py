@@ -1,4 +1,4 @@
-"""Unit tests of model resolution (gradwatch.model): names, groups, parallelism labels."""
+"""Unit tests of model resolution (gradwatch.norms.model): names, groups, parallelism labels."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import nn
 
 from gradwatch.config import OTHER_GROUP
 from gradwatch.errors import GradWatchError
-from gradwatch.model import (
+from gradwatch.norms.model import (
     WRAPPER_SEGMENTS,
     clean_name,
     describe_parallelism,
@@ -72,7 +72,7 @@ def test_parallelism_single_and_replicated() -> None:
 def test_ddp_found_inside_or_wrapping(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Hugging Face Trainer and Lightning hand callbacks the unwrapped module while a DDP
     wrapper trains it: the label is ddp{n} either way, like for plain DDP."""
-    import gradwatch.model as model_mod
+    import gradwatch.norms.model as model_mod
 
     monkeypatch.setattr(model_mod.dist, "get_world_size", lambda group=None: 2)
     inner = net()

@@ -19,7 +19,7 @@ from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.errors import GradWatchError
-from gradwatch.model import ParameterSlots, named_parameters
+from gradwatch.norms.model import ParameterSlots, named_parameters
 
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
@@ -252,7 +252,7 @@ def test_enabled_0_disables_every_way_of_constructing(
     """``GRADWATCH_ENABLED=0``: no port, no collective, no work, logged once; clipping is
     torch's."""
     import gradwatch
-    from gradwatch.testing import OpCounter
+    from gradwatch.doctor.testing import OpCounter
 
     monkeypatch.setenv("GRADWATCH_ENABLED", "0")
     monkeypatch.setenv("GRADWATCH_PORT", "0")

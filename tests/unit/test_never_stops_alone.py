@@ -12,11 +12,11 @@ import pytest
 import torch
 from layout_reference import build_layout
 
+from gradwatch.analysis.reporter import Reporter
 from gradwatch.errors import GradWatchTimeoutError
-from gradwatch.failures import Failures
-from gradwatch.layout import piece_of, sections, step_residues
-from gradwatch.reduce import ReducedVector, Reducer
-from gradwatch.reporter import Reporter
+from gradwatch.reduce.layout import piece_of, sections, step_residues
+from gradwatch.reduce.packing import ReducedVector, Reducer
+from gradwatch.step.failures import Failures
 
 
 def _reducer() -> Reducer:
@@ -58,7 +58,7 @@ def _world_vector(steps: tuple[int, ...]) -> ReducedVector:
     packed[at.step] = float(sum(steps))
     packed[at.residues.start] = math.fsum(step_residues(s)[0] for s in steps)
     packed[at.residues.start + 1] = math.fsum(step_residues(s)[1] for s in steps)
-    from gradwatch.collective import Pending
+    from gradwatch.reduce.collective import Pending
 
     return ReducedVector(packed, Pending(), 1.0, steps[0], layout)
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
+from gradwatch.analysis.rankview import NOISE_SCALE_WINDOW, NoiseScale
 from gradwatch.cli.endpoint import EndpointView, parse_exposition
 from gradwatch.cli.plot import draw_history, ratio_value
 from gradwatch.cli.render import (
@@ -26,10 +27,9 @@ from gradwatch.cli.render import (
     Trends,
     render_view,
 )
+from gradwatch.export.history import HistoryWriter, read_history
 from gradwatch.export.state import PublishedState
-from gradwatch.history import HistoryWriter, read_history
 from gradwatch.integrations.common import log_figures
-from gradwatch.rankview import NOISE_SCALE_WINDOW, NoiseScale
 from gradwatch.snapshot import Snapshot
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,7 +1,7 @@
 """The warm per-step path builds no tensor from Python data and makes no blocking host copy:
 the patterns that synchronize a CUDA device although no scalar is read (``torch.tensor(list)``
 copied into a device vector waits for the whole backward). Checked on the CPU with
-:class:`gradwatch.testing.BlockingCopyCounter`, which sees the same ops CUDA would run; the
+:class:`gradwatch.doctor.testing.BlockingCopyCounter`, which sees the same ops CUDA would run; the
 reducer's device choice is checked as the pure function it is."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
-from gradwatch.reduce import gradient_device, reducer_device
-from gradwatch.testing import OpCounter, count_blocking_copies, count_host_reads
+from gradwatch.doctor.testing import OpCounter, count_blocking_copies, count_host_reads
+from gradwatch.reduce.packing import gradient_device, reducer_device
 
 
 def _model() -> nn.Module:
@@ -74,7 +74,7 @@ def test_warm_collects_build_no_tensor_from_python_data_and_copy_nothing_blockin
 def test_a_change_of_which_gradients_are_none_copies_nothing_blocking() -> None:
     """Unused parameters or MoE experts change which gradients are None: the plan's index lists
     are rebuilt on the host (on an accelerator they travel by one non-blocking copy from pinned
-    memory, :func:`gradwatch.rows.host_to_device`), the has-gradient flags of a pattern seen
+    memory, :func:`gradwatch.norms.rows.host_to_device`), the has-gradient flags of a pattern seen
     before come from the device; nothing blocks."""
     torch.manual_seed(0)
     model = _model()
@@ -103,7 +103,7 @@ def test_reducer_device_follows_the_gradients_and_the_bound_device() -> None:
 
 
 def test_foreach_scratch_is_bounded_by_splitting_huge_buckets() -> None:
-    from gradwatch.rows import foreach_splits
+    from gradwatch.norms.rows import foreach_splits
 
     # 1,000 tensors with one of 1B elements: one call would need 1,000 x 15,259 partial sums.
     numels = [1000] * 500 + [10**9] + [1000] * 499

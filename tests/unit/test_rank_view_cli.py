@@ -16,11 +16,11 @@ from exposition import exposition_text
 from rich.console import Console
 
 from gradwatch import GroupStats, Snapshot, WatchConfig
+from gradwatch.analysis.rankview import NOISE_SCALE_UNIT, REPLICA_OUTLIER_THRESHOLD
 from gradwatch.cli.endpoint import EndpointView, parse_exposition
 from gradwatch.cli.render import Trends, noise_scale_text, replica_text
 from gradwatch.cli.top import render_frame
 from gradwatch.export.state import PublishedState
-from gradwatch.rankview import NOISE_SCALE_UNIT, REPLICA_OUTLIER_THRESHOLD
 
 RULES = Path(__file__).parents[2] / "deploy" / "prometheus" / "gradwatch-rules.yml"
 

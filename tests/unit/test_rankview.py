@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
-from gradwatch.ddp_hook import LocalView
-from gradwatch.layout import Layout, sections
-from gradwatch.rankview import NoiseScale, _spread
-from gradwatch.reduce import RankView, Reducer
-from gradwatch.testing import OpCounter, count_host_reads
+from gradwatch.analysis.rankview import NoiseScale, _spread
+from gradwatch.doctor.testing import OpCounter, count_host_reads
+from gradwatch.reduce.layout import Layout, sections
+from gradwatch.reduce.packing import RankView, Reducer
+from gradwatch.stacks.ddp_hook import LocalView
 
 
 class FakeBucket:
@@ -169,10 +169,10 @@ def _layout(world: int, rank: int, groups: int) -> Layout:
 def test_rank_view_section_round_trip(monkeypatch: pytest.MonkeyPatch, bounded: bool) -> None:
     """Each rank packs its slot (or its share of the bounded sums); the SUM of the ranks'
     sections reads back as every rank's figures (slots) or their bounded summary."""
-    import gradwatch.layout
+    import gradwatch.reduce.layout
 
     if bounded:
-        monkeypatch.setattr(gradwatch.layout, "RANK_SLOTS_MAX_WORLD", 2)
+        monkeypatch.setattr(gradwatch.reduce.layout, "RANK_SLOTS_MAX_WORLD", 2)
     world, g = 3, 2
     local = [torch.tensor([1.0, 4.0]), torch.tensor([math.nan, 9.0]), torch.tensor([2.0, 3.0])]
     total = None
@@ -247,7 +247,7 @@ def test_origin_is_reported_on_non_finite_steps_only() -> None:
     """A local square can overflow where the exact reduced figures do not: no origin is named
     on a step the reduced figures call finite."""
     from gradwatch import Snapshot
-    from gradwatch.rankview import rank_view_fields
+    from gradwatch.analysis.rankview import rank_view_fields
 
     view = RankView(
         per_rank=((1.0, math.inf), (1.0, 2.0)), finite_sums=(2.0, 2.0), nonfinite_ranks=(0, 1),

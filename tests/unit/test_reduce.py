@@ -10,8 +10,8 @@ import torch
 from layout_reference import build_layout
 
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.layout import LocalPiece, step_residues, steps_differ
-from gradwatch.reduce import ReducedStats, Reducer
+from gradwatch.reduce.layout import LocalPiece, step_residues, steps_differ
+from gradwatch.reduce.packing import ReducedStats, Reducer
 
 
 def desc(pieces, stage=None, config="c", version="v"):

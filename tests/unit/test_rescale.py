@@ -1,6 +1,7 @@
 """The accelerators' float64 path (rescaled norms, bands placed on the device), run on CPU.
 
-:func:`gradwatch.rescale.rescaled_norms` and :func:`gradwatch.bands.bands_of_norms_device` are
+:func:`gradwatch.norms.rescale.rescaled_norms` and
+:func:`gradwatch.norms.bands.bands_of_norms_device` are
 what a CUDA float64 bucket runs; ``NormEngine(rescale_float64=True)`` routes CPU float64
 tensors through them instead of the host repair, so the same code is checked here against
 ``math.hypot`` over the exact values.
@@ -13,7 +14,13 @@ import math
 import pytest
 import torch
 
-from gradwatch.bands import (
+from gradwatch.doctor.testing import (
+    BlockingCopyCounter,
+    OpCounter,
+    count_host_reads,
+    largest_allocation,
+)
+from gradwatch.norms.bands import (
     BAND_EXPONENT,
     BANDS,
     banded_total_device,
@@ -21,10 +28,9 @@ from gradwatch.bands import (
     bands_of_norms_device,
     norm_from_bands,
 )
-from gradwatch.rescale import build_rescale_plan, rescaled_norms
-from gradwatch.rows import ROW_NUMEL
-from gradwatch.stats import NormEngine
-from gradwatch.testing import BlockingCopyCounter, OpCounter, count_host_reads, largest_allocation
+from gradwatch.norms.rescale import build_rescale_plan, rescaled_norms
+from gradwatch.norms.rows import ROW_NUMEL
+from gradwatch.norms.stats import NormEngine
 
 REL = 1e-12
 F64 = torch.float64
@@ -204,7 +210,7 @@ def test_plan_routes_float64_by_device_and_flag() -> None:
     """CPU float64 tensors keep the host repair by default; with the flag (and on any
     accelerator) they take the rescaled path, except a huge non-dense one, which keeps the
     foreach norm. Every tensor stays in exactly one bucket position (clipping relies on it)."""
-    from gradwatch.rescale import RESCALE_SCRATCH
+    from gradwatch.norms.rescale import RESCALE_SCRATCH
 
     small = torch.full((10,), 1e160, dtype=F64)
     strided = torch.ones(2 * RESCALE_SCRATCH + 2, dtype=F64)[::2]  # not dense, > scratch

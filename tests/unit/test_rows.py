@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from gradwatch.rows import ROW_NUMEL, FlatRows, RowSquares
-from gradwatch.testing import OpCounter, count_host_reads
+from gradwatch.doctor.testing import OpCounter, count_host_reads
+from gradwatch.norms.rows import ROW_NUMEL, FlatRows, RowSquares
 
 
 def _fsum_squares(values: torch.Tensor) -> float:

@@ -4,7 +4,7 @@ One reference job (tests/helpers/trackers.py: two groups, one ratio, a NaN step)
 GradWatch with each sink; what the tracker stored is read back with the tracker's own reader
 and compared, per tag and training step, with float64 values computed from the exact
 gradients, to 1e-6 relative: gradwatch norms CPU float32 gradients with float32 partial sums
-(within 5e-7 of exact, gradwatch.stats) and TensorBoard stores float32 scalars.
+(within 5e-7 of exact, gradwatch.norms.stats) and TensorBoard stores float32 scalars.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import trackers
+from gradwatch.sinks import MlflowSink, StepScalars, TensorBoardSink, WandbSink
+from gradwatch.sinks.mlflow import mlflow_key
 from pydantic import ValidationError
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.errors import GradWatchError
-from gradwatch.sinks import MlflowSink, StepScalars, TensorBoardSink, WandbSink
-from gradwatch.sinks.mlflow import mlflow_key
 from gradwatch.snapshot import GroupStats, Snapshot
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -71,7 +71,6 @@ def test_wandb_offline_run_holds_every_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import wandb
-
     from gradwatch.sinks import WandbSink
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -113,7 +112,6 @@ def test_mlflow_sink_logs_to_the_active_run_and_leaves_it_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import mlflow
-
     from gradwatch.sinks import MlflowSink
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -1,4 +1,4 @@
-"""Adaptive spike detection (gradwatch.spikes): the score against an independent median/MAD
+"""Adaptive spike detection (gradwatch.analysis.spikes): the score against an independent median/MAD
 reference, the synthetic stream, non-finite steps, the watcher's cost, the exported counters and
 histograms between scrapes, history records and bad settings."""
 
@@ -27,6 +27,13 @@ from torch import nn
 
 import gradwatch
 from gradwatch import GradWatch, WatchConfig
+from gradwatch.analysis.spikes import (
+    MAD_TO_SIGMA,
+    MIN_LOG_SPREAD,
+    SHIFT_RUN,
+    SHIFT_SCORE,
+    SpikeDetector,
+)
 from gradwatch.cli.endpoint import EndpointView, parse_exposition
 from gradwatch.cli.plot import counts_text, render_history, spike_points
 from gradwatch.cli.render import (
@@ -36,12 +43,11 @@ from gradwatch.cli.render import (
     interval_point,
     render_view,
 )
+from gradwatch.doctor.testing import OpCounter, count_host_reads
 from gradwatch.export.collector import SnapshotCollector
 from gradwatch.export.metricdef import NORM_BUCKETS
 from gradwatch.export.state import PublishedState, SelfStats
 from gradwatch.snapshot import GroupStats, Snapshot
-from gradwatch.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD, SHIFT_RUN, SHIFT_SCORE, SpikeDetector
-from gradwatch.testing import OpCounter, count_host_reads
 from scripts.gen_metrics_docs import metrics_reference_markdown, series_count
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,7 +63,7 @@ def snap(step: int, norm: float, **groups: float) -> Snapshot:
 
 def reference_score(history: list[float], norm: float, window: int, warmup: int) -> float:
     """(ln(norm) - median) / max(1.4826 MAD, floor) over the last ``window`` usable norms,
-    written with ``statistics`` independently of gradwatch.spikes."""
+    written with ``statistics`` independently of gradwatch.analysis.spikes."""
     logs = [math.log(v) for v in history if math.isfinite(v) and v > 0][-window:]
     if len(logs) < warmup or not (math.isfinite(norm) and norm > 0):
         return math.nan

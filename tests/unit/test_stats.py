@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradwatch import total_norm
-from gradwatch.stats import NormEngine
-from gradwatch.testing import OpCounter, count_host_reads, largest_allocation
+from gradwatch.doctor.testing import OpCounter, count_host_reads, largest_allocation
+from gradwatch.norms.stats import NormEngine
 
 REL = 1e-6
 
@@ -47,7 +47,7 @@ def ref_norm(tensors: list[torch.Tensor]) -> float:
 
 def engine_norm(sq: torch.Tensor, i: int) -> float:
     """Tensor ``i``'s norm from the engine's banded output (plain, high, low bands)."""
-    from gradwatch.bands import BANDS, norm_from_bands
+    from gradwatch.norms.bands import BANDS, norm_from_bands
 
     n = sq.numel() // BANDS
     return norm_from_bands(float(sq[i]), float(sq[n + i]), float(sq[2 * n + i]))
@@ -280,7 +280,7 @@ def test_engine_makes_no_gradient_sized_temporary() -> None:
     mode) and not inside a kernel (profiler; e.g. ``vector_norm(bf16, dtype=float32)`` widens a
     whole-tensor float32 copy). The one persistent widening buffer is allocated on the first
     call and bounded by CONVERT_CHUNK float32 elements, whatever the gradient size."""
-    from gradwatch.stats import CONVERT_CHUNK
+    from gradwatch.norms.stats import CONVERT_CHUNK
 
     gen = torch.Generator().manual_seed(7)
     ts = [
@@ -410,7 +410,7 @@ def test_row_sums_by_csr_and_by_index_add(
 ) -> None:
     """Both ways of summing row norms per tensor (sparse CSR matvec for many rows, index_add_
     for few) give the exact norms, across buckets and with partial rows."""
-    import gradwatch.stats as stats
+    import gradwatch.norms.stats as stats
 
     monkeypatch.setattr(stats, "CSR_MIN_ROWS", csr_min_rows)
     gen = torch.Generator().manual_seed(22)
@@ -455,7 +455,7 @@ def test_views_with_storage_offsets() -> None:
 def test_sqrt_sum_host(squares: list[float], expected: float) -> None:
     """The overflow-safe sqrt(sum of plain squares) on the host (Python floats, exact sum):
     NaN and Inf kept."""
-    from gradwatch.stats import sqrt_sum
+    from gradwatch.norms.stats import sqrt_sum
 
     host = sqrt_sum(squares)
     if math.isnan(expected):
@@ -488,7 +488,7 @@ def test_band_combination_host_and_device_agree(norms: list[float]) -> None:
     """Squared norms as the engine's bands, summed per band and combined back: on the host
     (:func:`norm_from_bands`) and on the device (:func:`banded_total_device`, no host read),
     equal to ``math.hypot`` of the norms over the whole float64 range (NaN beats Inf)."""
-    from gradwatch.bands import BANDS, banded_total_device, bands_of_norm, norm_from_bands
+    from gradwatch.norms.bands import BANDS, banded_total_device, bands_of_norm, norm_from_bands
 
     n = len(norms)
     bands = [0.0] * (BANDS * n)

@@ -1,7 +1,7 @@
 """One history, four views, one answer: which steps were non-finite, exploding, AMP-skipped.
 
 :class:`gradwatch.Snapshot` owns the classification of a step. This test writes one history
-(with :class:`gradwatch.history.HistoryWriter`) holding a NaN step, an exploding step, an
+(with :class:`gradwatch.export.history.HistoryWriter`) holding a NaN step, an exploding step, an
 AMP-skipped step and normal steps, then renders every view a user sees from it and checks that
 they agree with each other and with ``Snapshot``:
 
@@ -31,7 +31,7 @@ from gradwatch.cli.render import Trends
 from gradwatch.cli.top import render_frame
 from gradwatch.config import WatchConfig
 from gradwatch.export import MetricsServer
-from gradwatch.history import HistoryWriter, read_history
+from gradwatch.export.history import HistoryWriter, read_history
 from gradwatch.snapshot import GroupStats, Snapshot
 
 NAN_AT = 3

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradwatch import WatchConfig
-from gradwatch.summary import summarize
+from gradwatch.analysis.summary import summarize
 
 
 def ref_combine(norms: list[float]) -> float:

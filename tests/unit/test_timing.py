@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gradwatch.timing import interleaved, palindromic
+from gradwatch.doctor.timing import interleaved, palindromic
 
 
 def test_rounds_rotate_warm_and_respect_the_bounds() -> None:

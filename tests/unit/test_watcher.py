@@ -14,9 +14,9 @@ from test_summary import ref_health, ref_ratio, ref_raw
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
+from gradwatch.doctor.testing import OpCounter, count_host_reads
 from gradwatch.errors import GradWatchError
-from gradwatch.model import clean_name
-from gradwatch.testing import OpCounter, count_host_reads
+from gradwatch.norms.model import clean_name
 
 REL = 1e-6
 

@@ -8,12 +8,12 @@ import sys
 
 from torch import nn
 
-from gradwatch.zero import find_engine, is_engine
+from gradwatch.stacks.zero import find_engine, is_engine
 
 
 def test_importing_gradwatch_never_imports_deepspeed() -> None:
     code = (
-        "import sys, gradwatch, gradwatch.watcher, gradwatch.zero\n"
+        "import sys, gradwatch, gradwatch.watcher, gradwatch.stacks.zero\n"
         "from gradwatch import GradWatch, WatchConfig\n"
         "import torch\n"
         "w = GradWatch(torch.nn.Linear(2, 2), WatchConfig())\n"

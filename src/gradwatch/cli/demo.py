@@ -68,7 +68,7 @@ FINAL_SCRAPE_TIMEOUT = 5.0
 STOP_TIMEOUT = 10.0
 #: Lines of job.log shown when the job fails.
 LOG_TAIL = 40
-#: What identifies the job's spike warnings in job.log (gradwatch.spikes' WARNING).
+#: What identifies the job's spike warnings in job.log (gradwatch.analysis.spikes' WARNING).
 SPIKE_LOG_MARK = "gradient-norm spike"
 
 _M = TypeVar("_M")

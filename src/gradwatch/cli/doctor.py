@@ -1,8 +1,8 @@
 """``gradwatch doctor``: prove gradwatch on this machine's device (exactness, no sync, memory,
 cost, threading, the collective under torchrun, the endpoint) in under a minute.
 
-The checks live in :mod:`gradwatch.doctor`, the options and the JSON document in
-:mod:`gradwatch.doctor_options` (imported when the command runs: torch is not
+The checks live in :mod:`gradwatch.doctor.checks`, the options and the JSON document in
+:mod:`gradwatch.doctor.options` (imported when the command runs: torch is not
 imported by ``gradwatch --help``). Output: one table (check, status, measured, threshold) that
 fits :data:`WIDTH` columns, or with ``--json`` one JSON document (``environment``, ``checks``,
 ``failed``, ``ok``). Under torchrun only rank 0 prints it; another rank prints nothing unless a
@@ -132,7 +132,7 @@ def doctor_command(
         ),
     ] = 60.0,
 ) -> None:
-    from gradwatch.doctor_options import (
+    from gradwatch.doctor.options import (
         DoctorError,
         DoctorOptions,
         parse_dtypes,
@@ -152,7 +152,7 @@ def doctor_command(
     except DoctorError as exc:
         typer.echo(f"gradwatch doctor: {exc}", err=True)
         raise typer.Exit(EXIT_INVALID) from None
-    from gradwatch.doctor import run_checks
+    from gradwatch.doctor.checks import run_checks
 
     rank = _rank()
     if not json_output and rank == 0:

@@ -29,7 +29,7 @@ for module in (demo, top, config_cmd, plot, doctor):
 
 def _print_version(value: bool) -> None:
     if value:
-        from gradwatch import __version__  # no torch: the package imports lazily
+        from gradwatch.version import __version__
 
         typer.echo(f"gradwatch {__version__}")
         raise typer.Exit()

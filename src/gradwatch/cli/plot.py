@@ -16,17 +16,17 @@ When the records carry the per-rank view (DDP, docs/distributed.md: ``replica_gr
 ``gradient_noise_scale`` set), panels are added above the health score: the data-parallel
 replicas' local (pre-reduction) gradient norms, min / median / max with the band between min and
 max shaded (log scale), and the gradient noise scale B_simple, whole model and per group (log
-scale, in :data:`~gradwatch.rankview.NOISE_SCALE_UNIT`; a non-positive or undefined estimate is
-a gap). Each panel is drawn only when some record has its figures, so a history without the view
-(or written before it existed) is drawn as three panels. A non-finite step whose origin ranks are
-known (``nonfinite_origin_ranks``) is annotated with them (``rank 1``) at the top of the norms
-panel. A value of the wrong type in a record is skipped (a gap), never drawn as a number.
+scale, in :data:`~gradwatch.analysis.rankview.NOISE_SCALE_UNIT`; a non-positive or undefined
+estimate is a gap). Each panel is drawn only when some record has its figures, so a history without
+the view (or written before it existed) is drawn as three panels. A non-finite step whose origin
+ranks are known (``nonfinite_origin_ranks``) is annotated with them (``rank 1``) at the top of the
+norms panel. A value of the wrong type in a record is skipped (a gap), never drawn as a number.
 Every panel's legend sits outside it, to its right, so no label inside a panel hides under it.
 
 Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding steps (orange)
 are vertical lines across every panel, so a spike in one panel lines up with the others. Spikes
 found by adaptive spike detection (``Snapshot.spike_step``: the global norm or a group's norm far
-above its recent median, see :mod:`gradwatch.spikes`) are magenta triangles on the spiking
+above its recent median, see :mod:`gradwatch.analysis.spikes`) are magenta triangles on the spiking
 norms in the first panel. Steps the optimizer-step guard skipped (``Snapshot.guard_skipped``,
 ``watch.guard``) are black downward triangles along the bottom of the norms panel. A
 record is classified as :class:`gradwatch.Snapshot` classifies it (``Snapshot.from_dict``), the
@@ -34,7 +34,7 @@ definition the Prometheus counters use too: an exploding step includes every non
 a NaN step is counted, and drawn, in both.
 Non-finite values are masked (a gap in the line), never plotted or allowed to break the
 scaling. The rotated backup ``HISTORY.1`` is read first, and torn lines are skipped
-(:func:`gradwatch.history.read_history`).
+(:func:`gradwatch.export.history.read_history`).
 
 matplotlib is an optional extra (``pip install 'torch-gradwatch[plot]'``); it is imported lazily and
 drawn with the Agg canvas directly (no pyplot, no display, no global backend state). The PNG is
@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from pydantic import TypeAdapter, ValidationError
 
+from gradwatch.analysis.rankview import NOISE_SCALE_UNIT
 from gradwatch.cli.step_events import StepEvents
 from gradwatch.config import (
     DEFAULT_RATIO_DORMANT,
@@ -64,8 +65,7 @@ from gradwatch.config import (
     env_var,
     ratio_key,
 )
-from gradwatch.history import malformed_record, read_history, rotated_path, where_in_history
-from gradwatch.rankview import NOISE_SCALE_UNIT
+from gradwatch.export.history import malformed_record, read_history, rotated_path, where_in_history
 from gradwatch.snapshot import GroupStats, Snapshot, ratio_defined
 
 if TYPE_CHECKING:

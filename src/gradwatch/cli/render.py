@@ -36,8 +36,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from gradwatch.analysis.rankview import NOISE_SCALE_UNIT, REPLICA_OUTLIER_THRESHOLD
 from gradwatch.cli.endpoint import Buckets, EndpointView
-from gradwatch.rankview import NOISE_SCALE_UNIT, REPLICA_OUTLIER_THRESHOLD
 
 #: The eight block characters of a sparkline, lowest first.
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -315,7 +315,7 @@ def spikes_text(view: EndpointView) -> Text:
 
 def spike_scores_text(view: EndpointView) -> Text | None:
     """``spike score: global 0.4, host -0.2, seed 8.1`` (robust deviations above the recent
-    median at the last step; see gradwatch.spikes); None when the endpoint exports none."""
+    median at the last step; see gradwatch.analysis.spikes); None when the endpoint exports none."""
     scores = [("global", view.global_spike_score)]
     scores += [(g, s.spike_score) for g, s in view.groups.items()]
     if all(v is None for _, v in scores):
@@ -341,7 +341,7 @@ def isolation_text(view: EndpointView) -> Text | None:
 def replica_text(view: EndpointView) -> Text | None:
     """``replicas: local norm min 0.98 / median 1 / max 3.1 (rank 3), outlier score 2.1``: the
     spread of the data-parallel replicas' pre-reduction norms (the per-rank view); the score is
-    highlighted above :data:`~gradwatch.rankview.REPLICA_OUTLIER_THRESHOLD`, the alert's
+    highlighted above :data:`~gradwatch.analysis.rankview.REPLICA_OUTLIER_THRESHOLD`, the alert's
     threshold. None when the endpoint exports none of it (no per-rank view): never zeros."""
     stats = [(k, view.replica_norm[k]) for k in ("min", "median", "max") if k in view.replica_norm]
     score = view.replica_outlier_score

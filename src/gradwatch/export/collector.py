@@ -138,8 +138,8 @@ def _render(
 
 def _build_labels() -> tuple[str, str]:
     """``(version, torch_version)``, the labels of ``gradwatch_build_info``."""
-    try:  # lazily: gradwatch/__init__ defines __version__ before importing anything heavy
-        from gradwatch import __version__ as version
+    try:
+        from gradwatch.version import __version__ as version
     except ImportError:  # pragma: no cover - partial installs
         from importlib.metadata import PackageNotFoundError
         from importlib.metadata import version as dist_version

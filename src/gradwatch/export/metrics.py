@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.utils import floatToGoString
 
+from gradwatch.analysis.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
 from gradwatch.export.metricdef import (
     COLLECT_SECONDS_BUCKETS,
     MAX_AUDIT_SOURCES,
@@ -41,7 +42,6 @@ from gradwatch.export.metricdef import (
     select_param_series,
 )
 from gradwatch.export.publisher import MAX_PENDING
-from gradwatch.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
 from gradwatch.snapshot import ratio_defined
 
 if TYPE_CHECKING:  # the state reads through this catalog: its types for annotations only
@@ -375,7 +375,7 @@ ISOLATION_VIOLATIONS_TOTAL = MetricDef(
     source=MetricSource.COUNTS,
     read=lambda c: each(c.isolation_violations.items()),
 )
-# -- the optimizer-step guard (watch.guard, gradwatch.guard) ---------------------------------
+# -- the optimizer-step guard (watch.guard, gradwatch.step.guard) ---------------------------------
 SKIPPED_STEPS_TOTAL = MetricDef(
     "gradwatch_skipped_steps_total",
     "counter",
@@ -410,7 +410,7 @@ GUARD_STOPPED = MetricDef(
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.consecutive_skipped_steps is None else one(s.snap.guard_stopped),
 )
-# -- spikes and every step between scrapes (gradwatch.spikes, state.Counts) ----------------
+# -- spikes and every step between scrapes (gradwatch.analysis.spikes, state.Counts)
 GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
     "gradwatch_global_grad_norm_spike_score",
     "gauge",

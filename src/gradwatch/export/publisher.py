@@ -59,7 +59,7 @@ class Sink(Protocol):
       (e.g. ``"write the history of"``); by default ``"hand <ClassName>"``;
     * ``close() -> None`` is called once, after the last ``write``, when publishing closes.
 
-    :class:`gradwatch.history.HistoryWriter` and the endpoint's published state are sinks.
+    :class:`gradwatch.export.history.HistoryWriter` and the endpoint's published state are sinks.
     """
 
     def write(self, snapshot: Snapshot) -> None: ...

@@ -7,9 +7,10 @@
   (:class:`~gradwatch.export.http.HTTPEndpoint` serving the
   :class:`~gradwatch.export.collector.SnapshotCollector`);
 * with ``WatchConfig.history_path``: the history file, a sink
-  (:class:`~gradwatch.history.HistoryWriter`, opened lazily by the publisher thread so a slow or
+  (:class:`~gradwatch.export.history.HistoryWriter`, opened lazily by the publisher thread so a slow
+  or
   broken file system can neither block construction nor raise into training);
-* with ``WatchConfig.sinks``: the tracker sinks (:mod:`gradwatch.sinks`: TensorBoard, W&B,
+* with ``WatchConfig.sinks``: the tracker sinks (:mod:`gradwatch.export.sinks`: TensorBoard, W&B,
   MLflow), imported only then;
 * plus any user sink (:class:`~gradwatch.export.publisher.Sink`);
 * with ``WatchConfig.file_sd_path``: the endpoint's Prometheus ``file_sd`` target, written once
@@ -80,13 +81,13 @@ def open_publishing(
     thread is started. Raises what binding the endpoint raises
     (:class:`~gradwatch.errors.PortInUseError`, a TLS :class:`~gradwatch.errors.GradWatchError`).
     """
-    from gradwatch.history import HistoryWriter
+    from gradwatch.export.history import HistoryWriter
 
     sinks: list[Sink] = []
     if cfg.history_path is not None:
         sinks.append(HistoryWriter(cfg.history_path, cfg.history_max_bytes, lazy=True))
     if cfg.sinks:
-        from gradwatch.sinks import sinks_from_config
+        from gradwatch.export.sinks import sinks_from_config
 
         sinks.extend(sinks_from_config(cfg))
     sinks.extend(extra_sinks)

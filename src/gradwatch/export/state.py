@@ -376,8 +376,8 @@ class SelfStats:
             self.version += 1
 
     def add_audit(self, source: str, ratio: float, agrees: bool) -> None:
-        """One audited norm of ``source`` (:mod:`gradwatch.audit`): its ``reported / exact``
-        ratio (NaN when undefined) and whether it agreed. At most
+        """One audited norm of ``source`` (:mod:`gradwatch.analysis.audit`): its ``reported /
+        exact`` ratio (NaN when undefined) and whether it agreed. At most
         :data:`MAX_AUDIT_SOURCES` sources; later new ones are ignored (bounded series)."""
         with self._lock:
             if source not in self._audits and len(self._audits) >= MAX_AUDIT_SOURCES:

@@ -22,7 +22,7 @@ accumulation boundary, ``engine.step()``, which clips (``gradient_clipping``, th
 ``max_grad_norm``) inside the optimizer step; ``on_pre_optimizer_step`` comes after it, when the
 reduced gradients are gone. So the callback wraps the engine's ``step`` (an instance attribute,
 from ``on_train_begin`` to ``on_train_end``): on a boundary it collects first, from DeepSpeed's
-partitions (:mod:`gradwatch.zero`): **pre-clip** figures, never labelled post-clip. After the
+partitions (:mod:`gradwatch.stacks.zero`): **pre-clip** figures, never labelled post-clip. After the
 step, DeepSpeed's own ``get_global_grad_norm()`` (what the Trainer logs as ``grad_norm``) is
 handed to :meth:`GradWatch.audit_norm` (``source="deepspeed"``).
 
@@ -30,7 +30,7 @@ With ``max_grad_norm=0`` (no clipping) the Trainer's own norm is computed by acc
 torch's function, and gradwatch collects in ``on_pre_optimizer_step``, before the optimizer step.
 
 The callback receives the unwrapped model; under DDP the Trainer's wrapper is found from it
-(:func:`gradwatch.model.wrapping_ddp`), so the parallelism reads ``ddp{n}`` as for plain DDP.
+(:func:`gradwatch.norms.model.wrapping_ddp`), so the parallelism reads ``ddp{n}`` as for plain DDP.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gradwatch.config import WatchConfig
-from gradwatch.guard import GuardedOptimizer
 from gradwatch.integrations.common import log_figures
+from gradwatch.step.guard import GuardedOptimizer
 from gradwatch.watcher import GradWatch
 
 log = logging.getLogger("gradwatch")

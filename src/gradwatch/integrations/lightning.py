@@ -4,7 +4,7 @@ Timing: Lightning calls ``on_before_optimizer_step`` after backward (and after A
 and **before** gradient clipping, so the norms are pre-clip and unscaled: the right moment.
 
 The callback receives the unwrapped ``LightningModule``; under DDP the strategy's wrapper is
-found from it (:func:`gradwatch.model.wrapping_ddp`), so the parallelism reads ``ddp{n}``.
+found from it (:func:`gradwatch.norms.model.wrapping_ddp`), so the parallelism reads ``ddp{n}``.
 
 Auditing: when the module logs Lightning's own total gradient norm (the
 ``grad_2.0_norm_total`` entry of ``lightning.pytorch.utilities.grad_norm``, the documented way
@@ -22,8 +22,8 @@ import lightning.pytorch as pl
 import torch
 
 from gradwatch.config import WatchConfig
-from gradwatch.guard import GuardedOptimizer
 from gradwatch.integrations.common import log_figures
+from gradwatch.step.guard import GuardedOptimizer
 from gradwatch.watcher import GradWatch
 
 #: The key of the total norm ``lightning.pytorch.utilities.grad_norm(module, 2)`` returns.

@@ -109,7 +109,7 @@ def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
 
     import transformers
 
-    from gradwatch.history import read_history
+    from gradwatch.export.history import read_history
     from gradwatch.integrations.huggingface import GradWatchCallback
 
     references: list[float] = []
@@ -176,7 +176,7 @@ def run_huggingface_deepspeed(out: Path) -> dict[str, Any]:
     import deepspeed.comm.torch  # noqa: F401  (imported to replace its JIT-built CPU op)
     import transformers
 
-    from gradwatch.history import read_history
+    from gradwatch.export.history import read_history
     from gradwatch.integrations.huggingface import GradWatchCallback
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo carries everything

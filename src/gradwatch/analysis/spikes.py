@@ -1,0 +1,260 @@
+"""Adaptive spike detection: a gradient norm far above its own recent history.
+
+A fixed ``exploding_threshold`` is arbitrary for most models (a norm of 20 can be a 10x spike,
+150 can be normal). This module scores each step's norm against the recent history of the same
+series (the global norm and every group), on the host, from the :class:`Snapshot` that
+``result()`` builds: no device op, no host read, no collective, nothing in ``collect()``.
+
+The math, per series (the global norm, each group):
+
+* a *sample* is ``x = ln(norm)`` of a step whose gradients were all finite
+  (:attr:`Snapshot.is_finite`) and whose norm is finite and positive. A non-finite step is not
+  a sample of any series (it is already counted as non-finite) and a zero norm (a group without
+  gradient) has no logarithm: neither enters the window, so neither poisons it;
+* the *window* ``W`` holds the last ``spike_window`` samples *before* the scored step, in
+  collection order;
+* the typical level is the median ``m = median(W)`` and the spread the median absolute
+  deviation ``MAD = median(|x_i - m|)``, scaled to a standard deviation of normal data,
+  ``s = max(1.4826 * MAD, MIN_LOG_SPREAD)``;
+* the *score* of a step is ``(x - m) / s``: how many robust deviations its log-norm lies above
+  the typical one (negative below it). It is NaN while undefined: before ``W`` holds
+  ``spike_warmup`` samples, or when the step's own norm is non-finite or zero;
+* a *spike* is a score above ``spike_threshold`` (``0`` disables detection: no scores at all).
+  The smallest norm flagged is ``exp(spike_threshold * s)`` times the typical norm ``exp(m)``,
+  at least ``exp(6 * 0.05) = 1.35`` times it at the default threshold.
+
+Why median and MAD of log-norms rather than an EMA of mean and variance: gradient norms are
+positive and move by factors, so their logarithm is the scale on which "10x" is a fixed
+distance; and a median and MAD are not dragged by the spikes they must detect (one 10x spike in
+an EMA of the variance raises the bar for the next ones), and they need no decay constant. The
+spikes themselves enter the window: at most half of it can be spikes before the median moves,
+so isolated spikes never mask each other. ``MIN_LOG_SPREAD`` keeps a perfectly steady series
+(MAD 0) from flagging a change of a few percent.
+
+Changes of level re-base the window, so a spike after one is measured against the new level
+(real runs change level: warmup ends, a module unfreezes, the learning rate steps):
+
+* **an announced stage change**: when the set of isolated groups differs from the previous
+  collect's (``GradWatch.set_isolated``, the snapshot's ``isolation_violated`` keys), every
+  window is emptied before the step is scored. The new stage's first ``spike_warmup`` steps
+  have no score (NaN, so no spike from the change itself) and become its baseline;
+* **a sustained shift without one**: when the last :data:`SHIFT_RUN` samples of a series all
+  scored beyond :data:`SHIFT_SCORE` robust deviations on the same side of the median, the
+  window keeps those samples only: the shift is the new level. Scores resume once the window
+  holds ``spike_warmup`` samples again, so at most ``spike_warmup`` steps after the shift
+  began. A shift down flags nothing; a jump up is indistinguishable from a spike when it
+  happens, so its first steps (at most :data:`SHIFT_RUN`) may be flagged. On a stationary
+  series a run of :data:`SHIFT_RUN` such samples is vanishingly rare (each has a probability
+  of 0.0013 for normal log-norms), so isolated spikes never trigger it.
+
+With the defaults (window 128, warm-up 32) a 10x spike 50 steps after a 30x drop of level is
+found, announced or not (tests/unit/test_spikes.py).
+
+Cost: per series and step, one insertion and one removal in a sorted list (``bisect``) and one
+sort of ``spike_window`` absolute deviations: O(groups * window log window) host work on the
+publisher thread, independent of the number of parameters.
+
+Each spike logs a WARNING naming the series, the score, the norm and the typical norm, at most
+once a minute per series (the counters of :mod:`gradwatch.export` count every one). Steps are
+taken in the order of their collects: a result materialized after a later one (a
+caller that keeps an old pending result) is scored against the window as it is, without
+entering it. Steps the publisher dropped (it fell behind) never enter it either.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gradwatch.analysis.anomalies import RateLimitedLog
+from gradwatch.snapshot import Snapshot
+
+__all__ = [
+    "MAD_TO_SIGMA",
+    "MIN_LOG_SPREAD",
+    "SHIFT_RUN",
+    "SHIFT_SCORE",
+    "SpikeDetector",
+    "SpikeWindow",
+]
+
+log = logging.getLogger("gradwatch")
+
+#: Scales a MAD to the standard deviation of normally distributed data (1 / Phi^-1(3/4)).
+MAD_TO_SIGMA = 1.4826
+#: Floor of the spread ``s`` in natural-log units: a series whose log-norm does not move at all
+#: still needs a factor of ``exp(threshold * MIN_LOG_SPREAD)`` to spike.
+MIN_LOG_SPREAD = 0.05
+#: Consecutive samples beyond :data:`SHIFT_SCORE`, on one side, that make a level shift.
+SHIFT_RUN = 8
+#: Robust deviations from the median beyond which a sample counts towards a level shift.
+SHIFT_SCORE = 3.0
+
+
+class SpikeWindow:
+    """The last ``size`` log-norm samples of one series: arrival order and a sorted copy."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._fifo: deque[float] = deque()
+        self._sorted: list[float] = []
+        self._run: list[float] = []  # the latest samples beyond SHIFT_SCORE, on one side
+        self._run_side = 0.0
+
+    def __len__(self) -> int:
+        return len(self._fifo)
+
+    def add(self, x: float) -> None:
+        if len(self._fifo) == self.size:
+            old = self._fifo.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._fifo.append(x)
+        bisect.insort(self._sorted, x)
+
+    def clear(self, keep: Sequence[float] = ()) -> None:
+        """Empty the window, then add ``keep`` (oldest first): a new baseline."""
+        self._fifo.clear()
+        self._sorted.clear()
+        self._run = []
+        self._run_side = 0.0
+        for x in keep:
+            self.add(x)
+
+    def track_shift(self, x: float, score: float) -> bool:
+        """Count ``x`` (just added, scored ``score``) towards a level shift; on the
+        :data:`SHIFT_RUN`-th consecutive sample beyond :data:`SHIFT_SCORE` on one side, re-base
+        the window on those samples and return True."""
+        side = math.copysign(1.0, score) if abs(score) > SHIFT_SCORE else 0.0
+        if side == 0.0 or side != self._run_side:
+            self._run = []
+        self._run_side = side
+        if side == 0.0:
+            return False
+        self._run.append(x)
+        if len(self._run) < SHIFT_RUN:
+            return False
+        self.clear(self._run)
+        return True
+
+    def median(self) -> float:
+        s = self._sorted
+        n = len(s)
+        mid = n // 2
+        return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+    def center_spread(self) -> tuple[float, float]:
+        """``(m, s)``: the median and the floored, sigma-scaled MAD (window not empty)."""
+        m = self.median()
+        deviations = sorted([abs(v - m) for v in self._sorted])
+        n = len(deviations)
+        mid = n // 2
+        mad = deviations[mid] if n % 2 else 0.5 * (deviations[mid - 1] + deviations[mid])
+        return m, max(MAD_TO_SIGMA * mad, MIN_LOG_SPREAD)
+
+
+def _log_sample(norm: float) -> float | None:
+    """``ln(norm)`` when it can be a sample (finite and positive), else None."""
+    return math.log(norm) if math.isfinite(norm) and norm > 0.0 else None
+
+
+class SpikeDetector:
+    """Scores every snapshot against the rolling window of each series (see the module docs).
+
+    Thread-safe: results may be materialized on any thread; scoring and updating a window is
+    one critical section per snapshot.
+
+    Args:
+        window: ``spike_window``, samples per series.
+        threshold: ``spike_threshold``; ``0`` disables detection (:meth:`score` returns the
+            snapshot unchanged).
+        warmup: ``spike_warmup``, samples a window needs before a score is defined.
+        rank: named in the warnings.
+    """
+
+    def __init__(self, window: int, threshold: float, warmup: int, rank: int = 0) -> None:
+        self.window = window
+        self.threshold = threshold
+        self.warmup = warmup
+        self.rank = rank
+        self._windows: dict[str | None, SpikeWindow] = {}  # None: the global norm
+        self._last_order = 0
+        self._stage: frozenset[str] | None = None  # the isolated groups of the last collect
+        self._lock = threading.Lock()
+        self._log = RateLimitedLog(60.0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold > 0
+
+    def score(self, snap: Snapshot, order: int) -> Snapshot:
+        """``snap`` with its :meth:`fields` set."""
+        return snap.replace(**self.fields(snap, order)) if self.enabled else snap
+
+    def fields(self, snap: Snapshot, order: int) -> dict[str, Any]:
+        """``global_spike_score``, ``spike_scores``, ``global_spike`` and ``spiking_groups`` of
+        ``snap`` (keyword arguments of :meth:`Snapshot.replace`; empty when disabled); ``order``
+        numbers the collects (a later collect has a larger one). Logs one rate-limited WARNING
+        per spiking series."""
+        if not self.enabled:
+            return {}
+        series: dict[str | None, float] = {None: snap.global_norm}
+        series.update((g, s.norm) for g, s in snap.groups.items())
+        with self._lock:
+            enters = snap.is_finite and order > self._last_order
+            if order > self._last_order:
+                self._last_order = order
+                stage = frozenset(snap.isolation_violated)
+                if self._stage is not None and stage != self._stage:
+                    for w in self._windows.values():  # a new stage: a new baseline
+                        w.clear()
+                self._stage = stage
+            scores: dict[str | None, float] = {}
+            typical: dict[str | None, tuple[float, int]] = {}
+            for key, norm in series.items():
+                x = _log_sample(norm)
+                w = self._windows.get(key)
+                if w is None:
+                    w = self._windows[key] = SpikeWindow(self.window)
+                score = math.nan
+                if x is not None and len(w) >= self.warmup and len(w) > 0:
+                    m, s = w.center_spread()
+                    score = (x - m) / s
+                    typical[key] = (math.exp(m), len(w))
+                scores[key] = score
+                if enters and x is not None:
+                    w.add(x)
+                    if score == score:
+                        w.track_shift(x, score)
+        spiking = tuple(g for g in snap.groups if scores[g] > self.threshold)
+        global_spike = scores[None] > self.threshold
+        for key in ((None,) if global_spike else ()) + spiking:
+            self._warn(snap.step, key, scores[key], series[key], *typical[key])
+        group_scores: Mapping[str, float] = {g: scores[g] for g in snap.groups}
+        return {
+            "global_spike_score": scores[None],
+            "spike_scores": group_scores,
+            "global_spike": global_spike,
+            "spiking_groups": spiking,
+        }
+
+    def _warn(
+        self, step: int, group: str | None, score: float, norm: float, typical: float, n: int
+    ) -> None:
+        what = "the global norm" if group is None else f"group {group!r}"
+        self._log.warning(
+            "spike" if group is None else f"spike:{group}",
+            "gradwatch: step %d: gradient-norm spike in %s (rank %d): norm %.4g is %.1f robust "
+            "deviations above the recent typical norm %.4g (median of the last %d steps)",
+            step,
+            what,
+            self.rank,
+            norm,
+            score,
+            typical,
+            n,
+        )

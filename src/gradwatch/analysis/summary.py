@@ -1,0 +1,331 @@
+"""Host-side summary: from the reduced per-parameter vector to a :class:`Snapshot`.
+
+Runs off the training thread (in ``PendingSnapshot.result()``), on plain Python floats, with no
+device work: group and global norms are :func:`gradwatch.norms.stats.sqrt_sum` of the parameters'
+squared norms (an exact sum, scaled so a sum of squares beyond float64's range cannot overflow),
+so the combination adds no error beyond rounding. When some float64 norm lies outside
+``[2^-450, 2^450]`` its square travels in the high or low band (:mod:`gradwatch.norms.stats`): each
+parameter's norm comes from its bands (:func:`gradwatch.norms.bands.norm_from_bands`) and totals
+from those norms by ``math.hypot`` (scaled internally, so nothing overflows or underflows).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gradwatch.analysis.anomalies import AnomalyLog
+from gradwatch.analysis.audit import LocalSquares, NormAuditor, parallel_factors
+from gradwatch.analysis.rankview import NoiseScale, rank_view_fields
+from gradwatch.analysis.reporter import Reporter
+from gradwatch.analysis.spikes import SpikeDetector
+from gradwatch.config import WatchConfig, ratio_key
+from gradwatch.norms.bands import norm_from_bands
+from gradwatch.norms.stats import sqrt_sum
+from gradwatch.reduce.packing import ReducedStats
+from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, ratio_defined
+from gradwatch.step.clip import clip_coefficient
+from gradwatch.step.guard import GuardDecision, StepGuard
+from gradwatch.step.resolve import Resolved
+
+
+def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:
+    """``(n/sqrt(n_numel)) / (d/sqrt(d_numel) + 1e-8)``.
+
+    NaN when undefined: the denominator had no gradient element, or a norm below 1e-8 or
+    non-finite (:func:`~gradwatch.snapshot.ratio_defined`); never a 0 that would read as a
+    dormant numerator. 0.0 when the denominator is defined and the numerator had no gradient
+    or a norm below 1e-8 (a dormant numerator, measured); NaN/Inf in the numerator propagate.
+    """
+    if not ratio_defined(GroupStats(norm=d_norm, numel=d_numel)):
+        return math.nan
+    if n_numel == 0 or n_norm < RATIO_EPS:
+        return 0.0
+    return (n_norm / math.sqrt(n_numel)) / (d_norm / math.sqrt(d_numel) + RATIO_EPS)
+
+
+def raw_ratio(n_norm: float, d_norm: float) -> float:
+    """``n / d``; NaN when undefined (``d`` is 0 or non-finite)."""
+    return n_norm / d_norm if math.isfinite(d_norm) and d_norm != 0.0 else math.nan
+
+
+def health_score(n: int, vanishing: int, exploding: int, global_norm: float) -> float:
+    """``clamp(1 - 0.5 v/n - 0.8 e/n, 0, 1)``; 0.0 if the global norm is not finite; 1.0 if
+    n == 0."""
+    if not math.isfinite(global_norm):
+        return 0.0
+    if n == 0:
+        return 1.0
+    return min(1.0, max(0.0, 1.0 - 0.5 * vanishing / n - 0.8 * exploding / n))
+
+
+def summarize(
+    *,
+    step: int,
+    cfg: WatchConfig,
+    names: Sequence[str],
+    groups_of: Sequence[str],
+    numels: Sequence[int],
+    squares: Sequence[float],
+    nonfinite_flags: Sequence[float],
+    has_grad: Sequence[float],
+    group_order: Sequence[str],
+    isolated: Sequence[str] | None = None,
+    squares_high: Sequence[float] | None = None,
+    squares_low: Sequence[float] | None = None,
+    **extra: object,
+) -> Snapshot:
+    """Build the snapshot of one step from per-parameter squared norms (global layout order).
+
+    ``group_order`` lists the groups that always appear: the configured ones, plus ``"other"``
+    when some parameter of the model matched no pattern. ``isolated`` (default
+    ``cfg.isolated``) lists the groups checked for isolation.
+
+    A parameter counts (``tensors``, ``numel``, health's n) when some rank had a gradient for it.
+    It is non-finite when its squared norm is NaN/Inf or any rank flagged its piece.
+    ``squares_high`` / ``squares_low``: the high and low bands of the squared norms (the
+    parameter's squared norm is ``squares[i] + squares_high[i] * 2^1100 + squares_low[i] *
+    2^-1200``); None when empty.
+    """
+    high = squares_high if squares_high is not None and any(squares_high) else None
+    low = squares_low if squares_low is not None and any(squares_low) else None
+    banded = high is not None or low is not None
+    zeros = [0.0] * len(squares) if banded else []
+    high_of = high if high is not None else zeros
+    low_of = low if low is not None else zeros
+    all_norms: list[float] = []  # the banded case
+    members = _members(tuple(groups_of), tuple(group_order), tuple(has_grad))
+    param_norms: dict[str, float] = {}
+    nonfinite_params: list[str] = []
+    group_stats: dict[str, GroupStats] = {}
+    all_squares: list[float] = []
+    vt, et = cfg.vanishing_threshold, cfg.exploding_threshold
+    total_v = total_e = total_n = 0
+    for group, idx in members.items():
+        sq = list(map(squares.__getitem__, idx))
+        all_squares.extend(sq)
+        group_names = list(map(names.__getitem__, idx))
+        if banded:
+            hi = list(map(high_of.__getitem__, idx))
+            lo = list(map(low_of.__getitem__, idx))
+            norms = list(map(norm_from_bands, sq, hi, lo))
+            all_norms.extend(norms)
+            group_norm = _hypot(norms)
+        else:
+            norms = list(map(math.sqrt, sq))
+            group_norm = sqrt_sum(sq)
+        param_norms.update(zip(group_names, norms, strict=True))
+        flags = list(map(nonfinite_flags.__getitem__, idx))
+        # The common case, all finite and unflagged, is settled by two C-level passes: a NaN
+        # or Inf square makes the plain sum NaN or Inf (a finite sum that overflows only sends
+        # us to the exact per-parameter check). Only otherwise is each parameter looked at:
+        # ``not norm < inf`` is True for NaN and Inf; a replica's flag marks a finite copy too.
+        if sum(norms) < math.inf and not any(flags):
+            bad: list[int] = []
+            finite = norms
+        else:
+            bad = [k for k in range(len(idx)) if not norms[k] < math.inf or flags[k] > 0]
+            ok = set(range(len(idx))).difference(bad)
+            finite = [norms[k] for k in sorted(ok)]
+        nonfinite = len(bad)
+        nonfinite_params.extend(group_names[k] for k in bad)
+        exploding = nonfinite + sum(map(et.__lt__, finite))
+        vanishing = sum(map(vt.__gt__, finite))
+        group_stats[group] = GroupStats(
+            norm=group_norm,
+            numel=sum(map(numels.__getitem__, idx)),
+            tensors=len(idx),
+            vanishing=vanishing,
+            exploding=exploding,
+            nonfinite=nonfinite,
+        )
+        total_v += vanishing
+        total_e += exploding
+        total_n += len(idx)
+    global_norm = _hypot(all_norms) if banded else sqrt_sum(all_squares)
+    if nonfinite_params and math.isfinite(global_norm):
+        global_norm = math.nan  # a replica flagged NaN that the counted copy did not show
+    ratios: dict[str, float] = {}
+    raw: dict[str, float] = {}
+    empty = GroupStats()
+    for num, den in cfg.ratios:
+        n, d = group_stats.get(num, empty), group_stats.get(den, empty)
+        key = ratio_key(num, den)
+        ratios[key] = normalized_ratio(n.norm, n.numel, d.norm, d.numel)
+        raw[key] = raw_ratio(n.norm, d.norm)
+    checked = cfg.isolated if isolated is None else isolated
+    isolation = {
+        g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in checked
+    }
+    return Snapshot(
+        step=step,
+        global_norm=global_norm,
+        groups=group_stats,
+        param_norms=param_norms,
+        nonfinite_params=tuple(sorted(nonfinite_params)),
+        ratios=ratios,
+        raw_ratios=raw,
+        health=health_score(total_n, total_v, total_e, global_norm),
+        isolation_violated=isolation,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _members(
+    groups_of: tuple[str, ...], group_order: tuple[str, ...], has_grad: tuple[float, ...]
+) -> dict[str, list[int]]:
+    """Per group, the positions that had a gradient (the always-shown groups first). The
+    same from step to step in most jobs, so cached on the exact inputs (tuples: hashed and
+    compared in C)."""
+    members: dict[str, list[int]] = {g: [] for g in group_order}
+    for i, group in enumerate(groups_of):
+        if has_grad[i] > 0:
+            members.setdefault(group, []).append(i)
+    return members
+
+
+def _hypot(norms: list[float]) -> float:
+    """The L2 norm of parameters given by their norms (the banded case): ``math.hypot``,
+    which scales internally (nothing overflows or underflows), except that a NaN wins over an
+    Inf, as in a plain sum of squares."""
+    if any(x != x for x in norms):
+        return math.nan
+    return math.hypot(*norms)
+
+
+def _violates(norm: float, threshold: float) -> bool:
+    """An isolated group violates isolation when its norm exceeds the threshold; a NaN/Inf
+    gradient in it is a gradient too, so it violates as well."""
+    return not math.isfinite(norm) or norm > threshold
+
+
+@dataclass(frozen=True)
+class CollectedStep:
+    """What a collect knew that the reduced figures do not: its step, when it ran, and what
+    it was asked (clip, AMP, batch size), held until its snapshot is built."""
+
+    step: int
+    timestamp: float
+    attempt: int  # numbers the collects: orders spike windows
+    measure_divergence: bool
+    isolated: tuple[str, ...]  # the expectation at collect time, not at build time
+    max_norm: float | None = None
+    amp: bool = False
+    batch_size: int | None = None
+    local_sq: LocalSquares | None = None  # this rank's squares: the audit's local diagnosis
+    guard: StepGuard | None = None  # GradWatch.guard(): its decision on this step
+    decision: GuardDecision | None = None
+
+
+class Summarizer:
+    """Builds each measured step's :class:`Snapshot`, once, from its reduced figures, and owns
+    the host-side state that reads a series of snapshots: spike windows, the anomaly warnings,
+    the noise scale, the last replica divergence and the norm auditor.
+
+    Runs where results are materialized (the publisher thread, or whoever calls
+    ``result()``); never issues device work nor reads a device tensor (the audit's local
+    squares reach the host by their own copy: :class:`~gradwatch.analysis.audit.LocalSquares`).
+
+    Args:
+        cfg: the watcher's configuration.
+        resolved: the model as resolved at construction (names, groups, layout).
+        reporter: where counters and once-logged warnings go.
+    """
+
+    def __init__(self, cfg: WatchConfig, resolved: Resolved, reporter: Reporter) -> None:
+        self.cfg = cfg
+        self._resolved = resolved
+        self._reporter = reporter
+        self._last_divergence = 0.0
+        self._anomalies = AnomalyLog(resolved.rank, cfg.isolation_threshold)
+        self._spikes = SpikeDetector(
+            cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup, resolved.rank
+        )
+        self._noise = NoiseScale()
+        self._auditor = NormAuditor(
+            cfg.audit_tolerance, parallel_factors(resolved.parallelism, resolved.world_size)
+        )
+        self.last: Snapshot | None = None  # the newest measured step
+
+    def build(self, stats: ReducedStats, step: CollectedStep) -> Snapshot:
+        """The snapshot of ``step`` from its reduced ``stats``: the summary, the clip
+        coefficient, AMP, the per-rank view and the spike scores; then anomalies are
+        warned, the audit judged and :attr:`last` advanced."""
+        r = self._resolved
+        if step.measure_divergence:
+            self._last_divergence = stats.replica_divergence()
+        snap = summarize(
+            step=step.step,
+            cfg=self.cfg,
+            names=r.layout.names,
+            groups_of=r.groups_of,
+            numels=r.layout.numels,
+            squares=stats.squares,
+            squares_high=stats.squares_high,
+            squares_low=stats.squares_low,
+            nonfinite_flags=stats.nonfinite,
+            has_grad=stats.has_grad,
+            group_order=r.group_order,
+            isolated=step.isolated,
+            world_size=stats.world_size,
+            parallelism=r.parallelism,
+            replica_divergence=self._last_divergence,
+            timestamp=step.timestamp,
+        )
+        changes: dict[str, Any] = {}
+        if step.max_norm is not None:
+            changes["clip_coef"] = clip_coefficient(step.max_norm, snap.global_norm)
+        if step.amp and not snap.is_finite:
+            changes["amp_skipped"] = True
+        if step.decision is not None and step.guard is not None:
+            reading = step.decision.reading()
+            changes.update(reading.snapshot_fields())
+            step.guard.report(reading, step.step, r.rank)
+        if stats.rank_view is not None:
+            changes.update(
+                rank_view_fields(
+                    stats.rank_view, snap, r.view_groups, self._noise, step.batch_size or 1
+                )
+            )
+        # Host-side, after the one read: scored in collect order, see gradwatch.analysis.spikes.
+        changes.update(self._spikes.fields(snap, step.attempt))
+        if changes:
+            snap = snap.replace(**changes)
+        self._anomalies.report(snap)
+        if self.last is None or snap.step >= self.last.step:
+            self.last = snap
+        self.audit(snap, step.local_sq)
+        return snap
+
+    def report_norm(self, step: int, source: str, reported: Any) -> None:
+        """Hold a norm the training code reported for ``step`` until that step is built."""
+        self._auditor.report(step, source, reported)
+
+    @property
+    def auditing(self) -> bool:
+        """Some norm was reported: collects keep this rank's local squares from now on."""
+        return self._auditor.active
+
+    def audit(self, snap: Snapshot | None = None, local_sq: LocalSquares | None = None) -> None:
+        """Judge the reported norms waiting for ``snap`` (or any built step when None)."""
+        auditor = self._auditor
+        try:
+            if snap is None:
+                verdicts = auditor.judge()
+            else:
+                local = None
+                if local_sq is not None and auditor.active:
+                    local = local_sq.norm()  # host memory only (LocalSquares)
+                verdicts = auditor.judge(snap.step, snap.global_norm, local)
+            for v in verdicts:
+                self._reporter.audit(v.source, v.ratio, v.agrees)
+                if not v.agrees:
+                    self._reporter.log_once(
+                        f"audit:{v.source}:{v.kind}", "%s", v.message(self.cfg.audit_tolerance)
+                    )
+        except Exception as exc:  # never-crash boundary: an audit never breaks its step
+            self._reporter.log_once("audit-error", "gradwatch: a norm audit failed: %s", exc)

@@ -1,0 +1,538 @@
+"""Local (per-rank) gradient math: exact squared L2 norms of many tensors, batched.
+
+Given the gradients a rank holds (plain tensors, or the local shards of DTensors),
+:class:`NormEngine` returns one float64 vector of their squared norms in three bands
+(:mod:`gradwatch.norms.bands`), computed without a float64 copy of any gradient and with a number of
+dispatched ops that does not grow with the number of tensors of up to :data:`WHOLE_NUMEL`
+elements (each larger one costs two ops: a view and a norm). Per (device, dtype) bucket, like
+``torch.nn.utils.get_total_norm``:
+
+* accelerators, float32/bf16/fp16: one ``torch._foreach_norm(..., dtype=torch.float64)``;
+* float64 on accelerators: rescaled rows in one persistent scratch (:func:`rescaled_norms`);
+* CPU float32/bf16/fp16: rows of :data:`ROW_NUMEL` elements normed in float32 (small tensors
+  packed into one buffer, large ones read in place), their squares summed per tensor in
+  float64 by one sparse-CSR product;
+* CPU repair: a tensor whose fast norm is non-finite or tiny is recomputed exactly in float64,
+  chunk by chunk.
+
+Non-finite detection comes from the norms themselves (a NaN gives a NaN norm, an Inf an Inf
+norm): no gradient-sized masks. Totals are :func:`sqrt_sum` of plain squares (the largest
+factored out, so a sum beyond float64 cannot overflow) or a band combination. The math, its
+exactness and its costs: docs/design.md, "The local math".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from gradwatch.norms.bands import BANDS, banded_total_device, bands_of_norm, bands_of_norms_device
+from gradwatch.norms.rescale import RESCALE_SCRATCH, RescalePlan, build_rescale_plan, rescaled_norms
+from gradwatch.norms.rows import (
+    ROW_NUMEL,
+    RowSquares,
+    StalePlan,
+    aligned,
+    flat_view,
+    foreach_splits,
+    host_to_device,
+    to_device,
+)
+
+#: CPU tensors with at most this many elements are normed whole, with float64 accumulation.
+WHOLE_NUMEL = 65536
+#: bf16/fp16 row-path tensors are widened to float32 this many elements at a time, into one
+#: reused scratch buffer (4 MiB). ``vector_norm(t, dtype=torch.float32)`` would allocate a float32
+#: copy of the whole tensor (twice its bytes, fresh memory each call). A multiple of ROW_NUMEL.
+CONVERT_CHUNK = 1 << 20
+#: CPU bf16/fp16/fp32 tensors of ROW_NUMEL+1 to WHOLE_NUMEL elements are copied (widened) by
+#: one foreach op into zero-padded, row-aligned slots of one persistent float32 buffer per
+#: (device, dtype), and normed there as rows: a float64-accumulating norm of them converts every
+#: element to float64 and costs ~5x more. The buffer holds at most this many elements (16 MiB);
+#: tensors that do not fit take the float64 path.
+PACK_NUMEL = 1 << 22
+#: Buckets with at least this many rows sum them per tensor by a sparse-CSR matrix-vector
+#: product; fewer, by ``index_add_`` (cheaper below about 20K rows, see segment_sum_matrix).
+CSR_MIN_ROWS = 32768
+#: Exact recomputation walks a tensor in chunks of this many elements (bounds temporaries).
+RECOMPUTE_CHUNK = 65536
+#: A row-path tensor whose fast norm is below this is recomputed exactly: below it, float32
+#: squares of its elements may have flushed to zero or lost precision as subnormals.
+TINY_NORM = 1e-11
+#: Float64 tensors whose norm is below this (or non-finite) are recomputed with rescaling.
+TINY_NORM_FLOAT64 = 1e-140
+#: Float64 tensors whose squared norm is above this are recomputed too (into the high band):
+#: plain-band values stay at most 2^900, so no sum of them can overflow.
+HUGE_SQUARE_FLOAT64 = 2.0**900
+_LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def as_real_values(g: Tensor) -> Tensor:
+    """The tensor whose L2 norm is the gradient's: sparse -> coalesced values, complex -> real
+    view."""
+    if g.layout != torch.strided:
+        g = g.coalesce().values() if g.layout == torch.sparse_coo else g.values()
+    if g.is_complex():
+        g = torch.view_as_real(g)
+    return g
+
+
+@dataclass
+class _RowChunk:
+    """One conversion chunk of a bf16/fp16 row-path tensor: ``numel`` elements from ``start``
+    are widened into ``scratch`` (a 1-D view of the plan's buffer) and normed as ``rows`` (the
+    same memory as rows of ROW_NUMEL) into ``out``."""
+
+    start: int
+    numel: int
+    scratch: Tensor
+    rows: Tensor
+    out: Tensor
+
+
+@dataclass
+class _Bucket:
+    """Tensors of one (device, dtype) and how each is normed. Built once per gradient layout."""
+
+    device: torch.device
+    dtype: torch.dtype
+    whole: list[int] = field(default_factory=list)  # positions normed by a float64 foreach op
+    whole_index: Tensor | None = None  # ``whole``, on the output device
+    whole_splits: list[slice] = field(default_factory=list)  # one foreach call per slice
+    rescaled: list[int] = field(default_factory=list)  # float64 positions normed rescaled
+    rescale: RescalePlan | None = None  # how (accelerators; see rescaled_norms)
+    rescaled_index: Tensor | None = None  # their indices in all three bands, on out_device
+    rows: list[int] = field(default_factory=list)  # positions normed in place as float32 rows
+    row_counts: list[int] = field(default_factory=list)  # full rows of each, for as_strided
+    row_strides: list[tuple[int, ...]] = field(default_factory=list)  # as planned (checked)
+    row_outs: list[Tensor] = field(default_factory=list)  # float32 tensors: its slice of norms
+    row_chunks: list[list[_RowChunk]] = field(default_factory=list)  # bf16/fp16 tensors
+    tails: list[int] = field(default_factory=list)  # rows positions with a partial last row
+    packed: list[int] = field(default_factory=list)  # positions copied whole into the pack
+    pack_used: int = 0  # elements of the pack buffer in use (row-aligned slots)
+    pack_slots: list[Tensor] = field(default_factory=list)  # the slots of packed, then of tails
+    pack_rows: Tensor | None = None  # the pack buffer as (rows, ROW_NUMEL)
+    pack_out: Tensor | None = None  # pack_rows' slice of norms
+    # The float32 norm of every row of this bucket (``row_sums.norms``), each row's position,
+    # and how their squares are summed per position (a sparse CSR product for many rows)
+    row_sums: RowSquares | None = None
+
+    @property
+    def positions(self) -> list[int]:
+        """Every position of this bucket (any order)."""
+        return [*self.packed, *self.rows, *self.whole, *self.rescaled]
+
+
+@dataclass
+class NormPlan:
+    """How to norm one list of tensors; valid while shapes, dtypes, devices and strides hold."""
+
+    n: int
+    out_device: torch.device
+    buckets: list[_Bucket]
+    needs_repair: bool  # some bucket is on CPU: the fast path may need an exact repair
+    repair_floor: Tensor | None  # per position: squared norms below this are recomputed
+    repair_ceiling: Tensor | None = None  # and above this (float64 positions; else None)
+    scratch: dict[torch.device, Tensor] = field(default_factory=dict)  # widening buffers
+
+
+class MetaGradientError(ValueError):
+    """A gradient on the ``meta`` device: it has no values to norm (the model was built on
+    ``meta`` and the gradient never materialized). ``position`` is its index."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"gradwatch: gradient {position} is on the meta device")
+        self.position = position
+
+
+def _layout_key(tensors: Sequence[Tensor | None]) -> list:
+    # The cheap part of what a plan depends on, read for every tensor on every step: presence,
+    # dtype and shape (pack slots are views of that shape). Devices and strides matter only for
+    # row-path tensors, read in place through as_strided: _fill_row_norms checks those few and
+    # raises StalePlan. A packed or whole-path tensor on another device or with other strides
+    # is still normed right (copy_ and foreach norms accept any), or raises, which replans.
+    # Reading device and contiguity too would cost half as much again, per tensor per step.
+    return [None if t is None else (t.dtype, t.shape) for t in tensors]
+
+
+def build_plan(
+    tensors: Sequence[Tensor | None], out_device: torch.device, rescale_float64: bool = False
+) -> NormPlan:
+    """Sorts tensors into buckets and paths; O(len(tensors)) Python and a few index tensors,
+    so it is cached and rebuilt only when the gradient layout changes.
+
+    Row-path tensors are placed first, so their partial last rows get pack slots before the
+    mid-size tensors fill the buffer; whatever does not fit takes the float64 path.
+    Float64 tensors off the CPU take the rescaled path (:func:`rescaled_norms`); with
+    ``rescale_float64`` CPU ones do too (instead of the repair), which is how tests exercise
+    the accelerator path on a CPU.
+    """
+    buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
+    floor = [0.0] * len(tensors)
+    ceiling = [math.inf] * len(tensors)
+    needs_repair = False
+    mid_size: list[int] = []
+    for i, t in enumerate(tensors):
+        if t is None or t.numel() == 0:
+            continue
+        if t.device.type == "meta":
+            raise MetaGradientError(i)
+        key = (t.device, t.dtype)
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = _Bucket(device=t.device, dtype=t.dtype)
+        on_cpu = t.device.type == "cpu"
+        fast = on_cpu and t.dtype in _LOW_PRECISION
+        if fast and t.numel() > WHOLE_NUMEL and flat_view(t) is not None:
+            has_tail = t.numel() % ROW_NUMEL != 0
+            if not has_tail or bucket.pack_used + ROW_NUMEL <= PACK_NUMEL:
+                bucket.rows.append(i)
+                bucket.row_counts.append(t.numel() // ROW_NUMEL)
+                bucket.row_strides.append(t.stride())
+                if has_tail:
+                    bucket.tails.append(i)
+                    bucket.pack_used += ROW_NUMEL
+                floor[i] = TINY_NORM * TINY_NORM
+                needs_repair = True
+                continue
+        elif fast and t.numel() <= WHOLE_NUMEL:
+            mid_size.append(i)
+            continue
+        # Float64 off the CPU: rescaled. A huge non-dense one cannot be chunked by views and
+        # takes the unrescaled foreach norm below (exact within about [1e-154, 1e154]).
+        rescaled = t.dtype == torch.float64 and (rescale_float64 or not on_cpu)
+        if rescaled and (t.numel() <= RESCALE_SCRATCH or flat_view(t) is not None):
+            bucket.rescaled.append(i)
+            continue
+        bucket.whole.append(i)
+        if on_cpu and t.dtype == torch.float64:
+            floor[i] = TINY_NORM_FLOAT64 * TINY_NORM_FLOAT64
+            ceiling[i] = HUGE_SQUARE_FLOAT64
+            needs_repair = True
+        elif on_cpu:
+            needs_repair = True  # other float types: repair only non-finite results
+    for i in mid_size:
+        t = tensors[i]
+        assert t is not None
+        bucket = buckets[(t.device, t.dtype)]
+        if bucket.pack_used + aligned(t.numel()) <= PACK_NUMEL:
+            bucket.packed.append(i)
+            bucket.pack_used += aligned(t.numel())
+        else:
+            bucket.whole.append(i)
+        floor[i] = TINY_NORM * TINY_NORM
+        needs_repair = True
+    plan = NormPlan(
+        n=len(tensors),
+        out_device=out_device,
+        buckets=list(buckets.values()),
+        needs_repair=needs_repair,
+        repair_floor=(
+            host_to_device(floor, torch.float64, out_device) if needs_repair else None
+        ),
+        repair_ceiling=(
+            host_to_device(ceiling, torch.float64, out_device)
+            if any(c < math.inf for c in ceiling)
+            else None
+        ),
+    )
+    for bucket in plan.buckets:
+        if bucket.whole:
+            bucket.whole_index = host_to_device(bucket.whole, torch.long, out_device)
+            bucket.whole_splits = foreach_splits([tensors[i].numel() for i in bucket.whole])
+        if bucket.rows or bucket.packed:
+            _build_rows(bucket, tensors, plan)
+        if bucket.rescaled:
+            rescaled = [tensors[i] for i in bucket.rescaled]
+            bucket.rescale = build_rescale_plan(rescaled)  # type: ignore[arg-type]
+            index = host_to_device(bucket.rescaled, torch.long, out_device)
+            bucket.rescaled_index = torch.cat([index + band * plan.n for band in range(BANDS)])
+    return plan
+
+
+def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPlan) -> None:
+    """The float32 norms vector of ``bucket`` (row-path rows, then pack rows), each row's
+    owner, the output slice of every norm op, and the pack buffer (zeros: padding never changes
+    a norm) with one slot per packed tensor and per partial last row, shaped like its source so
+    one ``_foreach_copy_`` fills every slot. Built with the plan, reused every step."""
+    n_rows = sum(bucket.row_counts) + bucket.pack_used // ROW_NUMEL
+    norms = torch.empty(n_rows, dtype=torch.float32, device=bucket.device)
+    owner: list[int] = []
+    at = 0
+    widen = bucket.dtype != torch.float32
+    if widen and bucket.rows:
+        need = min(CONVERT_CHUNK, max(bucket.row_counts) * ROW_NUMEL)
+        scratch = plan.scratch.get(bucket.device)
+        if scratch is None or scratch.numel() < need:
+            scratch = plan.scratch[bucket.device] = torch.empty(
+                need, dtype=torch.float32, device=bucket.device
+            )
+    for i, count in zip(bucket.rows, bucket.row_counts, strict=True):
+        out = norms[at : at + count]
+        owner.extend([i] * count)
+        at += count
+        if not widen:
+            bucket.row_outs.append(out)
+            continue
+        chunks = []
+        full = count * ROW_NUMEL
+        for start in range(0, full, CONVERT_CHUNK):
+            m = min(CONVERT_CHUNK, full - start)
+            buf = scratch[:m]
+            first = start // ROW_NUMEL
+            rows = out[first : first + m // ROW_NUMEL]
+            chunks.append(_RowChunk(start, m, buf, buf.view(-1, ROW_NUMEL), rows))
+        bucket.row_chunks.append(chunks)
+    if bucket.pack_used:
+        buffer = torch.zeros(bucket.pack_used, dtype=torch.float32, device=bucket.device)
+        offset = 0
+        sources = [(i, tensors[i].shape) for i in bucket.packed]  # type: ignore[union-attr]
+        sources += [(i, (tensors[i].numel() % ROW_NUMEL,)) for i in bucket.tails]  # type: ignore[union-attr]
+        for i, shape in sources:
+            numel = math.prod(shape)
+            bucket.pack_slots.append(buffer[offset : offset + numel].view(shape))
+            owner.extend([i] * (aligned(numel) // ROW_NUMEL))
+            offset += aligned(numel)
+        bucket.pack_rows = buffer.view(-1, ROW_NUMEL)
+        bucket.pack_out = norms[at:]
+    # Accelerators: always the CSR product, whose additions per output are in a fixed order
+    # (index_add_ adds by atomics there: replicas could sum the same rows to different bits).
+    csr = len(owner) >= CSR_MIN_ROWS or bucket.device.type != "cpu"
+    bucket.row_sums = RowSquares.build(owner, plan.n, bucket.device, csr, norms)
+
+
+def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
+    """Writes the float32 norm of every row of ``bucket`` into ``bucket.row_sums.norms``: packed
+    tensors and partial last rows are copied (widened) into the pack buffer by one foreach op,
+    row-path tensors are read in place through ``as_strided`` views of their memory (dense, so
+    the first ``count * ROW_NUMEL`` elements in memory order are whole rows), bf16/fp16 ones
+    widened chunk by chunk into the plan's scratch. Every norm writes into its slice of
+    ``bucket.row_sums.norms`` (``out=``): no per-step allocation but the views."""
+    if bucket.pack_slots:
+        sources: list[Tensor] = [tensors[i] for i in bucket.packed]  # type: ignore[misc]
+        for i in bucket.tails:
+            t = tensors[i]
+            assert t is not None
+            full = t.numel() // ROW_NUMEL * ROW_NUMEL
+            sources.append(t.as_strided((t.numel() - full,), (1,), t.storage_offset() + full))
+        torch._foreach_copy_(bucket.pack_slots, sources)
+        torch.linalg.vector_norm(bucket.pack_rows, 2, dim=1, out=bucket.pack_out)
+    for i, stride in zip(bucket.rows, bucket.row_strides, strict=True):
+        t = tensors[i]
+        assert t is not None
+        if t.stride() != stride or t.device != bucket.device:
+            raise StalePlan  # as_strided would read the wrong memory: plan again
+    if bucket.row_chunks:
+        for i, chunks in zip(bucket.rows, bucket.row_chunks, strict=True):
+            t = tensors[i]
+            assert t is not None
+            offset = t.storage_offset()
+            for c in chunks:
+                c.scratch.copy_(t.as_strided((c.numel,), (1,), offset + c.start))
+                torch.linalg.vector_norm(c.rows, 2, dim=1, out=c.out)
+    else:
+        for i, count, out in zip(bucket.rows, bucket.row_counts, bucket.row_outs, strict=True):
+            t = tensors[i]
+            assert t is not None
+            rows = t.as_strided((count, ROW_NUMEL), (ROW_NUMEL, 1))
+            torch.linalg.vector_norm(rows, 2, dim=1, out=out)
+
+
+def foreach_norms(tensors: Sequence[Tensor], splits: Sequence[slice]) -> Tensor:
+    """The L2 norm of each of ``tensors`` accumulated in float64 (their dtype on input: no
+    float64 copy), stacked into one float64 vector: one ``_foreach_norm`` per slice of
+    ``splits`` (:func:`gradwatch.norms.rows.foreach_splits`, which bounds the kernel's scratch),
+    then
+    one ``stack``. No host read. Float64 inputs square to 0 or Inf outside about ``[1e-154,
+    1e154]``: the engine repairs or rescales those, the comm hook documents the limit."""
+    return torch.stack(
+        [
+            norm
+            for part in splits
+            for norm in torch._foreach_norm(tensors[part], 2, dtype=torch.float64)
+        ]
+    )
+
+
+def exact_norm(t: Tensor) -> float:
+    """``||t||`` computed in float64 chunk by chunk (rare path: repair and references).
+
+    Low-precision inputs accumulate in float64, which cannot overflow or underflow for them.
+    A float64 chunk whose plain norm is non-finite or tiny is rescaled by its max-abs (tensor
+    ops); chunk norms combine by ``math.hypot``, so no square of a Python float is ever formed.
+    Returns a Python float: NaN when ``t`` holds NaN, Inf when it holds Inf (and no NaN) or
+    its norm exceeds float64.
+    """
+    flat = flat_view(t)
+    if flat is None:
+        flat = t.reshape(-1)  # copies; only for overlapping/exotic strides
+    chunks = list(flat.split(RECOMPUTE_CHUNK))
+    if not chunks:
+        return 0.0
+    norms = torch.stack(torch._foreach_norm(chunks, 2, dtype=torch.float64)).cpu().tolist()
+    if t.dtype == torch.float64:
+        for k, (chunk, norm) in enumerate(zip(chunks, norms, strict=True)):
+            if math.isfinite(norm) and norm >= TINY_NORM_FLOAT64:
+                continue
+            amax = chunk.abs().max()
+            if not bool(torch.isfinite(amax)) or float(amax) == 0.0:
+                continue  # NaN/Inf (the plain norm says which) or all zeros
+            norms[k] = float(amax) * float(torch.linalg.vector_norm(chunk / amax, 2))
+    if any(x != x for x in norms):
+        return math.nan  # hypot would let an Inf hide a NaN
+    return math.hypot(*norms)
+
+
+def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Tensor:
+    """The fast path of :meth:`NormEngine.squared_norms`, before any repair."""
+    out_device = plan.out_device
+    banded = torch.zeros(BANDS * plan.n, dtype=torch.float64, device=out_device)
+    sq = banded[: plan.n]  # the plain band: the fast path never leaves it
+    for bucket in plan.buckets:
+        if bucket.row_sums is not None:
+            _fill_row_norms(bucket, tensors)
+            # Float32 row norms, squared and summed per tensor in float64: two ops for all
+            # the rows of the bucket, whatever the number of tensors, into buffers of the
+            # plan. n scalars cross devices (if at all), never gradient data. Rows too tiny
+            # to square in float32 were already tiny inside the kernel: such tensors are
+            # repaired below. (sq's entries of this bucket's positions are still 0 here.)
+            bucket.row_sums.add_to(sq)
+        if bucket.whole:
+            items = [tensors[i] for i in bucket.whole]
+            norms = foreach_norms(items, bucket.whole_splits)
+            assert bucket.whole_index is not None
+            sq.index_copy_(0, bucket.whole_index, to_device(norms, out_device).square())
+        if bucket.rescale is not None:
+            items = [tensors[i] for i in bucket.rescaled]
+            bands = bands_of_norms_device(rescaled_norms(bucket.rescale, items))  # type: ignore[arg-type]
+            assert bucket.rescaled_index is not None
+            banded.index_copy_(0, bucket.rescaled_index, to_device(bands, out_device))
+    return banded
+
+
+class NormEngine:
+    """Computes per-tensor squared L2 norms into one float64 vector, caching the plan.
+
+    Sync behaviour: on accelerators no host read at all; on CPU at most one host read per call
+    (the repair mask), counted in :attr:`host_reads`. Not thread-safe: use from one thread.
+    ``rescale_float64``: CPU float64 tensors take the accelerator's rescaled path instead of
+    the repair (for tests of that path on a CPU; see :func:`build_plan`).
+    """
+
+    def __init__(self, rescale_float64: bool = False) -> None:
+        self._plan: NormPlan | None = None
+        self._key: tuple | None = None
+        self._rescale_float64 = rescale_float64
+        self.host_reads = 0
+
+    def plan_for(
+        self, tensors: Sequence[Tensor | None], out_device: torch.device, replan: bool = False
+    ) -> NormPlan:
+        key = (out_device, _layout_key(tensors))
+        if replan or self._plan is None or key != self._key:
+            self._plan = None  # free the old plan's buffers before allocating the new ones
+            self._plan = build_plan(tensors, out_device, self._rescale_float64)
+            self._key = key
+        return self._plan
+
+    @torch.no_grad()
+    def squared_norms(
+        self, tensors: Sequence[Tensor | None], out_device: torch.device | None = None
+    ) -> Tensor:
+        """The banded float64 vector of squared norms (``BANDS * n`` long, see the module
+        docstring): ``sq[i] = ||tensors[i]||^2`` (0 where None or empty) whenever that norm is
+        in ``[2^-450, 2^450]``, else ``sq[i]`` is 0 and the high or low band holds it, scaled.
+
+        ``tensors`` must be strided real tensors (see :func:`as_real_values`).
+        """
+        return self.squared_norms_and_plan(tensors, out_device)[0]
+
+    @torch.no_grad()
+    def squared_norms_and_plan(
+        self, tensors: Sequence[Tensor | None], out_device: torch.device | None = None
+    ) -> tuple[Tensor, NormPlan]:
+        """:meth:`squared_norms`, and the plan that computed them: its buckets group these
+        very tensors by (device, dtype), which clipping reuses (:mod:`gradwatch.step.clip`)."""
+        if out_device is None:
+            out_device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+        if out_device.type != "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
+            # Gradients on the CPU, output on an accelerator (FSDP2 CPU offload): norm and
+            # repair on the host, then one non-blocking copy from pinned memory. Normed with a
+            # CUDA output, each bucket's result would cross by a blocking pageable copy and the
+            # repair check would read its index list back from the device. (The CUDA path:
+            # no CUDA device in CI.)
+            sq, plan = self.squared_norms_and_plan(tensors, torch.device("cpu"))
+            staged = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
+            staged.copy_(sq)
+            return staged.to(out_device, non_blocking=True), plan
+        plan = self.plan_for(tensors, out_device)
+        try:
+            sq = _fast_squared_norms(plan, tensors)
+        except (StalePlan, RuntimeError):
+            # A device or stride the cheap layout key does not read changed: plan again, once
+            # (a second failure is a real error and propagates).
+            plan = self.plan_for(tensors, out_device, replan=True)
+            sq = _fast_squared_norms(plan, tensors)
+        if plan.needs_repair:
+            assert plan.repair_floor is not None
+            plain = sq[: plan.n]
+            # NaN and +Inf become -1, below every floor: 3 ops instead of isfinite's 5 + 2.
+            cleaned = plain.nan_to_num(nan=-1.0, posinf=-1.0, neginf=-1.0)
+            suspicious = cleaned < plan.repair_floor
+            if plan.repair_ceiling is not None:
+                suspicious |= cleaned > plan.repair_ceiling
+            bad = torch.nonzero(suspicious).flatten().tolist()
+            self.host_reads += 1
+            if bad:
+                where: list[int] = []
+                fixed: list[float] = []
+                for i in bad:
+                    band, value = bands_of_norm(exact_norm(tensors[i]))  # type: ignore[arg-type]
+                    where += [i, band * plan.n + i] if band else [i]
+                    fixed += [0.0, value] if band else [value]
+                sq.index_put_(
+                    (torch.tensor(where, dtype=torch.long, device=out_device),),
+                    torch.tensor(fixed, dtype=torch.float64, device=out_device),
+                )
+        return sq, plan
+
+
+def sqrt_sum(squares: Sequence[float]) -> float:
+    """``sqrt(sum(squares))`` of Python floats, with an exact sum (``math.fsum``) that cannot
+    overflow: NaN if any square is NaN, Inf if any is Inf (and none NaN). Host side (the
+    snapshot's group and global norms); device-side totals combine bands instead
+    (:func:`banded_total_device`)."""
+    try:
+        return math.sqrt(math.fsum(squares))
+    except OverflowError:
+        pass
+    # Each square fits float64 but their exact sum does not (fsum raises even when a NaN or an
+    # Inf is present too): settle the special values, then factor out the largest square.
+    if any(s != s for s in squares):
+        return math.nan
+    top = max(squares)
+    if math.isinf(top):
+        return math.inf
+    return math.sqrt(top) * math.sqrt(math.fsum(s / top for s in squares))
+
+
+def total_norm(tensors: Tensor | Sequence[Tensor]) -> Tensor:
+    """L2 norm of all ``tensors`` together, as a 0-dim float64 tensor.
+
+    A drop-in for ``torch.nn.utils.get_total_norm(tensors)`` (norm_type 2) that never overflows
+    or underflows: exact to about 3e-7 relative for float32/bf16/fp16 inputs (see the module
+    docstring) and to float64 rounding for float64 inputs over the whole finite range (CPU by
+    a repair, accelerators by :func:`rescaled_norms`). A norm beyond float64 is +inf, like
+    torch's. Non-finite inputs give NaN/Inf like torch's. Sparse gradients
+    use their values; complex ones their absolute values. On CPU it reads the host once.
+    """
+    if isinstance(tensors, Tensor):
+        tensors = [tensors]
+    values = [as_real_values(t) for t in tensors]
+    if not values:
+        return torch.tensor(0.0, dtype=torch.float64)
+    return banded_total_device(NormEngine().squared_norms(values), len(values))

@@ -1,0 +1,525 @@
+"""The collect of one step: the schedule, the local pass, the all-reduce, the failure protocol.
+
+Training thread: read every ``.grad`` (:mod:`gradwatch.norms.gradients`: a Python loop of attribute
+reads, no tensor ops), compute all squared norms with a constant number of ops
+(:mod:`gradwatch.norms.stats`), pack them and issue one all-reduce (none where DDP already reduced
+every gradient: :meth:`gradwatch.reduce.packing.Reducer.issues_collective`); a clip also clips from
+that vector (:mod:`gradwatch.step.clip`). A :class:`PendingSnapshot` is returned at once; the host
+read of the reduced vector and the summary (:class:`gradwatch.analysis.summary.Summarizer`) happen
+in ``result()``, on whichever thread asks first (the publisher, normally).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradwatch.analysis.audit import LocalSquares
+from gradwatch.analysis.reporter import Reporter
+from gradwatch.analysis.summary import CollectedStep, Summarizer
+from gradwatch.config import OTHER_GROUP, WatchConfig
+from gradwatch.errors import GradWatchError
+from gradwatch.norms.amp import pending_scale
+from gradwatch.norms.gradients import LocalGradients
+from gradwatch.norms.stats import NormEngine, NormPlan
+from gradwatch.reduce.collective import refuse_capture
+from gradwatch.reduce.packing import ReducedVector
+from gradwatch.snapshot import Snapshot
+from gradwatch.stacks.main_grad import clip_local_, gradients_for_fallback
+from gradwatch.stacks.zero import ZeroGradients
+from gradwatch.step.clip import clip_grads_, unmeasured_total
+from gradwatch.step.failures import Failures, Replaced
+from gradwatch.step.guard import GuardDecision, GuardPolicy, StepGuard
+from gradwatch.step.resolve import Resolved
+
+
+class PendingSnapshot:
+    """The not-yet-materialized statistics of one collected step.
+
+    ``result()`` waits at most once (the collective and the device->host copy), builds the
+    :class:`Snapshot` on the host and caches it; it is safe to call from any thread. A step
+    that was not measured (its collect failed, or collection stopped) raises
+    :class:`~gradwatch.errors.GradWatchError` saying why: never a made-up snapshot.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        builder: Callable[[], Snapshot] | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> None:
+        self.step = step
+        self._builder = builder
+        self._snapshot = snapshot
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._snapshot is not None
+
+    def result(self) -> Snapshot:
+        if self._snapshot is None:
+            with self._lock:
+                if self._snapshot is None:
+                    assert self._builder is not None
+                    self._snapshot = self._builder()
+                    self._builder = None
+        return self._snapshot
+
+
+def not_measured(step: int, why: str) -> PendingSnapshot:
+    """A result that raises: step ``step`` was not measured, because ``why``."""
+
+    def fail() -> Snapshot:
+        raise GradWatchError(f"gradwatch: step {step} was not measured: {why}")
+
+    return PendingSnapshot(step, fail)
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What one call to :meth:`Collector.collect` produced: the step's result, the whole-model
+    norm when it clipped (None otherwise), and the collect's duration when it queued a new
+    result to publish (None for a skipped or failed step)."""
+
+    pending: PendingSnapshot
+    total: Tensor | None = None
+    seconds: float | None = None
+
+
+class Collector:
+    """Runs the collects of one watcher, in order, on the training thread.
+
+    Owns the schedule (``every_n_steps``, ``divergence_every``), the local pass and its
+    all-reduce, and the failure protocol that keeps every rank's collective sequence aligned
+    (:class:`gradwatch.step.failures.Failures`). Results are built by ``summarizer``; counters and
+    logs go to ``reporter``.
+    """
+
+    def __init__(
+        self,
+        cfg: WatchConfig,
+        resolved: Resolved,
+        summarizer: Summarizer,
+        reporter: Reporter,
+    ) -> None:
+        self.cfg = cfg
+        self.resolved = resolved
+        self.engine = NormEngine()
+        self.summarizer = summarizer
+        self.reporter = reporter
+        self.isolated: tuple[str, ...] = tuple(cfg.isolated)
+        self.guard: StepGuard | None = None  # GradWatch.guard(): decides on every collect
+        self.decision: GuardDecision | None = None  # the last collect's, until step() takes it
+        self._collected = False  # a collect ran (or failed) since the last guarded step
+        self.latest: PendingSnapshot | None = None
+        self.closed = False
+        # Where a new pending result goes with its collect's duration (rank 0's publisher)
+        self.publish: Callable[[PendingSnapshot, float], None] | None = None
+        # gradwatch's own step numbers for the collects it makes (attach() hooks): they
+        # continue after the highest step given to collect()
+        self._next_step = 0
+        self._optimizer_steps = 0
+        self._clipped_step: int | None = None
+        self._clip_total: Tensor | None = None  # this collect's clip, once applied
+        self._collections = 0
+        self.attempts = 0  # collects that did work, numbered: orders failures and results
+        self.failures = Failures(resolved.reducer, resolved.local_names, reporter)
+
+    def set_isolated(self, groups: Iterable[str]) -> None:
+        """The groups expected to receive no gradient from the next collect on (see
+        :meth:`gradwatch.watcher.GradWatch.set_isolated`)."""
+        wanted = tuple(dict.fromkeys(groups))
+        known = set(self.cfg.groups) | {OTHER_GROUP}
+        unknown = [g for g in wanted if g not in known]
+        if unknown:
+            raise ValueError(
+                f"gradwatch: set_isolated(groups=...) names unknown group(s) {unknown}; "
+                f"known: {sorted(known)}"
+            )
+        self.isolated = wanted
+
+    def collect(
+        self,
+        step: int,
+        scaler: Any,
+        optimizer: Any,
+        max_norm: float | None,
+        batch_size: int | None = None,
+    ) -> Collected:
+        """Collect ``step`` (and clip to ``max_norm`` when given), handing a new result to
+        :attr:`publish`; never raises for a failed local pass (see
+        :mod:`gradwatch.step.failures`)."""
+        if max_norm is None:
+            self._next_step = max(self._next_step, step + 1)
+        collected = self._collect(step, scaler, optimizer, max_norm, batch_size)
+        if collected.seconds is not None and self.publish is not None and not self.closed:
+            self.publish(collected.pending, collected.seconds)
+        return collected
+
+    def clip(self, step: int | None, scaler: Any, max_norm: float) -> Tensor | None:
+        """Collect and clip ``step`` (default: the optimizer-step counter); the whole-model
+        norm, or None when the step was not measured. Raises when this setup cannot clip
+        through gradwatch (DeepSpeed: :meth:`gradwatch.stacks.zero.ZeroGradients.clip_refusal`)."""
+        zero = self.resolved.zero
+        if zero is not None:
+            refusal = zero.clip_refusal() or zero.off_boundary()
+            if refusal is not None:
+                raise GradWatchError(f"gradwatch: clip_grad_norm_ under DeepSpeed: {refusal}")
+        if step is None:
+            step = self._optimizer_steps
+        self._clipped_step = step
+        return self.collect(step, scaler, None, max_norm).total
+
+    def unclipped(self) -> Tensor | None:
+        """Under DeepSpeed, what the last clip returns when gradwatch did not measure it: nothing
+        can be clipped by torch's function (the gradients are not in ``.grad``): logged once,
+        NaN. None otherwise (torch's function clips: :func:`clip_locally`)."""
+        if self.resolved.zero is None:
+            return None
+        self.reporter.log_once(
+            "zero-not-clipped",
+            "gradwatch: step %d was not clipped (collection failed or stopped); DeepSpeed "
+            "steps with unclipped gradients",
+            self._clipped_step,
+        )
+        return torch.tensor(math.nan, dtype=torch.float64)
+
+    def hooked(self) -> Callable[[Any, Any], None]:
+        """The collect an ``attach()`` hook runs before each optimizer step, numbered by the
+        optimizer-step counter (continuing after the highest step collected so far)."""
+        self._optimizer_steps = max(self._optimizer_steps, self._next_step)
+
+        def collect(scaler: Any, optimizer: Any) -> None:
+            step = self._optimizer_steps
+            self._optimizer_steps += 1
+            if self._clipped_step == step or self.guard is not None:
+                # clip_grad_norm_ already collected this step (pre-clip), or the guard collects
+                # before its step (a collect in the optimizer's own step would decide too late)
+                return
+            self.collect(step, scaler, optimizer, None)
+
+        return collect
+
+    def start_guard(self, scaler: Any) -> None:
+        """From now on every collect decides whether the optimizer steps (see
+        :meth:`gradwatch.watcher.GradWatch.guard`)."""
+        policy = GuardPolicy.from_config(self.cfg)
+        if self.guard is None:
+            self.guard = StepGuard(
+                policy, self.resolved.reducer.device, self.cfg.collective_timeout_seconds,
+                amp=scaler is not None and scaler.is_enabled(),
+            )
+
+    def guard_decision(self, scaler: Any, optimizer: Any) -> GuardDecision | None:
+        """The decision of this step's collect; collects first when none was made since the
+        last guarded step. None when the step was not measured (the guard does not act)."""
+        if self.guard is None:
+            return None
+        if not self._collected:  # a failed collect counts: collecting again would add a
+            self.collect(self._next_step, scaler, optimizer, None)  # collective others lack
+        decision, self.decision, self._collected = self.decision, None, False
+        return decision
+
+    def _collect(
+        self,
+        step: int,
+        scaler: Any,
+        optimizer: Any,
+        max_norm: float | None,
+        batch_size: int | None,
+    ) -> Collected:
+        refuse_capture()
+        skipped = step % self.cfg.every_n_steps != 0
+        self.failures.check_group(step)
+        self.failures.check_steps(step)
+        if self.broken:
+            return Collected(not_measured(step, f"collection stopped: {self.broken}"))
+        if skipped and max_norm is None and self.guard is None:
+            return Collected(self._pending_last(step))
+        if self.closed and max_norm is None:
+            if self.resolved.world_size > 1:
+                self.failures.stand_in_closed(step, self._divergence_step(record=True))
+            return Collected(self._pending_last(step))
+        zero = self.resolved.zero
+        if zero is not None:
+            off = zero.off_boundary()  # identical on every rank: no collective is skipped
+            if off is not None:
+                self.reporter.log_once(
+                    "zero-boundary", "gradwatch: step %d not measured: %s", step, off
+                )
+                return Collected(not_measured(step, off))
+        started = time.perf_counter()
+        reducer = self.resolved.reducer
+        issued = reducer.issued
+        self._collected = True
+        self.attempts += 1
+        attempt = self.attempts
+        # Decided before anything can fail, from counts equal on every rank: whether this
+        # collect measures the replicas' divergence also decides whether it all-reduces
+        # (Reducer.issues_collective), so a rank whose pass fails must decide as the others.
+        measure = self._divergence_step(record=not skipped)
+        self._clip_total = None
+        self.decision = None
+        try:
+            replaced = self.resolved.slots.first_replaced()
+            if replaced is not None:
+                raise Replaced(replaced)
+            # A skipped step that clips still needs the whole-model norm (a rank-local one is
+            # wrong under FSDP2/TP/pipelines): same pass and all-reduce, no snapshot.
+            pending, total = self._pass(
+                step, scaler, optimizer, max_norm, measure, attempt, batch_size
+            )
+        except Exception as exc:  # never-crash boundary: monitoring never crashes training
+            self.failures.last_failed_attempt = attempt
+            before_issue = reducer.issued == issued
+            why = self.failures.failed(
+                step, exc, issued, clip=max_norm is not None or self.guard is not None,
+                with_replicas=measure,
+            )
+            total = self._clip_total  # the pass clipped before it failed: never clip twice
+            stood_in = before_issue and reducer.issued > issued and self.resolved.world_size > 1
+            fresh = total is None and self.decision is None and self.broken is None
+            if fresh and stood_in:
+                # The stand-in went out: every rank reads "unmeasured" from the same vector,
+                # leaves its gradients unclipped (clip_grads_) and its guard skips nothing;
+                # so does this one, its guard's state updated as theirs.
+                if max_norm is not None:
+                    total = unmeasured_total(reducer.device)
+                if self.guard is not None:
+                    self.decision = self.failures.decide_stood_in(self.guard, step)
+            elif fresh and (max_norm is not None or self.guard is not None) and (
+                self.resolved.world_size > 1 and not reducer.issues_collective(measure)
+            ):  # no rank all-reduced: the others clipped and decided by their own vector
+                total, self.decision = act_alone(
+                    self.resolved, self.reporter, step, scaler, optimizer, max_norm, self.guard
+                )
+            return Collected(not_measured(step, why), total)
+        if total is not None or self.decision is not None:
+            # A clip's or guard's all-reduce on gloo was awaited: its step agreement is known
+            # now, at no cost, on every rank alike (Failures.check_steps).
+            self.failures.check_steps(step, ready_only=True)
+            if self.failures.stopped_together:
+                total = None  # left unclipped (the ranks' steps differ): the bare loop clips
+        if skipped:
+            return Collected(self._pending_last(step), total)
+        self.latest = pending
+        return Collected(pending, total, time.perf_counter() - started)
+
+    def _pass(
+        self,
+        step: int,
+        scaler: Any,
+        optimizer: Any,
+        max_norm: float | None,
+        measure: bool,
+        attempt: int,
+        batch_size: int | None,
+    ) -> tuple[PendingSnapshot, Tensor | None]:
+        """One statistics pass and all-reduce (see :meth:`Reducer.issues_collective`).
+        ``measure``: a divergence step (:meth:`_divergence_step`). ``attempt`` numbers this
+        collect (see :meth:`Failures.measured`)."""
+        r = self.resolved
+        grads, sq, plan, scale64 = measure_local(r, self.engine, scaler, optimizer)
+        local = r.local_view.take() if r.local_view is not None else None
+        if scale64 is not None and local is not None:
+            local = local / (scale64 * scale64).to(local.device)
+        has_grad = [g is not None for g in grads.tensors]
+        # Queued before the packed vector's copy: landed by the time its step is judged.
+        local_sq = LocalSquares.of(sq, self.summarizer.auditing) if r.world_size > 1 else None
+        guard = self.guard  # decides on the device: the job's backend, like a clip
+        reduced = r.reducer.pack_and_reduce(
+            sq, has_grad, step, with_replicas=measure, rank_local=local,
+            device_collective=max_norm is not None or guard is not None,
+        )
+        total = None
+        if max_norm is not None:
+            total = self._clip_total = clip_grads_(reduced, max_norm, grads, plan)
+        decision = self.decision = guard.decide(reduced) if guard is not None else None
+        collected = CollectedStep(
+            step=step,
+            timestamp=time.time(),
+            attempt=attempt,
+            measure_divergence=measure,
+            isolated=self.isolated,
+            max_norm=max_norm,
+            amp=scaler is not None and scaler.is_enabled(),
+            batch_size=batch_size if batch_size is not None else self.cfg.batch_size,
+            local_sq=local_sq,
+            guard=guard,
+            decision=decision,
+        )
+        return PendingSnapshot(step, lambda: self._build(reduced, collected)), total
+
+    def _build(self, reduced: ReducedVector, collected: CollectedStep) -> Snapshot:
+        """Wait for the reduced figures of ``collected`` and summarize them."""
+        stats = self.failures.reduced_stats(reduced, collected.step)
+        snap = self.summarizer.build(stats, collected)
+        self.failures.measured(collected.attempt)
+        return snap
+
+    @property
+    def broken(self) -> str | None:
+        """Why collection stopped for the rest of the run (None: it did not)."""
+        return self.failures.broken
+
+    def _divergence_step(self, record: bool) -> bool:
+        """Does this collect measure the replicas' divergence (every ``divergence_every``
+        recorded collects)? ``record=False`` (a clip on a step the schedule skips): no, and the
+        count is unchanged."""
+        every = self.cfg.divergence_every
+        measure = (
+            record
+            and every > 0
+            and self._collections % every == 0
+            and self.resolved.layout.replicas > 1
+        )
+        self._collections += int(record)
+        return measure
+
+    def _pending_last(self, step: int) -> PendingSnapshot:
+        """What a skipped step returns: the last collected step's pending result (before the
+        first collect, a result saying that nothing was measured yet)."""
+        if self.latest is not None:
+            return self.latest
+        return not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+
+def measure_local(
+    r: Resolved, engine: NormEngine, scaler: Any, optimizer: Any
+) -> tuple[LocalGradients, Tensor, NormPlan, Tensor | None]:
+    """This rank's gradients, their banded float64 squared norms (loss scale divided out) and
+    the plan that normed them, by ``engine``; and the float64 loss scale (None: none). The
+    reducer's device follows the gradients (decided at the first collect, again whenever they
+    move): O(buckets), one (device, dtype) each."""
+    grads = r.gradients.read()
+    sq, plan = engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
+    if plan is not None and r.reducer.follow(accelerator_of(plan)):
+        sq, plan = engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
+    scale = pending_scale(scaler, optimizer) if r.zero is None else _zero_scale(r.zero)
+    scale64 = None if scale is None else scale.to(sq.device, torch.float64)
+    if scale64 is not None:
+        sq = sq / (scale64 * scale64)
+    return grads, sq, plan, scale64
+
+
+def measure_alone(
+    r: Resolved, step: int, scaler: Any, optimizer: Any
+) -> tuple[LocalGradients, NormPlan, ReducedVector]:
+    """Measure this rank's pass again, by a fresh engine, with the very arithmetic the other
+    ranks used (plan, packing, float64 band combine), where no rank all-reduces (every rank
+    holds the reduced gradients: :meth:`gradwatch.reduce.packing.Reducer.issues_collective` is
+    False):
+    the gradients, their plan and the reduced vector, equal to the other ranks' bit for bit.
+    Raises what the pass raises (:class:`~gradwatch.step.failures.Replaced` for a replaced
+    parameter)."""
+    replaced = r.slots.first_replaced()
+    if replaced is not None:
+        raise Replaced(replaced)
+    grads, sq, plan, _ = measure_local(r, NormEngine(), scaler, optimizer)
+    has_grad = [g is not None for g in grads.tensors]
+    return grads, plan, r.reducer.pack_and_reduce(sq, has_grad, step, with_replicas=False)
+
+
+def act_alone(
+    r: Resolved,
+    reporter: Reporter,
+    step: int,
+    scaler: Any,
+    optimizer: Any,
+    max_norm: float | None,
+    guard: StepGuard | None,
+) -> tuple[Tensor | None, GuardDecision | None]:
+    """The clip (to ``max_norm``, when given) and the guard's decision (``guard``, when given)
+    of a rank whose pass failed alone where no rank all-reduces, from one measurement again
+    (:func:`measure_alone`) taken before the clip, as the other ranks' pass takes it: its norm,
+    its clipped gradients, its decision and the guard's spike window equal theirs bit for bit.
+    ``(None, None)`` when that fails too: torch's rank-local clip, and the step applied
+    unguarded with no sample in the window (logged once; docs/distributed.md)."""
+    try:
+        grads, plan, alone = measure_alone(r, step, scaler, optimizer)
+        total = None if max_norm is None else clip_grads_(alone, max_norm, grads, plan)
+        return total, None if guard is None else guard.decide(alone)
+    except Exception as exc:  # never-crash boundary: torch's clip takes over, logged
+        reporter.log_once(
+            "act-alone", "gradwatch: step %d: the replicated clip and guard decision could not "
+            "be measured again (%s: %s); torch's rank-local clip takes over and the optimizer "
+            "step is applied unguarded", step, type(exc).__name__, exc,
+        )
+        return None, None
+
+
+def accelerator_of(plan: NormPlan) -> torch.device | None:
+    """The first accelerator among the plan's buckets (None: every gradient on the CPU)."""
+    for bucket in plan.buckets:
+        if bucket.device.type not in ("cpu", "meta"):
+            return bucket.device
+    return None
+
+
+def _zero_scale(zero: ZeroGradients) -> Tensor | None:
+    """The loss scale DeepSpeed's fp16 optimizer left in the gradients (None: none)."""
+    scale = zero.loss_scale()
+    return None if scale is None else torch.tensor(scale, dtype=torch.float64)
+
+
+def clip_locally(
+    held: list[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> Tensor:
+    """torch's clip of the parameters ``held`` by their rank-local norm (of their
+    ``main_grad`` under Megatron-Core, :mod:`gradwatch.stacks.main_grad`), as a float64 tensor: the
+    clip of a step gradwatch did not measure, and the no-op watcher's."""
+    if any(hasattr(p, "main_grad") for p in held):
+        total = clip_local_(gradients_for_fallback(held), max_norm, norm_type, error_if_nonfinite)
+    else:
+        params = [p for p in held if p.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    return total.to(torch.float64)
+
+
+def bare_loop_clip(
+    model: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> Tensor:
+    """The clip a training loop without gradwatch makes on ``model``, as a float64 tensor:
+    what a watcher that measures nothing on any rank (disabled, refused on every rank
+    together) clips with, on every rank alike (collective where the stack's own clip is):
+
+    * FSDP1 (``FullyShardedDataParallel``): the outermost unit's own ``clip_grad_norm_``,
+      which all-reduces the shards' squares (torch's function over the flat shards would
+      clip each rank by its own shard's norm: a different coefficient on every rank);
+    * a DeepSpeed engine: nothing can be clipped here (the engine clips in ``engine.step()``
+      by its ``gradient_clipping``; its gradients are not in ``.grad``): NaN;
+    * otherwise ``torch.nn.utils.clip_grad_norm_`` over the parameters (their ``main_grad``
+      under Megatron-Core): the whole model's norm for DDP replicas and for DTensor
+      parameters (FSDP2, TP: torch reduces DTensor norms over their mesh), a rank-local one
+      for pipeline stages and plain per-rank experts, where torch has no whole-model clip.
+    """
+    from gradwatch.stacks.zero import find_engine
+
+    if find_engine(model) is not None:
+        return torch.tensor(math.nan, dtype=torch.float64)
+    root = _fsdp1_root(model)
+    if root is not None:
+        total = root.clip_grad_norm_(max_norm, norm_type)
+    else:
+        total = clip_locally(list(model.parameters()), max_norm, norm_type, error_if_nonfinite)
+    full = getattr(total, "full_tensor", None)  # a DTensor norm: replicated, no collective
+    return (full() if full is not None else total).to(torch.float64)
+
+
+def _fsdp1_root(model: Any) -> Any:
+    """The outermost FSDP1 unit of ``model`` (None: none)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for module in model.modules():
+        if isinstance(module, FullyShardedDataParallel):
+            return module
+    return None
