@@ -68,8 +68,9 @@ class Built:
                 model=net, model_parameters=net.parameters(), config=ds_config(2)
             )
             self.model = self.engine
+        self.opt: Any = None  # DeepSpeed: the engine steps its own optimizer
         if self.engine is None:
-            self.opt: Any = torch.optim.SGD(self.model.parameters(), lr=0.01)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
 
     def backward(self, step: int, rank: int) -> None:
         torch.manual_seed(100 + step + rank)
