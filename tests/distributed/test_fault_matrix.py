@@ -176,6 +176,9 @@ def test_every_cell_agrees(matrix: list[dict[str, Any]], cell: str) -> None:
             assert math.isnan(float(it["clip"])) or _same(it["clip"], it["reference"]), (
                 cell, it)
     guarded = "guard" in mode
+    if guarded and fault != "closed":  # (a closed watcher's guard has no decision: the
+        # others' see its stand-in, skip nothing; every rank steps: ``changed`` above)
+        assert per_rank[0]["readings"] == per_rank[1]["readings"], cell
     if stack in ("ddp", "ddp_always") and (guarded or fault != "nan_after"):
         # (A NaN one replica alone holds after the reduction, stepped unguarded, splits the
         # replicas in the bare loop too: the guard's agreed decision is what prevents it.)

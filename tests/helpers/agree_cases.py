@@ -210,7 +210,7 @@ def _config(built: Built, **fields: Any) -> tuple[Any, dict[str, Any]]:
     return cfg, kwargs
 
 
-def _recording(watch: Any) -> list[Any]:
+def record_decisions(watch: Any) -> list[Any]:
     """Every guard decision's host reading from now on, in order (None: no decision)."""
     collector = watch._collector
     decide = collector.guard_decision
@@ -255,7 +255,7 @@ def case_step_mismatch(stack: str, shifted: bool) -> Callable[[int, int], dict[s
             recorder = _Published()
             if rank == 0:
                 watch.add_sink(recorder)
-            readings = _recording(watch)
+            readings = record_decisions(watch)
             opt = watch.guard(built.opt)
             clips, squares, refs = [], [], []
             for step in steps:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from agree_cases import MAX_NORM, TIMEOUT_S, Built, scrape
+from agree_cases import MAX_NORM, TIMEOUT_S, Built, record_decisions, scrape
 from fault_cases import _arm_raise
 
 FAULTS = ("nan_before", "nan_after", "straggler", "raise_retried", "skip_all", "skip_one",
@@ -141,6 +141,7 @@ def cell(stack: str, fault: str, mode: str, out: str) -> Callable[[int, int], di
                 else None
             guarded = mode.startswith("guard") or mode == "clip_guard"
             opt = watch.guard(built.opt, scaler) if guarded else built.opt
+            readings = record_decisions(watch) if guarded and hasattr(watch, "_collector") else []
             iterations = _run(built, watch, opt, scaler, fault, mode, rank, faulty)
             flushed = watch.flush(timeout=10.0)
             seconds = time.monotonic() - started
@@ -150,6 +151,7 @@ def cell(stack: str, fault: str, mode: str, out: str) -> Callable[[int, int], di
             result = {
                 "type": type(watch).__name__,
                 "iterations": iterations,
+                "readings": readings,
                 "seconds": seconds,
                 "flushed": flushed,
                 "broken": None if collector is None else collector.broken,
