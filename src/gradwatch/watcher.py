@@ -206,7 +206,8 @@ class GradWatch:
         counter. The collected snapshot has pre-clip norms and ``clip_coef``. Steps the schedule
         skips are clipped by the whole-model norm too (same pass and all-reduce, no snapshot);
         only when a collect failed or collection stopped does torch's function clip (rank-local
-        norm).
+        norm), or, when it stopped on every rank together (a step mismatch), the bare loop's
+        clip (:func:`gradwatch.step.collector.bare_loop_clip`).
         """
         if norm_type != 2.0:
             raise ValueError(
