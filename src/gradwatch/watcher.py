@@ -378,19 +378,19 @@ def agree_setup(watcher: GradWatch, refusal: Exception | None) -> None:
     the others :class:`~gradwatch.errors.SetupRefusedError` naming it, so :func:`watch` gives
     a no-op on every rank together and no rank is left issuing collectives no one pairs."""
     try:
-        refused_by = watcher._reducer.agree_setup(refusal is not None)
+        count, ranks = watcher._reducer.agree_setup(refusal is not None)
     except Exception:
         watcher._release()
         raise
-    if not refused_by:
+    if count == 0:
         return
     watcher._release()
     if refusal is not None:
         raise refusal
-    ranks = ", ".join(str(r) for r in refused_by)
+    who = f"rank {ranks}" if count == 1 else f"{count} ranks"
     raise SetupRefusedError(
-        f"gradwatch: rank {ranks} refused the setup after the construction handshake (its log "
-        "says why); no rank collects"
+        f"gradwatch: {who} refused the setup after the construction handshake (its log says "
+        "why); no rank collects"
     )
 
 

@@ -409,6 +409,9 @@ def job_timeout() -> timedelta:
     return dist.distributed_c10d.default_pg_timeout
 
 
+#: The construction's setup vote (:meth:`Collective.agree`): two float64s, whatever the world.
+SETUP_VOTE_BYTES = 16
+
 #: Issued all-reduces whose completion each collect checks without waiting (oldest dropped).
 _WATCHED = 64
 
@@ -504,11 +507,13 @@ class Collective:
                     dist.distributed_c10d._set_pg_timeout(longest, group)
         self.group_timeout = longest.total_seconds()
 
-    def agree(self, refused: bool, device: torch.device) -> tuple[int, ...]:
-        """Which ranks refused the setup, agreed by every rank: one SUM all-reduce of a
-        world-sized float64 vector (1.0 at each refusing rank's slot) on the handshake's
-        group, in ``device`` memory. Every rank calls it once, at the same point of
-        construction, whatever it decided: nothing is left unpaired.
+    def agree(self, refused: bool, device: torch.device) -> tuple[int, int]:
+        """Did any rank refuse the setup? Agreed by every rank: one SUM all-reduce of a
+        fixed-size float64 pair (:data:`SETUP_VOTE_BYTES`: 1 and this rank's id when it
+        refused, zeros otherwise) on the handshake's group, in ``device`` memory; returns
+        ``(refusing ranks, sum of their ids)``, the same on every rank (one refusing rank:
+        its id). Every rank calls it once, at the same point of construction, whatever it
+        decided: nothing is left unpaired.
 
         The wait is bounded by the groups' settled timeout (the job's, :meth:`settle`), not by
         ``collective_timeout_seconds``: a rank that gives up earlier than a peer whose vote
@@ -516,10 +521,10 @@ class Collective:
         :class:`~gradwatch.errors.GradWatchTimeoutError` (the group is broken on every rank,
         so every rank refuses)."""
         group = self.handshake_group
-        world = dist.get_world_size(group)
-        votes = torch.zeros(world, dtype=torch.float64, device=device)
+        votes = torch.zeros(2, dtype=torch.float64, device=device)
         if refused:
-            votes[dist.get_rank(group)] = 1.0
+            votes.fill_(1.0)
+            votes[1] = float(dist.get_rank(group))
         try:
             Pending(group.allreduce([votes], self._options)).wait(
                 max(self.timeout, self.group_timeout)
@@ -529,7 +534,8 @@ class Collective:
                 f"gradwatch: the ranks could not agree on the setup ({type(exc).__name__}: "
                 f"{exc}); every rank must construct GradWatch"
             ) from exc
-        return tuple(int(r) for r in torch.nonzero(votes.cpu() > 0).flatten().tolist())
+        count, ranks = votes.cpu().tolist()
+        return int(count), int(ranks)
 
     def failure(self) -> str | None:
         """Without waiting: why an all-reduce issued earlier failed, if one did (a broken

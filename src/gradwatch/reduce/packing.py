@@ -174,14 +174,14 @@ class Reducer:
             self.close()  # every rank raises the same error: release the group everywhere
             raise
 
-    def agree_setup(self, refused: bool) -> tuple[int, ...]:
-        """The ranks that refused the setup after the handshake (``refused``: this one did),
-        the same tuple on every rank: one all-reduce of a world-sized vector (1.0 at each
-        refusing rank) on the handshake's group, every rank's last collective of the
-        construction (:meth:`gradwatch.reduce.collective.Collective.agree`). A world of one: this
-        rank's own answer, no collective."""
+    def agree_setup(self, refused: bool) -> tuple[int, int]:
+        """Did any rank refuse the setup after the handshake (``refused``: this one did)?
+        ``(refusing ranks, sum of their ids)``, the same on every rank: one fixed-size
+        all-reduce on the handshake's group, every rank's last collective of the construction
+        (:meth:`gradwatch.reduce.collective.Collective.agree`). A world of one: this rank's
+        own answer, no collective."""
         if not self.distributed or dist.get_world_size() <= 1:
-            return (0,) if refused else ()
+            return (1, 0) if refused else (0, 0)
         return self.collective.agree(refused, self._handshake_device)
 
     def follow(self, gradients: torch.device | None) -> bool:
