@@ -70,6 +70,16 @@ def ratio_defined(denominator: GroupStats | None) -> bool:
     )
 
 
+#: Added to the total norm in the clip coefficient, like ``torch.nn.utils.clip_grad_norm_``.
+CLIP_EPS = 1e-6
+
+
+def clip_coefficient(max_norm: float, total: float) -> float:
+    """``min(1, max_norm / (total + 1e-6))`` on the host: :attr:`Snapshot.clip_coef`, by the
+    same float64 formula as the device-side coefficient ``step.clip.clip_grads_`` applies."""
+    return min(1.0, max_norm / (total + CLIP_EPS))
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Gradient statistics of the whole model for one step, as one process would see them.
@@ -116,6 +126,9 @@ class Snapshot:
             ``max_consecutive_skips`` in a row, so the update was applied.
         skipped_steps: reason -> steps the guard skipped so far (every guarded step,
             published or not).
+        guard_score: the spike score the guard acted on at this step (NaN while undefined;
+            None without spike skipping): it skipped for a spike exactly when this is above
+            ``skip_spike_score``.
 
     The per-rank view (DDP, docs/distributed.md; absent/None/empty when not available):
 
@@ -164,6 +177,7 @@ class Snapshot:
     consecutive_skipped_steps: int | None = None
     guard_stopped: bool = False
     skipped_steps: Mapping[str, int] = field(default_factory=dict)
+    guard_score: float | None = None
     # -- the per-rank view (DDP comm hook; see docs/distributed.md)
     rank_view: bool = False
     nonfinite_origin_ranks: tuple[int, ...] = ()

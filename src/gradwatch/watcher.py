@@ -279,8 +279,11 @@ class GradWatch:
         decision on every rank, with no host read for ``fused=True`` optimizers; see
         :mod:`gradwatch.step.guard`. ``scaler``: the GradScaler, when the loop uses one (the guard's
         own collects then see unscaled norms; non-finite steps are the scaler's skips). From
-        now on every collect decides, and :meth:`attach` hooks no longer collect (the guard
-        does, before the optimizer's step)."""
+        now on every collect decides and all-reduces (its inputs agreed across ranks, under
+        plain DDP too), and :meth:`attach` hooks no longer collect (the guard does, before the
+        optimizer's step): call it on every rank, before the first guarded step. Without a
+        decision (a step not measured) ``step()`` is the bare optimizer's, the scaler's
+        ``found_inf`` and ``grad_scale`` passed through."""
         self._collector.start_guard(scaler)
         decide = self._collector.guard_decision
         return GuardedOptimizer(optimizer, lambda opt: decide(scaler, opt))

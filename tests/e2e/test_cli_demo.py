@@ -2,7 +2,7 @@
 
 * Pure parts: sparklines, URL completion, parsing a fixture exposition and the exposition of a
   real :class:`~gradwatch.export.MetricsServer` (the metric names are a contract), trends, the
-  rendered view (the demo's options and messages: ``tests/unit/test_demo_options.py``).
+  rendered view (the demo's options and messages: ``tests/unit/cli/test_demo_options.py``).
 * ``gradwatch top`` against a closed port (a status line, no traceback) and against an
   in-process endpoint (no torchrun).
 * ``gradwatch demo`` with a taken port (fails fast, names the port and ``--port``) and bad

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from gradwatch.cli.demo import DemoOptions, Summary
+from gradwatch.cli.demo_protocol import DemoOptions, Summary
 from gradwatch.cli.demo_view import summary_lines
 from gradwatch.cli.endpoint import EndpointView, fetch, parse_exposition
 from gradwatch.cli.render import Trends

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from allocations import OutputRecorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_stats import EXP_RANGE, OutputRecorder, ref_norm, rel_err, values
-from test_summary import ref_health, ref_ratio, ref_raw
+from references import EXP_RANGE, ref_health, ref_norm, ref_ratio, ref_raw, rel_err, values
 from torch import nn
 
 from gradwatch import GradWatch, WatchConfig

@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from gradwatch.analysis.anomalies import AnomalyLog
 from gradwatch.analysis.audit import LocalSquares, NormAuditor, parallel_factors
@@ -25,11 +25,41 @@ from gradwatch.analysis.spikes import SpikeDetector
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.norms.bands import norm_from_bands
 from gradwatch.norms.stats import sqrt_sum
+from gradwatch.reduce.layout import Layout
 from gradwatch.reduce.packing import ReducedStats
-from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, ratio_defined
-from gradwatch.step.clip import clip_coefficient
-from gradwatch.step.guard import GuardDecision, StepGuard
-from gradwatch.step.resolve import Resolved
+from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, clip_coefficient, ratio_defined
+
+
+class ResolvedModel(Protocol):
+    """What the summary reads of the model resolved at construction (``step.resolve``'s
+    ``Resolved`` is one): where the job runs, the agreed layout and the groups. Declared here,
+    by its reader, so the host side never imports the step's orchestration above it."""
+
+    rank: int
+    world_size: int
+    parallelism: str
+    layout: Layout
+    groups_of: list[str]
+    group_order: list[str]
+    view_groups: tuple[str, ...]
+
+
+class GuardReadingFields(Protocol):
+    """A guard decision read to the host (``step.guard``'s ``GuardReading``)."""
+
+    def snapshot_fields(self) -> dict[str, Any]: ...
+
+
+class StepDecision(Protocol):
+    """One step's optimizer-step guard decision (``step.guard``'s ``GuardDecision``)."""
+
+    def reading(self) -> GuardReadingFields: ...
+
+
+class DecisionReporter(Protocol):
+    """The guard that decided (``step.guard``'s ``StepGuard``): logs what a reading says."""
+
+    def report(self, reading: Any, step: int, rank: int) -> None: ...
 
 
 def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:
@@ -217,8 +247,8 @@ class CollectedStep:
     amp: bool = False
     batch_size: int | None = None
     local_sq: LocalSquares | None = None  # this rank's squares: the audit's local diagnosis
-    guard: StepGuard | None = None  # GradWatch.guard(): its decision on this step
-    decision: GuardDecision | None = None
+    guard: DecisionReporter | None = None  # GradWatch.guard(): its decision on this step
+    decision: StepDecision | None = None
 
 
 class Summarizer:
@@ -236,7 +266,7 @@ class Summarizer:
         reporter: where counters and once-logged warnings go.
     """
 
-    def __init__(self, cfg: WatchConfig, resolved: Resolved, reporter: Reporter) -> None:
+    def __init__(self, cfg: WatchConfig, resolved: ResolvedModel, reporter: Reporter) -> None:
         self.cfg = cfg
         self._resolved = resolved
         self._reporter = reporter
@@ -283,7 +313,8 @@ class Summarizer:
             changes["amp_skipped"] = True
         if step.decision is not None and step.guard is not None:
             reading = step.decision.reading()
-            changes.update(reading.snapshot_fields())
+            spikes = step.guard.policy.skip_spike_score is not None
+            changes.update(reading.snapshot_fields(spikes))
             step.guard.report(reading, step.step, r.rank)
         if stats.rank_view is not None:
             changes.update(

@@ -9,6 +9,8 @@ the CUDA path promises and this project cannot test without a GPU.
 * ``cuda[bitwise]``: two replicas with identical gradients clip for 200 steps: every clip
   norm equal bit for bit (deterministic float64 sums, no atomics).
 * ``cuda[capture]``: ``collect()`` inside CUDA graph capture is refused with a clear error.
+* the optimizer-step guard's checks (:mod:`gradwatch.doctor.cuda_guard`):
+  ``cuda[guard-scaler]``, ``cuda[deterministic]``, ``cuda[first-skip]``.
 
 On a machine without CUDA each is a SKIP.
 """
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from gradwatch.config import WatchConfig
+from gradwatch.doctor.cuda_guard import guard_checks
 from gradwatch.doctor.options import FAIL, PASS, SKIP, Check
 from gradwatch.errors import GradWatchError
 from gradwatch.reduce.collective import capture_window
@@ -132,6 +135,7 @@ def cuda_checks(device: torch.device) -> list[tuple[str, Callable[[], Check]]]:
         ("cuda[follow]", check_cuda_follow),
         ("cuda[bitwise]", check_cuda_bitwise),
         ("cuda[capture]", check_cuda_capture),
+        *guard_checks(),
     ]
     if device.type != "cuda":
         return [

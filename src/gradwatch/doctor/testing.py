@@ -7,6 +7,9 @@
   allocations and are ignored.
 * :func:`count_host_reads`: counts bulk host reads a dispatch mode cannot see
   (``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.item``).
+* :class:`NondeterministicOps`: records every dispatched op that PyTorch refuses under
+  ``torch.use_deterministic_algorithms(True)`` on CUDA, or lists as nondeterministic there,
+  whatever device the ops run on (a CPU test proves the CUDA path's choice of ops).
 * :func:`largest_allocation`: the largest allocation one op made, from ``torch.profiler``,
   which also sees memory allocated *inside* a kernel.
 * :class:`BlockingCopyCounter` (:func:`count_blocking_copies`): the patterns that synchronize a
@@ -38,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "BlockingCopyCounter",
+    "NondeterministicOps",
     "OpCounter",
     "count_blocking_copies",
     "count_host_reads",
@@ -100,6 +104,79 @@ class OpCounter(TorchDispatchMode):
     @property
     def collectives(self) -> int:
         return sum(n for name, n in self.ops.items() if name.startswith("c10d"))
+
+
+#: Ops that ``torch.use_deterministic_algorithms`` documents as nondeterministic on CUDA
+#: whatever their arguments (atomic adds in arrival order, or refused in deterministic mode).
+_ALWAYS_NONDETERMINISTIC = frozenset(
+    f"aten.{name}"
+    for name in (
+        "index_add", "index_add_", "index_reduce", "index_reduce_", "scatter_add",
+        "scatter_add_", "scatter_reduce", "scatter_reduce_", "put", "put_", "histc",
+        "embedding_bag", "_embedding_bag",
+    )
+)
+
+
+class NondeterministicOps(TorchDispatchMode):
+    """Records the ops that PyTorch refuses under ``torch.use_deterministic_algorithms(True)``
+    on CUDA or documents as nondeterministic there (its docstring's two lists), as
+    ``"aten.op: why"`` strings in :attr:`found`, on whatever device they run:
+
+    * always: ``index_add``, ``index_reduce``, ``scatter_add``, ``scatter_reduce``, ``put``,
+      ``histc``, ``embedding_bag``;
+    * ``median`` / ``nanmedian`` with a ``dim`` (indices output), ``cumsum`` of floating or
+      complex values, ``scatter`` of a tensor ``src`` or with ``reduce``, ``bincount`` with
+      ``weights``, ``index_put`` with ``accumulate=True``;
+    * ``index_copy`` and ``index_put`` (``accumulate=False``) with a repeated index: which
+      write wins is unordered (distinct indices are deterministic).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        why = _nondeterministic(str(func.overloadpacket), func._overloadname, args, kwargs)
+        if why is not None:
+            self.found.append(f"{func.overloadpacket}: {why}")
+        return func(*args, **kwargs)
+
+
+def _nondeterministic(name: str, overload: str, args: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why ``name.overload`` called with ``args`` is nondeterministic on CUDA (None: it is not)."""
+    if name in _ALWAYS_NONDETERMINISTIC:
+        return "atomic accumulation (or refused) on CUDA"
+    if name in ("aten.median", "aten.nanmedian") and overload != "default":
+        return "median with indices output (refused on CUDA in deterministic mode)"
+    if name in ("aten.cumsum", "aten.cumsum_"):
+        dtype = kwargs.get("dtype") or args[0].dtype
+        if dtype.is_floating_point or dtype.is_complex:
+            return "cumsum of floating-point values (refused on CUDA in deterministic mode)"
+    if name in ("aten.scatter", "aten.scatter_") and (
+        "src" in overload or "reduce" in overload or "reduce" in kwargs
+    ):
+        return "scatter of a tensor src or with reduce on CUDA"
+    weights = args[1] if len(args) > 1 else kwargs.get("weights")
+    if name == "aten.bincount" and weights is not None:
+        return "bincount with weights (refused on CUDA in deterministic mode)"
+    if name in ("aten.index_put", "aten.index_put_", "aten._index_put_impl_"):
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        if accumulate:
+            return "index_put with accumulate=True"
+        if any(_repeats(i) for i in args[1] if isinstance(i, torch.Tensor)):
+            return "index_put with a repeated index"
+    if name in ("aten.index_copy", "aten.index_copy_") and _repeats(args[2]):
+        return "index_copy with a repeated index"
+    return None
+
+
+def _repeats(index: torch.Tensor) -> bool:
+    """Does the integer ``index`` name some position twice (a bool mask never does)?"""
+    if index.dtype == torch.bool or index.numel() < 2:
+        return False
+    return bool(index.flatten().unique().numel() < index.numel())
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from prometheus_client.utils import floatToGoString
 
@@ -148,6 +148,17 @@ class JobInfo:
     ratios: Sequence[RatioSpec] = ()
 
 
+class CollectTimes(Protocol):
+    """What ``gradwatch_collect_seconds`` reads of the exporter's self-stats (``state``'s
+    ``SelfView``): the count per bucket (not cumulative; the last is ``+Inf``) and the sum."""
+
+    @property
+    def bucket_counts(self) -> tuple[int, ...]: ...
+
+    @property
+    def seconds_sum(self) -> float: ...
+
+
 # -- bounds: buckets and series caps ----------------------------------------------------------
 
 #: Upper bounds of the ``gradwatch_*grad_norm_per_step`` buckets: 1 and 3 times each power of
@@ -178,6 +189,10 @@ MAX_ORIGIN_SERIES = 8
 
 #: At most this many ``source`` label values of the norm-audit series (user-given strings).
 MAX_AUDIT_SOURCES = 16
+
+#: Pending results waiting for the publisher; a submit beyond this drops the oldest one.
+#: Small on purpose: a few steps absorb scheduling jitter, more would only publish stale steps.
+MAX_PENDING = 4
 
 
 def select_param_series(

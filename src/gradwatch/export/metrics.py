@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from prometheus_client.utils import floatToGoString
 
@@ -24,7 +23,9 @@ from gradwatch.export.metricdef import (
     MAX_AUDIT_SOURCES,
     MAX_ORIGIN_SERIES,
     MAX_PARAM_SERIES,
+    MAX_PENDING,
     NORM_BUCKETS,
+    CollectTimes,
     HistogramValue,
     JobInfo,
     LabelledHistograms,
@@ -41,11 +42,7 @@ from gradwatch.export.metricdef import (
     rank_view_field,
     select_param_series,
 )
-from gradwatch.export.publisher import MAX_PENDING
 from gradwatch.snapshot import ratio_defined
-
-if TYPE_CHECKING:  # the state reads through this catalog: its types for annotations only
-    from gradwatch.export.state import SelfView
 
 __all__ = [
     "EXEMPLAR_COUNTERS",
@@ -99,7 +96,7 @@ def _norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
     return cumulative_histogram(_NORM_LE, *hist)
 
 
-def _collect_seconds(v: SelfView) -> HistogramValue:
+def _collect_seconds(v: CollectTimes) -> HistogramValue:
     """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
     return cumulative_histogram(_COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
 
@@ -410,6 +407,19 @@ GUARD_STOPPED = MetricDef(
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.consecutive_skipped_steps is None else one(s.snap.guard_stopped),
 )
+GUARD_SCORE = MetricDef(
+    "gradwatch_guard_score",
+    "gauge",
+    (),
+    "The spike score the optimizer-step guard acted on at the last published step: it "
+    "skipped that step for a spike exactly when this is above skip_spike_score.",
+    "The definition of `gradwatch_global_grad_norm_spike_score` (the same window, warm-up "
+    "and re-basing on a new stage or a level shift), computed on the device from the "
+    "reduced vector. NaN while undefined; absent without `watch.guard()` and "
+    "`skip_spike_score`.",
+    source=MetricSource.SNAPSHOT,
+    read=lambda s: one(s.snap.guard_score),
+)
 # -- spikes and every step between scrapes (gradwatch.analysis.spikes, state.Counts)
 GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
     "gradwatch_global_grad_norm_spike_score",
@@ -658,6 +668,7 @@ METRICS: tuple[MetricDef, ...] = (
     SKIPPED_STEPS_TOTAL,
     CONSECUTIVE_SKIPPED_STEPS,
     GUARD_STOPPED,
+    GUARD_SCORE,
     GLOBAL_GRAD_NORM_SPIKE_SCORE,
     GRAD_NORM_SPIKE_SCORE,
     GLOBAL_GRAD_NORM_SPIKES_TOTAL,

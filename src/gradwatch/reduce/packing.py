@@ -124,6 +124,9 @@ class Reducer:
         # The last all-reduce issued whose step agreement no collect checked yet
         # (gradwatch.step.failures.Failures.check_steps).
         self.unchecked: ReducedVector | None = None
+        # Set on every rank by the optimizer-step guard: every collect all-reduces, so the
+        # guard decides from inputs the ranks agreed on (issues_collective).
+        self.guarded = False
         multi = self.distributed and dist.get_world_size() > 1
         stage_ranks = None
         if multi and stage_group is not None:
@@ -321,11 +324,22 @@ class Reducer:
 
     def issues_collective(self, with_replicas: bool) -> bool:
         """Does a collect all-reduce? Always, except when every rank holds every parameter
-        whole and DDP already all-reduced their gradients (:attr:`Layout.replicated_synced`)
-        and the rank view is off: then only on divergence steps (``with_replicas``), which
-        also check that the ranks collected the same step. Identical on every rank."""
+        whole and DDP already all-reduced their gradients (:attr:`Layout.replicated_synced`),
+        the rank view is off and no guard acts on the steps (:attr:`guarded`): then only on
+        divergence steps (``with_replicas``), which also check that the ranks collected the
+        same step. Identical on every rank.
+
+        Why a guard needs the all-reduce: a gradient that changes on one rank after DDP's
+        reduction (a post-backward hook, a custom reduction, corrupted memory) would make that
+        rank's own figures differ from the others', and a decision taken from them would
+        split the replicas. The one all-reduce of the packed vector is the smallest collective
+        that agrees the decision *and* what is published (the non-finite parameters, the
+        norm): a NaN on one rank is every rank's non-finite step."""
         lay = self.layout
-        return with_replicas or not lay.replicated_synced or lay.rank_view_groups > 0
+        return (
+            with_replicas or self.guarded or not lay.replicated_synced
+            or lay.rank_view_groups > 0
+        )
 
     def _stage_tail(self, has_grad: Sequence[bool], step: int) -> None:
         """Write the has-gradient flags and the step into the staging vector by device-side

@@ -25,7 +25,7 @@ from gradwatch.analysis.audit import LocalSquares
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.analysis.summary import CollectedStep, Summarizer
 from gradwatch.config import OTHER_GROUP, WatchConfig
-from gradwatch.errors import GradWatchError
+from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.norms.amp import pending_scale
 from gradwatch.norms.gradients import LocalGradients
 from gradwatch.norms.stats import NormEngine, NormPlan
@@ -211,6 +211,7 @@ class Collector:
         """From now on every collect decides whether the optimizer steps (see
         :meth:`gradwatch.watcher.GradWatch.guard`)."""
         policy = GuardPolicy.from_config(self.cfg)
+        self.resolved.reducer.guarded = True  # its inputs agreed: one all-reduce per collect
         if self.guard is None:
             self.guard = StepGuard(
                 policy, self.resolved.reducer.device, self.cfg.collective_timeout_seconds,
@@ -256,6 +257,8 @@ class Collector:
                 )
                 return Collected(not_measured(step, off))
         started = time.perf_counter()
+        if self.guard is not None:  # its spike window re-bases on a new stage, as published
+            self.guard.stage = frozenset(self.isolated)
         reducer = self.resolved.reducer
         issued = reducer.issued
         self._collected = True
@@ -279,6 +282,13 @@ class Collector:
         except Exception as exc:  # never-crash boundary: monitoring never crashes training
             self.failures.last_failed_attempt = attempt
             before_issue = reducer.issued == issued
+            again = None
+            if before_issue and self._measures_again(exc):
+                # Its all-reduce goes out in place of a stand-in: no stand-in follows.
+                again = act_alone(
+                    self.resolved, self.reporter, step, scaler, optimizer, max_norm, self.guard,
+                    with_replicas=measure,
+                )
             why = self.failures.failed(
                 step, exc, issued, clip=max_norm is not None or self.guard is not None,
                 with_replicas=measure,
@@ -286,7 +296,9 @@ class Collector:
             total = self._clip_total  # the pass clipped before it failed: never clip twice
             stood_in = before_issue and reducer.issued > issued and self.resolved.world_size > 1
             fresh = total is None and self.decision is None and self.broken is None
-            if fresh and stood_in:
+            if again is not None and reducer.issued > issued:
+                total, self.decision = again
+            elif fresh and stood_in:
                 # The stand-in went out: every rank reads "unmeasured" from the same vector,
                 # leaves its gradients unclipped (clip_grads_) and its guard skips nothing;
                 # so does this one, its guard's state updated as theirs.
@@ -311,6 +323,19 @@ class Collector:
             return Collected(self._pending_last(step), total)
         self.latest = pending
         return Collected(pending, total, time.perf_counter() - started)
+
+    def _measures_again(self, exc: Exception) -> bool:
+        """Does a guarded collect whose pass failed before its all-reduce measure again, and
+        all-reduce that, instead of standing in? Under pure replication (the others' vectors
+        are the whole model's too, from the same reduced gradients): then its decision is
+        theirs, a NaN or spike step skipped on every rank. Not for the errors every rank
+        raises alike or that stop collection (:meth:`Failures.failed`)."""
+        return (
+            self.guard is not None
+            and self.resolved.world_size > 1
+            and self.resolved.reducer.layout.replicated_synced
+            and not isinstance(exc, (UnsupportedParallelismError, GradWatchTimeoutError))
+        )
 
     def _pass(
         self,
@@ -410,13 +435,13 @@ def measure_local(
 
 
 def measure_alone(
-    r: Resolved, step: int, scaler: Any, optimizer: Any
+    r: Resolved, step: int, scaler: Any, optimizer: Any, with_replicas: bool = False
 ) -> tuple[LocalGradients, NormPlan, ReducedVector]:
     """Measure this rank's pass again, by a fresh engine, with the very arithmetic the other
-    ranks used (plan, packing, float64 band combine), where no rank all-reduces (every rank
-    holds the reduced gradients: :meth:`gradwatch.reduce.packing.Reducer.issues_collective` is
-    False):
-    the gradients, their plan and the reduced vector, equal to the other ranks' bit for bit.
+    ranks used (plan, packing, float64 band combine), where every rank holds the reduced
+    gradients (pure replication): the gradients, their plan and the reduced vector, equal to
+    the other ranks' bit for bit. A guarded collect all-reduces it (``with_replicas`` as the
+    others' collect) in place of the failed pass's stand-in; others issue nothing.
     Raises what the pass raises (:class:`~gradwatch.step.failures.Replaced` for a replaced
     parameter)."""
     replaced = r.slots.first_replaced()
@@ -424,7 +449,7 @@ def measure_alone(
         raise Replaced(replaced)
     grads, sq, plan, _ = measure_local(r, NormEngine(), scaler, optimizer)
     has_grad = [g is not None for g in grads.tensors]
-    return grads, plan, r.reducer.pack_and_reduce(sq, has_grad, step, with_replicas=False)
+    return grads, plan, r.reducer.pack_and_reduce(sq, has_grad, step, with_replicas=with_replicas)
 
 
 def act_alone(
@@ -435,15 +460,16 @@ def act_alone(
     optimizer: Any,
     max_norm: float | None,
     guard: StepGuard | None,
+    with_replicas: bool = False,
 ) -> tuple[Tensor | None, GuardDecision | None]:
     """The clip (to ``max_norm``, when given) and the guard's decision (``guard``, when given)
-    of a rank whose pass failed alone where no rank all-reduces, from one measurement again
+    of a rank whose pass failed alone under pure replication, from one measurement again
     (:func:`measure_alone`) taken before the clip, as the other ranks' pass takes it: its norm,
     its clipped gradients, its decision and the guard's spike window equal theirs bit for bit.
     ``(None, None)`` when that fails too: torch's rank-local clip, and the step applied
     unguarded with no sample in the window (logged once; docs/distributed.md)."""
     try:
-        grads, plan, alone = measure_alone(r, step, scaler, optimizer)
+        grads, plan, alone = measure_alone(r, step, scaler, optimizer, with_replicas)
         total = None if max_norm is None else clip_grads_(alone, max_norm, grads, plan)
         return total, None if guard is None else guard.decide(alone)
     except Exception as exc:  # never-crash boundary: torch's clip takes over, logged

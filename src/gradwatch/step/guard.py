@@ -18,29 +18,33 @@ The decision (:class:`StepGuard`) is a device tensor computed from the step's re
   gradients were all finite and whose norm is positive and at most ``2^550`` (about 4e165: a
   norm above scores +Inf, a spike once the window is warm), outside the low band (pieces
   below ``2^-450``, whose squares float64 may not hold: a step whose whole norm lies there
-  has no score); every sample enters the window, skipped spikes too, so a lasting change of level
-  becomes normal after ``spike_window / 2`` steps. The score is defined once the window holds
-  ``spike_warmup`` samples;
+  has no score); every sample enters the window, skipped spikes too. Changes of level re-base
+  the window exactly as the published score's does (:mod:`gradwatch.spikes`): a new stage
+  (the isolated groups changed, ``set_isolated``) empties it, and ``SHIFT_RUN`` consecutive
+  scores beyond ``SHIFT_SCORE`` on one side keep only those samples. The score is defined once
+  the window holds ``spike_warmup`` samples; it is published as ``gradwatch_guard_score``, the
+  figure the guard acted on;
 * ``max_consecutive_skips``: the guard skips at most that many steps in a row; a further step
   it would skip is applied (the guard has *stopped*, ``gradwatch_guard_stopped`` 1 and the
   alert says why) until a step it would not skip re-arms it;
 * a step some rank stood in for (its step slot NaN: a failed local pass, or -inf: a closed
   watcher) is never skipped and is no sample: a guard that cannot see does not act.
 
-Cost per step: a fixed sequence of small device ops, 11 (34 with ``skip_spike_score``), on
+Cost per step: a fixed sequence of small device ops, 11 (58 with ``skip_spike_score``), on
 state allocated once; no host read (docs/integrations.md, *What it costs*).
 
-Why the bits agree on every rank: the inputs are the reduced vector (the result of one
-all-reduce, identical everywhere) or, under plain DDP without gradwatch's all-reduce, each
-rank's own norms of DDP's already reduced gradients, which are bitwise identical across ranks
-(one all-reduce result, divided by the same world size), normed by the same kernels (a rank
-whose own pass failed measures again and decides from that:
-:func:`gradwatch.step.collector.act_alone`); every later op is a deterministic function of those
-values and of the guard's own device state,
-which starts equal and is updated by the same ops on every rank.
+Why the bits agree on every rank: the inputs are the reduced vector, the result of one
+all-reduce, identical everywhere. With a guard every collect all-reduces, under plain DDP too
+(where collects otherwise skip it: :meth:`gradwatch.reduce.packing.Reducer.issues_collective`), so a
+gradient that one rank alone holds differently after DDP's reduction (a NaN written by a
+post-backward hook) is every rank's, decided and published alike. Every later op is a
+deterministic function of that vector and of the guard's own device state, which starts equal
+and is updated by the same ops on every rank. A rank whose own pass failed stands in (a NaN
+step slot): no rank skips that step. Call ``guard()`` on every rank, before the first guarded
+step.
 
-Sync behaviour: no host read and no collective of its own (the collect it uses makes its usual
-one, or none under plain DDP). With an optimizer that accepts ``found_inf``
+Sync behaviour: no host read and no collective of its own (the collect it uses makes its one
+all-reduce). With an optimizer that accepts ``found_inf``
 (``fused=True`` Adam, AdamW, SGD: ``_step_supports_amp_scaling``) the decision is handed to it
 as ``found_inf`` the way ``torch.amp.GradScaler`` does, so the kernel skips the update on the
 device and the step counters are restored (``step += 1 - found_inf``). Any other optimizer
@@ -61,7 +65,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradwatch.analysis.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD
+from gradwatch.analysis.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD, SHIFT_RUN, SHIFT_SCORE
 from gradwatch.config import WatchConfig
 from gradwatch.norms.bands import HIGH_SHIFT
 from gradwatch.reduce.collective import wait_event
@@ -160,14 +164,18 @@ class GuardReading:
             ),
         )
 
-    def snapshot_fields(self) -> dict[str, Any]:
-        """The :class:`~gradwatch.snapshot.Snapshot` fields this reading sets."""
-        return {
+    def snapshot_fields(self, spikes: bool = False) -> dict[str, Any]:
+        """The :class:`~gradwatch.snapshot.Snapshot` fields this reading sets (``spikes``:
+        the guard skips spikes, so its score is published too)."""
+        fields: dict[str, Any] = {
             "guard_skipped": self.skipped,
             "consecutive_skipped_steps": self.consecutive,
             "guard_stopped": self.stopped,
             "skipped_steps": self.totals,
         }
+        if spikes:
+            fields["guard_score"] = self.score
+        return fields
 
 
 class GuardDecision:
@@ -230,10 +238,12 @@ class _SpikeWindow:
 
     The window is a ``(2, size)`` tensor, oldest sample first, NaN while empty: a sample
     shifts it by one, in place; a step that is no sample leaves it as it was. Each column
-    holds ``y`` and ``-y``: one ``nanmedian(dim=1)`` of the two rows gives the lower middle
-    sample and minus the upper one, whose mean is the median; the deviations are stored the
-    same way. Each call is a fixed sequence of 14 small ops, no host read, no allocation of
-    state.
+    holds ``y`` and ``-y``: the lower middle order statistic of the two rows (one sort, NaN
+    last, read at ``(n - 1) // 2`` for ``n`` samples) gives the lower middle sample and minus
+    the upper one, whose mean is the median; the deviations are taken the same way. No op
+    PyTorch refuses or lists as nondeterministic on CUDA under
+    ``torch.use_deterministic_algorithms(True)`` (no ``median(dim=)``: its indices). Each call
+    is a fixed sequence of small ops, no host read, no allocation of state.
 
     Why so few kinds of op: on the CPU a small op costs its dispatch, and right after the
     backward pass (which evicts the caches) each *kind* of kernel first costs several times
@@ -253,6 +263,13 @@ class _SpikeWindow:
         self._floor = torch.tensor(2.0 * MIN_LOG_SPREAD, **f64)
         self._zero = torch.zeros((), **f64)
         self._nan = torch.full((), math.nan, **f64)
+        self._shift_score = torch.tensor(SHIFT_SCORE, **f64)
+        self._shift_run = torch.tensor(float(SHIFT_RUN), **f64)
+        # The latest scores beyond SHIFT_SCORE on one side: their count, signed by the side.
+        self._run = torch.zeros((), **f64)
+        # The samples older than a full run: emptied when the run re-bases the window.
+        older = torch.arange(size, device=device) < size - SHIFT_RUN
+        self._before_run = older.expand(2, size).contiguous()
 
     def _views(self) -> None:
         size = self.samples.shape[1]
@@ -264,7 +281,8 @@ class _SpikeWindow:
     def move_to(self, device: torch.device) -> None:
         """Keep the window, on ``device``."""
         for name in ("threshold", "samples", "_signs", "_halves", "_sigma_halves", "_floor",
-                     "_zero", "_nan"):
+                     "_zero", "_nan", "_shift_score", "_shift_run", "_run",
+                     "_before_run"):
             setattr(self, name, getattr(self, name).to(device))
         self._views()
 
@@ -272,14 +290,52 @@ class _SpikeWindow:
         """The score of ``y`` against the window (NaN while undefined: before ``warmup``
         samples, or when ``sample`` is False); then ``y`` enters the window if ``sample``."""
         samples = self.samples
-        lower_upper = samples.nanmedian(dim=1).values  # [lower middle, -upper middle]
+        middle = _lower_middle_index(self._values)
+        lower_upper = _at_sorted(samples, middle)  # [lower middle, -upper middle]
         median = torch.addcmul(torch.dot(lower_upper, self._halves), self._warm, self._zero)
         deviations = torch.copysign(self._values - median, self._signs)  # |y_i - m|, -|y_i - m|
-        lower_upper = deviations.nanmedian(dim=1).values
+        lower_upper = _at_sorted(deviations, middle)  # as many NaN (while warm), same index
         spread = torch.maximum(torch.dot(lower_upper, self._sigma_halves), self._floor)
         shifted = torch.cat((self._older, y * self._signs), dim=1)
         samples.copy_(torch.where(sample, shifted, samples))
-        return (torch.where(sample, y, self._nan) - median) / spread
+        score = (torch.where(sample, y, self._nan) - median) / spread
+        self._track_shift(score)
+        return score
+
+    def _track_shift(self, score: Tensor) -> None:
+        """:meth:`gradwatch.spikes.SpikeWindow.track_shift` on the device: a defined ``score``
+        beyond ``SHIFT_SCORE`` on the side of the current run extends it, on the other side
+        starts a new one, within it ends it; the ``SHIFT_RUN``-th sample of a run re-bases
+        the window on the run's samples (its last ``SHIFT_RUN`` columns: they entered one
+        after another), as the published score's window does. The run is one signed count
+        (its length, signed by its side): ``(max(run * side, 0) + 1) * side``."""
+        side = torch.where(score.abs() > self._shift_score, score.sign(), self._zero)
+        extended = (torch.clamp(self._run * side, min=0.0) + 1.0) * side
+        run = torch.where(torch.eq(score, score), extended, self._run)  # NaN: undefined
+        rebase = torch.ge(run.abs(), self._shift_run)
+        self.samples.masked_fill_(rebase & self._before_run, math.nan)
+        self._run = torch.where(rebase, self._zero, run)
+
+    def clear(self) -> None:
+        """Empty the window (a new stage: a new baseline, as the published score's)."""
+        self.samples.fill_(math.nan)
+        self._run = self._zero.clone()
+
+
+def _lower_middle_index(values: Tensor) -> Tensor:
+    """The index, in ascending order with NaN last, of the lower middle of the non-NaN
+    ``values`` (``(n - 1) // 2`` of ``n``; 0 when there is none): a one-element int64 device
+    tensor, no host read."""
+    count = torch.eq(values, values).sum(dim=0, keepdim=True)  # NaN != NaN
+    return torch.floor_divide(count - 1, 2).clamp_(min=0)
+
+
+def _at_sorted(rows: Tensor, index: Tensor) -> Tensor:
+    """Each row's value at ``index`` once sorted ascending (NaN sort last): the exact order
+    statistic ``nanmedian`` gives, by a values-only sort and an ``index_select``, ops torch
+    runs deterministically on CUDA (``median``/``nanmedian`` with a ``dim`` return indices,
+    which ``torch.use_deterministic_algorithms(True)`` refuses there)."""
+    return rows.sort(dim=1).values.index_select(1, index).view(-1)
 
 
 class StepGuard:
@@ -287,7 +343,7 @@ class StepGuard:
 
     State on the reduce device: the spike window (:class:`_SpikeWindow`), the consecutive
     skips and the skip totals, updated by device ops only: 11 small ops per step without
-    spike skipping, 34 with it (``tests/unit/test_guard_cost.py`` pins the counts).
+    spike skipping, 58 with it (``tests/unit/step/test_guard_cost.py`` pins the counts).
     """
 
     def __init__(
@@ -299,6 +355,10 @@ class StepGuard:
         self._skip_nonfinite = policy.skip_nonfinite and not amp
         self._timeout = timeout
         self._logged: set[str] = set()
+        # The stage (the isolated groups) of the step being decided, set by the collect on
+        # every rank alike, and of the last decided step.
+        self.stage: frozenset[str] = frozenset()
+        self._decided_stage: frozenset[str] | None = None
         self._start(device)
 
     def _start(self, device: torch.device) -> None:
@@ -365,6 +425,10 @@ class StepGuard:
         if head.device != self._device:  # the reducer followed the gradients
             self._start(head.device)
         window = self._window
+        if self.stage != self._decided_stage:
+            if window is not None and self._decided_stage is not None:
+                window.clear()  # the isolated groups changed: a new baseline, as published
+            self._decided_stage = self.stage
         weights, y_weights = self._weights_for(head)
         finite = torch.dot(head, weights) < self._high_limit  # False for NaN too
         measured = step > self._neg_inf  # NaN or -inf: a rank stood in
@@ -435,8 +499,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``watch.clip_grad_norm_``) when one was made since the last ``step()``, otherwise it
     collects first. A skipped step leaves parameters and optimizer state untouched: the fused
     optimizers' step counters are restored on the device, other optimizers' ``step()`` is not
-    called at all (as ``GradScaler`` does). LR schedulers still advance when the loop calls
-    ``scheduler.step()``, as after a GradScaler-skipped step.
+    called at all (as ``GradScaler`` does); nor is fused SGD's while it has no momentum
+    buffers (its first step: one host read of the decision), so a skipped first step leaves
+    the state of a fresh optimizer. Without a decision (the step was not measured, collection
+    stopped, the watcher closed) ``step()`` is the bare optimizer's, the scaler's
+    ``found_inf`` and ``grad_scale`` passed through as ``GradScaler.step`` sets them. LR
+    schedulers still advance when the loop calls ``scheduler.step()``, as after a
+    GradScaler-skipped step.
     """
 
     def __init__(
@@ -530,15 +599,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         inner = self.optimizer
         decision = self._decide(self)
-        if decision is None:  # not measured (a failed collect): a guard that cannot see
-            inner.step()
-            return loss
         scaler_found_inf = self.__dict__.get("found_inf")
-        if getattr(inner, "_step_supports_amp_scaling", False):
+        fused = getattr(inner, "_step_supports_amp_scaling", False)
+        if decision is None:  # not measured: a guard that cannot see is the bare step
+            if fused and scaler_found_inf is not None:  # exactly as GradScaler.step set them
+                _step_with(inner, scaler_found_inf, self.__dict__.get("grad_scale"))
+            else:
+                inner.step()
+            return loss
+        if fused:
             device = _params_device(inner)
             found_inf = decision.found_inf(device)
             if scaler_found_inf is not None:
                 found_inf = torch.maximum(found_inf, scaler_found_inf.to(device, torch.float32))
+            if _unset_momentum(inner) and bool(found_inf):  # the one host read, first step
+                return loss  # not stepped: the state stays a fresh optimizer's
             _step_with(inner, found_inf, self.__dict__.get("grad_scale"))
             return loss
         if not bool(decision.skip):  # the one host read of optimizers without found_inf
@@ -551,6 +626,26 @@ def _params_device(optimizer: torch.optim.Optimizer) -> torch.device:
         for p in group["params"]:
             return p.device
     return torch.device("cpu")
+
+
+def _unset_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """Would this ``step()`` create momentum buffers uninitialized? Fused SGD with momentum
+    makes a group's first buffers with ``empty_like`` and fills them in the kernel, which
+    returns early on ``found_inf``: a skipped first step would leave garbage that the next
+    step reads. True while a fused group with momentum has no buffer for its first parameter
+    with a gradient (torch makes a group's buffers all at once). O(groups), no tensor op."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group.get("momentum", 0) == 0:
+            continue
+        for p in group["params"]:
+            if p.grad is not None:
+                state = optimizer.state.get(p)
+                if state is None or state.get("momentum_buffer") is None:
+                    return True
+                break
+    return False
 
 
 def _step_with(inner: torch.optim.Optimizer, found_inf: Tensor, grad_scale: Any) -> Any:

@@ -21,7 +21,7 @@ from gradwatch.export import MetricsServer
 from gradwatch.export import http as export_http
 from gradwatch.snapshot import GroupStats, Snapshot
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 
 pytestmark = pytest.mark.timeout(120)
 

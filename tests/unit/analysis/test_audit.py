@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
+from exposition import parse
 from pydantic import ValidationError
-from test_export import parse
 from torch import nn
 
 from gradwatch import GradWatch, NoOpWatch, WatchConfig

@@ -18,7 +18,7 @@ from gradwatch.step.guard import GuardDecision, GuardReading
 
 #: The device ops of one warm decision: the norm, the non-finite test and the skip counters;
 #: and with ``skip_spike_score`` the spike window's median, MAD, score and update too.
-DECISION_OPS = {None: 11, 6.0: 34}
+DECISION_OPS = {None: 11, 6.0: 58}
 
 
 def _model() -> nn.Module:

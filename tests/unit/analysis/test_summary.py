@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import ref_health, ref_ratio, ref_raw
 
 from gradwatch import WatchConfig
 from gradwatch.analysis.summary import summarize
@@ -20,29 +21,6 @@ def ref_combine(norms: list[float]) -> float:
     if any(math.isinf(x) for x in norms):
         return math.inf
     return math.hypot(*norms) if norms else 0.0
-
-
-def ref_health(n: int, v: int, e: int, global_norm: float) -> float:
-    if not math.isfinite(global_norm):
-        return 0.0
-    if n == 0:
-        return 1.0
-    x = 1.0 - 0.5 * v / n - 0.8 * e / n
-    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
-
-
-def ref_ratio(nn: float, nnumel: int, dn: float, dnumel: int) -> float:
-    """NaN when undefined (the denominator has no gradient, a norm below 1e-8 or non-finite);
-    0 for a numerator without gradient (or a norm below 1e-8) over a defined denominator."""
-    if dnumel == 0 or not math.isfinite(dn) or dn < 1e-8:
-        return math.nan
-    if nnumel == 0 or nn < 1e-8:
-        return 0.0
-    return (nn / math.sqrt(nnumel)) / (dn / math.sqrt(dnumel) + 1e-8)
-
-
-def ref_raw(nn: float, dn: float) -> float:
-    return math.nan if dn == 0.0 or not math.isfinite(dn) else nn / dn
 
 
 def same(a: float, b: float, rel: float = 1e-12) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from exposition import parse
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
@@ -64,7 +65,7 @@ from gradwatch.export.state import (
 from gradwatch.snapshot import GroupStats, Snapshot
 from scripts.gen_metrics_docs import metrics_reference_markdown
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SRC = ROOT / "src"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
@@ -112,19 +113,6 @@ def http_get(url: str, context: ssl.SSLContext | None = None, timeout: float = 1
     with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
         assert response.status == 200
         return response.read().decode()
-
-
-def parse(text: str) -> Samples:
-    """Sample name -> {sorted label pairs: value}; asserts no timestamps and unique series."""
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            assert s.timestamp is None, f"{s.name} carries a timestamp"
-            key = tuple(sorted(s.labels.items()))
-            series = out.setdefault(s.name, {})
-            assert key not in series, f"duplicate series {s.name}{key}"
-            series[key] = s.value
-    return out
 
 
 def scrape(server: MetricsServer) -> Samples:
@@ -221,6 +209,7 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         clip_coef=0.123456789,
         guard_skipped="spike",
         consecutive_skipped_steps=1,
+        guard_score=7.5,
         skipped_steps={"nonfinite": 0, "spike": 1},
         amp_skipped=False,
         timestamp=1_700_000_000.123456,
@@ -1471,6 +1460,7 @@ SPIKE_FAMILIES = (
     "gradwatch_skipped_steps",
     "gradwatch_consecutive_skipped_steps",
     "gradwatch_guard_stopped",
+    "gradwatch_guard_score",
 )
 
 
