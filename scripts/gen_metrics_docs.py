@@ -49,10 +49,15 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
 
 * **One step per scrape.** Every snapshot-derived gauge and counter of a scrape comes from the
   same published state, so a scrape never mixes two steps.
-* **Absent, not zero.** Before the first snapshot is published a scrape shows only the info
-  metrics, the counters (at 0) and `gradwatch_collect_seconds`; the per-step gauges
-  (`gradwatch_step` included) are absent. `gradwatch_clip_coef` is absent when the last step was
-  not clipped through gradwatch.
+* **Absent, not zero.** A figure gradwatch could not measure has no sample, here and in the
+  trackers' rows, and is NaN or None in `Snapshot`, `watch.last` and the history file (the
+  last column says, per metric, when). Before the first snapshot is published a scrape shows
+  only the info metrics, the counters (at 0) and `gradwatch_collect_seconds`; the per-step
+  gauges (`gradwatch_step` included) are absent. `gradwatch_replica_divergence` is absent where
+  nothing holds replicas to compare (one process, FSDP, ZeRO 1-3). A disabled watcher
+  (`GRADWATCH_ENABLED=0`) serves nothing; its snapshots hold every key (groups, ratios) with
+  NaN or None figures. A step on which no parameter had a gradient at all (`collect()` before
+  `backward()`) has NaN norms and health and counts in `gradwatch_no_gradient_steps_total`.
 * **Non-finite values are exported** as `NaN`, `+Inf` or `-Inf`, never dropped. PromQL
   comparisons with NaN are false: alert on the counters.
 * **Counters count published snapshots.** Publishing happens in a background thread; when it
@@ -142,8 +147,8 @@ def metrics_reference_markdown() -> str:
             shift_run=SHIFT_RUN,
             shift_score=SHIFT_SCORE,
         ),
-        "| metric | type | labels | meaning |",
-        "| --- | --- | --- | --- |",
+        "| metric | type | labels | meaning | absent when |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for d in METRICS:
         labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
@@ -151,7 +156,8 @@ def metrics_reference_markdown() -> str:
         if d.exemplar:
             meaning += f" {_EXEMPLAR_NOTE}"
         meaning = meaning.replace("|", "\\|")
-        lines.append(f"| `{d.name}` | {d.type} | {labels} | {meaning} |")
+        absent = d.absent.replace("|", "\\|")
+        lines.append(f"| `{d.name}` | {d.type} | {labels} | {meaning} | {absent} |")
     return "\n".join(lines) + "\n"
 
 

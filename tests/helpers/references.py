@@ -50,10 +50,10 @@ def values(shape, dtype, lo, hi, gen) -> torch.Tensor:  # type: ignore[no-untype
 
 
 def ref_health(n: int, v: int, e: int, global_norm: float) -> float:
+    if n == 0:
+        return math.nan  # no gradient at all: nothing to judge
     if not math.isfinite(global_norm):
         return 0.0
-    if n == 0:
-        return 1.0
     x = 1.0 - 0.5 * v / n - 0.8 * e / n
     return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
 

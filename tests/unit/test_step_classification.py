@@ -150,6 +150,7 @@ def test_plot_top_demo_and_counters_agree(
     }
     assert counters == {
         "gradwatch_nonfinite_steps_total": 1.0,
+        "gradwatch_no_gradient_steps_total": 0.0,
         "gradwatch_amp_skipped_steps_total": 1.0,
         "gradwatch_exploding_steps_total": 3.0,
     }

@@ -11,6 +11,7 @@ from those norms by ``math.hypot`` (scaled internally, so nothing overflows or u
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -83,12 +84,13 @@ def raw_ratio(n_norm: float, d_norm: float) -> float:
 
 
 def health_score(n: int, vanishing: int, exploding: int, global_norm: float) -> float:
-    """``clamp(1 - 0.5 v/n - 0.8 e/n, 0, 1)``; 0.0 if the global norm is not finite; 1.0 if
-    n == 0."""
+    """``clamp(1 - 0.5 v/n - 0.8 e/n, 0, 1)``; NaN if n == 0 (no parameter had a gradient:
+    nothing to judge, which must not read as a healthy 1.0); 0.0 if the global norm is not
+    finite."""
+    if n == 0:
+        return math.nan
     if not math.isfinite(global_norm):
         return 0.0
-    if n == 0:
-        return 1.0
     return min(1.0, max(0.0, 1.0 - 0.5 * vanishing / n - 0.8 * exploding / n))
 
 
@@ -178,18 +180,21 @@ def summarize(
     global_norm = _hypot(all_norms) if banded else sqrt_sum(all_squares)
     if nonfinite_params and math.isfinite(global_norm):
         global_norm = math.nan  # a replica flagged NaN that the counted copy did not show
+    empty = GroupStats()
+    checked = cfg.isolated if isolated is None else isolated
+    isolation = {  # before a gradient-less step's NaN norms: no gradient violates nothing
+        g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in checked
+    }
+    if total_n == 0:  # no gradient at all: nothing was measured to be 0
+        global_norm = math.nan
+        group_stats = {g: dataclasses.replace(s, norm=math.nan) for g, s in group_stats.items()}
     ratios: dict[str, float] = {}
     raw: dict[str, float] = {}
-    empty = GroupStats()
     for num, den in cfg.ratios:
         n, d = group_stats.get(num, empty), group_stats.get(den, empty)
         key = ratio_key(num, den)
         ratios[key] = normalized_ratio(n.norm, n.numel, d.norm, d.numel)
         raw[key] = raw_ratio(n.norm, d.norm)
-    checked = cfg.isolated if isolated is None else isolated
-    isolation = {
-        g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in checked
-    }
     return Snapshot(
         step=step,
         global_norm=global_norm,
@@ -200,6 +205,7 @@ def summarize(
         raw_ratios=raw,
         health=health_score(total_n, total_v, total_e, global_norm),
         isolation_violated=isolation,
+        no_gradient=total_n == 0,
         **extra,  # type: ignore[arg-type]
     )
 
@@ -270,7 +276,7 @@ class Summarizer:
         self.cfg = cfg
         self._resolved = resolved
         self._reporter = reporter
-        self._last_divergence = 0.0
+        self._last_divergence: float | None = None  # None until something measures it
         self._anomalies = AnomalyLog(resolved.rank, cfg.isolation_threshold)
         self._spikes = SpikeDetector(
             cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup, resolved.rank
@@ -326,7 +332,16 @@ class Summarizer:
         changes.update(self._spikes.fields(snap, step.attempt))
         if changes:
             snap = snap.replace(**changes)
-        self._anomalies.report(snap)
+        if r.rank == 0:  # the same figures on every rank: one rank speaks
+            self._anomalies.report(snap)
+            if snap.no_gradient:
+                self._reporter.log_once(
+                    "no-gradient",
+                    "gradwatch: step %d: no parameter has a gradient (collect() before "
+                    "backward(), or after zero_grad(set_to_none=True)?): its norms and health "
+                    "are NaN and it counts in gradwatch_no_gradient_steps_total; logged once",
+                    snap.step,
+                )
         if self.last is None or snap.step >= self.last.step:
             self.last = snap
         self.audit(snap, step.local_sq)
@@ -354,7 +369,7 @@ class Summarizer:
                 verdicts = auditor.judge(snap.step, snap.global_norm, local)
             for v in verdicts:
                 self._reporter.audit(v.source, v.ratio, v.agrees)
-                if not v.agrees:
+                if not v.agrees and self._resolved.rank == 0:  # one rank speaks
                     self._reporter.log_once(
                         f"audit:{v.source}:{v.kind}", "%s", v.message(self.cfg.audit_tolerance)
                     )

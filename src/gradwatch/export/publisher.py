@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from gradwatch.errors import GradWatchError
 from gradwatch.export.metricdef import MAX_PENDING
 from gradwatch.snapshot import Snapshot
 
@@ -193,5 +194,7 @@ class Publisher:
                 action,
                 type(exc).__name__,
                 exc,
-                exc_info=exc,
+                # gradwatch's own errors (a straggler's timeout...) say all in one line; a
+                # traceback is for the unexpected (a bug in a sink)
+                exc_info=None if isinstance(exc, GradWatchError) else exc,
             )

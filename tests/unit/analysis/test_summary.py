@@ -88,6 +88,9 @@ def test_property_summary_vs_reference(case, step: int) -> None:  # type: ignore
     assert snap.step == step
     assert list(snap.groups) == order
     counted = [p for p in params if p[5] > 0]
+    if not counted:  # no gradient at all: its own state, nothing reads as measured 0 or 1.0
+        _check_no_gradient(snap, cfg)
+        return
     assert set(snap.param_norms) == {p[0] for p in counted}
     bad_names = []
     total_v = total_e = 0
@@ -127,6 +130,17 @@ def test_property_summary_vs_reference(case, step: int) -> None:  # type: ignore
     for g in cfg.isolated:
         norm = stat.get(g, zero)[0]
         assert snap.isolation_violated[g] == (not math.isfinite(norm) or norm > iso)
+
+
+def _check_no_gradient(snap, cfg: WatchConfig) -> None:  # type: ignore[no-untyped-def]
+    """A step on which no parameter had a gradient: NaN norms, ratios and health; isolation
+    measured (no gradient violates nothing)."""
+    assert snap.no_gradient and snap.measured
+    assert math.isnan(snap.global_norm) and math.isnan(snap.health)
+    assert all(math.isnan(g.norm) and g.tensors == 0 for g in snap.groups.values())
+    assert all(math.isnan(v) for v in [*snap.ratios.values(), *snap.raw_ratios.values()])
+    assert snap.isolation_violated == dict.fromkeys(cfg.isolated, False)
+    assert snap.is_finite and not snap.nonfinite_step  # not a NaN gradient: nothing held one
 
 
 def _one(squares, groups, numels=None, **cfg_kwargs):  # type: ignore[no-untyped-def]
@@ -174,8 +188,8 @@ def test_health_exact_values() -> None:
     assert snap.health == pytest.approx(0.2, rel=1e-15)
     snap = _one([1e-20, 1e-20], ["a", "b"])  # all vanishing
     assert snap.health == 0.5
-    snap = _one([], [])
-    assert snap.health == 1.0 and snap.global_norm == 0.0
+    snap = _one([], [])  # no gradient at all: nothing to judge, never a healthy 1.0
+    assert math.isnan(snap.health) and math.isnan(snap.global_norm) and snap.no_gradient
 
 
 def test_group_norm_does_not_overflow() -> None:

@@ -253,10 +253,13 @@ def expected_gauges(snap: Snapshot, ratio_pairs: dict[str, tuple[str, str]]) -> 
         },
         "gradwatch_health_score": {(): snap.health},
         "gradwatch_isolation_violated": {
-            (("group", g),): 1.0 if v else 0.0 for g, v in snap.isolation_violated.items()
+            (("group", g),): 1.0 if v else 0.0
+            for g, v in snap.isolation_violated.items()
+            if v is not None
         },
-        "gradwatch_replica_divergence": {(): snap.replica_divergence},
     }
+    if snap.replica_divergence is not None:  # None: nothing measured it, no sample
+        out["gradwatch_replica_divergence"] = {(): snap.replica_divergence}
     if snap.clip_coef is not None:
         out["gradwatch_clip_coef"] = {(): snap.clip_coef}
     if snap.rank_view:  # the per-rank view
@@ -553,6 +556,7 @@ NOT_STEP_VALUED = {
     "gradwatch_run_info",
     "gradwatch_amp_skipped_steps_total",
     "gradwatch_nonfinite_steps_total",
+    "gradwatch_no_gradient_steps_total",
     "gradwatch_nonfinite_group_steps_total",
     # the norm histograms' _count is the step (one observation per publish), not the rest
     "gradwatch_global_grad_norm_per_step_bucket",
@@ -1369,6 +1373,9 @@ gradwatch_collections_total 2.0
 # HELP gradwatch_nonfinite_steps_total Published snapshots with a NaN or Inf gradient, except steps the AMP GradScaler skipped.
 # TYPE gradwatch_nonfinite_steps_total counter
 gradwatch_nonfinite_steps_total 1.0
+# HELP gradwatch_no_gradient_steps_total Published snapshots of steps on which no parameter had a gradient at all.
+# TYPE gradwatch_no_gradient_steps_total counter
+gradwatch_no_gradient_steps_total 0.0
 # HELP gradwatch_amp_skipped_steps_total Published snapshots of steps the AMP GradScaler skipped (non-finite gradients under loss scaling).
 # TYPE gradwatch_amp_skipped_steps_total counter
 gradwatch_amp_skipped_steps_total 0.0
@@ -1686,3 +1693,25 @@ def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
     assert current.samples[catalog.GUARD_STOPPED] == (((), 0.0),)
     state.write(Snapshot(step=6))  # an unguarded snapshot keeps the totals
     assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL][1] == (("spike",), 3.0)
+
+
+def test_a_timed_out_step_is_logged_in_one_line_an_unexpected_error_with_its_traceback(
+    servers: Callable[..., MetricsServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A straggler's timeout is gradwatch's own error: its message says everything (the step,
+    the setting that bounded the wait), so no 40-line traceback; a sink's bug keeps its own."""
+    from gradwatch.errors import GradWatchTimeoutError
+
+    server = servers()
+    caplog.set_level(logging.WARNING, logger="gradwatch.export")
+    try:
+        raise GradWatchTimeoutError("gradwatch: step 1 ... (collective_timeout_seconds)")
+    except GradWatchTimeoutError as exc:
+        straggler = exc
+    for pending in (Failing(1, straggler), Failing(2, ValueError("a bug"))):
+        server.submit(pending)
+        assert server.flush(10)
+    records = {r.getMessage().split("(")[1].split(":")[0]: r for r in caplog.records}
+    assert records["GradWatchTimeoutError"].exc_info is None
+    assert "collective_timeout_seconds" in records["GradWatchTimeoutError"].getMessage()
+    assert records["ValueError"].exc_info is not None
