@@ -45,7 +45,7 @@ from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.ddp_hook import detach
 from gradwatch.step.collector import Collector, PendingSnapshot, bare_loop_clip, clip_locally
 from gradwatch.step.guard import GuardedOptimizer
-from gradwatch.step.resolve import resolve
+from gradwatch.step.resolve import Resolved, resolve
 
 if TYPE_CHECKING:
     from gradwatch.export import Publishing, Sink
@@ -101,17 +101,7 @@ class GradWatch:
         self.world_size = resolved.world_size
         self.parallelism = resolved.parallelism
         self._reducer = resolved.reducer
-        refusal: Exception | None = None
-        try:
-            self._reporter = Reporter(self.rank)
-            self._summarizer = Summarizer(cfg, resolved, self._reporter)
-            self._collector = Collector(cfg, resolved, self._summarizer, self._reporter)
-            self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
-            if self.rank == 0:
-                self._open_publishing()
-        except Exception as exc:  # agreed below: every rank refuses together, or none
-            refusal = exc
-        agree_setup(self, refusal)
+        agree_setup(self, cfg, resolved)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -340,18 +330,6 @@ class GradWatch:
         finally:
             self._reducer.close(drain)
 
-    def _release(self) -> None:
-        """Release what a refused construction opened: the endpoint and sinks, the comm hook,
-        gradwatch's host thread (no wait: nothing was issued after the handshake)."""
-        self._closed = True
-        detach(self._resolved.comm_hook)
-        publishing, self._publishing = self._publishing, None
-        try:
-            if publishing is not None:
-                publishing.close()
-        finally:
-            self._reducer.close(drain=False)
-
     def __enter__(self) -> GradWatch:
         return self
 
@@ -375,21 +353,32 @@ class GradWatch:
             self._collector.publish = functools.partial(_publish, self._publishing)
 
 
-def agree_setup(watcher: GradWatch, refusal: Exception | None) -> None:
-    """After the handshake, every rank learns whether any rank refused its part of the setup
-    (rank 0's endpoint, sinks, ``file_sd`` target; anything after the handshake that raised):
-    one agreed all-reduce (:meth:`gradwatch.reduce.packing.Reducer.agree_setup`). A refusal on any
-    rank makes every rank release what it opened and raise: the refusing rank its own error,
-    the others :class:`~gradwatch.errors.SetupRefusedError` naming it, so :func:`watch` gives
-    a no-op on every rank together and no rank is left issuing collectives no one pairs."""
+def agree_setup(watcher: GradWatch, cfg: WatchConfig, resolved: Resolved) -> None:
+    """What follows the handshake: the summary, the collector and, on rank 0, publishing
+    (endpoint, sinks, ``file_sd`` target); then every rank learns whether any rank refused
+    its part: one agreed all-reduce (:meth:`gradwatch.reduce.collective.Collective.agree`). A
+    refusal on any rank makes every rank release what it opened and raise: the refusing rank
+    its own error, the others :class:`~gradwatch.errors.SetupRefusedError` naming it, so
+    :func:`watch` gives a no-op on every rank together and no rank is left issuing collectives
+    no one pairs."""
+    refusal: Exception | None = None
     try:
-        count, ranks = watcher._reducer.agree_setup(refusal is not None)
+        watcher._reporter = Reporter(watcher.rank)
+        watcher._summarizer = Summarizer(cfg, resolved, watcher._reporter)
+        watcher._collector = Collector(cfg, resolved, watcher._summarizer, watcher._reporter)
+        watcher._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
+        if watcher.rank == 0:
+            watcher._open_publishing()
+    except Exception as exc:  # agreed below: every rank refuses together, or none
+        refusal = exc
+    try:
+        count, ranks = watcher._reducer.collective.agree(refusal is not None)
     except Exception:
-        watcher._release()
+        _release(watcher)
         raise
     if count == 0:
         return
-    watcher._release()
+    _release(watcher)
     if refusal is not None:
         raise refusal
     who = f"rank {ranks}" if count == 1 else f"{count} ranks"
@@ -397,6 +386,19 @@ def agree_setup(watcher: GradWatch, refusal: Exception | None) -> None:
         f"gradwatch: {who} refused the setup after the construction handshake (its log says "
         "why); no rank collects"
     )
+
+
+def _release(watcher: GradWatch) -> None:
+    """Release what a refused construction opened: the endpoint and sinks, the comm hook,
+    gradwatch's host thread (no wait: nothing was issued after the handshake)."""
+    watcher._closed = True
+    detach(watcher._resolved.comm_hook)
+    publishing, watcher._publishing = watcher._publishing, None
+    try:
+        if publishing is not None:
+            publishing.close()
+    finally:
+        watcher._reducer.close(drain=False)
 
 
 def _publish(publishing: Publishing, pending: PendingSnapshot, seconds: float) -> None:

@@ -14,8 +14,9 @@ from layout_reference import build_layout
 
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.errors import GradWatchTimeoutError
-from gradwatch.reduce.layout import piece_of, sections, step_residues
+from gradwatch.reduce.layout import piece_of, sections
 from gradwatch.reduce.packing import ReducedVector, Reducer
+from gradwatch.reduce.steps import step_residues
 from gradwatch.step.failures import Failures
 
 

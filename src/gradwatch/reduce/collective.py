@@ -456,6 +456,7 @@ class Collective:
         self.host_group = host_group  # gloo group of the monitoring-only collects
         self.timeout = timeout
         self.group_timeout = timeout  # the groups' own timeout (see settle())
+        self.handshake_device = torch.device("cpu")  # where the handshake's tensors live
         self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
         self.closed = False
         self._host = _HostThread(host_group, timeout) if host_group is not None else None
@@ -507,12 +508,12 @@ class Collective:
                     dist.distributed_c10d._set_pg_timeout(longest, group)
         self.group_timeout = longest.total_seconds()
 
-    def agree(self, refused: bool, device: torch.device) -> tuple[int, int]:
+    def agree(self, refused: bool) -> tuple[int, int]:
         """Did any rank refuse the setup? Agreed by every rank: one SUM all-reduce of a
         fixed-size float64 pair (:data:`SETUP_VOTE_BYTES`: 1 and this rank's id when it
-        refused, zeros otherwise) on the handshake's group, in ``device`` memory; returns
+        refused, zeros otherwise) on the handshake's group (its tensors' device); returns
         ``(refusing ranks, sum of their ids)``, the same on every rank (one refusing rank:
-        its id). Every rank calls it once, at the same point of construction, whatever it
+        its id). Every rank calls it once, as its construction's last collective, whatever it
         decided: nothing is left unpaired.
 
         The wait is bounded by the groups' settled timeout (the job's, :meth:`settle`), not by
@@ -521,7 +522,9 @@ class Collective:
         :class:`~gradwatch.errors.GradWatchTimeoutError` (the group is broken on every rank,
         so every rank refuses)."""
         group = self.handshake_group
-        votes = torch.zeros(2, dtype=torch.float64, device=device)
+        if group is None:  # a world of one: this rank's own answer, no collective
+            return (1, 0) if refused else (0, 0)
+        votes = torch.zeros(2, dtype=torch.float64, device=self.handshake_device)
         if refused:
             votes.fill_(1.0)
             votes[1] = float(dist.get_rank(group))

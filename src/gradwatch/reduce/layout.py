@@ -151,29 +151,6 @@ class Sections(NamedTuple):
     residues: slice = slice(0, 0)
 
 
-#: Steps enter the agreement check modulo ``2^20``: ``world * sum(q^2)`` stays an exact float64
-#: integer (below ``2^53``) up to 8192 ranks. Ranks whose steps differ by a multiple of
-#: ``2^20`` at one collect pass the check; their step slot still tells each rank its own step
-#: disagrees.
-STEP_RESIDUE_BITS = 20
-
-
-def step_residues(step: int) -> tuple[float, float]:
-    """What a rank adds to the residue slots for ``step``: ``q`` and ``q^2``."""
-    q = float(step % (1 << STEP_RESIDUE_BITS))
-    return q, q * q
-
-
-def steps_differ(ranks: int, residues: float, squares: float) -> bool:
-    """Did the ``ranks`` ranks whose residues were summed collect different steps? Equal
-    steps give ``ranks * sum(q^2) == sum(q)^2`` exactly (Cauchy-Schwarz: only then); the same
-    answer on every rank, from the reduced sums alone. False for non-finite sums (a stand-in:
-    the step was not measured for another reason)."""
-    if not (math.isfinite(residues) and math.isfinite(squares)):
-        return False
-    return ranks * squares != residues * residues
-
-
 def _rank_view_width(layout: Layout) -> int:
     g = layout.rank_view_groups
     if g == 0:

@@ -71,14 +71,8 @@ from gradwatch.reduce.collective import (
     reducer_device,
     wait_landed,
 )
-from gradwatch.reduce.layout import (
-    Layout,
-    LocalPiece,
-    derive_layout,
-    sections,
-    step_residues,
-    steps_differ,
-)
+from gradwatch.reduce.layout import Layout, LocalPiece, derive_layout, sections
+from gradwatch.reduce.steps import device_step, step_residues, steps_differ
 
 log = logging.getLogger("gradwatch")
 
@@ -120,10 +114,7 @@ class Reducer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
         self.collective = Collective()
-        self._handshake_device = torch.device("cpu")
-        # The last all-reduce issued whose step agreement no collect checked yet
-        # (gradwatch.step.failures.Failures.check_steps).
-        self.unchecked: ReducedVector | None = None
+        self.unchecked: ReducedVector | None = None  # see Failures.check_steps
         # Set on every rank by the optimizer-step guard: every collect all-reduces, so the
         # guard decides from inputs the ranks agreed on (issues_collective).
         self.guarded = False
@@ -161,7 +152,7 @@ class Reducer:
             # the device NCCL needs otherwise.
             on_device = "nccl" in backend and self.collective.host_group is None
             handshake_device = self.device if on_device else torch.device("cpu")
-            self._handshake_device = handshake_device
+            self.collective.handshake_device = handshake_device
             gathered = handshake.exchange(desc, record, self.collective.handshake_group,
                                           handshake_device, meshes=handshake.mesh_slots(pieces))
             self.collective.settle()
@@ -176,16 +167,6 @@ class Reducer:
         except (LayoutMismatchError, UnsupportedParallelismError):
             self.close()  # every rank raises the same error: release the group everywhere
             raise
-
-    def agree_setup(self, refused: bool) -> tuple[int, int]:
-        """Did any rank refuse the setup after the handshake (``refused``: this one did)?
-        ``(refusing ranks, sum of their ids)``, the same on every rank: one fixed-size
-        all-reduce on the handshake's group, every rank's last collective of the construction
-        (:meth:`gradwatch.reduce.collective.Collective.agree`). A world of one: this rank's
-        own answer, no collective."""
-        if not self.distributed or dist.get_world_size() <= 1:
-            return (1, 0) if refused else (0, 0)
-        return self.collective.agree(refused, self._handshake_device)
 
     def follow(self, gradients: torch.device | None) -> bool:
         """Move the packed vector to where the gradients are now (``GradWatch(model)`` then
@@ -223,9 +204,8 @@ class Reducer:
         at = sections(lay)
         dev = self.device
         n_local = len(lay.local_to_global)
-        # Persistent staging vector [3 bands | non-finite flags | has-grad | step, residue,
-        # residue^2], filled by out= ops and scattered into the fresh packed vector by one
-        # index_copy_.
+        # Persistent staging vector [3 bands | non-finite flags | has-grad | step, residues],
+        # filled by out= ops and scattered into the fresh packed vector by one index_copy_.
         self._n_local = n_local
         self._staging = torch.zeros(5 * n_local + 3, dtype=torch.float64, device=dev)
         self._staged_squares = self._staging[: 3 * n_local]
@@ -383,10 +363,8 @@ class Reducer:
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
         at = sections(self.layout)
         packed.narrow(0, at.step, 1).fill_(marker)
-        # The step's residues as a measured collect's: the step agreement stays readable.
-        residue, square = step_residues(step)
-        packed.narrow(0, at.residues.start, 1).fill_(residue)
-        packed.narrow(0, at.residues.start + 1, 1).fill_(square)
+        for offset, value in enumerate(step_residues(step)):  # the step agreement stays readable
+            packed.narrow(0, at.residues.start + offset, 1).fill_(value)
         if not self.issues_collective(with_replicas):
             return ReducedVector(packed, Pending(), self.timeout, step, self.layout, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
@@ -421,7 +399,7 @@ class ReducedStats:
             filled on divergence steps only).
         step_check: the sum of the steps the ranks collected.
         step_residues: the sums of the ranks' step residues and of their squares
-            (:func:`~gradwatch.reduce.layout.steps_differ`).
+            (:func:`~gradwatch.reduce.steps.steps_differ`).
         world_size: the number of ranks of the job.
         ranks: the number of ranks whose vectors were summed: ``world_size``, or 1 when the
             collect skipped the all-reduce (:meth:`Reducer.issues_collective`).
@@ -467,9 +445,7 @@ class ReducedStats:
 
     @property
     def steps_differ(self) -> bool:
-        """The ranks collected different steps: the same answer on every rank (from the
-        reduced residues alone, :func:`~gradwatch.reduce.layout.steps_differ`), False for a stand-in
-        or a collect without the all-reduce."""
+        """The ranks collected different steps (:func:`~gradwatch.reduce.steps.steps_differ`)."""
         return steps_differ(self.ranks or self.world_size, *self.step_residues)
 
     def steps_agree(self, step: int) -> bool:
@@ -535,6 +511,8 @@ class ReducedVector:
         self._layout = layout
         self._stats: ReducedStats | None = None
         self._device_step: Tensor | None = None
+        self.step, self.ranks = step, ranks  # this rank's step; summed ranks (None: all)
+        self.on_cpu = packed.device.type == "cpu"  # read without a device sync
         if packed.device.type != "cpu":
             # NCCL: make the compute stream wait for the collective (no host wait), then start
             # a non-blocking copy to pinned memory; stats() waits on the event, once.
@@ -594,52 +572,25 @@ class ReducedVector:
     def device_unmeasured(self) -> Tensor:
         """A 0-dim bool on the device: some rank stood in for this collect (its step slot is
         NaN or ``-inf``, see :meth:`Reducer.reduce_failed`) or the ranks collected different
-        steps (:func:`~gradwatch.reduce.layout.steps_differ`): the vector holds no measurement, and
+        steps (:func:`~gradwatch.reduce.steps.steps_differ`): the vector holds no measurement, and
         every rank reading it knows so without a host read."""
         return ~torch.isfinite(self.device_step())
 
     def device_step(self) -> Tensor:
-        """The reduced step slot, NaN where the ranks collected different steps (the
-        residues' test of :func:`~gradwatch.reduce.layout.steps_differ`, on the device: the same
-        bits on every rank), on the device (NaN or ``-inf``: some rank stood in). Computed
-        once per vector (a clip and a guard share it): with the residues ``r = (sum q,
-        sum q^2)``, ``r . (r * (1, 0) - (0, ranks)) = (sum q)^2 - ranks * sum q^2``, zero
-        exactly when the steps agree; five small ops, no host read (none at all for a vector
-        no other rank added to)."""
+        """The reduced step slot on the device, NaN where the ranks' steps differ
+        (:func:`gradwatch.reduce.steps.device_step`; none for this rank's own vector), once."""
         if self._device_step is None:
             packed = self._device()
             s = sections(self._layout)
-            ranks = self._ranks if self._ranks is not None else self._layout.world_size
-            if ranks == 1:  # this rank's own vector (no all-reduce): nothing to disagree
-                self._device_step = packed[s.step]
-                return self._device_step
-            pick, minus_ranks = _residue_weights(packed.device, ranks)
-            r = packed.narrow(0, s.residues.start, 2)
-            gap = torch.dot(r, torch.addcmul(minus_ranks, r, pick))
-            self._device_step = torch.where(gap != 0, torch.nan, packed[s.step])
+            step, ranks = packed[s.step], self.ranks or self._layout.world_size
+            self._device_step = step if ranks == 1 else device_step(
+                step, packed.narrow(0, s.residues.start, 2), ranks)
         return self._device_step
 
-    @property
-    def step(self) -> int:
-        """The step this rank collected with this vector."""
-        return self._step
-
-    @property
-    def on_cpu(self) -> bool:
-        """The vector lives in host memory (gloo): reading it costs no device sync."""
-        return self._packed.device.type == "cpu"
-
-    @property
-    def ranks(self) -> int | None:
-        """How many ranks' vectors it sums (None: the whole world's)."""
-        return self._ranks
-
     def _wait_landed(self, timeout: float) -> None:
-        """Wait at most ``timeout`` for the pinned copy of an accelerator vector. A copy not
-        landed yet is *in flight* (it waits on the stream behind the all-reduce, which
-        completes when a late rank arrives): :class:`~gradwatch.errors.GradWatchTimeoutError`
-        with ``in_flight`` True, never a reason to stop on this rank alone (the others' next
-        all-reduces would have no partner)."""
+        """Wait at most ``timeout`` for an accelerator vector's pinned copy; one not landed is
+        *in flight* (behind the all-reduce on the stream, done when a late rank arrives):
+        ``in_flight`` True, never a reason to stop on this rank alone."""
         try:
             wait_landed(self._landed, timeout, f"the vector of step {self._step}")
         except GradWatchTimeoutError as exc:
@@ -647,10 +598,8 @@ class ReducedVector:
             raise
 
     def step_sums(self, timeout: float) -> tuple[float, float, float]:
-        """The reduced step slot and residue sums, on the host: waits at most ``timeout``
-        for the all-reduce (or the copy to the host), then reads three values.
-        :class:`~gradwatch.errors.GradWatchTimeoutError` (``in_flight``) when it is still
-        in flight."""
+        """The reduced step slot and residue sums on the host, after waiting at most
+        ``timeout`` (``in_flight`` :class:`GradWatchTimeoutError` when still in flight)."""
         s = sections(self._layout)
         if self._packed.device.type != "cpu":
             self._wait_landed(timeout)
@@ -686,22 +635,6 @@ class ReducedVector:
                 values = self._packed.tolist()
             self._stats = ReducedStats.from_values(values, self._layout, self._ranks)
         return self._stats
-
-
-#: Per (device, ranks): the residue test's weights ``(1, 0)`` and ``(0, -ranks)``
-#: (:meth:`ReducedVector.device_step`), made on the device by fills once (no host copy).
-_RESIDUE_WEIGHTS: dict[tuple[torch.device, int], tuple[Tensor, Tensor]] = {}
-
-
-def _residue_weights(device: torch.device, ranks: int) -> tuple[Tensor, Tensor]:
-    weights = _RESIDUE_WEIGHTS.get((device, ranks))
-    if weights is None:
-        pick = torch.zeros(2, dtype=torch.float64, device=device)
-        pick.narrow(0, 0, 1).fill_(1.0)
-        minus_ranks = torch.zeros(2, dtype=torch.float64, device=device)
-        minus_ranks.narrow(0, 1, 1).fill_(-float(ranks))
-        weights = _RESIDUE_WEIGHTS[(device, ranks)] = (pick, minus_ranks)
-    return weights
 
 
 @dataclass(frozen=True)

@@ -238,8 +238,7 @@ class Collector:
     ) -> Collected:
         refuse_capture()
         skipped = step % self.cfg.every_n_steps != 0
-        self.failures.check_group(step)
-        self.failures.check_steps(step)
+        self.failures.check_group(step)  # and the last all-reduce's step agreement
         if self.broken:
             return Collected(not_measured(step, f"collection stopped: {self.broken}"))
         if skipped and max_norm is None and self.guard is None:
@@ -313,12 +312,7 @@ class Collector:
                     self.resolved, self.reporter, step, scaler, optimizer, max_norm, self.guard
                 )
             return Collected(not_measured(step, why), total)
-        if total is not None or self.decision is not None:
-            # A clip's or guard's all-reduce on gloo was awaited: its step agreement is known
-            # now, at no cost, on every rank alike (Failures.check_steps).
-            self.failures.check_steps(step, ready_only=True)
-            if self.failures.stopped_together:
-                total = None  # left unclipped (the ranks' steps differ): the bare loop clips
+        total = self.failures.settle_clip(step, total, self.decision is not None)
         if skipped:
             return Collected(self._pending_last(step), total)
         self.latest = pending

@@ -20,11 +20,13 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+from torch import Tensor
+
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.norms.stats import MetaGradientError
-from gradwatch.reduce.layout import steps_differ
 from gradwatch.reduce.packing import ReducedStats, ReducedVector, Reducer
+from gradwatch.reduce.steps import steps_differ
 
 if TYPE_CHECKING:
     from gradwatch.step.guard import GuardDecision, StepGuard
@@ -140,16 +142,18 @@ class Failures:
     def check_group(self, step: int) -> None:
         """Before a collect: stop when an all-reduce this rank issued earlier failed (checked
         without waiting), so ranks that never read their results stop as the publishing one
-        does, each at its next collect."""
+        does, each at its next collect; then the last one's step agreement
+        (:meth:`check_steps`)."""
         if self.broken is None:
             why = self._reducer.collective.failure()
             if why is not None:
                 self.stop("collective", f"an earlier all-reduce failed: {why}", step)
+        self.check_steps(step)
 
     def check_steps(self, step: int, ready_only: bool = False) -> None:
         """Before a collect issues its all-reduce: did the ranks collect the same step in the
         last one this rank issued? Read from the reduced step residues
-        (:func:`~gradwatch.reduce.layout.steps_differ`), the same answer on every rank; waits for it
+        (:func:`~gradwatch.reduce.steps.steps_differ`), the same answer on every rank; waits for it
         at most ``collective_timeout_seconds`` (it normally completed during this step's
         backward). A mismatch stops collection here, on every rank at this same point (each
         checks that all-reduce before issuing the next), so no all-reduce is left unpaired;
@@ -185,6 +189,16 @@ class Failures:
                 step,
             )
             self.stopped_together = True
+
+    def settle_clip(self, step: int, total: Tensor | None, decided: bool) -> Tensor | None:
+        """After a clip's or guard's pass: on gloo its all-reduce was awaited, so its step
+        agreement is known now at no cost, on every rank alike (:meth:`check_steps`). The
+        clip's norm, or None when that stopped collection (the clip left the gradients alone:
+        the bare loop clips)."""
+        if total is None and not decided:
+            return None
+        self.check_steps(step, ready_only=True)
+        return None if self.stopped_together else total
 
     def measured(self, attempt: int) -> None:
         """A step was measured: collecting again, unless a later collect already failed (the

@@ -10,8 +10,9 @@ import torch
 from layout_reference import build_layout
 
 from gradwatch.errors import LayoutMismatchError
-from gradwatch.reduce.layout import LocalPiece, step_residues, steps_differ
+from gradwatch.reduce.layout import LocalPiece
 from gradwatch.reduce.packing import ReducedStats, Reducer
+from gradwatch.reduce.steps import step_residues, steps_differ
 
 
 def desc(pieces, stage=None, config="c", version="v"):
