@@ -189,6 +189,7 @@ def case_refused_on_rank0(stack: str, out: str) -> Callable[[int, int], dict[str
             "scrape": scrape(watch.metrics_url, ("gradwatch_collecting", "gradwatch_run_info")),
         }
         watch.close()
+        dist.barrier()  # rank 0 scraped its endpoint: the handshake's 1 s bound starts together
         try:
             gradwatch.GradWatch(built.model, WatchConfig(**options))
             result["explicit"] = None
