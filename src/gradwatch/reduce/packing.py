@@ -219,9 +219,8 @@ class Reducer:
         self._staged_squares = self._staging[: 3 * n_local]
         self._staged_flags = self._staging[3 * n_local : 4 * n_local]
         self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
-        self._staged_step = self._staging[5 * n_local : 5 * n_local + 1]
-        self._staged_residue = self._staging[5 * n_local + 1 : 5 * n_local + 2]
-        self._staged_residue_sq = self._staging[5 * n_local + 2 :]
+        self._staged_step, self._staged_residue, self._staged_residue_sq = (
+            self._staging[5 * n_local + k : 5 * n_local + k + 1] for k in range(3))
         # has-gradient patterns already on the device (which gradients are None changes rarely:
         # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
@@ -373,10 +372,9 @@ class Reducer:
         on_host = not device_collective and self.collective.host_group is not None
         device = torch.device("cpu") if on_host else self.device
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=device)
-        at = sections(self.layout)
-        packed.narrow(0, at.step, 1).fill_(marker)
-        for offset, value in enumerate(step_residues(step)):  # the step agreement stays readable
-            packed.narrow(0, at.residues.start + offset, 1).fill_(value)
+        at = sections(self.layout)  # the step's residues too: its agreement stays readable
+        for offset, value in enumerate((marker, *step_residues(step))):
+            packed.narrow(0, at.step + offset, 1).fill_(value)
         if not self.issues_collective(with_replicas):
             return ReducedVector(packed, Pending(), self.timeout, step, self.layout, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
