@@ -21,3 +21,8 @@ class LayoutMismatchError(GradWatchError):
 
 class UnsupportedParallelismError(GradWatchError):
     """A wrapper gradwatch cannot measure correctly (e.g. FSDP1)."""
+
+
+class SetupRefusedError(GradWatchError):
+    """Another rank refused the setup after the construction handshake (a taken port, an
+    unusable sink or ``file_sd_path`` on rank 0): every rank refuses it together."""

@@ -583,9 +583,9 @@ INTERNAL_ERRORS_TOTAL = MetricDef(
     "collective (a gradwatch collective failed: collection stops), other_rank (another "
     "rank's local pass failed), collective_timeout (an all-reduce still in flight after "
     "collective_timeout_seconds, a straggler: the step is not measured, collection goes "
-    "on), step_mismatch (the ranks collected different steps), other_rank_closed (another "
-    "rank closed its watcher), host_copy (this rank's vector never reached its host "
-    "thread). Every kind starts at 0, with gradwatch_collecting.",
+    "on), step_mismatch (the ranks collected different steps: collection stops on every "
+    "rank), other_rank_closed (another rank closed its watcher), host_copy (this rank's "
+    "vector never reached its host thread). Every kind starts at 0, with gradwatch_collecting.",
     absent="As `gradwatch_collecting`.",
     source=MetricSource.SELF_STATS,
     read=lambda v: None if v.collecting is None else each(v.internal_errors),

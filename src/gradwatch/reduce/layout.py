@@ -146,8 +146,12 @@ class Sections(NamedTuple):
     replicas: slice  # R replica sums
     step: int  # the sum of the ranks' steps
     length: int
-    rank_view: slice = slice(0, 0)  # after the step: per-rank slots or bounded sums
+    rank_view: slice = slice(0, 0)  # after the residues: per-rank slots or bounded sums
     updates: slice = slice(0, 0)  # after the rank view: update figures per group (summed)
+    # After the step: the sums of the ranks' step residues ``q = step mod 2^STEP_RESIDUE_BITS``
+    # and of their squares: every rank tells from these alone, identically, whether the ranks
+    # collected different steps (``world * sum(q^2) != sum(q)^2``; :func:`steps_differ`).
+    residues: slice = slice(0, 0)
 
 
 def _rank_view_width(layout: Layout) -> int:
@@ -159,11 +163,12 @@ def _rank_view_width(layout: Layout) -> int:
 
 def sections(layout: Layout) -> Sections:
     n, r = layout.size, layout.replicas
-    view = 5 * n + r + 1
+    view = 5 * n + r + 3
     upd = view + _rank_view_width(layout)
     return Sections(
         rank_view=slice(view, upd),
         updates=slice(upd, upd + section_width(layout.update_groups)),
+        residues=slice(5 * n + r + 1, 5 * n + r + 3),
         squares=slice(0, n),
         squares_high=slice(n, 2 * n),
         squares_low=slice(2 * n, 3 * n),

@@ -237,7 +237,7 @@ class Collector:
     ) -> Collected:
         refuse_capture()
         skipped = step % self.cfg.every_n_steps != 0
-        self.failures.check_group(step)
+        self.failures.check_group(step)  # and the last all-reduce's step agreement
         if self.broken:
             return Collected(not_measured(step, f"collection stopped: {self.broken}"))
         if skipped and max_norm is None and self.guard is None:
@@ -311,6 +311,7 @@ class Collector:
                     self.resolved, self.reporter, step, scaler, optimizer, max_norm, self.guard
                 )
             return Collected(not_measured(step, why), total)
+        total = self.failures.settle_clip(step, total, self.decision is not None)
         if skipped:
             return Collected(self._pending_last(step), total)
         self.latest = pending
@@ -518,3 +519,45 @@ def clip_locally(
         params = [p for p in held if p.grad is not None]
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     return total.to(torch.float64)
+
+
+def bare_loop_clip(
+    model: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> Tensor:
+    """The clip a training loop without gradwatch makes on ``model``, as a float64 tensor:
+    what a watcher that measures nothing on any rank (disabled, refused on every rank
+    together) clips with, on every rank alike (collective where the stack's own clip is):
+
+    * FSDP1 (``FullyShardedDataParallel``): the outermost unit's own ``clip_grad_norm_``,
+      which all-reduces the shards' squares (torch's function over the flat shards would
+      clip each rank by its own shard's norm: a different coefficient on every rank);
+    * a DeepSpeed engine: nothing can be clipped here (the engine clips in ``engine.step()``
+      by its ``gradient_clipping``; its gradients are not in ``.grad``): NaN;
+    * otherwise ``torch.nn.utils.clip_grad_norm_`` over the parameters (their ``main_grad``
+      under Megatron-Core): the whole model's norm for DDP replicas and for DTensor
+      parameters (FSDP2, TP: torch reduces DTensor norms over their mesh), a rank-local one
+      for pipeline stages and plain per-rank experts, where torch has no whole-model clip.
+    """
+    from gradwatch.stacks.zero import find_engine
+
+    if find_engine(model) is not None:
+        return torch.tensor(math.nan, dtype=torch.float64)
+    root = _fsdp1_root(model)
+    if root is not None:
+        total = root.clip_grad_norm_(max_norm, norm_type)
+    else:
+        total = clip_locally(list(model.parameters()), max_norm, norm_type, error_if_nonfinite)
+    full = getattr(total, "full_tensor", None)  # a DTensor norm: replicated, no collective
+    return (full() if full is not None else total).to(torch.float64)
+
+
+def _fsdp1_root(model: Any) -> Any:
+    """The outermost FSDP1 unit of ``model`` (None: none)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for module in model.modules():
+        if isinstance(module, FullyShardedDataParallel):
+            return module
+    return None
