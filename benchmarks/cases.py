@@ -36,6 +36,10 @@ DDP_OVERHEAD_TARGET = Target(3, "%")
 RANK_VIEW_TARGET = Target(2, "%")
 #: the guarded DDP step (watch.guard, fused optimizer) within +2% of the unguarded one
 GUARD_TARGET = Target(2, "%")
+#: the DDP step with update_stats within +2% of the step without it; memory added (the
+#: update meter's persistent buffers) at most 1% of the parameters' bytes
+UPDATE_STATS_TARGET = Target(2, "%")
+UPDATE_STATS_MEMORY_TARGET = Target(1, "%")
 #: a 2-rank DDP step with 20 scrapers on the endpoint within +5% of the step without them
 SCRAPERS_TARGET = Target(5, "%")
 #: Spike detection's host cost in ``result()``, as a share of ``result()`` (10,000 parameters).
@@ -316,6 +320,7 @@ class Plan:
     fsdp1_width: int = 512  # of its Linear layers
     zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
     guard_blocks: int = 900  # palindromic blocks of the guard section (a median to ~1%)
+    update_blocks: int = 900  # palindromic blocks of the update-stats section
     shapes: tuple[Any, ...] = ()  # benchmarks.shapes.Shape: the shapes section's shapes
 
 
@@ -364,4 +369,5 @@ def quick_plan() -> Plan:
         fsdp1_width=16,
         zero_rounds=2,
         guard_blocks=2,
+        update_blocks=2,
     )

@@ -26,6 +26,8 @@ from benchmarks.cases import (
     RANK_VIEW_TARGET,
     SCRAPE_SPACING,
     SCRAPERS_TARGET,
+    UPDATE_STATS_MEMORY_TARGET,
+    UPDATE_STATS_TARGET,
     scrape_rate,
 )
 from benchmarks.results import (
@@ -52,6 +54,8 @@ from benchmarks.results import (
     Target,
     TargetCheck,
     Timing,
+    UpdateStatsMode,
+    UpdateStatsResult,
 )
 
 GW = NormMethod.GRADWATCH.value
@@ -126,6 +130,7 @@ CAUSES = (
     "DDP step overhead",
     "Per-rank view",
     "The guarded step",
+    "Update stats",
     "Clipping, bf16",
     "Clipping, fp32",
     "Float64 copies",
@@ -351,6 +356,34 @@ def guard_table(r: GuardResult | Failure) -> str:
         ["step", "step ms (p25-p75)", "ratio over unguarded (IQR over blocks)", "verdict"], rows)
 
 
+def update_stats_table(r: UpdateStatsResult | Failure) -> str:
+    if isinstance(r, Failure):
+        return f"failed: {r.error}"
+    ov = r.ratio()
+    rows = [[UpdateStatsMode.WATCHED.value, fmt_timing(r.timing(UpdateStatsMode.WATCHED)), "-",
+             "-"],
+            [UpdateStatsMode.UPDATES.value, fmt_timing(r.timing(UpdateStatsMode.UPDATES)),
+             fmt_ratio(ov), verdict_of(ov)]]
+    return table(["step", "step ms (p25-p75)", "ratio over the step without (IQR over blocks)",
+                  "verdict"], rows)
+
+
+def _update_stats_figures(r: UpdateStatsResult) -> str:
+    extra = (r.timing(UpdateStatsMode.UPDATES).median
+             - r.timing(UpdateStatsMode.WATCHED).median) * 1e3
+    peak = r.largest_allocation
+    return (f"{extra:+.2f} ms; {verdict_of(r.ratio())}; {r.scalar_reads} host reads added per "
+            f"step; persistent memory {r.persistent_bytes} B ({r.persistent_pct:.3f}% of "
+            f"{r.parameter_bytes} B of parameters); largest allocation of a warm step "
+            f"{peak[UpdateStatsMode.UPDATES]} B with, {peak[UpdateStatsMode.WATCHED]} B without")
+
+
+def _update_stats_section(r: UpdateStatsResult | Failure) -> str:
+    if isinstance(r, Failure):
+        return update_stats_table(r)
+    return (f"Blocks: {r.blocks}. {_update_stats_figures(r)}.\n\n" + update_stats_table(r))
+
+
 SCALE_TARGET_CASE = "PP x FSDP2 x TP"
 SCALE_TARGET_WORLD = 16384
 SCALE_SECONDS_TARGET = Target(10.0, " s")
@@ -486,6 +519,17 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
                 f"{run.guard.model}: {GUARD_TARGET} over the unguarded step", GUARD_TARGET,
                 ov.median_pct, fmt_ratio(ov), _guard_figures(run.guard, mode),
                 "The guarded step"))
+    if isinstance(run.updates, UpdateStatsResult):
+        ov = run.updates.ratio()
+        checks.append(TargetCheck(
+            "distributed", f"DDP step with `update_stats=True` (AdamW), {run.updates.model}: "
+            f"{UPDATE_STATS_TARGET} over the step without it", UPDATE_STATS_TARGET,
+            ov.median_pct, fmt_ratio(ov), _update_stats_figures(run.updates), "Update stats"))
+        checks.append(TargetCheck(
+            "distributed", f"persistent memory `update_stats=True` adds, {run.updates.model}: "
+            f"{UPDATE_STATS_MEMORY_TARGET} of the parameters' bytes", UPDATE_STATS_MEMORY_TARGET,
+            run.updates.persistent_pct, f"{run.updates.persistent_pct:.3f}%",
+            _update_stats_figures(run.updates), "Update stats"))
     for c in run.clipping:
         a = c.accuracy
         for v in c.variants:
@@ -700,6 +744,8 @@ def render(run: RunResults) -> str:
         zero,
         _head("The optimizer-step guard (2 ranks, gloo, CPU)"),
         _skipped_or(run.guard, lambda: _guard_section(run.guard)),  # type: ignore[arg-type]
+        _head("Optimizer-update health (2 ranks, gloo, CPU)"),
+        _skipped_or(run.updates, lambda: _update_stats_section(run.updates)),  # type: ignore[arg-type]
         _head("Construction at scale (simulated ranks, one core)"),
         scale_table(run.scale) + "\n",
         _head("Scrapers during training"),

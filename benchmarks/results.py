@@ -463,6 +463,42 @@ class GuardResult:
         return self.ops[mode] - self.ops[GuardMode.WATCHED]
 
 
+class UpdateStatsMode(Enum):
+    """The kinds of DDP step the update-stats benchmark times against each other."""
+
+    WATCHED = "gradwatch `collect`, then AdamW's step (without update stats)"
+    UPDATES = "the same with `update_stats=True` (the update measured in the step's post-hook)"
+
+
+@dataclass(frozen=True)
+class UpdateStatsResult:
+    """Rank 0's step times of both :class:`UpdateStatsMode` kinds (2 ranks, DDP, demo model,
+    AdamW), in palindromic blocks; the host scalar reads update stats add to one warm step;
+    the meter's persistent bytes and each kind's largest allocation of one warm step, against
+    the parameters' bytes."""
+
+    model: str
+    blocks: int
+    step_times: dict[UpdateStatsMode, tuple[float, ...]]
+    scalar_reads: int
+    parameter_bytes: int
+    persistent_bytes: int
+    largest_allocation: dict[UpdateStatsMode, int]
+
+    def timing(self, mode: UpdateStatsMode) -> Timing:
+        return Timing.of(self.step_times[mode])
+
+    def ratio(self) -> PairedRatio:
+        """The step with update stats over the step without (see :func:`paired_ratio`)."""
+        return paired_ratio(self.step_times[UpdateStatsMode.UPDATES],
+                            self.step_times[UpdateStatsMode.WATCHED])
+
+    @property
+    def persistent_pct(self) -> float:
+        """The meter's persistent memory in percent of the parameters' bytes."""
+        return 100.0 * self.persistent_bytes / self.parameter_bytes
+
+
 @dataclass(frozen=True)
 class DistributedFailure:
     """A wrapper whose run failed: reported, so the other sections are not lost."""
@@ -552,6 +588,7 @@ class RunResults:
     rank_view_loop: RankViewResult | Failure | None = None  # None: skipped
     fsdp1: list[Fsdp1Result] | Failure | None = None  # None: skipped
     guard: GuardResult | Failure | None = None  # None: skipped
+    updates: UpdateStatsResult | Failure | None = None  # None: skipped
     cuda_device: str | None = None  # None: no GPU
     cuda_cases: list[NormCaseResult] = field(default_factory=list)
     demo_model: str = ""  # the demo model's size, as the distributed section describes it

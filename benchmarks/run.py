@@ -40,6 +40,7 @@ from benchmarks import (  # noqa: E402
     report,
     scale,
     shapes,
+    update_bench,
     zero_bench,
 )
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
@@ -111,6 +112,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
             plan.fsdp1_rounds, plan.fsdp1_width))
         run.guard = section("guard", lambda: _reported(
             lambda: guard_bench.guard(plan.guard_blocks)))
+        run.updates = section("update stats", lambda: _reported(
+            lambda: update_bench.updates(plan.update_blocks)))
         run.zero = section("deepspeed zero-2", lambda: zero_bench.measure(plan.zero_rounds))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))

@@ -112,6 +112,18 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   With the defaults a 10x spike 50 steps after a 30x drop of level is found, announced or not,
   and on a stationary stream (10,000 steps, 20 injected 10x spikes) all 20 are found with no
   false alarm (tests/unit/analysis/test_spikes.py).
+* **Optimizer-update health** (`update_stats=True`, `GRADWATCH_UPDATE_STATS=1`; off by
+  default, then absent): per group, the weights' norm (`gradwatch_weight_norm`), the norm of the
+  update the last optimizer step applied (`gradwatch_update_norm`, theta_t - theta_{{t-1}},
+  recovered exactly from the optimizer's state: docs/design.md, "Optimizer-update health"),
+  their ratio (`gradwatch_update_ratio`, NaN when the weight norm is 0) and the fraction of
+  intended updates rounded away (`gradwatch_stalled_update_fraction`, NaN when nothing was meant
+  to move). The update figures are absent on the first collect and whenever a step could not be
+  read (an optimizer other than torch.optim SGD, Adam, AdamW): never a guessed 0. A collect with
+  no optimizer step since the previous one reads an update of 0; if the previous collect's
+  gradients were finite and non-zero that is a *silent skip*, counted in
+  `gradwatch_skipped_steps_total{{reason="no_update"}}` beside `amp_overflow` (the GradScaler)
+  and `deepspeed_overflow` (DeepSpeed's loss scaler).
 * **Exemplars name the step.** In the OpenMetrics format (which Prometheus negotiates) the
   non-finite, skipped-step (AMP, and the optimizer-step guard's) and spike counters carry an
   exemplar per series: labels `step` (the step that last increased it) and `origin_rank` (the

@@ -31,6 +31,8 @@ local lib = import 'lib.libsonnet';
     local c = $._config + {
       overheadPercent: std.toString(std.round(std.parseJson(super.overheadFraction) * 1e5) / 1e3),
       replicaDivergenceText: lib.numberText(super.replicaDivergenceThreshold),
+      updateRatioLowText: lib.numberText(super.updateRatioLow),
+      updateRatioHighText: lib.numberText(super.updateRatioHigh),
     } + {
       [key + 'Text']: lib.durationText($._config[key])
       for key in std.objectFields($._config)
@@ -268,16 +270,16 @@ local lib = import 'lib.libsonnet';
               },
             },
             // The optimizer-step guard (watch.guard) skips steps repeatedly: one skip is the guard
-        // working; three in 15 minutes (any reason; _config.skippedStepsThreshold) mean the data,
+        // working; three in 15 minutes (its reasons; _config.skippedStepsThreshold) mean the data,
         // the LR or the model keeps producing bad steps, and every skipped step is a step the run
         // did not train. Warning, no `for`: the skips already happened.
         {
           alert: "GradwatchStepsSkipped",
           expr: |||
-            sum by (job, instance) (increase(gradwatch_skipped_steps_total{@}[15m])) >= $(skippedStepsThreshold)
+            sum by (job, instance) (increase(gradwatch_skipped_steps_total{reason=~"nonfinite|spike",@}[15m])) >= $(skippedStepsThreshold)
             or
             (
-              sum by (job, instance) (gradwatch_skipped_steps_total{@}) >= $(skippedStepsThreshold)
+              sum by (job, instance) (gradwatch_skipped_steps_total{reason=~"nonfinite|spike",@}) >= $(skippedStepsThreshold)
               and on (job, instance)
               (
                 gradwatch_start_time_seconds{@}
@@ -292,6 +294,91 @@ local lib = import 'lib.libsonnet';
             summary: "The guard keeps skipping optimizer steps in job {{ $labels.job }} ({{ $labels.instance }})",
             description: "The optimizer-step guard of job {{ $labels.job }} (instance {{ $labels.instance }}) skipped {{ $value | humanize }} optimizer steps in the last 15 minutes because of non-finite or spiking gradients of the whole model (all groups); gradwatch_skipped_steps_total says which reason.",
             runbook_url: runbook('gradwatchstepsskipped'),
+          },
+        },
+        // Most recent optimizer steps changed nothing outside the guard: the AMP GradScaler or
+        // DeepSpeed skipped them on overflows, or the weights did not move although the gradients
+        // were finite and non-zero (update_stats: a silent skip). A scaler's occasional overflow
+        // is normal; more than half of the collects of 15 minutes (at least
+        // _config.optimizerSkippedMinCollects of them) is a run that stopped training. Critical,
+        // no `for`. The second clause sees a run that skips from its start at its first scrape:
+        // its counters since the start, in a run whose start time changed (a restart, see the
+        // header) or first appeared in the last 15 minutes.
+        {
+          alert: "GradwatchOptimizerNotUpdating",
+          expr: |||
+            (
+              sum by (job, instance) (increase(gradwatch_skipped_steps_total{reason=~"amp_overflow|deepspeed_overflow|no_update",@}[15m]))
+              / sum by (job, instance) (increase(gradwatch_collections_total{@}[15m]))
+              > $(optimizerSkippedFraction)
+              and on (job, instance)
+              sum by (job, instance) (increase(gradwatch_collections_total{@}[15m])) >= $(optimizerSkippedMinCollects)
+            )
+            or
+            (
+              sum by (job, instance) (gradwatch_skipped_steps_total{reason=~"amp_overflow|deepspeed_overflow|no_update",@})
+              / sum by (job, instance) (gradwatch_collections_total{@})
+              > $(optimizerSkippedFraction)
+              and on (job, instance)
+              sum by (job, instance) (gradwatch_collections_total{@}) >= $(optimizerSkippedMinCollects)
+              and on (job, instance)
+              (
+                (
+                  gradwatch_start_time_seconds{@}
+                  != last_over_time(gradwatch_start_time_seconds{@}[1h] offset 15m)
+                )
+                or
+                (
+                  gradwatch_start_time_seconds{@}
+                  unless
+                  present_over_time(gradwatch_start_time_seconds{@}[1h] offset 15m)
+                )
+              )
+            )
+          |||,
+          labels: {
+            severity: "critical",
+          },
+          annotations: {
+            summary: "The optimizer is not updating the weights in job {{ $labels.job }} ({{ $labels.instance }})",
+            description: "In job {{ $labels.job }} (instance {{ $labels.instance }}) the optimizer skipped or changed nothing on {{ $value | humanizePercentage }} of the collected steps of the whole model (all groups): AMP or DeepSpeed overflows, or weights that did not move although the gradients were finite and non-zero. gradwatch_skipped_steps_total says which reason.",
+            runbook_url: runbook('gradwatchoptimizernotupdating'),
+          },
+        },
+        // The update-to-weight ratio of a group left its band for $(updateRatioFor): above
+        // _config.updateRatioHigh the optimizer rewrites the weights too fast (a learning rate
+        // too high, a loss spike coming); between 0 and _config.updateRatioLow it barely moves
+        // them. A ratio of exactly 0 (a frozen group, a skipped step) is not this alert's.
+        {
+          alert: "GradwatchUpdateRatioOutOfBand",
+          expr: |||
+            gradwatch_update_ratio{@} > $(updateRatioHigh)
+            or
+            (gradwatch_update_ratio{@} < $(updateRatioLow) and gradwatch_update_ratio{@} > 0)
+          |||,
+          'for': '$(updateRatioFor)',
+          labels: {
+            severity: "warning",
+          },
+          annotations: {
+            summary: "Update ratio of group {{ $labels.group }} out of band in job {{ $labels.job }} ({{ $labels.instance }})",
+            description: "The optimizer's update-to-weight ratio of group {{ $labels.group }} in job {{ $labels.job }} (instance {{ $labels.instance }}) is {{ $value }}, outside [$(updateRatioLowText), $(updateRatioHighText)] for $(updateRatioForText).",
+            runbook_url: runbook('gradwatchupdateratiooutofband'),
+          },
+        },
+        // Most of a group's intended updates are rounded away (bf16/fp16 weights at a small
+        // learning rate): the group is not learning although the optimizer runs.
+        {
+          alert: "GradwatchStalledUpdates",
+          expr: "gradwatch_stalled_update_fraction{@} > $(stalledUpdateFraction)",
+          'for': '$(stalledUpdatesFor)',
+          labels: {
+            severity: "warning",
+          },
+          annotations: {
+            summary: "Updates of group {{ $labels.group }} are rounded away in job {{ $labels.job }} ({{ $labels.instance }})",
+            description: "{{ $value | humanizePercentage }} of the intended updates of group {{ $labels.group }} in job {{ $labels.job }} (instance {{ $labels.instance }}) were under half an ulp of their weights and left them unchanged, for $(stalledUpdatesForText).",
+            runbook_url: runbook('gradwatchstalledupdates'),
           },
         },
         // Steps on which no parameter had a gradient at all (collect() before backward(), or

@@ -13,6 +13,11 @@
     metricsStaleSeconds: '900',  // seconds without a collect while the target is up
     overheadFraction: '0.05',  // share of the training thread's time in collect()
     skippedStepsThreshold: '3',  // steps the optimizer-step guard skipped in 15 minutes
+    optimizerSkippedFraction: '0.5',  // share of collects whose optimizer step changed nothing
+    optimizerSkippedMinCollects: '10',  // collects needed before that share is judged (a GradScaler's warm-up)
+    updateRatioHigh: '0.01',  // update-to-weight ratio of a group (GradwatchUpdateRatioOutOfBand)
+    updateRatioLow: '1e-06',
+    stalledUpdateFraction: '0.5',  // share of a group's intended updates rounded away
 
     // `for` durations of the alerts that have one (the others fire on the first event).
     explodingFor: '5m',
@@ -23,6 +28,8 @@
     metricsStaleFor: '5m',
     targetDownFor: '5m',
     overheadFor: '15m',
+    updateRatioFor: '15m',
+    stalledUpdatesFor: '15m',
 
     // Where each alert's runbook_url points: %s is the alert name in lower case.
     runbookURLPattern: 'docs/runbook.md#%s',

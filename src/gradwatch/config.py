@@ -232,6 +232,13 @@ class WatchConfig(BaseSettings):
             default (its hook costs a DDP step more than the +2% it aims at, see
             docs/distributed.md); a no-op without DDP. Ranks must agree (checked by the
             handshake).
+        update_stats: on collect steps, also measure what the optimizer did to the weights
+            (:mod:`gradwatch.norms.updates`): per group and whole-model weight norm, the norm of
+            the last optimizer step's update, their ratio and the fraction of elements whose
+            intended update was rounded away (stalled), exact and in the same all-reduce.
+            Read from the optimizer's state after its step (``torch.optim`` SGD, Adam, AdamW:
+            for-loop, foreach and fused); no copy of the parameters. Ranks must agree
+            (checked by the handshake).
         batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
             scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
             in per-replica batches.
@@ -378,6 +385,8 @@ class WatchConfig(BaseSettings):
 
     # -- the per-rank view (DDP comm hook; docs/distributed.md) --------------------------------
     rank_view: bool = False
+    # -- optimizer-update health (gradwatch.norms.updates; docs/design.md) --
+    update_stats: bool = False
     batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
 
     # -- tracker sinks (gradwatch.export.sinks) and discovery without Kubernetes (export.filesd)
@@ -468,6 +477,7 @@ LAYOUT_HASH_FIELDS = (
     "divergence_every",
     "always_reduce",  # which collects all-reduce
     "rank_view",  # the packed vector's rank-view section
+    "update_stats",  # the packed vector's update section
     "expert_parameters",  # which names may be held by some ranks only
     # the optimizer-step guard: every rank must take the same skip decisions
     "skip_nonfinite",

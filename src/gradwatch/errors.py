@@ -27,3 +27,8 @@ class GuardStopError(GradWatchError):
     """The guard skipped ``max_consecutive_skips`` steps in a row and
     ``on_max_consecutive_skips="raise"``: raised from the next guarded ``step()`` on every
     rank, before that step is applied."""
+
+
+class SetupRefusedError(GradWatchError):
+    """Another rank refused the setup after the construction handshake (a taken port, an
+    unusable sink or ``file_sd_path`` on rank 0): every rank refuses it together."""

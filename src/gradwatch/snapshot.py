@@ -46,6 +46,15 @@ class GroupStats:
         exploding: parameters whose own gradient norm is above ``exploding_threshold`` or
             non-finite.
         nonfinite: parameters whose gradient contains NaN or Inf.
+
+    Optimizer-update health (``update_stats=True``; None without it, see :class:`Snapshot`):
+
+    Attributes:
+        weight_norm: L2 norm of the group's weights at this collect.
+        update_norm: L2 norm of the update the last optimizer step applied to them.
+        update_ratio: ``update_norm / weight_norm``.
+        stalled_fraction: of the elements the step meant to change, the fraction it left
+            unchanged (the intended update was under half an ulp of the weight).
     """
 
     norm: float = 0.0
@@ -54,6 +63,10 @@ class GroupStats:
     vanishing: int = 0
     exploding: int = 0
     nonfinite: int = 0
+    weight_norm: float | None = None
+    update_norm: float | None = None
+    update_ratio: float | None = None
+    stalled_fraction: float | None = None
 
 
 #: Added to the denominator of normalized ratios, and the floor under which a norm counts as 0.
@@ -163,6 +176,28 @@ class Snapshot:
             ``batch_size``, per-replica batches without it); NaN while undefined (either
             smoothed estimate not positive), never negative.
         group_noise_scale: group -> B_simple.
+
+    Optimizer-update health (``WatchConfig(update_stats=True)``, :mod:`gradwatch.norms.updates`;
+    None without it), whole-model figures (per group in :attr:`groups`):
+
+    Attributes:
+        weight_norm: L2 norm of every weight at this collect, combined exactly across shards.
+        update_norm: L2 norm of ``theta_t - theta_{t-1}``, the update the last optimizer step
+            before this collect applied (0.0: no step changed the weights); None on the
+            first collect, or when a step could not be measured (an unsupported optimizer).
+        update_ratio: ``update_norm / weight_norm``; NaN when the weight norm is 0 or
+            non-finite; None when ``update_norm`` is.
+        stalled_fraction: of the elements whose intended update was non-zero, the fraction
+            whose weight did not change (the update was under half an ulp: bf16/fp16 weights
+            at small learning rates); measured for every dtype, so 0.0 for float32/float64
+            weights is a measurement; NaN when no element was meant to change; None when
+            ``update_norm`` is.
+        no_update_step: a *silent skip*: no optimizer step changed a weight since the
+            previous collect (``update_norm == 0.0``) although that collect's gradients were
+            finite and non-zero and neither AMP nor the guard skipped it.
+        deepspeed_skipped_steps: under DeepSpeed, the optimizer steps the engine skipped on an
+            overflow since the previous collect (its ``skipped_steps`` count); None otherwise
+            and on the first collect.
         measured: False when gradwatch measured nothing (a disabled or refused watcher:
             :meth:`unmeasured`); True for every collected step.
         no_gradient: a measured step on which no parameter had a gradient at all
@@ -211,6 +246,13 @@ class Snapshot:
     replica_outlier_rank: int | None = None
     gradient_noise_scale: float | None = None
     group_noise_scale: Mapping[str, float] = field(default_factory=dict)
+    # -- optimizer-update health (gradwatch.norms.updates)
+    weight_norm: float | None = None
+    update_norm: float | None = None
+    update_ratio: float | None = None
+    stalled_fraction: float | None = None
+    no_update_step: bool = False
+    deepspeed_skipped_steps: int | None = None
     measured: bool = True
     no_gradient: bool = False
 

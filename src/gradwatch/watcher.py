@@ -39,16 +39,16 @@ from gradwatch.analysis.reporter import Reporter
 from gradwatch.analysis.summary import Summarizer
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.configfile import load_config
-from gradwatch.errors import GradWatchError
+from gradwatch.errors import GradWatchError, SetupRefusedError
 from gradwatch.norms.hooks import before_optimizer_step
 from gradwatch.norms.model import shown_groups
 from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.ddp_hook import detach
 from gradwatch.step.adaptive import AUTO
-from gradwatch.step.collector import Collector, PendingSnapshot, clip_locally
+from gradwatch.step.collector import Collector, PendingSnapshot, bare_loop_clip, clip_locally
 from gradwatch.step.guard import GuardedOptimizer
 from gradwatch.step.incidents import batch_ids
-from gradwatch.step.resolve import resolve
+from gradwatch.step.resolve import Resolved, resolve
 
 if TYPE_CHECKING:
     from gradwatch.export import Publishing, Sink
@@ -127,18 +127,14 @@ class GradWatch(StepControls):
         self._hooks: list[Any] = []
         self._closed = False
         self._publishing: Publishing | None = None  # rank 0; gradwatch.export imported lazily
+        self._model = model  # the bare loop's clip (bare_loop_clip) needs the wrapper
         resolved = resolve(model, cfg, process_group=process_group, stage_group=stage_group)
         self._resolved = resolved
         self.rank = resolved.rank
         self.world_size = resolved.world_size
         self.parallelism = resolved.parallelism
-        self._reporter = Reporter(self.rank)
-        self._summarizer = Summarizer(cfg, resolved, self._reporter)
-        self._collector = Collector(cfg, resolved, self._summarizer, self._reporter)
-        self._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
         self._reducer = resolved.reducer
-        if self.rank == 0:
-            self._open_publishing()
+        agree_setup(self, cfg, resolved)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -236,7 +232,8 @@ class GradWatch(StepControls):
         counter. The collected snapshot has pre-clip norms and ``clip_coef``. Steps the schedule
         skips are clipped by the whole-model norm too (same pass and all-reduce, no snapshot);
         only when a collect failed or collection stopped does torch's function clip (rank-local
-        norm).
+        norm), or, when it stopped on every rank together (a step mismatch), the bare loop's
+        clip (:func:`gradwatch.step.collector.bare_loop_clip`).
         """
         if norm_type != 2.0:
             raise ValueError(
@@ -247,6 +244,8 @@ class GradWatch(StepControls):
             unclipped = self._collector.unclipped(auto=max_norm == AUTO)
             if unclipped is not None:
                 return unclipped
+            if self._collector.failures.stopped_together:  # every rank here, at this step
+                return bare_loop_clip(self._model, max_norm, norm_type, error_if_nonfinite)
             held = self._resolved.slots.current()
             return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -360,6 +359,8 @@ class GradWatch(StepControls):
         self._hooks.clear()
         self._collector.close()  # no collect from now on; rank 0's incident file written
         detach(self._resolved.comm_hook)
+        if self._resolved.updates is not None:
+            self._resolved.updates.close()
         try:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served
@@ -402,6 +403,54 @@ def _max_norm(max_norm: float | str) -> float | str:
     return float(max_norm)
 
 
+def agree_setup(watcher: GradWatch, cfg: WatchConfig, resolved: Resolved) -> None:
+    """What follows the handshake: the summary, the collector and, on rank 0, publishing
+    (endpoint, sinks, ``file_sd`` target); then every rank learns whether any rank refused
+    its part: one agreed all-reduce (:meth:`gradwatch.reduce.collective.Collective.agree`). A
+    refusal on any rank makes every rank release what it opened and raise: the refusing rank
+    its own error, the others :class:`~gradwatch.errors.SetupRefusedError` naming it, so
+    :func:`watch` gives a no-op on every rank together and no rank is left issuing collectives
+    no one pairs."""
+    refusal: Exception | None = None
+    try:
+        watcher._reporter = Reporter(watcher.rank)
+        watcher._summarizer = Summarizer(cfg, resolved, watcher._reporter)
+        watcher._collector = Collector(cfg, resolved, watcher._summarizer, watcher._reporter)
+        watcher._local_view = resolved.local_view  # what ddp_comm_hook(watch) measures into
+        if watcher.rank == 0:
+            watcher._open_publishing()
+    except Exception as exc:  # agreed below: every rank refuses together, or none
+        refusal = exc
+    try:
+        count, ranks = watcher._reducer.collective.agree(refusal is not None)
+    except Exception:
+        _release(watcher)
+        raise
+    if count == 0:
+        return
+    _release(watcher)
+    if refusal is not None:
+        raise refusal
+    who = f"rank {ranks}" if count == 1 else f"{count} ranks"
+    raise SetupRefusedError(
+        f"gradwatch: {who} refused the setup after the construction handshake (its log says "
+        "why); no rank collects"
+    )
+
+
+def _release(watcher: GradWatch) -> None:
+    """Release what a refused construction opened: the endpoint and sinks, the comm hook,
+    gradwatch's host thread (no wait: nothing was issued after the handshake)."""
+    watcher._closed = True
+    detach(watcher._resolved.comm_hook)
+    publishing, watcher._publishing = watcher._publishing, None
+    try:
+        if publishing is not None:
+            publishing.close()
+    finally:
+        watcher._reducer.close(drain=False)
+
+
 def _publish(publishing: Publishing, pending: PendingSnapshot, seconds: float) -> None:
     """Hand a new pending result, and its collect's duration, to rank 0's publisher."""
     publishing.observe_collect_seconds(seconds)
@@ -412,7 +461,8 @@ class NoOpWatch:
     """Same methods as :class:`GradWatch`; collects nothing, opens no port, issues no collective.
 
     What ``enabled=False`` gives, from :func:`watch` and from ``GradWatch(...)`` alike.
-    ``clip_grad_norm_`` is torch's (a rank-local norm), returned as float64 like GradWatch's.
+    ``clip_grad_norm_`` is the bare loop's (:func:`gradwatch.step.collector.bare_loop_clip`:
+    torch's, FSDP1's own, nothing under DeepSpeed), returned as float64 like GradWatch's.
     ``collect`` and ``clip_grad_norm_`` give :meth:`Snapshot.unmeasured` snapshots: the keys
     an enabled watcher would give (groups, ratios, isolated groups), every figure NaN or None,
     so a loop written for one runs with the other and nothing reads as healthy; :attr:`last`
@@ -491,9 +541,8 @@ class NoOpWatch:
         the rank-local norm."""
         limit = _max_norm(max_norm)
         self._unmeasured(step)
-        held = list(self._model.parameters())
         bound = math.inf if limit == AUTO else float(limit)
-        return clip_locally(held, bound, norm_type, error_if_nonfinite)
+        return bare_loop_clip(self._model, bound, norm_type, error_if_nonfinite)
 
     def note_batch(self, ids: Any) -> None:
         batch_ids(ids)  # validated alike: a script that runs disabled runs enabled
@@ -527,8 +576,9 @@ class NoOpWatch:
 
 class RefusedWatch(NoOpWatch):
     """What :func:`watch` returns when :class:`GradWatch` refused the setup: a
-    :class:`NoOpWatch` (collects nothing, issues no collective, clips with torch's rank-local
-    function) that logged the refusal once and, on global rank 0 with a ``port``, serves
+    :class:`NoOpWatch` (collects nothing, issues no collective of its own, clips as the bare
+    loop would: :func:`gradwatch.step.collector.bare_loop_clip`) that logged the refusal
+    once and, on global rank 0 with a ``port``, serves
     ``gradwatch_collecting 0`` (with ``gradwatch_run_info{parallelism="refused"}`` and the
     exporter's own series), so the missing measurement is visible at once. When even the
     endpoint cannot start (e.g. the port is taken) that is logged too and nothing is served.
@@ -559,17 +609,27 @@ class RefusedWatch(NoOpWatch):
     def _serve_not_collecting(self, config: WatchConfig, world_size: int) -> None:
         from gradwatch.export import open_publishing
 
-        try:
-            publishing = open_publishing(
-                config.model_copy(update={"history_path": None}),
-                world_size=world_size,
-                parallelism=self.parallelism,
-            )
-        except Exception as exc:
-            log.error("gradwatch: the endpoint could not start either: %s", exc)
-            return
+        # What serves the endpoint only: no history, no tracker sinks (either may be what was
+        # refused); the file_sd target when it can be written (Prometheus finds the endpoint),
+        # else without it.
+        bare = config.model_copy(update={"history_path": None, "sinks": []})
+        attempts = [bare]
+        if bare.file_sd_path is not None:
+            attempts.append(bare.model_copy(update={"file_sd_path": None}))
+        publishing = None
+        for attempt in attempts:
+            try:
+                publishing = open_publishing(
+                    attempt, world_size=world_size, parallelism=self.parallelism
+                )
+                break
+            except Exception as exc:
+                log.error("gradwatch: the endpoint could not start either: %s", exc)
         if publishing is not None:
             publishing.self_stats.set_collecting(False)
+            # Served before construction returns: the first scrape already says "not
+            # collecting" (bounded; a slow exporter start only delays when it does).
+            publishing.flush(timeout=5.0)
             self._publishing = publishing
             self.metrics_url = publishing.url
 

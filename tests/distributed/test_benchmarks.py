@@ -321,3 +321,28 @@ def test_quick_guard_section() -> None:
     assert "skip_spike_score" in checks[1].subject and "skip_spike_score" not in checks[0].subject
     text = report.miss_notes(run)
     assert all(c.met or c.subject in text for c in checks)
+
+
+@pytest.mark.distributed
+def test_quick_update_stats_section() -> None:
+    """The update-stats section (what `make bench` runs) on 2 blocks: both kinds timed in every
+    block, the ratio rendered with its IQR and verdict, both target rows judged (time and
+    persistent memory), no host read added."""
+    from benchmarks import update_bench
+    from benchmarks.results import UpdateStatsMode, UpdateStatsResult
+
+    found = update_bench.updates(2)
+    assert isinstance(found, UpdateStatsResult)
+    assert all(len(found.timing(m)) == 4 for m in UpdateStatsMode)  # two per block
+    assert found.scalar_reads == 0
+    assert 0 < found.persistent_bytes < found.parameter_bytes
+    _header, rows = _rows(report.update_stats_table(found), "| step |")
+    assert [r[0] for r in rows] == [m.value for m in UpdateStatsMode]
+    assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)",
+                        rows[1][2])
+    run = RunResults(command="x", rounds=(1, 1), updates=found)
+    checks = [c for c in report.target_checks(run) if "update_stats" in c.subject]
+    assert len(checks) == 2 and "<= +2%" in checks[0].subject and "<= +1%" in checks[1].subject
+    assert checks[1].met  # 24 bytes per tensor, far under 1% of the parameters' bytes
+    text = report.miss_notes(run)
+    assert all(c.met or c.subject in text for c in checks)

@@ -107,9 +107,9 @@ def test_handshake_only_at_construction(w2: list, w4: list) -> None:
     # One fixed-size all-reduce when every rank agrees (uneven and empty FSDP2 shards
     # included); where ranks differ in structure (pipeline stages) the all-gather of the
     # records and the distinct descriptions once follow it: at most 3, the same count on
-    # every rank.
-    for world, case, expected in ((w2, "ddp_fp32", 1), (w2, "fsdp2_fp32_1e18", 1),
-                                  (w4, "fsdp2_fp64", 1), (w4, "pipeline_ddp", 3)):
+    # every rank. Then the setup vote (one fixed-size all-reduce: did a rank refuse?).
+    for world, case, expected in ((w2, "ddp_fp32", 2), (w2, "fsdp2_fp32_1e18", 2),
+                                  (w4, "fsdp2_fp64", 2), (w4, "pipeline_ddp", 4)):
         for res in _case(world, case):
             assert res["ctor_collectives"] == expected, case
     for res in _case(w2, "ddp_fp32") + _case(w4, "ddp_fp32"):
@@ -220,11 +220,14 @@ def test_missing_rank_times_out_with_gradwatch_error(w2: list, case: str) -> Non
 def test_handshake_bytes_constant_across_model_sizes_and_world_sizes(w2: list, w4: list) -> None:
     """Ranks that agree send and receive the same bytes per rank at 2 and 4 ranks, whatever
     the number of parameters (50 or 2,000), FSDP2 with uneven and empty shards included: one
-    fixed-size all-reduce (phase 0), no record and no description on the wire. The per-rank
-    view adds one all-gather of the host names."""
+    fixed-size all-reduce (phase 0), no record and no description on the wire, then the
+    fixed-size setup vote. The per-rank view adds one all-gather of the host names."""
     import socket
 
+    from gradwatch.reduce.collective import SETUP_VOTE_BYTES
     from gradwatch.reduce.handshake import HOST_BYTES, PHASE0_BYTES
+
+    vote = ["c10d.allreduce_"]
 
     seen: dict[str, set[tuple[int, int]]] = {}
     for world, per_rank in ((2, _case(w2, "handshake_bytes")), (4, _case(w4, "handshake_bytes"))):
@@ -236,8 +239,9 @@ def test_handshake_bytes_constant_across_model_sizes_and_world_sizes(w2: list, w
                 small, large = res[f"{kind}_50"], res[f"{kind}_2000"]
                 assert (small["n_params"], large["n_params"]) == (50, 2000)
                 for got in (small, large):
-                    assert got["ops"] == ["c10d.allreduce_"], got["ops"]
-                    assert (got["sent"], got["received"]) == (PHASE0_BYTES, PHASE0_BYTES)
+                    assert got["ops"] == ["c10d.allreduce_", *vote], got["ops"]
+                    assert (got["sent"], got["received"]) == (PHASE0_BYTES + SETUP_VOTE_BYTES,
+                                                              PHASE0_BYTES + SETUP_VOTE_BYTES)
                     seen.setdefault(kind, set()).add((got["sent"], got["received"]))
                     assert got["hosts"] == []  # not gathered without the per-rank view
             assert "Shard(dim=0)" in res["fsdp2_tp_50"]["placements"][0]
@@ -246,9 +250,11 @@ def test_handshake_bytes_constant_across_model_sizes_and_world_sizes(w2: list, w
             for n in (50, 2000):
                 got = res[f"ddp_rank_view_{n}"]
                 assert got["rank_view_groups"] > 0
-                assert got["ops"] == ["c10d.allreduce_", "c10d._allgather_base_"], got["ops"]
-                assert (got["sent"], got["received"]) == (PHASE0_BYTES + HOST_BYTES,
-                                                          PHASE0_BYTES + world * HOST_BYTES)
+                assert got["ops"] == ["c10d.allreduce_", "c10d._allgather_base_", *vote], (
+                    got["ops"])
+                assert (got["sent"], got["received"]) == (
+                    PHASE0_BYTES + HOST_BYTES + SETUP_VOTE_BYTES,
+                    PHASE0_BYTES + world * HOST_BYTES + SETUP_VOTE_BYTES)
                 assert got["hosts"] == [socket.gethostname()] * world
     assert all(len(pairs) == 1 for pairs in seen.values()), seen  # equal at 2 and 4 ranks
 

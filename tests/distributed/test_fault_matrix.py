@@ -125,3 +125,112 @@ def test_a_dead_rank_stops_collection_on_every_survivor(tmp_path: Path) -> None:
         # No wait outlives collective_timeout_seconds: a dead peer fails the all-reduce.
         assert res["seconds"] < fc.STEPS * 0.2 + 2 * fc.DEATH_TIMEOUT_S
     assert survivors[0]["errors"], "rank 0 must say why the steps after the death are missing"
+
+
+# -- the agreement cells: faults x stacks x what gradwatch does to the run -------------------
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import matrix_cases as mc
+
+    out = tmp_path_factory.mktemp("matrix")
+    return spawn_suite(mc.worker, "", 2, out, timeout=600.0)
+
+
+def _same(a: str, b: float) -> bool:
+    """A figure (``repr``) equal to a float64 reference within 1e-6 relative (NaN: NaN)."""
+    value = float(a)
+    if math.isnan(b) or math.isnan(value):
+        return math.isnan(b) and math.isnan(value)
+    return abs(value - b) <= 1e-6 * abs(b)
+
+
+def _cells() -> list[str]:
+    import matrix_cases as mc
+
+    return ["/".join(c) for c in mc.selection()]
+
+
+@pytest.mark.parametrize("cell", _cells())
+def test_every_cell_agrees(matrix: list[dict[str, Any]], cell: str) -> None:
+    """Each cell (see helpers/matrix_cases.py): finished within bounds (no hang: the job's own
+    timeout is 60 s); the same effective decision on every rank, iteration by iteration
+    (parameters stepped or not, the clip norm bit for bit); no wrong figure (every published
+    norm and every clip norm the whole model's, within 1e-6 of the float64 reference, or NaN
+    where it is NaN); the fault visible (endpoint, counts or log) and collection stopped only
+    by a step mismatch, on every rank."""
+    import matrix_cases as mc
+
+    stack, fault, mode = cell.split("/")
+    per_rank = case_results(matrix, cell)
+    injected = 2 * mc.STRAGGLE_S if fault == "straggler" else 0.0
+    for r in per_rank:
+        assert r["seconds"] < 20.0 + injected, (cell, r["seconds"])
+    # One decision: every rank stepped (or skipped) alike, clipped by the same norm.
+    runs = [r["iterations"] for r in per_rank]
+    assert [it["changed"] for it in runs[0]] == [it["changed"] for it in runs[1]], cell
+    if "clip" in mode:
+        assert [it["clip"] for it in runs[0]] == [it["clip"] for it in runs[1]], cell
+        for it in runs[0]:  # measured or the bare loop's: the whole model's norm, or NaN
+            assert math.isnan(float(it["clip"])) or _same(it["clip"], it["reference"]), (
+                cell, it)
+    guarded = "guard" in mode
+    if guarded and fault != "closed":  # (a closed watcher's guard has no decision: the
+        # others' see its stand-in, skip nothing; every rank steps: ``changed`` above)
+        assert per_rank[0]["readings"] == per_rank[1]["readings"], cell
+    if stack in ("ddp", "ddp_always") and (guarded or fault != "nan_after"):
+        # (A NaN one replica alone holds after the reduction, stepped unguarded, splits the
+        # replicas in the bare loop too: the guard's agreed decision is what prevents it.)
+        assert per_rank[0]["params"] == per_rank[1]["params"], cell
+    # No wrong figure: every published norm exact.
+    # A guard that collects itself numbers its collects by optimizer steps (gradwatch's own
+    # counter: the iteration), the other modes by the loop's step.
+    self_numbered = mode in ("guard", "guard_scaler")
+    refs = {(i if self_numbered else it["step"]): it["reference"]
+            for i, it in enumerate(runs[0])}
+    if fault == "nan_after":  # the last rank's NaN is the whole model's, whoever reads it
+        refs[mc.FAULT_STEP] = math.nan
+    published = {int(k): v for k, v in per_rank[0]["published"].items()}
+    for step, snap in published.items():
+        assert _same(snap["norm"], refs[step]), (cell, step, snap, refs[step])
+    # Visible: each unpublished step counted; collection stops only on a step mismatch.
+    measured = per_rank[0]["type"] == "GradWatch"
+    missing = {s for s in refs if s not in published} if measured else set()
+    errors = per_rank[0]["internal_errors"]
+    stopped = [r["broken"] for r in per_rank]
+    if fault == "skip_one":  # stopped at the mismatch, on every rank: counted, not collecting
+        assert all(b is not None and "different steps" in b for b in stopped), (cell, stopped)
+        assert errors["step_mismatch"] >= 1, (cell, errors)
+        assert missing == set(range(mc.FAULT_STEP, mc.STEPS)), (cell, sorted(missing))
+    else:
+        assert sum(errors.values()) >= len(missing), (cell, sorted(missing), errors)
+        assert stopped == [None, None], (cell, stopped)
+    _fault_visible(cell, fault, per_rank, published, missing, set(refs))
+
+
+def _fault_visible(cell: str, fault: str, per_rank: list[dict[str, Any]],
+                   published: dict[int, Any], missing: set[int], steps: set[int]) -> None:
+    import matrix_cases as mc
+
+    errors = per_rank[0]["internal_errors"]
+    at = mc.FAULT_STEP
+    if fault in ("nan_before", "nan_after"):
+        assert published[at]["nonfinite"] > 0, (cell, published.get(at))
+    elif fault == "straggler":
+        assert missing <= {at, at + 2}, (cell, missing)
+        assert errors["collective_timeout"] >= len(missing), (cell, errors)
+    elif fault in ("raise_retried", "skip_all"):  # nothing reached gradwatch: all measured
+        assert set(published) == steps, (cell, sorted(published), sorted(steps))
+    elif fault == "failed_pass":
+        assert missing <= {at}, (cell, missing)
+        assert any("failed on rank 1" in line for line in per_rank[1]["log"]), per_rank[1]["log"]
+    elif fault == "refused":
+        assert [r["type"] for r in per_rank] == ["RefusedWatch"] * 2, cell
+        assert "gradwatch_collecting 0.0" in per_rank[0]["scrape"], per_rank[0]["scrape"]
+    elif fault == "closed":
+        assert missing <= set(range(at, mc.STEPS)), (cell, missing)
+        if missing:
+            assert errors["other_rank_closed"] >= 1, (cell, errors)
+    elif fault == "disabled":
+        assert [r["type"] for r in per_rank] == ["NoOpWatch"] * 2, cell  # by choice: silent

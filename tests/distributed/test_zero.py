@@ -118,6 +118,33 @@ def test_no_gradient_sized_temporary(stage: int, w2: list[dict[str, Any]]) -> No
         assert math.isfinite(res["largest"])
 
 
+def test_deepspeed_overflow_skips_are_counted(tmp_path: Any) -> None:
+    """Steps 1 and 2 overflow (non-finite gradients under DeepSpeed's loss scaler), which
+    skips them, maybe without a log line: each collect reports the skips since the previous
+    collect, and the published counter reads them as ``deepspeed_overflow``."""
+    world = spawn_suite(zero_cases.worker, "overflow", 2, tmp_path, WORLD_TIMEOUT)
+    for res in case_results(world, "overflow_skips"):
+        assert res["engine_skipped"] == 2
+        assert res["skipped"] == [None, 0, 1, 1]
+        assert res["counts"]["deepspeed_overflow"] == 2
+
+
+def test_update_stats_of_the_fp32_master_weights(tmp_path: Any) -> None:
+    """ZeRO stages 0-3: the weight norm of the fp32 master weights to 1e-6 and the update
+    each step applied to them to 1e-4, against full fp32 copies gathered around the step."""
+    world = spawn_suite(zero_cases.worker, "updates", 2, tmp_path, WORLD_TIMEOUT)
+    for name in ("update_stats_s0", "update_stats_s1", "update_stats_s2", "update_stats_s3",
+                 "update_stats_s2_bf16", "update_stats_s3_bf16"):
+        for res in case_results(world, name):
+            rows = res["rows"]
+            assert rows[0]["update"] is None, name
+            for row in rows:
+                assert row["weight"] == pytest.approx(row["ref_weight"], rel=1e-6), name
+            for row in rows[1:]:
+                assert row["ref_update"] > 0, name
+                assert row["update"] == pytest.approx(row["ref_update"], rel=1e-4), name
+
+
 @pytest.fixture(scope="module")
 def costs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return spawn_suite(zero_cases.worker, "costs", 2, tmp_path_factory.mktemp("costs"),

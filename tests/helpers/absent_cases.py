@@ -23,21 +23,25 @@ from torch import nn
 from gradwatch.export.metrics import METRICS
 
 #: Absent in every configuration of these runs: no isolated group, nothing clipped through
-#: gradwatch (fixed or adaptive), no per-parameter series, no non-finite step, no guard, no
-#: audited norm.
+#: gradwatch, no per-parameter series, no non-finite step, no guard, no audited norm, no
+#: ``update_stats`` (``gradwatch_skipped_steps_total`` is present: its ``amp_overflow`` reason
+#: counts every published snapshot).
 ABSENT_IN_THESE_RUNS = frozenset({
     "gradwatch_isolation_violated",
     "gradwatch_isolation_violations_total",
     "gradwatch_clip_coef",
     "gradwatch_param_grad_norm",
     "gradwatch_last_nonfinite_origin",
-    "gradwatch_skipped_steps_total",
     "gradwatch_consecutive_skipped_steps",
     "gradwatch_guard_stopped",
     "gradwatch_guard_score",
     "gradwatch_adaptive_clip_threshold",  # no clip_grad_norm_("auto")
     "gradwatch_reported_norm_ratio",
     "gradwatch_norm_audit_disagreements_total",
+    "gradwatch_weight_norm",
+    "gradwatch_update_norm",
+    "gradwatch_update_ratio",
+    "gradwatch_stalled_update_fraction",
 })
 
 #: Series of the sinks (``observe`` adds one, so they are present in its runs): absent without.

@@ -51,6 +51,11 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_clip_coef",
         "gradwatch_param_grad_norm",
         "gradwatch_collecting",
+        # optimizer-update health (update_stats)
+        "gradwatch_weight_norm",
+        "gradwatch_update_norm",
+        "gradwatch_update_ratio",
+        "gradwatch_stalled_update_fraction",
         # the per-rank view (DDP comm hook)
         "gradwatch_nonfinite_origin_ranks",
         "gradwatch_replica_grad_norm",
@@ -121,6 +126,10 @@ REQUIRED_ALERTS = {
     "GradwatchStepsSkipped": ("warning", False),
     "GradwatchGuardStopped": ("critical", False),
     "GradwatchSinkFailing": ("warning", False),
+
+    "GradwatchOptimizerNotUpdating": ("critical", False),
+    "GradwatchUpdateRatioOutOfBand": ("warning", True),
+    "GradwatchStalledUpdates": ("warning", True),
     "GradwatchNoGradient": ("warning", False),
 }
 

@@ -360,6 +360,73 @@ def case_temporaries(stage: int) -> Callable[[int, int], dict]:
     return run
 
 
+def case_overflow_skips(rank: int, world: int) -> dict:
+    """Steps DeepSpeed's loss scaler skips on an overflow (non-finite gradients at steps 1 and
+    2): each collect reports the steps the engine skipped since the previous collect (None on
+    the first), and the published counter counts them under ``deepspeed_overflow``."""
+    from gradwatch import GradWatch
+    from gradwatch.export.state import PublishedState
+
+    engine, _replica = engine_and_replica(2)
+    engine.optimizer.loss_scaler.cur_scale = 1024.0  # the scaler that detects overflows
+    watch = GradWatch(engine, config())
+    state = PublishedState(config())
+    skipped: list[Any] = []
+    for step in range(4):
+        x = batch(dist.get_rank(), step).to(_low(engine))
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss * float("inf") if step in (1, 2) else loss)
+        snap = watch.collect(step).result()
+        state.write(snap)
+        skipped.append(snap.deepspeed_skipped_steps)
+        engine.step()
+    watch.close()
+    counts = dict(state.current().counts.step_skips)
+    return {"skipped": skipped, "engine_skipped": int(engine.skipped_steps), "counts": counts}
+
+
+def case_update_stats(stage: int, dtype: str = "fp32") -> Callable[[int, int], dict]:
+    """``update_stats`` under ZeRO: the weight norm and the applied update of the fp32 master
+    weights, against full fp32 copies gathered before and after each step (tests only).
+    Stage 0 steps the parameters themselves (frozen ones included in the weight norm); stages
+    1-2 the master weights of the trained parameters only (DeepSpeed keeps none of frozen
+    ones)."""
+
+    def full_master(engine: Any) -> list[torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = []
+        for p in engine.module.parameters():
+            if not p.requires_grad and stage > 0:
+                continue
+            full = safe_get_full_fp32_param(p) if p.requires_grad else None
+            out.append((p.detach() if full is None else full).double().clone().reshape(-1))
+        return out
+
+    def run(rank: int, world: int) -> dict:
+        from gradwatch import GradWatch
+
+        engine, _replica = engine_and_replica(stage, dtype)
+        watch = GradWatch(engine, config(update_stats=True))
+        rows: list[dict[str, Any]] = []
+        previous: float | None = None
+        for step in range(3):
+            backward(engine, step)
+            before = full_master(engine)
+            snap = watch.collect(step).result()
+            rows.append({"weight": snap.weight_norm, "update": snap.update_norm,
+                         "ref_weight": math.sqrt(math.fsum(fsum_sq(t) for t in before)),
+                         "ref_update": previous})
+            engine.step()
+            after = full_master(engine)
+            previous = math.sqrt(math.fsum(fsum_sq(a - b) for a, b in zip(after, before,
+                                                                           strict=True)))
+        watch.close()
+        return {"rows": rows}
+
+    return run
+
+
 def case_warm_costs(stage: int, dtype: str, loss_scale: float | None) -> Callable[[int, int], dict]:
     """Warm collects and clips (after two cold steps): tensors built from
     Python data, blocking host<->device copies and scalar reads, counted by gradwatch's
@@ -417,6 +484,9 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("temporaries_s2", case_temporaries(2)),
         ("temporaries_s3", case_temporaries(3)),
     ],
+    "overflow": [("overflow_skips", case_overflow_skips)],
+    "updates": [(f"update_stats_s{s}", case_update_stats(s)) for s in (0, 1, 2, 3)]
+    + [(f"update_stats_s{s}_bf16", case_update_stats(s, "bf16")) for s in (2, 3)],
     "w4": [
         ("exact_s3_fp32", case_exact(3, "fp32")),
         ("exact_s2_bf16", case_exact(2, "bf16")),

@@ -87,6 +87,10 @@ def test_dict_round_trip_and_json() -> None:
         "vanishing": 0,
         "exploding": 2,
         "nonfinite": 1,
+        "weight_norm": None,  # update_stats off: not measured
+        "update_norm": None,
+        "update_ratio": None,
+        "stalled_fraction": None,
     }
     assert data["nonfinite_params"] == ["b"]
     text = json.dumps(data)

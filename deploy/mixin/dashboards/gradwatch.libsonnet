@@ -2481,8 +2481,8 @@
     {
       "id": 28,
       "type": "timeseries",
-      "title": "Steps skipped by the optimizer-step guard",
-      "description": "Optimizer steps the guard (watch.guard) skipped per interval, by reason (every guarded step, also between scrapes), and the steps skipped in a row. Repeated skips alert (GradwatchStepsSkipped, warning); a guard that reached max_consecutive_skips pages (GradwatchGuardStopped, critical). Empty without a guard.",
+      "title": "Optimizer steps skipped",
+      "description": "Optimizer steps skipped per interval, by reason: the guard's (watch.guard: nonfinite, spike; every guarded step, also between scrapes), amp_overflow (the GradScaler), deepspeed_overflow, no_update (weights unchanged although the gradients were finite and non-zero, update_stats); and the steps the guard skipped in a row. Repeated guard skips alert (GradwatchStepsSkipped, warning); a guard that reached max_consecutive_skips pages (GradwatchGuardStopped, critical); most steps skipped otherwise pages (GradwatchOptimizerNotUpdating, critical).",
       "datasource": {
         "type": "prometheus",
         "uid": "${datasource}"
@@ -2548,6 +2548,252 @@
             ]
           },
           "min": 0
+        },
+        "overrides": []
+      },
+      "options": {
+        "legend": {
+          "displayMode": "table",
+          "placement": "bottom",
+          "showLegend": true,
+          "calcs": [
+            "lastNotNull",
+            "max"
+          ]
+        },
+        "tooltip": {
+          "mode": "multi",
+          "sort": "desc"
+        }
+      }
+    },
+    {
+      "id": 29,
+      "type": "timeseries",
+      "title": "Weight and update norms by group",
+      "description": "L2 norm of each group's weights and of the update the last optimizer step applied to them (update_stats). Recovered exactly from the optimizer's state, no copy of the weights; empty without update_stats. An update norm of 0 is a step that changed nothing (skipped).",
+      "datasource": {
+        "type": "prometheus",
+        "uid": "${datasource}"
+      },
+      "gridPos": {
+        "x": 12,
+        "y": 73,
+        "w": 12,
+        "h": 8
+      },
+      "targets": [
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "gradwatch_weight_norm{job=~\"$job\",instance=~\"$instance\"}",
+          "legendFormat": "{{instance}} {{group}} weights",
+          "refId": "A",
+          "range": true,
+          "instant": false
+        },
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "gradwatch_update_norm{job=~\"$job\",instance=~\"$instance\"}",
+          "legendFormat": "{{instance}} {{group}} update",
+          "refId": "B",
+          "range": true,
+          "instant": false
+        }
+      ],
+      "fieldConfig": {
+        "defaults": {
+          "unit": "short",
+          "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10,
+            "showPoints": "never",
+            "spanNulls": false,
+            "axisPlacement": "auto",
+            "thresholdsStyle": {
+              "mode": "off"
+            },
+            "stacking": {
+              "mode": "none",
+              "group": "A"
+            },
+            "scaleDistribution": {
+              "type": "log",
+              "log": 10
+            }
+          },
+          "thresholds": {
+            "mode": "absolute",
+            "steps": [
+              {
+                "color": "green",
+                "value": null
+              }
+            ]
+          }
+        },
+        "overrides": []
+      },
+      "options": {
+        "legend": {
+          "displayMode": "table",
+          "placement": "bottom",
+          "showLegend": true,
+          "calcs": [
+            "lastNotNull",
+            "max"
+          ]
+        },
+        "tooltip": {
+          "mode": "multi",
+          "sort": "desc"
+        }
+      }
+    },
+    {
+      "id": 30,
+      "type": "timeseries",
+      "title": "Update-to-weight ratio by group",
+      "description": "update_norm / weight_norm of each group per optimizer step (update_stats). Healthy Adam-type training sits around 1e-4 to 1e-3; above 0.01 or between 0 and 1e-6 for 15 minutes alerts (GradwatchUpdateRatioOutOfBand, warning). Update-norm spikes come before loss spikes.",
+      "datasource": {
+        "type": "prometheus",
+        "uid": "${datasource}"
+      },
+      "gridPos": {
+        "x": 0,
+        "y": 81,
+        "w": 12,
+        "h": 8
+      },
+      "targets": [
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "gradwatch_update_ratio{job=~\"$job\",instance=~\"$instance\"}",
+          "legendFormat": "{{instance}} {{group}}",
+          "refId": "A",
+          "range": true,
+          "instant": false
+        }
+      ],
+      "fieldConfig": {
+        "defaults": {
+          "unit": "short",
+          "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10,
+            "showPoints": "never",
+            "spanNulls": false,
+            "axisPlacement": "auto",
+            "thresholdsStyle": {
+              "mode": "off"
+            },
+            "stacking": {
+              "mode": "none",
+              "group": "A"
+            },
+            "scaleDistribution": {
+              "type": "log",
+              "log": 10
+            }
+          },
+          "thresholds": {
+            "mode": "absolute",
+            "steps": [
+              {
+                "color": "green",
+                "value": null
+              }
+            ]
+          }
+        },
+        "overrides": []
+      },
+      "options": {
+        "legend": {
+          "displayMode": "table",
+          "placement": "bottom",
+          "showLegend": true,
+          "calcs": [
+            "lastNotNull",
+            "max"
+          ]
+        },
+        "tooltip": {
+          "mode": "multi",
+          "sort": "desc"
+        }
+      }
+    },
+    {
+      "id": 31,
+      "type": "timeseries",
+      "title": "Stalled updates by group",
+      "description": "Fraction of each group's intended updates the last optimizer step rounded away (under half an ulp of the weight: bf16/fp16 weights at small learning rates; float32 reads 0). Above 0.5 for 15 minutes alerts (GradwatchStalledUpdates, warning).",
+      "datasource": {
+        "type": "prometheus",
+        "uid": "${datasource}"
+      },
+      "gridPos": {
+        "x": 12,
+        "y": 81,
+        "w": 12,
+        "h": 8
+      },
+      "targets": [
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "gradwatch_stalled_update_fraction{job=~\"$job\",instance=~\"$instance\"}",
+          "legendFormat": "{{instance}} {{group}}",
+          "refId": "A",
+          "range": true,
+          "instant": false
+        }
+      ],
+      "fieldConfig": {
+        "defaults": {
+          "unit": "percentunit",
+          "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10,
+            "showPoints": "never",
+            "spanNulls": false,
+            "axisPlacement": "auto",
+            "thresholdsStyle": {
+              "mode": "off"
+            },
+            "stacking": {
+              "mode": "none",
+              "group": "A"
+            },
+            "scaleDistribution": {
+              "type": "linear"
+            }
+          },
+          "thresholds": {
+            "mode": "absolute",
+            "steps": [
+              {
+                "color": "green",
+                "value": null
+              }
+            ]
+          },
+          "min": 0,
+          "max": 1
         },
         "overrides": []
       },

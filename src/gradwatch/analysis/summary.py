@@ -23,6 +23,7 @@ from gradwatch.analysis.audit import LocalSquares, NormAuditor, parallel_factors
 from gradwatch.analysis.rankview import NoiseScale, rank_view_fields
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.analysis.spikes import SpikeDetector
+from gradwatch.analysis.update_health import update_fields
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.norms.bands import norm_from_bands
 from gradwatch.norms.stats import sqrt_sum
@@ -261,6 +262,7 @@ class CollectedStep:
     local_sq: LocalSquares | None = None  # this rank's squares: the audit's local diagnosis
     guard: DecisionReporter | None = None  # GradWatch.guard(): its decision on this step
     decision: StepDecision | None = None
+    deepspeed_skipped_steps: int | None = None  # DeepSpeed's overflow skips since the last
     adaptive: AdaptiveFigures | None = None  # the adaptive history's figures of this step
     adaptive_clip: bool = False  # clipped by the adaptive threshold (clip_grad_norm_("auto"))
 
@@ -294,6 +296,10 @@ class Summarizer:
             cfg.audit_tolerance, parallel_factors(resolved.parallelism, resolved.world_size)
         )
         self.last: Snapshot | None = None  # the newest measured step
+        # The last snapshot built and its collect: a silent skip is judged against the collect
+        # just before (the publisher builds every step in order; otherwise when built so).
+        self._previous: Snapshot | None = None
+        self._previous_attempt = -1
 
     def build(self, stats: ReducedStats, step: CollectedStep) -> Snapshot:
         """The snapshot of ``step`` from its reduced ``stats``: the summary, the clip
@@ -341,10 +347,16 @@ class Summarizer:
                     stats.rank_view, snap, r.view_groups, self._noise, step.batch_size or 1
                 )
             )
+        if step.deepspeed_skipped_steps is not None:
+            changes["deepspeed_skipped_steps"] = step.deepspeed_skipped_steps
+        if stats.updates is not None:
+            previous = self._previous if self._previous_attempt == step.attempt - 1 else None
+            changes.update(update_fields(stats.updates, r.view_groups, snap.groups, previous))
         # Host-side, after the one read: scored in collect order, see gradwatch.analysis.spikes.
         changes.update(self._spikes.fields(snap, step.attempt))
         if changes:
             snap = snap.replace(**changes)
+        self._previous, self._previous_attempt = snap, step.attempt
         if r.rank == 0:  # the same figures on every rank: one rank speaks
             self._anomalies.report(snap)
             if snap.no_gradient:

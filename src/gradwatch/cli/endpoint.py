@@ -136,6 +136,9 @@ class EndpointView:
     skipped_steps: Mapping[str, int] = field(default_factory=dict)
     consecutive_skipped_steps: int | None = None
     guard_stopped: bool | None = None
+    # update_stats: group -> figure at the published step; empty where not measured
+    update_ratio: Mapping[str, float] = field(default_factory=dict)
+    stalled_fraction: Mapping[str, float] = field(default_factory=dict)
 
     def staleness(self, now: float | None = None) -> float | None:
         """Seconds since the job collected the published step (None before the first one)."""
@@ -279,6 +282,8 @@ def parse_exposition(text: str) -> EndpointView:
         guard_stopped=None
         if catalog.GUARD_STOPPED not in single
         else single[catalog.GUARD_STOPPED] >= 0.5,
+        update_ratio={g: v for (g,), v in found.get(catalog.UPDATE_RATIO, ())},
+        stalled_fraction={g: v for (g,), v in found.get(catalog.STALLED_UPDATE_FRACTION, ())},
     )
 
 

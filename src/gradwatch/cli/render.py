@@ -297,14 +297,25 @@ def sinks_text(view: EndpointView) -> Text:
     return text
 
 
+#: The optimizer-step guard's reasons of ``gradwatch_skipped_steps_total`` (the others are
+#: skips outside the guard: AMP, DeepSpeed, silent ones).
+GUARD_REASONS = ("nonfinite", "spike")
+
+
 def skipped_text(view: EndpointView) -> Text:
     """``, guard-skipped steps 2 (nonfinite 1, spike 1)``, the run of skips in a row and a
-    stopped guard; empty without a guard (no ``gradwatch_skipped_steps_total``)."""
+    stopped guard (empty without a guard), then ``, optimizer skips: no_update 3`` for the
+    other reasons that counted a skip."""
     text = Text()
-    if not view.skipped_steps:
+    others = {r: n for r, n in view.skipped_steps.items() if r not in GUARD_REASONS and n}
+    if others:
+        listed = ", ".join(f"{r} {n}" for r, n in others.items())
+        text.append(f", optimizer skips: {listed}", style="bold yellow")
+    guarded = {r: n for r, n in view.skipped_steps.items() if r in GUARD_REASONS}
+    if not guarded:
         return text
-    total = sum(view.skipped_steps.values())
-    reasons = ", ".join(f"{r} {n}" for r, n in view.skipped_steps.items())
+    total = sum(guarded.values())
+    reasons = ", ".join(f"{r} {n}" for r, n in guarded.items())
     text.append(
         f", guard-skipped steps {total} ({reasons})", style="bold yellow" if total else "green"
     )
@@ -417,6 +428,27 @@ def noise_scale_text(view: EndpointView) -> Text | None:
     return text
 
 
+def updates_text(view: EndpointView) -> Text | None:
+    """``updates: ratio host 1.2e-03, seed 4.1e-02; stalled seed 95%``: each group's
+    update-to-weight ratio and stalled fraction (``update_stats``; NaN reads undefined). None
+    when the endpoint exports neither."""
+    if not view.update_ratio and not view.stalled_fraction:
+        return None
+    text = Text("updates: ratio ")
+    text.append(", ".join(f"{g} {_or_undefined(v, 3)}" for g, v in view.update_ratio.items()))
+    if view.stalled_fraction:
+        text.append("; stalled ")
+        for i, (g, v) in enumerate(view.stalled_fraction.items()):
+            text.append(", " if i else "")
+            shown = UNDEFINED if math.isnan(v) else f"{100 * v:.0f}%"
+            text.append(f"{g} {shown}", style="bold yellow" if v > 0.5 else "")
+    return text
+
+
+def _or_undefined(value: float, digits: int) -> str:
+    return UNDEFINED if math.isnan(value) else fmt(value, digits)
+
+
 def _norm_style(value: float | None) -> str:
     if value is None:
         return ""
@@ -481,7 +513,7 @@ def render_view(view: EndpointView, trends: Trends, *, now: float | None = None)
     scores = spike_scores_text(view)
     if scores is not None:
         parts.append(scores)
-    for line in (replica_text(view), noise_scale_text(view)):  # the per-rank view, if any
+    for line in (replica_text(view), noise_scale_text(view), updates_text(view)):
         if line is not None:
             parts.append(line)
     parts.append(anomalies_text(view))

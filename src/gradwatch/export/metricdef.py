@@ -260,6 +260,21 @@ def group_field(name: str) -> Callable[[PublishedStep], tuple[Sample, ...]]:
     return lambda s: tuple(((g,), float(get(stats))) for g, stats in s.snap.groups.items())
 
 
+def measured_group_field(name: str) -> Callable[[PublishedStep], tuple[Sample, ...] | None]:
+    """A per-group gauge of a figure that may be unmeasured: ``GroupStats.<name>`` of every
+    group where it is not None; absent when no group has it."""
+    get = operator.attrgetter(name)
+
+    def read(s: PublishedStep) -> tuple[Sample, ...] | None:
+        samples = tuple(
+            ((g,), float(value)) for g, stats in s.snap.groups.items()
+            for value in (get(stats),) if value is not None
+        )
+        return samples or None
+
+    return read
+
+
 def rank_view_field(name: str) -> Callable[[PublishedStep], tuple[Sample, ...] | None]:
     """A gauge of the per-rank view: ``Snapshot.<name>``, absent without the view or when the
     view did not measure it."""

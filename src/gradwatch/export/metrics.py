@@ -37,6 +37,13 @@ from gradwatch.export.metricdef import (
     rank_view_field,
     select_param_series,
 )
+from gradwatch.export.optimizer_metrics import (
+    SKIPPED_STEPS_TOTAL,
+    STALLED_UPDATE_FRACTION,
+    UPDATE_NORM,
+    UPDATE_RATIO,
+    WEIGHT_NORM,
+)
 
 __all__ = [
     "EXEMPLAR_COUNTERS", "METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "read_all",
@@ -342,20 +349,6 @@ ISOLATION_VIOLATIONS_TOTAL = MetricDef(
     read=lambda c: each(c.isolation_violations.items()),
 )
 # -- the optimizer-step guard (watch.guard, gradwatch.step.guard) ---------------------------------
-SKIPPED_STEPS_TOTAL = MetricDef(
-    "gradwatch_skipped_steps_total",
-    "counter",
-    ("reason",),
-    "Optimizer steps the guard skipped, by reason: nonfinite (a NaN/Inf gradient anywhere "
-    "in the model, skip_nonfinite) or spike (the global spike score above "
-    "skip_spike_score).",
-    "Counted by the guard on the device on every guarded step, published or not (the "
-    "value of the last published step). Both reasons start at 0.",
-    absent=md.ABSENT_WITHOUT_GUARD,
-    source=MetricSource.COUNTS,
-    read=lambda c: each(c.skipped_steps.items()),
-    exemplar=True,
-)
 CONSECUTIVE_SKIPPED_STEPS = MetricDef(
     "gradwatch_consecutive_skipped_steps",
     "gauge",
@@ -590,9 +583,9 @@ INTERNAL_ERRORS_TOTAL = MetricDef(
     "collective (a gradwatch collective failed: collection stops), other_rank (another "
     "rank's local pass failed), collective_timeout (an all-reduce still in flight after "
     "collective_timeout_seconds, a straggler: the step is not measured, collection goes "
-    "on), step_mismatch (the ranks collected different steps), other_rank_closed (another "
-    "rank closed its watcher), host_copy (this rank's vector never reached its host "
-    "thread). Every kind starts at 0, with gradwatch_collecting.",
+    "on), step_mismatch (the ranks collected different steps: collection stops on every "
+    "rank), other_rank_closed (another rank closed its watcher), host_copy (this rank's "
+    "vector never reached its host thread). Every kind starts at 0, with gradwatch_collecting.",
     absent="As `gradwatch_collecting`.",
     source=MetricSource.SELF_STATS,
     read=lambda v: None if v.collecting is None else each(v.internal_errors),
@@ -649,9 +642,10 @@ GRAD_NORM_RATIO_BAND = MetricDef(
 
 METRICS: tuple[MetricDef, ...] = (
     STEP, LAST_COLLECT_TIMESTAMP_SECONDS, GLOBAL_GRAD_NORM, GRAD_NORM, GRAD_NORM_RATIO,
-    GROUP_PARAMETERS, VANISHING_TENSORS, EXPLODING_TENSORS, NONFINITE_TENSORS, HEALTH_SCORE,
-    ISOLATION_VIOLATED, REPLICA_DIVERGENCE, CLIP_COEF, ADAPTIVE_CLIP_THRESHOLD,
-    PARAM_GRAD_NORM, NONFINITE_ORIGIN_RANKS,
+    WEIGHT_NORM, UPDATE_NORM, UPDATE_RATIO, STALLED_UPDATE_FRACTION, GROUP_PARAMETERS,
+    VANISHING_TENSORS, EXPLODING_TENSORS, NONFINITE_TENSORS, HEALTH_SCORE,
+    ISOLATION_VIOLATED, REPLICA_DIVERGENCE, CLIP_COEF, ADAPTIVE_CLIP_THRESHOLD, PARAM_GRAD_NORM,
+    NONFINITE_ORIGIN_RANKS,
     REPLICA_GRAD_NORM, REPLICA_GRAD_NORM_MAX_RANK, REPLICA_OUTLIER_SCORE, GRADIENT_NOISE_SCALE,
     GROUP_GRADIENT_NOISE_SCALE, LAST_NONFINITE_ORIGIN, COLLECTIONS_TOTAL, NONFINITE_STEPS_TOTAL,
     NO_GRADIENT_STEPS_TOTAL, AMP_SKIPPED_STEPS_TOTAL, EXPLODING_STEPS_TOTAL,

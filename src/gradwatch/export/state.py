@@ -96,6 +96,8 @@ class Counts:
     last_origin_step: int = 0
     # the guard's running totals by reason, as of the last guarded snapshot
     skipped_steps: Mapping[str, int] = field(default_factory=dict)
+    # optimizer steps skipped outside the guard, by reason, over published snapshots
+    step_skips: Mapping[str, int] = field(default_factory=dict)
     # every published step, per series
     global_spikes: int = 0
     group_spikes: Mapping[str, int] = field(default_factory=dict)
@@ -113,6 +115,7 @@ class Counts:
             group_spikes=zeros,
             nonfinite_group_steps=zeros,
             group_norms=MappingProxyType(dict.fromkeys(groups, _NO_OBSERVATION)),
+            step_skips=MappingProxyType({"amp_overflow": 0}),
         )
 
     def after(self, snap: Snapshot) -> Counts:
@@ -147,6 +150,7 @@ class Counts:
             skipped_steps=MappingProxyType(dict(snap.skipped_steps))
             if snap.skipped_steps
             else self.skipped_steps,
+            step_skips=MappingProxyType(step_skips(self.step_skips, snap)),
             global_spikes=self.global_spikes + int(snap.global_spike),
             group_spikes=MappingProxyType(spikes),
             nonfinite_group_steps=MappingProxyType(nonfinite),
@@ -157,6 +161,22 @@ class Counts:
     def samples(self) -> dict[MetricDef, MetricValue]:
         """The samples of every ``MetricSource.COUNTS`` metric."""
         return metrics.read_all(MetricSource.COUNTS, self)
+
+
+def step_skips(counts: Mapping[str, int], snap: Snapshot) -> dict[str, int]:
+    """The skip counts outside the guard after ``snap``: ``amp_overflow`` from the first
+    snapshot on, ``deepspeed_overflow`` once DeepSpeed's count is known, ``no_update`` once
+    the update is measured (``update_stats``): a reason appears when it can be measured,
+    never as a 0 that was not."""
+    out = dict(counts)
+    out["amp_overflow"] = out.get("amp_overflow", 0) + int(snap.amp_skipped)
+    if snap.deepspeed_skipped_steps is not None or "deepspeed_overflow" in out:
+        out["deepspeed_overflow"] = out.get("deepspeed_overflow", 0) + (
+            snap.deepspeed_skipped_steps or 0
+        )
+    if snap.update_norm is not None or "no_update" in out:
+        out["no_update"] = out.get("no_update", 0) + int(snap.no_update_step)
+    return out
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ PREFIX = "gradwatch/"
 
 
 def log_figures(snap: Snapshot) -> dict[str, float]:
-    """Flat ``{name: float}`` for a framework's logger: global and group norms, ratios, health."""
+    """Flat ``{name: float}`` for a framework's logger: global and group norms, ratios, health,
+    and with ``update_stats`` the measured update figures (whole model and per group; an
+    unmeasured figure is left out, never logged as 0)."""
     out = {
         f"{PREFIX}global_grad_norm": snap.global_norm,
         f"{PREFIX}health": snap.health,
@@ -28,6 +30,24 @@ def log_figures(snap: Snapshot) -> dict[str, float]:
         out[f"{PREFIX}ratio/{key}"] = value
     if snap.clip_coef is not None:
         out[f"{PREFIX}clip_coef"] = snap.clip_coef
+    out.update(_update_figures(snap))
+    return out
+
+
+#: The update figures of ``update_stats`` (:class:`~gradwatch.snapshot.GroupStats` fields).
+UPDATE_FIGURES = ("weight_norm", "update_norm", "update_ratio", "stalled_fraction")
+
+
+def _update_figures(snap: Snapshot) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for field in UPDATE_FIGURES:
+        value = getattr(snap, field)
+        if value is not None:
+            out[f"{PREFIX}{field}"] = value
+        for name, group in snap.groups.items():
+            value = getattr(group, field)
+            if value is not None:
+                out[f"{PREFIX}{field}/{name}"] = value
     return out
 
 

@@ -431,6 +431,9 @@ def job_timeout() -> timedelta:
     return dist.distributed_c10d.default_pg_timeout
 
 
+#: The construction's setup vote (:meth:`Collective.agree`): two float64s, whatever the world.
+SETUP_VOTE_BYTES = 16
+
 #: Issued all-reduces whose completion each collect checks without waiting (oldest dropped).
 _WATCHED = 64
 
@@ -475,6 +478,7 @@ class Collective:
         self.host_group = host_group  # gloo group of the monitoring-only collects
         self.timeout = timeout
         self.group_timeout = timeout  # the groups' own timeout (see settle())
+        self.handshake_device = torch.device("cpu")  # where the handshake's tensors live
         self.issued = 0  # all-reduces issued: tells whether a failed collect issued its own
         self.closed = False
         self._host = _HostThread(host_group, timeout) if host_group is not None else None
@@ -541,6 +545,38 @@ class Collective:
                 with contextlib.suppress(AttributeError, RuntimeError, ValueError):
                     dist.distributed_c10d._set_pg_timeout(longest, group)
         self.group_timeout = longest.total_seconds()
+
+    def agree(self, refused: bool) -> tuple[int, int]:
+        """Did any rank refuse the setup? Agreed by every rank: one SUM all-reduce of a
+        fixed-size float64 pair (:data:`SETUP_VOTE_BYTES`: 1 and this rank's id when it
+        refused, zeros otherwise) on the handshake's group (its tensors' device); returns
+        ``(refusing ranks, sum of their ids)``, the same on every rank (one refusing rank:
+        its id). Every rank calls it once, as its construction's last collective, whatever it
+        decided: nothing is left unpaired.
+
+        The wait is bounded by the groups' settled timeout (the job's, :meth:`settle`), not by
+        ``collective_timeout_seconds``: a rank that gives up earlier than a peer whose vote
+        still arrives would take the other decision. A vote that fails or times out raises
+        :class:`~gradwatch.errors.GradWatchTimeoutError` (the group is broken on every rank,
+        so every rank refuses)."""
+        group = self.handshake_group
+        if group is None:  # a world of one: this rank's own answer, no collective
+            return (1, 0) if refused else (0, 0)
+        votes = torch.zeros(2, dtype=torch.float64, device=self.handshake_device)
+        if refused:
+            votes.fill_(1.0)
+            votes[1] = float(dist.get_rank(group))
+        try:
+            Pending(group.allreduce([votes], self._options)).wait(
+                max(self.timeout, self.group_timeout)
+            )
+        except RuntimeError as exc:
+            raise GradWatchTimeoutError(
+                f"gradwatch: the ranks could not agree on the setup ({type(exc).__name__}: "
+                f"{exc}); every rank must construct GradWatch"
+            ) from exc
+        count, ranks = votes.cpu().tolist()
+        return int(count), int(ranks)
 
     def failure(self) -> str | None:
         """Without waiting: why an all-reduce issued earlier failed, if one did (a broken

@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.errors import LayoutMismatchError, UnsupportedParallelismError
+from gradwatch.norms.updates import section_width
 from gradwatch.reduce.experts import check_expert_holders, expert_names
 from gradwatch.reduce.handshake import (
     DERIVED_NESTED,
@@ -112,6 +113,7 @@ class Layout:
     # (replicated_and_synced): a collect needs gradwatch's all-reduce only on
     # divergence steps and with the rank view (Reducer.issues_collective)
     replicated_synced: bool = False
+    update_groups: int = 0  # groups of the update section (gradwatch.norms.updates); 0 = none
 
     @property
     def rank_view_slots(self) -> bool:
@@ -144,7 +146,12 @@ class Sections(NamedTuple):
     replicas: slice  # R replica sums
     step: int  # the sum of the ranks' steps
     length: int
-    rank_view: slice = slice(0, 0)  # after the step: per-rank slots or bounded sums
+    rank_view: slice = slice(0, 0)  # after the residues: per-rank slots or bounded sums
+    updates: slice = slice(0, 0)  # after the rank view: update figures per group (summed)
+    # After the step: the sums of the ranks' step residues ``q = step mod 2^STEP_RESIDUE_BITS``
+    # and of their squares: every rank tells from these alone, identically, whether the ranks
+    # collected different steps (``world * sum(q^2) != sum(q)^2``; :func:`steps_differ`).
+    residues: slice = slice(0, 0)
 
 
 def _rank_view_width(layout: Layout) -> int:
@@ -156,9 +163,12 @@ def _rank_view_width(layout: Layout) -> int:
 
 def sections(layout: Layout) -> Sections:
     n, r = layout.size, layout.replicas
-    view = 5 * n + r + 1
+    view = 5 * n + r + 3
+    upd = view + _rank_view_width(layout)
     return Sections(
-        rank_view=slice(view, view + _rank_view_width(layout)),
+        rank_view=slice(view, upd),
+        updates=slice(upd, upd + section_width(layout.update_groups)),
+        residues=slice(5 * n + r + 1, 5 * n + r + 3),
         squares=slice(0, n),
         squares_high=slice(n, 2 * n),
         squares_low=slice(2 * n, 3 * n),
@@ -167,7 +177,7 @@ def sections(layout: Layout) -> Sections:
         has_grad=slice(4 * n, 5 * n),
         replicas=slice(5 * n, 5 * n + r),
         step=5 * n + r,
-        length=5 * n + r + 1 + _rank_view_width(layout),
+        length=upd + section_width(layout.update_groups),
     )
 
 

@@ -33,6 +33,13 @@ ranks per
 group, the count and the sum of the ids of non-finite ranks, the count of reporting ranks):
 never a second collective.
 
+**The update section** (``update_stats=True``, agreed through the layout hash): after the rank
+view, ``4G + 2`` float64 (:func:`~gradwatch.norms.updates.section_width`): per group the
+weights' and the last optimizer step's update's squared norms, stalled and moving elements,
+each rank adding the pieces it counts (:class:`gradwatch.norms.updates.UpdateMeter`), then the
+ranks that could not measure the update and those without a previous collect. Summed like the
+rest: no second collective.
+
 **Reading it.** Only this module and :mod:`gradwatch.reduce.layout` (which defines them:
 :class:`~gradwatch.reduce.layout.Sections`) know those offsets. The rest of gradwatch reads a
 :class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
@@ -42,6 +49,7 @@ never a second collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -72,6 +80,7 @@ from gradwatch.reduce.collective import (
     wait_landed,
 )
 from gradwatch.reduce.layout import Layout, LocalPiece, derive_layout, sections
+from gradwatch.reduce.steps import device_step, step_residues, steps_differ
 
 log = logging.getLogger("gradwatch")
 
@@ -109,10 +118,12 @@ class Reducer:
         synced: bool = False,
         device: torch.device | None = None,
         experts: Sequence[str] = (),
+        update_groups: int = 0,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
         self.collective = Collective()
+        self.unchecked: ReducedVector | None = None  # see Failures.check_steps
         # Set on every rank by the optimizer-step guard: every collect all-reduces, so the
         # guard decides from inputs the ranks agreed on (issues_collective).
         self.guarded = False
@@ -132,6 +143,9 @@ class Reducer:
             self.layout = self._agree(desc, record, pieces, str(backend), experts)
         else:
             self.layout = derive_layout(handshake.local(desc, record), 0)
+        # Every rank has the same update section: update_stats is in the layout hash the
+        # handshake compared, and the groups come from the same configuration.
+        self.layout = dataclasses.replace(self.layout, update_groups=update_groups)
         self._plan_packing(self.layout)
 
     def _agree(
@@ -150,6 +164,7 @@ class Reducer:
             # the device NCCL needs otherwise.
             on_device = "nccl" in backend and self.collective.host_group is None
             handshake_device = self.device if on_device else torch.device("cpu")
+            self.collective.handshake_device = handshake_device
             gathered = handshake.exchange(desc, record, self.collective.handshake_group,
                                           handshake_device, meshes=handshake.mesh_slots(pieces))
             self.collective.settle()
@@ -209,14 +224,15 @@ class Reducer:
         at = sections(lay)
         dev = self.device
         n_local = len(lay.local_to_global)
-        # Persistent staging vector [3 bands | non-finite flags | has-grad | step], filled by
-        # out= ops and scattered into the fresh packed vector by one index_copy_.
+        # Persistent staging vector [3 bands | non-finite flags | has-grad | step, residues],
+        # filled by out= ops and scattered into the fresh packed vector by one index_copy_.
         self._n_local = n_local
-        self._staging = torch.zeros(5 * n_local + 1, dtype=torch.float64, device=dev)
+        self._staging = torch.zeros(5 * n_local + 3, dtype=torch.float64, device=dev)
         self._staged_squares = self._staging[: 3 * n_local]
         self._staged_flags = self._staging[3 * n_local : 4 * n_local]
         self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
-        self._staged_step = self._staging[5 * n_local :]
+        self._staged_step, self._staged_residue, self._staged_residue_sq = (
+            self._staging[5 * n_local + k : 5 * n_local + k + 1] for k in range(3))
         # has-gradient patterns already on the device (which gradients are None changes rarely:
         # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
@@ -230,7 +246,7 @@ class Reducer:
                 to_global + at.squares_low.start,
                 to_global + at.nonfinite.start,
                 to_global + at.has_grad.start,
-                torch.tensor([at.step]),
+                torch.tensor([at.step, at.residues.start, at.residues.start + 1]),
             ]
         ).to(dev)
         # Divergence steps: each replica slot's sum of this rank's pieces, in a fixed order
@@ -272,6 +288,7 @@ class Reducer:
         with_replicas: bool,
         rank_local: Tensor | None = None,
         device_collective: bool = True,
+        updates: Tensor | None = None,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.norms.stats`) and
@@ -301,6 +318,8 @@ class Reducer:
         if with_replicas and self._slot_sums is not None:
             packed.index_copy_(0, self._slot_global, self._slot_sums(sq_local))
         self._pack_rank_view(packed, rank_local)
+        if updates is not None:
+            packed[sections(lay).updates].copy_(updates)
         if alone:
             return ReducedVector(packed, Pending(), self.timeout, step, lay, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
@@ -343,6 +362,9 @@ class Reducer:
             self._staged_has_grad.copy_(flags)
             self._has_grad_key = key
         self._staged_step.fill_(float(step))
+        residue, square = step_residues(step)
+        self._staged_residue.fill_(residue)
+        self._staged_residue_sq.fill_(square)
 
     def reduce_failed(
         self,
@@ -365,15 +387,20 @@ class Reducer:
         on_host = not device_collective and self.collective.host_group is not None
         device = torch.device("cpu") if on_host else self.device
         packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=device)
-        packed.narrow(0, sections(self.layout).step, 1).fill_(marker)
+        at = sections(self.layout)  # the step's residues too: its agreement stays readable
+        for offset, value in enumerate((marker, *step_residues(step))):
+            packed.narrow(0, at.step + offset, 1).fill_(value)
         if not self.issues_collective(with_replicas):
             return ReducedVector(packed, Pending(), self.timeout, step, self.layout, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
 
     def _issue(self, packed: Tensor, step: int, on_host: bool = False) -> ReducedVector:
         result, pending = self.collective.issue(packed, on_host=on_host)
-        return ReducedVector(result, pending, self.timeout, step, self.layout,
-                             device_timeout=self.collective.group_timeout)
+        reduced = ReducedVector(result, pending, self.timeout, step, self.layout,
+                                device_timeout=self.collective.group_timeout)
+        if self.layout.world_size > 1:
+            self.unchecked = reduced
+        return reduced
 
     def close(self, drain: bool = True) -> None:
         """Stop using gradwatch's process groups (see :meth:`Collective.close`)."""
@@ -396,6 +423,8 @@ class ReducedStats:
         replica_squares: per replica slot, the squared norm its holders add (``R`` values;
             filled on divergence steps only).
         step_check: the sum of the steps the ranks collected.
+        step_residues: the sums of the ranks' step residues and of their squares
+            (:func:`~gradwatch.reduce.steps.steps_differ`).
         world_size: the number of ranks of the job.
         ranks: the number of ranks whose vectors were summed: ``world_size``, or 1 when the
             collect skipped the all-reduce (:meth:`Reducer.issues_collective`).
@@ -409,8 +438,10 @@ class ReducedStats:
     replica_squares: list[float]
     step_check: float
     world_size: int
+    step_residues: tuple[float, float] = (0.0, 0.0)
     rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
     ranks: int = 0  # 0: world_size
+    updates: list[float] | None = None  # the update section (None: update_stats off)
 
     @classmethod
     def from_values(
@@ -432,10 +463,17 @@ class ReducedStats:
             has_grad=values[at.has_grad],
             replica_squares=values[at.replicas],
             step_check=values[at.step],
+            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
             world_size=layout.world_size,
             rank_view=RankView.from_section(values[at.rank_view], layout),
             ranks=layout.world_size if ranks is None else ranks,
+            updates=values[at.updates] if layout.update_groups else None,
         )
+
+    @property
+    def steps_differ(self) -> bool:
+        """The ranks collected different steps (:func:`~gradwatch.reduce.steps.steps_differ`)."""
+        return steps_differ(self.ranks or self.world_size, *self.step_residues)
 
     def steps_agree(self, step: int) -> bool:
         """Did every rank collect ``step``? (A rank that collected another step changes the
@@ -499,6 +537,9 @@ class ReducedVector:
         self._step = step
         self._layout = layout
         self._stats: ReducedStats | None = None
+        self._device_step: Tensor | None = None
+        self.step, self.ranks = step, ranks  # this rank's step; summed ranks (None: all)
+        self.on_cpu = packed.device.type == "cpu"  # read without a device sync
         if packed.device.type != "cpu":
             # NCCL: make the compute stream wait for the collective (no host wait), then start
             # a non-blocking copy to pinned memory; stats() waits on the event, once.
@@ -515,10 +556,11 @@ class ReducedVector:
         succeed): :class:`GradWatchTimeoutError` with ``in_flight`` True; a failed one:
         ``in_flight`` False; this rank's stand-in (:class:`gradwatch.reduce.collective.StandIn`): a
         plain :class:`GradWatchError`."""
-        if self._pending is not None:
+        pending = self._pending  # read once: the publisher and the training thread may race
+        if pending is not None:
             timeout = self._timeout if timeout is None else timeout
             try:
-                self._pending.wait(timeout)
+                pending.wait(timeout)
             except StandIn as exc:
                 raise GradWatchError(
                     f"gradwatch: step {self._step} was not measured: {exc}"
@@ -556,33 +598,64 @@ class ReducedVector:
 
     def device_unmeasured(self) -> Tensor:
         """A 0-dim bool on the device: some rank stood in for this collect (its step slot is
-        NaN or ``-inf``, see :meth:`Reducer.reduce_failed`): the vector holds no measurement,
-        and every rank reading it knows so without a host read."""
-        return ~torch.isfinite(self._device().narrow(0, sections(self._layout).step, 1))[0]
+        NaN or ``-inf``, see :meth:`Reducer.reduce_failed`) or the ranks collected different
+        steps (:func:`~gradwatch.reduce.steps.steps_differ`): the vector holds no measurement, and
+        every rank reading it knows so without a host read."""
+        return ~torch.isfinite(self.device_step())
+
+    def device_step(self) -> Tensor:
+        """The reduced step slot on the device, NaN where the ranks' steps differ
+        (:func:`gradwatch.reduce.steps.device_step`; none for this rank's own vector), once."""
+        if self._device_step is None:
+            packed = self._device()
+            s = sections(self._layout)
+            step, ranks = packed[s.step], self.ranks or self._layout.world_size
+            self._device_step = step if ranks == 1 else device_step(
+                step, packed.narrow(0, s.residues.start, 2), ranks)
+        return self._device_step
+
+    def _wait_landed(self, timeout: float) -> None:
+        """Wait at most ``timeout`` for an accelerator vector's pinned copy; one not landed is
+        *in flight* (behind the all-reduce on the stream, done when a late rank arrives):
+        ``in_flight`` True, never a reason to stop on this rank alone."""
+        try:
+            wait_landed(self._landed, timeout, f"the vector of step {self._step}")
+        except GradWatchTimeoutError as exc:
+            exc.in_flight = True  # type: ignore[attr-defined]
+            raise
+
+    def step_sums(self, timeout: float) -> tuple[float, float, float]:
+        """The reduced step slot and residue sums on the host, after waiting at most
+        ``timeout`` (``in_flight`` :class:`GradWatchTimeoutError` when still in flight)."""
+        s = sections(self._layout)
+        if self._packed.device.type != "cpu":
+            self._wait_landed(timeout)
+            host = self._pinned
+        else:
+            self._wait_collective(timeout)
+            host = self._packed
+        step, residue, square = host.narrow(0, s.step, 3).tolist()
+        return step, residue, square
 
     def device_nonfinite(self) -> Tensor:
         """Per parameter, the reduced non-finite flags (> 0: some rank saw NaN/Inf), on the
         device (a view: no copy)."""
         return self._device()[sections(self._layout).nonfinite]
 
-    def device_step(self) -> Tensor:
-        """The reduced step slot (NaN: some rank's local pass failed), on the device (a view:
-        no copy)."""
-        return self._device()[sections(self._layout).step]
-
     def device_bands_flags_and_step(self) -> tuple[Tensor, Tensor]:
         """The three bands and the non-finite flags as one ``4N`` view (plain, high, low,
-        flags: adjacent in the layout) and the step slot (:meth:`device_step`), on the device:
-        two view ops, no copy (what the optimizer-step guard reads each step)."""
+        flags: adjacent in the layout) and the step slot (:meth:`device_step`: NaN where the
+        ranks' steps differ), on the device, no copy (what the optimizer-step guard reads each
+        step)."""
         packed = self._device()
         s = sections(self._layout)
-        return packed.narrow(0, s.bands.start, s.nonfinite.stop), packed[s.step]
+        return packed.narrow(0, s.bands.start, s.nonfinite.stop), self.device_step()
 
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
             if self._packed.device.type != "cpu":
-                wait_landed(self._landed, self._timeout, f"the vector of step {self._step}")
+                self._wait_landed(self._timeout)
                 values = self._pinned.tolist()
             else:
                 self._wait_collective()

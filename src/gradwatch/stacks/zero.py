@@ -46,6 +46,7 @@ import gc
 import sys
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -138,6 +139,7 @@ class ZeroGradients:
         # The watcher's names and order (gradwatch.norms.model): state_dict-style, wrappers removed.
         self.names, self.params = named_parameters(self.module)
         self._pieces, self._slices = self._describe()
+        self._skipped_seen: int | None = None  # the engine's skip count at the last collect
 
     # -- construction -------------------------------------------------------------------------
 
@@ -193,6 +195,67 @@ class ZeroGradients:
                 "and before engine.step()"
             )
         return None
+
+    def update_targets(self) -> tuple[list[Tensor], dict[int, list[tuple[int, int, int]]]] | None:
+        """What ``update_stats`` reads under ZeRO stages 1-3: per local piece, the fp32 master
+        weights it holds (a view of the flat partition; an empty tensor for a piece without
+        elements here), and per flat partition (by ``id``) the ``(piece position, start,
+        numel)`` of each fragment the inner optimizer steps. Stage 0 with a torch optimizer
+        steps the parameters themselves: ``([], {})`` (the plain path). None where the
+        update cannot be read (DeepSpeed's fp16 optimizer at stage 0)."""
+        if self.kind == "torch":
+            return [], {}
+        if self.kind == "stage3":
+            return self._stage3_targets()
+        if self.kind != "stage12":
+            return None
+        partitions = self.optimizer.single_partition_of_fp32_groups
+        weights: list[Tensor] = []
+        links: dict[int, list[tuple[int, int, int]]] = {}
+        for position, where in enumerate(self._slices):
+            mapping = None if where is None else getattr(where[0], "_hp_mapping", None)
+            if mapping is None:
+                weights.append(torch.zeros(0))
+                continue
+            flat = partitions[mapping.param_group_index]
+            address = mapping.get_hp_fragment_address()
+            start, numel = int(address.start), int(address.numel)
+            weights.append(flat.detach().narrow(0, start, numel))
+            links.setdefault(id(flat), []).append((position, start, numel))
+        return weights, links
+
+    def _stage3_targets(self) -> tuple[list[Tensor], dict[int, list[tuple[int, int, int]]]]:
+        """Stage 3: each sub-group's fp32 flat partition is its parameters' partitions in
+        order (``partition_numel`` each); a piece is the first ``real`` elements of its own."""
+        where: dict[int, tuple[int, int]] = {}
+        for i, group in enumerate(self.optimizer.fp16_groups):
+            offset = 0
+            for q in group:
+                where[id(q)] = (i, offset)
+                offset += int(q.partition_numel())
+        partitions = self.optimizer.fp32_partitioned_groups_flat
+        weights: list[Tensor] = []
+        links: dict[int, list[tuple[int, int, int]]] = {}
+        for position, (param, slot) in enumerate(zip(self.params, self._slices, strict=True)):
+            found = where.get(id(param))
+            if slot is None or found is None:
+                weights.append(torch.zeros(0))
+                continue
+            i, start = found
+            flat, numel = partitions[i], int(slot[1])
+            weights.append(flat.detach().narrow(0, start, numel))
+            links.setdefault(id(flat), []).append((position, start, numel))
+        return weights, links
+
+    def skips_since_last(self) -> int | None:
+        """The optimizer steps the engine skipped on an overflow since the previous call (its
+        ``skipped_steps``, a host integer DeepSpeed keeps); None on the first call and when
+        this version keeps no count. Called once per collect."""
+        count = getattr(self.engine, "skipped_steps", None)
+        if not isinstance(count, int):
+            return None
+        previous, self._skipped_seen = self._skipped_seen, count
+        return None if previous is None else count - previous
 
     def loss_scale(self) -> float | None:
         """The loss scale the gradients still carry (DeepSpeed's fp16 optimizers), else None."""

@@ -317,7 +317,7 @@ class Collector(StepActions):
     ) -> Collected:
         refuse_capture()
         skipped = step % self.cfg.every_n_steps != 0
-        self.failures.check_group(step)
+        self.failures.check_group(step)  # and the last all-reduce's step agreement
         if self.broken:
             return Collected(not_measured(step, f"collection stopped: {self.broken}"))
         if skipped and max_norm is None and self.guard is None:
@@ -395,6 +395,7 @@ class Collector(StepActions):
                 )
                 self._decided_step = step
             return Collected(not_measured(step, why), total)
+        total = self.failures.settle_clip(step, total, self.decision is not None)
         if skipped:
             return Collected(self._pending_last(step), total)
         self.latest = pending
@@ -438,6 +439,7 @@ class Collector(StepActions):
         reduced = r.reducer.pack_and_reduce(
             sq, has_grad, step, with_replicas=measure, rank_local=local,
             device_collective=max_norm is not None or guard is not None,
+            updates=update_section(r, measure),
         )
         acting = Acting(guard, self.history, self.incidents is not None)
         acted = acting.act(reduced, max_norm, grads, plan)
@@ -459,6 +461,7 @@ class Collector(StepActions):
             local_sq=local_sq,
             guard=guard,
             decision=decision,
+            deepspeed_skipped_steps=None if r.zero is None else r.zero.skips_since_last(),
             adaptive=acted.adaptive,
         )
         return PendingSnapshot(step, lambda: self._build(reduced, collected)), total
@@ -495,6 +498,15 @@ class Collector(StepActions):
         if self.latest is not None:
             return self.latest
         return not_measured(step, "no step was collected yet (every_n_steps schedule)")
+
+
+def update_section(r: Resolved, measure: bool) -> Tensor | None:
+    """This collect's update section (``update_stats``; None when off): every piece counts on
+    a rank that does not all-reduce (:meth:`gradwatch.reduce.packing.Reducer.issues_collective`
+    with ``measure``, the divergence step), else the pieces it contributes."""
+    if r.updates is None:
+        return None
+    return r.updates.figures(count_all=not r.reducer.issues_collective(measure))
 
 
 def measure_local(
@@ -643,3 +655,45 @@ def clip_locally(
         params = [p for p in held if p.grad is not None]
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     return total.to(torch.float64)
+
+
+def bare_loop_clip(
+    model: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> Tensor:
+    """The clip a training loop without gradwatch makes on ``model``, as a float64 tensor:
+    what a watcher that measures nothing on any rank (disabled, refused on every rank
+    together) clips with, on every rank alike (collective where the stack's own clip is):
+
+    * FSDP1 (``FullyShardedDataParallel``): the outermost unit's own ``clip_grad_norm_``,
+      which all-reduces the shards' squares (torch's function over the flat shards would
+      clip each rank by its own shard's norm: a different coefficient on every rank);
+    * a DeepSpeed engine: nothing can be clipped here (the engine clips in ``engine.step()``
+      by its ``gradient_clipping``; its gradients are not in ``.grad``): NaN;
+    * otherwise ``torch.nn.utils.clip_grad_norm_`` over the parameters (their ``main_grad``
+      under Megatron-Core): the whole model's norm for DDP replicas and for DTensor
+      parameters (FSDP2, TP: torch reduces DTensor norms over their mesh), a rank-local one
+      for pipeline stages and plain per-rank experts, where torch has no whole-model clip.
+    """
+    from gradwatch.stacks.zero import find_engine
+
+    if find_engine(model) is not None:
+        return torch.tensor(math.nan, dtype=torch.float64)
+    root = _fsdp1_root(model)
+    if root is not None:
+        total = root.clip_grad_norm_(max_norm, norm_type)
+    else:
+        total = clip_locally(list(model.parameters()), max_norm, norm_type, error_if_nonfinite)
+    full = getattr(total, "full_tensor", None)  # a DTensor norm: replicated, no collective
+    return (full() if full is not None else total).to(torch.float64)
+
+
+def _fsdp1_root(model: Any) -> Any:
+    """The outermost FSDP1 unit of ``model`` (None: none)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for module in model.modules():
+        if isinstance(module, FullyShardedDataParallel):
+            return module
+    return None

@@ -20,10 +20,13 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+from torch import Tensor
+
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.norms.stats import MetaGradientError
 from gradwatch.reduce.packing import ReducedStats, ReducedVector, Reducer
+from gradwatch.reduce.steps import steps_differ
 
 if TYPE_CHECKING:
     from gradwatch.step.guard import GuardDecision, StepGuard
@@ -46,6 +49,9 @@ class Failures:
         self._local_names = local_names
         self._reporter = reporter
         self.broken: str | None = None  # why collection stopped for the rest of the run
+        # Collection stopped on every rank at the same collect (a step mismatch): the bare
+        # loop's clip, collective where the stack's is, is then safe on every rank.
+        self.stopped_together = False
         self.last_failed_attempt = 0
         self.stand_in: ReducedVector | None = None  # the last failed pass's stand-in
 
@@ -136,11 +142,63 @@ class Failures:
     def check_group(self, step: int) -> None:
         """Before a collect: stop when an all-reduce this rank issued earlier failed (checked
         without waiting), so ranks that never read their results stop as the publishing one
-        does, each at its next collect."""
+        does, each at its next collect; then the last one's step agreement
+        (:meth:`check_steps`)."""
         if self.broken is None:
             why = self._reducer.collective.failure()
             if why is not None:
                 self.stop("collective", f"an earlier all-reduce failed: {why}", step)
+        self.check_steps(step)
+
+    def check_steps(self, step: int, ready_only: bool = False) -> None:
+        """Before a collect issues its all-reduce: did the ranks collect the same step in the
+        last one this rank issued? Read from the reduced step residues
+        (:func:`~gradwatch.reduce.steps.steps_differ`), the same answer on every rank; waits for it
+        at most ``collective_timeout_seconds`` (it normally completed during this step's
+        backward). A mismatch stops collection here, on every rank at this same point (each
+        checks that all-reduce before issuing the next), so no all-reduce is left unpaired;
+        clips then take the bare loop's clip and guards apply the bare step. Still in flight
+        after the wait (a straggler): not checked. ``ready_only``: check only a host-memory
+        vector (a clip's or guard's all-reduce on gloo, already awaited; a device one is
+        checked at the next collect: reading it now would sync)."""
+        reducer = self._reducer
+        last = reducer.unchecked
+        if last is None or self.broken is not None or (ready_only and not last.on_cpu):
+            return
+        reducer.unchecked = None
+        try:
+            _, residue, square = last.step_sums(reducer.timeout)
+        except GradWatchError as exc:
+            if not getattr(exc, "in_flight", False):
+                return  # a stand-in or a failed all-reduce: reported where it is read
+            self._reporter.log_once(
+                "steps-unchecked",
+                "gradwatch: step %d: the previous all-reduce is still in flight after "
+                "collective_timeout_seconds (a straggling rank); its step agreement is not "
+                "checked (logged once)",
+                step,
+            )
+            return
+        ranks = last.ranks if last.ranks is not None else reducer.layout.world_size
+        if steps_differ(ranks, residue, square):
+            self.stop(
+                "step_mismatch",
+                f"the ranks collected different steps at one all-reduce (this rank's step "
+                f"{last.step}; a rank skipped or repeated a collect): every rank stops "
+                "collecting at the same point, clips take the bare loop's clip",
+                step,
+            )
+            self.stopped_together = True
+
+    def settle_clip(self, step: int, total: Tensor | None, decided: bool) -> Tensor | None:
+        """After a clip's or guard's pass: on gloo its all-reduce was awaited, so its step
+        agreement is known now at no cost, on every rank alike (:meth:`check_steps`). The
+        clip's norm, or None when that stopped collection (the clip left the gradients alone:
+        the bare loop clips)."""
+        if total is None and not decided:
+            return None
+        self.check_steps(step, ready_only=True)
+        return None if self.stopped_together else total
 
     def measured(self, attempt: int) -> None:
         """A step was measured: collecting again, unless a later collect already failed (the

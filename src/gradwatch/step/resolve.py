@@ -14,11 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.config import OTHER_GROUP, WatchConfig, check_history_path
-from gradwatch.errors import GradWatchError
+from gradwatch.errors import GradWatchError, UnsupportedParallelismError
 from gradwatch.norms.gradients import GradientReader
 from gradwatch.norms.model import (
     ParameterSlots,
@@ -31,6 +32,7 @@ from gradwatch.norms.model import (
     named_parameters,
     wrapping_ddp,
 )
+from gradwatch.norms.updates import UpdateMeter
 from gradwatch.reduce.layout import Layout, piece_of
 from gradwatch.reduce.packing import Reducer, gradient_device
 from gradwatch.stacks.ddp_hook import GradWatchCommHook, LocalView, attach, detach
@@ -71,6 +73,8 @@ class Resolved:
     # partitions, not from .grad; None otherwise.
     zero: ZeroGradients | None = None
     fsdp1: Fsdp1Model | None = None  # FSDP1 units (gradwatch.stacks.fsdp1), None otherwise
+    # update_stats (gradwatch.norms.updates): this rank's optimizer-update figures; None when off
+    updates: UpdateMeter | None = None
 
 
 def resolve(
@@ -86,6 +90,13 @@ def resolve(
     # shards, whatever the model's parameters are (flat ones or views)
     flat = resolve_fsdp1(model) if zero is None else None
     reject_distributed_optimizer(model)
+    targets = zero.update_targets() if cfg.update_stats and zero is not None else None
+    if cfg.update_stats and (flat is not None or (zero is not None and targets is None)):
+        raise UnsupportedParallelismError(
+            "gradwatch: update_stats=True reads the optimizer's state of the parameters it "
+            "steps: FSDP1's flat parameters, DeepSpeed ZeRO stage 3 and DeepSpeed's fp16 "
+            "optimizer are not supported (ZeRO stages 0-2 are)"
+        )
     if flat is None:
         names, params = named_parameters(model)
     else:
@@ -135,6 +146,7 @@ def resolve(
                  or (flat is not None and flat.reduces_every_gradient(world_size))),
             device=gradient_device(params),
             experts=cfg.expert_parameters,
+            update_groups=len(view_groups) if cfg.update_stats else 0,
         )
     except BaseException:
         detach(comm_hook)
@@ -158,6 +170,14 @@ def resolve(
                 list(cfg.groups[group]),
                 layout.names[0] if layout.names else "",
             )
+    updates = None
+    if cfg.update_stats:
+        position = {g: k for k, g in enumerate(view_groups)}
+        weights, fragments = targets if targets is not None and targets[0] else (params, {})
+        updates = UpdateMeter(
+            weights, [position[group_of(n, cfg.groups)] for n in names], len(view_groups),
+            layout.contributes, gradient_device(params) or torch.device("cpu"), fragments,
+        )
     return Resolved(
         params=params,
         local_names=names if flat is None else list(flat.names),
@@ -179,6 +199,7 @@ def resolve(
         local_view=local_view,
         zero=zero,
         fsdp1=flat,
+        updates=updates,
     )
 
 

@@ -111,6 +111,7 @@ def test_every_marked_counter_gets_the_step_that_increased_it() -> None:
         ("gradwatch_nonfinite_steps_total", ()): {"step": "1"},
         ("gradwatch_nonfinite_group_steps_total", (("group", "a"),)): {"step": "1"},
         ("gradwatch_amp_skipped_steps_total", ()): {"step": "2"},
+        ("gradwatch_skipped_steps_total", (("reason", "amp_overflow"),)): {"step": "2"},
         ("gradwatch_global_grad_norm_spikes_total", ()): {"step": "4"},
         ("gradwatch_grad_norm_spikes_total", (("group", "a"),)): {"step": "4"},
     }

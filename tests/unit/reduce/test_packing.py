@@ -12,6 +12,7 @@ from layout_reference import build_layout
 from gradwatch.errors import LayoutMismatchError
 from gradwatch.reduce.layout import LocalPiece
 from gradwatch.reduce.packing import ReducedStats, Reducer
+from gradwatch.reduce.steps import step_residues, steps_differ
 
 
 def desc(pieces, stage=None, config="c", version="v"):
@@ -35,7 +36,7 @@ def test_ddp_replicas_counted_once_by_lowest_rank() -> None:
     assert layouts[0].contributes == (True, True)
     assert all(lay.contributes == (False, False) for lay in layouts[1:])
     assert [lay.replica_slot for lay in layouts] == [(r, r) for r in range(4)]
-    assert layouts[0].replicas == 4 and layouts[0].packed_length == 5 * 2 + 4 + 1
+    assert layouts[0].replicas == 4 and layouts[0].packed_length == 5 * 2 + 4 + 3
     assert layouts[0].numels == (6, 3)
 
 
@@ -152,24 +153,39 @@ def test_device_views_match_the_host_views() -> None:
 
 def test_reduced_stats_from_values_of_a_replicated_layout() -> None:
     """Two replicas of two parameters: [squares | high | low | flags | has-grad | 2 replica
-    sums | step]."""
+    sums | step | step residues and their squares]."""
     per_rank = [desc([whole("w"), whole("b", (3,))]) for _ in range(2)]
     lay = build_layout(per_rank, 0)
-    values = [4.0, 1.0, 0.0, 7.0, 8.0, 0.0, 0.0, 0.0, 2.0, 2.0, 16.0, 25.0, 10.0]
+    values = [4.0, 1.0, 0.0, 7.0, 8.0, 0.0, 0.0, 0.0, 2.0, 2.0, 16.0, 25.0, 10.0, 10.0, 50.0]
     assert len(values) == lay.packed_length
     stats = ReducedStats.from_values(values, lay)
+    assert not stats.steps_differ
     assert stats.squares == [4.0, 1.0] and stats.nonfinite == [0.0, 0.0]
     assert stats.squares_high == [0.0, 7.0] and stats.squares_low == [8.0, 0.0]
     assert stats.has_grad == [2.0, 2.0]
     assert stats.replica_squares == [16.0, 25.0] and stats.replica_norms == [4.0, 5.0]
     assert stats.replica_divergence() == pytest.approx((5.0 - 4.0) / 5.0)
     assert stats.steps_agree(5) and not stats.steps_agree(4)
-    nan = ReducedStats.from_values([*values[:10], math.nan, 25.0, 10.0], lay)
+    nan = ReducedStats.from_values([*values[:10], math.nan, *values[11:]], lay)
     assert math.isnan(nan.replica_divergence())
     with pytest.raises(ValueError, match="packed vector"):
         ReducedStats.from_values(values[:-1], lay)
 
 
+@pytest.mark.parametrize(
+    ("steps", "differ"),
+    [((5, 5, 5), False), ((4, 5, 6), True), ((7, 7, 8), True), ((2**20 + 3, 2**20 + 3), False)],
+)
+def test_every_rank_tells_a_step_mismatch_from_the_reduced_residues(
+    steps: tuple[int, ...], differ: bool
+) -> None:
+    """The residue sums say whether the ranks collected different steps, the same answer on
+    every rank: steps 4, 5 and 6 sum to 3 x 5, so the step slot alone lets the rank at step 5
+    believe they agree."""
+    residues = [step_residues(s) for s in steps]
+    total, squares = math.fsum(q for q, _ in residues), math.fsum(sq for _, sq in residues)
+    assert steps_differ(len(steps), total, squares) is differ
+    assert not steps_differ(len(steps), math.nan, squares)  # a stand-in: not a mismatch
 class _Straggling:
     """A pending all-reduce that never completes within the wait."""
 

@@ -1,0 +1,481 @@
+"""Optimizer-update health, per rank: weight norms, the applied update, stalled elements.
+
+What an optimizer step did to the weights, measured without a copy of the parameters.
+
+**The applied update, recovered.** After ``optimizer.step()`` the parameter holds
+``p_new = rnd(rnd(p_old * (1 - c)) - u)``, where ``u`` is the optimizer's intended step (from
+its state, which the step just updated), ``c`` the decoupled weight decay (``lr * wd``; 0 when
+there is none) and ``rnd`` rounding to the parameter's dtype. Given ``p_new``, ``u`` and ``c``,
+this module inverts the step: ``p_mid = rnd(p_new + u)``, ``p_old = rnd(p_mid / (1 - c))``,
+each rounding done by the dtype's own arithmetic (the foreach ops below run in the parameter's
+dtype, as the optimizer's do). Every value of the dtype is a grid point, and ``p_new + u`` lies
+within half an ulp of ``p_mid`` (the step's own rounding) plus the difference between this
+``u`` and the one the optimizer computed (a few ulps *of u*, far below an ulp of ``p`` whenever
+``|u| << |p|``); so the nearest grid point is ``p_mid`` itself except for elements whose
+rounding error lay within that difference of a tie, where it is the neighbour: an error of one
+ulp of ``p`` on a few elements. The applied update is then ``delta = p_new - p_old``, exact (two
+neighbouring values of one dtype: Sterbenz), its squared norm accumulated in float64
+(``_foreach_norm(dtype=float64)``). An element is *moving* when its intended change ``u + c *
+p_old`` is not 0 and *stalled* when it is moving and ``delta == 0`` (the change was under half
+an ulp of the weight and was rounded away); both are counted as squared norms of signs
+(``sign(intended)``, and its product with ``sign(delta)``: the number of non-zero elements,
+exact in float32 below 2^24 elements per view). The squared norm of ``delta`` is accumulated
+in float32 per view of at most :data:`BATCH` elements (relative error about 1e-7, against the
+1e-4 the update is held to) and summed over views in float64; an element of the update above
+about 1e19 or below 1e-19 in magnitude would overflow or vanish in its float32 square (weights
+of ordinary training are far inside).
+
+Why not the alternatives. ``||p_new - p_old||^2 = ||p_new||^2 + ||p_old||^2 - 2<p_new, p_old>``
+from norms alone cancels catastrophically: an update of relative size 1e-4 leaves 1e-8 of the
+squared weight norm, below float32's and near float64's rounding of the three terms. The
+intended update ``||u||`` alone is not the applied one for bf16/fp16 weights (an update under
+half an ulp is rounded away, yet ``u`` says it moved). A shadow copy of the weights costs
+their bytes (or half of them for low bits only); this reads the optimizer's state instead.
+
+**Which optimizers** (:func:`optimizer_kind`): ``torch.optim.SGD`` (momentum, dampening,
+Nesterov, weight decay, ``maximize``), ``Adam`` and ``AdamW`` (``amsgrad``, ``maximize``, L2
+or decoupled weight decay), each for-loop, ``foreach`` or ``fused``, with ``lr`` a float or a
+tensor. A fused step skipped by ``found_inf`` (GradScaler, the optimizer-step guard) changed
+nothing: ``u`` and ``c`` are multiplied by ``1 - found_inf`` on the device, and a fused SGD's
+gradients are divided by its ``grad_scale`` (the kernel unscales them, ``.grad`` stays
+scaled). Any other optimizer holding a watched parameter makes the step's update unmeasured
+(the snapshot's update figures are None, logged once), never a guess. fp16 weights: an
+intended update below fp16's smallest subnormal is 0 in the optimizer's arithmetic and here
+(not moving).
+
+**When.** A global optimizer step post-hook (``register_optimizer_step_post_hook``) measures
+every step of an optimizer holding watched parameters; each parameter's figures overwrite the
+previous step's, so a collect publishes the update of the last step that updated each parameter
+(with ``every_n_steps > 1``: of the last step before the collect, not the sum since the
+previous collect). :meth:`UpdateMeter.figures` (the collect) adds the weight norms, sums per
+group over the pieces this rank counts, and clears the update figures: a collect with no
+optimizer step since the previous one publishes an update of 0 (the weights did not change),
+which is how a skipped step is seen. The first collect has no previous one (marked, so the
+update figures are None). No host read anywhere: learning rates, step counts and ``found_inf``
+stay tensors; the per-group sums are device ops.
+
+Cost: per parameter group of the optimizer and batch of at most :data:`BATCH` elements, about
+fifteen foreach ops in the parameters' dtype (a constant number however many tensors a batch
+holds), and per collect one float32 norm per view of :data:`WEIGHT_ROWS` weights (their
+squares summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
+float64 figures per parameter *tensor*; temporaries: three of a batch's size in its dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from gradwatch.norms.rows import host_to_device
+
+log = logging.getLogger("gradwatch")
+
+#: Elements of one batch of the hook's foreach ops: bounds its temporaries (three of this
+#: size, in the parameters' dtype: 3 MiB for float32).
+BATCH = 1 << 18
+
+Scalar = float | Tensor
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of a DTensor (the tensor itself otherwise), detached: no copy."""
+    return getattr(t, "_local_tensor", t).detach()
+
+
+#: Elements per float32-accumulated norm of the weights (their squares summed in float64).
+WEIGHT_ROWS = 1 << 16
+
+
+def _views(t: Tensor, size: int = BATCH) -> list[Tensor]:
+    """``t``'s elements as flat views of at most ``size`` (``t`` itself when it has no flat
+    view: not contiguous)."""
+    if not t.is_contiguous():
+        return [t]
+    return list(t.view(-1).split(size))
+
+
+def _scalar(value: Any) -> Scalar:
+    """A hyperparameter as a Python float or a float64 tensor where it lives (a CPU learning
+    rate or step count stays on the CPU: moving it to an accelerator from pageable memory
+    would be a blocking copy; as a 0-dim CPU tensor it acts as a scalar there)."""
+    if isinstance(value, Tensor):
+        return value.to(dtype=torch.float64)
+    return float(value)
+
+
+class _Kind:
+    """The optimizers whose step this module inverts."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+def optimizer_kind(optimizer: Any) -> str | None:
+    """Which inversion applies to ``optimizer`` (its exact type: a subclass may step
+    otherwise), None for any other optimizer."""
+    kind = type(optimizer)
+    if kind is torch.optim.SGD:
+        return _Kind.SGD
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        return _Kind.ADAM
+    return None
+
+
+def _keep(optimizer: Any, device: torch.device) -> Tensor | None:
+    """``1 - found_inf`` when a fused step may have been skipped on the device, else None."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is None:
+        return None
+    return 1 - found_inf.to(device=device, dtype=torch.float64)
+
+
+class _Batch:
+    """Views of stepped parameters of one optimizer parameter group (one device and dtype),
+    at most :data:`BATCH` elements in all unless one tensor alone is larger than that: the
+    parameters' views, the same views of the state tensors the inversion reads, and the
+    owner (local position) and step count of each view."""
+
+    def __init__(self) -> None:
+        self.params: list[Tensor] = []
+        self.owners: list[int] = []
+        self.tensors: dict[str, list[Tensor]] = {}
+        self.steps: list[Tensor] = []
+        self.numel = 0
+
+    def add(self, position: int, param: Tensor, state: dict[str, Tensor],
+            step: Tensor | None) -> None:
+        views = _views(param)
+        split = {name: _views(t) for name, t in state.items()}
+        if any(len(v) != len(views) for v in split.values()):  # a non-contiguous state
+            views, split = [param], {name: [t] for name, t in state.items()}
+        self.params += views
+        self.owners += [position] * len(views)
+        for name, vs in split.items():
+            self.tensors.setdefault(name, []).extend(vs)
+        if step is not None:
+            self.steps += [step] * len(views)
+        self.numel += param.numel()
+
+
+def _intended_adam(
+    b: _Batch, group: dict[str, Any], keep: Tensor | None
+) -> tuple[list[Tensor], Scalar]:
+    """Adam/AdamW: ``u = lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` with the bias
+    corrections of each parameter's step count after the step (``amsgrad``: the running max
+    of ``v``); L2 decay is inside ``m`` and ``v``, decoupled decay is ``c = lr * wd``."""
+    beta1, beta2 = (_scalar(x) for x in group["betas"])
+    lr = _scalar(group["lr"])
+    steps = torch.stack(b.steps).to(torch.float64)  # where the optimizer keeps them
+    step_size = lr / (1 - torch.pow(beta1, steps))
+    if keep is not None:
+        step_size = step_size * keep
+    bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, steps))
+    u = torch._foreach_sqrt(b.tensors["v"])
+    torch._foreach_div_(u, list(bc2_sqrt.unbind()))
+    torch._foreach_add_(u, float(group["eps"]))
+    torch._foreach_reciprocal_(u)
+    torch._foreach_mul_(u, b.tensors["m"])
+    torch._foreach_mul_(u, list(step_size.unbind()))
+    wd = float(group["weight_decay"])
+    c: Scalar = 0.0
+    if group.get("decoupled_weight_decay", False) and wd != 0.0:
+        c = lr * wd if keep is None else lr * wd * keep
+    return u, c
+
+
+def _intended_sgd(
+    b: _Batch, group: dict[str, Any], optimizer: Any, keep: Tensor | None
+) -> tuple[list[Tensor], Scalar]:
+    """SGD: ``p_new = p_old - lr * d`` with ``d = buf`` (momentum, the buffer the step left,
+    weight decay inside it), else ``d = g + wd * p_old (+ mu * buf, Nesterov)``: ``u = lr *
+    (g + mu * buf)`` and the decay ``c = lr * wd`` (``g`` is ``-grad`` under ``maximize``,
+    unscaled by a fused step's ``grad_scale``)."""
+    lr = _scalar(group["lr"])
+    rate = lr if keep is None else lr * keep
+    mu, wd = float(group["momentum"]), float(group["weight_decay"])
+    bufs = b.tensors.get("buf")
+    if bufs is not None and not group["nesterov"]:
+        return _times(bufs, rate, copy=True), 0.0
+    scale = getattr(optimizer, "grad_scale", None)
+    sign = -1.0 if group["maximize"] else 1.0
+    inv: Scalar = sign if scale is None else sign / scale.to(dtype=torch.float64)
+    u = _times(b.tensors["g"], inv, copy=True)
+    if bufs is not None:
+        torch._foreach_add_(u, bufs, alpha=mu)
+    u = _times(u, rate, copy=False)
+    return u, (rate * wd if wd != 0.0 else 0.0)
+
+
+def _times(tensors: list[Tensor], factor: Scalar, copy: bool) -> list[Tensor]:
+    """``tensors * factor`` (a new list when ``copy``, else in place), ``factor`` a float or
+    a 0-dim tensor (no host read)."""
+    factors: Any = factor if isinstance(factor, float) else [factor] * len(tensors)
+    if copy:
+        return list(torch._foreach_mul(tensors, factors))
+    torch._foreach_mul_(tensors, factors)
+    return tensors
+
+
+def batch_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
+    """``[||delta||^2, stalled, moving]`` per view (``3 x views`` float64) from the intended
+    update ``u`` (consumed) and the decay ``c`` (see the module docstring). The decay's
+    inversion rounds twice, as Adam's step does; SGD's step rounds ``p - lr (g + wd p)`` once,
+    so there a tie can leave one more element one ulp off."""
+    old = torch._foreach_add(b.params, u)  # rnd(p_new + u)
+    if not (isinstance(c, float) and c == 0.0):
+        keep = 1 - c
+        torch._foreach_div_(old, keep if isinstance(keep, float) else [keep] * len(old))
+        torch._foreach_add_(u, _times(old, c, copy=True))  # the intended change u + c p_old
+    torch._foreach_sub_(old, b.params)  # -delta
+    squares = _norms(old).square()
+    torch._foreach_sign_(u)  # -1, 0, 1: whether each element was meant to move
+    moving = _norms(u).square().round()
+    torch._foreach_sign_(old)
+    torch._foreach_mul_(u, old)  # +-1 where it was meant to move and moved
+    moved = _norms(u).square().round()
+    return torch.stack([squares, moving - moved, moving])
+
+
+def _norms(tensors: list[Tensor]) -> Tensor:
+    """The L2 norm of each tensor, accumulated in float32 (bf16/fp16 widened by the op;
+    float64 in float64), as one float64 vector on the first tensor's device: one
+    ``_foreach_norm`` per (device, dtype). A norm of signs squares to the count of non-zero
+    elements, exactly below 2^24 elements per view (a view holds at most :data:`BATCH`)."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    device = tensors[0].device
+    parts: list[Tensor] = []
+    order: list[int] = []
+    for (_, dtype), idx in buckets.items():
+        wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+        norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=wide)
+        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
+        order += idx
+    if len(parts) == 1:
+        return parts[0]
+    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    return out.index_copy_(0, torch.tensor(order, device=device), torch.cat(parts))
+
+
+def _batches(
+    kind: str, optimizer: Any, held: list[tuple[dict[str, Any], Tensor, int]]
+) -> list[tuple[dict[str, Any], _Batch]]:
+    """The stepped parameters (a gradient, and Adam's state) grouped by optimizer parameter
+    group, device and dtype, in batches of at most :data:`BATCH` elements."""
+    out: list[tuple[dict[str, Any], _Batch]] = []
+    open_: dict[tuple[int, torch.device, torch.dtype], _Batch] = {}
+    for group, param, position in held:
+        if param.grad is None:  # the optimizer left it alone this step
+            continue
+        state = optimizer.state.get(param, {})
+        local = _local(param)
+        if kind == _Kind.ADAM:
+            if not state:
+                continue
+            v = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
+            reads = {"m": _local(state["exp_avg"]), "v": _local(state[v])}
+            step = state["step"]
+        else:
+            reads = {"g": _local(param.grad)}
+            if state.get("momentum_buffer") is not None:
+                reads["buf"] = _local(state["momentum_buffer"])
+            step = None
+        key = (id(group), local.device, local.dtype)
+        batch = open_.get(key)
+        if batch is None or (batch.numel and batch.numel + local.numel() > BATCH):
+            batch = open_[key] = _Batch()
+            out.append((group, batch))
+        batch.add(position, local, reads, step)
+    return out
+
+
+def _fragment_batches(
+    kind: str, optimizer: Any, parts: list[tuple[dict[str, Any], Tensor, tuple[int, int, int]]]
+) -> list[tuple[dict[str, Any], _Batch]]:
+    """:func:`_batches` for fragments of flat partitions (DeepSpeed ZeRO 1-3): each piece's
+    slice of the partition, of its gradient and of its optimizer state."""
+    out: list[tuple[dict[str, Any], _Batch]] = []
+    open_: dict[int, _Batch] = {}
+    for group, flat, (position, start, numel) in parts:
+        state = optimizer.state.get(flat, {})
+        if kind == _Kind.ADAM:
+            if not state:
+                continue
+            v = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
+            reads = {"m": state["exp_avg"], "v": state[v]}
+            step = state["step"]
+        else:
+            if flat.grad is None:
+                continue
+            reads = {"g": flat.grad}
+            if state.get("momentum_buffer") is not None:
+                reads["buf"] = state["momentum_buffer"]
+            step = None
+        batch = open_.get(id(flat))
+        if batch is None or (batch.numel and batch.numel + numel > BATCH):
+            batch = open_[id(flat)] = _Batch()
+            out.append((group, batch))
+        batch.add(position, flat.detach().narrow(0, start, numel),
+                  {k: t.detach().narrow(0, start, numel) for k, t in reads.items()}, step)
+    return out
+
+
+def section_width(groups: int) -> int:
+    """The packed vector's update section for ``groups`` groups: ``[weight squares | update
+    squares | stalled elements | moving elements]`` per group (``4G``), then the ranks that
+    could not measure the update and the ranks with no previous collect (2); 0 when off."""
+    return 4 * groups + 2 if groups > 0 else 0
+
+
+class UpdateMeter:
+    """This rank's optimizer-update figures, kept between collects on the packed vector's
+    device.
+
+    Args:
+        params: the watched parameters in local order (plain tensors or DTensors).
+        group_index: per local parameter, its group's position in the update section.
+        groups: the number of groups of the section.
+        contributes: per local parameter, does this rank count its piece (the layout's
+            contributor: replicas counted once).
+        device: the packed vector's device.
+        fragments: under DeepSpeed ZeRO stages 1-3 (``params`` are then the pieces' fp32
+            master fragments): per flat partition the optimizer steps (by ``id``), the
+            ``(position, start, numel)`` of each piece's fragment in it.
+
+    Thread-safety: :meth:`after_step` and :meth:`figures` run on the training thread.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        group_index: Sequence[int],
+        groups: int,
+        contributes: Sequence[bool],
+        device: torch.device,
+        fragments: Mapping[int, Sequence[tuple[int, int, int]]] | None = None,
+    ) -> None:
+        self._params = list(params)
+        self._position = {id(p): i for i, p in enumerate(self._params)}
+        # DeepSpeed ZeRO 1-3: the inner optimizer steps flat fp32 partitions; per partition
+        # (by id), the (piece position, start, numel) of each watched fragment
+        self._fragments = dict(fragments or {})
+        self._groups = groups
+        self._device = device
+        self._group = torch.tensor(list(group_index), dtype=torch.long, device=device)
+        self._mask = torch.tensor(list(contributes), dtype=torch.bool, device=device)
+        self._all = torch.ones_like(self._mask)
+        self._updates = torch.zeros(3, len(self._params), dtype=torch.float64, device=device)
+        self._armed = False  # a collect packed figures before: the next one has an update
+        self._unmeasured = False  # a step this module cannot invert touched a parameter
+        self._warned: set[str] = set()
+        self._indices: dict[tuple[int, ...], Tensor] = {}
+        self._handle = register_optimizer_step_post_hook(self._hook)
+
+    def close(self) -> None:
+        """Stop observing optimizer steps."""
+        self._handle.remove()
+
+    def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The global post-step hook: a never-crash boundary (an error makes the step's
+        update unmeasured, logged once; the training step itself already happened)."""
+        try:
+            self.after_step(optimizer)
+        except Exception as exc:  # never-crash boundary: the update is unmeasured, logged
+            self._unmeasured = True
+            self._warn("error", "gradwatch: the optimizer update could not be measured "
+                       "(%s: %s); update figures are unmeasured", type(exc).__name__, exc)
+
+    def after_step(self, optimizer: Any) -> None:
+        """Measure the update ``optimizer`` just applied to the watched parameters it holds
+        (each overwrites its previous figures); others' steps are ignored."""
+        held = [
+            (group, p, i)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            for i in (self._position.get(id(p)),)
+            if i is not None
+        ]
+        parts = [
+            (group, p, fragment)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            for fragment in self._fragments.get(id(p), ())
+        ]
+        if not held and not parts:
+            return
+        kind = optimizer_kind(optimizer)
+        if kind is None:
+            self._unmeasured = True
+            self._warn("kind", "gradwatch: update_stats cannot read %s's steps (supported: "
+                       "torch.optim SGD, Adam, AdamW); update figures are unmeasured",
+                       type(optimizer).__name__)
+            return
+        for group, batch in _batches(kind, optimizer, held) + _fragment_batches(
+            kind, optimizer, parts
+        ):
+            dev = batch.params[0].device
+            keep = _keep(optimizer, dev)
+            if kind == _Kind.ADAM:
+                u, c = _intended_adam(batch, group, keep)
+            else:
+                u, c = _intended_sgd(batch, group, optimizer, keep)
+            figures = batch_figures(batch, u, c).to(self._device)
+            owners = self._index_of(tuple(batch.owners))
+            self._updates.index_fill_(1, owners, 0.0)
+            self._updates.index_add_(1, owners, figures)
+
+    def _index_of(self, positions: tuple[int, ...]) -> Tensor:
+        """The positions as a device index, built once per pattern (one non-blocking copy)."""
+        index = self._indices.get(positions)
+        if index is None:
+            if len(self._indices) >= 16:
+                self._indices.pop(next(iter(self._indices)))
+            index = self._indices[positions] = host_to_device(
+                positions, torch.long, self._device
+            )
+        return index
+
+    def figures(self, count_all: bool) -> Tensor:
+        """This rank's update section for the packed vector (``4G + 2`` float64, see
+        :func:`section_width`): per group the weights' and the updates'
+        squared norms, stalled and moving elements, over the pieces this rank counts (every
+        piece when ``count_all``: the collect does not all-reduce); then 1 when some step
+        could not be measured, 1 when there is no previous collect. Clears the update
+        figures. A constant number of ops, no host read."""
+        local = torch.cat([self._weight_squares().unsqueeze(0), self._updates])
+        counted = torch.where(self._all if count_all else self._mask, local, 0.0)
+        sums = torch.zeros(4, self._groups, dtype=torch.float64, device=self._device)
+        sums.index_add_(1, self._group, counted)
+        tail = torch.zeros(2, dtype=torch.float64, device=self._device)
+        tail[0].fill_(float(self._unmeasured))
+        tail[1].fill_(float(not self._armed))
+        self._updates.zero_()
+        self._armed, self._unmeasured = True, False
+        return torch.cat([sums.reshape(-1), tail])
+
+    def _weight_squares(self) -> Tensor:
+        """Each local piece's squared norm: float32 norms of views of at most
+        :data:`WEIGHT_ROWS` elements (relative error about 1e-7 each), squared and summed per
+        piece in float64. A constant number of ops, no host read."""
+        views: list[Tensor] = []
+        owners: list[int] = []
+        for i, p in enumerate(self._params):
+            parts = [v for v in _views(_local(p), WEIGHT_ROWS) if v.numel()]
+            views += parts
+            owners += [i] * len(parts)
+        out = torch.zeros(len(self._params), dtype=torch.float64, device=self._device)
+        if views:
+            squares = _norms(views).square().to(self._device)
+            out.index_add_(0, self._index_of(tuple(owners)), squares)
+        return out
+
+    def _warn(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
