@@ -283,28 +283,18 @@ class WatchConfig(BaseSettings):
         guard: the framework integrations (Hugging Face ``GradWatchCallback``, Lightning
             ``GradWatchCallback``) step the optimizer through ``watch.guard()``; in your own
             loop call ``watch.guard(optimizer)`` instead.
-        guard_spike_statistic: the guard's spike score: ``"median_mad"`` (the robust score
-            above) or ``"ema"``, the z-score ``(norm - mean) / sd`` of the adaptive clip's EMA
-            history (:mod:`gradwatch.step.adaptive`; defined after ``adaptive_clip_warmup``
-            samples; fewer device ops than the window when ``clip_grad_norm_("auto")`` keeps
-            the history, more without it).
-        on_max_consecutive_skips: what happens when the guard has skipped
-            ``max_consecutive_skips`` steps in a row: ``"continue"`` (it stops skipping, see
-            above), ``"raise"`` (:class:`~gradwatch.errors.GuardStopError` from the next
-            guarded ``step()`` on every rank) or ``"exit"`` (every rank exits with
-            :data:`gradwatch.step.incidents.GUARD_STOP_EXIT_CODE`, for a scheduler to requeue).
+        guard_spike_statistic: ``"median_mad"`` (the score above) or ``"ema"``, the z-score of
+            the adaptive clip's history (:mod:`gradwatch.step.adaptive`).
+        on_max_consecutive_skips: at ``max_consecutive_skips``: ``"continue"`` (see above),
+            ``"raise"`` (``GuardStopError``) or ``"exit"`` (code 75, :mod:`~gradwatch.step.
+            incidents`), on every rank.
 
-    Adaptive clipping (``watch.clip_grad_norm_("auto")``, :mod:`gradwatch.step.adaptive`) and spike
-    forensics (:mod:`gradwatch.step.incidents`):
+    Adaptive clipping (:mod:`gradwatch.step.adaptive`), spike forensics (``step.incidents``):
 
     Attributes:
-        adaptive_clip_z: the threshold is the EMA mean plus this many EMA standard deviations.
-        adaptive_clip_alpha: the EMA's decay per step (0 < alpha < 1; closer to 1: longer
-            memory).
-        adaptive_clip_warmup: measured steps before the first threshold (nothing is clipped
-            before).
-        incident_path: rank 0 appends one JSON line per skipped or adaptively clipped step
-            (``step``, ``reason``, ``norm``, ``threshold``, ``batch``) to this file.
+        adaptive_clip_z, adaptive_clip_alpha, adaptive_clip_warmup: the threshold is the EMA
+            (decay alpha) mean plus z EMA deviations, from ``warmup`` measured steps on.
+        incident_path: rank 0 appends a JSON line per skipped or adaptively clipped step.
     """
 
     model_config = SettingsConfigDict(

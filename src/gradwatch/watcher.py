@@ -219,8 +219,7 @@ class GradWatch(StepControls):
         step: int | None = None,
         scaler: Any = None,
     ) -> Tensor:
-        """Clip all gradients to a whole-model L2 norm of ``max_norm`` (``"auto"``: the adaptive
-        threshold of :mod:`gradwatch.step.adaptive`, kept in :meth:`state_dict`) and collect.
+        """Clip all gradients to a whole-model norm of ``max_norm`` (or ``"auto"``) and collect.
 
         Equals ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on one process,
         and the whole-model result under DDP, FSDP2, TP and pipeline stages (where torch's own
