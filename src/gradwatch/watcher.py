@@ -322,6 +322,8 @@ class GradWatch:
         self._hooks.clear()
         self._collector.closed = True
         detach(self._resolved.comm_hook)
+        if self._resolved.timer is not None:
+            self._resolved.timer.close()
         try:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served

@@ -228,6 +228,12 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         global_spike_score=math.nan,
         spike_scores={"host": 7.25, "seed": math.nan, "stem": -1.5, "other": 0.1 + 0.2},
         spiking_groups=("host",),
+        slowest_rank=1,
+        slowest_host="node-b",
+        straggler_score=0.0476,
+        work_seconds_min=0.01,
+        work_seconds_median=0.0105,
+        work_seconds_max=0.21,
         rank_view=True,
         nonfinite_origin_ranks=(3, 1),
         nonfinite_origin_count=2,
@@ -1461,6 +1467,9 @@ def test_collector_output_is_unchanged_on_a_fixed_snapshot(
 
 #: Families added after the golden exposition was recorded (tested in test_spikes.py and below).
 SPIKE_FAMILIES = (
+    "gradwatch_slowest_rank",  # which rank is slow: tests/unit/test_ranktiming.py
+    "gradwatch_straggler_score",
+    "gradwatch_rank_work_seconds",
     "gradwatch_global_grad_norm_spike_score",
     "gradwatch_grad_norm_spike_score",
     "gradwatch_global_grad_norm_spikes",

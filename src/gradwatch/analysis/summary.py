@@ -29,6 +29,7 @@ from gradwatch.reduce.packing import ReducedStats
 from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, ratio_defined
 from gradwatch.step.clip import clip_coefficient
 from gradwatch.step.guard import GuardDecision, StepGuard
+from gradwatch.step.ranktiming import timing_fields
 from gradwatch.step.resolve import Resolved
 
 
@@ -292,6 +293,8 @@ class Summarizer:
                     stats.rank_view, snap, r.view_groups, self._noise, step.batch_size or 1
                 )
             )
+        if stats.rank_timing is not None:
+            changes.update(timing_fields(stats.rank_timing, r.layout.hosts))
         # Host-side, after the one read: scored in collect order, see gradwatch.analysis.spikes.
         changes.update(self._spikes.fields(snap, step.attempt))
         if changes:

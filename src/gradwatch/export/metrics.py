@@ -42,6 +42,7 @@ from gradwatch.export.metricdef import (
     select_param_series,
 )
 from gradwatch.export.publisher import MAX_PENDING
+from gradwatch.export.stragglers import slowest_rank_samples, work_seconds_samples
 from gradwatch.snapshot import ratio_defined
 
 if TYPE_CHECKING:  # the state reads through this catalog: its types for annotations only
@@ -247,6 +248,40 @@ PARAM_GRAD_NORM = MetricDef(
     "norms (ties by name). Series come and go as the ranking changes.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: each(select_param_series(s.snap, s.top_k)),
+)
+# -- which rank is slow (rank_timing; absent when a step was not timed) -------------------
+SLOWEST_RANK = MetricDef(
+    "gradwatch_slowest_rank",
+    "gauge",
+    ("host",),
+    "Rank whose working time (its own compute up to its gradient collective, not its waits "
+    "on peers) was the longest at the last published step; host: that rank's host.",
+    "Needs `rank_timing`. One series whatever the world size. Absent when no rank is slower "
+    "than the others by a timing bin (about 9%), and when the step was not timed. The "
+    "GradwatchSameRankSlowest alert fires when the same rank stays the straggler.",
+    source=MetricSource.SNAPSHOT,
+    read=slowest_rank_samples,
+)
+STRAGGLER_SCORE = MetricDef(
+    "gradwatch_straggler_score",
+    "gauge",
+    (),
+    "The fastest rank's working time over the slowest rank's at the last published step, "
+    "in (0, 1]: 1 without a straggler, below 0.7 a straggler.",
+    "Needs `rank_timing`; absent when the step was not timed.",
+    source=MetricSource.SNAPSHOT,
+    read=lambda s: one(s.snap.straggler_score),
+)
+RANK_WORK_SECONDS = MetricDef(
+    "gradwatch_rank_work_seconds",
+    "gauge",
+    ("quantity",),
+    "Working time per step over the ranks (quantity: min, median, max) at the last published "
+    "step, in seconds.",
+    "Needs `rank_timing`. Exact when the quantity's timing bin holds one rank, else the mean "
+    "of its bin's ranks (within about 9%). Absent when the step was not timed.",
+    source=MetricSource.SNAPSHOT,
+    read=work_seconds_samples,
 )
 # -- the per-rank view (DDP comm hook; absent without it: FSDP2, no DDP, rank_view off) ----
 NONFINITE_ORIGIN_RANKS = MetricDef(
@@ -662,6 +697,9 @@ METRICS: tuple[MetricDef, ...] = (
     GRADIENT_NOISE_SCALE,
     GROUP_GRADIENT_NOISE_SCALE,
     LAST_NONFINITE_ORIGIN,
+    SLOWEST_RANK,
+    STRAGGLER_SCORE,
+    RANK_WORK_SECONDS,
     COLLECTIONS_TOTAL,
     NONFINITE_STEPS_TOTAL,
     AMP_SKIPPED_STEPS_TOTAL,

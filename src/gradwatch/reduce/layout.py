@@ -72,6 +72,7 @@ from gradwatch.reduce.handshake import (
     stage_digest,
 )
 from gradwatch.stacks.experts import check_expert_holders, expert_names
+from gradwatch.step.ranktiming import TIMING_WIDTH
 
 MAX_REPLICA_SLOTS = 64
 
@@ -112,6 +113,7 @@ class Layout:
     # (replicated_and_synced): a collect needs gradwatch's all-reduce only on
     # divergence steps and with the rank view (Reducer.issues_collective)
     replicated_synced: bool = False
+    rank_timing: bool = False  # the timing section (gradwatch.step.ranktiming), agreed by hash
 
     @property
     def rank_view_slots(self) -> bool:
@@ -145,6 +147,7 @@ class Sections(NamedTuple):
     step: int  # the sum of the ranks' steps
     length: int
     rank_view: slice = slice(0, 0)  # after the step: per-rank slots or bounded sums
+    rank_timing: slice = slice(0, 0)  # last: the working-time histogram (TIMING_WIDTH)
 
 
 def _rank_view_width(layout: Layout) -> int:
@@ -156,9 +159,11 @@ def _rank_view_width(layout: Layout) -> int:
 
 def sections(layout: Layout) -> Sections:
     n, r = layout.size, layout.replicas
-    view = 5 * n + r + 1
+    view, timing = 5 * n + r + 1, TIMING_WIDTH if layout.rank_timing else 0
+    end = view + _rank_view_width(layout)
     return Sections(
-        rank_view=slice(view, view + _rank_view_width(layout)),
+        rank_view=slice(view, end),
+        rank_timing=slice(end, end + timing),
         squares=slice(0, n),
         squares_high=slice(n, 2 * n),
         squares_low=slice(2 * n, 3 * n),
@@ -167,7 +172,7 @@ def sections(layout: Layout) -> Sections:
         has_grad=slice(4 * n, 5 * n),
         replicas=slice(5 * n, 5 * n + r),
         step=5 * n + r,
-        length=5 * n + r + 1 + _rank_view_width(layout),
+        length=end + timing,
     )
 
 

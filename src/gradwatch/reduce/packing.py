@@ -33,6 +33,10 @@ ranks per
 group, the count and the sum of the ids of non-finite ranks, the count of reporting ranks):
 never a second collective.
 
+**The rank timing** (``WatchConfig.rank_timing``): last, ``TIMING_WIDTH`` float64 whatever the
+world size, each rank's working time as one entry in a SUM-able histogram
+(:mod:`gradwatch.step.ranktiming`); it makes every collect all-reduce.
+
 **Reading it.** Only this module and :mod:`gradwatch.reduce.layout` (which defines them:
 :class:`~gradwatch.reduce.layout.Sections`) know those offsets. The rest of gradwatch reads a
 :class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
@@ -42,6 +46,7 @@ never a second collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -72,6 +77,7 @@ from gradwatch.reduce.collective import (
     wait_landed,
 )
 from gradwatch.reduce.layout import Layout, LocalPiece, derive_layout, sections
+from gradwatch.step.ranktiming import RankTiming, pack_timing
 
 log = logging.getLogger("gradwatch")
 
@@ -109,6 +115,7 @@ class Reducer:
         synced: bool = False,
         device: torch.device | None = None,
         experts: Sequence[str] = (),
+        rank_timing: bool = False,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
@@ -132,6 +139,8 @@ class Reducer:
             self.layout = self._agree(desc, record, pieces, str(backend), experts)
         else:
             self.layout = derive_layout(handshake.local(desc, record), 0)
+        if rank_timing:  # every rank alike: the configuration hash covers it
+            self.layout = dataclasses.replace(self.layout, rank_timing=True)
         self._plan_packing(self.layout)
 
     def _agree(
@@ -264,6 +273,7 @@ class Reducer:
         with_replicas: bool,
         rank_local: Tensor | None = None,
         device_collective: bool = True,
+        work_seconds: float | None = None,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.norms.stats`) and
@@ -293,6 +303,8 @@ class Reducer:
         if with_replicas and self._slot_sums is not None:
             packed.index_copy_(0, self._slot_global, self._slot_sums(sq_local))
         self._pack_rank_view(packed, rank_local)
+        if lay.rank_timing:
+            pack_timing(packed[sections(lay).rank_timing], lay.rank, work_seconds)
         if alone:
             return ReducedVector(packed, Pending(), self.timeout, step, lay, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
@@ -313,7 +325,7 @@ class Reducer:
         lay = self.layout
         return (
             with_replicas or self.guarded or not lay.replicated_synced
-            or lay.rank_view_groups > 0
+            or lay.rank_view_groups > 0 or lay.rank_timing
         )
 
     def _stage_tail(self, has_grad: Sequence[bool], step: int) -> None:
@@ -399,6 +411,7 @@ class ReducedStats:
     world_size: int
     rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
     ranks: int = 0  # 0: world_size
+    rank_timing: RankTiming | None = None  # the working times, when every rank measured
 
     @classmethod
     def from_values(
@@ -423,6 +436,8 @@ class ReducedStats:
             world_size=layout.world_size,
             rank_view=RankView.from_section(values[at.rank_view], layout),
             ranks=layout.world_size if ranks is None else ranks,
+            rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
+            if layout.rank_timing else None,
         )
 
     def steps_agree(self, step: int) -> bool:

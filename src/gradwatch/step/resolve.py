@@ -38,6 +38,7 @@ from gradwatch.stacks.fsdp1 import Fsdp1GradientReader, Fsdp1Model
 from gradwatch.stacks.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.stacks.main_grad import reject_distributed_optimizer
 from gradwatch.stacks.zero import ZeroGradients, find_engine
+from gradwatch.step.ranktiming import RankTimer
 
 log = logging.getLogger("gradwatch")
 
@@ -71,6 +72,7 @@ class Resolved:
     # partitions, not from .grad; None otherwise.
     zero: ZeroGradients | None = None
     fsdp1: Fsdp1Model | None = None  # FSDP1 units (gradwatch.stacks.fsdp1), None otherwise
+    timer: RankTimer | None = None  # this rank's working time (WatchConfig.rank_timing)
 
 
 def resolve(
@@ -135,6 +137,7 @@ def resolve(
                  or (flat is not None and flat.reduces_every_gradient(world_size))),
             device=gradient_device(params),
             experts=cfg.expert_parameters,
+            rank_timing=cfg.rank_timing and world_size > 1,
         )
     except BaseException:
         detach(comm_hook)
@@ -179,6 +182,7 @@ def resolve(
         local_view=local_view,
         zero=zero,
         fsdp1=flat,
+        timer=RankTimer(params, model) if layout.rank_timing else None,
     )
 
 
