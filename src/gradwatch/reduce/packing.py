@@ -136,7 +136,7 @@ class Reducer:
         self._bound = bound_device() if multi else None
         self.device = reducer_device(device, backend, self._bound)
         if multi:
-            self.layout = self._agree(desc, record, pieces, str(backend), experts)
+            self.layout = self._agree(desc, record, pieces, str(backend), experts, rank_timing)
         else:
             self.layout = derive_layout(handshake.local(desc, record), 0)
         if rank_timing:  # every rank alike: the configuration hash covers it
@@ -150,6 +150,7 @@ class Reducer:
         pieces: Sequence[LocalPiece],
         backend: str,
         experts: Sequence[str] = (),
+        hosts: bool = False,
     ) -> Layout:
         """Open gradwatch's groups, run the handshake on them and derive the layout: the same
         on every rank, or the same error raised on every rank."""
@@ -160,7 +161,8 @@ class Reducer:
             on_device = "nccl" in backend and self.collective.host_group is None
             handshake_device = self.device if on_device else torch.device("cpu")
             gathered = handshake.exchange(desc, record, self.collective.handshake_group,
-                                          handshake_device, meshes=handshake.mesh_slots(pieces))
+                                          handshake_device, meshes=handshake.mesh_slots(pieces),
+                                          gather_hosts=hosts)
             self.collective.settle()
         except RuntimeError as exc:
             self.close()
