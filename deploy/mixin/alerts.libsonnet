@@ -294,6 +294,39 @@ local lib = import 'lib.libsonnet';
             runbook_url: runbook('gradwatchstepsskipped'),
           },
         },
+        // Steps on which no parameter had a gradient at all (collect() before backward(), or
+        // after zero_grad(set_to_none=True)): their norms and health are NaN, so no threshold
+        // alert sees them, yet the loop may train nothing. Warning, no `for`: the steps already
+        // happened; a new run with such steps fires too.
+        {
+          alert: "GradwatchNoGradient",
+          expr: |||
+            increase(gradwatch_no_gradient_steps_total{@}[15m]) > 0
+            or
+            (
+              gradwatch_no_gradient_steps_total{@} > 0
+              and on (job, instance)
+              (
+                gradwatch_start_time_seconds{@}
+                != last_over_time(gradwatch_start_time_seconds{@}[1h] offset 15m)
+              )
+            )
+            or
+            (
+              gradwatch_no_gradient_steps_total{@} > 0
+              unless
+              present_over_time(gradwatch_no_gradient_steps_total{@}[1h] offset 15m)
+            )
+          |||,
+          labels: {
+            severity: "warning",
+          },
+          annotations: {
+            summary: "Steps without any gradient in job {{ $labels.job }} ({{ $labels.instance }})",
+            description: "Job {{ $labels.job }} (instance {{ $labels.instance }}) collected steps on which no parameter of the whole model (all groups) had a gradient (gradwatch_no_gradient_steps_total rose): collect() ran before backward() or after zero_grad(set_to_none=True). Their norms and health are NaN, not measured.",
+            runbook_url: runbook('gradwatchnogradient'),
+          },
+        },
         // The guard hit max_consecutive_skips and now applies the bad steps it would skip (a run
         // that skips forever is not training). Critical, no `for`; held 5 minutes after a healthy
         // step re-arms the guard, so a short episode between two scrapes still pages.

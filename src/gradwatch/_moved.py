@@ -17,13 +17,15 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import pkgutil
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 #: old dotted path -> new dotted path: every module of the flat layout that moved under its own
-#: name. ``reduce``, ``step`` and ``doctor`` are not here: those names are now the packages
-#: (their modules are ``reduce.packing``, ``step.collector``, ``doctor.checks``).
+#: name. ``reduce``, ``step`` and ``doctor`` are not here: those names are now the packages, and
+#: each package forwards the former module's names (:func:`old_module_names`).
 MOVED: dict[str, str] = {
     f"gradwatch.{old}": f"gradwatch.{new}"
     for old, new in {
@@ -38,7 +40,7 @@ MOVED: dict[str, str] = {
         "fsdp1": "stacks.fsdp1",
         "zero": "stacks.zero",
         "main_grad": "stacks.main_grad",
-        "experts": "stacks.experts",
+        "experts": "reduce.experts",
         "ddp_hook": "stacks.ddp_hook",
         "layout": "reduce.layout",
         "handshake": "reduce.handshake",
@@ -126,6 +128,30 @@ class MovedPathFinder(importlib.abc.MetaPathFinder):
             return None
         new, deprecated = found
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(new, deprecated))
+
+
+def old_module_names(package: str, path: list[str], module: str) -> Callable[[str], object]:
+    """The ``__getattr__`` of a package that took the name of a former module (``gradwatch.
+    reduce`` was the packing module, now ``gradwatch.reduce.packing``): a name of that module
+    (``gradwatch.reduce.Reducer``), with a DeprecationWarning naming its new path. The package's
+    own modules are left to the import system."""
+    submodules = {m.name for m in pkgutil.iter_modules(path)}
+
+    def __getattr__(name: str) -> object:
+        if name.startswith("__") or name in submodules:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        target = importlib.import_module(module)
+        if not hasattr(target, name):
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        _warn_at_importer(
+            f"{package}.{name} moved to {module}.{name}; importing it from {package} is "
+            "deprecated and stops working in the next release"
+        )
+        value = getattr(target, name)
+        setattr(sys.modules[package], name, value)  # once: ``from x import y`` asks twice
+        return value
+
+    return __getattr__
 
 
 def install() -> None:

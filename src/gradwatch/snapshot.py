@@ -10,7 +10,11 @@ Prometheus counters, the demo's summary, ``gradwatch top`` and ``gradwatch plot`
 * :attr:`Snapshot.amp_skipped`: the GradScaler found NaN/Inf and skips the optimizer step;
 * :attr:`Snapshot.exploding_step`: some parameter is exploding (non-finite ones included);
 * :attr:`Snapshot.spike_step`: the global or a group norm spiked (:mod:`gradwatch.analysis.spikes`);
-* :attr:`Snapshot.guard_skipped`: the optimizer-step guard skipped this step (its reason).
+* :attr:`Snapshot.guard_skipped`: the optimizer-step guard skipped this step (its reason);
+* :attr:`Snapshot.no_gradient`: no parameter had a gradient at all (``collect()`` before
+  ``backward()``, or after ``zero_grad(set_to_none=True)``): its norms and health are NaN;
+* :attr:`Snapshot.measured` False: gradwatch measured nothing (disabled or refused): every
+  figure is NaN or None, the keys (groups, ratios) are those an enabled watcher would give.
 
 History records are ``Snapshot.to_dict()`` lines: classify them with ``Snapshot.from_dict``.
 This module imports no torch.
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -70,6 +74,16 @@ def ratio_defined(denominator: GroupStats | None) -> bool:
     )
 
 
+#: Added to the total norm in the clip coefficient, like ``torch.nn.utils.clip_grad_norm_``.
+CLIP_EPS = 1e-6
+
+
+def clip_coefficient(max_norm: float, total: float) -> float:
+    """``min(1, max_norm / (total + 1e-6))`` on the host: :attr:`Snapshot.clip_coef`, by the
+    same float64 formula as the device-side coefficient ``step.clip.clip_grads_`` applies."""
+    return min(1.0, max_norm / (total + CLIP_EPS))
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Gradient statistics of the whole model for one step, as one process would see them.
@@ -78,7 +92,8 @@ class Snapshot:
         step: the training step passed to ``collect``.
         global_norm: L2 norm over all parameters with a gradient (NaN/Inf if any is).
         groups: group name -> :class:`GroupStats`; ``"other"`` only when a parameter matched
-            no pattern; configured groups always appear (zeros when they have no gradient).
+            no pattern; configured groups always appear (norm 0 when they have no gradient
+            while other groups have one; NaN on a step without any gradient, or unmeasured).
         param_norms: parameter name -> L2 norm of its gradient.
         nonfinite_params: sorted names of parameters whose gradient holds NaN or Inf.
         ratios: ``"num/den"`` -> normalized ratio
@@ -88,12 +103,16 @@ class Snapshot:
         raw_ratios: ``"num/den"`` -> ``n_norm / d_norm`` (NaN when ``d_norm`` is 0 or
             non-finite).
         health: ``clamp(1 - 0.5*vanishing/n - 0.8*exploding/n, 0, 1)`` over the n parameters
-            with a gradient; 0.0 when ``global_norm`` is not finite; 1.0 with no gradient.
-        isolation_violated: isolated group -> its norm exceeds ``isolation_threshold``.
+            with a gradient; 0.0 when ``global_norm`` is not finite; NaN with no gradient at
+            all (nothing to judge) or when not measured.
+        isolation_violated: isolated group -> its norm exceeds ``isolation_threshold`` (None
+            when not measured).
         world_size: number of processes that contributed.
         parallelism: short description of the detected parallelism, e.g. ``"fsdp2x2+tp2"``.
         replica_divergence: relative spread ``(max - min) / max`` of the replicas' global norms
-            (0.0 when identical or not measured on this step).
+            at the last measurement (0.0 when identical); None when nothing measures it (no
+            replicated piece: one process, FSDP without replicas, ``divergence_every=0``, or
+            before the first measurement).
         clip_coef: the clip coefficient applied by ``GradWatch.clip_grad_norm_`` (None if the
             step was not clipped through gradwatch).
         amp_skipped: the AMP GradScaler found Inf/NaN and skips this optimizer step.
@@ -148,6 +167,11 @@ class Snapshot:
             ``batch_size``, per-replica batches without it); NaN while undefined (either
             smoothed estimate not positive), never negative.
         group_noise_scale: group -> B_simple.
+        measured: False when gradwatch measured nothing (a disabled or refused watcher:
+            :meth:`unmeasured`); True for every collected step.
+        no_gradient: a measured step on which no parameter had a gradient at all
+            (``collect()`` before ``backward()``, or after ``zero_grad(set_to_none=True)``):
+            its norms, ratios and health are NaN, never the 0.0 and 1.0 of a healthy step.
     """
 
     step: int
@@ -158,10 +182,10 @@ class Snapshot:
     ratios: Mapping[str, float] = field(default_factory=dict)
     raw_ratios: Mapping[str, float] = field(default_factory=dict)
     health: float = 1.0
-    isolation_violated: Mapping[str, bool] = field(default_factory=dict)
+    isolation_violated: Mapping[str, bool | None] = field(default_factory=dict)
     world_size: int = 1
     parallelism: str = "single"
-    replica_divergence: float = 0.0
+    replica_divergence: float | None = None
     clip_coef: float | None = None
     amp_skipped: bool = False
     timestamp: float = 0.0
@@ -190,6 +214,8 @@ class Snapshot:
     replica_outlier_rank: int | None = None
     gradient_noise_scale: float | None = None
     group_noise_scale: Mapping[str, float] = field(default_factory=dict)
+    measured: bool = True
+    no_gradient: bool = False
     # -- which rank is slow (WatchConfig.rank_timing; gradwatch.step.ranktiming) --
     slowest_rank: int | None = None
     slowest_host: str | None = None
@@ -204,10 +230,42 @@ class Snapshot:
         for name in _TUPLES:
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
+    @classmethod
+    def unmeasured(
+        cls,
+        step: int,
+        *,
+        groups: Sequence[str] = (),
+        ratios: Sequence[str] = (),
+        isolated: Sequence[str] = (),
+        parallelism: str = "disabled",
+        timestamp: float = 0.0,
+    ) -> Snapshot:
+        """What a watcher that measures nothing (disabled or refused) gives for ``step``: the
+        keys an enabled one would give (``groups``, ``ratios`` keys ``"num/den"``,
+        ``isolated``), every figure NaN or None, ``measured=False``; so a loop written for an
+        enabled watcher runs unchanged, and nothing reads as healthy."""
+        nan = math.nan
+        return cls(
+            step=step,
+            global_norm=nan,
+            groups={g: GroupStats(norm=nan) for g in groups},
+            ratios=dict.fromkeys(ratios, nan),
+            raw_ratios=dict.fromkeys(ratios, nan),
+            health=nan,
+            isolation_violated=dict.fromkeys(isolated),
+            parallelism=parallelism,
+            timestamp=timestamp,
+            measured=False,
+        )
+
     @property
     def is_finite(self) -> bool:
-        """True when no gradient held NaN or Inf."""
-        return math.isfinite(self.global_norm) and not self.nonfinite_params
+        """True when no gradient held NaN or Inf (vacuously on a step without any gradient,
+        or not measured: its NaN norms say "nothing to measure", not "NaN gradient")."""
+        if self.nonfinite_params:
+            return False
+        return math.isfinite(self.global_norm) or self.no_gradient or not self.measured
 
     @property
     def nonfinite_step(self) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +36,11 @@ from torch import Tensor, nn
 
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.analysis.summary import Summarizer
-from gradwatch.config import WatchConfig
+from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.configfile import load_config
 from gradwatch.errors import GradWatchError
 from gradwatch.norms.hooks import before_optimizer_step
+from gradwatch.norms.model import shown_groups
 from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.ddp_hook import detach
 from gradwatch.step.collector import Collector, PendingSnapshot, clip_locally
@@ -365,6 +367,10 @@ class NoOpWatch:
 
     What ``enabled=False`` gives, from :func:`watch` and from ``GradWatch(...)`` alike.
     ``clip_grad_norm_`` is torch's (a rank-local norm), returned as float64 like GradWatch's.
+    ``collect`` and ``clip_grad_norm_`` give :meth:`Snapshot.unmeasured` snapshots: the keys
+    an enabled watcher would give (groups, ratios, isolated groups), every figure NaN or None,
+    so a loop written for one runs with the other and nothing reads as healthy; :attr:`last`
+    is the newest of them.
     """
 
     metrics_url: str | None = None
@@ -385,13 +391,32 @@ class NoOpWatch:
         self.rank = int(os.environ.get("RANK", "0"))
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()  # not a collective
+        self._isolated = tuple(self.config.isolated)
+        self._groups = shown_groups(model, self.config.groups)
+        self._last: Snapshot | None = None
+        self._steps = 0
 
     @property
     def last(self) -> Snapshot | None:
-        return None
+        """The unmeasured snapshot of the last ``collect``/``clip_grad_norm_`` (None before)."""
+        return self._last
 
     def collect(self, step: int, **_: Any) -> PendingSnapshot:
-        return PendingSnapshot(step, snapshot=Snapshot(step=step))
+        return PendingSnapshot(step, snapshot=self._unmeasured(step))
+
+    def _unmeasured(self, step: int | None) -> Snapshot:
+        """The snapshot of ``step`` (default: one past the last), with this watcher's keys."""
+        step = self._steps if step is None else int(step)
+        self._steps = step + 1
+        self._last = Snapshot.unmeasured(
+            step,
+            groups=self._groups,
+            ratios=[ratio_key(*r) for r in self.config.ratios],
+            isolated=self._isolated,
+            parallelism=self.parallelism,
+            timestamp=time.time(),
+        )
+        return self._last
 
     def attach(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
         return None
@@ -402,18 +427,21 @@ class NoOpWatch:
 
     @property
     def isolated(self) -> tuple[str, ...]:
-        return tuple(self.config.isolated)
+        return self._isolated
 
-    def set_isolated(self, groups: Any) -> None:
-        return None
+    def set_isolated(self, groups: Iterable[str]) -> None:
+        self._isolated = tuple(groups)
 
     def clip_grad_norm_(
         self,
         max_norm: float,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
+        *,
+        step: int | None = None,
         **_: Any,
     ) -> Tensor:
+        self._unmeasured(step)
         held = list(self._model.parameters())
         return clip_locally(held, max_norm, norm_type, error_if_nonfinite)
 

@@ -61,6 +61,7 @@ def _backward(model: nn.Module, rank: int, step: int) -> None:
 def _fsdp2_local_clip(rank: int, source: str) -> dict:
     """The bug: the clip norm is this rank's shards only (no all-reduce of the squares)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.utils import get_total_norm
 
     from gradwatch import GradWatch, WatchConfig
 
@@ -77,6 +78,8 @@ def _fsdp2_local_clip(rank: int, source: str) -> dict:
                 math.sqrt(_fsum_sq(p.grad.full_tensor() for p in model.parameters()))
             )
             out["local"].append(math.sqrt(_fsum_sq(p.grad.to_local() for p in model.parameters())))
+            total = get_total_norm([p.grad for p in model.parameters()], 2.0)
+            out.setdefault("total_to_local", []).append(float(total.to_local()))
             watch.collect(step)
             local_sq = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
             norm = local_sq.sqrt()  # the missing dist.all_reduce(local_sq) is the bug
@@ -107,6 +110,7 @@ def _ddp_loop(rank: int, world: int, source: str, reduce_again: bool) -> dict:
                     dist.all_reduce(p.grad)  # the bug: already averaged by DDP
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             watch.audit_norm(norm, step=step, source=source)
+            assert watch.last is not None  # every rank builds its results: rank 0 alone logs
         watch.flush()
         if rank == 0:
             out["ratio"], out["disagreements"] = _audit_series(watch.metrics_url, source, STEPS)
@@ -148,6 +152,10 @@ def test_audit_diagnoses_reproduced_bugs_and_stays_silent_on_a_correct_loop(
     assert fsdp["disagreements"] == STEPS
     logged = [m for m in messages if "'fsdp_clip'" in m and "likely cause" in m]
     assert logged and "local norm" in logged[0] and "1/sqrt(2)" in logged[0], messages
+    # docs/integrations.md, section 7: torch's get_total_norm of DTensor gradients is already
+    # the whole model's norm, replicated: its to_local() is no rank-local norm (ratio 1).
+    for got, exact in zip(fsdp["total_to_local"], fsdp["exact"], strict=True):
+        assert got == pytest.approx(exact, rel=1e-6)
 
     # Gradients all-reduced again after DDP averaged them: twice the norm, diagnosed.
     twice = r["ddp_twice"]
@@ -161,3 +169,7 @@ def test_audit_diagnoses_reproduced_bugs_and_stays_silent_on_a_correct_loop(
     assert correct["ratio"] == pytest.approx(1.0, abs=1e-6)
     assert correct["disagreements"] == 0
     assert not [m for m in messages if "'torch_clip'" in m]
+
+    # Rank 1 built the same results (watch.last) and judged the same reports: only rank 0 logs.
+    rank1 = json.loads((tmp_path / "1.json").read_text())["messages"]
+    assert not [m for m in rank1 if "disagrees" in m], rank1

@@ -62,6 +62,7 @@ CONTRACT_METRICS = frozenset(
         # counters
         "gradwatch_collections_total",
         "gradwatch_nonfinite_steps_total",
+        "gradwatch_no_gradient_steps_total",
         "gradwatch_exploding_steps_total",
         "gradwatch_isolation_violations_total",
         "gradwatch_publish_errors_total",
@@ -116,6 +117,7 @@ REQUIRED_ALERTS = {
     "GradwatchReplicaOutlier": ("warning", True),
     "GradwatchStepsSkipped": ("warning", False),
     "GradwatchGuardStopped": ("critical", False),
+    "GradwatchNoGradient": ("warning", False),
 }
 
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}

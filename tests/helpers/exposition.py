@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gradwatch.export.collector import SnapshotCollector
 from gradwatch.export.state import PublishedState, SelfStats
@@ -23,3 +24,20 @@ def exposition_text(
         )
     )
     return generate_latest(registry).decode()
+
+
+#: Sample name -> {sorted label pairs: value}
+Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
+
+
+def parse(text: str) -> Samples:
+    """Sample name -> {sorted label pairs: value}; asserts no timestamps and unique series."""
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert s.timestamp is None, f"{s.name} carries a timestamp"
+            key = tuple(sorted(s.labels.items()))
+            series = out.setdefault(s.name, {})
+            assert key not in series, f"duplicate series {s.name}{key}"
+            series[key] = s.value
+    return out

@@ -637,3 +637,18 @@ def test_every_file_the_docs_cite_exists() -> None:
         missing += [f"{where}: link {m.group(1)}" for m in RELATIVE_LINK.finditer(text)
                     if not (doc.parent / m.group(1)).exists()]
     assert not missing, f"docs cite files that do not exist: {missing}"
+
+
+_NUMBER_WORDS = [
+    *("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"),
+    *("eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen"),
+    *("eighteen", "nineteen", "twenty", "twenty-one", "twenty-two", "twenty-three"),
+]
+
+
+def test_operations_states_the_shipped_alert_count() -> None:
+    """docs/operations.md's count of the shipped alerts is the rules file's, computed here."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    m = re.search(r"`gradwatch\.alerts`: ([a-z-]+) alerts", text)
+    assert m is not None, "docs/operations.md no longer states the number of alerts"
+    assert m.group(1) == _NUMBER_WORDS[len(alerts())], (m.group(1), len(alerts()))

@@ -110,3 +110,30 @@ def test_an_old_path_works_in_a_fresh_interpreter() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "gradwatch.testing moved to gradwatch.doctor.testing" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("package", "module", "name"),
+    [
+        ("gradwatch.reduce", "gradwatch.reduce.packing", "Reducer"),
+        ("gradwatch.step", "gradwatch.step.collector", "Collector"),
+        ("gradwatch.doctor", "gradwatch.doctor.checks", "run_checks"),
+    ],
+)
+def test_a_package_named_like_a_former_module_forwards_its_names(
+    package: str, module: str, name: str
+) -> None:
+    """``gradwatch.reduce`` was a module and is now a package: the former module's names still
+    resolve through it, with a warning, and its own modules import as usual, without one."""
+    pkg = importlib.import_module(package)
+    vars(pkg).pop(name, None)  # as if never asked in this process
+    with pytest.warns(DeprecationWarning, match=rf"{package}.{name} moved to {module}.{name}"):
+        value = getattr(pkg, name)
+    assert value is getattr(importlib.import_module(module), name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert getattr(pkg, name) is value  # asked again: no second warning
+        sub = module.rpartition(".")[2]
+        assert getattr(importlib.import_module(package), sub) is importlib.import_module(module)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        pkg.not_a_name  # noqa: B018

@@ -271,7 +271,7 @@ def test_enabled_0_disables_every_way_of_constructing(
         snap = w.collect(0).result()
         w.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     assert counter.total == 0  # no tensor op, so no collective either
-    assert snap.step == 0 and w.last is None
+    assert snap.step == 0 and w.last is snap and not snap.measured  # unmeasured, not absent
     expected = math.sqrt(math.fsum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
     assert float(w.clip_grad_norm_(1e9)) == pytest.approx(expected, rel=1e-6)
     assert w.flush(1)

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from gradwatch.cli.demo import DemoOptions, Summary
+from gradwatch.cli.demo_protocol import DemoOptions, Summary
 from gradwatch.cli.demo_view import summary_lines
 from gradwatch.cli.endpoint import EndpointView, fetch, parse_exposition
 from gradwatch.cli.render import Trends
@@ -150,6 +150,7 @@ def test_plot_top_demo_and_counters_agree(
     }
     assert counters == {
         "gradwatch_nonfinite_steps_total": 1.0,
+        "gradwatch_no_gradient_steps_total": 0.0,
         "gradwatch_amp_skipped_steps_total": 1.0,
         "gradwatch_exploding_steps_total": 3.0,
     }

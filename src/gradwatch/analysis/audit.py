@@ -111,6 +111,31 @@ def parallel_factors(parallelism: str, world_size: int) -> dict[str, int]:
     return {k: v for k, v in out.items() if v > 1}
 
 
+#: Largest finite float32, and the largest norm whose square a float32 sum still holds.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_SQUARE_LIMIT = math.sqrt(FLOAT32_MAX)
+
+
+def nonfinite_diagnosis(reported: float, exact: float) -> str | None:
+    """Why a non-finite reported norm differs from a finite exact one, or None when no cause
+    is known (the message then states only the two values, not a sentence repeating them).
+
+    An Inf where the exact norm's square exceeds float32's range (norm above about 1.8e19) is
+    a sum of squares accumulated in float32 (DeepSpeed's and torch's fp32 norms do this)."""
+    if not math.isfinite(exact):
+        return None
+    if math.isinf(reported) and exact > FLOAT32_SQUARE_LIMIT:
+        return (
+            f"a sum of squares in float32: the exact norm's square ({exact * exact:.3g}) "
+            f"exceeds float32's largest value ({FLOAT32_MAX:.3g}), so a float32 norm "
+            "overflows to inf although every gradient is finite"
+        )
+    return (
+        "every gradient is finite, so the reporter's own arithmetic overflowed or it read "
+        "values gradwatch did not (e.g. still loss-scaled, or another step's)"
+    )
+
+
 def bf16_round(x: float) -> float:
     """``x`` rounded to bfloat16 (nearest even), as a float."""
     return float(torch.tensor(x, dtype=torch.float64).to(torch.bfloat16))
@@ -256,7 +281,7 @@ class NormAuditor:
         diagnosis = None
         if not agrees:
             if not math.isfinite(reported):
-                diagnosis = f"the reported norm is {reported} while the exact norm is {exact:.6g}"
+                diagnosis = nonfinite_diagnosis(reported, exact)
             elif math.isfinite(ratio):
                 diagnosis = diagnose(ratio, reported, exact, self.factors, local)
         return Verdict(source, step, reported, exact, ratio, agrees, diagnosis)

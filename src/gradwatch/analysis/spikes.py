@@ -48,7 +48,7 @@ Changes of level re-base the window, so a spike after one is measured against th
   of 0.0013 for normal log-norms), so isolated spikes never trigger it.
 
 With the defaults (window 128, warm-up 32) a 10x spike 50 steps after a 30x drop of level is
-found, announced or not (tests/unit/test_spikes.py).
+found, announced or not (tests/unit/analysis/test_spikes.py).
 
 Cost: per series and step, one insertion and one removal in a sorted list (``bisect``) and one
 sort of ``spike_window`` absolute deviations: O(groups * window log window) host work on the

@@ -11,11 +11,12 @@ from those norms by ``math.hypot`` (scaled internally, so nothing overflows or u
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from gradwatch.analysis.anomalies import AnomalyLog
 from gradwatch.analysis.audit import LocalSquares, NormAuditor, parallel_factors
@@ -25,12 +26,42 @@ from gradwatch.analysis.spikes import SpikeDetector
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.norms.bands import norm_from_bands
 from gradwatch.norms.stats import sqrt_sum
+from gradwatch.reduce.layout import Layout
 from gradwatch.reduce.packing import ReducedStats
-from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, ratio_defined
-from gradwatch.step.clip import clip_coefficient
-from gradwatch.step.guard import GuardDecision, StepGuard
-from gradwatch.step.ranktiming import timing_fields
-from gradwatch.step.resolve import Resolved
+from gradwatch.reduce.ranktiming import timing_fields
+from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, clip_coefficient, ratio_defined
+
+
+class ResolvedModel(Protocol):
+    """What the summary reads of the model resolved at construction (``step.resolve``'s
+    ``Resolved`` is one): where the job runs, the agreed layout and the groups. Declared here,
+    by its reader, so the host side never imports the step's orchestration above it."""
+
+    rank: int
+    world_size: int
+    parallelism: str
+    layout: Layout
+    groups_of: list[str]
+    group_order: list[str]
+    view_groups: tuple[str, ...]
+
+
+class GuardReadingFields(Protocol):
+    """A guard decision read to the host (``step.guard``'s ``GuardReading``)."""
+
+    def snapshot_fields(self) -> dict[str, Any]: ...
+
+
+class StepDecision(Protocol):
+    """One step's optimizer-step guard decision (``step.guard``'s ``GuardDecision``)."""
+
+    def reading(self) -> GuardReadingFields: ...
+
+
+class DecisionReporter(Protocol):
+    """The guard that decided (``step.guard``'s ``StepGuard``): logs what a reading says."""
+
+    def report(self, reading: Any, step: int, rank: int) -> None: ...
 
 
 def normalized_ratio(n_norm: float, n_numel: int, d_norm: float, d_numel: int) -> float:
@@ -54,12 +85,13 @@ def raw_ratio(n_norm: float, d_norm: float) -> float:
 
 
 def health_score(n: int, vanishing: int, exploding: int, global_norm: float) -> float:
-    """``clamp(1 - 0.5 v/n - 0.8 e/n, 0, 1)``; 0.0 if the global norm is not finite; 1.0 if
-    n == 0."""
+    """``clamp(1 - 0.5 v/n - 0.8 e/n, 0, 1)``; NaN if n == 0 (no parameter had a gradient:
+    nothing to judge, which must not read as a healthy 1.0); 0.0 if the global norm is not
+    finite."""
+    if n == 0:
+        return math.nan
     if not math.isfinite(global_norm):
         return 0.0
-    if n == 0:
-        return 1.0
     return min(1.0, max(0.0, 1.0 - 0.5 * vanishing / n - 0.8 * exploding / n))
 
 
@@ -149,18 +181,21 @@ def summarize(
     global_norm = _hypot(all_norms) if banded else sqrt_sum(all_squares)
     if nonfinite_params and math.isfinite(global_norm):
         global_norm = math.nan  # a replica flagged NaN that the counted copy did not show
+    empty = GroupStats()
+    checked = cfg.isolated if isolated is None else isolated
+    isolation = {  # before a gradient-less step's NaN norms: no gradient violates nothing
+        g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in checked
+    }
+    if total_n == 0:  # no gradient at all: nothing was measured to be 0
+        global_norm = math.nan
+        group_stats = {g: dataclasses.replace(s, norm=math.nan) for g, s in group_stats.items()}
     ratios: dict[str, float] = {}
     raw: dict[str, float] = {}
-    empty = GroupStats()
     for num, den in cfg.ratios:
         n, d = group_stats.get(num, empty), group_stats.get(den, empty)
         key = ratio_key(num, den)
         ratios[key] = normalized_ratio(n.norm, n.numel, d.norm, d.numel)
         raw[key] = raw_ratio(n.norm, d.norm)
-    checked = cfg.isolated if isolated is None else isolated
-    isolation = {
-        g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in checked
-    }
     return Snapshot(
         step=step,
         global_norm=global_norm,
@@ -171,6 +206,7 @@ def summarize(
         raw_ratios=raw,
         health=health_score(total_n, total_v, total_e, global_norm),
         isolation_violated=isolation,
+        no_gradient=total_n == 0,
         **extra,  # type: ignore[arg-type]
     )
 
@@ -218,8 +254,8 @@ class CollectedStep:
     amp: bool = False
     batch_size: int | None = None
     local_sq: LocalSquares | None = None  # this rank's squares: the audit's local diagnosis
-    guard: StepGuard | None = None  # GradWatch.guard(): its decision on this step
-    decision: GuardDecision | None = None
+    guard: DecisionReporter | None = None  # GradWatch.guard(): its decision on this step
+    decision: StepDecision | None = None
 
 
 class Summarizer:
@@ -237,11 +273,11 @@ class Summarizer:
         reporter: where counters and once-logged warnings go.
     """
 
-    def __init__(self, cfg: WatchConfig, resolved: Resolved, reporter: Reporter) -> None:
+    def __init__(self, cfg: WatchConfig, resolved: ResolvedModel, reporter: Reporter) -> None:
         self.cfg = cfg
         self._resolved = resolved
         self._reporter = reporter
-        self._last_divergence = 0.0
+        self._last_divergence: float | None = None  # None until something measures it
         self._anomalies = AnomalyLog(resolved.rank, cfg.isolation_threshold)
         self._spikes = SpikeDetector(
             cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup, resolved.rank
@@ -299,7 +335,16 @@ class Summarizer:
         changes.update(self._spikes.fields(snap, step.attempt))
         if changes:
             snap = snap.replace(**changes)
-        self._anomalies.report(snap)
+        if r.rank == 0:  # the same figures on every rank: one rank speaks
+            self._anomalies.report(snap)
+            if snap.no_gradient:
+                self._reporter.log_once(
+                    "no-gradient",
+                    "gradwatch: step %d: no parameter has a gradient (collect() before "
+                    "backward(), or after zero_grad(set_to_none=True)?): its norms and health "
+                    "are NaN and it counts in gradwatch_no_gradient_steps_total; logged once",
+                    snap.step,
+                )
         if self.last is None or snap.step >= self.last.step:
             self.last = snap
         self.audit(snap, step.local_sq)
@@ -327,7 +372,7 @@ class Summarizer:
                 verdicts = auditor.judge(snap.step, snap.global_norm, local)
             for v in verdicts:
                 self._reporter.audit(v.source, v.ratio, v.agrees)
-                if not v.agrees:
+                if not v.agrees and self._resolved.rank == 0:  # one rank speaks
                     self._reporter.log_once(
                         f"audit:{v.source}:{v.kind}", "%s", v.message(self.cfg.audit_tolerance)
                     )

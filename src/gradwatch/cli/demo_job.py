@@ -65,7 +65,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradwatch.cli.demo import ANOMALY_PAUSE, DemoOptions, JobError, Ready, Summary, Workdir
+from gradwatch.cli.demo_protocol import (
+    ANOMALY_PAUSE,
+    DemoOptions,
+    JobError,
+    Ready,
+    Summary,
+    Workdir,
+)
 
 #: How long rank 0 waits for the parent's ``ack`` after writing ``summary.json``.
 ACK_TIMEOUT = 10.0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -16,6 +15,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from gradwatch.cli.demo_protocol import DemoOptions, Summary
 from gradwatch.cli.endpoint import EndpointView
 from gradwatch.cli.render import (
     UNDEFINED,
@@ -27,9 +27,6 @@ from gradwatch.cli.render import (
     render_view,
 )
 from gradwatch.export import metrics as catalog
-
-if TYPE_CHECKING:  # the parent imports this module; its types only are needed here
-    from gradwatch.cli.demo import DemoOptions, Summary
 
 PHASE_TEXT = {
     "host": "host trains (seed not grown yet)",

@@ -158,7 +158,9 @@ def fetch(url: str, timeout: float = DEFAULT_TIMEOUT) -> str:
         with _opener(url).open(request, timeout=timeout) as response:
             return response.read().decode("utf-8", errors="replace")
     except urllib.error.HTTPError as exc:
-        raise ScrapeError(f"HTTP {exc.code} {exc.reason}", UNREACHABLE) from exc
+        # gradwatch answers every path: a 404 or 405 is some other server on that port
+        kind = NOT_GRADWATCH if exc.code in (404, 405) else UNREACHABLE
+        raise ScrapeError(f"HTTP {exc.code} {exc.reason}", kind) from exc
     except urllib.error.URLError as exc:
         reason = exc.reason
         text = getattr(reason, "strerror", None) or str(reason)

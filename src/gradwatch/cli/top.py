@@ -17,8 +17,9 @@ Design choices:
 
 * **A dead endpoint is a state, not an error.** A failed scrape shows the status line
   ``unreachable: <reason>, retrying in Ns`` (no answer) or ``not a gradwatch endpoint:
-  <reason>, retrying in Ns`` (an answer without gradwatch metrics: a wrong port or path), above
-  the last good frame, if any, and is retried at the next refresh; no traceback is ever printed
+  <reason>, retrying in Ns`` (an answer without gradwatch metrics, or an HTTP 404 or 405: a
+  wrong port or path), above the last good frame, if any, and is retried at the next refresh
+  (the last refresh of ``--count`` promises no retry); no traceback is ever printed
   for it. The per-scrape timeout is the interval (at least 0.5 s, at most 5 s), so a hung
   endpoint cannot stall the view.
 * **Terminal or not.** On a terminal the view redraws in place (rich ``Live``). Otherwise
@@ -72,8 +73,10 @@ def render_frame(
     refresh: int,
     interval: float,
     now: float | None = None,
+    final: bool = False,
 ) -> RenderableType:
-    """One frame of ``gradwatch top``: header, then the status line or the endpoint's state."""
+    """One frame of ``gradwatch top``: header, then the status line or the endpoint's state.
+    ``final``: the last refresh (``--count``), whose status line promises no retry."""
     now = time.time() if now is None else now
     head = Text("gradwatch top ", style="bold")
     head.append(url)
@@ -82,9 +85,8 @@ def render_frame(
     )
     parts: list[RenderableType] = [head]
     if error is not None:
-        parts.append(
-            Text(f"{error.kind}: {error}, retrying in {interval:g}s", style="bold red")
-        )
+        retry = "" if final else f", retrying in {interval:g}s"
+        parts.append(Text(f"{error.kind}: {error}{retry}", style="bold red"))
         if view is not None:
             parts.append(Text("last successful scrape:", style="dim"))
     if view is not None:
@@ -154,13 +156,16 @@ def run_top(
                 except ScrapeError as exc:
                     error = exc
                 refresh += 1
-                frame = render_frame(url, last, error, trends, refresh=refresh, interval=interval)
+                final = count is not None and refresh >= count
+                frame = render_frame(
+                    url, last, error, trends, refresh=refresh, interval=interval, final=final
+                )
                 if live is not None:
                     live.update(frame, refresh=True)
                 else:
                     console.print(f"--- refresh {refresh} ---", highlight=False)
                     console.print(frame, highlight=False)
-                if count is not None and refresh >= count:
+                if final:
                     return error is None
                 pause = max(0.0, interval - (time.monotonic() - started))
                 if interactive:

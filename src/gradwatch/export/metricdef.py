@@ -21,12 +21,12 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from prometheus_client.utils import floatToGoString
 
 from gradwatch.config import RatioSpec
-from gradwatch.snapshot import Snapshot
+from gradwatch.snapshot import Snapshot, ratio_defined
 
 __all__ = [
     "COLLECT_SECONDS_BUCKETS",
@@ -109,6 +109,9 @@ class MetricDef:
         buckets: a histogram's finite upper bounds (``+Inf`` implied); empty otherwise.
         exemplar: each series carries, in the OpenMetrics format, an exemplar of the step that
             last increased it (event counters only).
+        absent: when the metric has no sample on the endpoint (and no value in the trackers'
+            rows): the configurations and moments in which gradwatch cannot measure it.
+            Every definition states it (docs/metrics.md's "absent when" column).
     """
 
     name: str
@@ -120,6 +123,32 @@ class MetricDef:
     read: Callable[[Any], MetricValue | None] = field(kw_only=True, repr=False)
     buckets: tuple[float, ...] = field(default=(), kw_only=True)
     exemplar: bool = field(default=False, kw_only=True)
+    absent: str = field(default="", kw_only=True)
+
+
+# -- when a metric is absent (MetricDef.absent): the cases most metrics share ----------------
+
+#: Nothing is served by a disabled watcher, so every metric is absent there; these say when
+#: an enabled (or refused: it serves the info metrics and ``gradwatch_collecting 0``) one has
+#: no sample.
+ABSENT_UNTIL_MEASURED = (
+    "Before the first measured step is published, while `gradwatch_collecting` is 0 "
+    "(a refused watcher), and when disabled."
+)
+ABSENT_WHEN_DISABLED = "Only when disabled (present from the first scrape otherwise, refused too)."
+ABSENT_WITHOUT_RANK_VIEW = (
+    "Without the per-rank view: one process, DDP without `rank_view`, FSDP, ZeRO, pipeline "
+    "stages without DDP, above the slot world size (docs/distributed.md); and as the per-step "
+    "gauges."
+)
+ABSENT_WITHOUT_RANK_TIMING = (
+    "Without `rank_timing` (the default) or with one process; on a step some rank did not "
+    "time (its first collect, a failed pass); and as the per-step gauges."
+)
+ABSENT_WITHOUT_GUARD = "Without `watch.guard()`; and as the per-step gauges."
+ABSENT_SPIKES_OFF = (
+    "When spike detection is off (`spike_threshold` = 0); and as the per-step gauges."
+)
 
 
 # -- what the sources are ---------------------------------------------------------------------
@@ -146,6 +175,17 @@ class JobInfo:
     run_id: str
     start_time: float
     ratios: Sequence[RatioSpec] = ()
+
+
+class CollectTimes(Protocol):
+    """What ``gradwatch_collect_seconds`` reads of the exporter's self-stats (``state``'s
+    ``SelfView``): the count per bucket (not cumulative; the last is ``+Inf``) and the sum."""
+
+    @property
+    def bucket_counts(self) -> tuple[int, ...]: ...
+
+    @property
+    def seconds_sum(self) -> float: ...
 
 
 # -- bounds: buckets and series caps ----------------------------------------------------------
@@ -178,6 +218,10 @@ MAX_ORIGIN_SERIES = 8
 
 #: At most this many ``source`` label values of the norm-audit series (user-given strings).
 MAX_AUDIT_SOURCES = 16
+
+#: Pending results waiting for the publisher; a submit beyond this drops the oldest one.
+#: Small on purpose: a few steps absorb scheduling jitter, more would only publish stale steps.
+MAX_PENDING = 4
 
 
 def select_param_series(
@@ -239,3 +283,91 @@ def cumulative_histogram(
     """A histogram from its ``le`` values (:func:`le_values`), its per-bucket counts (floats,
     not cumulative, ``+Inf`` last) and its sum."""
     return HistogramValue(tuple(zip(le, itertools.accumulate(counts), strict=True)), total)
+
+
+#: The per-step norm histograms' bucket bounds, as documented.
+NORM_BUCKETS_TEXT = (
+    "1e-06, 3e-06, 1e-05, ... (1 and 3 times each power of ten) up to 1e+06, then +Inf "
+    f"({len(NORM_BUCKETS)} bounds)"
+)
+
+
+# -- readers of one metric each (the catalog, gradwatch.export.metrics, uses them) ----------
+
+
+def ratio_samples(s: PublishedStep) -> tuple[Sample, ...]:
+    """``gradwatch_grad_norm_ratio``: NaN where undefined (the denominator without a usable
+    norm), not the 0 the snapshot holds, which would read as "dormant"."""
+    out: list[Sample] = []
+    for key, value in s.snap.ratios.items():
+        labels = s.ratio_labels.get(key) or tuple(key.split("/", 1))
+        defined = ratio_defined(s.snap.groups.get(labels[-1]))
+        out.append((labels, float(value) if defined else float("nan")))
+    return tuple(out)
+
+
+def isolation_samples(s: PublishedStep) -> tuple[Sample, ...]:
+    """``gradwatch_isolation_violated``: 1 or 0 per isolated group; a group whose isolation
+    was not measured (None) has no sample."""
+    return each((g, float(v)) for g, v in s.snap.isolation_violated.items() if v is not None)
+
+
+def replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
+    """``gradwatch_replica_grad_norm{stat}``: the replicas' min, median and max local norms."""
+    snap = s.snap
+    if not snap.rank_view or snap.replica_grad_norm_max is None:
+        return None
+    stats = (
+        ("min", snap.replica_grad_norm_min),
+        ("median", snap.replica_grad_norm_median),
+        ("max", snap.replica_grad_norm_max),
+    )
+    return each((stat, v) for stat, v in stats if v is not None)
+
+
+def slowest_rank_samples(s: PublishedStep) -> tuple[Sample, ...] | None:
+    """``gradwatch_slowest_rank{host}``: one series whatever the world size, the slowest
+    rank's host as its label value."""
+    rank = s.snap.slowest_rank
+    if rank is None:
+        return None
+    return (((s.snap.slowest_host or ""),), float(rank)),
+
+
+def work_seconds_samples(s: PublishedStep) -> tuple[Sample, ...] | None:
+    """``gradwatch_rank_work_seconds{quantity}``: min, median and max over the ranks."""
+    snap = s.snap
+    if snap.work_seconds_max is None:
+        return None
+    return tuple(
+        ((quantity,), float(value))
+        for quantity, value in (
+            ("min", snap.work_seconds_min),
+            ("median", snap.work_seconds_median),
+            ("max", snap.work_seconds_max),
+        )
+        if value is not None
+    )
+
+
+NORM_LE = le_values(NORM_BUCKETS)
+COLLECT_SECONDS_LE = le_values(COLLECT_SECONDS_BUCKETS)
+
+
+def norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
+    """One series of the per-step norm histograms from its counts per bucket and sum."""
+    return cumulative_histogram(NORM_LE, *hist)
+
+
+def collect_seconds_histogram(v: CollectTimes) -> HistogramValue:
+    """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
+    return cumulative_histogram(COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
+
+
+def ratio_bands(j: JobInfo) -> tuple[Sample, ...]:
+    """``gradwatch_grad_norm_ratio_band``: three levels per configured ratio."""
+    return tuple(
+        ((r.numerator, r.denominator, bound), float(level))
+        for r in j.ratios
+        for bound, level in (("low", r.low), ("high", r.high), ("dormant", r.dormant))
+    )

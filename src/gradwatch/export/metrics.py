@@ -1,118 +1,47 @@
 """The metric catalog: one :class:`~gradwatch.export.metricdef.MetricDef` per exported metric.
 
-Each definition is the whole metric: name, type, labels, HELP text, buckets and ``read``, how
-its samples come from its source. The names are a contract (alert rules, the dashboard and
-outside checks rely on them), so they are written once, here; everything else refers to the
-objects (``metrics.GRAD_NORM.name``), never to a name string. Each object is named after its
-metric: the name without ``gradwatch_``, upper case. The published state reads its samples
-through :func:`read_all`, the Collector renders exactly :data:`METRICS` in order, ``gradwatch
-top`` parses an exposition by them and ``scripts/gen_metrics_docs.py`` writes docs/metrics.md
-from them. Data only: no threads, no HTTP, no torch.
+Each definition is the whole metric: name, type, labels, HELP text, buckets and ``read`` (its
+samples from its source). The names are a contract (alert rules, the dashboard and outside checks
+rely on them), written once, here or in ``rankmetrics``; everything else refers to the objects
+(``metrics.GRAD_NORM.name``), never to a name string. Each object is named after its metric without
+``gradwatch_``, upper case. The published state reads its samples through :func:`read_all`, the
+Collector renders exactly :data:`METRICS` in order, ``gradwatch top`` parses an exposition by them
+and ``scripts/gen_metrics_docs.py`` writes docs/metrics.md from them. Data only: no threads, no
+HTTP, no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from prometheus_client.utils import floatToGoString
 
 from gradwatch.analysis.rankview import NOISE_SCALE_UNIT, NOISE_SCALE_WINDOW
+from gradwatch.export import metricdef as md
 from gradwatch.export.metricdef import (
     COLLECT_SECONDS_BUCKETS,
     MAX_AUDIT_SOURCES,
     MAX_ORIGIN_SERIES,
     MAX_PARAM_SERIES,
+    MAX_PENDING,
     NORM_BUCKETS,
-    HistogramValue,
-    JobInfo,
+    NORM_BUCKETS_TEXT,
     LabelledHistograms,
     MetricDef,
     MetricSource,
     MetricValue,
-    PublishedStep,
-    Sample,
-    cumulative_histogram,
     each,
     group_field,
-    le_values,
     one,
     rank_view_field,
     select_param_series,
 )
-from gradwatch.export.publisher import MAX_PENDING
-from gradwatch.export.stragglers import slowest_rank_samples, work_seconds_samples
-from gradwatch.snapshot import ratio_defined
-
-if TYPE_CHECKING:  # the state reads through this catalog: its types for annotations only
-    from gradwatch.export.state import SelfView
+from gradwatch.export.rankmetrics import RANK_TIMING_METRICS
 
 __all__ = [
-    "EXEMPLAR_COUNTERS",
-    "METRICS",
-    "METRICS_BY_NAME",
-    "MetricDef",
-    "MetricSource",
-    "read_all",
-]
-
-#: The per-step norm histograms' bucket bounds, as documented.
-NORM_BUCKETS_TEXT = (
-    "1e-06, 3e-06, 1e-05, ... (1 and 3 times each power of ten) up to 1e+06, then +Inf "
-    f"({len(NORM_BUCKETS)} bounds)"
-)
-
-
-# -- readers of one metric each ----------------------------------------------------------------
-
-
-def _ratios(s: PublishedStep) -> tuple[Sample, ...]:
-    """``gradwatch_grad_norm_ratio``: NaN where undefined (the denominator without a usable
-    norm), not the 0 the snapshot holds, which would read as "dormant"."""
-    out: list[Sample] = []
-    for key, value in s.snap.ratios.items():
-        labels = s.ratio_labels.get(key) or tuple(key.split("/", 1))
-        defined = ratio_defined(s.snap.groups.get(labels[-1]))
-        out.append((labels, float(value) if defined else float("nan")))
-    return tuple(out)
-
-
-def _replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
-    """``gradwatch_replica_grad_norm{stat}``: the replicas' min, median and max local norms."""
-    snap = s.snap
-    if not snap.rank_view or snap.replica_grad_norm_max is None:
-        return None
-    stats = (
-        ("min", snap.replica_grad_norm_min),
-        ("median", snap.replica_grad_norm_median),
-        ("max", snap.replica_grad_norm_max),
-    )
-    return each((stat, v) for stat, v in stats if v is not None)
-
-
-_NORM_LE = le_values(NORM_BUCKETS)
-_COLLECT_SECONDS_LE = le_values(COLLECT_SECONDS_BUCKETS)
-
-
-def _norm_histogram(hist: tuple[tuple[float, ...], float]) -> HistogramValue:
-    """One series of the per-step norm histograms from its counts per bucket and sum."""
-    return cumulative_histogram(_NORM_LE, *hist)
-
-
-def _collect_seconds(v: SelfView) -> HistogramValue:
-    """``gradwatch_collect_seconds`` from the self-stats' bucket counts and sum."""
-    return cumulative_histogram(_COLLECT_SECONDS_LE, map(float, v.bucket_counts), v.seconds_sum)
-
-
-def _ratio_bands(j: JobInfo) -> tuple[Sample, ...]:
-    """``gradwatch_grad_norm_ratio_band``: three levels per configured ratio."""
-    return tuple(
-        ((r.numerator, r.denominator, bound), float(level))
-        for r in j.ratios
-        for bound, level in (("low", r.low), ("high", r.high), ("dormant", r.dormant))
-    )
-
+    "EXEMPLAR_COUNTERS", "METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "read_all",
+]  # fmt: skip
 
 # -- the definitions ----------------------------------------------------------------------------
 
@@ -122,7 +51,7 @@ STEP = MetricDef(
     "gauge",
     (),
     "Training step of the last published snapshot.",
-    "Absent until the first snapshot is published: gauges never show zeros that were not measured.",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.step),
 )
@@ -131,6 +60,7 @@ LAST_COLLECT_TIMESTAMP_SECONDS = MetricDef(
     "gauge",
     (),
     "Wall-clock time (Unix seconds) of the collect() call of the last published snapshot.",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.timestamp),
 )
@@ -140,6 +70,7 @@ GLOBAL_GRAD_NORM = MetricDef(
     (),
     "L2 norm of all gradients of the whole model at the last published step.",
     "NaN or +Inf when a gradient holds NaN or Inf.",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.global_norm),
 )
@@ -149,6 +80,7 @@ GRAD_NORM = MetricDef(
     ("group",),
     "L2 norm of the gradients of one parameter group at the last published step.",
     "Configured groups always appear; `other` only when some parameter matched no pattern.",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("norm"),
 )
@@ -161,14 +93,16 @@ GRAD_NORM_RATIO = MetricDef(
     "One series per configured `ratios` pair. Undefined, and exported as NaN, when the "
     "denominator group has no gradient or a norm below 1e-8 or non-finite (0 would read "
     "as dormant); 0 when only the numerator's norm is below 1e-8 or it has no gradient.",
+    absent="Without configured `ratios`; and as the per-step gauges.",
     source=MetricSource.SNAPSHOT,
-    read=_ratios,
+    read=md.ratio_samples,
 )
 GROUP_PARAMETERS = MetricDef(
     "gradwatch_group_parameters",
     "gauge",
     ("group",),
     "Number of gradient elements (numel) of the group's parameters that had a gradient.",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("numel"),
 )
@@ -177,6 +111,7 @@ VANISHING_TENSORS = MetricDef(
     "gauge",
     ("group",),
     "Parameters of the group whose gradient L2 norm is below vanishing_threshold.",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("vanishing"),
 )
@@ -185,6 +120,7 @@ EXPLODING_TENSORS = MetricDef(
     "gauge",
     ("group",),
     "Parameters of the group whose gradient L2 norm is above exploding_threshold or non-finite.",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("exploding"),
 )
@@ -193,6 +129,7 @@ NONFINITE_TENSORS = MetricDef(
     "gauge",
     ("group",),
     "Parameters of the group whose gradient holds NaN or Inf.",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=group_field("nonfinite"),
 )
@@ -202,7 +139,9 @@ HEALTH_SCORE = MetricDef(
     (),
     "Gradient health in [0, 1]: clamp(1 - 0.5*vanishing/n - 0.8*exploding/n); 0 when the "
     "global norm is non-finite.",
-    "n is the number of parameters with a gradient; 1 when no parameter has one.",
+    "n is the number of parameters with a gradient; NaN when no parameter has one (nothing "
+    "to judge: `gradwatch_no_gradient_steps_total` counts such steps).",
+    absent=md.ABSENT_UNTIL_MEASURED,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.health),
 )
@@ -213,8 +152,9 @@ ISOLATION_VIOLATED = MetricDef(
     "1 when an isolated group's gradient norm exceeds isolation_threshold (or is "
     "non-finite) at the last published step, else 0.",
     "One series per `isolated` group.",
+    absent="Without `isolated` groups; and as the per-step gauges.",
     source=MetricSource.SNAPSHOT,
-    read=lambda s: each((g, float(bool(v))) for g, v in s.snap.isolation_violated.items()),
+    read=md.isolation_samples,
 )
 REPLICA_DIVERGENCE = MetricDef(
     "gradwatch_replica_divergence",
@@ -223,7 +163,8 @@ REPLICA_DIVERGENCE = MetricDef(
     "Relative spread (max - min) / max of the data-parallel replicas' global norms at the "
     "last measurement.",
     "Measured every `divergence_every` collected steps; between measurements the last "
-    "value is kept; 0 when identical or never measured.",
+    "value is kept; 0 when the replicas' norms are identical.",
+    absent="No replicas to compare (one process, FSDP, ZeRO 1-3) or `divergence_every` 0.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.replica_divergence),
 )
@@ -233,7 +174,7 @@ CLIP_COEF = MetricDef(
     (),
     "Clip coefficient min(1, max_norm / (norm + 1e-6)) applied by "
     "GradWatch.clip_grad_norm_ at the last published step.",
-    "Absent when the last published step was not clipped through gradwatch.",
+    absent="When the last published step was not clipped through `clip_grad_norm_`.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.clip_coef),
 )
@@ -246,42 +187,9 @@ PARAM_GRAD_NORM = MetricDef(
     f"Only when `param_metrics_top_k` > 0. At most {MAX_PARAM_SERIES} series "
     "(`MAX_PARAM_SERIES`): non-finite parameters first (by name), then the largest finite "
     "norms (ties by name). Series come and go as the ranking changes.",
+    absent="With `param_metrics_top_k` 0 (the default); and as the per-step gauges.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: each(select_param_series(s.snap, s.top_k)),
-)
-# -- which rank is slow (rank_timing; absent when a step was not timed) -------------------
-SLOWEST_RANK = MetricDef(
-    "gradwatch_slowest_rank",
-    "gauge",
-    ("host",),
-    "Rank whose working time (its own compute up to its gradient collective, not its waits "
-    "on peers) was the longest at the last published step; host: that rank's host.",
-    "Needs `rank_timing`. One series whatever the world size. Absent when no rank is slower "
-    "than the others by a timing bin (about 9%), and when the step was not timed. The "
-    "GradwatchSameRankSlowest alert fires when the same rank stays the straggler.",
-    source=MetricSource.SNAPSHOT,
-    read=slowest_rank_samples,
-)
-STRAGGLER_SCORE = MetricDef(
-    "gradwatch_straggler_score",
-    "gauge",
-    (),
-    "The fastest rank's working time over the slowest rank's at the last published step, "
-    "in (0, 1]: 1 without a straggler, below 0.7 a straggler.",
-    "Needs `rank_timing`; absent when the step was not timed.",
-    source=MetricSource.SNAPSHOT,
-    read=lambda s: one(s.snap.straggler_score),
-)
-RANK_WORK_SECONDS = MetricDef(
-    "gradwatch_rank_work_seconds",
-    "gauge",
-    ("quantity",),
-    "Working time per step over the ranks (quantity: min, median, max) at the last published "
-    "step, in seconds.",
-    "Needs `rank_timing`. Exact when the quantity's timing bin holds one rank, else the mean "
-    "of its bin's ranks (within about 9%). Absent when the step was not timed.",
-    source=MetricSource.SNAPSHOT,
-    read=work_seconds_samples,
 )
 # -- the per-rank view (DDP comm hook; absent without it: FSDP2, no DDP, rank_view off) ----
 NONFINITE_ORIGIN_RANKS = MetricDef(
@@ -290,8 +198,8 @@ NONFINITE_ORIGIN_RANKS = MetricDef(
     (),
     "Ranks whose local gradients were already NaN or Inf before the data-parallel "
     "reduction, at the last published step.",
-    "Needs the per-rank view (DDP with gradwatch's comm hook, docs/distributed.md); absent "
-    "otherwise. 0 on a finite step.",
+    "0 on a finite step.",
+    absent=md.ABSENT_WITHOUT_RANK_VIEW,
     source=MetricSource.SNAPSHOT,
     read=rank_view_field("nonfinite_origin_count"),
 )
@@ -301,11 +209,11 @@ REPLICA_GRAD_NORM = MetricDef(
     ("stat",),
     "Spread of the data-parallel replicas' local gradient L2 norms before the reduction "
     "(stat: min, median, max) at the last published step.",
-    "A replica's norm covers its pipeline stages. Absent without the per-rank view and "
-    "above the slot world size (docs/distributed.md). NaN (median) or NaN/+Inf (max) when "
+    "A replica's norm covers its pipeline stages. NaN (median) or NaN/+Inf (max) when "
     "some replica's local gradient was non-finite.",
+    absent=md.ABSENT_WITHOUT_RANK_VIEW,
     source=MetricSource.SNAPSHOT,
-    read=_replica_spread,
+    read=md.replica_spread,
 )
 REPLICA_GRAD_NORM_MAX_RANK = MetricDef(
     "gradwatch_replica_grad_norm_max_rank",
@@ -313,7 +221,8 @@ REPLICA_GRAD_NORM_MAX_RANK = MetricDef(
     (),
     "Rank holding the largest local gradient norm (the lowest rank of that replica) at "
     "the last published step.",
-    "A non-finite local norm counts as the largest. Absent like gradwatch_replica_grad_norm.",
+    "A non-finite local norm counts as the largest.",
+    absent=md.ABSENT_WITHOUT_RANK_VIEW,
     source=MetricSource.SNAPSHOT,
     read=rank_view_field("replica_grad_norm_max_rank"),
 )
@@ -325,7 +234,8 @@ REPLICA_OUTLIER_SCORE = MetricDef(
     "median, max |x - median| / median, at the last published step.",
     "0 when all replicas agree; +Inf when a local norm is non-finite or the median is 0 "
     "while some norm is not. The GradwatchReplicaOutlier alert fires on a persistent "
-    "outlier. Absent like gradwatch_replica_grad_norm.",
+    "outlier.",
+    absent=md.ABSENT_WITHOUT_RANK_VIEW,
     source=MetricSource.SNAPSHOT,
     read=rank_view_field("replica_outlier_score"),
 )
@@ -336,9 +246,9 @@ GRADIENT_NOISE_SCALE = MetricDef(
     "Gradient noise scale B_simple = tr(Sigma) / |G|^2 of the whole model, averaged over "
     f"the last {NOISE_SCALE_WINDOW} steps, in {NOISE_SCALE_UNIT}.",
     "McCandlish et al. 2018's unbiased estimators from the replicas' local and the reduced "
-    "gradients (docs/distributed.md). Needs the per-rank view and at least 2 replicas; "
-    "NaN while undefined (either averaged estimate not positive), never negative; one step "
-    f"leaves the average {NOISE_SCALE_WINDOW} steps later.",
+    "gradients (docs/distributed.md). NaN while undefined (either averaged estimate not "
+    f"positive), never negative; one step leaves the average {NOISE_SCALE_WINDOW} steps later.",
+    absent="Without the per-rank view or with fewer than 2 replicas.",
     source=MetricSource.SNAPSHOT,
     read=rank_view_field("gradient_noise_scale"),
 )
@@ -349,6 +259,7 @@ GROUP_GRADIENT_NOISE_SCALE = MetricDef(
     "Gradient noise scale B_simple of one parameter group, averaged over the last "
     f"{NOISE_SCALE_WINDOW} steps, in {NOISE_SCALE_UNIT}.",
     "As gradwatch_gradient_noise_scale, per group that had a gradient.",
+    absent="As `gradwatch_gradient_noise_scale`; a group without a gradient has no series.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: (each(s.snap.group_noise_scale.items()) or None) if s.snap.rank_view else None,
 )
@@ -358,8 +269,8 @@ LAST_NONFINITE_ORIGIN = MetricDef(
     ("rank", "host"),
     "Step of the last step whose non-finite gradients started on this rank before the reduction.",
     f"One series per origin rank of the last such step only (the lowest {MAX_ORIGIN_SERIES} "
-    "ranks, `MAX_ORIGIN_SERIES`), kept until the next one: a bounded label set. Absent "
-    "before the first such step.",
+    "ranks, `MAX_ORIGIN_SERIES`), kept until the next one: a bounded label set.",
+    absent="Until a non-finite step whose origin the per-rank view measured.",
     source=MetricSource.COUNTS,
     read=lambda c: tuple((labels, float(c.last_origin_step)) for labels in c.last_origin),
 )
@@ -369,6 +280,7 @@ COLLECTIONS_TOTAL = MetricDef(
     "counter",
     (),
     "Snapshots published (collected steps that reached the exporter).",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.collections),
 )
@@ -377,9 +289,21 @@ NONFINITE_STEPS_TOTAL = MetricDef(
     "counter",
     (),
     "Published snapshots with a NaN or Inf gradient, except steps the AMP GradScaler skipped.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.nonfinite_steps),
     exemplar=True,
+)
+NO_GRADIENT_STEPS_TOTAL = MetricDef(
+    "gradwatch_no_gradient_steps_total",
+    "counter",
+    (),
+    "Published snapshots of steps on which no parameter had a gradient at all.",
+    "collect() before backward(), or after zero_grad(set_to_none=True): its norms, ratios and "
+    "health are NaN (not 0.0 and 1.0); logged once. The GradwatchNoGradient alert fires on it.",
+    absent=md.ABSENT_WHEN_DISABLED,
+    source=MetricSource.COUNTS,
+    read=lambda c: one(c.no_gradient_steps),
 )
 AMP_SKIPPED_STEPS_TOTAL = MetricDef(
     "gradwatch_amp_skipped_steps_total",
@@ -388,6 +312,7 @@ AMP_SKIPPED_STEPS_TOTAL = MetricDef(
     "Published snapshots of steps the AMP GradScaler skipped (non-finite gradients under "
     "loss scaling).",
     "Such a step is not counted in `gradwatch_nonfinite_steps_total`.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.amp_skipped_steps),
     exemplar=True,
@@ -398,6 +323,7 @@ EXPLODING_STEPS_TOTAL = MetricDef(
     (),
     "Published snapshots with at least one exploding parameter (non-finite ones included).",
     "AMP-skipped steps count here too: their non-finite parameters are exploding by definition.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.exploding_steps),
 )
@@ -407,6 +333,7 @@ ISOLATION_VIOLATIONS_TOTAL = MetricDef(
     ("group",),
     "Published snapshots in which the isolated group violated isolation.",
     "Starts at 0 for every configured `isolated` group.",
+    absent="Without `isolated` groups; otherwise as the counters.",
     source=MetricSource.COUNTS,
     read=lambda c: each(c.isolation_violations.items()),
 )
@@ -419,8 +346,8 @@ SKIPPED_STEPS_TOTAL = MetricDef(
     "in the model, skip_nonfinite) or spike (the global spike score above "
     "skip_spike_score).",
     "Counted by the guard on the device on every guarded step, published or not (the "
-    "value of the last published step). Both reasons start at 0; absent without "
-    "`watch.guard()`.",
+    "value of the last published step). Both reasons start at 0.",
+    absent=md.ABSENT_WITHOUT_GUARD,
     source=MetricSource.COUNTS,
     read=lambda c: each(c.skipped_steps.items()),
     exemplar=True,
@@ -431,7 +358,8 @@ CONSECUTIVE_SKIPPED_STEPS = MetricDef(
     (),
     "Optimizer steps the guard skipped in a row up to the last published step (0: that "
     "step was applied).",
-    "At most `max_consecutive_skips`; absent without `watch.guard()`.",
+    "At most `max_consecutive_skips`.",
+    absent=md.ABSENT_WITHOUT_GUARD,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.consecutive_skipped_steps),
 )
@@ -441,7 +369,8 @@ GUARD_STOPPED = MetricDef(
     (),
     "1 when the guard applied the last published step although it would have skipped it, "
     "because max_consecutive_skips steps in a row were already skipped; else 0.",
-    "The guard skips again after a step it would not skip. Absent without `watch.guard()`.",
+    "The guard skips again after a step it would not skip.",
+    absent=md.ABSENT_WITHOUT_GUARD,
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.consecutive_skipped_steps is None else one(s.snap.guard_stopped),
 )
@@ -453,8 +382,8 @@ GUARD_SCORE = MetricDef(
     "skipped that step for a spike exactly when this is above skip_spike_score.",
     "The definition of `gradwatch_global_grad_norm_spike_score` (the same window, warm-up "
     "and re-basing on a new stage or a level shift), computed on the device from the "
-    "reduced vector. NaN while undefined; absent without `watch.guard()` and "
-    "`skip_spike_score`.",
+    "reduced vector. NaN while undefined.",
+    absent="Without `watch.guard()` and `skip_spike_score`; and as the per-step gauges.",
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.guard_score),
 )
@@ -466,8 +395,9 @@ GLOBAL_GRAD_NORM_SPIKE_SCORE = MetricDef(
     "Robust deviations of the global log-norm above its recent median at the last "
     "published step: (ln(norm) - median) / max(1.4826 * MAD, 0.05) over the last "
     "spike_window collected steps.",
-    "NaN while undefined (fewer than `spike_warmup` samples, a non-finite or zero norm); "
-    "absent when spike detection is off (`spike_threshold` = 0). Negative below the median.",
+    "NaN while undefined (fewer than `spike_warmup` samples, a non-finite or zero norm). "
+    "Negative below the median.",
+    absent=md.ABSENT_SPIKES_OFF,
     source=MetricSource.SNAPSHOT,
     read=lambda s: one(s.snap.global_spike_score),
 )
@@ -477,6 +407,7 @@ GRAD_NORM_SPIKE_SCORE = MetricDef(
     ("group",),
     "Robust deviations of one group's log-norm above its recent median at the last published step.",
     "As `gradwatch_global_grad_norm_spike_score`, per group.",
+    absent=md.ABSENT_SPIKES_OFF,
     source=MetricSource.SNAPSHOT,
     read=lambda s: None if s.snap.global_spike_score is None else each(s.snap.spike_scores.items()),
 )
@@ -486,6 +417,7 @@ GLOBAL_GRAD_NORM_SPIKES_TOTAL = MetricDef(
     (),
     "Published steps whose global norm was a spike (spike score above spike_threshold).",
     "Counts every published step, also those between two scrapes.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: one(c.global_spikes),
     exemplar=True,
@@ -496,6 +428,7 @@ GRAD_NORM_SPIKES_TOTAL = MetricDef(
     ("group",),
     "Published steps in which the group's norm was a spike (spike score above spike_threshold).",
     "Starts at 0 for every configured group; `other` from its first step.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: each(c.group_spikes.items()),
     exemplar=True,
@@ -508,6 +441,7 @@ NONFINITE_GROUP_STEPS_TOTAL = MetricDef(
     "Steps counted by `gradwatch_nonfinite_steps_total` (AMP-skipped steps are not), per "
     "group that held a NaN or Inf: names the groups of a non-finite step after the "
     "per-step gauges moved on. Starts at 0 for every configured group.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: each(c.nonfinite_group_steps.items()),
     exemplar=True,
@@ -520,8 +454,9 @@ GLOBAL_GRAD_NORM_PER_STEP = MetricDef(
     f"Buckets (le): {NORM_BUCKETS_TEXT}. Only finite norms are observed (non-finite steps "
     "are counted by `gradwatch_nonfinite_steps_total`); norms below 1e-06 land in the "
     "first bucket, finite norms above 1e+06 in +Inf only.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
-    read=lambda c: LabelledHistograms((((), _norm_histogram(c.global_norms)),)),
+    read=lambda c: LabelledHistograms((((), md.norm_histogram(c.global_norms)),)),
     buckets=NORM_BUCKETS,
 )
 GRAD_NORM_PER_STEP = MetricDef(
@@ -531,9 +466,10 @@ GRAD_NORM_PER_STEP = MetricDef(
     "Distribution of one group's gradient norm over every published step.",
     "Buckets as `gradwatch_global_grad_norm_per_step`; non-finite norms are counted by "
     "`gradwatch_nonfinite_group_steps_total`.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.COUNTS,
     read=lambda c: LabelledHistograms(
-        tuple(((g,), _norm_histogram(h)) for g, h in c.group_norms.items())
+        tuple(((g,), md.norm_histogram(h)) for g, h in c.group_norms.items())
     ),
     buckets=NORM_BUCKETS,
 )
@@ -547,6 +483,7 @@ PUBLISH_ERRORS_TOTAL = MetricDef(
     "or an exception raised by a sink: a failed write to the history file "
     "(`history_path`) or a sink you added (`Sink`, docs/integrations.md); each failing "
     "sink counts once. Publishing continues with the other sinks and the next step.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.SELF_STATS,
     read=lambda v: one(v.publish_errors),
 )
@@ -557,6 +494,7 @@ DROPPED_SNAPSHOTS_TOTAL = MetricDef(
     "Collected steps never published because publishing fell behind.",
     f"At most {MAX_PENDING} pending steps (`MAX_PENDING`) wait for the publisher; a newer "
     "one drops the oldest.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.SELF_STATS,
     read=lambda v: one(v.dropped),
 )
@@ -568,8 +506,9 @@ COLLECT_SECONDS = MetricDef(
     "Bucket upper bounds (s): "
     + ", ".join(floatToGoString(b) for b in COLLECT_SECONDS_BUCKETS)
     + ", +Inf. Observed for every collected step, published or not.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.SELF_STATS,
-    read=_collect_seconds,
+    read=md.collect_seconds_histogram,
     buckets=COLLECT_SECONDS_BUCKETS,
 )
 # -- norm auditing (GradWatch.audit_norm) ---------------------------------------------------
@@ -580,9 +519,10 @@ REPORTED_NORM_RATIO = MetricDef(
     "Last audited ratio of a norm the training code reported to gradwatch's exact global "
     "norm of the same step.",
     "One series per `source` given to `GradWatch.audit_norm` (at most "
-    f"{MAX_AUDIT_SOURCES}), absent until its first audited step. 1 when they agree; "
+    f"{MAX_AUDIT_SOURCES}). 1 when they agree; "
     "NaN when undefined (a non-finite or unreadable reported value, or an exact norm of "
     "0). Known failures show as 1/sqrt(shards), sqrt(tp), tp or 2 (docs/integrations.md).",
+    absent="Until a norm reported to `GradWatch.audit_norm` is audited; and when disabled.",
     source=MetricSource.SELF_STATS,
     read=lambda v: tuple(((source,), r) for source, r, _ in v.audits) or None,
 )
@@ -594,21 +534,23 @@ NORM_AUDIT_DISAGREEMENTS_TOTAL = MetricDef(
     "Relative tolerance `audit_tolerance` (default 1e-3). A non-finite or unreadable "
     "reported value counts unless the exact norm is non-finite too. The "
     "GradwatchNormAuditDisagreement alert pages on it.",
+    absent="As `gradwatch_reported_norm_ratio`.",
     source=MetricSource.SELF_STATS,
     read=lambda v: tuple(((source,), float(n)) for source, _, n in v.audits) or None,
 )
-# -- constant info -------------------------------------------------------------------------
+# -- constant info, restarts and ratio bands: constant for the run ---------------------------
 COLLECTING = MetricDef(
     "gradwatch_collecting",
     "gauge",
     (),
     "1 while gradwatch measures every collected step, 0 when it stopped or its last "
     "collect failed.",
-    "Absent until the first step is measured or fails. 0 from a failed collect on, until "
+    "0 from a failed collect on, until "
     "a step is measured again (a transient error) or for the rest of the run (collection "
     "stopped; the log says why, once). While it is 0 every per-step gauge is absent: no "
     "snapshot that was not measured is shown. The "
     "GradwatchNotCollecting alert pages on it.",
+    absent="Until the first step is measured or fails (a refused watcher: 0 at once).",
     source=MetricSource.SELF_STATS,
     read=lambda v: None if v.collecting is None else one(float(v.collecting)),
 )
@@ -625,6 +567,7 @@ INTERNAL_ERRORS_TOTAL = MetricDef(
     "on), step_mismatch (the ranks collected different steps), other_rank_closed (another "
     "rank closed its watcher), host_copy (this rank's vector never reached its host "
     "thread). Every kind starts at 0, with gradwatch_collecting.",
+    absent="As `gradwatch_collecting`.",
     source=MetricSource.SELF_STATS,
     read=lambda v: None if v.collecting is None else each(v.internal_errors),
 )
@@ -634,6 +577,7 @@ BUILD_INFO = MetricDef(
     ("version", "torch_version"),
     "Versions of gradwatch and torch in the job (value 1).",
     "Present from the first scrape, before any collection.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.INFO,
     read=lambda j: ((j.build, 1.0),),
 )
@@ -646,10 +590,10 @@ RUN_INFO = MetricDef(
     "`run_id` is `WatchConfig.run_id`, or generated when the endpoint starts (UTC start "
     "time and random digits): a restarted job on the same address is a new series. Present "
     "from the first scrape.",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.INFO,
     read=lambda j: (((str(j.world_size), j.parallelism, j.run_id), 1.0),),
 )
-# -- restarts and ratio bands: constant for the run ----------------------------------------
 START_TIME_SECONDS = MetricDef(
     "gradwatch_start_time_seconds",
     "gauge",
@@ -659,6 +603,7 @@ START_TIME_SECONDS = MetricDef(
     "same target is a restart: every counter started again from 0, so the alert rules "
     "treat a counter above 0 in a run that started recently as new events (a step counted "
     "before the new run's first scrape is not lost to `increase()`).",
+    absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.INFO,
     read=lambda j: one(j.start_time),
 )
@@ -671,8 +616,9 @@ GRAD_NORM_RATIO_BAND = MetricDef(
     "Three series per configured `ratios` pair, from its entry (defaults: low 0.05, high "
     "0.2, dormant 0.01); present from the first scrape. The dormant alert and the "
     "dashboard read them.",
+    absent="Without configured `ratios`; and when disabled.",
     source=MetricSource.INFO,
-    read=_ratio_bands,
+    read=md.ratio_bands,
 )
 
 METRICS: tuple[MetricDef, ...] = (
@@ -697,11 +643,10 @@ METRICS: tuple[MetricDef, ...] = (
     GRADIENT_NOISE_SCALE,
     GROUP_GRADIENT_NOISE_SCALE,
     LAST_NONFINITE_ORIGIN,
-    SLOWEST_RANK,
-    STRAGGLER_SCORE,
-    RANK_WORK_SECONDS,
+    *RANK_TIMING_METRICS,
     COLLECTIONS_TOTAL,
     NONFINITE_STEPS_TOTAL,
+    NO_GRADIENT_STEPS_TOTAL,
     AMP_SKIPPED_STEPS_TOTAL,
     EXPLODING_STEPS_TOTAL,
     ISOLATION_VIOLATIONS_TOTAL,

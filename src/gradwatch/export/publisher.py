@@ -21,9 +21,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from gradwatch.errors import GradWatchError
+from gradwatch.export.metricdef import MAX_PENDING
 from gradwatch.snapshot import Snapshot
 
-if TYPE_CHECKING:  # the catalog reads MAX_PENDING; the state reads the catalog
+if TYPE_CHECKING:
     from gradwatch.export.state import SelfStats
 
 __all__ = ["MAX_PENDING", "PendingLike", "Publisher", "Sink", "sink_action"]
@@ -31,9 +33,6 @@ __all__ = ["MAX_PENDING", "PendingLike", "Publisher", "Sink", "sink_action"]
 # One logger for the whole exporter: users filter or silence "gradwatch.export".
 log = logging.getLogger("gradwatch.export")
 
-#: Pending results waiting for the publisher; a submit beyond this drops the oldest one.
-#: Small on purpose: a few steps absorb scheduling jitter, more would only publish stale steps.
-MAX_PENDING = 4
 
 
 class PendingLike(Protocol):
@@ -195,5 +194,7 @@ class Publisher:
                 action,
                 type(exc).__name__,
                 exc,
-                exc_info=exc,
+                # gradwatch's own errors (a straggler's timeout...) say all in one line; a
+                # traceback is for the unexpected (a bug in a sink)
+                exc_info=None if isinstance(exc, GradWatchError) else exc,
             )

@@ -36,7 +36,12 @@ from prometheus_client import CollectorRegistry
 from gradwatch.config import WatchConfig, new_run_id
 from gradwatch.errors import GradWatchError
 from gradwatch.export.collector import SnapshotCollector
-from gradwatch.export.filesd import FileSDTarget, job_labels, target_address
+from gradwatch.export.filesd import (
+    FileSDTarget,
+    job_labels,
+    remove_on_sigterm,
+    target_address,
+)
 from gradwatch.export.http import HTTPEndpoint
 from gradwatch.export.publisher import PendingLike, Publisher, Sink
 from gradwatch.export.state import PublishedState, SelfStats
@@ -289,6 +294,8 @@ def _write_discovery(cfg: WatchConfig, port: int, run_id: str) -> FileSDTarget:
             f"could not write the target file {str(target.path)!r}: {exc}"
         ) from exc
     log.info("gradwatch: Prometheus file_sd target written to %s", target.path)
+    target.keep()  # written again if its directory disappears
+    remove_on_sigterm(target)
     return target
 
 

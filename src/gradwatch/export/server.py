@@ -26,7 +26,14 @@ Serving, in one asyncio loop:
   every answer costs a looping client time, not this process CPU. No client is privileged (a
   ``User-Agent`` proves nothing).
 * **Bounded reads.** The request head (TLS handshake included) must arrive within
-  ``HEAD_TIMEOUT`` seconds and ``MAX_HEAD_BYTES``; at most ``MAX_CONNECTIONS`` are open.
+  ``HEAD_TIMEOUT`` seconds and ``MAX_HEAD_BYTES``.
+* **Bounded connections, per client and in all** (:class:`ConnectionLimits`): one client holds
+  at most ``MAX_CONNECTIONS_PER_CLIENT`` open connections, and at most ``MAX_CONNECTIONS`` are
+  open in all. A connection beyond either bound closes the oldest connection still waiting for
+  its request head (of that client, or of the client holding the most), else it is closed at
+  once. Idle connections, however many and from whichever address, so never keep a scrape out:
+  a scrape sends its head at once and is served, as node_exporter bounds its parallel requests
+  (``--web.max-requests``) and Prometheus its connections (``--web.max-connections``).
 * ``GET`` and ``HEAD`` on any path (as prometheus_client), content negotiation of the text
   format and OpenMetrics, gzip, ``name[]`` filters; ``401`` with ``WWW-Authenticate: Basic``
   when basic-auth users are configured and the request does not carry a valid password
@@ -58,12 +65,14 @@ __all__ = [
     "HEAD_TIMEOUT",
     "LISTEN_BACKLOG",
     "MAX_CONNECTIONS",
+    "MAX_CONNECTIONS_PER_CLIENT",
     "MAX_INFLIGHT_PER_CLIENT",
     "MAX_SCRAPES_PER_SECOND",
     "MAX_SCRAPE_WAIT",
     "REFUSE_DELAY",
     "SCRAPE_BURST",
     "ClientLimits",
+    "ConnectionLimits",
     "RateLimit",
     "main",
 ]
@@ -79,8 +88,9 @@ MAX_SCRAPE_WAIT = 5.0
 REFUSE_DELAY = 1.0
 #: Open requests one client may have; more are refused like an exceeded rate.
 MAX_INFLIGHT_PER_CLIENT = 64
-#: Open connections in all; more are closed at once.
+#: Open connections in all, and per client (IP address): see :class:`ConnectionLimits`.
 MAX_CONNECTIONS = 2048
+MAX_CONNECTIONS_PER_CLIENT = 256
 #: The request line and headers (after the TLS handshake) must arrive within this many seconds
 #: and this many bytes: a client sending a byte at a time cannot hold a connection for long.
 HEAD_TIMEOUT = 10.0
@@ -180,6 +190,69 @@ class ClientLimits:
         for address in [a for a, c in self._clients.items()
                         if c.inflight <= 0 and c.limit.idle_since < now]:  # fmt: skip
             del self._clients[address]
+
+
+class Connection:
+    """One open connection: idle (evictable) until its request head has arrived."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.idle = True
+
+    def abort(self) -> None:
+        self.writer.transport.abort()
+
+
+class ConnectionLimits:
+    """Open connections per client address and in all (one event loop, no lock).
+
+    :meth:`open` admits a connection, making room when a bound is reached by closing an idle
+    one (no request head yet): the client's oldest, or at the total bound the oldest of the
+    largest client that has one; False when there is none to close. Every admitted
+    connection is given back by :meth:`close`.
+    """
+
+    def __init__(
+        self, total: int = MAX_CONNECTIONS, per_client: int = MAX_CONNECTIONS_PER_CLIENT
+    ) -> None:
+        self.total = total
+        self.per_client = per_client
+        self._held: dict[str, dict[int, Connection]] = {}  # insertion order: oldest first
+        self._count = 0
+        self.evicted = 0
+
+    @property
+    def open_connections(self) -> int:
+        return self._count
+
+    def open(self, address: str, conn: Connection) -> bool:
+        held = self._held.setdefault(address, {})
+        if len(held) >= self.per_client and not self._evict(held):
+            return False
+        if self._count >= self.total:
+            by_size = sorted(self._held.values(), key=len, reverse=True)
+            if not any(self._evict(other) for other in by_size):
+                return False
+        held[id(conn)] = conn
+        self._count += 1
+        return True
+
+    def close(self, address: str, conn: Connection) -> None:
+        held = self._held.get(address)
+        if held is not None and held.pop(id(conn), None) is not None:
+            self._count -= 1
+            if not held:
+                del self._held[address]
+
+    def _evict(self, held: dict[int, Connection]) -> bool:
+        for key, conn in held.items():
+            if conn.idle:
+                del held[key]
+                self._count -= 1
+                self.evicted += 1
+                conn.abort()
+                return True
+        return False
 
 
 # -- the exposition -------------------------------------------------------------------------------
@@ -312,10 +385,10 @@ class ExporterServer:
         self.exposition: Exposition | None = None  # replaced whole by the feed thread
         self.ready = threading.Event()  # set once the first exposition arrived
         self.limits = ClientLimits()
+        self.connections = ConnectionLimits()
         self.auth = (
             BasicAuth(dict(settings.basic_auth_users)) if settings.basic_auth_users else None
         )
-        self._connections = 0
 
     async def serve(self, sock: socket.socket) -> None:
         ctx = tls_context(self.settings.tls) if self.settings.tls is not None else None
@@ -333,25 +406,33 @@ class ExporterServer:
             await server.serve_forever()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections += 1
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else "?"
+        conn = Connection(writer)
+        admitted = self.connections.open(address, conn)
         try:
-            if self._connections <= MAX_CONNECTIONS:
-                await self._serve(reader, writer)
+            if admitted:
+                await self._serve(reader, writer, address, conn)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
             pass  # the client hung up, stalled or failed the handshake: its problem
         finally:
-            self._connections -= 1
+            self.connections.close(address, conn)
             writer.close()  # TLS: sends close_notify after what is buffered
             try:
                 await asyncio.wait_for(writer.wait_closed(), CLOSE_TIMEOUT)
             except (OSError, asyncio.TimeoutError, ssl.SSLError):
                 writer.transport.abort()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        address = str(peer[0]) if peer else "?"
+    async def _serve(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        address: str,
+        conn: Connection,
+    ) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+            conn.idle = False  # a request: never evicted from now on
         except asyncio.LimitOverrunError:
             await self._send(writer, 431, b"request head too large\n")
             return

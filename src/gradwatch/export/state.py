@@ -87,6 +87,7 @@ class Counts:
 
     collections: int = 0
     nonfinite_steps: int = 0
+    no_gradient_steps: int = 0
     amp_skipped_steps: int = 0
     exploding_steps: int = 0
     isolation_violations: Mapping[str, int] = field(default_factory=dict)
@@ -117,7 +118,7 @@ class Counts:
     def after(self, snap: Snapshot) -> Counts:
         violations = dict(self.isolation_violations)
         for group, violated in snap.isolation_violated.items():
-            violations[group] = violations.get(group, 0) + int(bool(violated))
+            violations[group] = violations.get(group, 0) + int(violated is True)
         origin, origin_step = self.last_origin, self.last_origin_step
         if snap.nonfinite_origin_ranks:
             hosts = (*snap.nonfinite_origin_hosts, *[""] * len(snap.nonfinite_origin_ranks))
@@ -139,6 +140,7 @@ class Counts:
             last_origin_step=origin_step,
             collections=self.collections + 1,
             nonfinite_steps=self.nonfinite_steps + int(snap.nonfinite_step),
+            no_gradient_steps=self.no_gradient_steps + int(snap.no_gradient),
             amp_skipped_steps=self.amp_skipped_steps + int(snap.amp_skipped),
             exploding_steps=self.exploding_steps + int(snap.exploding_step),
             isolation_violations=MappingProxyType(violations),

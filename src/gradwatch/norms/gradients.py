@@ -17,7 +17,18 @@ from torch import Tensor
 
 from gradwatch.errors import UnsupportedParallelismError
 from gradwatch.norms.stats import as_real_values
-from gradwatch.stacks.main_grad import main_grad_positions
+
+
+def main_grad_positions(params: Sequence[Tensor]) -> list[int]:
+    """Positions of the plain parameters holding a tensor ``main_grad`` (read in place of
+    ``.grad``): Megatron-Core's DDP and NeMo keep gradients there
+    (:mod:`gradwatch.stacks.main_grad`). DTensor parameters keep ``.grad``: no stack pairs them
+    with ``main_grad``."""
+    return [
+        i
+        for i, p in enumerate(params)
+        if isinstance(getattr(p, "main_grad", None), Tensor) and not hasattr(p, "_local_tensor")
+    ]
 
 
 @dataclass(frozen=True)

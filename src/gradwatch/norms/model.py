@@ -120,6 +120,17 @@ def group_membership(
     return groups_of, order
 
 
+def shown_groups(model: nn.Module, groups: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """The groups a watcher's snapshots show for ``model`` (:func:`group_membership`'s
+    order), without resolving it: what a watcher that measures nothing (disabled, refused)
+    gives. The configured groups alone when the model's names cannot be read (a refused
+    setup must not raise again here)."""
+    try:
+        return tuple(group_membership(named_parameters(model)[0], groups)[1])
+    except (GradWatchError, RuntimeError, AttributeError, TypeError):  # duplicate names...
+        return tuple(groups)
+
+
 def empty_groups(groups_of: Sequence[str], groups: Mapping[str, Sequence[str]]) -> list[str]:
     """Configured groups that no parameter of the whole model joined: a typo in a pattern,
     which would otherwise read like a group that receives no gradient (dormant)."""

@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.errors import LayoutMismatchError, UnsupportedParallelismError
+from gradwatch.reduce.experts import check_expert_holders, expert_names
 from gradwatch.reduce.handshake import (
     DERIVED_NESTED,
     MAX_COORDS,
@@ -71,8 +72,7 @@ from gradwatch.reduce.handshake import (
     spec_numel,
     stage_digest,
 )
-from gradwatch.stacks.experts import check_expert_holders, expert_names
-from gradwatch.step.ranktiming import TIMING_WIDTH
+from gradwatch.reduce.ranktiming import TIMING_WIDTH
 
 MAX_REPLICA_SLOTS = 64
 
@@ -238,7 +238,7 @@ def piece_from_placements(
 def derive_layout(gathered: Gathered, rank: int, experts: Sequence[str] = ()) -> Layout:
     """The layout from the handshake's distinct descriptions and per-rank records (pure;
     equal to the tests' reference over the full descriptions). ``experts``: the
-    ``expert_parameters`` patterns (:mod:`gradwatch.stacks.experts`)."""
+    ``expert_parameters`` patterns (:mod:`gradwatch.reduce.experts`)."""
     return Layout(
         *derive(gathered, rank, experts),
         world_size=len(gathered.rank_group),
@@ -319,7 +319,7 @@ def derive(gathered: Gathered, rank: int, experts: Sequence[str] = ()) -> Derive
 
     ``experts``: the ``expert_parameters`` patterns (the same on every rank: the configuration
     hash covers them); names matching one may be held by some ranks only
-    (:mod:`gradwatch.stacks.experts`)."""
+    (:mod:`gradwatch.reduce.experts`)."""
     descs, rank_group, records = (gathered.descriptions, gathered.rank_group,
                                   gathered.records)
     members: list[list[int]] = [[] for _ in descs]

@@ -77,7 +77,7 @@ from gradwatch.reduce.collective import (
     wait_landed,
 )
 from gradwatch.reduce.layout import Layout, LocalPiece, derive_layout, sections
-from gradwatch.step.ranktiming import RankTiming, pack_timing
+from gradwatch.reduce.ranktiming import RankTiming, pack_timing
 
 log = logging.getLogger("gradwatch")
 
@@ -531,12 +531,21 @@ class ReducedVector:
             except RuntimeError as exc:
                 err = GradWatchTimeoutError(
                     f"gradwatch: the all-reduce of step {self._step} failed or did not "
-                    f"complete within {timeout}s (collective_timeout_seconds): another "
+                    f"complete within {timeout:g}s ({self._timeout_setting(timeout)}): another "
                     f"rank failed, skipped collect() or is stuck ({exc})"
                 )
                 err.in_flight = isinstance(exc, CollectiveTimeout)  # type: ignore[attr-defined]
                 raise err from exc
             self._pending = None
+
+    def _timeout_setting(self, timeout: float) -> str:
+        """The setting that bounded a wait of ``timeout`` seconds, for its error message."""
+        if timeout == self._timeout:
+            return "collective_timeout_seconds"
+        return (
+            "the job's process-group timeout, init_process_group(timeout=...), which a clip's "
+            "all-reduce waits for when longer than collective_timeout_seconds"
+        )
 
     def _device(self) -> Tensor:
         # On accelerators the collective was already ordered before later kernels (no host

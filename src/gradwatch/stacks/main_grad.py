@@ -10,8 +10,9 @@ use, and reading ``.grad`` would measure nothing.
 
 **Detection, not a switch**: a plain (non-DTensor) parameter that has a tensor ``main_grad``
 attribute when :class:`~gradwatch.GradWatch` is constructed is read through ``main_grad`` on
-every collect (``.grad`` is ignored for it); clipping scales ``main_grad`` in place, the
-tensor the optimizer reads. Construct GradWatch after the Megatron-Core DDP wrapper (it sets
+every collect (``.grad`` is ignored for it; the reader finds them:
+:func:`gradwatch.norms.gradients.main_grad_positions`); clipping scales ``main_grad`` in place,
+the tensor the optimizer reads. Construct GradWatch after the Megatron-Core DDP wrapper (it sets
 ``main_grad``). A rank whose parameters have no ``main_grad`` reads ``.grad`` as always.
 
 **Refused**: Megatron-Core's DDP with ``use_distributed_optimizer=True``. Its reduce-scatter
@@ -29,16 +30,6 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.errors import UnsupportedParallelismError
-
-
-def main_grad_positions(params: Sequence[Tensor]) -> list[int]:
-    """Positions of the plain parameters holding a tensor ``main_grad`` (read in place of
-    ``.grad``). DTensor parameters keep ``.grad``: no stack pairs them with ``main_grad``."""
-    return [
-        i
-        for i, p in enumerate(params)
-        if isinstance(getattr(p, "main_grad", None), Tensor) and not hasattr(p, "_local_tensor")
-    ]
 
 
 def reject_distributed_optimizer(model: nn.Module) -> None:

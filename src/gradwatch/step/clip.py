@@ -4,9 +4,9 @@
 the norm is the whole model's under DDP, FSDP2, TP and pipeline stages (where
 ``torch.nn.utils.clip_grad_norm_`` returns a rank-local one), at no extra collective. Everything
 a clip needs is passed in: the :class:`~gradwatch.reduce.packing.ReducedVector`, this collect's
-:class:`~gradwatch.norms.gradients.LocalGradients` and the :class:`~gradwatch.norms.stats.NormPlan`
-that
-normed them. Device side only: no host read.
+:class:`~gradwatch.norms.gradients.LocalGradients` and the
+:class:`~gradwatch.norms.stats.NormPlan` that normed them. Device side only: no host read (the
+host's figure of the same coefficient: :func:`gradwatch.snapshot.clip_coefficient`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,7 @@ from gradwatch.norms.bands import BANDS, banded_total_device
 from gradwatch.norms.gradients import LocalGradients
 from gradwatch.norms.stats import NormPlan
 from gradwatch.reduce.packing import ReducedVector
-
-#: Added to the total norm in the clip coefficient, like ``torch.nn.utils.clip_grad_norm_``.
-CLIP_EPS = 1e-6
-
-
-def clip_coefficient(max_norm: float, total: float) -> float:
-    """``min(1, max_norm / (total + 1e-6))`` on the host: the figure a snapshot reports, by the
-    same float64 formula as the device-side coefficient :func:`clip_grads_` applies."""
-    return min(1.0, max_norm / (total + CLIP_EPS))
+from gradwatch.snapshot import CLIP_EPS
 
 
 def clip_grads_(

@@ -343,7 +343,7 @@ class StepGuard:
 
     State on the reduce device: the spike window (:class:`_SpikeWindow`), the consecutive
     skips and the skip totals, updated by device ops only: 11 small ops per step without
-    spike skipping, 58 with it (``tests/unit/test_guard_cost.py`` pins the counts).
+    spike skipping, 58 with it (``tests/unit/step/test_guard_cost.py`` pins the counts).
     """
 
     def __init__(

@@ -38,7 +38,7 @@ from gradwatch.stacks.fsdp1 import Fsdp1GradientReader, Fsdp1Model
 from gradwatch.stacks.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.stacks.main_grad import reject_distributed_optimizer
 from gradwatch.stacks.zero import ZeroGradients, find_engine
-from gradwatch.step.ranktiming import RankTimer
+from gradwatch.step.ranktimer import RankTimer
 
 log = logging.getLogger("gradwatch")
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 from gradwatch.export.sinks.scalars import StepScalars
+from gradwatch.export.sinks.tracker import import_tracker
 
 if TYPE_CHECKING:
     from gradwatch.config import WatchConfig
@@ -29,7 +29,14 @@ if TYPE_CHECKING:
     from gradwatch.export.sinks.tensorboard import TensorBoardSink
     from gradwatch.export.sinks.wandb import WandbSink
 
-__all__ = ["MlflowSink", "StepScalars", "TensorBoardSink", "WandbSink", "sinks_from_config"]
+__all__ = [
+    "MlflowSink",
+    "StepScalars",
+    "TensorBoardSink",
+    "WandbSink",
+    "import_tracker",
+    "sinks_from_config",
+]
 
 _LAZY = {
     "TensorBoardSink": "gradwatch.export.sinks.tensorboard",
@@ -42,16 +49,6 @@ def __getattr__(name: str) -> object:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def import_tracker(module: str, missing: str) -> ModuleType:
-    """The tracker package ``module``, imported when a sink is built (never on ``import
-    gradwatch``); when it is not installed, an ImportError ``gradwatch: <missing>`` that names
-    the extra to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"gradwatch: {missing}") from exc
 
 
 def sinks_from_config(cfg: WatchConfig) -> Iterator[Sink]:

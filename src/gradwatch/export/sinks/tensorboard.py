@@ -11,8 +11,8 @@ import os
 from typing import Any
 
 from gradwatch.config import WatchConfig
-from gradwatch.export.sinks import import_tracker
 from gradwatch.export.sinks.scalars import StepScalars
+from gradwatch.export.sinks.tracker import import_tracker
 from gradwatch.snapshot import Snapshot
 
 __all__ = ["TensorBoardSink"]

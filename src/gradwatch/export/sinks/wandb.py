@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from gradwatch.config import WatchConfig
-from gradwatch.export.sinks import import_tracker
 from gradwatch.export.sinks.scalars import StepScalars
+from gradwatch.export.sinks.tracker import import_tracker
 from gradwatch.snapshot import Snapshot
 
 __all__ = ["WandbSink"]

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gradwatch.cli.demo import (
+from gradwatch.cli.demo import demo, job_command
+from gradwatch.cli.demo_protocol import (
     DemoOptionError,
     DemoOptions,
     HealthMin,
@@ -28,8 +29,6 @@ from gradwatch.cli.demo import (
     Ready,
     Summary,
     Workdir,
-    demo,
-    job_command,
 )
 from gradwatch.cli.step_events import StepEvents
 

@@ -168,3 +168,28 @@ def test_reduced_stats_from_values_of_a_replicated_layout() -> None:
     assert math.isnan(nan.replica_divergence())
     with pytest.raises(ValueError, match="packed vector"):
         ReducedStats.from_values(values[:-1], lay)
+
+
+class _Straggling:
+    """A pending all-reduce that never completes within the wait."""
+
+    def wait(self, timeout: float) -> None:
+        from gradwatch.reduce.collective import CollectiveTimeout
+
+        raise CollectiveTimeout(f"still in flight after {timeout}s")
+
+
+def test_a_timeout_names_the_setting_that_bounded_the_wait() -> None:
+    """collect()'s wait is bounded by collective_timeout_seconds; a clip's device view waits as
+    long as the job's own collectives (the process group's timeout): each message names its
+    own bound."""
+    from gradwatch.errors import GradWatchTimeoutError
+    from gradwatch.reduce.packing import ReducedVector
+
+    vector = ReducedVector(
+        torch.zeros(4), _Straggling(), 5.0, 7, None, device_timeout=1800.0  # type: ignore[arg-type]
+    )
+    with pytest.raises(GradWatchTimeoutError, match=r"within 5s \(collective_timeout_seconds\)"):
+        vector._wait_collective()
+    with pytest.raises(GradWatchTimeoutError, match=r"within 1800s \(the job's process-group"):
+        vector.device_bands()

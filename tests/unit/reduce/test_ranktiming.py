@@ -12,19 +12,19 @@ import torch
 from torch import nn
 
 from gradwatch.export.metricdef import PublishedStep
-from gradwatch.export.metrics import RANK_WORK_SECONDS, SLOWEST_RANK, STRAGGLER_SCORE
-from gradwatch.snapshot import Snapshot
-from gradwatch.step.ranktiming import (
+from gradwatch.export.rankmetrics import RANK_WORK_SECONDS, SLOWEST_RANK, STRAGGLER_SCORE
+from gradwatch.reduce.ranktiming import (
     TIMING_BINS,
     TIMING_BINS_PER_OCTAVE,
     TIMING_FLOOR,
     TIMING_WIDTH,
-    RankTimer,
     RankTiming,
     bin_of,
     pack_timing,
     timing_fields,
 )
+from gradwatch.snapshot import Snapshot
+from gradwatch.step.ranktimer import RankTimer
 
 
 def _reduced(times: list[float | None]) -> list[float]:

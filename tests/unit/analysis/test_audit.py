@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
+from exposition import parse
 from pydantic import ValidationError
-from test_export import parse
 from torch import nn
 
 from gradwatch import GradWatch, NoOpWatch, WatchConfig
@@ -149,6 +149,28 @@ def test_auditor_nonfinite_and_zero(reported: float, exact: float, agrees: bool)
     auditor.report(0, "trainer", reported)
     (v,) = auditor.judge(0, exact, None)
     assert v.agrees is agrees and math.isnan(v.ratio)
+
+
+def test_an_inf_norm_from_a_float32_sum_of_squares_is_diagnosed_not_restated() -> None:
+    """DeepSpeed's norm is inf where the exact one is 5.1e19: the float32 sum of squares
+    overflowed (5.1e19^2 = 2.6e39 > float32's 3.4e38). The message names that cause instead
+    of restating the two values it already prints."""
+    grads = torch.full((4,), 2.55e19, dtype=torch.float32)  # finite float32 values
+    exact = math.sqrt(math.fsum(float(x) ** 2 for x in grads.double()))
+    in_fp32 = float(grads.pow(2).sum().sqrt())  # the reporter's float32 arithmetic
+    assert math.isinf(in_fp32) and 5e19 < exact < 5.2e19
+    auditor = NormAuditor(1e-3, parallel_factors("zero2x2", 2))
+    auditor.report(0, "deepspeed", in_fp32)
+    (v,) = auditor.judge(0, exact, None)
+    message = v.message(1e-3)
+    assert not v.agrees and v.diagnosis is not None
+    assert "float32" in v.diagnosis and "the reported norm is inf while" not in message
+    assert message.count("5.1") == 1  # the exact norm is stated once, in the values
+    # below float32's square limit no such cause is claimed, but no restatement either
+    auditor.report(1, "trainer", math.inf)
+    (w,) = auditor.judge(1, 3.0, None)
+    assert w.diagnosis is not None and "float32" not in w.diagnosis
+    assert "inf while" not in w.diagnosis
 
 
 # -- GradWatch.audit_norm ------------------------------------------------------------------------

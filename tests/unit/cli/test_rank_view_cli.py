@@ -22,7 +22,7 @@ from gradwatch.cli.render import Trends, noise_scale_text, replica_text
 from gradwatch.cli.top import render_frame
 from gradwatch.export.state import PublishedState
 
-RULES = Path(__file__).parents[2] / "deploy" / "prometheus" / "gradwatch-rules.yml"
+RULES = Path(__file__).parents[3] / "deploy" / "prometheus" / "gradwatch-rules.yml"
 
 
 def snap(step: int, norm: float = 1.5, **view: Any) -> Snapshot:

@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import ref_health, ref_ratio, ref_raw
 
 from gradwatch import WatchConfig
 from gradwatch.analysis.summary import summarize
@@ -20,29 +21,6 @@ def ref_combine(norms: list[float]) -> float:
     if any(math.isinf(x) for x in norms):
         return math.inf
     return math.hypot(*norms) if norms else 0.0
-
-
-def ref_health(n: int, v: int, e: int, global_norm: float) -> float:
-    if not math.isfinite(global_norm):
-        return 0.0
-    if n == 0:
-        return 1.0
-    x = 1.0 - 0.5 * v / n - 0.8 * e / n
-    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
-
-
-def ref_ratio(nn: float, nnumel: int, dn: float, dnumel: int) -> float:
-    """NaN when undefined (the denominator has no gradient, a norm below 1e-8 or non-finite);
-    0 for a numerator without gradient (or a norm below 1e-8) over a defined denominator."""
-    if dnumel == 0 or not math.isfinite(dn) or dn < 1e-8:
-        return math.nan
-    if nnumel == 0 or nn < 1e-8:
-        return 0.0
-    return (nn / math.sqrt(nnumel)) / (dn / math.sqrt(dnumel) + 1e-8)
-
-
-def ref_raw(nn: float, dn: float) -> float:
-    return math.nan if dn == 0.0 or not math.isfinite(dn) else nn / dn
 
 
 def same(a: float, b: float, rel: float = 1e-12) -> bool:
@@ -110,6 +88,9 @@ def test_property_summary_vs_reference(case, step: int) -> None:  # type: ignore
     assert snap.step == step
     assert list(snap.groups) == order
     counted = [p for p in params if p[5] > 0]
+    if not counted:  # no gradient at all: its own state, nothing reads as measured 0 or 1.0
+        _check_no_gradient(snap, cfg)
+        return
     assert set(snap.param_norms) == {p[0] for p in counted}
     bad_names = []
     total_v = total_e = 0
@@ -149,6 +130,17 @@ def test_property_summary_vs_reference(case, step: int) -> None:  # type: ignore
     for g in cfg.isolated:
         norm = stat.get(g, zero)[0]
         assert snap.isolation_violated[g] == (not math.isfinite(norm) or norm > iso)
+
+
+def _check_no_gradient(snap, cfg: WatchConfig) -> None:  # type: ignore[no-untyped-def]
+    """A step on which no parameter had a gradient: NaN norms, ratios and health; isolation
+    measured (no gradient violates nothing)."""
+    assert snap.no_gradient and snap.measured
+    assert math.isnan(snap.global_norm) and math.isnan(snap.health)
+    assert all(math.isnan(g.norm) and g.tensors == 0 for g in snap.groups.values())
+    assert all(math.isnan(v) for v in [*snap.ratios.values(), *snap.raw_ratios.values()])
+    assert snap.isolation_violated == dict.fromkeys(cfg.isolated, False)
+    assert snap.is_finite and not snap.nonfinite_step  # not a NaN gradient: nothing held one
 
 
 def _one(squares, groups, numels=None, **cfg_kwargs):  # type: ignore[no-untyped-def]
@@ -196,8 +188,8 @@ def test_health_exact_values() -> None:
     assert snap.health == pytest.approx(0.2, rel=1e-15)
     snap = _one([1e-20, 1e-20], ["a", "b"])  # all vanishing
     assert snap.health == 0.5
-    snap = _one([], [])
-    assert snap.health == 1.0 and snap.global_norm == 0.0
+    snap = _one([], [])  # no gradient at all: nothing to judge, never a healthy 1.0
+    assert math.isnan(snap.health) and math.isnan(snap.global_norm) and snap.no_gradient
 
 
 def test_group_norm_does_not_overflow() -> None:

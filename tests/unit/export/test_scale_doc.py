@@ -8,8 +8,8 @@ from pathlib import Path
 from gradwatch.export.metricdef import NORM_BUCKETS
 from scripts.gen_metrics_docs import series_count
 
-SCALE = Path(__file__).resolve().parents[2] / "docs" / "scale.md"
-METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+SCALE = Path(__file__).resolve().parents[3] / "docs" / "scale.md"
+METRICS_DOC = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
 
 #: The fleet docs/scale.md sizes: jobs, per-parameter series per job, scrape interval.
 JOBS, TOP_K, INTERVAL = 5_000, 50, 15

@@ -14,7 +14,8 @@ from gradwatch.norms.gradients import GradientReader, LocalGradients
 from gradwatch.norms.stats import NormEngine
 from gradwatch.reduce.layout import piece_of
 from gradwatch.reduce.packing import Reducer
-from gradwatch.step.clip import CLIP_EPS, clip_coefficient, clip_grads_
+from gradwatch.snapshot import CLIP_EPS, clip_coefficient
+from gradwatch.step.clip import clip_grads_
 
 
 def reduce_once(params: list[torch.Tensor], grads: LocalGradients):  # type: ignore[no-untyped-def]

@@ -260,7 +260,7 @@ def test_tls_and_basic_auth_from_the_web_config(
 def test_the_documented_web_config_is_valid_and_its_password_is_the_documented_one(
     tmp_path: Path,
 ) -> None:
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "operations.md").read_text()
     block = doc.split("# /etc/gradwatch/web.yml\n", 1)[1].split("```", 1)[0]
     settings = load_web_config(write_config(tmp_path / "web.yml", block))
     assert settings.tls is not None and settings.tls.cert_file == str(tmp_path / "gradwatch.crt")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
+from allocations import OutputRecorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from references import EXP_RANGE, ref_norm, rel_err, values
 
 from gradwatch import total_norm
 from gradwatch.doctor.testing import OpCounter, count_host_reads, largest_allocation
@@ -18,52 +18,12 @@ from gradwatch.norms.stats import NormEngine
 
 REL = 1e-6
 
-#: Exponent ranges (base 2) of finite values each dtype covers in the contract.
-EXP_RANGE = {
-    torch.float64: (-498, 498),  # [1e-150, 1e150]
-    torch.float32: (-149, 127),
-    torch.bfloat16: (-133, 127),
-    torch.float16: (-24, 15),
-}
-
-
-def ref_norm(tensors: list[torch.Tensor]) -> float:
-    """Independent float64 reference: exact values as float64 (numpy), scaled by the max-abs so
-    no square can overflow or underflow, pairwise-summed squares, fsum across tensors."""
-    arrays = []
-    for t in tensors:
-        t = t.detach()
-        if t.is_sparse:
-            t = t.to_dense()
-        a = t.to(torch.complex128).numpy() if t.is_complex() else t.double().numpy()
-        arrays.append(np.abs(a).ravel())
-    top = max((float(a.max()) for a in arrays if a.size), default=0.0)
-    if top == 0.0:
-        return 0.0
-    if not math.isfinite(top):
-        return top
-    return top * math.sqrt(math.fsum(float(np.sum(np.square(a / top))) for a in arrays))
-
-
 def engine_norm(sq: torch.Tensor, i: int) -> float:
     """Tensor ``i``'s norm from the engine's banded output (plain, high, low bands)."""
     from gradwatch.norms.bands import BANDS, norm_from_bands
 
     n = sq.numel() // BANDS
     return norm_from_bands(float(sq[i]), float(sq[n + i]), float(sq[2 * n + i]))
-
-
-def rel_err(got: float, want: float) -> float:
-    if want == 0.0:
-        return abs(got)
-    return abs(got - want) / want
-
-
-def values(shape, dtype, lo, hi, gen) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """Random signed values with base-2 exponents uniform in [lo, hi], exactly representable."""
-    e = torch.empty(shape, dtype=torch.float64).uniform_(lo, hi, generator=gen)
-    sign = torch.randint(0, 2, shape, generator=gen, dtype=torch.float64) * 2 - 1
-    return (sign * torch.exp2(e)).to(dtype)
 
 
 # -- exactness on fixed cases -------------------------------------------------------------------
@@ -242,37 +202,6 @@ def test_plan_rebuilt_when_layout_changes() -> None:
 
 
 # -- cost ------------------------------------------------------------------------------------
-
-
-def _storages(obj) -> set[int]:  # type: ignore[no-untyped-def]
-    if isinstance(obj, torch.Tensor):
-        return {obj.untyped_storage().data_ptr()} if obj.layout == torch.strided else set()
-    if isinstance(obj, list | tuple):
-        return set().union(*(_storages(o) for o in obj)) if obj else set()
-    if isinstance(obj, dict):
-        return _storages(list(obj.values()))
-    return set()
-
-
-class OutputRecorder(TorchDispatchMode):
-    """Records (op, numel, dtype) of every tensor an op allocates (outputs that alias an
-    input's storage, i.e. views and in-place results, are not new memory)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: list[tuple[str, int, torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = _storages(list(args)) | _storages(kwargs)
-        items = out if isinstance(out, list | tuple) else [out]
-        for o in items:
-            if isinstance(o, torch.Tensor) and (
-                o.layout != torch.strided or o.untyped_storage().data_ptr() not in inputs
-            ):
-                self.outputs.append((str(func.overloadpacket), o.numel(), o.dtype))
-        return out
 
 
 def test_engine_makes_no_gradient_sized_temporary() -> None:

@@ -3,6 +3,7 @@ dies with the job (no orphan, port released) and is replaced if it dies alone.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from gradwatch.export import MetricsServer
 from gradwatch.export import http as export_http
 from gradwatch.snapshot import GroupStats, Snapshot
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -247,3 +248,83 @@ class _Ready:
 
     def result(self) -> Snapshot:
         return self._snap
+
+
+# -- connection bounds: per client and in all; idle connections never keep a scrape out -------
+
+IDLE_CONNECTIONS = 2100
+
+
+@pytest.mark.timeout(180)
+def test_scrapes_succeed_under_thousands_of_idle_connections_from_one_address(
+    server: MetricsServer,
+) -> None:
+    """2,100 connections from 127.0.0.1 that never send a request, then 30 scrapes from the
+    same address: the scrapes are served (idle connections beyond the per-client bound are
+    closed, the oldest first, to make room). Loopback only, bounded, everything closed."""
+    import socket
+
+    from gradwatch.export.server import MAX_CONNECTIONS_PER_CLIENT
+
+    server.publish(snapshot(1))
+    get(server.url)  # the exporter is up and serving
+    host, port = "127.0.0.1", server.port
+    assert port is not None
+    idle: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        for _ in range(IDLE_CONNECTIONS):
+            if time.monotonic() > deadline:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            idle.append(sock)
+            sock.settimeout(2.0)
+            with contextlib.suppress(OSError):
+                sock.connect((host, port))
+        assert len(idle) == IDLE_CONNECTIONS, "could not open the idle connections in time"
+        ok = 0
+        for _ in range(30):
+            with contextlib.suppress(OSError, AssertionError):
+                ok += b"gradwatch_step 1.0" in get(server.url, "127.0.0.1", timeout=10.0)
+        assert ok >= 27, f"{ok} of 30 scrapes served under {IDLE_CONNECTIONS} idle connections"
+        # the idle ones were bounded: at most the per-client bound is still held open
+        still_open = 0
+        for sock in idle:
+            sock.setblocking(False)
+            try:
+                still_open += sock.recv(1) == b"" and 0
+            except BlockingIOError:
+                still_open += 1  # nothing to read and not closed: held by the server
+            except OSError:
+                pass  # reset by the server
+        assert still_open <= MAX_CONNECTIONS_PER_CLIENT + 5, still_open
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_connection_limits_evict_idle_connections_first() -> None:
+    from gradwatch.export.server import ConnectionLimits
+
+    class Fake:
+        def __init__(self) -> None:
+            self.idle = True
+            self.aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    limits = ConnectionLimits(total=4, per_client=2)
+    a1, a2, a3 = Fake(), Fake(), Fake()
+    assert limits.open("a", a1) and limits.open("a", a2)  # type: ignore[arg-type]
+    assert limits.open("a", a3) and a1.aborted and not a2.aborted  # type: ignore[arg-type]
+    a2.idle = a3.idle = False  # both sent their request: not evictable
+    assert not limits.open("a", Fake())  # type: ignore[arg-type]
+    b = [Fake() for _ in range(3)]
+    assert limits.open("b", b[0]) and limits.open("b", b[1])  # type: ignore[arg-type]
+    # the total (4) is reached: a new client evicts an idle one of the client holding the most
+    assert limits.open("c", b[2]) and b[0].aborted  # type: ignore[arg-type]
+    assert limits.open_connections == 4
+    limits.close("a", a1)  # already evicted: no double count
+    limits.close("a", a2)
+    assert limits.open_connections == 3 and limits.evicted == 2

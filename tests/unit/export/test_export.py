@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from exposition import parse
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
@@ -64,7 +65,7 @@ from gradwatch.export.state import (
 from gradwatch.snapshot import GroupStats, Snapshot
 from scripts.gen_metrics_docs import metrics_reference_markdown
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SRC = ROOT / "src"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
@@ -112,19 +113,6 @@ def http_get(url: str, context: ssl.SSLContext | None = None, timeout: float = 1
     with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
         assert response.status == 200
         return response.read().decode()
-
-
-def parse(text: str) -> Samples:
-    """Sample name -> {sorted label pairs: value}; asserts no timestamps and unique series."""
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            assert s.timestamp is None, f"{s.name} carries a timestamp"
-            key = tuple(sorted(s.labels.items()))
-            series = out.setdefault(s.name, {})
-            assert key not in series, f"duplicate series {s.name}{key}"
-            series[key] = s.value
-    return out
 
 
 def scrape(server: MetricsServer) -> Samples:
@@ -271,10 +259,13 @@ def expected_gauges(snap: Snapshot, ratio_pairs: dict[str, tuple[str, str]]) -> 
         },
         "gradwatch_health_score": {(): snap.health},
         "gradwatch_isolation_violated": {
-            (("group", g),): 1.0 if v else 0.0 for g, v in snap.isolation_violated.items()
+            (("group", g),): 1.0 if v else 0.0
+            for g, v in snap.isolation_violated.items()
+            if v is not None
         },
-        "gradwatch_replica_divergence": {(): snap.replica_divergence},
     }
+    if snap.replica_divergence is not None:  # None: nothing measured it, no sample
+        out["gradwatch_replica_divergence"] = {(): snap.replica_divergence}
     if snap.clip_coef is not None:
         out["gradwatch_clip_coef"] = {(): snap.clip_coef}
     if snap.rank_view:  # the per-rank view
@@ -571,6 +562,7 @@ NOT_STEP_VALUED = {
     "gradwatch_run_info",
     "gradwatch_amp_skipped_steps_total",
     "gradwatch_nonfinite_steps_total",
+    "gradwatch_no_gradient_steps_total",
     "gradwatch_nonfinite_group_steps_total",
     # the norm histograms' _count is the step (one observation per publish), not the rest
     "gradwatch_global_grad_norm_per_step_bucket",
@@ -1257,13 +1249,17 @@ def test_every_definition_is_named_after_its_metric() -> None:
     assert catalog.COLLECT_SECONDS.buckets == COLLECT_SECONDS_BUCKETS
 
 
+#: The modules the catalog's definitions are written in.
+CATALOG_MODULES = ("gradwatch/export/metrics.py", "gradwatch/export/rankmetrics.py")
+
+
 def test_no_module_joins_by_a_metric_name_string() -> None:
     """Outside the catalog, code refers to a metric by its definition, never by its name: no
     string constant of the package (prose aside) is a catalog name."""
     names = set(METRICS_BY_NAME)
     found = []
     for path in sorted((SRC / "gradwatch").rglob("*.py")):
-        if path == SRC / "gradwatch" / "export" / "metrics.py":
+        if path.relative_to(SRC).as_posix() in CATALOG_MODULES:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:
@@ -1387,6 +1383,9 @@ gradwatch_collections_total 2.0
 # HELP gradwatch_nonfinite_steps_total Published snapshots with a NaN or Inf gradient, except steps the AMP GradScaler skipped.
 # TYPE gradwatch_nonfinite_steps_total counter
 gradwatch_nonfinite_steps_total 1.0
+# HELP gradwatch_no_gradient_steps_total Published snapshots of steps on which no parameter had a gradient at all.
+# TYPE gradwatch_no_gradient_steps_total counter
+gradwatch_no_gradient_steps_total 0.0
 # HELP gradwatch_amp_skipped_steps_total Published snapshots of steps the AMP GradScaler skipped (non-finite gradients under loss scaling).
 # TYPE gradwatch_amp_skipped_steps_total counter
 gradwatch_amp_skipped_steps_total 0.0
@@ -1467,7 +1466,7 @@ def test_collector_output_is_unchanged_on_a_fixed_snapshot(
 
 #: Families added after the golden exposition was recorded (tested in test_spikes.py and below).
 SPIKE_FAMILIES = (
-    "gradwatch_slowest_rank",  # which rank is slow: tests/unit/test_ranktiming.py
+    "gradwatch_slowest_rank",  # which rank is slow: tests/unit/reduce/test_ranktiming.py
     "gradwatch_straggler_score",
     "gradwatch_rank_work_seconds",
     "gradwatch_global_grad_norm_spike_score",
@@ -1707,3 +1706,25 @@ def test_guard_metrics_come_from_the_guarded_snapshots() -> None:
     assert current.samples[catalog.GUARD_STOPPED] == (((), 0.0),)
     state.write(Snapshot(step=6))  # an unguarded snapshot keeps the totals
     assert state.current().count_samples[catalog.SKIPPED_STEPS_TOTAL][1] == (("spike",), 3.0)
+
+
+def test_a_timed_out_step_is_logged_in_one_line_an_unexpected_error_with_its_traceback(
+    servers: Callable[..., MetricsServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A straggler's timeout is gradwatch's own error: its message says everything (the step,
+    the setting that bounded the wait), so no 40-line traceback; a sink's bug keeps its own."""
+    from gradwatch.errors import GradWatchTimeoutError
+
+    server = servers()
+    caplog.set_level(logging.WARNING, logger="gradwatch.export")
+    try:
+        raise GradWatchTimeoutError("gradwatch: step 1 ... (collective_timeout_seconds)")
+    except GradWatchTimeoutError as exc:
+        straggler = exc
+    for pending in (Failing(1, straggler), Failing(2, ValueError("a bug"))):
+        server.submit(pending)
+        assert server.flush(10)
+    records = {r.getMessage().split("(")[1].split(":")[0]: r for r in caplog.records}
+    assert records["GradWatchTimeoutError"].exc_info is None
+    assert "collective_timeout_seconds" in records["GradWatchTimeoutError"].getMessage()
+    assert records["ValueError"].exc_info is not None

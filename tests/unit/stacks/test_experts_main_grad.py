@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from allocations import OutputRecorder
 from pydantic import ValidationError
-from test_stats import OutputRecorder
 from torch import nn
 
 import gradwatch
 from gradwatch import GradWatch, LayoutMismatchError, UnsupportedParallelismError, WatchConfig
-from gradwatch.stacks.experts import check_expert_holders, expert_names
+from gradwatch.reduce.experts import check_expert_holders, expert_names
 from gradwatch.watcher import RefusedWatch
 
 
