@@ -1,15 +1,9 @@
 """Which rank is slow: each rank's working time per step, carried by the step's one all-reduce.
 
-**What a rank measures** (:class:`RankTimer`, host clock, no device op). A step's *working
-time* on a rank runs from the end of its previous ``collect`` (every rank leaves the previous
-step's synchronizing collectives together, within their latency) to its *arrival*: the last
-gradient of a watched parameter accumulated in this step's backward (a
-``post_accumulate_grad`` hook per plain local parameter, ``time.perf_counter``). Under DDP the
-bucket all-reduces run asynchronously and the ranks wait only at the end of the backward,
-after that arrival, so the time a fast rank spends waiting for a slow one is excluded. Where
-no such hook fires (DTensor parameters under FSDP2, FSDP1's flat shards, DeepSpeed's
-partitions) the arrival is the call to ``collect``: that time includes the waits inside the
-stack's own collectives, and the score understates a straggler there.
+**What a rank measures** (:mod:`gradwatch.step.ranktimer`, host clock, no device op): its
+*working time*, from the end of its previous ``collect`` to its *arrival*, the last gradient
+accumulated in this step's backward; the time it waits on peers is excluded (docs/design.md,
+"Which rank is slow").
 
 **What the all-reduce carries** (:func:`pack_timing`): ``3 x TIMING_BINS`` float64 per rank,
 whatever the world size. The time ``t`` falls in a log-spaced bin ``k`` (:func:`bin_of`:
