@@ -59,6 +59,10 @@ class GroupStats:
 #: Added to the denominator of normalized ratios, and the floor under which a norm counts as 0.
 RATIO_EPS = 1e-8
 
+#: A straggler score (``Snapshot.straggler_score``) below this names a straggler: NVIDIA's
+#: resiliency extension's default; the GradwatchSameRankSlowest alert's default threshold.
+STRAGGLER_THRESHOLD = 0.7
+
 
 def ratio_defined(denominator: GroupStats | None) -> bool:
     """Whether a normalized ratio over ``denominator`` means anything: the group had gradient

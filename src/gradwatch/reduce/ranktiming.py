@@ -21,7 +21,7 @@ holds one rank, and that is what :class:`RankTiming` reads:
   the bin's width); the median: the mean of the bin holding the middle rank (likewise);
 * the straggler score: the fastest rank's time over the slowest's, in ``(0, 1]``, as
   NVIDIA's resiliency extension scores a rank against the fastest (1: no straggler; below
-  :data:`STRAGGLER_THRESHOLD` a straggler).
+  :data:`~gradwatch.snapshot.STRAGGLER_THRESHOLD` a straggler).
 
 A rank that measured nothing this step (its first collect, a failed pass) adds nothing: the
 counts then sum to less than the world and the step's timing is absent, never guessed.
@@ -44,8 +44,6 @@ TIMING_FLOOR = 2.0**-13
 TIMING_BINS = 24 * TIMING_BINS_PER_OCTAVE
 #: Width of the packed vector's timing section: counts, rank-id sums, time sums per bin.
 TIMING_WIDTH = 3 * TIMING_BINS
-#: A straggler score below this names a straggler (NVIDIA's default threshold).
-STRAGGLER_THRESHOLD = 0.7
 
 
 def bin_of(seconds: float) -> int:
