@@ -119,3 +119,18 @@ def test_timer_stops_at_the_last_gradient_hook() -> None:
     work = timer.take()
     assert work is not None and work >= 0.02
     timer.close()
+
+
+@pytest.mark.parametrize("world", [2, 256, 16384])
+def test_the_timing_section_is_the_same_size_at_every_world(world: int) -> None:
+    """Per-rank bytes independent of the world size (benchmarks/scale.py shows it for the
+    simulated worlds): the section is last in the packed vector, ``TIMING_WIDTH`` long."""
+    from gradwatch.reduce.layout import Layout, sections
+
+    base = Layout(names=("a", "b"), numels=(3, 4), local_to_global=(0, 1),
+                  contributes=(True, True), replica_slot=(-1, -1), replicas=1,
+                  world_size=world, rank=world - 1)  # fmt: skip
+    timed = Layout(**{**base.__dict__, "rank_timing": True})
+    at = sections(timed)
+    assert at.rank_timing.stop - at.rank_timing.start == TIMING_WIDTH
+    assert at.rank_timing.stop == at.length == sections(base).length + TIMING_WIDTH
