@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,8 +25,6 @@ MIXED_FP32_TARGET = Target(1.25, "x")
 #: bf16, same sizes: <= 1.2x PyTorch's float32-output _foreach_norm (plain get_total_norm rounds
 #: its bf16 norms to bf16, which gradwatch's 1e-6 exactness rules out)
 MIXED_BF16_TARGET = Target(1.2, "x")
-#: at 1,000 parameters: >= 10x faster than a per-parameter .item() loop
-ITEM_LOOP_TARGET = Target(10, "x", at_most=False)
 #: at 200M elements: >= 3x faster than float64 copies of every gradient
 FLOAT64_COPIES_TARGET = Target(3, "x", at_most=False)
 #: watch.clip_grad_norm_ within +10% of torch.nn.utils.clip_grad_norm_
@@ -43,8 +42,6 @@ SCRAPERS_TARGET = Target(5, "%")
 SPIKE_TARGET = Target(5, "%")
 #: Groups of the spike-detection case (the figure docs/metrics.md counts series for).
 SPIKE_GROUPS = 10
-#: the per-parameter .item() loop target applies at this many parameters
-ITEM_LOOP_PARAMS = 1_000
 #: the float64-copies target applies from this many gradient elements
 FLOAT64_COPIES_ELEMENTS = 200_000_000
 
@@ -319,6 +316,13 @@ class Plan:
     fsdp1_width: int = 512  # of its Linear layers
     zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
     guard_blocks: int = 900  # palindromic blocks of the guard section (a median to ~1%)
+    shapes: tuple[Any, ...] = ()  # benchmarks.shapes.Shape: the shapes section's shapes
+
+
+def _shapes(quick: bool) -> tuple[Any, ...]:
+    from benchmarks.shapes import FULL_SHAPES, QUICK_SHAPES
+
+    return QUICK_SHAPES if quick else FULL_SHAPES
 
 
 def full_plan() -> Plan:
@@ -334,6 +338,7 @@ def full_plan() -> Plan:
         models=(ModelSpec("demo", "demo model", steps={"ddp": 1200, "fsdp2": 240}),
                 ModelSpec("mlp", "MLP 4 x 1024", width=1024, depth=4)),
         dist_steps={"ddp": 300, "fsdp2": 120},
+        shapes=_shapes(quick=False),
         scrapers=(ScrapersPlan(20, 2.0, 5, n_slowloris=150, n_ordinary=200),
                   ScrapersPlan(20, 2.0, 5, n_slowloris=150, n_ordinary=200, client_nice=0,
                                judged=False)),
@@ -353,6 +358,7 @@ def quick_plan() -> Plan:
         scrapers=(ScrapersPlan(4, 0.3, 1, n_slowloris=4, n_ordinary=4),),
         spike_rounds=3,
         scale_worlds=(8,),
+        shapes=_shapes(quick=True),
         rank_view_blocks=2,
         fsdp1_rounds=2,
         fsdp1_width=16,

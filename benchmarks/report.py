@@ -17,14 +17,12 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks import zero_bench
+from benchmarks import shapes, zero_bench
 from benchmarks.cases import (
     DDP_OVERHEAD_TARGET,
     FLOAT64_COPIES_ELEMENTS,
     FLOAT64_COPIES_TARGET,
     GUARD_TARGET,
-    ITEM_LOOP_PARAMS,
-    ITEM_LOOP_TARGET,
     RANK_VIEW_TARGET,
     SCRAPE_SPACING,
     SCRAPERS_TARGET,
@@ -131,7 +129,7 @@ CAUSES = (
     "Clipping, bf16",
     "Clipping, fp32",
     "Float64 copies",
-    "The .item() loop on CPU",
+    "Shapes",
     "Scrapers",
     "Spike detection and construction at scale",
 )
@@ -453,20 +451,13 @@ def _mixed_figures(m: MixedSizesResult) -> str:
 def target_checks(run: RunResults) -> list[TargetCheck]:
     """Every measured value that has a stated target, in the report's order, each with the
     figures of the same run that bear on a miss and the heading of its known cause."""
-    checks: list[TargetCheck] = []
+    checks: list[TargetCheck] = list(shapes.checks(run.shapes))
     for m in run.mixed:
         short = "fp32" if m.case.dtype == "float32" else "bf16"
         checks.append(TargetCheck(
             "norm cost", f"{short} {m.sizes}: {GW} {m.target} {m.baseline.value}",
             m.target, m.ratio, f"{m.ratio:.3f}x", _mixed_figures(m), f"Mixed sizes, {short}"))
     for case in run.norm_cases:
-        if case.n_tensors == ITEM_LOOP_PARAMS:
-            s = case.speedup(NormMethod.ITEM_LOOP)
-            loop = case.median(NormMethod.ITEM_LOOP) / case.read_limit.timing.median
-            checks.append(TargetCheck(
-                "norm cost", f"{case.label}: {GW} {ITEM_LOOP_TARGET} faster than "
-                f"{NormMethod.ITEM_LOOP.value}", ITEM_LOOP_TARGET, s, f"{s:.2f}x",
-                f"the loop takes {loop:.2f}x the read limit", "The .item() loop on CPU"))
         if case.total_elements >= FLOAT64_COPIES_ELEMENTS:
             s = case.speedup(NormMethod.FLOAT64_COPIES)
             checks.append(TargetCheck(
@@ -684,6 +675,10 @@ def render(run: RunResults) -> str:
         targets_table(run) + "\n",
         "### Targets not met\n",
         miss_notes(run) + "\n",
+        _head("Shapes: collect() against torch's own norm (one process, one thread)", "Shapes"),
+        f"Target: every shape {shapes.SHAPES_TARGET} torch's own norm read once, relative "
+        "error <= 1e-6 against float64. Ratio of the best times of interleaved rounds.\n",
+        (shapes.table(run.shapes) if run.shapes else "Not measured in this run.") + "\n",
         _head("Per-collect cost (one process, one thread)"),
         f"Rounds per case: {run.rounds[0]}-{run.rounds[1]}.\n",
         per_collect_table(run.norm_cases) + "\n",

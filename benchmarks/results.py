@@ -566,3 +566,5 @@ class RunResults:
     scale: list[ScaleResult] = field(default_factory=list)
     #: benchmarks.zero_bench.ZeroNormResult, or its Failure; None: skipped
     zero: Any = None
+    #: benchmarks.shapes.ShapeResult per shape (collect against torch's own norm)
+    shapes: list[Any] = field(default_factory=list)

@@ -38,6 +38,7 @@ from benchmarks import (  # noqa: E402
     rankview_bench,
     report,
     scale,
+    shapes,
     zero_bench,
 )
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
@@ -85,6 +86,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
 
     run.norm_cases = section("per-collect", lambda: measure.per_collect(
         plan.norm_cases, plan.rounds, plan.budget_s))
+    run.shapes = section("shapes", lambda: shapes.measure(
+        plan.shapes, (min(7, plan.rounds[1]), max(7, plan.rounds[1])), plan.budget_s))
     run.mixed = section("mixed sizes", lambda: measure.mixed(
         plan.mixed_rounds, 3 * plan.budget_s, plan.mixed_big))
     run.clipping = section("clipping", lambda: measure.clipping(

@@ -65,6 +65,10 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   (`gradwatch_dropped_snapshots_total`). A dropped step, or one that failed to materialize
   (`gradwatch_publish_errors_total`), is not counted in any other counter. Counters restart at
   0 with the job.
+* **No sink holds up the endpoint.** The history file, the trackers and your sinks each write
+  from their own bounded queue and thread; a step a sink never got is counted per sink
+  (`gradwatch_sink_dropped_steps_total`), as are its failed or stalled writes
+  (`gradwatch_sink_errors_total`), while the endpoint keeps publishing every step.
 * **Exploding includes non-finite**: a parameter whose gradient holds NaN/Inf counts in
   `gradwatch_exploding_tensors` and makes its step count in `gradwatch_exploding_steps_total`.
 * **As of the last published step.** A separate exporter process serves the scrapes; the

@@ -452,6 +452,36 @@ local lib = import 'lib.libsonnet';
                 runbook_url: runbook('gradwatchexportererrors'),
               },
             },
+            // A sink (the history file, a tracker, a user sink) failed to write or lost steps:
+            // its own queue and thread keep the endpoint and the other sinks going, so nothing
+            // else shows it. Per sink, on the two counters; restart-safe as the others.
+            {
+              alert: "GradwatchSinkFailing",
+              expr: |||
+                (
+                  increase(gradwatch_sink_errors_total{@}[10m]) > 0
+                  or
+                  increase(gradwatch_sink_dropped_steps_total{@}[10m]) > 0
+                )
+                or
+                (
+                  (gradwatch_sink_errors_total{@} > 0 or gradwatch_sink_dropped_steps_total{@} > 0)
+                  and on (job, instance)
+                  (
+                    gradwatch_start_time_seconds{@}
+                    != last_over_time(gradwatch_start_time_seconds{@}[1h] offset 10m)
+                  )
+                )
+              |||,
+              labels: {
+                severity: "warning",
+              },
+              annotations: {
+                summary: "gradwatch's {{ $labels.sink }} sink is failing in job {{ $labels.job }} ({{ $labels.instance }})",
+                description: "The {{ $labels.sink }} sink of gradwatch in job {{ $labels.job }} (instance {{ $labels.instance }}, all groups) failed to write or lost steps in the last 10 minutes (gradwatch_sink_errors_total, gradwatch_sink_dropped_steps_total): that tracker or history file misses steps, while the endpoint and the other sinks go on. The job's log (logger gradwatch) names the error.",
+                runbook_url: runbook('gradwatchsinkfailing'),
+              },
+            },
             // Fraction of the training thread's wall-clock time spent in collect().
             {
               alert: "GradwatchOverheadHigh",

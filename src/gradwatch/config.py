@@ -253,6 +253,13 @@ class WatchConfig(BaseSettings):
             (:mod:`gradwatch.export.sinks`): ``"tensorboard"`` (needs ``tensorboard_dir``),
             ``"wandb"`` (the active run, else a new one), ``"mlflow"`` (likewise).
         tensorboard_dir: the TensorBoard run directory of the ``"tensorboard"`` sink.
+        sink_queue_size: steps waiting for one sink (the history file, a tracker, a sink
+            added with ``add_sink``) in its own queue; past it the oldest waiting step is
+            dropped and counted (``gradwatch_sink_dropped_steps_total``). No sink ever makes
+            the endpoint or another sink wait.
+        sink_timeout_seconds: a sink's write running longer is counted once in
+            ``gradwatch_sink_errors_total`` and logged (a tracker server or file system that
+            hangs).
         file_sd_path: rank 0 writes a Prometheus ``file_sd`` target for its endpoint here
             at start and removes it at close (:mod:`gradwatch.export.filesd`); an existing
             directory gets a file named after the Slurm job or the run. Needs ``port``.
@@ -352,6 +359,10 @@ class WatchConfig(BaseSettings):
     # -- tracker sinks (gradwatch.export.sinks) and discovery without Kubernetes (export.filesd)
     sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
     tensorboard_dir: Path | None = None
+    sink_queue_size: int = Field(default=256, ge=1, le=1_000_000)
+    sink_timeout_seconds: float = Field(
+        default=30.0, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False
+    )
     file_sd_path: Path | None = None
     file_sd_labels: dict[str, str] = Field(default_factory=dict)
 

@@ -45,6 +45,7 @@ from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.ddp_hook import detach
 from gradwatch.step.collector import Collector, PendingSnapshot, clip_locally
 from gradwatch.step.guard import GuardedOptimizer
+from gradwatch.step.ranktimer import close_timer
 from gradwatch.step.resolve import resolve
 
 if TYPE_CHECKING:
@@ -283,11 +284,11 @@ class GradWatch:
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every snapshot published from now on to ``sink`` too (see
-        :class:`gradwatch.export.Sink`), from the publisher thread, never the training thread.
+        :class:`gradwatch.export.Sink`), from its own thread, never the training thread.
 
         Global rank 0 only (the other ranks publish nothing): a no-op elsewhere, after
-        :meth:`close` and when disabled. Errors a sink raises are logged once and counted, never
-        raised here.
+        :meth:`close` and when disabled. Errors a sink raises are counted
+        (``gradwatch_sink_errors_total``), logged and retried, never raised here.
         """
         if self.rank != 0 or self._closed:
             return
@@ -297,17 +298,19 @@ class GradWatch:
             self._publishing.add_sink(sink)
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every step collected so far reached the endpoint and the history file.
+        """Wait until every step collected so far is published on the endpoint (audited: the
+        verdicts of :meth:`audit_norm` counted and served), then written by the history file and
+        every sink, or lost by a sink and counted; at most ``timeout`` seconds in all.
 
-        Only global rank 0 publishes; elsewhere, and with neither ``port`` nor
-        ``history_path``, returns True at once. False on timeout or after :meth:`close`.
+        Only global rank 0 publishes; elsewhere, and with neither ``port`` nor ``history_path``
+        nor a sink, returns True at once. False on timeout, when a sink is failing or stalled
+        (not waited for; logged), or after :meth:`close`.
         """
         if self._publishing is None:
-            done = not self._closed
-        else:
-            done = bool(self._publishing.flush(timeout))
-        self._summarizer.audit()  # reports that arrived after their step was built
-        return done
+            self._summarizer.audit()  # reports that arrived after their step was built
+            return not self._closed
+        # Late reports are judged before the endpoint syncs: a scrape after this shows them.
+        return bool(self._publishing.flush(timeout, settle=self._summarizer.audit))
 
     def close(self) -> None:
         """Flush and stop the endpoint and the history, wait for this rank's gradwatch
@@ -324,8 +327,7 @@ class GradWatch:
         self._hooks.clear()
         self._collector.closed = True
         detach(self._resolved.comm_hook)
-        if self._resolved.timer is not None:
-            self._resolved.timer.close()
+        close_timer(self._resolved.timer)
         try:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served

@@ -14,7 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from benchmarks import cases, distributed, guard_bench, rankview_bench, report  # noqa: E402
+from benchmarks import (  # noqa: E402
+    cases,
+    distributed,
+    guard_bench,
+    rankview_bench,
+    report,
+    shapes,
+)
 from benchmarks.results import (  # noqa: E402
     DistributedCase,
     NormMethod,
@@ -49,8 +56,8 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     assert run.main(["--quick", "--no-distributed", "--out", str(out)]) == 0
     assert torch.get_num_threads() == threads  # restored
     text = out.read_text()
-    for heading in ("## Machine", "## Targets", "## Per-collect cost", "## Mixed sizes",
-                    "## `.item()` loops and float64 copies on CPU", "## Clipping",
+    for heading in ("## Machine", "## Targets", "## Shapes", "## Per-collect cost",
+                    "## Mixed sizes", "## `.item()` loops and float64 copies on CPU", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
                     "## Spike detection", "## CUDA", "## Construction at scale",
                     "## Per-rank view and the DDP path", "## FSDP1"):
@@ -101,6 +108,11 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     assert re.search(r"skipped: `torch\.cuda\.is_available\(\)` is False|Device: ", text)
     header, rows = _rows(text, "| parameters | top-k |")
     assert [r[1] for r in rows] == ["50", "200"]
+    header, rows = _rows(text, "| shape (tensors x elements) |")
+    assert [r[0] for r in rows] == [s.label for s in shapes.QUICK_SHAPES]
+    for r in rows:  # best times, their ratio, gradwatch exact to 1e-6
+        assert float(r[2]) > 0 and float(r[3]) > 0 and r[4].endswith("x")
+        assert float(r[6]) <= 1e-6 and r[8] in ("met", "**NOT MET**")
 
 
 def _methods_page_anchors() -> set[str]:
@@ -119,10 +131,10 @@ def test_every_known_cause_is_a_heading_of_the_methods_page() -> None:
 
 def test_target_bounds() -> None:
     assert str(cases.MIXED_FP32_TARGET) == "<= 1.25x"
-    assert str(cases.ITEM_LOOP_TARGET) == ">= 10x"
+    assert str(shapes.SHAPES_TARGET) == "<= 1.25x"
     assert str(cases.DDP_OVERHEAD_TARGET) == "<= +3%"
     assert cases.MIXED_FP32_TARGET.met(1.25) and not cases.MIXED_FP32_TARGET.met(1.26)
-    assert cases.ITEM_LOOP_TARGET.met(10) and not cases.ITEM_LOOP_TARGET.met(9.9)
+    assert cases.FLOAT64_COPIES_TARGET.met(3) and not cases.FLOAT64_COPIES_TARGET.met(2.9)
 
 
 @pytest.mark.distributed

@@ -150,3 +150,30 @@ def test_mixed_fsdp1_fsdp2_refused(w2: list) -> None:
     for res in case_results(w2, "mixed_fsdp2"):
         assert res["error_type"] == "UnsupportedParallelismError", res
         assert "FSDP1" in res["message"] and "FSDP2" in res["message"], res
+
+
+@pytest.fixture(scope="module")
+def hf2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn_suite(fsdp1_cases.worker, "hf", 2, tmp_path_factory.mktemp("fsdp1_hf2"),
+                       WORLD_TIMEOUT)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["hf_flat", "hf_orig"])
+def test_huggingface_trainer_clip_is_routed_and_pre_clip(hf2: list, case: str) -> None:
+    """The Trainer's clip under FSDP1 goes through gradwatch: the published figure of every
+    step is the pre-clip norm (float64 reference of the averaged replica, clip active), the
+    total the Trainer logs is that norm, the same on every rank, and the model is clipped to
+    max_norm as FSDP's own clip would."""
+    for res in case_results(hf2, case):
+        assert res["routed"] and res["route_removed"]
+        pre, max_norm = res["pre"], res["max_norm"]
+        assert max_norm < pre  # the clip acts
+        for step, seen in enumerate(res["steps"], start=1):
+            assert seen["step"] == step
+            assert abs(seen["published"] - pre) <= TOL * pre, (seen, pre)
+            assert abs(seen["total"] - pre) <= TOL * pre, (seen, pre)
+            assert seen["clip_coef"] == pytest.approx(max_norm / (pre + 1e-6), rel=1e-6)
+            assert math.isclose(seen["post_clip"], max_norm, rel_tol=1e-5)
+    totals = {tuple(s["total"] for s in r["steps"]) for r in case_results(hf2, case)}
+    assert len(totals) == 1  # bit for bit on every rank

@@ -116,3 +116,20 @@ def test_no_gradient_sized_temporary(stage: int, w2: list[dict[str, Any]]) -> No
         assert res["local_bytes"] > 2**16
         assert res["largest"] <= res["local_bytes"] // 16, res
         assert math.isfinite(res["largest"])
+
+
+@pytest.fixture(scope="module")
+def costs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn_suite(zero_cases.worker, "costs", 2, tmp_path_factory.mktemp("costs"),
+                       WORLD_TIMEOUT)
+
+
+@pytest.mark.parametrize("case", ["costs_s2_fp16", "costs_s3_fp16", "costs_s2_bf16"])
+def test_warm_steps_build_no_tensor_and_read_nothing(costs: list[dict[str, Any]],
+                                                     case: str) -> None:
+    """Warm collects and clips under ZeRO (fp16's loss scale divided out as a kernel argument,
+    bf16): no tensor from Python data, no blocking copy, no scalar read, on every rank."""
+    for res in case_results(costs, case):
+        assert res["last"] is not None and res["last"] > 0
+        for python_tensors, blocking, scalar_reads, seen in res["counts"]:
+            assert (python_tensors, blocking, scalar_reads) == (0, 0, 0), seen

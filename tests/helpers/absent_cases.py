@@ -38,6 +38,9 @@ ABSENT_IN_THESE_RUNS = frozenset({
     "gradwatch_norm_audit_disagreements_total",
 })
 
+#: Series of the sinks (``observe`` adds one, so they are present in its runs): absent without.
+SINK_SERIES = frozenset({"gradwatch_sink_errors_total", "gradwatch_sink_dropped_steps_total"})
+
 #: Measured by the per-rank view only.
 RANK_VIEW = frozenset({
     "gradwatch_nonfinite_origin_ranks",

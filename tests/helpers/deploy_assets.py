@@ -98,6 +98,9 @@ CONTRACT_METRICS = frozenset(
         # norm auditing
         "gradwatch_reported_norm_ratio",
         "gradwatch_norm_audit_disagreements_total",
+        # the sinks (history file, trackers)
+        "gradwatch_sink_errors_total",
+        "gradwatch_sink_dropped_steps_total",
         # the optimizer-step guard
         "gradwatch_skipped_steps_total",
         "gradwatch_consecutive_skipped_steps",
@@ -121,6 +124,7 @@ REQUIRED_ALERTS = {
     "GradwatchReplicaOutlier": ("warning", True),
     "GradwatchStepsSkipped": ("warning", False),
     "GradwatchGuardStopped": ("critical", False),
+    "GradwatchSinkFailing": ("warning", False),
     "GradwatchNoGradient": ("warning", False),
 }
 

@@ -314,7 +314,79 @@ W4 = [
     ("bf16_hybrid_orig", case_fsdp1("HYBRID_SHARD", True, kind=BF16)),
     ("mixed_orig", case_fsdp1("FULL_SHARD", True, kind=MIXED)),
 ]
-SUITES = {"w2": W2, "w4": W4}
+def case_hf_trainer_clip(orig: bool) -> Callable[[int, int], dict]:
+    """The Hugging Face callback's route under FSDP1: the Trainer's call sequence (the
+    callback handed the unwrapped model, ``accelerator.clip_grad_norm_(fsdp.parameters(),
+    max_norm)`` after backward, ``on_pre_optimizer_step`` after it) with accelerate's own
+    ``Accelerator.clip_grad_norm_`` on an accelerator that runs FSDP1 (accelerate runs FSDP
+    only on an accelerator device, so its state is stood in for: the distributed type, its
+    models, no scaler). Two steps of the same gradient, clipping at half its norm: what
+    gradwatch published, the clip's total, and the full post-clip norm of every rank's shard."""
+
+    def run(rank: int, world: int) -> dict:
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedType
+
+        from gradwatch.integrations.huggingface import GradWatchCallback
+
+        inner = _model(FP32)
+        model = _wrap(inner, "FULL_SHARD", orig, FP32, "auto")
+
+        class FSDP1Accelerator:
+            distributed_type = DistributedType.FSDP
+            is_fsdp2 = False
+            scaler = None
+            _models = (model,)
+
+            def unscale_gradients(self) -> None:
+                pass
+
+        class Args:
+            max_grad_norm = 0.0
+
+        class State:
+            global_step = 0
+            log_history: tuple = ()
+
+        ref = averaged_reference(FP32, rank, world)
+        pre = math.sqrt(math.fsum(ref.values()))
+        Args.max_grad_norm = 0.5 * pre
+        callback = GradWatchCallback(config(groups=GROUPS, ratios=[]))
+        callback.on_train_begin(Args(), State(), None, model=inner)
+        out: dict[str, Any] = {"routed": callback.routed, "pre": pre, "steps": []}
+        for _ in range(2):
+            model.zero_grad()
+            model(_inputs(FP32, rank)).sum().backward()
+            total = Accelerator.clip_grad_norm_(
+                FSDP1Accelerator(), model.parameters(), Args.max_grad_norm
+            )
+            callback.on_pre_optimizer_step(Args(), State(), None)
+            State.global_step += 1
+            local = math.fsum(float(x) ** 2 for g in _local_grads(model) if g is not None
+                              for x in g.double().flatten().tolist())
+            shards: list[Any] = [None] * world
+            dist.all_gather_object(shards, local)
+            assert callback.watch is not None
+            snap = callback.watch.last
+            out["steps"].append({
+                "published": snap.global_norm if snap is not None else None,
+                "step": snap.step if snap is not None else None,
+                "clip_coef": snap.clip_coef if snap is not None else None,
+                "total": float(total),
+                "post_clip": math.sqrt(math.fsum(shards)),
+            })
+        out["max_norm"] = Args.max_grad_norm
+        callback.on_train_end(Args(), State(), None)
+        out["route_removed"] = "clip_grad_norm_" not in Accelerator.__dict__ or (
+            Accelerator.clip_grad_norm_.__qualname__ == "Accelerator.clip_grad_norm_")
+        return out
+
+    return run
+
+
+HF = [("hf_flat", case_hf_trainer_clip(False)), ("hf_orig", case_hf_trainer_clip(True))]
+
+SUITES = {"w2": W2, "w4": W4, "hf": HF}
 
 
 def worker(rank: int, world: int, port: int, out: str, suite: str) -> None:

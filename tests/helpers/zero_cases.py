@@ -360,7 +360,45 @@ def case_temporaries(stage: int) -> Callable[[int, int], dict]:
     return run
 
 
+def case_warm_costs(stage: int, dtype: str, loss_scale: float | None) -> Callable[[int, int], dict]:
+    """Warm collects and clips (after two cold steps): tensors built from
+    Python data, blocking host<->device copies and scalar reads, counted by gradwatch's
+    dispatch-mode counters. ``loss_scale``: DeepSpeed's fp16 loss scale set in its loss
+    scaler (its CPU accelerator refuses fp16 itself), whose division is what is checked."""
+
+    def run(rank: int, world: int) -> dict:
+        from gradwatch import GradWatch
+        from gradwatch.doctor.testing import OpCounter, count_blocking_copies
+
+        engine, _replica = engine_and_replica(stage, dtype)
+        if loss_scale is not None:
+            engine.optimizer.loss_scaler.cur_scale = loss_scale
+        watch = GradWatch(engine, config())
+        out: dict[str, Any] = {"counts": []}
+        for step in range(4):
+            backward(engine, step)
+            with count_blocking_copies() as copies, OpCounter() as ops:
+                if step % 2:
+                    watch.clip_grad_norm_(1e6, step=step)  # gradwatch clips, DeepSpeed does not
+                else:
+                    watch.collect(step)
+            if step >= 2:
+                out["counts"].append([copies.python_tensors, copies.blocking_copies,
+                                      ops.scalar_reads, copies.describe()])
+            out["last"] = watch.last.global_norm if watch.last is not None else None
+            engine.step()
+        watch.close()
+        return out
+
+    return run
+
+
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
+    "costs": [
+        ("costs_s2_fp16", case_warm_costs(2, "fp32", 1024.0)),
+        ("costs_s3_fp16", case_warm_costs(3, "fp32", 1024.0)),
+        ("costs_s2_bf16", case_warm_costs(2, "bf16", None)),
+    ],
     "w2": [
         *[(f"exact_s{s}_{d}", case_exact(s, d)) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")],
         # bf16 parameters accumulating fp32 gradients: ZeRO-2's compact fp32 partition buffer

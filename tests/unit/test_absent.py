@@ -130,7 +130,7 @@ def test_catalog_names_parse_counters_and_info() -> None:
 def test_catalog_walk_refused_watcher() -> None:
     """A refused setup serves no per-step figure (nothing measured) but the counters at 0, the
     exporter's own series, gradwatch_collecting 0 and the info metrics."""
-    from absent_cases import ABSENT_IN_THESE_RUNS, scrape_catalog
+    from absent_cases import ABSENT_IN_THESE_RUNS, SINK_SERIES, scrape_catalog
 
     from gradwatch.export.metricdef import MetricSource
     from gradwatch.watcher import RefusedWatch
@@ -142,5 +142,5 @@ def test_catalog_walk_refused_watcher() -> None:
     finally:
         refused.close()
     per_step = {m.name for m in METRICS if m.source is MetricSource.SNAPSHOT}
-    assert {m.name for m in METRICS} - present == per_step | ABSENT_IN_THESE_RUNS
+    assert {m.name for m in METRICS} - present == per_step | ABSENT_IN_THESE_RUNS | SINK_SERIES
     assert "gradwatch_collecting" in present and "gradwatch_collections_total" in present

@@ -32,6 +32,7 @@ from deploy_assets import (
     ROOT,
     RULES,
     RULES_TEST,
+    RUNBOOK,
     alerts,
     check_names,
     compose,
@@ -119,6 +120,24 @@ def test_alert_annotations_name_job_instance_group_and_runbook() -> None:
         anchor = name.lower()
         assert annotations["runbook_url"] == f"docs/runbook.md#{anchor}", name
         assert anchor in sections, f"docs/runbook.md has no section for {name}"
+
+
+_NUMBER_WORDS = (
+    *("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"),
+    *("eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen"),
+    *("eighteen", "nineteen", "twenty", "twenty-one", "twenty-two", "twenty-three"),
+)
+
+
+def test_operations_and_runbook_count_every_shipped_alert() -> None:
+    """operations.md says how many alerts ship, in words; the runbook's table lists each."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    found = re.search(r"`gradwatch\.alerts`: ([a-z-]+) alerts", text)
+    assert found, "operations.md no longer states the number of alerts"
+    assert found.group(1) == _NUMBER_WORDS[len(alerts())], (found.group(1), len(alerts()))
+    table = RUNBOOK.read_text().split("\n## ", 1)[0]
+    for name in alerts():
+        assert f"[{name}](#{name.lower()})" in table, f"runbook table misses {name}"
 
 
 def test_runbook_documents_thresholds_durations_and_actions() -> None:

@@ -1673,8 +1673,8 @@
     {
       "id": 19,
       "type": "timeseries",
-      "title": "Exporter errors and drops",
-      "description": "Snapshots gradwatch failed to publish (alerts) and snapshots dropped because the exporter was still busy with an older one.",
+      "title": "Exporter and sink errors and drops",
+      "description": "Snapshots gradwatch failed to publish and snapshots dropped because the exporter was still busy with an older one; per sink (history file, trackers), failed writes and steps the sink never received (GradwatchSinkFailing).",
       "datasource": {
         "type": "prometheus",
         "uid": "${datasource}"
@@ -1705,6 +1705,28 @@
           "expr": "increase(gradwatch_dropped_snapshots_total{job=~\"$job\",instance=~\"$instance\"}[$__rate_interval])",
           "legendFormat": "dropped snapshots",
           "refId": "B",
+          "range": true,
+          "instant": false
+        },
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "increase(gradwatch_sink_errors_total{job=~\"$job\",instance=~\"$instance\"}[$__rate_interval])",
+          "legendFormat": "{{sink}} sink errors",
+          "refId": "C",
+          "range": true,
+          "instant": false
+        },
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "increase(gradwatch_sink_dropped_steps_total{job=~\"$job\",instance=~\"$instance\"}[$__rate_interval])",
+          "legendFormat": "{{sink}} sink dropped steps",
+          "refId": "D",
           "range": true,
           "instant": false
         }

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.norms.bands import BANDS, norm_from_bands
-from gradwatch.reduce.collective import landed, record_event
+from gradwatch.reduce.collective import LandedFlag, landed, record_event
 
 #: Reports waiting for their step's exact norm, at most (the oldest are dropped beyond it).
 MAX_PENDING = 256
@@ -291,7 +291,7 @@ class HostCopy:
     """A reported accelerator tensor on its way to pinned host memory: the copy is queued on
     its stream at report time, :attr:`landed` is set when it completed (no poll)."""
 
-    def __init__(self, host: Tensor | None, landed: threading.Event | None, why: str | None):
+    def __init__(self, host: Tensor | None, landed: LandedFlag | None, why: str | None):
         self.host, self.landed, self.why = host, landed, why
 
     @classmethod
@@ -323,7 +323,7 @@ class LocalSquares:
     before the packed vector's, with the event that lands it; a step judged before it landed
     has no local diagnosis (nothing waits)."""
 
-    def __init__(self, host: Tensor, landed_flag: threading.Event | None) -> None:
+    def __init__(self, host: Tensor, landed_flag: LandedFlag | None) -> None:
         self._host, self._landed = host, landed_flag
 
     @classmethod
@@ -340,13 +340,13 @@ class LocalSquares:
 
     def norm(self) -> float | None:
         """This rank's local norm, or None while its copy has not landed."""
-        if self._landed is not None and not self._landed.is_set():
-            return None
+        if self._landed is not None and not self._landed.landed():
+            return None  # not yet, or never (its wait raised): never read it
         return norm_from_bands(*self._host.view(BANDS, -1).sum(dim=1).tolist())
 
 
 def _landed(value: Any) -> bool:
-    return not isinstance(value, HostCopy) or value.landed is None or value.landed.is_set()
+    return not isinstance(value, HostCopy) or value.landed is None or value.landed.landed()
 
 
 def read_norm(value: Any) -> tuple[float, str | None]:

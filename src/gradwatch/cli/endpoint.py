@@ -114,6 +114,9 @@ class EndpointView:
     exploding_steps: int = 0
     publish_errors: int = 0
     dropped: int = 0
+    # per sink (history, trackers, user sinks): failed or stalled writes, steps never received
+    sink_errors: Mapping[str, int] = field(default_factory=dict)
+    sink_dropped: Mapping[str, int] = field(default_factory=dict)
     version: str | None = None
     world_size: str | None = None
     parallelism: str | None = None
@@ -259,6 +262,8 @@ def parse_exposition(text: str) -> EndpointView:
         exploding_steps=count(catalog.EXPLODING_STEPS_TOTAL),
         publish_errors=count(catalog.PUBLISH_ERRORS_TOTAL),
         dropped=count(catalog.DROPPED_SNAPSHOTS_TOTAL),
+        sink_errors={k: _int(v) for (k,), v in found.get(catalog.SINK_ERRORS_TOTAL, ())},
+        sink_dropped={k: _int(v) for (k,), v in found.get(catalog.SINK_DROPPED_STEPS_TOTAL, ())},
         version=version,
         world_size=world_size,
         parallelism=parallelism,

@@ -283,6 +283,18 @@ def anomalies_text(view: EndpointView) -> Text:
         text.append(
             f", publish errors {view.publish_errors}, dropped {view.dropped}", style="yellow"
         )
+    text.append_text(sinks_text(view))
+    return text
+
+
+def sinks_text(view: EndpointView) -> Text:
+    """``, sink mlflow: errors 6, dropped 2`` for each sink that failed or lost steps; empty
+    while every sink keeps up."""
+    text = Text()
+    for sink in sorted(set(view.sink_errors) | set(view.sink_dropped)):
+        errors, dropped = view.sink_errors.get(sink, 0), view.sink_dropped.get(sink, 0)
+        if errors or dropped:
+            text.append(f", sink {sink}: errors {errors}, dropped {dropped}", style="yellow")
     return text
 
 

@@ -9,6 +9,8 @@ the CUDA path promises and this project cannot test without a GPU.
 * ``cuda[bitwise]``: two replicas with identical gradients clip for 200 steps: every clip
   norm equal bit for bit (deterministic float64 sums, no atomics).
 * ``cuda[capture]``: ``collect()`` inside CUDA graph capture is refused with a clear error.
+* ``cuda[mixed]``, ``cuda[zero-fp16]``: gradients split between host and GPU, and DeepSpeed's
+  fp16 loss scale: no synchronization, exact figures (:mod:`gradwatch.doctor.cuda_paths`).
 * the optimizer-step guard's checks (:mod:`gradwatch.doctor.cuda_guard`):
   ``cuda[guard-scaler]``, ``cuda[deterministic]``, ``cuda[first-skip]``.
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from gradwatch.config import WatchConfig
 from gradwatch.doctor.cuda_guard import guard_checks
+from gradwatch.doctor.cuda_paths import check_cuda_mixed, check_cuda_zero_fp16
 from gradwatch.doctor.options import FAIL, PASS, SKIP, Check
 from gradwatch.errors import GradWatchError
 from gradwatch.reduce.collective import capture_window
@@ -136,6 +139,8 @@ def cuda_checks(device: torch.device) -> list[tuple[str, Callable[[], Check]]]:
         ("cuda[bitwise]", check_cuda_bitwise),
         ("cuda[capture]", check_cuda_capture),
         *guard_checks(),
+        ("cuda[mixed]", check_cuda_mixed),
+        ("cuda[zero-fp16]", check_cuda_zero_fp16),
     ]
     if device.type != "cuda":
         return [

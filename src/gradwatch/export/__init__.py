@@ -1,8 +1,9 @@
 """The exporter: what global rank 0 does with each collected step.
 
-One publisher thread hands every materialized snapshot to a list of sinks (:class:`Sink`): the
-Prometheus endpoint's published state, the history file, and any sink a user adds. The modules,
-each with one job:
+One publisher thread puts every materialized snapshot on the Prometheus endpoint's published
+state, then offers it to the other sinks (:class:`Sink`: the history file, the trackers, any
+sink a user adds), each written from its own bounded queue and thread. The modules, each with
+one job:
 
 * :mod:`~gradwatch.export.metricdef`: what one metric's definition is (:class:`MetricDef`:
   name, type, labels, HELP text, buckets, how its samples are read) and the values it reads.
@@ -12,6 +13,8 @@ each with one job:
   immutable object per publish) and the exporter's self-stats.
 * :mod:`~gradwatch.export.collector`: the prometheus_client Collector rendering the catalog.
 * :mod:`~gradwatch.export.publisher`: the :class:`Sink` protocol and the publisher thread.
+* :mod:`~gradwatch.export.sinkworker`: one sink's bounded queue and thread (drops, retries,
+  stalls: counted per sink, logged rate-limited).
 * :mod:`~gradwatch.export.http`: bind the port, start and feed the exporter process (renders
   the exposition on change, never per request).
 * :mod:`~gradwatch.export.server`: the exporter process (HTTP, TLS, basic auth, per-client
@@ -23,8 +26,9 @@ each with one job:
 
 docs/metrics.md is rendered from the catalog outside the package (``scripts/gen_metrics_docs.py``).
 
-Nothing here can raise into the training loop once publishing is open: errors are logged once
-per kind and counted in ``gradwatch_publish_errors_total``.
+Nothing here can raise into the training loop once publishing is open: errors are logged and
+counted (``gradwatch_publish_errors_total`` for the endpoint, ``gradwatch_sink_errors_total``
+and ``gradwatch_sink_dropped_steps_total`` per sink).
 """
 
 from __future__ import annotations

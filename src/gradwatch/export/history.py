@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import threading
@@ -54,6 +55,8 @@ __all__ = [
     "read_history",
     "rotated_path",
 ]
+
+log = logging.getLogger("gradwatch.export")
 
 #: How long :meth:`HistoryWriter.close` waits for a write in progress before giving up on it.
 CLOSE_TIMEOUT = 1.0
@@ -132,19 +135,24 @@ class HistoryWriter:
     Thread-safe, and a :class:`~gradwatch.export.Sink` (``write``, ``action``, ``close``). Two
     ways to write:
 
-    * :meth:`write` raises the ``OSError`` of a failed write (the publisher thread uses it, so
-      the failure is logged once and counted like any other publishing error);
+    * :meth:`write` raises the ``OSError`` of a failed write (the history's sink thread uses it,
+      so the failure is counted, logged and retried like any sink's);
     * :meth:`append` never raises on I/O errors: it returns False and keeps the error in
       :attr:`last_error`, so a full disk cannot kill whoever calls it.
 
     After a failed write the file is closed and reopened by the next write, which isolates a
-    half-written line with a newline (see the module docstring). With ``lazy=True`` nothing
-    touches the file system until the first write, so constructing the writer can neither block
-    on a slow file system nor fail; otherwise the file is opened (and its directory created)
-    here and errors raise at once.
+    half-written line with a newline (see the module docstring). A file removed or replaced
+    while open (its directory deleted, say) is noticed at the next write (one ``stat``), logged,
+    and created again with its directory: lines never go to a file nobody can read.
+
+    With ``lazy=True`` nothing touches the file system until the first write, so constructing
+    the writer can neither block on a slow file system nor fail; otherwise the file is opened
+    (and its directory created) here and errors raise at once.
     """
 
-    #: Completes "could not ... a collected step" in the publisher's error log.
+    #: The ``sink`` label of its ``gradwatch_sink_*`` series.
+    name = "history"
+    #: Completes "could not ... a collected step" in error logs.
     action = "write the history of"
 
     def __init__(
@@ -189,6 +197,8 @@ class HistoryWriter:
             if self._closed:
                 return
             try:
+                if self._fh is not None and not _still_at(self._fh, self.path):
+                    self._removed()
                 if self._fh is None:
                     self._fh = self._open()
                 if self._fh.tell() > 0 and self._fh.tell() + len(line) > self.max_bytes:
@@ -210,6 +220,17 @@ class HistoryWriter:
             return False
         with self._lock:
             return not self._closed
+
+    def _removed(self) -> None:
+        """The file (or its directory) was removed or replaced under the writer: lines written
+        to the old handle would vanish, so the next write creates it again (and its
+        directory)."""
+        self._discard_handle()
+        log.warning(
+            "gradwatch: the history file %s was removed or replaced while open; writing a new "
+            "one there from this step on",
+            self.path,
+        )
 
     def _discard_handle(self) -> None:
         fh, self._fh = self._fh, None

@@ -37,7 +37,7 @@ from gradwatch.export.metricdef import (
     rank_view_field,
     select_param_series,
 )
-from gradwatch.export.rankmetrics import RANK_TIMING_METRICS
+from gradwatch.export.rankmetrics import RANK_WORK_SECONDS, SLOWEST_RANK, STRAGGLER_SCORE
 
 __all__ = [
     "EXEMPLAR_COUNTERS", "METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "read_all",
@@ -478,11 +478,11 @@ PUBLISH_ERRORS_TOTAL = MetricDef(
     "gradwatch_publish_errors_total",
     "counter",
     (),
-    "Collected steps that failed to materialize or publish (logged once per kind).",
-    "For example a `GradWatchTimeoutError` when another rank stopped calling collect(), "
-    "or an exception raised by a sink: a failed write to the history file "
-    "(`history_path`) or a sink you added (`Sink`, docs/integrations.md); each failing "
-    "sink counts once. Publishing continues with the other sinks and the next step.",
+    "Collected steps that failed to materialize or to publish on the endpoint (logged once "
+    "per kind).",
+    "For example a `GradWatchTimeoutError` when another rank stopped calling collect(). A "
+    "sink's failures (the history file, a tracker, a sink you added) are counted per sink in "
+    "`gradwatch_sink_errors_total`. Publishing continues with the next step.",
     absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.SELF_STATS,
     read=lambda v: one(v.publish_errors),
@@ -497,6 +497,28 @@ DROPPED_SNAPSHOTS_TOTAL = MetricDef(
     absent=md.ABSENT_WHEN_DISABLED,
     source=MetricSource.SELF_STATS,
     read=lambda v: one(v.dropped),
+)
+_ABSENT_WITHOUT_SINKS = "Without a sink (history file, tracker, user sink); and when disabled."
+SINK_ERRORS_TOTAL = MetricDef(
+    "gradwatch_sink_errors_total", "counter", ("sink",),
+    "Failed or stalled writes of one sink (the history file, a tracker, a sink you added).",
+    "One series per sink (`history`, `tensorboard`, `wandb`, `mlflow`, or a user sink's "
+    "`name`) from when it is added. Every write that raised (each retry) and, once per stall, "
+    "one running past `sink_timeout_seconds`. The endpoint and the other sinks go on. The "
+    "GradwatchSinkFailing alert fires on it.",
+    absent=_ABSENT_WITHOUT_SINKS,
+    source=MetricSource.SELF_STATS,
+    read=lambda v: each(v.sink_errors) or None,
+)
+SINK_DROPPED_STEPS_TOTAL = MetricDef(
+    "gradwatch_sink_dropped_steps_total", "counter", ("sink",),
+    "Published steps one sink never received.",
+    "Series as `gradwatch_sink_errors_total`. A sink keeps the newest `sink_queue_size` "
+    "waiting steps; a write that failed three times is given up; close counts what was not "
+    "written in time. Trackers also log `gradwatch/dropped_steps`. Alert: GradwatchSinkFailing.",
+    absent=_ABSENT_WITHOUT_SINKS,
+    source=MetricSource.SELF_STATS,
+    read=lambda v: each(v.sink_dropped) or None,
 )
 COLLECT_SECONDS = MetricDef(
     "gradwatch_collect_seconds",
@@ -622,57 +644,21 @@ GRAD_NORM_RATIO_BAND = MetricDef(
 )
 
 METRICS: tuple[MetricDef, ...] = (
-    STEP,
-    LAST_COLLECT_TIMESTAMP_SECONDS,
-    GLOBAL_GRAD_NORM,
-    GRAD_NORM,
-    GRAD_NORM_RATIO,
-    GROUP_PARAMETERS,
-    VANISHING_TENSORS,
-    EXPLODING_TENSORS,
-    NONFINITE_TENSORS,
-    HEALTH_SCORE,
-    ISOLATION_VIOLATED,
-    REPLICA_DIVERGENCE,
-    CLIP_COEF,
-    PARAM_GRAD_NORM,
-    NONFINITE_ORIGIN_RANKS,
-    REPLICA_GRAD_NORM,
-    REPLICA_GRAD_NORM_MAX_RANK,
-    REPLICA_OUTLIER_SCORE,
-    GRADIENT_NOISE_SCALE,
-    GROUP_GRADIENT_NOISE_SCALE,
-    LAST_NONFINITE_ORIGIN,
-    *RANK_TIMING_METRICS,
-    COLLECTIONS_TOTAL,
-    NONFINITE_STEPS_TOTAL,
-    NO_GRADIENT_STEPS_TOTAL,
-    AMP_SKIPPED_STEPS_TOTAL,
-    EXPLODING_STEPS_TOTAL,
-    ISOLATION_VIOLATIONS_TOTAL,
-    SKIPPED_STEPS_TOTAL,
-    CONSECUTIVE_SKIPPED_STEPS,
-    GUARD_STOPPED,
-    GUARD_SCORE,
-    GLOBAL_GRAD_NORM_SPIKE_SCORE,
-    GRAD_NORM_SPIKE_SCORE,
-    GLOBAL_GRAD_NORM_SPIKES_TOTAL,
-    GRAD_NORM_SPIKES_TOTAL,
-    NONFINITE_GROUP_STEPS_TOTAL,
-    GLOBAL_GRAD_NORM_PER_STEP,
-    GRAD_NORM_PER_STEP,
-    PUBLISH_ERRORS_TOTAL,
-    DROPPED_SNAPSHOTS_TOTAL,
-    COLLECT_SECONDS,
-    REPORTED_NORM_RATIO,
-    NORM_AUDIT_DISAGREEMENTS_TOTAL,
-    COLLECTING,
-    INTERNAL_ERRORS_TOTAL,
-    BUILD_INFO,
-    RUN_INFO,
-    START_TIME_SECONDS,
-    GRAD_NORM_RATIO_BAND,
-)
+    STEP, LAST_COLLECT_TIMESTAMP_SECONDS, GLOBAL_GRAD_NORM, GRAD_NORM, GRAD_NORM_RATIO,
+    GROUP_PARAMETERS, VANISHING_TENSORS, EXPLODING_TENSORS, NONFINITE_TENSORS, HEALTH_SCORE,
+    ISOLATION_VIOLATED, REPLICA_DIVERGENCE, CLIP_COEF, PARAM_GRAD_NORM, NONFINITE_ORIGIN_RANKS,
+    REPLICA_GRAD_NORM, REPLICA_GRAD_NORM_MAX_RANK, REPLICA_OUTLIER_SCORE, GRADIENT_NOISE_SCALE,
+    GROUP_GRADIENT_NOISE_SCALE, LAST_NONFINITE_ORIGIN, SLOWEST_RANK, STRAGGLER_SCORE,
+    RANK_WORK_SECONDS, COLLECTIONS_TOTAL, NONFINITE_STEPS_TOTAL,
+    NO_GRADIENT_STEPS_TOTAL, AMP_SKIPPED_STEPS_TOTAL, EXPLODING_STEPS_TOTAL,
+    ISOLATION_VIOLATIONS_TOTAL, SKIPPED_STEPS_TOTAL, CONSECUTIVE_SKIPPED_STEPS, GUARD_STOPPED,
+    GUARD_SCORE, GLOBAL_GRAD_NORM_SPIKE_SCORE, GRAD_NORM_SPIKE_SCORE,
+    GLOBAL_GRAD_NORM_SPIKES_TOTAL, GRAD_NORM_SPIKES_TOTAL, NONFINITE_GROUP_STEPS_TOTAL,
+    GLOBAL_GRAD_NORM_PER_STEP, GRAD_NORM_PER_STEP, PUBLISH_ERRORS_TOTAL, DROPPED_SNAPSHOTS_TOTAL,
+    SINK_ERRORS_TOTAL, SINK_DROPPED_STEPS_TOTAL, COLLECT_SECONDS, REPORTED_NORM_RATIO,
+    NORM_AUDIT_DISAGREEMENTS_TOTAL, COLLECTING, INTERNAL_ERRORS_TOTAL, BUILD_INFO, RUN_INFO,
+    START_TIME_SECONDS, GRAD_NORM_RATIO_BAND,
+)  # fmt: skip
 
 METRICS_BY_NAME: Mapping[str, MetricDef] = MappingProxyType({m.name: m for m in METRICS})
 

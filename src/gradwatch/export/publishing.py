@@ -7,18 +7,19 @@
   (:class:`~gradwatch.export.http.HTTPEndpoint` serving the
   :class:`~gradwatch.export.collector.SnapshotCollector`);
 * with ``WatchConfig.history_path``: the history file, a sink
-  (:class:`~gradwatch.export.history.HistoryWriter`, opened lazily by the publisher thread so a slow
-  or
-  broken file system can neither block construction nor raise into training);
+  (:class:`~gradwatch.export.history.HistoryWriter`, opened lazily by its own thread so a slow
+  or broken file system can neither block construction nor raise into training);
 * with ``WatchConfig.sinks``: the tracker sinks (:mod:`gradwatch.export.sinks`: TensorBoard, W&B,
   MLflow), imported only then;
 * plus any user sink (:class:`~gradwatch.export.publisher.Sink`);
 * with ``WatchConfig.file_sd_path``: the endpoint's Prometheus ``file_sd`` target, written once
   the port is bound and removed at close (:mod:`gradwatch.export.filesd`).
 
-All of them are fed by the same :class:`~gradwatch.export.publisher.Publisher` thread, so the
-training thread only ever queues a pending result. :class:`MetricsServer` is a
-:class:`Publishing` that must serve (the endpoint on its own, as tests and tools use it).
+All of them are fed by the same :class:`~gradwatch.export.publisher.Publisher` thread (the
+endpoint directly, every other sink through its own queue and thread), so the training thread
+only ever queues a pending result and no sink can hold up the endpoint or another sink.
+:class:`MetricsServer` is a :class:`Publishing` that must serve (the endpoint on its own, as
+tests and tools use it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -104,12 +105,14 @@ def open_publishing(
 class Publishing:
     """One publisher thread feeding ``sinks``, after the endpoint's state when ``cfg.port`` is set.
 
-    Three threads touch it: the **training thread** calls :meth:`submit` and
+    These threads touch it: the **training thread** calls :meth:`submit` and
     :meth:`observe_collect_seconds` (never block on the network or the device, never raise);
-    the **publisher thread** materializes each pending result and hands the snapshot to every
-    sink; the **exporter thread** renders the published state (read once, so an exposition
-    never shows half of one step and half of another) when it changed and hands the bytes to
-    the exporter process, which serves every scrape. All public methods are thread-safe.
+    the **publisher thread** materializes each pending result, publishes it on the endpoint's
+    state and offers it to every other sink; one **sink thread** per sink writes it there
+    (:mod:`gradwatch.export.sinkworker`); the **exporter thread** renders the published state
+    (read once, so an exposition never shows half of one step and half of another) when it
+    changed and hands the bytes to the exporter process, which serves every scrape. All public
+    methods are thread-safe.
 
     Construction binds the port in the caller's thread (0 = ephemeral) and starts the exporter
     process. :meth:`close` returns within its ``timeout`` (5 s by default) whatever the sinks
@@ -173,8 +176,13 @@ class Publishing:
         try:
             if cfg.file_sd_path is not None and self.port is not None:
                 self._discovery = _write_discovery(cfg, self.port, self.run_id)
-            first = () if self._state is None else (self._state,)
-            self._publisher = Publisher([*first, *sinks], self._stats)
+            self._publisher = Publisher(
+                self._state,
+                sinks,
+                self._stats,
+                queue_size=cfg.sink_queue_size,
+                sink_timeout=cfg.sink_timeout_seconds,
+            )
         except BaseException:
             if self._discovery is not None:
                 with contextlib.suppress(OSError):
@@ -228,15 +236,36 @@ class Publishing:
         """Record the training thread's time in one ``collect()`` call. Never raises."""
         self._stats.observe(float(seconds))  # a bucket count under a lock
 
-    def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything submitted so far reached every sink, failed or was dropped,
-        and the endpoint serves it (the self-stats included).
+    def flush(
+        self, timeout: float = 10.0, settle: Callable[[], object] | None = None
+    ) -> bool:
+        """Wait until everything submitted so far is on the endpoint and the endpoint serves it
+        (the self-stats included), then until every sink wrote it or lost it (counted), and the
+        endpoint serves those counts.
 
-        Returns False on timeout, or at once when closed.
+        ``settle`` runs once the endpoint's state holds every submitted step and before the
+        endpoint is synced: what it counts (the watcher's late norm audits) is served when this
+        returns. The whole wait is bounded by ``timeout`` seconds; the endpoint goes first, so a
+        blocked sink never keeps it behind, and a sink that is failing or stalled is not waited
+        for (:meth:`~gradwatch.export.sinkworker.SinkWorker.flush`). Returns False when a sink
+        has not written everything (logged; its steps are written or counted as lost later), on
+        timeout, or at once when closed.
         """
         deadline = time.monotonic() + max(timeout, 0.0)
-        if not self._publisher.flush(timeout):
+        if self.closed:
             return False
+        handled = self._publisher.flush_endpoint(deadline)
+        if settle is not None:
+            settle()
+        if not (handled and self._sync(deadline)):
+            return False
+        if not self._publisher.workers:
+            return True
+        # The sinks' own counts (errors, drops) may have changed meanwhile: served too.
+        return self._publisher.flush_sinks(deadline) and self._sync(deadline)
+
+    def _sync(self, deadline: float) -> bool:
+        """Wait until the endpoint serves what the state and self-stats hold now."""
         return self._http is None or self._http.sync(max(deadline - time.monotonic(), 0.0))
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:

@@ -47,6 +47,3 @@ RANK_WORK_SECONDS = MetricDef(
     source=MetricSource.SNAPSHOT,
     read=md.work_seconds_samples,
 )
-
-#: In their order in :data:`gradwatch.export.metrics.METRICS`.
-RANK_TIMING_METRICS = (SLOWEST_RANK, STRAGGLER_SCORE, RANK_WORK_SECONDS)

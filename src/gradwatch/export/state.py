@@ -309,6 +309,8 @@ class SelfView:
     collecting: bool | None = None  # None: no watcher reported yet (both series absent)
     internal_errors: tuple[tuple[str, int], ...] = ()
     audits: tuple[tuple[str, float, int], ...] = ()  # (source, last ratio, disagreements)
+    sink_errors: tuple[tuple[str, int], ...] = ()  # per sink, in the order they were added
+    sink_dropped: tuple[tuple[str, int], ...] = ()
 
     def samples(self) -> dict[MetricDef, MetricValue]:
         """The samples of every ``MetricSource.SELF_STATS`` metric."""
@@ -338,6 +340,8 @@ class SelfStats:
         self._collecting: bool | None = None  # until the watcher's first measurement or error
         self._internal_errors = dict.fromkeys(INTERNAL_ERROR_KINDS, 0)
         self._audits: dict[str, tuple[float, int]] = {}  # source -> (last ratio, disagreements)
+        self._sink_errors: dict[str, int] = {}
+        self._sink_dropped: dict[str, int] = {}
         self.version = 0  # bumped by every change; read without the lock (an int load)
 
     def observe(self, seconds: float) -> None:
@@ -354,6 +358,12 @@ class SelfStats:
         with self._lock:
             self._publish_errors += 1
             self.version += 1
+
+    @property
+    def dropped(self) -> int:
+        """``gradwatch_dropped_snapshots_total`` so far."""
+        with self._lock:
+            return self._dropped
 
     def add_dropped(self) -> None:
         with self._lock:
@@ -388,6 +398,25 @@ class SelfStats:
             self._audits[source] = (ratio, disagreements)
             self.version += 1
 
+    def add_sink(self, sink: str) -> None:
+        """Start the ``sink`` series of both sink counters at 0 (a sink was added)."""
+        with self._lock:
+            self._sink_errors.setdefault(sink, 0)
+            self._sink_dropped.setdefault(sink, 0)
+            self.version += 1
+
+    def add_sink_error(self, sink: str) -> None:
+        """Count one ``gradwatch_sink_errors_total{sink}``: a failed or stalled write."""
+        with self._lock:
+            self._sink_errors[sink] = self._sink_errors.get(sink, 0) + 1
+            self.version += 1
+
+    def add_sink_dropped(self, sink: str, steps: int = 1) -> None:
+        """Count ``steps`` in ``gradwatch_sink_dropped_steps_total{sink}``."""
+        with self._lock:
+            self._sink_dropped[sink] = self._sink_dropped.get(sink, 0) + steps
+            self.version += 1
+
     def view(self) -> SelfView:
         with self._lock:
             return SelfView(
@@ -398,4 +427,6 @@ class SelfStats:
                 self._collecting,
                 tuple(self._internal_errors.items()),
                 tuple((s, r, n) for s, (r, n) in self._audits.items()),
+                tuple(self._sink_errors.items()),
+                tuple(self._sink_dropped.items()),
             )

@@ -12,10 +12,12 @@ The route is an override of ``accelerate.Accelerator.clip_grad_norm_`` installed
 ``on_train_begin`` to ``on_train_end`` (the callback is never handed the Trainer or its
 accelerator); it takes a call only when its parameters are exactly the watched model's, the
 norm is L2 and finite, and the accelerator runs a path gradwatch measures exactly (single
-process, DDP, FSDP2); any other call goes to accelerate untouched. Under XLA, Megatron-LM or
-FSDP1 (the engine clips), or when the Trainer clips without the accelerator (its mixed-mesh
-path), gradwatch cannot take over: it warns once, and its figures are then **post-clip** (at
-most ``max_grad_norm``).
+process, DDP, FSDP1 with either ``use_orig_params``, FSDP2); any other call goes to accelerate
+untouched. Under FSDP1 accelerate would call the root's ``FullyShardedDataParallel.clip_grad_norm_``
+(the same coefficient over the whole model); gradwatch scales every rank's shards by the
+coefficient of its exact whole-model norm instead. Under XLA or Megatron-LM (the engine clips),
+or when the Trainer clips without the accelerator (its mixed-mesh path), gradwatch cannot take
+over: it warns once, and its figures are then **post-clip** (at most ``max_grad_norm``).
 
 **Under DeepSpeed** accelerate's ``backward`` runs ``engine.backward(loss)`` and, on an
 accumulation boundary, ``engine.step()``, which clips (``gradient_clipping``, the Trainer's
@@ -43,7 +45,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gradwatch.config import WatchConfig
-from gradwatch.integrations.common import log_figures
+from gradwatch.integrations.common import LIVE_RUNS, close_watch, log_figures
 from gradwatch.step.guard import GuardedOptimizer
 from gradwatch.watcher import GradWatch
 
@@ -79,7 +81,12 @@ class GradWatchCallback(TrainerCallback):
         return self in _ROUTE.callbacks
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
-        if self.watch is None and model is not None and self.config.enabled:
+        # A run whose training raised never reached on_train_end: its watcher is closed here
+        # (this callback's included), so this run watches and clips the model it is given.
+        LIVE_RUNS.begin(self)
+        self._routed_step = None
+        self._warned = False
+        if model is not None and self.config.enabled:
             self.watch = GradWatch(model, self.config)
         zero = self.watch._resolved.zero if self.watch is not None else None
         if zero is not None:
@@ -140,12 +147,20 @@ class GradWatchCallback(TrainerCallback):
             state.log_history[-1].update(figures)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any):
+        self.end_run(drain=True)
+
+    def end_run(self, drain: bool) -> None:
+        """Close the run's watcher (``drain``: wait, bounded, for its all-reduces in flight),
+        remove the clip route and the engine wrapper. Idempotent; also called, without
+        draining, when a later run begins on this thread and this one never ended."""
+        LIVE_RUNS.end(self)
         _ROUTE.remove(self)
+        self._params = frozenset()
         if self._engine is not None:
             self._engine.__dict__.pop("step", None)  # the class's step again
             self._engine = None
         if self.watch is not None:
-            self.watch.close()
+            close_watch(self.watch, drain)
             self.watch = None
 
     # -- DeepSpeed ----------------------------------------------------------------------------
@@ -194,7 +209,7 @@ class GradWatchCallback(TrainerCallback):
         if self.watch is None or norm_type != 2 or not math.isfinite(max_norm):
             return False
         kind = getattr(getattr(accelerator, "distributed_type", None), "value", "")
-        if kind in _ENGINE_CLIPS or (kind == "FSDP" and not getattr(accelerator, "is_fsdp2", 0)):
+        if kind in _ENGINE_CLIPS:
             return False
         return len(params) == len(self._params) and {id(p) for p in params} == self._params
 
@@ -245,13 +260,11 @@ def _cannot_route() -> str | None:
 
         if not is_initialized():  # constructing AcceleratorState() would initialize one
             return None
-        state = AcceleratorState()
-        kind = state.distributed_type.value
-        fsdp1 = kind == "FSDP" and not getattr(state, "is_fsdp2", False)
+        kind = AcceleratorState().distributed_type.value
     except (ImportError, AttributeError):  # an unknown state: the per-call check decides
         return None
-    if kind in _ENGINE_CLIPS or fsdp1:
-        return f"accelerate runs {kind}{' (FSDP1)' if fsdp1 else ''}, whose engine clips"
+    if kind in _ENGINE_CLIPS:
+        return f"accelerate runs {kind}, whose engine clips"
     return None
 
 

@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 from gradwatch.config import WatchConfig
-from gradwatch.integrations.common import log_figures
+from gradwatch.integrations.common import LIVE_RUNS, PREFIX, close_watch, log_figures
 from gradwatch.step.guard import GuardedOptimizer
 from gradwatch.watcher import GradWatch
 
@@ -34,21 +34,27 @@ class GradWatchCallback(pl.Callback):
     """Collects before each optimizer step and logs gradwatch's figures with ``log_dict``.
 
     ``Trainer(callbacks=[GradWatchCallback(WatchConfig(groups=...))])``. Figures of step N are
-    logged at step N+1 (materializing them at step N would wait on the device).
+    logged at step N+1, on rank 0, as CPU tensors, with ``gradwatch/step`` = N (materializing
+    them at step N would wait on the device; other ranks log none: Lightning's loggers write
+    from rank 0).
     """
 
     def __init__(self, config: WatchConfig | None = None, **overrides: Any) -> None:
         self.config = config if config is not None else WatchConfig(**overrides)
         self.watch: GradWatch | None = None
         self._step: int | None = None  # the step collected in the current optimizer step
+        self._logged: int | None = None  # the step of the last snapshot logged
         self._wrapped: pl.LightningModule | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.watch is None and self.config.enabled:
+        # A run that ended without on_fit_end or on_exception (a framework that skipped them)
+        # is closed here, this callback's included: this run watches the module it is given.
+        LIVE_RUNS.begin(self)
+        self._step = self._logged = None
+        if self.config.enabled:
             self.watch = GradWatch(pl_module, self.config)
             if self.config.guard:
                 self._guard(trainer)
-        if self.watch is not None and self._wrapped is None:
             self._wrap_log(pl_module)
 
     def _guard(self, trainer: pl.Trainer) -> None:
@@ -85,11 +91,29 @@ class GradWatchCallback(pl.Callback):
     ) -> None:
         if self.watch is None:
             return
-        previous = self.watch.last
-        if previous is not None:
-            pl_module.log_dict(log_figures(previous), on_step=True, on_epoch=False)
+        self._log_ready(pl_module)
         self.watch.collect(step=trainer.global_step)
         self._step = trainer.global_step
+
+    def _log_ready(self, pl_module: pl.LightningModule) -> None:
+        """On rank 0, log the newest measured snapshot (the previous step's, built by the
+        publisher or here from its landed result), once, with its own step as
+        ``gradwatch/step``. Other ranks log nothing: Lightning's loggers write from rank 0.
+
+        Lightning turns a logged Python number into ``torch.tensor(v, device=module.device)``,
+        one blocking host-to-device copy per figure; a logged CPU tensor is only cloned on the
+        host. So the figures go as views of one CPU tensor per step: nothing reaches the
+        device, nothing is read back from it."""
+        watch = self.watch
+        snap = watch.last if watch is not None and watch.rank == 0 else None
+        if snap is None or snap.step == self._logged:
+            return
+        self._logged = snap.step
+        figures = {**log_figures(snap), f"{PREFIX}step": float(snap.step)}
+        values = torch.tensor(list(figures.values()), dtype=torch.float64)  # host memory
+        pl_module.log_dict(
+            dict(zip(figures, values.unbind(), strict=True)), on_step=True, on_epoch=False
+        )
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
@@ -97,9 +121,22 @@ class GradWatchCallback(pl.Callback):
         self._step = None  # a value logged outside the optimizer step is not audited
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.end_run(drain=True)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """The fit raised: its watcher is closed now (port freed), without waiting for peers."""
+        self.end_run(drain=False)
+
+    def end_run(self, drain: bool) -> None:
+        """Close the run's watcher (``drain``: wait, bounded, for its all-reduces in flight) and
+        unwrap the module's ``log``. Idempotent."""
+        LIVE_RUNS.end(self)
+        self._step = None
         if self._wrapped is not None:
             self._wrapped.__dict__.pop("log", None)
             self._wrapped = None
         if self.watch is not None:
-            self.watch.close()
+            close_watch(self.watch, drain)
             self.watch = None

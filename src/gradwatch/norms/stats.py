@@ -4,14 +4,15 @@ Given the gradients a rank holds (plain tensors, or the local shards of DTensors
 :class:`NormEngine` returns one float64 vector of their squared norms in three bands
 (:mod:`gradwatch.norms.bands`), computed without a float64 copy of any gradient and with a number of
 dispatched ops that does not grow with the number of tensors of up to :data:`WHOLE_NUMEL`
-elements (each larger one costs two ops: a view and a norm). Per (device, dtype) bucket, like
+elements (two per fill of the pack buffer, :data:`PACK_NUMEL` elements; each larger tensor
+costs two ops: a view and a norm). Per (device, dtype) bucket, like
 ``torch.nn.utils.get_total_norm``:
 
 * accelerators, float32/bf16/fp16: one ``torch._foreach_norm(..., dtype=torch.float64)``;
 * float64 on accelerators: rescaled rows in one persistent scratch (:func:`rescaled_norms`);
 * CPU float32/bf16/fp16: rows of :data:`ROW_NUMEL` elements normed in float32 (small tensors
-  packed into one buffer, large ones read in place), their squares summed per tensor in
-  float64 by one sparse-CSR product;
+  packed into one cache-sized buffer, fill after fill; large ones read in place), their
+  squares summed per tensor in float64 (``index_add_``, or one sparse-CSR product);
 * CPU repair: a tensor whose fast norm is non-finite or tiny is recomputed exactly in float64,
   chunk by chunk.
 
@@ -23,6 +24,7 @@ exactness and its costs: docs/design.md, "The local math".
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,12 +51,15 @@ WHOLE_NUMEL = 65536
 #: reused scratch buffer (4 MiB). ``vector_norm(t, dtype=torch.float32)`` would allocate a float32
 #: copy of the whole tensor (twice its bytes, fresh memory each call). A multiple of ROW_NUMEL.
 CONVERT_CHUNK = 1 << 20
-#: CPU bf16/fp16/fp32 tensors of ROW_NUMEL+1 to WHOLE_NUMEL elements are copied (widened) by
-#: one foreach op into zero-padded, row-aligned slots of one persistent float32 buffer per
-#: (device, dtype), and normed there as rows: a float64-accumulating norm of them converts every
-#: element to float64 and costs ~5x more. The buffer holds at most this many elements (16 MiB);
-#: tensors that do not fit take the float64 path.
-PACK_NUMEL = 1 << 22
+#: CPU bf16/fp16/fp32 tensors of at most WHOLE_NUMEL elements, and the partial last rows of
+#: row-path tensors, are copied (widened) into zero-padded, row-aligned slots of one persistent
+#: float32 *pack buffer* of this many elements per (device, dtype) (2 MiB) and normed there as
+#: rows, one *fill* after another: one ``_foreach_copy_`` and one ``vector_norm`` per fill,
+#: whatever the number of tensors. A small buffer stays in the core's cache between the copy
+#: and the norm (one large buffer costs a full write and re-read of memory), and no tensor ever
+#: falls back to a float64-accumulating norm (~5x the cost per element). At least
+#: ``aligned(WHOLE_NUMEL)``.
+PACK_NUMEL = 1 << 19
 #: Buckets with at least this many rows sum them per tensor by a sparse-CSR matrix-vector
 #: product; fewer, by ``index_add_`` (cheaper below about 20K rows, see segment_sum_matrix).
 CSR_MIN_ROWS = 32768
@@ -95,6 +100,22 @@ class _RowChunk:
 
 
 @dataclass
+class _Fill:
+    """One fill of a bucket's pack buffer: ``slots[j]`` (a view of the buffer shaped like its
+    source) receives ``sources[j]``: a position (the whole tensor) or ``~position`` (the partial
+    last row of a row-path tensor); ``pads[k]`` receives ``zeros[k]`` (padding that another
+    fill writes data into). Then ``rows`` (the used part of the buffer, as rows) are normed
+    into ``out``, this fill's slice of the bucket's row norms."""
+
+    slots: list[Tensor]
+    sources: list[int]
+    pads: list[Tensor]
+    zeros: list[Tensor]
+    rows: Tensor
+    out: Tensor
+
+
+@dataclass
 class _Bucket:
     """Tensors of one (device, dtype) and how each is normed. Built once per gradient layout."""
 
@@ -113,10 +134,7 @@ class _Bucket:
     row_chunks: list[list[_RowChunk]] = field(default_factory=list)  # bf16/fp16 tensors
     tails: list[int] = field(default_factory=list)  # rows positions with a partial last row
     packed: list[int] = field(default_factory=list)  # positions copied whole into the pack
-    pack_used: int = 0  # elements of the pack buffer in use (row-aligned slots)
-    pack_slots: list[Tensor] = field(default_factory=list)  # the slots of packed, then of tails
-    pack_rows: Tensor | None = None  # the pack buffer as (rows, ROW_NUMEL)
-    pack_out: Tensor | None = None  # pack_rows' slice of norms
+    fills: list[_Fill] = field(default_factory=list)  # the pack buffer's fills, in order
     # The float32 norm of every row of this bucket (``row_sums.norms``), each row's position,
     # and how their squares are summed per position (a sparse CSR product for many rows)
     row_sums: RowSquares | None = None
@@ -138,6 +156,11 @@ class NormPlan:
     repair_floor: Tensor | None  # per position: squared norms below this are recomputed
     repair_ceiling: Tensor | None = None  # and above this (float64 positions; else None)
     scratch: dict[torch.device, Tensor] = field(default_factory=dict)  # widening buffers
+
+    @property
+    def pack_fills(self) -> int:
+        """Fills of the pack buffers, over every bucket: two ops each per call."""
+        return sum(len(bucket.fills) for bucket in self.buckets)
 
 
 class MetaGradientError(ValueError):
@@ -165,8 +188,9 @@ def build_plan(
     """Sorts tensors into buckets and paths; O(len(tensors)) Python and a few index tensors,
     so it is cached and rebuilt only when the gradient layout changes.
 
-    Row-path tensors are placed first, so their partial last rows get pack slots before the
-    mid-size tensors fill the buffer; whatever does not fit takes the float64 path.
+    CPU float32/bf16/fp16 tensors take the row path (larger than :data:`WHOLE_NUMEL` and
+    dense) or the pack (the rest of those up to :data:`WHOLE_NUMEL`); anything else a float64
+    path.
     Float64 tensors off the CPU take the rescaled path (:func:`rescaled_norms`); with
     ``rescale_float64`` CPU ones do too (instead of the repair), which is how tests exercise
     the accelerator path on a CPU.
@@ -175,7 +199,6 @@ def build_plan(
     floor = [0.0] * len(tensors)
     ceiling = [math.inf] * len(tensors)
     needs_repair = False
-    mid_size: list[int] = []
     for i, t in enumerate(tensors):
         if t is None or t.numel() == 0:
             continue
@@ -188,19 +211,18 @@ def build_plan(
         on_cpu = t.device.type == "cpu"
         fast = on_cpu and t.dtype in _LOW_PRECISION
         if fast and t.numel() > WHOLE_NUMEL and flat_view(t) is not None:
-            has_tail = t.numel() % ROW_NUMEL != 0
-            if not has_tail or bucket.pack_used + ROW_NUMEL <= PACK_NUMEL:
-                bucket.rows.append(i)
-                bucket.row_counts.append(t.numel() // ROW_NUMEL)
-                bucket.row_strides.append(t.stride())
-                if has_tail:
-                    bucket.tails.append(i)
-                    bucket.pack_used += ROW_NUMEL
-                floor[i] = TINY_NORM * TINY_NORM
-                needs_repair = True
-                continue
-        elif fast and t.numel() <= WHOLE_NUMEL:
-            mid_size.append(i)
+            bucket.rows.append(i)
+            bucket.row_counts.append(t.numel() // ROW_NUMEL)
+            bucket.row_strides.append(t.stride())
+            if t.numel() % ROW_NUMEL != 0:
+                bucket.tails.append(i)
+            floor[i] = TINY_NORM * TINY_NORM
+            needs_repair = True
+            continue
+        if fast and t.numel() <= WHOLE_NUMEL:
+            bucket.packed.append(i)
+            floor[i] = TINY_NORM * TINY_NORM
+            needs_repair = True
             continue
         # Float64 off the CPU: rescaled. A huge non-dense one cannot be chunked by views and
         # takes the unrescaled foreach norm below (exact within about [1e-154, 1e154]).
@@ -215,17 +237,6 @@ def build_plan(
             needs_repair = True
         elif on_cpu:
             needs_repair = True  # other float types: repair only non-finite results
-    for i in mid_size:
-        t = tensors[i]
-        assert t is not None
-        bucket = buckets[(t.device, t.dtype)]
-        if bucket.pack_used + aligned(t.numel()) <= PACK_NUMEL:
-            bucket.packed.append(i)
-            bucket.pack_used += aligned(t.numel())
-        else:
-            bucket.whole.append(i)
-        floor[i] = TINY_NORM * TINY_NORM
-        needs_repair = True
     plan = NormPlan(
         n=len(tensors),
         out_device=out_device,
@@ -255,11 +266,11 @@ def build_plan(
 
 
 def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPlan) -> None:
-    """The float32 norms vector of ``bucket`` (row-path rows, then pack rows), each row's
-    owner, the output slice of every norm op, and the pack buffer (zeros: padding never changes
-    a norm) with one slot per packed tensor and per partial last row, shaped like its source so
-    one ``_foreach_copy_`` fills every slot. Built with the plan, reused every step."""
-    n_rows = sum(bucket.row_counts) + bucket.pack_used // ROW_NUMEL
+    """The float32 norms vector of ``bucket`` (row-path rows, then the rows of every fill),
+    each row's owner, the output slice of every norm op, and the pack buffer's fills
+    (:func:`_pack_fills`). Built with the plan, reused every step."""
+    fills = _pack_fills(bucket, tensors)
+    n_rows = sum(bucket.row_counts) + sum(used for _, used in fills) // ROW_NUMEL
     norms = torch.empty(n_rows, dtype=torch.float32, device=bucket.device)
     owner: list[int] = []
     at = 0
@@ -287,45 +298,96 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
             rows = out[first : first + m // ROW_NUMEL]
             chunks.append(_RowChunk(start, m, buf, buf.view(-1, ROW_NUMEL), rows))
         bucket.row_chunks.append(chunks)
-    if bucket.pack_used:
-        buffer = torch.zeros(bucket.pack_used, dtype=torch.float32, device=bucket.device)
-        offset = 0
-        sources = [(i, tensors[i].shape) for i in bucket.packed]  # type: ignore[union-attr]
-        sources += [(i, (tensors[i].numel() % ROW_NUMEL,)) for i in bucket.tails]  # type: ignore[union-attr]
-        for i, shape in sources:
-            numel = math.prod(shape)
-            bucket.pack_slots.append(buffer[offset : offset + numel].view(shape))
-            owner.extend([i] * (aligned(numel) // ROW_NUMEL))
-            offset += aligned(numel)
-        bucket.pack_rows = buffer.view(-1, ROW_NUMEL)
-        bucket.pack_out = norms[at:]
+    if fills:
+        length = max(used for _, used in fills)
+        buffer = torch.zeros(length, dtype=torch.float32, device=bucket.device)
+        zeros = torch.zeros(ROW_NUMEL, dtype=bucket.dtype, device=bucket.device)
+        dirty = _written_by_other_fills(fills, length)
+        for items, used in fills:
+            slots, sources, pads, pad_zeros = [], [], [], []
+            for src, shape, offset in items:
+                numel = math.prod(shape)
+                slots.append(buffer[offset : offset + numel].view(shape))
+                sources.append(src)
+                pad = slice(offset + numel, offset + aligned(numel))
+                if pad.stop > pad.start and dirty[pad.stop] > dirty[pad.start]:
+                    pads.append(buffer[pad])
+                    pad_zeros.append(zeros[: pad.stop - pad.start])
+                owner.extend([src if src >= 0 else ~src] * (aligned(numel) // ROW_NUMEL))
+            rows = used // ROW_NUMEL
+            bucket.fills.append(
+                _Fill(slots, sources, pads, pad_zeros, buffer[:used].view(-1, ROW_NUMEL),
+                      norms[at : at + rows])
+            )
+            at += rows
     # Accelerators: always the CSR product, whose additions per output are in a fixed order
     # (index_add_ adds by atomics there: replicas could sum the same rows to different bits).
     csr = len(owner) >= CSR_MIN_ROWS or bucket.device.type != "cpu"
     bucket.row_sums = RowSquares.build(owner, plan.n, bucket.device, csr, norms)
 
 
+_FillLayout = list[tuple[list[tuple[int, tuple[int, ...], int]], int]]
+
+
+def _pack_fills(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> _FillLayout:
+    """The pack buffer's fills: per fill, ``(source, shape, offset)`` of every slot (a source
+    is a position, or ``~position`` for a partial last row) and the elements it uses; slots
+    are row-aligned and a fill uses at most :data:`PACK_NUMEL` elements."""
+    items: list[tuple[int, tuple[int, ...]]] = [
+        (i, tuple(tensors[i].shape)) for i in bucket.packed  # type: ignore[union-attr]
+    ]
+    items += [(~i, (tensors[i].numel() % ROW_NUMEL,)) for i in bucket.tails]  # type: ignore[union-attr]
+    fills: _FillLayout = []
+    current: list[tuple[int, tuple[int, ...], int]] = []
+    used = 0
+    for src, shape in items:
+        size = aligned(math.prod(shape))
+        if current and used + size > PACK_NUMEL:
+            fills.append((current, used))
+            current, used = [], 0
+        current.append((src, shape, used))
+        used += size
+    if current:
+        fills.append((current, used))
+    return fills
+
+
+def _written_by_other_fills(fills: _FillLayout, length: int) -> list[int]:
+    """Prefix counts of the buffer's elements some fill writes data into: a slot's padding
+    ``[a, b)`` must be zeroed by its own fill when ``counts[b] > counts[a]`` (padding never
+    holds its own fill's data, so any data there is another fill's, left over). One fill:
+    nothing to zero."""
+    if len(fills) < 2:
+        return [0] * (length + 1)
+    delta = [0] * (length + 1)
+    for items, _ in fills:
+        for _, shape, offset in items:
+            delta[offset] += 1
+            delta[offset + math.prod(shape)] -= 1
+    written = (depth > 0 for depth in itertools.accumulate(delta[:length]))
+    return [0, *itertools.accumulate(written)]
+
+
 def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
     """Writes the float32 norm of every row of ``bucket`` into ``bucket.row_sums.norms``: packed
-    tensors and partial last rows are copied (widened) into the pack buffer by one foreach op,
+    tensors and partial last rows are copied (widened) into the pack buffer by one foreach op
+    per fill (with the zeros of padding another fill wrote into) and normed as rows,
     row-path tensors are read in place through ``as_strided`` views of their memory (dense, so
     the first ``count * ROW_NUMEL`` elements in memory order are whole rows), bf16/fp16 ones
     widened chunk by chunk into the plan's scratch. Every norm writes into its slice of
     ``bucket.row_sums.norms`` (``out=``): no per-step allocation but the views."""
-    if bucket.pack_slots:
-        sources: list[Tensor] = [tensors[i] for i in bucket.packed]  # type: ignore[misc]
-        for i in bucket.tails:
-            t = tensors[i]
-            assert t is not None
-            full = t.numel() // ROW_NUMEL * ROW_NUMEL
-            sources.append(t.as_strided((t.numel() - full,), (1,), t.storage_offset() + full))
-        torch._foreach_copy_(bucket.pack_slots, sources)
-        torch.linalg.vector_norm(bucket.pack_rows, 2, dim=1, out=bucket.pack_out)
     for i, stride in zip(bucket.rows, bucket.row_strides, strict=True):
         t = tensors[i]
         assert t is not None
         if t.stride() != stride or t.device != bucket.device:
             raise StalePlan  # as_strided would read the wrong memory: plan again
+    for fill in bucket.fills:
+        sources: list[Tensor] = [
+            tensors[src] if src >= 0 else _tail(tensors[~src])  # type: ignore[misc, arg-type]
+            for src in fill.sources
+        ]
+        torch._foreach_copy_([*fill.slots, *fill.pads], [*sources, *fill.zeros])
+        torch.linalg.vector_norm(fill.rows, 2, dim=1, out=fill.out)
     if bucket.row_chunks:
         for i, chunks in zip(bucket.rows, bucket.row_chunks, strict=True):
             t = tensors[i]
@@ -340,6 +402,13 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
             assert t is not None
             rows = t.as_strided((count, ROW_NUMEL), (ROW_NUMEL, 1))
             torch.linalg.vector_norm(rows, 2, dim=1, out=out)
+
+
+def _tail(t: Tensor) -> Tensor:
+    """The partial last row of a dense row-path tensor: its elements past the whole rows, in
+    memory order."""
+    full = t.numel() // ROW_NUMEL * ROW_NUMEL
+    return t.as_strided((t.numel() - full,), (1,), t.storage_offset() + full)
 
 
 def foreach_norms(tensors: Sequence[Tensor], splits: Sequence[slice]) -> Tensor:
@@ -428,11 +497,19 @@ class NormEngine:
         self._key: tuple | None = None
         self._rescale_float64 = rescale_float64
         self.host_reads = 0
+        self._split: _SplitEngines | None = None  # gradients on the host and on a device
+        self._split_key: tuple | None = None
+        self._split_layout = False
 
     def plan_for(
-        self, tensors: Sequence[Tensor | None], out_device: torch.device, replan: bool = False
+        self,
+        tensors: Sequence[Tensor | None],
+        out_device: torch.device,
+        replan: bool = False,
+        key: tuple | None = None,
     ) -> NormPlan:
-        key = (out_device, _layout_key(tensors))
+        if key is None:
+            key = (out_device, _layout_key(tensors))
         if replan or self._plan is None or key != self._key:
             self._plan = None  # free the old plan's buffers before allocating the new ones
             self._plan = build_plan(tensors, out_device, self._rescale_float64)
@@ -469,7 +546,14 @@ class NormEngine:
             staged = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
             staged.copy_(sq)
             return staged.to(out_device, non_blocking=True), plan
-        plan = self.plan_for(tensors, out_device)
+        key = (out_device, _layout_key(tensors))
+        if out_device.type != "cpu":
+            if key != self._split_key:  # once per layout: which devices hold the gradients
+                self._split_key = key
+                self._split_layout = _split_between_host_and_device(tensors)
+            if self._split_layout:
+                return self._mixed(tensors, out_device)
+        plan = self.plan_for(tensors, out_device, key=key)
         try:
             sq = _fast_squared_norms(plan, tensors)
         except (StalePlan, RuntimeError):
@@ -499,6 +583,73 @@ class NormEngine:
                     torch.tensor(fixed, dtype=torch.float64, device=out_device),
                 )
         return sq, plan
+
+    def _mixed(
+        self, tensors: Sequence[Tensor | None], out_device: torch.device
+    ) -> tuple[Tensor, NormPlan] | None:
+        """Gradients partly in host memory, partly on a device (CPU offload of some
+        parameters, CPU embedding tables): None when they are not. Else the host ones are
+        normed (and repaired: a read of host memory) by a host engine, the device ones by a
+        device engine that never repairs (no host read), each with its own cached plan in the
+        same positions, and the host vector joins the device one by one non-blocking copy
+        from pinned memory: the repair mask is never computed from a device tensor. Whether a
+        layout is split is decided once per layout; each call sorts the tensors into the two
+        lists (O(len(tensors)) Python), the sub-plans are cached per layout."""
+        on_host = [t if t is not None and is_host_resident(t) else None for t in tensors]
+        on_device = [t if t is not None and not is_host_resident(t) else None for t in tensors]
+        if all(t is None for t in on_host) or all(t is None for t in on_device):
+            self._split = None
+            return None
+        if self._split is None:
+            self._split = _SplitEngines(NormEngine(self._rescale_float64),
+                                        NormEngine(self._rescale_float64))
+        split = self._split
+        reads = split.host.host_reads + split.device.host_reads
+        host_sq, host_plan = split.host.squared_norms_and_plan(on_host, torch.device("cpu"))
+        sq, device_plan = split.device.squared_norms_and_plan(on_device, out_device)
+        self.host_reads += split.host.host_reads + split.device.host_reads - reads
+        # Disjoint positions: every entry of one vector is 0 where the other's is set.
+        sq.add_(_host_vector_to(host_sq, out_device))
+        return sq, split.plan(host_plan, device_plan, out_device)
+
+
+def _split_between_host_and_device(tensors: Sequence[Tensor | None]) -> bool:
+    """Some gradients in host memory and some on a device (O(len(tensors)), once a layout)."""
+    present = [t for t in tensors if t is not None]
+    host = sum(1 for t in present if is_host_resident(t))
+    return 0 < host < len(present)
+
+
+def is_host_resident(t: Tensor) -> bool:
+    """A tensor in host memory (the split of :meth:`NormEngine._mixed`)."""
+    return t.device.type == "cpu"
+
+
+def _host_vector_to(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device`` by one non-blocking copy from pinned memory (as is on the CPU)."""
+    if device.type == "cpu":
+        return host
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staged.copy_(host)
+    return staged.to(device, non_blocking=True)
+
+
+@dataclass
+class _SplitEngines:
+    """The engines of gradients split between host memory and a device, and their joint plan
+    (every bucket of both, in the same positions: what a clip scales)."""
+
+    host: NormEngine
+    device: NormEngine
+    _joint: tuple[int, int, NormPlan] | None = None
+
+    def plan(self, host: NormPlan, device: NormPlan, out_device: torch.device) -> NormPlan:
+        if self._joint is None or self._joint[:2] != (id(host), id(device)):
+            joint = NormPlan(n=host.n, out_device=out_device,
+                             buckets=[*host.buckets, *device.buckets],
+                             needs_repair=False, repair_floor=None)
+            self._joint = (id(host), id(device), joint)
+        return self._joint[2]
 
 
 def sqrt_sum(squares: Sequence[float]) -> float:

@@ -103,6 +103,21 @@ def refuse_capture() -> None:
         )
 
 
+class LandedFlag(threading.Event):
+    """Set when a recorded event completed, or when waiting for it raised: then :attr:`error`
+    holds why, and the buffer the event guards was never known to be written (a device error).
+    :meth:`landed` is the only test for "the data is there"; :func:`wait_landed` raises on an
+    error instead of returning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: BaseException | None = None
+
+    def landed(self) -> bool:
+        """Set, and the wait succeeded: the guarded buffer holds the device's data."""
+        return self.is_set() and self.error is None
+
+
 class _Landing:
     """One daemon thread that waits for CUDA events in record order (``Event.synchronize()``)
     and wakes each waiter the moment its event completed: no sleep poll (a poll is late by its
@@ -117,17 +132,17 @@ class _Landing:
     captures do not need a window."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, LandedFlag]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._gate = threading.Condition()
         self._windows = 0  # capture windows open
         self._in_wait = False  # inside Event.synchronize()
 
-    def watch(self, event: Any) -> threading.Event:
-        """A flag set once ``event`` completed (or its wait raised: the waiter then reads a
-        device error of its own)."""
-        landed = threading.Event()
+    def watch(self, event: Any) -> LandedFlag:
+        """A flag set once ``event`` completed, or once its wait raised (with the error: the
+        waiter never reads the buffer then)."""
+        landed = LandedFlag()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -145,8 +160,8 @@ class _Landing:
                 self._in_wait = True
             try:
                 event.synchronize()
-            except Exception:  # never-crash boundary: the waiter's own read reports it
-                pass
+            except Exception as exc:  # never-crash boundary: the waiter raises it instead
+                landed.error = exc
             finally:
                 with self._gate:
                     self._in_wait = False
@@ -191,7 +206,7 @@ def capture_window(timeout: float = 60.0) -> contextlib.AbstractContextManager[N
     return _LANDING.window(timeout)
 
 
-def landed(event: Any) -> threading.Event:
+def landed(event: Any) -> LandedFlag:
     """Start watching ``event`` (a CUDA event, or anything with ``synchronize()``): the flag is
     set when it completed. Watch it as soon as it is recorded, so the wait overlaps the
     device's work."""
@@ -207,12 +222,19 @@ def record_event(device: torch.device) -> Any:
 
 
 def wait_landed(flag: threading.Event, timeout: float, what: str) -> None:
-    """Wait at most ``timeout`` seconds for a :func:`landed` flag, woken when it is set."""
+    """Wait at most ``timeout`` seconds for a :func:`landed` flag, woken when it is set; a
+    flag whose event wait raised raises :class:`GradWatchError` (the data never landed)."""
     if not flag.wait(timeout):
         raise GradWatchTimeoutError(
             f"gradwatch: {what} did not reach the host within {timeout}s "
             "(collective_timeout_seconds): the device is stuck"
         )
+    error = getattr(flag, "error", None)
+    if error is not None:
+        raise GradWatchError(
+            f"gradwatch: {what} never reached the host: waiting for its copy raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def wait_event(event: Any, timeout: float, what: str) -> None:
@@ -478,6 +500,22 @@ class Collective:
         _OPEN.add(opened)
         return opened
 
+    def open_host_route(self) -> bool:
+        """Add the host group :meth:`open` gives a job whose vector lives on an accelerator,
+        when the vector moved there after construction on a backend that opened none (gloo
+        with a CPU model, then ``model.cuda()``): without it every monitoring collect would
+        all-reduce device tensors on gloo, whose ``wait()`` blocks the training thread until
+        the backward is done. ``new_group`` is collective over the world: called from the
+        collect at which the gradients moved, the same collect on every rank (they move alike
+        on every rank, as :meth:`Reducer.follow` assumes). True when it was added."""
+        if self.host_group is not None or self.group is None or self.closed:
+            return False
+        self.host_group = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=self.group_timeout)
+        )
+        self._host = _HostThread(self.host_group, self.timeout)
+        return True
+
     @property
     def handshake_group(self) -> Any:
         """The group the construction handshake runs on: the host group when there is one."""
@@ -527,14 +565,20 @@ class Collective:
             host = torch.empty(
                 packed.shape, dtype=packed.dtype, pin_memory=packed.device.type != "cpu"
             )
+            if self._host is None:
+                # Closed: no thread waits for the copy, the all-reduce is issued right here,
+                # so the copy must be done first (a non-blocking one would send whatever the
+                # reused pinned block held). Stand-ins for this route are built on the host
+                # (Reducer.reduce_failed): this copy of a device vector is the exception.
+                host.copy_(packed)
+                pending = Pending(self.host_group.allreduce([host], self._options))
+                self._watched.append(pending)
+                return host, pending
             host.copy_(packed, non_blocking=True)
             event = None
             if packed.device.type != "cpu":  # the CUDA path: no CUDA device in CI
                 event = landed(record_event(packed.device))
-            if self._host is None:  # closed: stand-ins only, CPU tensors, issued here
-                pending = Pending(self.host_group.allreduce([host], self._options))
-            else:
-                pending = self._host.submit(host, event)
+            pending = self._host.submit(host, event)
             self._watched.append(pending)
             return host, pending
         group = self.device_group()

@@ -181,13 +181,21 @@ class Reducer:
         ``model.cuda()`` keeps the same Parameters on another device), by the rule of
         :func:`~gradwatch.reduce.collective.reducer_device`; True when it moved. Every rank's
         gradients move alike, so the vector's route stays the same on every rank. The move
-        rebuilds the packing's index tensors once (a host copy then, never per collect)."""
+        rebuilds the packing's index tensors once (a host copy then, never per collect); a move
+        to an accelerator on a backend that opened no host group (gloo) opens one
+        (:meth:`Collective.open_host_route`), so collects keep off the training thread."""
         wanted = reducer_device(gradients, self._backend, self._bound)
         if wanted == self.device:
             return False
         log.info("gradwatch: the gradients moved; the packed vector follows them to %s", wanted)
         self.device = wanted
         self._plan_packing(self.layout)
+        if wanted.type != "cpu" and self.collective.open_host_route():
+            log.info(
+                "gradwatch: the vector moved to %s after construction on %s: monitoring "
+                "collects now all-reduce a host copy on their own gloo group (constructing "
+                "GradWatch after moving the model avoids this new group)", wanted, self._backend,
+            )
         return True
 
     @property
@@ -365,8 +373,12 @@ class Reducer:
         collect that would not have all-reduced (:meth:`issues_collective`) issues nothing:
         the other ranks measured the same gradients alone. ``marker``: the step slot's value,
         NaN for a failed pass, ``-inf`` for a closed watcher (:attr:`ReducedStats.closed_rank`);
-        written by ``fill_`` (a kernel argument: no blocking copy on an accelerator)."""
-        packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=self.device)
+        written by ``fill_`` (a kernel argument: no blocking copy on an accelerator). Built on
+        the host when it goes by the host route: its values are known, so no device copy has
+        to land before the host all-reduce."""
+        on_host = not device_collective and self.collective.host_group is not None
+        device = torch.device("cpu") if on_host else self.device
+        packed = torch.zeros(self.layout.packed_length, dtype=torch.float64, device=device)
         packed.narrow(0, sections(self.layout).step, 1).fill_(marker)
         if not self.issues_collective(with_replicas):
             return ReducedVector(packed, Pending(), self.timeout, step, self.layout, ranks=1)

@@ -33,7 +33,6 @@ from gradwatch.reduce.collective import refuse_capture
 from gradwatch.reduce.packing import ReducedVector
 from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.main_grad import clip_local_, gradients_for_fallback
-from gradwatch.stacks.zero import ZeroGradients
 from gradwatch.step.clip import clip_grads_, unmeasured_total
 from gradwatch.step.failures import Failures, Replaced
 from gradwatch.step.guard import GuardDecision, GuardPolicy, StepGuard
@@ -349,7 +348,7 @@ class Collector:
         grads, sq, plan, scale64 = measure_local(r, self.engine, scaler, optimizer)
         local = r.local_view.take() if r.local_view is not None else None
         if scale64 is not None and local is not None:
-            local = local / (scale64 * scale64).to(local.device)
+            local = local / _square_on(scale64, local.device)
         has_grad = [g is not None for g in grads.tensors]
         # Queued before the packed vector's copy: landed by the time its step is judged.
         local_sq = LocalSquares.of(sq, self.summarizer.auditing) if r.world_size > 1 else None
@@ -414,17 +413,24 @@ class Collector:
 
 def measure_local(
     r: Resolved, engine: NormEngine, scaler: Any, optimizer: Any
-) -> tuple[LocalGradients, Tensor, NormPlan, Tensor | None]:
+) -> tuple[LocalGradients, Tensor, NormPlan, Tensor | float | None]:
     """This rank's gradients, their banded float64 squared norms (loss scale divided out) and
-    the plan that normed them, by ``engine``; and the float64 loss scale (None: none). The
+    the plan that normed them, by ``engine``; and the loss scale (None: none): a float64
+    tensor on the gradients' device (a GradScaler's), or DeepSpeed's Python float. The
     reducer's device follows the gradients (decided at the first collect, again whenever they
     move): O(buckets), one (device, dtype) each."""
     grads = r.gradients.read()
     sq, plan = engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
     if plan is not None and r.reducer.follow(accelerator_of(plan)):
         sq, plan = engine.squared_norms_and_plan(grads.tensors, r.reducer.device)
-    scale = pending_scale(scaler, optimizer) if r.zero is None else _zero_scale(r.zero)
-    scale64 = None if scale is None else scale.to(sq.device, torch.float64)
+    scale64: Tensor | float | None
+    if r.zero is None:
+        scale = pending_scale(scaler, optimizer)
+        scale64 = None if scale is None else scale.to(sq.device, torch.float64)
+    else:
+        # DeepSpeed's fp16 loss scale is a Python float: divided as a kernel argument, no
+        # tensor is built from it and nothing is copied to the device.
+        scale64 = r.zero.loss_scale()
     if scale64 is not None:
         sq = sq / (scale64 * scale64)
     return grads, sq, plan, scale64
@@ -477,18 +483,19 @@ def act_alone(
         return None, None
 
 
+def _square_on(scale: Tensor | float, device: torch.device) -> Tensor | float:
+    """``scale**2`` where it divides a tensor on ``device``: a Python float as is (a kernel
+    argument), a tensor moved there."""
+    square = scale * scale
+    return square if isinstance(square, float) else square.to(device)
+
+
 def accelerator_of(plan: NormPlan) -> torch.device | None:
     """The first accelerator among the plan's buckets (None: every gradient on the CPU)."""
     for bucket in plan.buckets:
         if bucket.device.type not in ("cpu", "meta"):
             return bucket.device
     return None
-
-
-def _zero_scale(zero: ZeroGradients) -> Tensor | None:
-    """The loss scale DeepSpeed's fp16 optimizer left in the gradients (None: none)."""
-    scale = zero.loss_scale()
-    return None if scale is None else torch.tensor(scale, dtype=torch.float64)
 
 
 def clip_locally(

@@ -75,6 +75,12 @@ class RankTimer:
         self._handles = []
 
 
+def close_timer(timer: RankTimer | None) -> None:
+    """Remove ``timer``'s hooks (nothing without one)."""
+    if timer is not None:
+        timer.close()
+
+
 def fsdp2_params(model: Any) -> list[Any]:
     """The FSDP2 parameter records (``FSDPParam``) of ``model``'s ``fully_shard`` modules;
     empty without FSDP2. Reads FSDP2's private state (``_get_fsdp_state``), guarded: an

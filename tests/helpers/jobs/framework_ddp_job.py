@@ -240,6 +240,129 @@ def run_huggingface_deepspeed(out: Path) -> dict[str, Any]:
     return seen
 
 
+def run_huggingface_fsdp1(out: Path, use_orig_params: bool) -> dict[str, Any]:
+    """The Trainer under FSDP1 (``fsdp_config={"version": 1}``, gloo, CPU), clipping at 0.5:
+    every step's float64 reference of the full pre-clip gradient (every rank's shard gathered
+    here, after backward, before the Trainer clips), gradwatch's history, the Trainer's logged
+    ``grad_norm`` and whether the clip was routed through gradwatch."""
+    import math
+
+    import torch.distributed as dist
+    import transformers
+
+    from gradwatch.export.history import read_history
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    references: list[float] = []
+    post: list[float] = []
+
+    def full_norm(model: nn.Module) -> float:
+        local = [float(x) for p in model.parameters() if p.grad is not None
+                 for x in p.grad.detach().double().flatten().tolist()]
+        shards: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, local)
+        return math.sqrt(math.fsum(x * x for shard in shards for x in shard))
+
+    class Recording(transformers.Trainer):
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = super().training_step(*args, **kwargs)
+            references.append(full_norm(self.model))
+            return loss
+
+    class PostClip(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            post.append(full_norm(trainer.model))
+
+    history = out / f"history-{os.environ.get('RANK', '0')}.jsonl"
+    callback = GradWatchCallback(groups=GROUPS, history_path=str(history))
+    routed: list[bool] = []
+    original_begin = callback.on_train_begin
+
+    def on_train_begin(*args: Any, **kwargs: Any) -> None:
+        original_begin(*args, **kwargs)
+        routed.append(callback.routed)
+
+    callback.on_train_begin = on_train_begin  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    args = training_args(
+        out / "hf-fsdp1", max_steps=3, logging_steps=1, learning_rate=0.5, ddp_backend="gloo",
+        max_grad_norm=0.5, fsdp="full_shard",
+        fsdp_config={"version": 1, "use_orig_params": use_orig_params,
+                     "sync_module_states": False},  # True needs an accelerator device
+    )
+    trainer = Recording(model=RegressionModel(), args=args, train_dataset=Regression(),
+                        callbacks=[callback, PostClip()])
+    trainer.train()
+    records = read_history(history) if history.exists() else []
+    return {
+        "references": references,
+        "post_clip": post,
+        "logged": {str(h["step"]): h["grad_norm"] for h in trainer.state.log_history
+                   if "grad_norm" in h},
+        "history": [[r["step"], r["global_norm"], r.get("clip_coef")] for r in records],
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "routed": routed[0],
+    }
+
+
+def run_huggingface_after_a_raise(out: Path) -> dict[str, Any]:
+    """A Trainer whose forward raises at its second step on every rank (its callback's
+    on_train_end never runs), then a new Trainer and a new callback on the same fixed port
+    (``GRADWATCH_TEST_PORT``), clipping at 0.5: what the second run measured and logged."""
+    import transformers
+
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    port = int(os.environ["GRADWATCH_TEST_PORT"])
+
+    class Failing(RegressionModel):
+        calls = 0
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            type(self).calls += 1
+            if type(self).calls == 2:
+                raise RuntimeError("forward failed")
+            return super().forward(x, labels)
+
+    def train(model: nn.Module, callback: Any, tag: str, steps: int) -> Any:
+        args = training_args(out / tag, max_steps=steps, logging_steps=1, learning_rate=0.5,
+                             ddp_backend="gloo", max_grad_norm=0.5)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Regression(),
+                                       callbacks=[callback])
+        trainer.train()
+        return trainer
+
+    first = GradWatchCallback(groups=GROUPS, port=port)
+    raised = False
+    try:
+        train(Failing(), first, "first", 3)
+    except RuntimeError:
+        raised = True
+    stale = first.watch
+    seen: dict[str, Any] = {"raised": raised, "stale_open": stale is not None}
+    urls: list[Any] = []
+
+    class Second(GradWatchCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            super().on_train_begin(*args, **kwargs)
+            assert self.watch is not None
+            urls.append(self.watch.metrics_url)
+
+        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            assert self.watch is not None
+            seen["history"] = self.watch.last.global_norm if self.watch.last else None
+            super().on_train_end(*args, **kwargs)
+
+    torch.manual_seed(1)
+    trainer = train(RegressionModel(), Second(groups=GROUPS, port=port), "second", 3)
+    seen.update(
+        stale_closed=stale is not None and stale._closed,
+        url=urls[0] if urls else None,
+        logged=[h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+    )
+    return seen
+
+
 def run_lightning(out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -287,6 +410,9 @@ def main() -> None:
         "hf-clip": lambda o: run_huggingface_clip(o, 0.5),
         "hf-noclip": lambda o: run_huggingface_clip(o, 0.0),
         "hf-deepspeed": run_huggingface_deepspeed,
+        "hf-fsdp1": lambda o: run_huggingface_fsdp1(o, use_orig_params=False),
+        "hf-after-raise": run_huggingface_after_a_raise,
+        "hf-fsdp1-orig": lambda o: run_huggingface_fsdp1(o, use_orig_params=True),
     }[framework]
     try:
         seen = run(out)

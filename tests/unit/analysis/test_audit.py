@@ -329,15 +329,14 @@ def test_collect_costs_the_same_with_auditing() -> None:
 
 
 def test_local_squares_on_the_cpu_are_held_and_read_when_judged() -> None:
-    import threading
-
     from gradwatch.analysis.audit import LocalSquares
+    from gradwatch.reduce.collective import LandedFlag
 
     sq = torch.tensor([9.0, 16.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     held = LocalSquares.of(sq, auditing=False)
     assert held is not None and held.norm() == 5.0  # no op at collect time, read when judged
     # An accelerator copy not landed yet: no local diagnosis, and nothing waits for it.
-    pending = threading.Event()
+    pending = LandedFlag()
     copy = LocalSquares(torch.tensor([25.0, 0.0, 0.0], dtype=torch.float64), pending)
     assert copy.norm() is None
     pending.set()

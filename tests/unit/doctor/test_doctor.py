@@ -87,7 +87,7 @@ def test_doctor_cpu_json_every_check_passes() -> None:
         assert _passed(name, status.get(name)), (name, doc)
     assert status["distributed"] == "SKIP"
     cuda = [name for name in status if name.startswith("cuda[")]
-    assert len(cuda) == 7 and all(status[name] == "SKIP" for name in cuda), status
+    assert len(cuda) == 9 and all(status[name] == "SKIP" for name in cuda), status
     assert doc["ok"] is True and doc["failed"] == []
     assert doc["environment"]["torch"] == torch.__version__
     assert all(c["measured"] and c["threshold"] for c in doc["checks"])
@@ -422,3 +422,19 @@ def test_the_handshake_gathers_without_a_deprecated_call() -> None:
         assert out.tolist() == [1, 2, 3]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["mixed", "zero_fp16"])
+def test_cuda_path_checks_run_their_arithmetic_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The checks' own code (model, warm-up, figure against float64) run on the CPU with the
+    CUDA-only calls stood in for: a PASS with its figure. On a GPU they also prove the
+    synchronizations (the sync debug mode raises)."""
+    from gradwatch.doctor import cuda_paths
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    check = getattr(cuda_paths, f"check_cuda_{name}")(torch.device("cpu"))
+    assert check.status == "PASS", check
+    assert "0 synchronizations, rel err" in check.measured

@@ -52,10 +52,12 @@ from gradwatch.export import (
     Sink,
     open_publishing,
     select_param_series,
+    sinkworker,
 )
 from gradwatch.export import metrics as catalog
 from gradwatch.export.history import HistoryWriter
 from gradwatch.export.server import RateLimit
+from gradwatch.export.sinkworker import RETRY_ATTEMPTS
 from gradwatch.export.state import (
     Counts,
     PublishedState,
@@ -390,6 +392,7 @@ def test_every_metric_is_declared_typed_and_helped(servers: Callable[..., Metric
     server = servers(config(param_metrics_top_k=2))
     server.self_stats.set_collecting(True)  # what a GradWatch reports once it measured a step
     server.self_stats.add_audit("trainer", 1.0, True)  # what GradWatch.audit_norm adds
+    server.self_stats.add_sink("history")  # what adding a sink does
     server.observe_collect_seconds(0.001)
     server.publish(rich_snapshot())  # returns once the exporter process serves all of the above
     text = http_get(server.url)
@@ -1223,6 +1226,8 @@ def test_every_metric_names_the_source_that_provides_it() -> None:
     stats.set_collecting(True)
     assert catalog.REPORTED_NORM_RATIO not in stats.view().samples()  # nothing audited yet
     stats.add_audit("trainer", 1.0, True)
+    assert catalog.SINK_ERRORS_TOTAL not in stats.view().samples()  # no sink yet
+    stats.add_sink("history")
     assert set(stats.view().samples()) == by_source[MetricSource.SELF_STATS]
     assert {d.name for d in by_source[MetricSource.INFO]} == {
         "gradwatch_build_info",
@@ -1395,7 +1400,7 @@ gradwatch_exploding_steps_total 2.0
 # HELP gradwatch_isolation_violations_total Published snapshots in which the isolated group violated isolation.
 # TYPE gradwatch_isolation_violations_total counter
 gradwatch_isolation_violations_total{group="stem"} 2.0
-# HELP gradwatch_publish_errors_total Collected steps that failed to materialize or publish (logged once per kind).
+# HELP gradwatch_publish_errors_total Collected steps that failed to materialize or to publish on the endpoint (logged once per kind).
 # TYPE gradwatch_publish_errors_total counter
 gradwatch_publish_errors_total 1.0
 # HELP gradwatch_dropped_snapshots_total Collected steps never published because publishing fell behind.
@@ -1556,32 +1561,46 @@ def test_a_user_sink_receives_every_published_snapshot_then_is_closed() -> None:
     finally:
         pub.close()
     assert recorder.steps == list(range(1, MAX_PENDING + 2))
-    assert recorder.threads == {"gradwatch-publisher"}  # never the training thread
+    assert recorder.threads == {"gradwatch-sink-Recorder"}  # its own thread, never training's
+    assert late.threads == {"gradwatch-sink-Recorder_2"}
     assert late.steps == [MAX_PENDING + 1]  # from the next published snapshot on
     assert recorder.closed_after == len(recorder.steps) and late.closed_after == 1
     pub.close()  # idempotent: sinks are closed once
 
 
 def test_a_failing_user_sink_is_counted_and_does_not_stop_other_sinks(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(sinkworker, "RETRY_FIRST_SECONDS", 0.001)
+    monkeypatch.setattr(sinkworker, "RETRY_MAX_SECONDS", 0.01)
     caplog.set_level(logging.WARNING, logger="gradwatch.export")
     broken, recorder = Broken(), Recorder()
     server = MetricsServer(config(), world_size=1, parallelism="single", sinks=[broken, recorder])
     try:
+        broken_worker = server._publisher.workers[0]
         for step in (1, 2, 3):
             server.submit(Ready(uniform_snapshot(step)))
-            assert server.flush(10)
+            server.flush(10)  # False while the broken sink backs off: not waited for
+            assert broken_worker.flush(time.monotonic() + 10, wait_failing=True)
+        assert server._http is not None and server._http.sync(10)
         samples = scrape(server)
     finally:
         server.close()
-    assert broken.calls == 3 and recorder.steps == [1, 2, 3]
-    assert value(samples, "gradwatch_publish_errors_total") == 3
+    # every step tried RETRY_ATTEMPTS times, then given up and counted as dropped
+    assert broken.calls == 3 * RETRY_ATTEMPTS and recorder.steps == [1, 2, 3]
+    assert value(samples, "gradwatch_sink_errors_total", sink="Broken") == 3 * RETRY_ATTEMPTS
+    assert value(samples, "gradwatch_sink_dropped_steps_total", sink="Broken") == 3
+    assert value(samples, "gradwatch_sink_errors_total", sink="Recorder") == 0
+    assert value(samples, "gradwatch_sink_dropped_steps_total", sink="Recorder") == 0
+    assert value(samples, "gradwatch_publish_errors_total") == 0  # the endpoint is fine
     assert value(samples, "gradwatch_step") == 3  # the endpoint's own sink went on too
     assert value(samples, "gradwatch_collections_total") == 3
     records = [r.getMessage() for r in caplog.records if r.name == "gradwatch.export"]
-    assert len(records) == 1, records  # logged once, counted every time
-    assert "could not hand Broken a collected step (RuntimeError: sink is broken)" in records[0]
+    # the first failure and the first lost step, once each; later ones are rate-limited
+    failed = [m for m in records if "'Broken' sink failed to write a step" in m]
+    lost = [m for m in records if "'Broken' sink lost 1 step(s)" in m]
+    assert len(failed) == 1 and "(RuntimeError: sink is broken" in failed[0], records
+    assert len(lost) == 1, records
 
 
 def test_a_sink_that_fails_to_close_is_logged_not_raised(

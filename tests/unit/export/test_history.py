@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from gradwatch import GradWatch, GroupStats, Snapshot, WatchConfig
+from gradwatch.export import sinkworker
 from gradwatch.export.history import HistoryWriter, read_history, rotated_path
+from gradwatch.export.sinkworker import RETRY_ATTEMPTS
 
 
 @pytest.fixture(autouse=True)
@@ -221,7 +223,7 @@ def test_gradwatch_writes_one_line_per_collected_step_without_port(tmp_path: Pat
     assert records[2]["nonfinite_params"] == ["seed.weight"]
 
 
-def test_history_written_by_the_publisher_thread_with_flush(
+def test_history_written_by_its_own_sink_thread_with_flush(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "h.jsonl"
@@ -243,26 +245,34 @@ def test_history_written_by_the_publisher_thread_with_flush(
             assert watch.flush(10.0)
     finally:
         watch.close()
-    assert writers == {"gradwatch-publisher"}
+    assert writers == {"gradwatch-sink-history"}  # its own worker: never training's thread
     assert [r["step"] for r in read_history(path)] == list(range(0, 20, 2))
     assert watch.flush() is False  # closed
 
 
 def test_history_with_endpoint_and_errors_counted(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(sinkworker, "RETRY_FIRST_SECONDS", 0.001)
+    monkeypatch.setattr(sinkworker, "RETRY_MAX_SECONDS", 0.01)
     blocker = tmp_path / "file"
     model = Net()
     cfg = _config(blocker / "h.jsonl", port=0, bind_address="127.0.0.1")
     with caplog.at_level(logging.WARNING, logger="gradwatch"), GradWatch(model, cfg) as watch:
         blocker.write_text("x")  # after the construction-time check: cannot be created now
         _train(watch, model, steps=3)  # training is unaffected
-        assert watch.flush(10.0)
+        watch.flush(10.0)  # the endpoint's part; a failing history is not waited for
         assert watch._publishing.published_step == 2  # the endpoint still publishes
+        (history,) = watch._publishing._publisher.workers
+        assert history.flush(time.monotonic() + 30, wait_failing=True)  # every step given up
+        assert watch._publishing._http.sync(10)
         body = _scrape(watch.metrics_url)
-    assert "gradwatch_publish_errors_total 3.0" in body
-    history_logs = [r for r in caplog.records if "write the history of" in r.getMessage()]
-    assert len(history_logs) == 1  # logged once, counted every time
+    # each step: RETRY_ATTEMPTS failed writes, then given up (counted as dropped)
+    assert f'gradwatch_sink_errors_total{{sink="history"}} {3.0 * RETRY_ATTEMPTS}' in body
+    assert 'gradwatch_sink_dropped_steps_total{sink="history"} 3.0' in body
+    assert "gradwatch_publish_errors_total 0.0" in body  # the endpoint itself is fine
+    failed = [r for r in caplog.records if "'history' sink failed" in r.getMessage()]
+    assert len(failed) == 1  # logged once (then rate-limited), counted every time
 
 
 def test_history_path_and_port_on_the_same_publisher(tmp_path: Path) -> None:
@@ -355,9 +365,13 @@ def test_close_is_bounded_when_the_history_file_blocks(
         # Let the abandoned publisher thread go: a reader appears and leaves at once.
         os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
     assert elapsed < 6.0, f"close() took {elapsed:.1f}s"
-    # The first step is stuck in the history sink (after the endpoint took it, if any), the
-    # next ones were dropped: collections + dropped + errors == steps collected.
-    assert published == (1 if port is not None else 0)
-    assert published + view.dropped + view.publish_errors == 6, (published, view)
-    lost = [r.getMessage() for r in caplog.records if "could not be published" in r.getMessage()]
-    assert len(lost) == 1 and "gradwatch_dropped_snapshots_total" in lost[0], lost
+    # The blocked history never held up the endpoint: every step materialized in time (not
+    # dropped by a publisher that fell behind) is on it.
+    assert view.publish_errors == 0
+    handled = 6 - view.dropped
+    assert published == (handled if port is not None else 0)
+    # The first step is stuck in the history's open(), the next ones wait in its queue: at
+    # close every one is counted as lost by that sink, and logged.
+    assert dict(view.sink_dropped) == {"history": handled}, view
+    lost = [r.getMessage() for r in caplog.records if "'history' sink lost" in r.getMessage()]
+    assert len(lost) == 1 and "gradwatch_sink_dropped_steps_total" in lost[0], lost

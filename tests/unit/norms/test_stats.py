@@ -14,7 +14,8 @@ from references import EXP_RANGE, ref_norm, rel_err, values
 
 from gradwatch import total_norm
 from gradwatch.doctor.testing import OpCounter, count_host_reads, largest_allocation
-from gradwatch.norms.stats import NormEngine
+from gradwatch.norms.rows import aligned
+from gradwatch.norms.stats import PACK_NUMEL, NormEngine
 
 REL = 1e-6
 
@@ -244,8 +245,11 @@ def test_engine_ops_constant_in_tensor_count() -> None:
         for i in (0, 1, n - 1):
             assert rel_err(engine_norm(sq, i), ref_norm([ts[i]])) <= REL
         assert counter.scalar_reads == 0
-        return counter.total, sum(reads.values())
+        fills = engine.plan_for(ts, torch.device("cpu")).pack_fills
+        assert fills == -(-sum(aligned(t.numel()) for t in ts) // PACK_NUMEL)  # no gaps
+        return counter.total - 2 * fills, sum(reads.values())
 
+    # Two ops per fill of the pack buffer (a copy, a norm), none per tensor.
     small, large = ops(20), ops(400)
     assert small == large
     assert small[1] <= 1
@@ -483,3 +487,84 @@ def test_float64_norm_beyond_float64_is_inf_and_exploding() -> None:
     with GradWatch(torch.nn.ParameterList([p]), WatchConfig()) as watch:
         snap = watch.collect(0).result()
     assert snap.global_norm == math.inf and snap.exploding_step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_fills_zero_padding_other_fills_wrote(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mid-size tensors and partial last rows go through many fills of one small pack buffer
+    whose layouts differ: padding one fill leaves is data another wrote (this call's or the
+    previous call's). Every norm stays exact call after call, with values that change."""
+    import gradwatch.norms.stats as stats
+
+    monkeypatch.setattr(stats, "PACK_NUMEL", 4096)
+    gen = torch.Generator().manual_seed(33)
+    sizes = [3, 1500, 700, 4096, 513, 2049, 70_001, 1, 3000, 65_537, 511, 2500]
+    engine = NormEngine()
+    for scale in (1.0, 1e3, 1e-2):
+        ts = [(torch.randn(n, generator=gen) * scale).to(dtype) for n in sizes]
+        sq = engine.squared_norms(ts)
+        plan = engine.plan_for(ts, torch.device("cpu"))
+        assert plan.pack_fills > 3
+        assert any(fill.pads for b in plan.buckets for fill in b.fills)
+        for i, t in enumerate(ts):
+            assert rel_err(engine_norm(sq, i), ref_norm([t])) <= REL, (i, scale)
+
+
+@pytest.mark.parametrize("value", [1e-30, 1e30, 0.1])
+def test_pack_fills_constant_tensors_and_extremes(value: float) -> None:
+    """Many constant (worst-case) mid-size tensors across several fills, at magnitudes whose
+    float32 squares underflow or overflow: the repair keeps every norm exact."""
+    sizes = [65_536, 40_000, 30_001, 513] * 8  # about 1.1M elements: three fills
+    ts = [torch.full((n,), value) for n in sizes]
+    engine = NormEngine()
+    sq = engine.squared_norms(ts)
+    assert engine.plan_for(ts, torch.device("cpu")).pack_fills >= 3
+    for i, t in enumerate(ts):
+        exact = float(t[0].double()) * math.sqrt(t.numel())
+        assert rel_err(engine_norm(sq, i), exact) <= REL, i
+
+def test_gradients_split_between_host_and_device_repair_only_in_host_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Some gradients in host memory, some on a device (CPU offload of a few parameters, CPU
+    embeddings): the host ones are normed and repaired by a host engine (its mask a host
+    tensor), the device ones by an engine that never repairs, joined by one copy; the joint
+    plan carries every bucket (what a clip scales) and no repair of the device vector. No
+    CUDA here: CPU float64 tensors stand in for the device's (they take the accelerator's
+    rescaled float64 path), the rest are host-resident; every norm against the float64
+    reference, extremes that need the repair included."""
+    from gradwatch.norms import stats
+
+    monkeypatch.setattr(stats, "is_host_resident", lambda t: t.dtype != torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    tensors = [
+        values((300,), torch.float32, -4, 4, gen),
+        torch.full((50,), 1e-30, dtype=torch.float32),  # squares underflow float32: repaired
+        values((700,), torch.float64, -300, 300, gen),  # the "device" part, extreme
+        None,
+        torch.full((9,), 1e-200, dtype=torch.float64),
+        values((4100,), torch.float32, -2, 2, gen),  # the row path
+    ]
+    from gradwatch.doctor.testing import count_blocking_copies
+
+    engine = NormEngine(rescale_float64=True)
+    for call in range(2):  # cold, then warm with the cached plans
+        with OpCounter() as ops, count_host_reads() as reads, count_blocking_copies() as copies:
+            sq, plan = engine._mixed(tensors, torch.device("cpu"))
+        if call:  # warm: the host engine's mask and its exact repair of the 1e-30 tensor
+            assert ops.scalar_reads == 0 and sum(reads.values()) == 2, reads  # host memory
+            # The repair's index and values: built in host memory by the host engine, never
+            # on the device (the host vector reaches it by one non-blocking copy).
+            assert copies.blocking_copies == 0 and copies.python_tensors == 2, copies.describe()
+        for i, t in enumerate(tensors):
+            want = 0.0 if t is None else ref_norm([t])
+            assert rel_err(engine_norm(sq, i), want) <= REL, i
+        assert not plan.needs_repair and plan.repair_floor is None
+        positions = sorted(p for b in plan.buckets for p in b.positions)
+        assert positions == [0, 1, 2, 4, 5]
+        assert engine._split is not None and engine._split.device.host_reads == 0
+    assert engine._split.host.host_reads == 2 == engine.host_reads  # one mask read a call
+    plain = NormEngine(rescale_float64=True)  # not split: nothing to join
+    assert plain._mixed([tensors[0], tensors[5]], torch.device("cpu")) is None

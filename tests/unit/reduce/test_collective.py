@@ -224,3 +224,133 @@ def test_a_vector_that_never_landed_is_stood_in_for(world_of_one: None) -> None:
         pending.wait(5.0)
     assert thread.failed_copies == 1
     thread.close()
+
+
+class _RaisingEvent:
+    """A CUDA event stand-in whose ``synchronize()`` raises, as on a device error."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_failed_event_wait_never_marks_its_buffer_landed() -> None:
+    """The landing thread wakes the waiter at once, but with the error: the flag is not
+    "landed", a waiter raises naming it (never a read of a buffer the device did not write,
+    and never a wait until the timeout)."""
+    flag = collective.landed(_RaisingEvent())
+    assert flag.wait(5.0)
+    assert not flag.landed() and isinstance(flag.error, RuntimeError)
+    started = time.monotonic()
+    with pytest.raises(collective.GradWatchError, match=r"never reached the host.*illegal"):
+        collective.wait_landed(flag, 30.0, "the packed vector")
+    assert time.monotonic() - started < 5.0
+    fine = collective.landed(_Event())
+    collective.wait_landed(fine, 5.0, "the packed vector")
+    assert fine.landed() and fine.error is None
+
+
+def test_an_audit_copy_whose_wait_failed_is_never_read() -> None:
+    from gradwatch.analysis.audit import LocalSquares
+
+    host = torch.full((3,), float("nan"), dtype=torch.float64)  # never written
+    copy = LocalSquares(host, collective.landed(_RaisingEvent()))
+    copy._landed.wait(5.0)
+    assert copy.norm() is None
+
+
+class _CopySpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each ``copy_`` into a tensor and whether it was non-blocking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket is torch.ops.aten.copy_:
+            self.copies.append(bool(args[2] if len(args) > 2 else (kwargs or {}).get(
+                "non_blocking", False)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_closed_collective_copies_before_it_issues_on_the_host_route(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closed, no thread waits for a copy's event: the host copy is an ordered one, done
+    before the all-reduce is issued on the calling thread (a non-blocking copy from a device
+    would let gloo send the pinned block's previous contents); open, it stays non-blocking."""
+    monkeypatch.setattr(collective, "MONITOR_ON_HOST_BACKENDS", ("gloo",))
+    coll = Collective.open(5.0, "gloo", torch.device("cpu"))
+    packed = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    with _CopySpy() as open_spy:
+        _, pending = coll.issue(packed, on_host=True)
+    pending.wait(5.0)
+    coll.close()
+    with _CopySpy() as closed_spy:
+        result, pending = coll.issue(packed, on_host=True)
+    pending.wait(5.0)
+    assert open_spy.copies == [True]
+    assert closed_spy.copies == [False]
+    assert result.tolist() == [1.0, 2.0]
+
+
+def test_a_failed_collects_stand_in_for_the_host_route_is_built_on_the_host(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its values are known (zeros, the step slot's marker): built in host memory, nothing
+    copied from the device before the host all-reduce."""
+    from torch import nn
+
+    from gradwatch import GradWatch, WatchConfig
+
+    monkeypatch.setattr(collective, "MONITOR_ON_HOST_BACKENDS", ("gloo",))
+    model = nn.Linear(3, 2)
+    with GradWatch(model, WatchConfig()) as watch:
+        reducer = watch._reducer
+        reducer.collective = Collective.open(5.0, "gloo", torch.device("cpu"))
+        assert reducer.collective.host_group is not None
+        built: list[torch.device] = []
+        issue = reducer.collective.issue
+
+        def spy(packed: torch.Tensor, on_host: bool = False):  # type: ignore[no-untyped-def]
+            built.append(packed.device)
+            return issue(packed, on_host=on_host)
+
+        monkeypatch.setattr(reducer, "device", torch.device("meta"))  # an accelerator's
+        monkeypatch.setattr(reducer.collective, "issue", spy)
+        reducer.reduce_failed(step=0, device_collective=False, with_replicas=True)
+        assert built == [torch.device("cpu")]
+
+
+def test_a_vector_that_moves_to_an_accelerator_on_gloo_gets_a_host_route(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gloo with a CPU model opens no host group; after ``model.cuda()`` the packed vector
+    follows the gradients, and the host route is added then (one ``new_group``, at the collect
+    where every rank's gradients moved), so monitoring collects all-reduce a host copy from the
+    host thread instead of blocking the training thread in gloo's ``wait()``. The device is
+    stood in for by ``meta`` (the packing's buffers are not rebuilt here)."""
+    from torch import nn
+
+    from gradwatch import GradWatch, WatchConfig
+    from gradwatch.reduce import packing
+
+    with GradWatch(nn.Linear(3, 2), WatchConfig()) as watch:
+        reducer = watch._reducer
+        reducer.collective = Collective.open(5.0, "gloo", torch.device("cpu"))
+        reducer._backend = "gloo"
+        assert reducer.host_group is None and reducer.group is not None
+        monkeypatch.setattr(packing, "reducer_device", lambda *_: torch.device("meta"))
+        monkeypatch.setattr(reducer, "_plan_packing", lambda layout: None)
+        assert reducer.follow(torch.device("meta"))
+        assert reducer.host_group is not None and reducer.host_group is not reducer.group
+        assert not reducer.collective.open_host_route()  # once
+        packed = torch.tensor([1.0, 2.0], dtype=torch.float64)
+        result, pending = reducer.collective.issue(packed, on_host=True)
+        pending.wait(5.0)
+        assert result is not packed and result.tolist() == [1.0, 2.0]  # the host route
+        reducer.collective.close()

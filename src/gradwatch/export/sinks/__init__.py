@@ -1,6 +1,6 @@
 """Tracker sinks: gradwatch's per-step scalars in TensorBoard, Weights & Biases and MLflow.
 
-Each sink is a :class:`~gradwatch.export.Sink` fed by rank 0's publisher thread (never the
+Each sink is a :class:`~gradwatch.export.Sink` fed by its own thread on rank 0 (never the
 training thread), writing one row of scalars per published snapshot at its training step
 (:class:`~gradwatch.export.sinks.scalars.StepScalars`: the endpoint's figures, same meaning). Turn
 them on in the configuration or add one yourself::

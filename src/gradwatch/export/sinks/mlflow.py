@@ -36,7 +36,7 @@ class MlflowSink:
     ``step=snapshot.step`` with the collect's wall time. Keys are :func:`mlflow_key` of the tags.
 
     The run is resolved once, at construction (MLflow's active run is per thread, and the sink
-    writes from the publisher thread).
+    writes from its own thread).
 
     Args:
         run_id: the run to log to; None: the active run of the constructing thread
@@ -48,7 +48,9 @@ class MlflowSink:
         prefix: first component of every key.
     """
 
-    #: Completes "could not ... a collected step" in the publisher's error log.
+    #: The ``sink`` label of its ``gradwatch_sink_*`` series.
+    name = "mlflow"
+    #: Completes "could not ... a collected step" in error logs.
     action = "log to MLflow the scalars of"
 
     def __init__(
@@ -79,6 +81,11 @@ class MlflowSink:
                 run = self._client.create_run(experiment_id or _default_experiment(self._client))
                 run_id, self._owns_run = run.info.run_id, True
         self.run_id: str = run_id
+
+    def note_dropped(self, total: int) -> None:
+        """Collected steps this sink never got so far (its worker's count, see
+        :mod:`gradwatch.export.sinkworker`): ``<prefix>/dropped_steps`` in the next row."""
+        self._scalars.dropped_steps = total
 
     def write(self, snapshot: Snapshot) -> None:
         millis = int(snapshot.timestamp * 1000)

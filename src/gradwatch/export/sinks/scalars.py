@@ -13,6 +13,12 @@ show for that step, with the same meaning (it is built by the endpoint's own
   exploding steps, spikes, non-finite group steps, isolation violations (and any counter the
   catalog gains), so a chart shows *when* they increased.
 
+When the sink's worker tells it (``note_dropped``), the row also carries
+``<prefix>/dropped_steps``: how many collected steps this sink never got so far (its
+``gradwatch_sink_dropped_steps_total`` plus ``gradwatch_dropped_snapshots_total``, the steps
+the publisher dropped before any sink saw them), so a gap in a chart is explained in the
+tracker itself.
+
 Tags are ``<prefix>/<metric name without gradwatch_>[/<label value>...]``, e.g.
 ``gradwatch/grad_norm/attn`` or ``gradwatch/grad_norm_ratio/seed/host``. Left out: the step and
 timestamp gauges (the tracker's own x axes), the per-parameter norms (names of a changing set
@@ -62,7 +68,7 @@ class StepScalars:
     """Turns each snapshot, in step order, into its row ``{tag: value}``.
 
     Stateful (the counters run over the snapshots it was given), so one instance serves one
-    sink. Not thread-safe: the publisher thread is its only caller.
+    sink. Not thread-safe: the sink's thread is its only caller.
 
     Args:
         config: the watcher's configuration (ratio labels, groups whose counters start at 0);
@@ -77,8 +83,22 @@ class StepScalars:
         cfg = config if config is not None else WatchConfig.model_construct()
         self._state = PublishedState(cfg)
         self._metrics = scalar_metrics()
+        #: Collected steps the sink never got (set by its ``note_dropped``); None: no tag.
+        self.dropped_steps: int | None = None
+        self._last: Snapshot | None = None
+        self._row: dict[str, float] = {}
 
     def __call__(self, snapshot: Snapshot) -> dict[str, float]:
+        """The row of ``snapshot``; the same snapshot again (a retried write) gives the same
+        row, its counters not counted twice."""
+        if snapshot is not self._last:
+            self._last, self._row = snapshot, self._fold(snapshot)
+        row = dict(self._row)
+        if self.dropped_steps is not None:
+            row[tag(self.prefix, "dropped_steps", ())] = float(self.dropped_steps)
+        return row
+
+    def _fold(self, snapshot: Snapshot) -> dict[str, float]:
         self._state.write(snapshot)
         state = self._state.current()
         row: dict[str, float] = {}

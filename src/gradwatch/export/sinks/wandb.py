@@ -34,7 +34,9 @@ class WandbSink:
         prefix: first component of every key.
     """
 
-    #: Completes "could not ... a collected step" in the publisher's error log.
+    #: The ``sink`` label of its ``gradwatch_sink_*`` series.
+    name = "wandb"
+    #: Completes "could not ... a collected step" in error logs.
     action = "log to W&B the scalars of"
 
     def __init__(
@@ -54,6 +56,11 @@ class WandbSink:
         self.run: Any = run if run is not None else (wandb.run or wandb.init(**init_kwargs))
         self.run.define_metric(self._step_key)
         self.run.define_metric(f"{prefix}/*", step_metric=self._step_key)
+
+    def note_dropped(self, total: int) -> None:
+        """Collected steps this sink never got so far (its worker's count, see
+        :mod:`gradwatch.export.sinkworker`): ``<prefix>/dropped_steps`` in the next row."""
+        self._scalars.dropped_steps = total
 
     def write(self, snapshot: Snapshot) -> None:
         row: dict[str, Any] = self._scalars(snapshot)
