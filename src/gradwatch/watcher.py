@@ -45,6 +45,7 @@ from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.ddp_hook import detach
 from gradwatch.step.collector import Collector, PendingSnapshot, bare_loop_clip, clip_locally
 from gradwatch.step.guard import GuardedOptimizer
+from gradwatch.step.ranktimer import close_timer
 from gradwatch.step.resolve import Resolved, resolve
 
 if TYPE_CHECKING:
@@ -327,6 +328,7 @@ class GradWatch:
         detach(self._resolved.comm_hook)
         if self._resolved.updates is not None:
             self._resolved.updates.close()
+        close_timer(self._resolved.timer)
         try:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served
