@@ -396,11 +396,12 @@ def scale_table(results: Sequence[ScaleResult]) -> str:
         ["case", "ranks", "mesh", "distinct descriptions", "handshake path", "layout step",
          "peak memory", "handshake per rank (sent / received)",
          "all-gather of every description (received)",
-         "per-step vector (R)"],
+         "per-step vector (R)", "with rank timing (its section, per rank)"],
         [[r.case, f"{r.world:,}", r.mesh, r.distinct,
           "agreed (phase 0 only)" if r.agreed else "records", f"{r.seconds:.2f} s",
           fmt_bytes(r.peak_bytes), f"{fmt_bytes(r.sent_bytes)} / {fmt_bytes(r.received_bytes)}",
-          fmt_bytes(r.gather_all_received_bytes), f"{fmt_bytes(r.packed_bytes)} ({r.replicas})"]
+          fmt_bytes(r.gather_all_received_bytes), f"{fmt_bytes(r.packed_bytes)} ({r.replicas})",
+          f"{fmt_bytes(r.timed_packed_bytes)} ({fmt_bytes(r.timing_bytes)})"]
          for r in results])
 
 

@@ -567,6 +567,9 @@ class ScaleResult:
     packed_bytes: int  # the per-step all-reduce vector
     replicas: int  # replica slots in it
     agreed: bool = False  # phase 0 alone (every rank agrees), else the records path
+    #: the per-step vector with ``rank_timing``, and its timing section alone (per rank)
+    timed_packed_bytes: int = 0
+    timing_bytes: int = 0
 
 
 @dataclass

@@ -48,7 +48,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from benchmarks import handshake_sim
 from benchmarks.results import ScaleResult
 from gradwatch.reduce import handshake
-from gradwatch.reduce.layout import LocalPiece, derive_layout, piece_from_placements
+from gradwatch.reduce.layout import (
+    Layout,
+    LocalPiece,
+    derive_layout,
+    piece_from_placements,
+    sections,
+)
 
 CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP", "HSDP, even shards")
 #: The case whose model pads its vocabulary to a multiple of 128 (50,304, as GPT-2 training
@@ -346,8 +352,17 @@ def measure_case(case: str, world: int, params: Sequence[Param]) -> ScaleResult:
         sent_bytes=sent, received_bytes=received,
         gather_all_received_bytes=_gather_all_bytes(pairs, spec, params),
         packed_bytes=8 * layout.packed_length, replicas=layout.replicas,
-        agreed=gathered.agreed,
+        agreed=gathered.agreed, **timing_bytes(layout),
     )
+
+
+def timing_bytes(layout: Layout) -> dict[str, int]:
+    """What ``rank_timing`` adds to each rank's per-step vector at this world: the vector
+    with it and its timing section alone (constant in the world size by design)."""
+    timed = dataclasses.replace(layout, rank_timing=True)
+    at = sections(timed).rank_timing
+    return {"timed_packed_bytes": 8 * timed.packed_length,
+            "timing_bytes": 8 * (at.stop - at.start)}
 
 
 def _mesh_text(spec: Spec) -> str:
@@ -370,7 +385,7 @@ def measure(worlds: Sequence[int] = WORLDS, cases: Sequence[str] = CASES,
             progress(f"  {case} at {world} ranks: {res.seconds:.2f} s, "
                      f"{res.peak_bytes / 2**20:.0f} MiB, {res.distinct} distinct, "
                      f"{'agreed' if res.agreed else 'records'}: {res.sent_bytes} B sent, "
-                     f"{res.received_bytes} B received")
+                     f"{res.received_bytes} B received, rank timing {res.timing_bytes} B")
             out.append(res)
     return out
 

@@ -254,6 +254,23 @@ local lib = import 'lib.libsonnet';
                 runbook_url: runbook('gradwatchreplicaoutlier'),
               },
             },
+            // The same rank has been the slowest (rank_timing) on every timed step of the window and
+            // the straggler score has stayed below the threshold for as long: one rank holds the
+            // whole job back. max/min over the window without the host label: one rank id, even
+            // if the series' host label changed; steps where no rank stood out are skipped.
+            {
+              alert: "GradwatchSameRankSlowest",
+              expr: "gradwatch_straggler_score{@} < $(stragglerScoreThreshold) and (max without(host) (max_over_time(gradwatch_slowest_rank{@}[$(stragglerFor)])) == min without(host) (min_over_time(gradwatch_slowest_rank{@}[$(stragglerFor)])))",
+              'for': '$(stragglerFor)',
+              labels: {
+                severity: "warning",
+              },
+              annotations: {
+                summary: "One rank is slowing down job {{ $labels.job }} ({{ $labels.instance }})",
+                description: "In job {{ $labels.job }} (instance {{ $labels.instance }}) the same rank has been the slowest (working time, all groups) for $(stragglerForText) or more: rank {{ range printf \"gradwatch_slowest_rank{job=%q,instance=%q}\" $labels.job $labels.instance | query }}{{ .Value }} on host {{ .Labels.host }}{{ else }}unknown{{ end }}, straggler score {{ $value | printf \"%.2f\" }} (the fastest rank's working time over its own; below $(stragglerScoreThreshold)).",
+                runbook_url: runbook('gradwatchsamerankslowest'),
+              },
+            },
             // gradwatch itself says it is not measuring: a collect failed (the job's log says why,
             // once) or collection stopped for the rest of the run. Its per-step gauges are absent
             // meanwhile, so no other gradient alert can fire: page at the first scrape, no `for`.

@@ -10,6 +10,7 @@
     explodingNormThreshold: '1000',  // a group's or the global gradient norm (GradwatchExplodingGradients)
     replicaDivergenceThreshold: '1e-06',  // relative spread of the replicas' norms
     replicaOutlierThreshold: '1',  // max |x - median| / median over the replicas
+    stragglerScoreThreshold: '0.7',  // fastest rank's working time / slowest's (rank_timing)
     metricsStaleSeconds: '900',  // seconds without a collect while the target is up
     overheadFraction: '0.05',  // share of the training thread's time in collect()
     skippedStepsThreshold: '3',  // steps the optimizer-step guard skipped in 15 minutes
@@ -24,6 +25,7 @@
     vanishingFor: '15m',
     ratioDormantFor: '10m',
     replicaOutlierFor: '15m',
+    stragglerFor: '10m',  // also the window in which the slowest rank must not change
     normAuditFor: '15m',
     metricsStaleFor: '5m',
     targetDownFor: '5m',

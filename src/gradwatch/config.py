@@ -239,6 +239,11 @@ class WatchConfig(BaseSettings):
             Read from the optimizer's state after its step (``torch.optim`` SGD, Adam, AdamW:
             for-loop, foreach and fused); no copy of the parameters. Ranks must agree
             (checked by the handshake).
+        rank_timing: measure each rank's working time per step and name the slowest rank
+            (``Snapshot.slowest_rank``, ``straggler_score``; :mod:`gradwatch.step.ranktiming`):
+            ``3 x 192`` float64 more in the step's all-reduce whatever the world size. Off by
+            default: under plain DDP, where collects otherwise skip gradwatch's all-reduce, it
+            makes every collect all-reduce (docs/operations.md). Ranks must agree.
         batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
             scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
             in per-replica batches.
@@ -377,6 +382,7 @@ class WatchConfig(BaseSettings):
     rank_view: bool = False
     # -- optimizer-update health (gradwatch.norms.updates; docs/design.md) --
     update_stats: bool = False
+    rank_timing: bool = False
     batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
 
     # -- tracker sinks (gradwatch.export.sinks) and discovery without Kubernetes (export.filesd)
@@ -468,6 +474,7 @@ LAYOUT_HASH_FIELDS = (
     "always_reduce",  # which collects all-reduce
     "rank_view",  # the packed vector's rank-view section
     "update_stats",  # the packed vector's update section
+    "rank_timing",  # the packed vector's timing section, and every collect all-reduces
     "expert_parameters",  # which names may be held by some ranks only
     # the optimizer-step guard: every rank must take the same skip decisions
     "skip_nonfinite",

@@ -72,6 +72,10 @@ class GroupStats:
 #: Added to the denominator of normalized ratios, and the floor under which a norm counts as 0.
 RATIO_EPS = 1e-8
 
+#: A straggler score (``Snapshot.straggler_score``) below this names a straggler: NVIDIA's
+#: resiliency extension's default; the GradwatchSameRankSlowest alert's default threshold.
+STRAGGLER_THRESHOLD = 0.7
+
 
 def ratio_defined(denominator: GroupStats | None) -> bool:
     """Whether a normalized ratio over ``denominator`` means anything: the group had gradient
@@ -170,6 +174,14 @@ class Snapshot:
         replica_grad_norm_max_rank: lowest rank of the replica holding the max.
         replica_outlier_score: ``max |x_r - median| / median`` over the replica norms;
             replica_outlier_rank: lowest rank of that replica.
+        slowest_rank: with ``rank_timing``, the rank whose working time (its own compute, not
+            its waits on peers) was the longest by a bin (about 9%), None when two ranks or
+            more share the top bin; slowest_host: its host.
+        straggler_score: the fastest rank's working time over the slowest's, in ``(0, 1]``
+            (below 0.7: a straggler); None when not measured.
+        work_seconds_min, work_seconds_median, work_seconds_max: the step's working times
+            over the ranks (exact when their bin holds one rank, else within its width;
+            :mod:`gradwatch.step.ranktiming`).
         gradient_noise_scale: B_simple of the whole model (smoothed over the last
             ``NOISE_SCALE_WINDOW`` rank-view steps, :mod:`gradwatch.analysis.rankview`; unit: that
             of
@@ -255,6 +267,13 @@ class Snapshot:
     deepspeed_skipped_steps: int | None = None
     measured: bool = True
     no_gradient: bool = False
+    # -- which rank is slow (WatchConfig.rank_timing; gradwatch.step.ranktiming) --
+    slowest_rank: int | None = None
+    slowest_host: str | None = None
+    straggler_score: float | None = None
+    work_seconds_min: float | None = None
+    work_seconds_median: float | None = None
+    work_seconds_max: float | None = None
 
     def __post_init__(self) -> None:
         for name in _MAPPINGS:

@@ -48,6 +48,7 @@ from gradwatch.step.adaptive import AUTO
 from gradwatch.step.collector import Collector, PendingSnapshot, bare_loop_clip, clip_locally
 from gradwatch.step.guard import GuardedOptimizer
 from gradwatch.step.incidents import batch_ids
+from gradwatch.step.ranktimer import close_timer
 from gradwatch.step.resolve import Resolved, resolve
 
 if TYPE_CHECKING:
@@ -360,6 +361,7 @@ class GradWatch(StepControls):
         detach(self._resolved.comm_hook)
         if self._resolved.updates is not None:
             self._resolved.updates.close()
+        close_timer(self._resolved.timer)
         try:
             if self._publishing is not None:
                 self._summarizer.audit()  # reports whose step was built: judged while served

@@ -59,12 +59,19 @@ RANK_VIEW = frozenset({
 
 DIVERGENCE = frozenset({"gradwatch_replica_divergence"})
 
+#: Measured with rank timing only (off by default; see test_stragglers_distributed.py).
+RANK_TIMING = frozenset({
+    "gradwatch_slowest_rank",
+    "gradwatch_straggler_score",
+    "gradwatch_rank_work_seconds",
+})
+
 #: Configuration -> the catalog metrics its endpoint must not show.
 EXPECTED_ABSENT: dict[str, frozenset[str]] = {
-    "single": ABSENT_IN_THESE_RUNS | RANK_VIEW | DIVERGENCE,
-    "ddp": ABSENT_IN_THESE_RUNS | RANK_VIEW,
-    "ddp_rank_view": ABSENT_IN_THESE_RUNS,
-    "fsdp2": ABSENT_IN_THESE_RUNS | RANK_VIEW | DIVERGENCE,
+    "single": ABSENT_IN_THESE_RUNS | RANK_VIEW | DIVERGENCE | RANK_TIMING,
+    "ddp": ABSENT_IN_THESE_RUNS | RANK_VIEW | RANK_TIMING,
+    "ddp_rank_view": ABSENT_IN_THESE_RUNS | RANK_TIMING,
+    "fsdp2": ABSENT_IN_THESE_RUNS | RANK_VIEW | DIVERGENCE | RANK_TIMING,
     "disabled": frozenset(m.name for m in METRICS),
 }
 
@@ -74,6 +81,9 @@ SNAPSHOT_FIELD = {
     "gradwatch_gradient_noise_scale": "gradient_noise_scale",
     "gradwatch_replica_outlier_score": "replica_outlier_score",
     "gradwatch_replica_grad_norm_max_rank": "replica_grad_norm_max_rank",
+    "gradwatch_slowest_rank": "slowest_rank",
+    "gradwatch_straggler_score": "straggler_score",
+    "gradwatch_rank_work_seconds": "work_seconds_max",
 }
 
 STEPS = 3

@@ -64,6 +64,10 @@ CONTRACT_METRICS = frozenset(
         "gradwatch_gradient_noise_scale",
         "gradwatch_group_gradient_noise_scale",
         "gradwatch_last_nonfinite_origin",
+        # which rank is slow (rank_timing)
+        "gradwatch_slowest_rank",
+        "gradwatch_straggler_score",
+        "gradwatch_rank_work_seconds",
         # counters
         "gradwatch_collections_total",
         "gradwatch_nonfinite_steps_total",

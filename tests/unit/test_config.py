@@ -390,8 +390,8 @@ def test_layout_hash_is_the_digest_of_the_agreed_fields() -> None:
     changed = {
         "isolated": ["a"], "vanishing_threshold": 1e-8, "exploding_threshold": 50.0,
         "isolation_threshold": 1e-5, "every_n_steps": 2, "divergence_every": 7,
-        "always_reduce": True, "rank_view": True, "update_stats": True,
-            "expert_parameters": ["e.*"],
+        "always_reduce": True, "rank_view": True, "update_stats": True, "rank_timing": True,
+        "expert_parameters": ["e.*"],
         "skip_nonfinite": False, "skip_spike_score": 3.0, "max_consecutive_skips": 2,
         "guard": False, "spike_window": 64, "spike_warmup": 8, "groups": {"a": ["y.*"]},
         "ratios": [("other", "a")], "guard_spike_statistic": "ema",

@@ -2812,6 +2812,102 @@
           "sort": "desc"
         }
       }
+    },
+    {
+      "id": 32,
+      "type": "timeseries",
+      "title": "Which rank is slow",
+      "description": "With rank_timing: the straggler score (the fastest rank's working time over the slowest's; below 0.7 a straggler), the slowest rank (legend: its host) and the ranks' min, median and max working time per step (own compute up to the gradient collective, not waits on peers). GradwatchSameRankSlowest warns when the same rank stays the slowest with a low score. Empty without rank_timing.",
+      "datasource": {
+        "type": "prometheus",
+        "uid": "${datasource}"
+      },
+      "gridPos": {
+        "x": 0,
+        "y": 89,
+        "w": 12,
+        "h": 8
+      },
+      "targets": [
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "gradwatch_straggler_score{job=~\"$job\",instance=~\"$instance\"}",
+          "legendFormat": "{{instance}} straggler score",
+          "refId": "A",
+          "range": true,
+          "instant": false
+        },
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "gradwatch_slowest_rank{job=~\"$job\",instance=~\"$instance\"}",
+          "legendFormat": "{{instance}} slowest rank ({{host}})",
+          "refId": "B",
+          "range": true,
+          "instant": false
+        },
+        {
+          "datasource": {
+            "type": "prometheus",
+            "uid": "${datasource}"
+          },
+          "expr": "gradwatch_rank_work_seconds{job=~\"$job\",instance=~\"$instance\"}",
+          "legendFormat": "{{instance}} work seconds {{quantity}}",
+          "refId": "C",
+          "range": true,
+          "instant": false
+        }
+      ],
+      "fieldConfig": {
+        "defaults": {
+          "unit": "short",
+          "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10,
+            "showPoints": "never",
+            "spanNulls": false,
+            "axisPlacement": "auto",
+            "thresholdsStyle": {
+              "mode": "off"
+            },
+            "stacking": {
+              "mode": "none",
+              "group": "A"
+            }
+          },
+          "thresholds": {
+            "mode": "absolute",
+            "steps": [
+              {
+                "color": "green",
+                "value": null
+              }
+            ]
+          }
+        },
+        "overrides": []
+      },
+      "options": {
+        "legend": {
+          "displayMode": "table",
+          "placement": "bottom",
+          "showLegend": true,
+          "calcs": [
+            "lastNotNull",
+            "max"
+          ]
+        },
+        "tooltip": {
+          "mode": "multi",
+          "sort": "desc"
+        }
+      }
     }
   ]
 }

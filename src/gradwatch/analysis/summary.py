@@ -29,6 +29,7 @@ from gradwatch.norms.bands import norm_from_bands
 from gradwatch.norms.stats import sqrt_sum
 from gradwatch.reduce.layout import Layout
 from gradwatch.reduce.packing import ReducedStats
+from gradwatch.reduce.ranktiming import timing_fields
 from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, clip_coefficient, ratio_defined
 
 
@@ -352,6 +353,8 @@ class Summarizer:
         if stats.updates is not None:
             previous = self._previous if self._previous_attempt == step.attempt - 1 else None
             changes.update(update_fields(stats.updates, r.view_groups, snap.groups, previous))
+        if stats.rank_timing is not None:
+            changes.update(timing_fields(stats.rank_timing, r.layout.hosts))
         # Host-side, after the one read: scored in collect order, see gradwatch.analysis.spikes.
         changes.update(self._spikes.fields(snap, step.attempt))
         if changes:

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gradwatch.config import ratio_key
 from gradwatch.export import metrics as catalog
+from gradwatch.export import rankmetrics as ranks
 from gradwatch.export.metricdef import MetricDef
 
 #: Seconds a scrape may take unless the caller says otherwise.
@@ -132,6 +133,11 @@ class EndpointView:
     replica_outlier_score: float | None = None
     noise_scale: float | None = None
     group_noise_scale: Mapping[str, float] = field(default_factory=dict)
+    # which rank is slow (rank_timing): None/empty when the endpoint does not export it
+    slowest_rank: int | None = None
+    slowest_host: str | None = None
+    straggler_score: float | None = None
+    work_seconds: Mapping[str, float] = field(default_factory=dict)  # quantity -> seconds
     # the optimizer-step guard: reason -> skipped steps; empty/None without a guard
     skipped_steps: Mapping[str, int] = field(default_factory=dict)
     consecutive_skipped_steps: int | None = None
@@ -277,6 +283,10 @@ def parse_exposition(text: str) -> EndpointView:
         replica_outlier_score=single.get(catalog.REPLICA_OUTLIER_SCORE),
         noise_scale=single.get(catalog.GRADIENT_NOISE_SCALE),
         group_noise_scale={g: v for (g,), v in found.get(catalog.GROUP_GRADIENT_NOISE_SCALE, ())},
+        slowest_rank=next((_opt_int(v) for _, v in found.get(ranks.SLOWEST_RANK, ())), None),
+        slowest_host=next((h for (h,), _ in found.get(ranks.SLOWEST_RANK, ())), None),
+        straggler_score=single.get(ranks.STRAGGLER_SCORE),
+        work_seconds={q: v for (q,), v in found.get(ranks.RANK_WORK_SECONDS, ())},
         skipped_steps={r: _int(v) for (r,), v in found.get(catalog.SKIPPED_STEPS_TOTAL, ())},
         consecutive_skipped_steps=_opt_int(single.get(catalog.CONSECUTIVE_SKIPPED_STEPS)),
         guard_stopped=None

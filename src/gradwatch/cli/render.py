@@ -38,6 +38,7 @@ from rich.text import Text
 
 from gradwatch.analysis.rankview import NOISE_SCALE_UNIT, REPLICA_OUTLIER_THRESHOLD
 from gradwatch.cli.endpoint import Buckets, EndpointView
+from gradwatch.snapshot import STRAGGLER_THRESHOLD
 
 #: The eight block characters of a sparkline, lowest first.
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -389,6 +390,29 @@ def replica_text(view: EndpointView) -> Text | None:
     return text
 
 
+def straggler_text(view: EndpointView) -> Text | None:
+    """``slowest rank 1 (node-b), straggler score 0.05, work s min 0.01 / median 0.011 / max
+    0.21`` (``rank_timing``); the score highlighted below :data:`STRAGGLER_THRESHOLD`, the
+    alert's threshold. None when the endpoint exports none of it: never zeros."""
+    score = view.straggler_score
+    if score is None and view.slowest_rank is None and not view.work_seconds:
+        return None
+    parts: list[Text] = []
+    if view.slowest_rank is not None:
+        parts.append(Text(f"slowest rank {view.slowest_rank} ({view.slowest_host or '?'})"))
+    if score is not None:
+        slow = score < STRAGGLER_THRESHOLD
+        part = Text(f"straggler score {fmt(score, 3)}", style="bold red" if slow else "green")
+        if slow:
+            part.append(f" (< {STRAGGLER_THRESHOLD:g}: straggler)")
+        parts.append(part)
+    quantities = [(k, view.work_seconds[k]) for k in ("min", "median", "max")
+                  if k in view.work_seconds]
+    if quantities:
+        parts.append(Text("work s " + " / ".join(f"{k} {fmt(v)}" for k, v in quantities)))
+    return Text("ranks: ").append_text(Text(", ").join(parts))
+
+
 def ratio_text(view: EndpointView, trends: Trends, key: str) -> Text:
     """``ratio seed/host 0.12 ▃▄▅``; an undefined ratio reads ``undefined (host has no
     gradient)``, dim: expected in a stage where the denominator is frozen, not an incident
@@ -513,7 +537,8 @@ def render_view(view: EndpointView, trends: Trends, *, now: float | None = None)
     scores = spike_scores_text(view)
     if scores is not None:
         parts.append(scores)
-    for line in (replica_text(view), noise_scale_text(view), updates_text(view)):
+    for line in (replica_text(view), noise_scale_text(view), updates_text(view),
+                 straggler_text(view)):
         if line is not None:
             parts.append(line)
     parts.append(anomalies_text(view))

@@ -141,6 +141,10 @@ ABSENT_WITHOUT_RANK_VIEW = (
     "stages without DDP, above the slot world size (docs/distributed.md); and as the per-step "
     "gauges."
 )
+ABSENT_WITHOUT_RANK_TIMING = (
+    "Without `rank_timing` (the default) or with one process; on a step some rank did not "
+    "time (its first collect, a failed pass); and as the per-step gauges."
+)
 ABSENT_WITHOUT_GUARD = "Without `watch.guard()`; and as the per-step gauges."
 ABSENT_SPIKES_OFF = (
     "When spike detection is off (`spike_threshold` = 0); and as the per-step gauges."
@@ -346,6 +350,31 @@ def replica_spread(s: PublishedStep) -> tuple[Sample, ...] | None:
         ("max", snap.replica_grad_norm_max),
     )
     return each((stat, v) for stat, v in stats if v is not None)
+
+
+def slowest_rank_samples(s: PublishedStep) -> tuple[Sample, ...] | None:
+    """``gradwatch_slowest_rank{host}``: one series whatever the world size, the slowest
+    rank's host as its label value."""
+    rank = s.snap.slowest_rank
+    if rank is None:
+        return None
+    return (((s.snap.slowest_host or ""),), float(rank)),
+
+
+def work_seconds_samples(s: PublishedStep) -> tuple[Sample, ...] | None:
+    """``gradwatch_rank_work_seconds{quantity}``: min, median and max over the ranks."""
+    snap = s.snap
+    if snap.work_seconds_max is None:
+        return None
+    return tuple(
+        ((quantity,), float(value))
+        for quantity, value in (
+            ("min", snap.work_seconds_min),
+            ("median", snap.work_seconds_median),
+            ("max", snap.work_seconds_max),
+        )
+        if value is not None
+    )
 
 
 NORM_LE = le_values(NORM_BUCKETS)

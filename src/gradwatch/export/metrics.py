@@ -1,13 +1,13 @@
 """The metric catalog: one :class:`~gradwatch.export.metricdef.MetricDef` per exported metric.
 
-Each definition is the whole metric: name, type, labels, HELP text, buckets and ``read``, how
-its samples come from its source. The names are a contract (alert rules, the dashboard and
-outside checks rely on them), so they are written once, here; everything else refers to the
-objects (``metrics.GRAD_NORM.name``), never to a name string. Each object is named after its
-metric: the name without ``gradwatch_``, upper case. The published state reads its samples
-through :func:`read_all`, the Collector renders exactly :data:`METRICS` in order, ``gradwatch
-top`` parses an exposition by them and ``scripts/gen_metrics_docs.py`` writes docs/metrics.md
-from them. Data only: no threads, no HTTP, no torch.
+Each definition is the whole metric: name, type, labels, HELP text, buckets and ``read`` (its
+samples from its source). The names are a contract (alert rules, the dashboard and outside checks
+rely on them), written once, here or in ``rankmetrics``; everything else refers to the objects
+(``metrics.GRAD_NORM.name``), never to a name string. Each object is named after its metric without
+``gradwatch_``, upper case. The published state reads its samples through :func:`read_all`, the
+Collector renders exactly :data:`METRICS` in order, ``gradwatch top`` parses an exposition by them
+and ``scripts/gen_metrics_docs.py`` writes docs/metrics.md from them. Data only: no threads, no
+HTTP, no torch.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ from gradwatch.export.optimizer_metrics import (
     UPDATE_RATIO,
     WEIGHT_NORM,
 )
+from gradwatch.export.rankmetrics import RANK_WORK_SECONDS, SLOWEST_RANK, STRAGGLER_SCORE
 
 __all__ = [
     "EXEMPLAR_COUNTERS", "METRICS", "METRICS_BY_NAME", "MetricDef", "MetricSource", "read_all",
-]
+]  # fmt: skip
 
 # -- the definitions ----------------------------------------------------------------------------
 
@@ -647,7 +648,8 @@ METRICS: tuple[MetricDef, ...] = (
     ISOLATION_VIOLATED, REPLICA_DIVERGENCE, CLIP_COEF, ADAPTIVE_CLIP_THRESHOLD, PARAM_GRAD_NORM,
     NONFINITE_ORIGIN_RANKS,
     REPLICA_GRAD_NORM, REPLICA_GRAD_NORM_MAX_RANK, REPLICA_OUTLIER_SCORE, GRADIENT_NOISE_SCALE,
-    GROUP_GRADIENT_NOISE_SCALE, LAST_NONFINITE_ORIGIN, COLLECTIONS_TOTAL, NONFINITE_STEPS_TOTAL,
+    GROUP_GRADIENT_NOISE_SCALE, LAST_NONFINITE_ORIGIN, SLOWEST_RANK, STRAGGLER_SCORE,
+    RANK_WORK_SECONDS, COLLECTIONS_TOTAL, NONFINITE_STEPS_TOTAL,
     NO_GRADIENT_STEPS_TOTAL, AMP_SKIPPED_STEPS_TOTAL, EXPLODING_STEPS_TOTAL,
     ISOLATION_VIOLATIONS_TOTAL, SKIPPED_STEPS_TOTAL, CONSECUTIVE_SKIPPED_STEPS, GUARD_STOPPED,
     GUARD_SCORE, GLOBAL_GRAD_NORM_SPIKE_SCORE, GRAD_NORM_SPIKE_SCORE,

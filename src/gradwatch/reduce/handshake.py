@@ -337,13 +337,14 @@ class Gathered(NamedTuple):
     rank_group: tuple[int, ...]  # per rank: its index into descriptions
     records: tuple[RankRecord, ...]  # per rank
     # True: phase 0 found every rank agreeing and every record was derived locally (no record
-    # on the wire; host names only when the per-rank view is on, "" otherwise)
+    # on the wire; host names only with the per-rank view or rank timing, "" otherwise)
     agreed: bool = False
 
     @property
     def hosts(self) -> tuple[str, ...]:
-        """Per rank; empty when the agreed path did not gather them (no per-rank view)."""
-        if self.agreed and not self.descriptions[0].rank_view:
+        """Per rank; empty when the agreed path did not gather them (neither the per-rank view
+        nor rank timing)."""
+        if self.agreed and not any(r.host for r in self.records):
             return ()
         return tuple(r.host for r in self.records)
 
@@ -501,10 +502,12 @@ def _split_hosts(raw: bytes, world: int) -> tuple[str, ...]:
 
 
 def exchange(desc: Description, record: RankRecord, group: Any, device: torch.device,
-             meshes: Sequence[Any] | None = None) -> Gathered:
+             meshes: Sequence[Any] | None = None, gather_hosts: bool = False) -> Gathered:
     """The exchange over ``group`` (every rank of the world calls it; ``group`` spans the
     world, so its ranks are global ranks). ``meshes``: the rank's mesh slots
-    (:func:`mesh_slots`); None: never take the agreed path."""
+    (:func:`mesh_slots`); None: never take the agreed path. ``gather_hosts``: every rank's
+    host on the agreed path too (as the rank view gathers them); a setting the configuration
+    hash covers, so equal on every rank whenever that path is taken."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     try:
@@ -518,7 +521,7 @@ def exchange(desc: Description, record: RankRecord, group: Any, device: torch.de
     dist.all_reduce(vote, dist.ReduceOp.MAX, group=group)
     if agreed(vote.cpu().tolist()) and table is not None:
         hosts = None
-        if desc.rank_view:  # equal on every rank: it is part of the agreed description
+        if desc.rank_view or gather_hosts:  # equal on every rank: agreed description
             mine = torch.frombuffer(bytearray(_host_bytes(record.host)),
                                     dtype=torch.uint8).to(device)
             everyone = torch.empty(world * HOST_BYTES, dtype=torch.uint8, device=device)

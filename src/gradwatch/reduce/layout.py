@@ -73,6 +73,7 @@ from gradwatch.reduce.handshake import (
     spec_numel,
     stage_digest,
 )
+from gradwatch.reduce.ranktiming import TIMING_WIDTH
 
 MAX_REPLICA_SLOTS = 64
 
@@ -114,6 +115,7 @@ class Layout:
     # divergence steps and with the rank view (Reducer.issues_collective)
     replicated_synced: bool = False
     update_groups: int = 0  # groups of the update section (gradwatch.norms.updates); 0 = none
+    rank_timing: bool = False  # the timing section (gradwatch.step.ranktiming), agreed by hash
 
     @property
     def rank_view_slots(self) -> bool:
@@ -152,6 +154,7 @@ class Sections(NamedTuple):
     # and of their squares: every rank tells from these alone, identically, whether the ranks
     # collected different steps (``world * sum(q^2) != sum(q)^2``; :func:`steps_differ`).
     residues: slice = slice(0, 0)
+    rank_timing: slice = slice(0, 0)  # last: the working-time histogram (TIMING_WIDTH)
 
 
 def _rank_view_width(layout: Layout) -> int:
@@ -163,12 +166,14 @@ def _rank_view_width(layout: Layout) -> int:
 
 def sections(layout: Layout) -> Sections:
     n, r = layout.size, layout.replicas
-    view = 5 * n + r + 3
+    view, timing = 5 * n + r + 3, TIMING_WIDTH if layout.rank_timing else 0
     upd = view + _rank_view_width(layout)
+    end = upd + section_width(layout.update_groups)
     return Sections(
         rank_view=slice(view, upd),
-        updates=slice(upd, upd + section_width(layout.update_groups)),
+        updates=slice(upd, end),
         residues=slice(5 * n + r + 1, 5 * n + r + 3),
+        rank_timing=slice(end, end + timing),
         squares=slice(0, n),
         squares_high=slice(n, 2 * n),
         squares_low=slice(2 * n, 3 * n),
@@ -177,7 +182,7 @@ def sections(layout: Layout) -> Sections:
         has_grad=slice(4 * n, 5 * n),
         replicas=slice(5 * n, 5 * n + r),
         step=5 * n + r,
-        length=upd + section_width(layout.update_groups),
+        length=end + timing,
     )
 
 

@@ -39,6 +39,9 @@ weights' and the last optimizer step's update's squared norms, stalled and movin
 each rank adding the pieces it counts (:class:`gradwatch.norms.updates.UpdateMeter`), then the
 ranks that could not measure the update and those without a previous collect. Summed like the
 rest: no second collective.
+**The rank timing** (``WatchConfig.rank_timing``): last, ``TIMING_WIDTH`` float64 whatever the
+world size, each rank's working time as one entry in a SUM-able histogram
+(:mod:`gradwatch.step.ranktiming`); it makes every collect all-reduce.
 
 **Reading it.** Only this module and :mod:`gradwatch.reduce.layout` (which defines them:
 :class:`~gradwatch.reduce.layout.Sections`) know those offsets. The rest of gradwatch reads a
@@ -80,6 +83,7 @@ from gradwatch.reduce.collective import (
     wait_landed,
 )
 from gradwatch.reduce.layout import Layout, LocalPiece, derive_layout, sections
+from gradwatch.reduce.ranktiming import RankTiming, pack_timing
 from gradwatch.reduce.steps import device_step, step_residues, steps_differ
 
 log = logging.getLogger("gradwatch")
@@ -119,6 +123,7 @@ class Reducer:
         device: torch.device | None = None,
         experts: Sequence[str] = (),
         update_groups: int = 0,
+        rank_timing: bool = False,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.timeout = timeout_seconds
@@ -140,12 +145,14 @@ class Reducer:
         self._bound = bound_device() if multi else None
         self.device = reducer_device(device, backend, self._bound)
         if multi:
-            self.layout = self._agree(desc, record, pieces, str(backend), experts)
+            self.layout = self._agree(desc, record, pieces, str(backend), experts, rank_timing)
         else:
             self.layout = derive_layout(handshake.local(desc, record), 0)
         # Every rank has the same update section: update_stats is in the layout hash the
         # handshake compared, and the groups come from the same configuration.
         self.layout = dataclasses.replace(self.layout, update_groups=update_groups)
+        if rank_timing:  # every rank alike: the configuration hash covers it
+            self.layout = dataclasses.replace(self.layout, rank_timing=True)
         self._plan_packing(self.layout)
 
     def _agree(
@@ -155,6 +162,7 @@ class Reducer:
         pieces: Sequence[LocalPiece],
         backend: str,
         experts: Sequence[str] = (),
+        hosts: bool = False,
     ) -> Layout:
         """Open gradwatch's groups, run the handshake on them and derive the layout: the same
         on every rank, or the same error raised on every rank."""
@@ -166,7 +174,8 @@ class Reducer:
             handshake_device = self.device if on_device else torch.device("cpu")
             self.collective.handshake_device = handshake_device
             gathered = handshake.exchange(desc, record, self.collective.handshake_group,
-                                          handshake_device, meshes=handshake.mesh_slots(pieces))
+                                          handshake_device, meshes=handshake.mesh_slots(pieces),
+                                          gather_hosts=hosts)
             self.collective.settle()
         except RuntimeError as exc:
             self.close()
@@ -289,6 +298,7 @@ class Reducer:
         rank_local: Tensor | None = None,
         device_collective: bool = True,
         updates: Tensor | None = None,
+        work_seconds: float | None = None,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.norms.stats`) and
@@ -320,6 +330,8 @@ class Reducer:
         self._pack_rank_view(packed, rank_local)
         if updates is not None:
             packed[sections(lay).updates].copy_(updates)
+        if lay.rank_timing:
+            pack_timing(packed[sections(lay).rank_timing], lay.rank, work_seconds)
         if alone:
             return ReducedVector(packed, Pending(), self.timeout, step, lay, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
@@ -340,7 +352,7 @@ class Reducer:
         lay = self.layout
         return (
             with_replicas or self.guarded or not lay.replicated_synced
-            or lay.rank_view_groups > 0
+            or lay.rank_view_groups > 0 or lay.rank_timing
         )
 
     def _stage_tail(self, has_grad: Sequence[bool], step: int) -> None:
@@ -442,6 +454,7 @@ class ReducedStats:
     rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
     ranks: int = 0  # 0: world_size
     updates: list[float] | None = None  # the update section (None: update_stats off)
+    rank_timing: RankTiming | None = None  # the working times, when every rank measured
 
     @classmethod
     def from_values(
@@ -468,6 +481,8 @@ class ReducedStats:
             rank_view=RankView.from_section(values[at.rank_view], layout),
             ranks=layout.world_size if ranks is None else ranks,
             updates=values[at.updates] if layout.update_groups else None,
+            rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
+            if layout.rank_timing else None,
         )
 
     @property

@@ -264,6 +264,8 @@ class Collector(StepActions):
         collected = self._collect(step, scaler, optimizer, max_norm, batch_size)
         if collected.seconds is not None and self.publish is not None and not self.closed:
             self.publish(collected.pending, collected.seconds)
+        if self.resolved.timer is not None:  # the next step's work starts here
+            self.resolved.timer.start()
         return collected
 
     def clip(self, step: int | None, scaler: Any, max_norm: float | str) -> Tensor | None:
@@ -440,6 +442,7 @@ class Collector(StepActions):
             sq, has_grad, step, with_replicas=measure, rank_local=local,
             device_collective=max_norm is not None or guard is not None,
             updates=update_section(r, measure),
+            work_seconds=r.timer.take() if r.timer is not None else None,
         )
         acting = Acting(guard, self.history, self.incidents is not None)
         acted = acting.act(reduced, max_norm, grads, plan)

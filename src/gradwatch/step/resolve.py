@@ -40,6 +40,7 @@ from gradwatch.stacks.fsdp1 import Fsdp1GradientReader, Fsdp1Model
 from gradwatch.stacks.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.stacks.main_grad import reject_distributed_optimizer
 from gradwatch.stacks.zero import ZeroGradients, find_engine
+from gradwatch.step.ranktimer import RankTimer
 
 log = logging.getLogger("gradwatch")
 
@@ -75,6 +76,7 @@ class Resolved:
     fsdp1: Fsdp1Model | None = None  # FSDP1 units (gradwatch.stacks.fsdp1), None otherwise
     # update_stats (gradwatch.norms.updates): this rank's optimizer-update figures; None when off
     updates: UpdateMeter | None = None
+    timer: RankTimer | None = None  # this rank's working time (WatchConfig.rank_timing)
 
 
 def resolve(
@@ -147,6 +149,7 @@ def resolve(
             device=gradient_device(params),
             experts=cfg.expert_parameters,
             update_groups=len(view_groups) if cfg.update_stats else 0,
+            rank_timing=cfg.rank_timing and world_size > 1,
         )
     except BaseException:
         detach(comm_hook)
@@ -200,6 +203,7 @@ def resolve(
         zero=zero,
         fsdp1=flat,
         updates=updates,
+        timer=RankTimer(params, model) if layout.rank_timing else None,
     )
 
 

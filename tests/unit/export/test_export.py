@@ -223,6 +223,12 @@ def rich_snapshot(step: int = 7) -> Snapshot:
         global_spike_score=math.nan,
         spike_scores={"host": 7.25, "seed": math.nan, "stem": -1.5, "other": 0.1 + 0.2},
         spiking_groups=("host",),
+        slowest_rank=1,
+        slowest_host="node-b",
+        straggler_score=0.0476,
+        work_seconds_min=0.01,
+        work_seconds_median=0.0105,
+        work_seconds_max=0.21,
         rank_view=True,
         nonfinite_origin_ranks=(3, 1),
         nonfinite_origin_count=2,
@@ -1254,15 +1260,21 @@ def test_every_definition_is_named_after_its_metric() -> None:
     assert catalog.COLLECT_SECONDS.buckets == COLLECT_SECONDS_BUCKETS
 
 
+#: The modules the catalog's definitions are written in.
+CATALOG_MODULES = (
+    "gradwatch/export/metrics.py",
+    "gradwatch/export/optimizer_metrics.py",
+    "gradwatch/export/rankmetrics.py",
+)
+
+
 def test_no_module_joins_by_a_metric_name_string() -> None:
     """Outside the catalog, code refers to a metric by its definition, never by its name: no
     string constant of the package (prose aside) is a catalog name."""
     names = set(METRICS_BY_NAME)
     found = []
     for path in sorted((SRC / "gradwatch").rglob("*.py")):
-        if path.parent == SRC / "gradwatch" / "export" and path.name in (
-            "metrics.py", "optimizer_metrics.py"  # the catalog's two modules
-        ):
+        if path.relative_to(SRC).as_posix() in CATALOG_MODULES:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:
@@ -1469,6 +1481,9 @@ def test_collector_output_is_unchanged_on_a_fixed_snapshot(
 
 #: Families added after the golden exposition was recorded (tested in test_spikes.py and below).
 SPIKE_FAMILIES = (
+    "gradwatch_slowest_rank",  # which rank is slow: tests/unit/reduce/test_ranktiming.py
+    "gradwatch_straggler_score",
+    "gradwatch_rank_work_seconds",
     "gradwatch_global_grad_norm_spike_score",
     "gradwatch_grad_norm_spike_score",
     "gradwatch_global_grad_norm_spikes",
