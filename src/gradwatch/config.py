@@ -291,12 +291,7 @@ class WatchConfig(BaseSettings):
         guard_spike_statistic: ``"median_mad"`` (the score above) or ``"ema"``, the z-score of
             the adaptive clip's history (:mod:`gradwatch.step.adaptive`).
         on_max_consecutive_skips: at ``max_consecutive_skips``: ``"continue"`` (see above),
-            ``"raise"`` (``GuardStopError``) or ``"exit"`` (code 75, :mod:`~gradwatch.step.
-            incidents`), on every rank.
-
-    Adaptive clipping (:mod:`gradwatch.step.adaptive`), spike forensics (``step.incidents``):
-
-    Attributes:
+            ``"raise"`` (``GuardStopError``) or ``"exit"`` (code 75), on every rank.
         adaptive_clip_z, adaptive_clip_alpha, adaptive_clip_warmup: the threshold is the EMA
             (decay alpha) mean plus z EMA deviations, from ``warmup`` measured steps on.
         incident_path: rank 0 appends a JSON line per skipped or adaptively clipped step.
@@ -355,7 +350,6 @@ class WatchConfig(BaseSettings):
     guard_spike_statistic: Literal["median_mad", "ema"] = "median_mad"
     on_max_consecutive_skips: Literal["continue", "raise", "exit"] = "continue"
 
-    # -- adaptive clipping (step.adaptive) and spike forensics (step.incidents) --
     adaptive_clip_z: float = Field(default=2.5, gt=0.0, allow_inf_nan=False)
     adaptive_clip_alpha: float = Field(default=0.97, gt=0.0, lt=1.0, allow_inf_nan=False)
     adaptive_clip_warmup: int = Field(default=25, ge=1, le=MAX_INT)

@@ -154,11 +154,8 @@ class Snapshot:
             published or not).
         guard_score: the spike score the guard acted on at this step (NaN while undefined;
             None without spike skipping): it skipped for a spike exactly when this is above
-            ``skip_spike_score``. The median/MAD window's score or, with
-            ``guard_spike_statistic="ema"``, the adaptive history's EMA z-score.
-        adaptive_clip_threshold: the adaptive clip threshold of this step (the EMA mean plus
-            ``adaptive_clip_z`` EMA deviations of earlier norms, :mod:`gradwatch.step.adaptive`);
-            None during its warm-up or when no adaptive history runs.
+            ``skip_spike_score`` (``guard_spike_statistic="ema"``: the EMA z-score).
+        adaptive_clip_threshold: the adaptive clip threshold (None: warm-up, or no history).
 
     The per-rank view (DDP, docs/distributed.md; absent/None/empty when not available):
 

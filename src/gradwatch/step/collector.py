@@ -95,10 +95,8 @@ class Collected:
 
 
 class StepActions:
-    """What a :class:`Collector` does besides its collects: the isolation expectation, what a
-    clip returns unmeasured, the ``attach()`` hook, and the adaptive clip's history, rank 0's
-    incident file and the skip-limit action (:mod:`gradwatch.step.adaptive`,
-    :mod:`gradwatch.step.incidents`)."""
+    """What a :class:`Collector` does besides its collects: isolation, an unmeasured clip's
+    return, the ``attach()`` hook, the adaptive history, the incident file, the skip limit."""
 
     cfg: WatchConfig
     resolved: Resolved
