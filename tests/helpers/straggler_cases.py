@@ -40,7 +40,9 @@ def _sleep_in_backward(module: nn.Module, _grad: Any) -> None:
     time.sleep(SLEEP_SECONDS)
 
 
-def _train(rank: int, wrap: str, slow: bool, timing: bool = True) -> dict[str, Any]:
+def _train(
+    rank: int, wrap: str, slow: bool, timing: bool = True, always_reduce: bool = False
+) -> dict[str, Any]:
     """``STEPS`` training steps of ``Net`` under ``wrap`` ("ddp" or "fsdp2"); per warm step the
     collect's host reads, scalar reads and collectives; the snapshots' timing fields."""
     from gradwatch import GradWatch
@@ -56,7 +58,9 @@ def _train(rank: int, wrap: str, slow: bool, timing: bool = True) -> dict[str, A
 
         model = fully_shard(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    watch = GradWatch(model, config(rank_timing=timing, divergence_every=0))
+    watch = GradWatch(
+        model, config(rank_timing=timing, divergence_every=0, always_reduce=always_reduce)
+    )
     pendings, costs = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -75,8 +79,10 @@ def _train(rank: int, wrap: str, slow: bool, timing: bool = True) -> dict[str, A
             "host": __import__("socket").gethostname()}  # fmt: skip
 
 
-def case(wrap: str, slow: bool, timing: bool = True) -> Callable[[int, int], dict]:
-    return lambda rank, world: _train(rank, wrap, slow, timing)
+def case(
+    wrap: str, slow: bool, timing: bool = True, always_reduce: bool = False
+) -> Callable[[int, int], dict]:
+    return lambda rank, world: _train(rank, wrap, slow, timing, always_reduce)
 
 
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
@@ -84,6 +90,9 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("ddp_slow", case("ddp", slow=True)),
         ("ddp_control", case("ddp", slow=False)),
         ("ddp_untimed", case("ddp", slow=False, timing=False)),
+        # Untimed but all-reducing every collect, as timing makes it: what timing's reads
+        # compare with (an all-reduced collect checks the previous one's step agreement).
+        ("ddp_untimed_reduced", case("ddp", slow=False, timing=False, always_reduce=True)),
         ("fsdp2_slow", case("fsdp2", slow=True)),
         ("fsdp2_untimed", case("fsdp2", slow=False, timing=False)),
     ],
