@@ -10,7 +10,9 @@ the CUDA path promises and this project cannot test without a GPU.
   norm equal bit for bit (deterministic float64 sums, no atomics).
 * ``cuda[capture]``: ``collect()`` inside CUDA graph capture is refused with a clear error.
 * ``cuda[mixed]``, ``cuda[zero-fp16]``: gradients split between host and GPU, and DeepSpeed's
-  fp16 loss scale: no synchronization, exact figures (:mod:`gradwatch.doctor.cuda_paths`).
+  fp16 loss scale: no synchronization, exact figures; ``cuda[late-peer]``: a clip's and
+  guarded step's vector landing after ``collective_timeout_seconds`` is in flight, never a
+  stop (:mod:`gradwatch.doctor.cuda_paths`).
 * the optimizer-step guard's checks (:mod:`gradwatch.doctor.cuda_guard`):
   ``cuda[guard-scaler]``, ``cuda[deterministic]``, ``cuda[first-skip]``.
 
@@ -26,7 +28,11 @@ from torch import nn
 
 from gradwatch.config import WatchConfig
 from gradwatch.doctor.cuda_guard import guard_checks
-from gradwatch.doctor.cuda_paths import check_cuda_mixed, check_cuda_zero_fp16
+from gradwatch.doctor.cuda_paths import (
+    check_cuda_late_peer,
+    check_cuda_mixed,
+    check_cuda_zero_fp16,
+)
 from gradwatch.doctor.options import FAIL, PASS, SKIP, Check
 from gradwatch.errors import GradWatchError
 from gradwatch.reduce.collective import capture_window
@@ -141,6 +147,7 @@ def cuda_checks(device: torch.device) -> list[tuple[str, Callable[[], Check]]]:
         *guard_checks(),
         ("cuda[mixed]", check_cuda_mixed),
         ("cuda[zero-fp16]", check_cuda_zero_fp16),
+        ("cuda[late-peer]", check_cuda_late_peer),
     ]
     if device.type != "cuda":
         return [
