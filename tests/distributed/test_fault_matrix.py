@@ -217,7 +217,12 @@ def _fault_visible(cell: str, fault: str, per_rank: list[dict[str, Any]],
     at = mc.FAULT_STEP
     if fault in ("nan_before", "nan_after"):
         assert published[at]["nonfinite"] > 0, (cell, published.get(at))
-    elif fault == "straggler":
+    if fault == "nan_after" and cell.startswith("ddp/"):  # agreed by the guard's all-reduce
+        for rank, r in enumerate(per_rank):  # the NaN step skipped on both ranks, counted
+            changed = [it["changed"] for it in r["iterations"]]
+            assert changed == [s != at for s in range(mc.STEPS)], (cell, rank, changed)
+        assert published[at]["skipped"].get("nonfinite", 0) >= 1, (cell, published[at])
+    if fault == "straggler":
         assert missing <= {at, at + 2}, (cell, missing)
         assert errors["collective_timeout"] >= len(missing), (cell, errors)
     elif fault in ("raise_retried", "skip_all"):  # nothing reached gradwatch: all measured

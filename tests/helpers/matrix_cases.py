@@ -61,14 +61,16 @@ def modes_of(stack: str) -> tuple[str, ...]:
 
 def selection() -> list[tuple[str, str, str]]:
     """Every fault on every stack once, the modes rotating so each fault and each stack meets
-    each of its modes; ``nan_after`` on DDP's default path is left out: without gradwatch's
-    all-reduce a NaN only one rank holds after the reduction is that rank's alone (the
-    documented fix is ``always_reduce=True``, its own cell)."""
+    each of its modes; ``nan_after`` on DDP's default path takes the guard: a guard makes
+    every collect all-reduce, so the NaN one rank holds after the reduction is every rank's
+    skipped step (unguarded, no gradwatch all-reduce runs there: the NaN stays that rank's
+    alone and its replica splits in the bare loop too)."""
     cells = []
     stacks = ("ddp", "ddp_always", "fsdp2", "fsdp1", "zero2")
     for fi, fault in enumerate(FAULTS):
         for si, stack in enumerate(stacks):
             if fault == "nan_after" and stack == "ddp":
+                cells.append((stack, fault, "guard"))
                 continue
             modes = modes_of(stack)
             cells.append((stack, fault, modes[(fi + si) % len(modes)]))
