@@ -119,6 +119,9 @@ def _options(fault: str, out: str, stack: str, built: Built) -> dict[str, Any]:
         options.update(port=0, file_sd_path=str(blocker / "targets.json"))
     if fault == "disabled":
         options["enabled"] = False
+    if stack == "ddp" and fault == "nan_after":  # divergence at its default (every 100th
+        # collect): only the guard makes the NaN step's collect all-reduce
+        del options["divergence_every"]
     return options
 
 
