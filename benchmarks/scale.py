@@ -53,8 +53,8 @@ from gradwatch.reduce.layout import (
     LocalPiece,
     derive_layout,
     piece_from_placements,
-    sections,
 )
+from gradwatch.reduce.sections import sections
 
 CASES = ("DDP", "FSDP2", "FSDP2 x TP", "HSDP", "PP x FSDP2 x TP", "HSDP, even shards")
 #: The case whose model pads its vocabulary to a multiple of 128 (50,304, as GPT-2 training

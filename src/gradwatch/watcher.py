@@ -61,8 +61,9 @@ log = logging.getLogger("gradwatch")
 
 class StepControls:
     """What a loop tells a :class:`GradWatch` about its steps and what it saves with a
-    checkpoint: the batch of a step, the adaptive clip's history (thin wiring to the
-    collector: :mod:`gradwatch.step.incidents`, :mod:`gradwatch.step.adaptive`)."""
+    checkpoint: the batch of a step, the groups expected to receive no gradient, the adaptive
+    clip's history (thin wiring to the collector: :mod:`gradwatch.step.incidents`,
+    :mod:`gradwatch.step.adaptive`)."""
 
     _collector: Collector
 
@@ -71,6 +72,21 @@ class StepControls:
         any JSON-able value (sample indices, shard and offset, file names), copied now;
         ``ValueError`` naming ``note_batch(ids)`` otherwise. Host only, no collective."""
         self._collector.batch = batch_ids(ids)
+
+    @property
+    def isolated(self) -> tuple[str, ...]:
+        """The groups currently expected to receive no gradient (see :meth:`set_isolated`)."""
+        return self._collector.isolated
+
+    def set_isolated(self, groups: Iterable[str]) -> None:
+        """Change which groups are expected to receive no gradient, from the next collect on.
+
+        Isolation is a per-stage expectation, not a fixed rule: a host network is isolated
+        while a new seed module trains alone, then trains again when the seed blends in.
+        Host-side only (no collective, nothing re-agreed across ranks); it starts with
+        ``WatchConfig.isolated``. Unknown group names raise ``ValueError`` naming them.
+        """
+        self._collector.set_isolated(groups)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue as this one: the adaptive clip's EMA history
@@ -158,21 +174,6 @@ class GradWatch(StepControls):
             except Exception as exc:  # a timed-out collective must not escape a property
                 self._reporter.log_once("last", "gradwatch: the last collect failed: %s", exc)
         return self._summarizer.last
-
-    @property
-    def isolated(self) -> tuple[str, ...]:
-        """The groups currently expected to receive no gradient (see :meth:`set_isolated`)."""
-        return self._collector.isolated
-
-    def set_isolated(self, groups: Iterable[str]) -> None:
-        """Change which groups are expected to receive no gradient, from the next collect on.
-
-        Isolation is a per-stage expectation, not a fixed rule: a host network is isolated
-        while a new seed module trains alone, then trains again when the seed blends in.
-        Host-side only (no collective, nothing re-agreed across ranks); it starts with
-        ``WatchConfig.isolated``. Unknown group names raise ``ValueError`` naming them.
-        """
-        self._collector.set_isolated(groups)
 
     @property
     def parameter_names(self) -> tuple[str, ...]:

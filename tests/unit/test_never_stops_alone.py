@@ -14,8 +14,10 @@ from layout_reference import build_layout
 
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.errors import GradWatchTimeoutError
-from gradwatch.reduce.layout import piece_of, sections
-from gradwatch.reduce.packing import ReducedVector, Reducer
+from gradwatch.reduce.layout import piece_of
+from gradwatch.reduce.packing import Reducer
+from gradwatch.reduce.reduced import ReducedVector
+from gradwatch.reduce.sections import sections
 from gradwatch.reduce.steps import step_residues
 from gradwatch.step.failures import Failures
 

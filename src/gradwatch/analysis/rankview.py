@@ -1,4 +1,4 @@
-"""Host-side formulas of the per-rank view: from a :class:`~gradwatch.reduce.packing.RankView` and
+"""Host-side formulas of the per-rank view: from a :class:`~gradwatch.reduce.reduced.RankView` and
 the step's (post-reduction) :class:`~gradwatch.snapshot.Snapshot` to the snapshot's rank-view
 fields.
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from gradwatch.snapshot import Snapshot
 
 if TYPE_CHECKING:
-    from gradwatch.reduce.packing import RankView
+    from gradwatch.reduce.reduced import RankView
 
 #: Steps (with the per-rank view and finite figures) whose estimates the noise scale averages:
 #: the bound on how long one step affects it.

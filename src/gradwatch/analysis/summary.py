@@ -28,8 +28,8 @@ from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.norms.bands import norm_from_bands
 from gradwatch.norms.stats import sqrt_sum
 from gradwatch.reduce.layout import Layout
-from gradwatch.reduce.packing import ReducedStats
 from gradwatch.reduce.ranktiming import timing_fields
+from gradwatch.reduce.reduced import ReducedStats
 from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, clip_coefficient, ratio_defined
 
 

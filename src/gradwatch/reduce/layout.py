@@ -1,4 +1,4 @@
-"""The global layout, pure: pieces, the packed vector's sections, and their derivation.
+"""The global layout, pure: pieces, the agreed layout, and its derivation.
 
 Nothing here issues a collective or reads a device: given what the handshake
 (:mod:`gradwatch.reduce.handshake`) gathered, every rank computes the same :class:`Layout`.
@@ -61,7 +61,6 @@ import torch
 from torch import Tensor
 
 from gradwatch.errors import LayoutMismatchError, UnsupportedParallelismError
-from gradwatch.norms.updates import section_width
 from gradwatch.reduce.experts import check_expert_holders, expert_names
 from gradwatch.reduce.handshake import (
     DERIVED_NESTED,
@@ -73,7 +72,7 @@ from gradwatch.reduce.handshake import (
     spec_numel,
     stage_digest,
 )
-from gradwatch.reduce.ranktiming import TIMING_WIDTH
+from gradwatch.reduce.sections import sections
 
 MAX_REPLICA_SLOTS = 64
 
@@ -134,56 +133,6 @@ class Layout:
 #: Up to this many ranks the rank view carries one slot per rank (``W x (G + 1)`` float64:
 #: 8 KiB at 256 ranks and 3 groups); beyond it, bounded sums of ``2G + 3`` values.
 RANK_SLOTS_MAX_WORLD = 256
-
-
-class Sections(NamedTuple):
-    """Where each part of the packed vector lives: the one definition of its offsets."""
-
-    squares: slice  # N squared-norm contributions (only the piece's contributor adds)
-    squares_high: slice  # N, the high band (same contributors)
-    squares_low: slice  # N, the low band (same contributors)
-    bands: slice  # the three bands together, as the engine lays them out
-    nonfinite: slice  # N non-finite flags (every holder adds)
-    has_grad: slice  # N has-gradient flags (every holder adds)
-    replicas: slice  # R replica sums
-    step: int  # the sum of the ranks' steps
-    length: int
-    rank_view: slice = slice(0, 0)  # after the residues: per-rank slots or bounded sums
-    updates: slice = slice(0, 0)  # after the rank view: update figures per group (summed)
-    # After the step: the sums of the ranks' step residues ``q = step mod 2^STEP_RESIDUE_BITS``
-    # and of their squares: every rank tells from these alone, identically, whether the ranks
-    # collected different steps (``world * sum(q^2) != sum(q)^2``; :func:`steps_differ`).
-    residues: slice = slice(0, 0)
-    rank_timing: slice = slice(0, 0)  # last: the working-time histogram (TIMING_WIDTH)
-
-
-def _rank_view_width(layout: Layout) -> int:
-    g = layout.rank_view_groups
-    if g == 0:
-        return 0
-    return layout.world_size * (g + 1) if layout.rank_view_slots else 2 * g + 3
-
-
-def sections(layout: Layout) -> Sections:
-    n, r = layout.size, layout.replicas
-    view, timing = 5 * n + r + 3, TIMING_WIDTH if layout.rank_timing else 0
-    upd = view + _rank_view_width(layout)
-    end = upd + section_width(layout.update_groups)
-    return Sections(
-        rank_view=slice(view, upd),
-        updates=slice(upd, end),
-        residues=slice(5 * n + r + 1, 5 * n + r + 3),
-        rank_timing=slice(end, end + timing),
-        squares=slice(0, n),
-        squares_high=slice(n, 2 * n),
-        squares_low=slice(2 * n, 3 * n),
-        bands=slice(0, 3 * n),
-        nonfinite=slice(3 * n, 4 * n),
-        has_grad=slice(4 * n, 5 * n),
-        replicas=slice(5 * n, 5 * n + r),
-        step=5 * n + r,
-        length=end + timing,
-    )
 
 
 def piece_of(name: str, param: Tensor) -> LocalPiece:

@@ -43,11 +43,12 @@ rest: no second collective.
 world size, each rank's working time as one entry in a SUM-able histogram
 (:mod:`gradwatch.step.ranktiming`); it makes every collect all-reduce.
 
-**Reading it.** Only this module and :mod:`gradwatch.reduce.layout` (which defines them:
-:class:`~gradwatch.reduce.layout.Sections`) know those offsets. The rest of gradwatch reads a
-:class:`ReducedVector` through named views: :meth:`ReducedVector.stats` (host side, a
-:class:`ReducedStats` of Python floats, for the summary) and :meth:`ReducedVector.device_bands`
-/ :meth:`ReducedVector.device_nonfinite` (device side, for clipping without a host read).
+**Reading it.** Only this module and :mod:`gradwatch.reduce.reduced` know those offsets (which
+:mod:`gradwatch.reduce.sections` defines: :class:`~gradwatch.reduce.sections.Sections`). The rest
+of gradwatch reads a :class:`~gradwatch.reduce.reduced.ReducedVector` through named views:
+:meth:`~gradwatch.reduce.reduced.ReducedVector.stats` (host side, a
+:class:`~gradwatch.reduce.reduced.ReducedStats` of Python floats, for the summary) and its
+``device_bands`` / ``device_nonfinite`` (device side, for clipping without a host read).
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ import dataclasses
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,7 +64,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradwatch.errors import (
-    GradWatchError,
     GradWatchTimeoutError,
     LayoutMismatchError,
     UnsupportedParallelismError,
@@ -73,18 +72,15 @@ from gradwatch.norms.rows import SegmentReduction, host_to_device
 from gradwatch.reduce import handshake
 from gradwatch.reduce.collective import (
     Collective,
-    CollectiveTimeout,
     Pending,
-    StandIn,
     bound_device,
-    landed,
-    record_event,
     reducer_device,
-    wait_landed,
 )
-from gradwatch.reduce.layout import Layout, LocalPiece, derive_layout, sections
-from gradwatch.reduce.ranktiming import RankTiming, pack_timing
-from gradwatch.reduce.steps import device_step, step_residues, steps_differ
+from gradwatch.reduce.layout import Layout, LocalPiece, derive_layout
+from gradwatch.reduce.ranktiming import pack_timing
+from gradwatch.reduce.reduced import ReducedVector
+from gradwatch.reduce.sections import sections
+from gradwatch.reduce.steps import step_residues
 
 log = logging.getLogger("gradwatch")
 
@@ -100,6 +96,28 @@ def gradient_device(tensors: Sequence[Tensor]) -> torch.device | None:
         if t.device.type not in ("cpu", "meta"):
             return t.device
     return None
+
+
+def pack_rank_view(view: Tensor, layout: Layout, rank_local: Tensor, zero: Tensor) -> None:
+    """Write this rank's pre-reduction group squares ``rank_local`` (``G`` float64, NaN/Inf as
+    measured) into its slot of the rank view's section ``view``, with its "reported" flag; a
+    rank whose hook did not run since the last collect writes nothing (zeros: the view is
+    absent for the step). ``zero``: a 0-dim float64 zero on the vector's device. A constant
+    number of ops."""
+    g = layout.rank_view_groups
+    local = rank_local.to(device=view.device, dtype=torch.float64)
+    if layout.rank_view_slots:
+        start = layout.rank * (g + 1)
+        view[start : start + g].copy_(local)
+        view[start + g].fill_(1.0)
+        return
+    bad = ~torch.isfinite(local)
+    torch.where(bad, zero, local, out=view[:g])
+    view[g : 2 * g].copy_(bad)
+    any_bad = bad.any()
+    view[2 * g].copy_(any_bad)
+    view[2 * g + 1].copy_(any_bad * float(layout.rank))
+    view[2 * g + 2].fill_(1.0)
 
 
 class Reducer:
@@ -266,29 +284,6 @@ class Reducer:
         self._slot_sums = SegmentReduction(members, 3 * n_local, dev) if slots else None
         self._slot_global = (torch.tensor(slots, dtype=torch.long) + at.replicas.start).to(dev)
 
-    def _pack_rank_view(self, packed: Tensor, rank_local: Tensor | None) -> None:
-        """Write this rank's pre-reduction group squares (``G`` float64, NaN/Inf as measured)
-        into its slot, with its "reported" flag; ``None`` (no hook ran since the last collect)
-        leaves zeros, so the view is absent for the step. A constant number of ops."""
-        lay = self.layout
-        g = lay.rank_view_groups
-        if g == 0 or rank_local is None:
-            return
-        view = packed[sections(lay).rank_view]
-        local = rank_local.to(device=packed.device, dtype=torch.float64)
-        if lay.rank_view_slots:
-            start = lay.rank * (g + 1)
-            view[start : start + g].copy_(local)
-            view[start + g].fill_(1.0)
-            return
-        bad = ~torch.isfinite(local)
-        torch.where(bad, self._zero, local, out=view[:g])
-        view[g : 2 * g].copy_(bad)
-        any_bad = bad.any()
-        view[2 * g].copy_(any_bad)
-        view[2 * g + 1].copy_(any_bad * float(lay.rank))
-        view[2 * g + 2].fill_(1.0)
-
     def pack_and_reduce(
         self,
         sq_local: Tensor,
@@ -327,7 +322,8 @@ class Reducer:
         packed.index_copy_(0, self._scatter, self._staging)
         if with_replicas and self._slot_sums is not None:
             packed.index_copy_(0, self._slot_global, self._slot_sums(sq_local))
-        self._pack_rank_view(packed, rank_local)
+        if lay.rank_view_groups and rank_local is not None:
+            pack_rank_view(packed[sections(lay).rank_view], lay, rank_local, self._zero)
         if updates is not None:
             packed[sections(lay).updates].copy_(updates)
         if lay.rank_timing:
@@ -417,326 +413,3 @@ class Reducer:
     def close(self, drain: bool = True) -> None:
         """Stop using gradwatch's process groups (see :meth:`Collective.close`)."""
         self.collective.close(drain)
-
-
-@dataclass(frozen=True)
-class ReducedStats:
-    """The reduced vector of one collect as named host-side views (Python floats, in the
-    global layout order of :attr:`Layout.names`).
-
-    Attributes:
-        squares: per parameter, the sum of its pieces' squared norms, each piece counted once
-            (the plain band: pieces of norm in [2^-450, 2^450], and every NaN/Inf).
-        squares_high: per parameter, the high band (``s * 2^-1100`` of larger pieces).
-        squares_low: per parameter, the low band (``s * 2^1200`` of smaller pieces).
-        nonfinite: per parameter, > 0 when some rank flagged NaN/Inf in its piece (replicas
-            included: a NaN on a copy that is not counted is still seen).
-        has_grad: per parameter, > 0 when some rank had a gradient for it.
-        replica_squares: per replica slot, the squared norm its holders add (``R`` values;
-            filled on divergence steps only).
-        step_check: the sum of the steps the ranks collected.
-        step_residues: the sums of the ranks' step residues and of their squares
-            (:func:`~gradwatch.reduce.steps.steps_differ`).
-        world_size: the number of ranks of the job.
-        ranks: the number of ranks whose vectors were summed: ``world_size``, or 1 when the
-            collect skipped the all-reduce (:meth:`Reducer.issues_collective`).
-    """
-
-    squares: list[float]
-    squares_high: list[float]
-    squares_low: list[float]
-    nonfinite: list[float]
-    has_grad: list[float]
-    replica_squares: list[float]
-    step_check: float
-    world_size: int
-    step_residues: tuple[float, float] = (0.0, 0.0)
-    rank_view: RankView | None = None  # the pre-reduction view, when every rank reported
-    ranks: int = 0  # 0: world_size
-    updates: list[float] | None = None  # the update section (None: update_stats off)
-    rank_timing: RankTiming | None = None  # the working times, when every rank measured
-
-    @classmethod
-    def from_values(
-        cls, values: list[float], layout: Layout, ranks: int | None = None
-    ) -> ReducedStats:
-        """Split the host copy of a packed vector (pure; what :meth:`ReducedVector.stats`
-        does after its one host read). ``ranks``: how many ranks' vectors it sums (default:
-        all of them)."""
-        at = sections(layout)
-        if len(values) != at.length:
-            raise ValueError(
-                f"gradwatch: a packed vector of {len(values)} values, expected {at.length}"
-            )
-        return cls(
-            squares=values[at.squares],
-            squares_high=values[at.squares_high],
-            squares_low=values[at.squares_low],
-            nonfinite=values[at.nonfinite],
-            has_grad=values[at.has_grad],
-            replica_squares=values[at.replicas],
-            step_check=values[at.step],
-            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
-            world_size=layout.world_size,
-            rank_view=RankView.from_section(values[at.rank_view], layout),
-            ranks=layout.world_size if ranks is None else ranks,
-            updates=values[at.updates] if layout.update_groups else None,
-            rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
-            if layout.rank_timing else None,
-        )
-
-    @property
-    def steps_differ(self) -> bool:
-        """The ranks collected different steps (:func:`~gradwatch.reduce.steps.steps_differ`)."""
-        return steps_differ(self.ranks or self.world_size, *self.step_residues)
-
-    def steps_agree(self, step: int) -> bool:
-        """Did every rank collect ``step``? (A rank that collected another step changes the
-        sum; a mismatch means the statistics mix steps. A rank whose local pass failed sends
-        NaN: see :meth:`failed_rank`. A collect without the all-reduce checks only this
-        rank's own step.)"""
-        return self.step_check == step * (self.ranks or self.world_size)
-
-    @property
-    def closed_rank(self) -> bool:
-        """Some rank's watcher was closed and stood in for this collect (step slot ``-inf``)."""
-        return self.step_check == -math.inf
-
-    @property
-    def failed_rank(self) -> bool:
-        """Some rank's local pass failed this collect (:meth:`Reducer.reduce_failed`): the
-        vector holds no measurement."""
-        return self.step_check != self.step_check
-
-    @property
-    def replica_norms(self) -> list[float]:
-        """The global norm each replica position saw (replica slots only)."""
-        return [math.sqrt(s) for s in self.replica_squares]
-
-    def replica_divergence(self) -> float:
-        """Relative spread ``(max - min) / max`` of :attr:`replica_norms`: 0.0 for identical
-        replicas (or none), NaN when a replica's norm is NaN or Inf."""
-        norms = self.replica_norms
-        if any(math.isnan(x) for x in norms):
-            return math.nan
-        top = max(norms, default=0.0)
-        if top == 0.0 or math.isinf(top):
-            return 0.0 if top == 0.0 else math.nan
-        return (top - min(norms)) / top
-
-
-class ReducedVector:
-    """The packed vector of one collect, once the all-reduce completes.
-
-    Read through named views only: :meth:`stats` on the host, :meth:`device_bands` and
-    :meth:`device_nonfinite` on the device.
-    """
-
-    def __init__(
-        self,
-        packed: Tensor,
-        pending: Pending,
-        timeout: float,
-        step: int,
-        layout: Layout,
-        ranks: int | None = None,
-        device_timeout: float | None = None,
-    ) -> None:
-        self._packed = packed
-        # The device views (a clip) wait as the job's own collectives would: the group's
-        # timeout, so no rank gives up on a clip's all-reduce that another rank completes.
-        self._device_timeout = timeout if device_timeout is None else device_timeout
-        self._ranks = ranks  # None: every rank's vector (see ReducedStats.ranks)
-        self._pending: Pending | None = pending
-        self._timeout = timeout
-        self._step = step
-        self._layout = layout
-        self._stats: ReducedStats | None = None
-        self._device_step: Tensor | None = None
-        self.step, self.ranks = step, ranks  # this rank's step; summed ranks (None: all)
-        self.on_cpu = packed.device.type == "cpu"  # read without a device sync
-        if packed.device.type != "cpu":
-            # NCCL: make the compute stream wait for the collective (no host wait), then start
-            # a non-blocking copy to pinned memory; stats() waits on the event, once.
-            pending.order_on_stream()
-            # CUDA path, untested on this project's CPU machines. The event is recorded on the
-            # stream of the vector's own device (Event.record() alone uses the *current*
-            # device's stream, which may be another GPU's).
-            self._pinned = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._pinned.copy_(packed, non_blocking=True)
-            self._landed = landed(record_event(packed.device))
-
-    def _wait_collective(self, timeout: float | None = None) -> None:
-        """Wait for the all-reduce. A wait that times out leaves it in flight (a retry may
-        succeed): :class:`GradWatchTimeoutError` with ``in_flight`` True; a failed one:
-        ``in_flight`` False; this rank's stand-in (:class:`gradwatch.reduce.collective.StandIn`): a
-        plain :class:`GradWatchError`."""
-        pending = self._pending  # read once: the publisher and the training thread may race
-        if pending is not None:
-            timeout = self._timeout if timeout is None else timeout
-            try:
-                pending.wait(timeout)
-            except StandIn as exc:
-                raise GradWatchError(
-                    f"gradwatch: step {self._step} was not measured: {exc}"
-                ) from exc
-            except RuntimeError as exc:
-                err = GradWatchTimeoutError(
-                    f"gradwatch: the all-reduce of step {self._step} failed or did not "
-                    f"complete within {timeout:g}s ({self._timeout_setting(timeout)}): another "
-                    f"rank failed, skipped collect() or is stuck ({exc})"
-                )
-                err.in_flight = isinstance(exc, CollectiveTimeout)  # type: ignore[attr-defined]
-                raise err from exc
-            self._pending = None
-
-    def _timeout_setting(self, timeout: float) -> str:
-        """The setting that bounded a wait of ``timeout`` seconds, for its error message."""
-        if timeout == self._timeout:
-            return "collective_timeout_seconds"
-        return (
-            "the job's process-group timeout, init_process_group(timeout=...), which a clip's "
-            "all-reduce waits for when longer than collective_timeout_seconds"
-        )
-
-    def _device(self) -> Tensor:
-        # On accelerators the collective was already ordered before later kernels (no host
-        # wait); on gloo this waits for the all-reduce, which CPU work would wait for anyway,
-        # bounded by the group's timeout (a clip never gives up before the others do).
-        self._wait_collective(self._device_timeout)
-        return self._packed
-
-    def device_bands(self) -> Tensor:
-        """The reduced squared norms as the engine's three bands (``3N``: plain, high, low;
-        see :mod:`gradwatch.norms.stats`), on the device (a view: no copy)."""
-        return self._device()[sections(self._layout).bands]
-
-    def device_unmeasured(self) -> Tensor:
-        """A 0-dim bool on the device: some rank stood in for this collect (its step slot is
-        NaN or ``-inf``, see :meth:`Reducer.reduce_failed`) or the ranks collected different
-        steps (:func:`~gradwatch.reduce.steps.steps_differ`): the vector holds no measurement, and
-        every rank reading it knows so without a host read."""
-        return ~torch.isfinite(self.device_step())
-
-    def device_step(self) -> Tensor:
-        """The reduced step slot on the device, NaN where the ranks' steps differ
-        (:func:`gradwatch.reduce.steps.device_step`; none for this rank's own vector), once."""
-        if self._device_step is None:
-            packed = self._device()
-            s = sections(self._layout)
-            step, ranks = packed[s.step], self.ranks or self._layout.world_size
-            self._device_step = step if ranks == 1 else device_step(
-                step, packed.narrow(0, s.residues.start, 2), ranks)
-        return self._device_step
-
-    def _wait_landed(self, timeout: float) -> None:
-        """Wait at most ``timeout`` for an accelerator vector's pinned copy; one not landed is
-        *in flight* (behind the all-reduce on the stream, done when a late rank arrives):
-        ``in_flight`` True, never a reason to stop on this rank alone."""
-        try:
-            wait_landed(self._landed, timeout, f"the vector of step {self._step}")
-        except GradWatchTimeoutError as exc:
-            exc.in_flight = True  # type: ignore[attr-defined]
-            raise
-
-    def step_sums(self, timeout: float) -> tuple[float, float, float]:
-        """The reduced step slot and residue sums on the host, after waiting at most
-        ``timeout`` (``in_flight`` :class:`GradWatchTimeoutError` when still in flight)."""
-        s = sections(self._layout)
-        if self._packed.device.type != "cpu":
-            self._wait_landed(timeout)
-            host = self._pinned
-        else:
-            self._wait_collective(timeout)
-            host = self._packed
-        step, residue, square = host.narrow(0, s.step, 3).tolist()
-        return step, residue, square
-
-    def device_nonfinite(self) -> Tensor:
-        """Per parameter, the reduced non-finite flags (> 0: some rank saw NaN/Inf), on the
-        device (a view: no copy)."""
-        return self._device()[sections(self._layout).nonfinite]
-
-    def device_bands_flags_and_step(self) -> tuple[Tensor, Tensor]:
-        """The three bands and the non-finite flags as one ``4N`` view (plain, high, low,
-        flags: adjacent in the layout) and the step slot (:meth:`device_step`: NaN where the
-        ranks' steps differ), on the device, no copy (what the optimizer-step guard reads each
-        step)."""
-        packed = self._device()
-        s = sections(self._layout)
-        return packed.narrow(0, s.bands.start, s.nonfinite.stop), self.device_step()
-
-    def stats(self) -> ReducedStats:
-        """Wait (at most once), read the vector to the host once, return its named views."""
-        if self._stats is None:
-            if self._packed.device.type != "cpu":
-                self._wait_landed(self._timeout)
-                values = self._pinned.tolist()
-            else:
-                self._wait_collective()
-                values = self._packed.tolist()
-            self._stats = ReducedStats.from_values(values, self._layout, self._ranks)
-        return self._stats
-
-
-@dataclass(frozen=True)
-class RankView:
-    """The pre-reduction figures of one collect (host side), in group order.
-
-    Attributes:
-        per_rank: ``[rank][group]`` each rank's local squared norm of the group before the
-            reduction (NaN/Inf as measured); None in bounded mode (more than
-            :data:`~gradwatch.reduce.layout.RANK_SLOTS_MAX_WORLD` ranks).
-        finite_sums: per group, the sum over ranks of the finite local squares.
-        nonfinite_ranks: per group, how many ranks' local squares were NaN/Inf.
-        nonfinite_count: how many ranks had some non-finite local square.
-        nonfinite_rank: bounded mode: the one non-finite rank when ``nonfinite_count`` is 1
-            (the sum of the ids of non-finite ranks); slot mode: None (see ``per_rank``).
-        replica_groups, hosts: from the layout handshake.
-    """
-
-    per_rank: tuple[tuple[float, ...], ...] | None
-    finite_sums: tuple[float, ...]
-    nonfinite_ranks: tuple[int, ...]
-    nonfinite_count: int
-    nonfinite_rank: int | None
-    replica_groups: tuple[tuple[int, ...], ...]
-    hosts: tuple[str, ...]
-
-    @classmethod
-    def from_section(cls, values: list[float], layout: Layout) -> RankView | None:
-        """The view from its section of the host copy; None when there is no section or some
-        rank did not report (no hook ran there since its last collect)."""
-        g, world = layout.rank_view_groups, layout.world_size
-        if g == 0:
-            return None
-        if layout.rank_view_slots:
-            slots = [values[r * (g + 1) : (r + 1) * (g + 1)] for r in range(world)]
-            if any(s[g] != 1.0 for s in slots):
-                return None
-            per_rank = tuple(tuple(s[:g]) for s in slots)
-            bad = [[not math.isfinite(x) for x in row] for row in per_rank]
-            return cls(
-                per_rank=per_rank,
-                finite_sums=tuple(
-                    math.fsum(row[k] for row, b in zip(per_rank, bad, strict=True) if not b[k])
-                    for k in range(g)
-                ),
-                nonfinite_ranks=tuple(sum(b[k] for b in bad) for k in range(g)),
-                nonfinite_count=sum(any(b) for b in bad),
-                nonfinite_rank=None,
-                replica_groups=layout.replica_groups,
-                hosts=layout.hosts,
-            )
-        if values[2 * g + 2] != world:
-            return None
-        count = int(values[2 * g])
-        return cls(
-            per_rank=None,
-            finite_sums=tuple(values[:g]),
-            nonfinite_ranks=tuple(int(x) for x in values[g : 2 * g]),
-            nonfinite_count=count,
-            nonfinite_rank=int(values[2 * g + 1]) if count == 1 else None,
-            replica_groups=layout.replica_groups,
-            hosts=layout.hosts,
-        )

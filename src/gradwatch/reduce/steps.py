@@ -2,7 +2,7 @@
 every rank alike from the reduced vector alone.
 
 Each rank adds, next to its step, its step's residue ``q = step mod 2^STEP_RESIDUE_BITS`` and
-``q^2`` to the packed vector (:attr:`gradwatch.reduce.layout.Sections.residues`); the sums
+``q^2`` to the packed vector (:attr:`gradwatch.reduce.sections.Sections.residues`); the sums
 satisfy ``world * sum(q^2) == sum(q)^2`` exactly when every rank's ``q`` is the same
 (Cauchy-Schwarz), a test whose inputs are the reduced sums only: the same answer on every
 rank, on the host (:func:`steps_differ`) or on the device (:func:`device_step`).

@@ -3,7 +3,7 @@
 ``GradWatch.clip_grad_norm_`` clips with the total norm carried by the collect's all-reduce, so
 the norm is the whole model's under DDP, FSDP2, TP and pipeline stages (where
 ``torch.nn.utils.clip_grad_norm_`` returns a rank-local one), at no extra collective. Everything
-a clip needs is passed in: the :class:`~gradwatch.reduce.packing.ReducedVector`, this collect's
+a clip needs is passed in: the :class:`~gradwatch.reduce.reduced.ReducedVector`, this collect's
 :class:`~gradwatch.norms.gradients.LocalGradients` and the
 :class:`~gradwatch.norms.stats.NormPlan` that normed them. Device side only: no host read (the
 host's figure of the same coefficient: :func:`gradwatch.snapshot.clip_coefficient`).
@@ -17,7 +17,7 @@ from torch import Tensor
 from gradwatch.norms.bands import BANDS, banded_total_device
 from gradwatch.norms.gradients import LocalGradients
 from gradwatch.norms.stats import NormPlan
-from gradwatch.reduce.packing import ReducedVector
+from gradwatch.reduce.reduced import ReducedVector
 from gradwatch.snapshot import CLIP_EPS
 
 

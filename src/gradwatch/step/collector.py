@@ -30,7 +30,7 @@ from gradwatch.norms.amp import pending_scale
 from gradwatch.norms.gradients import LocalGradients
 from gradwatch.norms.stats import NormEngine, NormPlan
 from gradwatch.reduce.collective import refuse_capture
-from gradwatch.reduce.packing import ReducedVector
+from gradwatch.reduce.reduced import ReducedVector
 from gradwatch.snapshot import Snapshot
 from gradwatch.stacks.main_grad import clip_local_, gradients_for_fallback
 from gradwatch.step.adaptive import AUTO, AdaptiveHistory, AdaptiveStep

@@ -25,7 +25,8 @@ from torch import Tensor
 from gradwatch.analysis.reporter import Reporter
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.norms.stats import MetaGradientError
-from gradwatch.reduce.packing import ReducedStats, ReducedVector, Reducer
+from gradwatch.reduce.packing import Reducer
+from gradwatch.reduce.reduced import ReducedStats, ReducedVector
 from gradwatch.reduce.steps import steps_differ
 
 if TYPE_CHECKING:

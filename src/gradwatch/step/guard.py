@@ -6,7 +6,7 @@ optimizer's update unless the guard decides to skip this step; every other attri
 unchanged.
 
 The decision (:class:`StepGuard`) is a device tensor computed from the step's reduced vector
-(:class:`~gradwatch.reduce.packing.ReducedVector`), the same bits on every rank:
+(:class:`~gradwatch.reduce.reduced.ReducedVector`), the same bits on every rank:
 
 * ``nonfinite``: some rank flagged NaN/Inf in some gradient, or the whole-model norm is not
   finite (``skip_nonfinite``), told straight from the reduced bands and flags, never outside
@@ -69,7 +69,7 @@ from gradwatch.analysis.spikes import MAD_TO_SIGMA, MIN_LOG_SPREAD, SHIFT_RUN, S
 from gradwatch.config import WatchConfig
 from gradwatch.norms.bands import HIGH_SHIFT
 from gradwatch.reduce.collective import wait_event
-from gradwatch.reduce.packing import ReducedVector
+from gradwatch.reduce.reduced import ReducedVector
 
 __all__ = ["GuardDecision", "GuardPolicy", "GuardReading", "GuardedOptimizer", "StepGuard"]
 
@@ -188,7 +188,7 @@ class GuardDecision:
     ``parts``: the decision's 0-dim tensors, in decision-vector order; tensors the guard never
     writes again (it replaces that state each step), so on the CPU they are packed only when
     read; on CUDA they are packed at once and copied, non-blocking, to pinned memory with an
-    event, as :class:`~gradwatch.reduce.packing.ReducedVector` does. ``found_inf`` itself is the
+    event, as :class:`~gradwatch.reduce.reduced.ReducedVector` does. ``found_inf`` itself is the
     guard's one reused buffer: read it within the step it belongs to.
     """
 

@@ -5,7 +5,6 @@ scale, spread) and the bad inputs (batch_size)."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pydantic
 import pytest
@@ -15,8 +14,10 @@ from torch import nn
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.analysis.rankview import NoiseScale, _spread
 from gradwatch.doctor.testing import OpCounter, count_host_reads
-from gradwatch.reduce.layout import Layout, sections
-from gradwatch.reduce.packing import RankView, Reducer
+from gradwatch.reduce.layout import Layout
+from gradwatch.reduce.packing import pack_rank_view
+from gradwatch.reduce.reduced import RankView
+from gradwatch.reduce.sections import sections
 from gradwatch.stacks.ddp_hook import LocalView
 
 
@@ -175,13 +176,11 @@ def test_rank_view_section_round_trip(monkeypatch: pytest.MonkeyPatch, bounded: 
         monkeypatch.setattr(gradwatch.reduce.layout, "RANK_SLOTS_MAX_WORLD", 2)
     world, g = 3, 2
     local = [torch.tensor([1.0, 4.0]), torch.tensor([math.nan, 9.0]), torch.tensor([2.0, 3.0])]
-    total = None
+    total, zero = None, torch.zeros((), dtype=torch.float64)
     for rank in range(world):
         lay = _layout(world, rank, g)
-        stub: Any = type("R", (), {})()
-        stub.layout, stub._zero = lay, torch.zeros((), dtype=torch.float64)
         packed = torch.zeros(lay.packed_length, dtype=torch.float64)
-        Reducer._pack_rank_view(stub, packed, local[rank])
+        pack_rank_view(packed[sections(lay).rank_view], lay, local[rank], zero)
         total = packed if total is None else total + packed
     assert total is not None
     at = sections(_layout(world, 0, g))
@@ -197,9 +196,7 @@ def test_rank_view_section_round_trip(monkeypatch: pytest.MonkeyPatch, bounded: 
     # A rank that did not report (no hooked backward): no view for the step.
     partial = torch.zeros_like(total)
     lay0 = _layout(world, 0, g)
-    stub = type("R", (), {})()
-    stub.layout, stub._zero = lay0, torch.zeros((), dtype=torch.float64)
-    Reducer._pack_rank_view(stub, partial, local[0])
+    pack_rank_view(partial[sections(lay0).rank_view], lay0, local[0], zero)
     assert RankView.from_section(partial.tolist()[at.rank_view], lay0) is None
 
 

@@ -11,7 +11,8 @@ from layout_reference import build_layout
 
 from gradwatch.errors import LayoutMismatchError
 from gradwatch.reduce.layout import LocalPiece
-from gradwatch.reduce.packing import ReducedStats, Reducer
+from gradwatch.reduce.packing import Reducer
+from gradwatch.reduce.reduced import ReducedStats
 from gradwatch.reduce.steps import step_residues, steps_differ
 
 
@@ -200,7 +201,7 @@ def test_a_timeout_names_the_setting_that_bounded_the_wait() -> None:
     long as the job's own collectives (the process group's timeout): each message names its
     own bound."""
     from gradwatch.errors import GradWatchTimeoutError
-    from gradwatch.reduce.packing import ReducedVector
+    from gradwatch.reduce.reduced import ReducedVector
 
     vector = ReducedVector(
         torch.zeros(4), _Straggling(), 5.0, 7, None, device_timeout=1800.0  # type: ignore[arg-type]

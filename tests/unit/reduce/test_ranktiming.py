@@ -125,7 +125,8 @@ def test_timer_stops_at_the_last_gradient_hook() -> None:
 def test_the_timing_section_is_the_same_size_at_every_world(world: int) -> None:
     """Per-rank bytes independent of the world size (benchmarks/scale.py shows it for the
     simulated worlds): the section is last in the packed vector, ``TIMING_WIDTH`` long."""
-    from gradwatch.reduce.layout import Layout, sections
+    from gradwatch.reduce.layout import Layout
+    from gradwatch.reduce.sections import sections
 
     base = Layout(names=("a", "b"), numels=(3, 4), local_to_global=(0, 1),
                   contributes=(True, True), replica_slot=(-1, -1), replicas=1,

@@ -13,7 +13,7 @@ from torch import nn
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.doctor.testing import OpCounter
-from gradwatch.reduce.layout import sections
+from gradwatch.reduce.sections import sections
 from gradwatch.step.guard import GuardDecision, GuardReading
 
 #: The device ops of one warm decision: the norm, the non-finite test and the skip counters;
