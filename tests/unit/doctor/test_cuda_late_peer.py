@@ -13,9 +13,9 @@ import torch
 
 from gradwatch.doctor import cuda_paths
 from gradwatch.doctor.options import FAIL, PASS
-from gradwatch.reduce import packing
 from gradwatch.reduce.collective import wait_landed
-from gradwatch.reduce.packing import ReducedVector, Reducer
+from gradwatch.reduce.packing import Reducer
+from gradwatch.reduce.reduced import ReducedVector
 
 CPU = torch.device("cpu")
 
@@ -62,7 +62,7 @@ def test_late_peer_fails_when_a_late_landing_stops(monkeypatch: pytest.MonkeyPat
     def stops(self: ReducedVector, timeout: float) -> None:
         wait_landed(self._landed, timeout, f"the vector of step {self._step}")  # not in flight
 
-    monkeypatch.setattr(packing.ReducedVector, "_wait_landed", stops)
+    monkeypatch.setattr(ReducedVector, "_wait_landed", stops)
     result = cuda_paths.check_cuda_late_peer(CPU, NeverLands(monkeypatch))
     assert result.status == FAIL, result
     assert "not in flight" in result.measured and "0 stops" not in result.measured, result
