@@ -56,6 +56,10 @@ EXPLODE_FROM = 160  # 4 s later, until the end
 STEP_SLEEP = 0.1
 TOTAL_STEPS = 900  # far more than needed: the test stops the job when done
 FIRING_DEADLINE = 10.0
+# The slowest rank is named only when one rank stands alone in the slowest timing bin: in this
+# balanced job none does, so the series is absent (its panel's score and work times are checked;
+# tests/distributed/test_stragglers_distributed.py names a slow rank).
+ABSENT_IN_A_BALANCED_JOB = {"gradwatch_slowest_rank"}
 
 # -- processes ----------------------------------------------------------------------------------
 
@@ -74,6 +78,9 @@ def run_training_job(port: int, workdir: Path) -> Iterator[subprocess.Popen[byte
         GRADWATCH_PARAM_METRICS_TOP_K="5",  # the dashboard's top-k panel
         GRADWATCH_RANK_VIEW="1",  # the per-rank view is opt-in: its panels need it
         GRADWATCH_GUARD="1",  # the optimizer-step guard too (its alerts and panel)
+        GRADWATCH_UPDATE_STATS="1",  # optimizer-update health (opt-in): its panels need it
+        GRADWATCH_RANK_TIMING="1",  # slow-rank attribution (opt-in): its panel needs it
+        GRADWATCH_HISTORY_PATH=str(workdir / "history.jsonl"),  # a sink: the sink panels
         CLIP_NORM="1000",  # clipped through gradwatch (gradwatch_clip_coef), never reached healthy
         INJECT_NAN_AT=str(NAN_STEP),
         INJECT_EXPLODE_AT=f"{EXPLODE_FROM}-",
@@ -142,9 +149,15 @@ def test_rules_and_dashboard_against_a_live_job(tmp_path: Path) -> None:
 
         # Healthy: no alert at all (not even pending), over evaluations that saw only
         # healthy steps (the exporter's step, read after the alerts, is before the NaN step).
+        # One exception: this toy's plain SGD at lr 0.02 moves about 1.4% of its weights per
+        # step, above the update-ratio band the shipped rule takes from large-model training
+        # (0.01): that alert is rightly pending (its `for` is 15 minutes, never reached here).
         healthy_checks: list[float] = []
         while True:
-            alerts = prom.alerts()
+            alerts = [
+                a for a in prom.alerts()
+                if a["labels"]["alertname"] != "GradwatchUpdateRatioOutOfBand"
+            ]
             step = value(exporter(), "gradwatch_step")
             if step >= NAN_STEP:
                 break
@@ -213,7 +226,13 @@ def test_rules_and_dashboard_against_a_live_job(tmp_path: Path) -> None:
         # Every dashboard expression is accepted and returns data for this job.
         for where, expr in dashboard_exprs():
             promql = substitute_grafana_vars(data_query(expr), job=JOB, instance=target)
-            assert prom.query(promql), f"dashboard {where}: no data for {promql}"
+            if gradwatch_names(promql) <= ABSENT_IN_A_BALANCED_JOB:
+                continue
+            # Bounded wait: a figure measured on most steps (the slowest rank is named only
+            # when alone in its timing bin) may be absent from one scrape.
+            prom.wait_until(
+                lambda q=promql: prom.query(q), 20, f"dashboard {where}: data for {promql}"
+            )
         for name, query in dashboard_variable_queries():
             selector, label = label_values_selector(substitute_grafana_vars(query, job=JOB))
             found = {s["metric"].get(label) for s in prom.query(selector)}
@@ -231,7 +250,7 @@ def test_rules_and_dashboard_against_a_live_job(tmp_path: Path) -> None:
             used |= gradwatch_names(expr)
         for _, query in dashboard_variable_queries():
             used |= gradwatch_names(query)
-        missing = {n for n in used if ":" not in n} - exported
+        missing = {n for n in used if ":" not in n} - exported - ABSENT_IN_A_BALANCED_JOB
         assert not missing, f"not in the live exposition: {sorted(missing)}"
 
     assert time.monotonic() - started < 120
