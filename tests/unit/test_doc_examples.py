@@ -60,24 +60,30 @@ RUN: dict[tuple[str, int], tuple[str, str]] = {
                        ""),
     ("docs/integrations.md", 0): ("", ""),  # 1. a plain loop: self-contained
     ("docs/integrations.md", 1): (_WATCHED, "watch.close()\n"),  # 2. clip and watch
-    ("docs/integrations.md", 7): ("", ""),  # 6b. your own sink: self-contained
-    ("docs/integrations.md", 8): (  # 7. auditing a reported norm
+    ("docs/integrations.md", 2): (  # 2b. adaptive clipping, a checkpoint of its state
+        _MODEL + "model = MyModel()\nopt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "from gradwatch import GradWatch, WatchConfig\nloss_fn = lambda loss: loss\n"
+        "resuming, ckpt, save = False, {}, lambda state: None\n",
+        "",
+    ),
+    ("docs/integrations.md", 8): ("", ""),  # 6b. your own sink: self-contained
+    ("docs/integrations.md", 9): (  # 7. auditing a reported norm
         _WATCHED + "step = 0\nwatch.collect(step)\nreported = torch.tensor(1.0)\n",
         "watch.flush()\nwatch.close()\n",
     ),
-    ("docs/integrations.md", 10): (  # 8. the optimizer-step guard
+    ("docs/integrations.md", 11): (  # 8. the optimizer-step guard
         _MODEL + "model = MyModel()\nfrom gradwatch import GradWatch, WatchConfig\n", ""
     ),
 }
 
 #: Blocks not run here, and why (each is run by the test named, or cannot run on this host).
 SKIPPED: dict[tuple[str, int], str] = {
-    ("docs/integrations.md", 2): "torchrun train.py: tests/distributed/test_integrations.py",
-    ("docs/integrations.md", 3): "AMP on CUDA: no CUDA here (docs/gpu.md)",
-    ("docs/integrations.md", 4): "the Hugging Face Trainer: tests/distributed/test_integrations.py",
-    ("docs/integrations.md", 5): "Lightning: tests/distributed/test_integrations.py",
-    ("docs/integrations.md", 6): "tracker sinks need a tracker run: tests/unit/test_sinks.py",
-    ("docs/integrations.md", 9): "FSDP2 on 2 ranks: tests/distributed/test_audit_distributed.py",
+    ("docs/integrations.md", 3): "torchrun train.py: tests/distributed/test_integrations.py",
+    ("docs/integrations.md", 4): "AMP on CUDA: no CUDA here (docs/gpu.md)",
+    ("docs/integrations.md", 5): "the Hugging Face Trainer: tests/distributed/test_integrations.py",
+    ("docs/integrations.md", 6): "Lightning: tests/distributed/test_integrations.py",
+    ("docs/integrations.md", 7): "tracker sinks need a run: tests/unit/export/test_sinks.py",
+    ("docs/integrations.md", 10): "FSDP2 on 2 ranks: tests/distributed/test_audit_distributed.py",
 }
 
 
