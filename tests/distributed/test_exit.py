@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.distributed]
 def test_a_rank_exits_cleanly_after_its_last_all_reduce_completes(
     tmp_path: Path, mode: str
 ) -> None:
-    spawn_world(exit_cases.worker, 2, (str(tmp_path), mode), timeout=120.0)  # raises on a crash
+    # raises on a crash; through the interpreter's own teardown
+    spawn_world(exit_cases.worker, 2, (str(tmp_path), mode), timeout=120.0, leave_at_once=False)
     res = json.loads(Path(tmp_path, "1.json").read_text())
     assert res["in_flight"] == 0
     assert res["close_seconds"] >= exit_cases.LATE_S  # it waited for the late peer
@@ -29,6 +30,8 @@ def test_a_rank_exits_cleanly_after_its_last_all_reduce_completes(
 def test_a_with_block_ended_by_an_exception_does_not_wait_for_peers(tmp_path: Path) -> None:
     """The loop is failing: ``__exit__`` closes without waiting for a peer that may never
     come (the collective timeout is 30 s, the peer 2 s late)."""
-    spawn_world(exit_cases.worker, 2, (str(tmp_path), "raise"), timeout=120.0)
+    spawn_world(
+        exit_cases.worker, 2, (str(tmp_path), "raise"), timeout=120.0, leave_at_once=False
+    )
     res = json.loads(Path(tmp_path, "1.json").read_text())
     assert res["close_seconds"] < 0.5 * exit_cases.LATE_S
