@@ -249,9 +249,13 @@ def test_engine_ops_constant_in_tensor_count() -> None:
         assert fills == -(-sum(aligned(t.numel()) for t in ts) // PACK_NUMEL)  # no gaps
         return counter.total - 2 * fills, sum(reads.values())
 
-    # Two ops per fill of the pack buffer (a copy, a norm), none per tensor.
-    small, large = ops(20), ops(400)
+    # Two ops per fill of the pack buffer (a copy, a norm), none per tensor; plans of at most
+    # HOST_CHECK_MAX positions check for a repair on the host, four ops fewer.
+    from gradwatch.norms.stats import HOST_CHECK_MAX
+
+    few, small, large = ops(20), ops(HOST_CHECK_MAX + 1), ops(400)
     assert small == large
+    assert few == (small[0] - 4, small[1])
     assert small[1] <= 1
 
 
@@ -574,13 +578,14 @@ def test_gradients_split_between_host_and_device_repair_only_in_host_memory(
 
 #: One numel per CPU float32/bf16/fp16 path: packed whole (at most WHOLE_NUMEL), rows of 512
 #: read in place, rows of a shorter divisor read in place (no partial row), rows of 512 with
-#: the partial last row packed, and (bf16/fp16) a divisor-row tensor widened in two chunks.
+#: the partial last row packed, and a large one (rows of 512 and a packed partial row; bf16
+#: and fp16 widened in two chunks).
 PATH_NUMELS = {
     "packed": 10_000,
     "rows of 512": 32_768,
     "rows of a divisor": 30_000,
     "rows and a packed tail": 16_411,
-    "divisor rows, two widening chunks": 1_500_000,
+    "large: rows of 512, a packed tail, two widening chunks": 1_500_000,
 }
 
 
@@ -593,13 +598,13 @@ def _path_of(plan, numel: int, dtype: torch.dtype) -> str:  # type: ignore[no-un
         return "packed"
     assert bucket.rows[0] == 0
     length = bucket.row_lengths[0]
+    if numel > CONVERT_CHUNK:
+        assert dtype == torch.float32 or len(bucket.row_chunks[0]) == 2
+        assert length == 512 and 0 in bucket.tails
+        return "large: rows of 512, a packed tail, two widening chunks"
     if 0 in bucket.tails:
         assert length == 512
         return "rows and a packed tail"
-    if numel > CONVERT_CHUNK:
-        assert dtype == torch.float32 or len(bucket.row_chunks[0]) == 2
-        assert length < 512
-        return "divisor rows, two widening chunks"
     return "rows of 512" if length == 512 else "rows of a divisor"
 
 
@@ -647,13 +652,16 @@ def test_every_path_one_overflowing_element(path: str) -> None:
 
 
 def test_row_length_divides_or_is_a_full_row() -> None:
-    """Row-path tensors are whole rows of a divisor in [MIN_ROW_NUMEL, ROW_NUMEL] when their
-    numel has one, else rows of ROW_NUMEL and a partial last row."""
+    """Row-path tensors up to DIVISOR_ROWS_MAX_NUMEL are whole rows of a divisor in
+    [MIN_ROW_NUMEL, ROW_NUMEL] when their numel has one, else (and larger ones) rows of
+    ROW_NUMEL and a partial last row."""
     from gradwatch.norms.rows import ROW_NUMEL
-    from gradwatch.norms.stats import MIN_ROW_NUMEL, row_length
+    from gradwatch.norms.stats import DIVISOR_ROWS_MAX_NUMEL, MIN_ROW_NUMEL, row_length
 
     for numel in [16_385, 16_411, 30_000, 32_768, 70_001, 100_000, 1_500_000, 2**21 + 3]:
         length = row_length(numel)
         assert MIN_ROW_NUMEL <= length <= ROW_NUMEL
         divisors = [d for d in range(MIN_ROW_NUMEL, ROW_NUMEL + 1) if numel % d == 0]
+        if numel > DIVISOR_ROWS_MAX_NUMEL:
+            divisors = []
         assert length == (max(divisors) if divisors else ROW_NUMEL)
