@@ -23,6 +23,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -355,7 +356,7 @@ class Snapshot:
         Unchanged mappings are shared, not copied again: they are this snapshot's own
         read-only copies, and ``param_norms`` of a large model holds one entry per parameter.
         """
-        known = {f.name for f in dataclasses.fields(self)}
+        known = _field_names(type(self))
         unknown = sorted(set(changes) - known)
         if unknown:
             raise TypeError(f"Snapshot has no field(s) {unknown}")
@@ -429,3 +430,9 @@ _TUPLES = (
 def _rebuild_snapshot(fields: dict[str, Any]) -> Snapshot:
     """Unpickling helper of :class:`Snapshot`."""
     return Snapshot(**fields)
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    """The field names of a snapshot class, read once (``replace`` runs on every collect)."""
+    return frozenset(f.name for f in dataclasses.fields(cls))
