@@ -24,7 +24,6 @@ exactness and its costs: docs/design.md, "The local math".
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,13 +35,17 @@ from gradwatch.norms.bands import BANDS, banded_total_device, bands_of_norm, ban
 from gradwatch.norms.rescale import RESCALE_SCRATCH, RescalePlan, build_rescale_plan, rescaled_norms
 from gradwatch.norms.rows import (
     ROW_NUMEL,
+    FillLayout,
     RowSquares,
     StalePlan,
     aligned,
     flat_view,
     foreach_splits,
     host_to_device,
+    pack_fills,
+    row_length,
     to_device,
+    written_by_other_fills,
 )
 
 #: CPU float32/bf16/fp16 tensors of at most this many elements are copied into the pack buffer;
@@ -50,14 +53,6 @@ from gradwatch.norms.rows import (
 #: (a view, a norm) of reading in place (measured: 30,000-element tensors 8% faster in place,
 #: 10,000-element ones 25% slower).
 WHOLE_NUMEL = 16384
-#: Row-path tensors whose numel has a divisor in ``[MIN_ROW_NUMEL, ROW_NUMEL]`` are read as
-#: rows of that divisor (:func:`row_length`): CPU row norms of 256 elements and more run at
-#: the speed of 512 (shorter rows cost more per element).
-MIN_ROW_NUMEL = 256
-#: Above this many elements a tensor keeps rows of ROW_NUMEL and its partial last row: rows of
-#: 500 cost 3-5% more per element than 512 (measured), which beyond it outweighs the two ops
-#: and the copy a partial row costs.
-DIVISOR_ROWS_MAX_NUMEL = 1 << 19
 #: bf16/fp16 row-path tensors are widened to float32 this many elements at a time, into one
 #: reused scratch buffer (4 MiB). ``vector_norm(t, dtype=torch.float32)`` would allocate a float32
 #: copy of the whole tensor (twice its bytes, fresh memory each call). A multiple of ROW_NUMEL.
@@ -88,20 +83,6 @@ TINY_NORM_FLOAT64 = 1e-140
 #: plain-band values stay at most 2^900, so no sum of them can overflow.
 HUGE_SQUARE_FLOAT64 = 2.0**900
 _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def row_length(numel: int) -> int:
-    """The row length of a row-path tensor of ``numel`` elements: :data:`ROW_NUMEL`, or, up to
-    :data:`DIVISOR_ROWS_MAX_NUMEL` elements, the largest divisor of ``numel`` in
-    ``[MIN_ROW_NUMEL, ROW_NUMEL]`` when there is one, so the tensor is whole rows (no partial
-    last row to copy into the pack: two fewer ops and a copy). Shorter rows stay within the
-    bound (docs/design.md, "Exactness of the rows": the measured worst case per path)."""
-    if numel % ROW_NUMEL == 0 or numel > DIVISOR_ROWS_MAX_NUMEL:
-        return ROW_NUMEL
-    for length in range(ROW_NUMEL - 1, MIN_ROW_NUMEL - 1, -1):
-        if numel % length == 0:
-            return length
-    return ROW_NUMEL
 
 
 def as_real_values(g: Tensor) -> Tensor:
@@ -347,7 +328,7 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
         length = max(used for _, used in fills)
         buffer = torch.zeros(length, dtype=torch.float32, device=bucket.device)
         zeros = torch.zeros(ROW_NUMEL, dtype=bucket.dtype, device=bucket.device)
-        dirty = _written_by_other_fills(fills, length)
+        dirty = written_by_other_fills(fills, length)
         for items, used in fills:
             slots, sources, pads, pad_zeros = [], [], [], []
             for src, shape, offset in items:
@@ -371,13 +352,9 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
     bucket.row_sums = RowSquares.build(owner, plan.n, bucket.device, csr, norms)
 
 
-_FillLayout = list[tuple[list[tuple[int, tuple[int, ...], int]], int]]
-
-
-def _pack_fills(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> _FillLayout:
-    """The pack buffer's fills: per fill, ``(source, shape, offset)`` of every slot (a source
-    is a position, or ``~position`` for a partial last row) and the elements it uses; slots
-    are row-aligned and a fill uses at most :data:`PACK_NUMEL` elements."""
+def _pack_fills(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> FillLayout:
+    """The pack buffer's fills (:func:`~gradwatch.norms.rows.pack_fills`, at most
+    :data:`PACK_NUMEL` elements each) of the bucket's packed tensors, then its partial rows."""
     items: list[tuple[int, tuple[int, ...]]] = [
         (i, tuple(tensors[i].shape)) for i in bucket.packed  # type: ignore[union-attr]
     ]
@@ -385,35 +362,7 @@ def _pack_fills(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> _FillLayou
         (~i, (tensors[i].numel() - bucket.tail_starts[i],))  # type: ignore[union-attr]
         for i in bucket.tails
     ]
-    fills: _FillLayout = []
-    current: list[tuple[int, tuple[int, ...], int]] = []
-    used = 0
-    for src, shape in items:
-        size = aligned(math.prod(shape))
-        if current and used + size > PACK_NUMEL:
-            fills.append((current, used))
-            current, used = [], 0
-        current.append((src, shape, used))
-        used += size
-    if current:
-        fills.append((current, used))
-    return fills
-
-
-def _written_by_other_fills(fills: _FillLayout, length: int) -> list[int]:
-    """Prefix counts of the buffer's elements some fill writes data into: a slot's padding
-    ``[a, b)`` must be zeroed by its own fill when ``counts[b] > counts[a]`` (padding never
-    holds its own fill's data, so any data there is another fill's, left over). One fill:
-    nothing to zero."""
-    if len(fills) < 2:
-        return [0] * (length + 1)
-    delta = [0] * (length + 1)
-    for items, _ in fills:
-        for _, shape, offset in items:
-            delta[offset] += 1
-            delta[offset + math.prod(shape)] -= 1
-    written = (depth > 0 for depth in itertools.accumulate(delta[:length]))
-    return [0, *itertools.accumulate(written)]
+    return pack_fills(items, PACK_NUMEL)
 
 
 def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
@@ -423,12 +372,29 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
     row-path tensors are read in place through ``as_strided`` views of their memory (dense, so
     the first ``count * ROW_NUMEL`` elements in memory order are whole rows), bf16/fp16 ones
     widened chunk by chunk into the plan's scratch. Every norm writes into its slice of
-    ``bucket.row_sums.norms`` (``out=``): no per-step allocation but the views."""
-    for i, stride in zip(bucket.rows, bucket.row_strides, strict=True):
-        t = tensors[i]
-        assert t is not None
-        if t.stride() != stride or t.device != bucket.device:
-            raise StalePlan  # as_strided would read the wrong memory: plan again
+    ``bucket.row_sums.norms`` (``out=``): no per-step allocation but the views.
+
+    Raises :class:`StalePlan` when a row-path tensor's strides changed or it left the CPU,
+    checked as each one is read: nothing computed here is used then (the caller plans again
+    and recomputes), and a view outside the storage raises too."""
+    if bucket.row_chunks:
+        for i, stride, chunks in zip(bucket.rows, bucket.row_strides, bucket.row_chunks,
+                                     strict=True):
+            t = tensors[i]
+            if t is None or t.stride() != stride or not t.is_cpu:
+                raise StalePlan  # as_strided would read the wrong memory: plan again
+            offset = t.storage_offset()
+            for c in chunks:
+                c.scratch.copy_(t.as_strided((c.numel,), (1,), offset + c.start))
+                torch.linalg.vector_norm(c.rows, 2, dim=1, out=c.out)
+    else:
+        for i, shape, stride, out in zip(bucket.rows, bucket.row_shapes, bucket.row_strides,
+                                         bucket.row_outs, strict=True):
+            t = tensors[i]
+            if t is None or t.stride() != stride or not t.is_cpu:
+                raise StalePlan
+            rows = t.as_strided(shape, (shape[1], 1))
+            torch.linalg.vector_norm(rows, 2, dim=1, out=out)
     for fill in bucket.fills:
         sources: list[Tensor] = [
             tensors[src] if src >= 0
@@ -437,18 +403,6 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
         ]
         torch._foreach_copy_([*fill.slots, *fill.pads], [*sources, *fill.zeros])
         torch.linalg.vector_norm(fill.rows, 2, dim=1, out=fill.out)
-    if bucket.row_chunks:
-        for i, chunks in zip(bucket.rows, bucket.row_chunks, strict=True):
-            t = tensors[i]
-            assert t is not None
-            offset = t.storage_offset()
-            for c in chunks:
-                c.scratch.copy_(t.as_strided((c.numel,), (1,), offset + c.start))
-                torch.linalg.vector_norm(c.rows, 2, dim=1, out=c.out)
-    else:
-        for i, shape, out in zip(bucket.rows, bucket.row_shapes, bucket.row_outs, strict=True):
-            rows = tensors[i].as_strided(shape, (shape[1], 1))  # type: ignore[union-attr]
-            torch.linalg.vector_norm(rows, 2, dim=1, out=out)
 
 
 def _tail(t: Tensor, full: int) -> Tensor:

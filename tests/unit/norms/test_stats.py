@@ -655,8 +655,7 @@ def test_row_length_divides_or_is_a_full_row() -> None:
     """Row-path tensors up to DIVISOR_ROWS_MAX_NUMEL are whole rows of a divisor in
     [MIN_ROW_NUMEL, ROW_NUMEL] when their numel has one, else (and larger ones) rows of
     ROW_NUMEL and a partial last row."""
-    from gradwatch.norms.rows import ROW_NUMEL
-    from gradwatch.norms.stats import DIVISOR_ROWS_MAX_NUMEL, MIN_ROW_NUMEL, row_length
+    from gradwatch.norms.rows import DIVISOR_ROWS_MAX_NUMEL, MIN_ROW_NUMEL, ROW_NUMEL, row_length
 
     for numel in [16_385, 16_411, 30_000, 32_768, 70_001, 100_000, 1_500_000, 2**21 + 3]:
         length = row_length(numel)
