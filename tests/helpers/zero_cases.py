@@ -266,25 +266,30 @@ def case_clip(rank: int, world: int) -> dict:
 
 
 def case_clip_refused(rank: int, world: int) -> dict:
-    """DeepSpeed clips itself (gradient_clipping > 0): clip_grad_norm_ refuses, collect()
+    """DeepSpeed clips itself (gradient_clipping > 0): clip_grad_norm_ (a number or "auto")
+    refuses, collect()
     measures the pre-clip gradients, which audit DeepSpeed's own norm."""
     from gradwatch import GradWatch
 
     engine, _replica = engine_and_replica(2, gradient_clipping=0.05)
     watch = GradWatch(engine, config())
     backward(engine, 0)
-    try:
-        watch.clip_grad_norm_(1.0, step=0)
-        refused = ""
-    except Exception as exc:
-        refused = f"{type(exc).__name__}: {exc}"
+    refused: list[str] = []
+    for max_norm in (1.0, "auto"):
+        try:
+            watch.clip_grad_norm_(max_norm, step=0)
+            refused.append("")
+        except Exception as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
+    started = watch._collector.history is not None  # a refused "auto" starts no history
     snap = watch.collect(0).result()
     engine.step()
     ds_norm = float(engine.get_global_grad_norm())
     watch.audit_norm(ds_norm, step=0, source="deepspeed")
     watch.flush()
     watch.close()
-    return {"refused": refused, "global_norm": snap.global_norm, "deepspeed_norm": ds_norm}
+    return {"refused": refused, "started": started, "global_norm": snap.global_norm,
+            "deepspeed_norm": ds_norm}
 
 
 def case_refused(kind: str) -> Callable[[int, int], dict]:
@@ -460,6 +465,88 @@ def case_warm_costs(stage: int, dtype: str, loss_scale: float | None) -> Callabl
     return run
 
 
+AUTO_STEPS = 60
+AUTO_SPIKES = (35, 45, 55)  # after the default 25-step warm-up
+AUTO_COUNTED = (40, 41, 45)  # warm calls (a spike among them) whose host reads are counted
+
+
+class CoefficientSpy:
+    """Records every clip coefficient gradwatch multiplies the gradients by (the tensor
+    itself, from :func:`gradwatch.step.clip.clip_coefficient_device`; tests only)."""
+
+    def __init__(self) -> None:
+        self.coefs: list[torch.Tensor] = []
+
+    def __enter__(self) -> CoefficientSpy:
+        from gradwatch.step import clip
+
+        self._clip, self._real = clip, clip.clip_coefficient_device
+
+        def spy(*args: Any) -> torch.Tensor:
+            coef = self._real(*args)
+            self.coefs.append(coef)
+            return coef
+
+        clip.clip_coefficient_device = spy
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._clip.clip_coefficient_device = self._real
+
+
+def case_auto_clip(stage: int, dtype: str = "fp32",
+                   loss_scale: float | None = None) -> Callable[[int, int], dict]:
+    """``clip_grad_norm_("auto")`` with DeepSpeed's clipping off, 60 steps, 40x loss spikes at
+    three steps after the warm-up, noise targets (a steady norm): per step the figures
+    (hex: compared bit for bit across ranks), the coefficient gradwatch multiplied the
+    partitions by, DeepSpeed's full gradient after the clip (a gather, float64 ``fsum``) and
+    DeepSpeed's own norm in ``engine.step()`` (of the clipped partitions it steps)."""
+
+    def run(rank: int, world: int) -> dict:
+        from gradwatch import GradWatch
+        from gradwatch.doctor.testing import OpCounter
+
+        engine, _replica = engine_and_replica(
+            stage, dtype,
+            optimizer={"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}})
+        if loss_scale is not None:
+            engine.optimizer.loss_scaler.cur_scale = loss_scale
+        watch = GradWatch(engine, config())
+        gen = torch.Generator().manual_seed(1000 + rank)
+        rows: list[dict[str, Any]] = []
+        scalar_reads = 0
+        for step in range(AUTO_STEPS):
+            x = torch.randn(MICRO_BATCH, 7, generator=gen).to(_low(engine))
+            y = torch.randn(MICRO_BATCH, generator=gen)
+            loss = (engine(x).float() - y).pow(2).mean()
+            engine.backward(loss * (40.0 if step in AUTO_SPIKES else 1.0))
+            with CoefficientSpy() as spy, OpCounter() as ops:
+                total = watch.clip_grad_norm_("auto", step=step)
+            if step in AUTO_COUNTED:
+                scalar_reads += ops.scalar_reads
+            history = watch._collector.history
+            reading = history.last.reading()
+            after = deepspeed_reference(engine)
+            scale = float(engine.optimizer.loss_scale) if loss_scale is not None else 1.0
+            post = math.sqrt(math.fsum(v for v in after.values() if v is not None)) / scale
+            engine.step()
+            ds_norm = engine.get_global_grad_norm()
+            rows.append({
+                "norm": float(total).hex(),
+                "threshold": None if reading.threshold is None else reading.threshold.hex(),
+                "limit": None if reading.limit is None else reading.limit.hex(),
+                "coef": [float(c).hex() for c in spy.coefs],
+                "samples": reading.samples,
+                "state": [float(t).hex() for t in history.state()],
+                "post": post,
+                "deepspeed_norm": None if ds_norm is None else float(ds_norm),
+            })
+        watch.close()
+        return {"rows": rows, "scalar_reads": scalar_reads, "parallelism": watch.parallelism}
+
+    return run
+
+
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
     "costs": [
         ("costs_s2_fp16", case_warm_costs(2, "fp32", 1024.0)),
@@ -485,6 +572,14 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("temporaries_s3", case_temporaries(3)),
     ],
     "overflow": [("overflow_skips", case_overflow_skips)],
+    "auto": [
+        ("auto_s0", case_auto_clip(0)),
+        ("auto_s1", case_auto_clip(1)),
+        ("auto_s2", case_auto_clip(2)),
+        ("auto_s3", case_auto_clip(3)),
+        ("auto_s2_scaled", case_auto_clip(2, loss_scale=1024.0)),
+        ("auto_s3_bf16", case_auto_clip(3, "bf16")),
+    ],
     "updates": [(f"update_stats_s{s}", case_update_stats(s)) for s in (0, 1, 2, 3)]
     + [(f"update_stats_s{s}_bf16", case_update_stats(s, "bf16")) for s in (2, 3)],
     "w4": [
