@@ -29,6 +29,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 import torch.distributed as dist
+from clip_spy import CoefficientSpy
 from dist_cases import CollectiveSpy, compare, fsum_sq, run_suite
 from torch import nn
 
@@ -470,30 +471,6 @@ AUTO_SPIKES = (35, 45, 55)  # after the default 25-step warm-up
 AUTO_COUNTED = (40, 41, 45)  # warm calls (a spike among them) whose host reads are counted
 
 
-class CoefficientSpy:
-    """Records every clip coefficient gradwatch multiplies the gradients by (the tensor
-    itself, from :func:`gradwatch.step.clip.clip_coefficient_device`; tests only)."""
-
-    def __init__(self) -> None:
-        self.coefs: list[torch.Tensor] = []
-
-    def __enter__(self) -> CoefficientSpy:
-        from gradwatch.step import clip
-
-        self._clip, self._real = clip, clip.clip_coefficient_device
-
-        def spy(*args: Any) -> torch.Tensor:
-            coef = self._real(*args)
-            self.coefs.append(coef)
-            return coef
-
-        clip.clip_coefficient_device = spy
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._clip.clip_coefficient_device = self._real
-
-
 def case_auto_clip(stage: int, dtype: str = "fp32",
                    loss_scale: float | None = None) -> Callable[[int, int], dict]:
     """``clip_grad_norm_("auto")`` with DeepSpeed's clipping off, 60 steps, 40x loss spikes at
@@ -535,7 +512,7 @@ def case_auto_clip(stage: int, dtype: str = "fp32",
                 "norm": float(total).hex(),
                 "threshold": None if reading.threshold is None else reading.threshold.hex(),
                 "limit": None if reading.limit is None else reading.limit.hex(),
-                "coef": [float(c).hex() for c in spy.coefs],
+                "coef": spy.hex(),
                 "samples": reading.samples,
                 "state": [float(t).hex() for t in history.state()],
                 "post": post,
