@@ -218,3 +218,24 @@ def test_auto_clip_scales_the_partitions_deepspeed_steps(
                if s >= 25 and s not in zero_cases.AUTO_SPIKES
                and float.fromhex(row["coef"][0]) < 1.0]
     assert len(clipped) <= 5, clipped
+
+
+def test_auto_clip_through_a_deepspeed_overflow(auto: list[dict[str, Any]]) -> None:
+    """An overflow step under DeepSpeed's loss scaler (step 5, after a 3-step warm-up): the
+    clip returns NaN and multiplies by NaN (the gradients are not finite anyway), the history
+    is left as it was, bit for bit, DeepSpeed skips that step only, and the next step clips by
+    a threshold again; every figure bitwise equal on both ranks."""
+    per_rank = case_results(auto, "auto_overflow")
+    assert per_rank[0]["rows"] == per_rank[1]["rows"]
+    rows = per_rank[0]["rows"]
+    for res in per_rank:
+        assert res["engine_skipped"] == 1
+    assert math.isnan(float.fromhex(rows[5]["norm"]))
+    assert math.isnan(float.fromhex(rows[5]["coef"][0]))
+    assert rows[5]["state"] == rows[4]["state"]  # no sample
+    assert rows[5]["samples"] == rows[6]["samples"] == 5
+    for step in (3, 4, 6, 7):
+        assert rows[step]["threshold"] is not None
+        assert math.isfinite(float.fromhex(rows[step]["norm"]))
+        assert 0 < float.fromhex(rows[step]["coef"][0]) <= 1.0
+    assert rows[6]["state"] != rows[5]["state"]  # sampled again

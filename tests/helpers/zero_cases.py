@@ -468,7 +468,6 @@ def case_warm_costs(stage: int, dtype: str, loss_scale: float | None) -> Callabl
 
 AUTO_STEPS = 60
 AUTO_SPIKES = (35, 45, 55)  # after the default 25-step warm-up
-AUTO_COUNTED = (40, 41, 45)  # warm calls (a spike among them) whose host reads are counted
 
 
 def case_auto_clip(stage: int, dtype: str = "fp32",
@@ -499,8 +498,7 @@ def case_auto_clip(stage: int, dtype: str = "fp32",
             engine.backward(loss * (40.0 if step in AUTO_SPIKES else 1.0))
             with CoefficientSpy() as spy, OpCounter() as ops:
                 total = watch.clip_grad_norm_("auto", step=step)
-            if step in AUTO_COUNTED:
-                scalar_reads += ops.scalar_reads
+            scalar_reads += ops.scalar_reads
             history = watch._collector.history
             reading = history.last.reading()
             after = deepspeed_reference(engine)
@@ -522,6 +520,33 @@ def case_auto_clip(stage: int, dtype: str = "fp32",
         return {"rows": rows, "scalar_reads": scalar_reads, "parallelism": watch.parallelism}
 
     return run
+
+
+def case_auto_overflow(rank: int, world: int) -> dict:
+    """``clip_grad_norm_("auto")`` (3-step warm-up) when DeepSpeed's loss scaler overflows at
+    warm step 5 (an infinite loss): the clip returns NaN, the history is left as it was (no
+    sample), DeepSpeed skips the step, and the next step clips by the threshold again; the
+    figures as hex, to compare across ranks."""
+    from gradwatch import GradWatch
+
+    engine, _replica = engine_and_replica(2)
+    engine.optimizer.loss_scaler.cur_scale = 1024.0  # the scaler that detects overflows
+    watch = GradWatch(engine, config(adaptive_clip_warmup=3))
+    rows: list[dict[str, Any]] = []
+    for step in range(8):
+        x = batch(dist.get_rank(), step).to(_low(engine))
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss * float("inf") if step == 5 else loss)
+        with CoefficientSpy() as spy:
+            total = watch.clip_grad_norm_("auto", step=step)
+        history = watch._collector.history
+        reading = history.last.reading()
+        rows.append({"norm": float(total).hex(), "coef": spy.hex(), "samples": reading.samples,
+                     "threshold": None if reading.threshold is None else reading.threshold.hex(),
+                     "state": [float(t).hex() for t in history.state()]})
+        engine.step()
+    watch.close()
+    return {"rows": rows, "engine_skipped": int(engine.skipped_steps)}
 
 
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
@@ -556,6 +581,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("auto_s3", case_auto_clip(3)),
         ("auto_s2_scaled", case_auto_clip(2, loss_scale=1024.0)),
         ("auto_s3_bf16", case_auto_clip(3, "bf16")),
+        ("auto_overflow", case_auto_overflow),
     ],
     "updates": [(f"update_stats_s{s}", case_update_stats(s)) for s in (0, 1, 2, 3)]
     + [(f"update_stats_s{s}_bf16", case_update_stats(s, "bf16")) for s in (2, 3)],
