@@ -239,3 +239,16 @@ def test_auto_clip_through_a_deepspeed_overflow(auto: list[dict[str, Any]]) -> N
         assert math.isfinite(float.fromhex(rows[step]["norm"]))
         assert 0 < float.fromhex(rows[step]["coef"][0]) <= 1.0
     assert rows[6]["state"] != rows[5]["state"]  # sampled again
+
+
+def test_auto_clip_off_the_accumulation_boundary_is_refused(auto: list[dict[str, Any]]) -> None:
+    """Two micro-steps per optimizer step: "auto" off the boundary raises naming it and takes
+    no sample (the history counts optimizer steps); on it, it clips, on both ranks alike."""
+    per_rank = case_results(auto, "auto_accumulation")
+    assert per_rank[0]["samples"] == per_rank[1]["samples"]
+    for res in per_rank:
+        for off in res["off"]:
+            assert off.startswith("GradWatchError") and "accumulation boundary" in off, off
+        assert [s for s, _ in res["samples"]] == [0, 1, 2]
+        assert all(math.isfinite(float.fromhex(n)) and float.fromhex(n) > 0
+                   for _, n in res["samples"])

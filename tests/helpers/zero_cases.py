@@ -549,6 +549,31 @@ def case_auto_overflow(rank: int, world: int) -> dict:
     return {"rows": rows, "engine_skipped": int(engine.skipped_steps)}
 
 
+def case_auto_accumulation(rank: int, world: int) -> dict:
+    """``clip_grad_norm_("auto")`` with two micro-steps per optimizer step: off the boundary
+    it raises (nothing reduced to clip) and feeds no history; on it, it clips and samples."""
+    from gradwatch import GradWatch
+
+    engine, _replica = engine_and_replica(2, gas=2)
+    watch = GradWatch(engine, config())
+    out: dict[str, Any] = {"off": [], "samples": []}
+    for step in range(3):
+        backward(engine, step, micro=0)
+        try:
+            watch.clip_grad_norm_("auto", step=step)
+            out["off"].append("")
+        except Exception as exc:
+            out["off"].append(f"{type(exc).__name__}: {exc}")
+        engine.step()  # off the boundary: no optimizer step
+        backward(engine, step, micro=1)
+        total = watch.clip_grad_norm_("auto", step=step)
+        out["samples"].append([watch._collector.history.last.reading().samples,
+                               float(total).hex()])
+        engine.step()
+    watch.close()
+    return out
+
+
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
     "costs": [
         ("costs_s2_fp16", case_warm_costs(2, "fp32", 1024.0)),
@@ -582,6 +607,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("auto_s2_scaled", case_auto_clip(2, loss_scale=1024.0)),
         ("auto_s3_bf16", case_auto_clip(3, "bf16")),
         ("auto_overflow", case_auto_overflow),
+        ("auto_accumulation", case_auto_accumulation),
     ],
     "updates": [(f"update_stats_s{s}", case_update_stats(s)) for s in (0, 1, 2, 3)]
     + [(f"update_stats_s{s}_bf16", case_update_stats(s, "bf16")) for s in (2, 3)],
