@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO stages 0-3 on CPU, in a 2-rank and a 4-rank gloo world (workers in
-zero_cases.py): global and group norms against an unsharded replica's averaged gradient and
-against DeepSpeed's own full gradient, one gradwatch collective per collect, fp32, bf16 and a
-loss scale (unscaled), accumulation boundaries, clipping by a number and by the adaptive
-threshold ("auto"), and the setups refused at construction."""
+zero_cases.py and, for the adaptive clip, zero_auto_cases.py): global and group norms against an
+unsharded replica's averaged gradient and against DeepSpeed's own full gradient, one gradwatch
+collective per collect, fp32, bf16 and a loss scale (unscaled), accumulation boundaries,
+clipping by a number and by the adaptive threshold ("auto"), and the setups refused at
+construction."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 from typing import Any
 
 import pytest
+import zero_auto_cases
 import zero_cases
 from worlds import case_results, spawn_suite
 
@@ -168,7 +170,7 @@ def test_warm_steps_build_no_tensor_and_read_nothing(costs: list[dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def auto(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn_suite(zero_cases.worker, "auto", 2, tmp_path_factory.mktemp("auto"),
+    return spawn_suite(zero_auto_cases.worker, "auto", 2, tmp_path_factory.mktemp("auto"),
                        WORLD_TIMEOUT * 2)
 
 
@@ -199,7 +201,7 @@ def test_auto_clip_scales_the_partitions_deepspeed_steps(
         exact = {k: v for k, v in a.items() if k not in ("post", "deepspeed_norm")}
         assert exact == {k: v for k, v in b.items() if k not in ("post", "deepspeed_norm")}, step
     norms = [float.fromhex(r["norm"]) for r in first]
-    ordinary = [n for s, n in enumerate(norms) if s not in zero_cases.AUTO_SPIKES]
+    ordinary = [n for s, n in enumerate(norms) if s not in zero_auto_cases.AUTO_SPIKES]
     typical = sorted(ordinary)[len(ordinary) // 2]
     tol = AUTO_TOL[case]
     for step, row in enumerate(first):
@@ -210,12 +212,12 @@ def test_auto_clip_scales_the_partitions_deepspeed_steps(
         assert row["post"] == pytest.approx(want, rel=tol), step
         if case != "auto_s0":  # stage 0 fp32: DeepSpeed computes no norm
             assert row["deepspeed_norm"] == pytest.approx(want, rel=tol), step
-    for spike in zero_cases.AUTO_SPIKES:
+    for spike in zero_auto_cases.AUTO_SPIKES:
         assert norms[spike] > 20 * typical, spike
         assert first[spike]["post"] < 3 * typical, (spike, first[spike]["post"])
         assert float.fromhex(first[spike]["coef"][0]) < 0.1, spike
     clipped = [s for s, row in enumerate(first)
-               if s >= 25 and s not in zero_cases.AUTO_SPIKES
+               if s >= 25 and s not in zero_auto_cases.AUTO_SPIKES
                and float.fromhex(row["coef"][0]) < 1.0]
     assert len(clipped) <= 5, clipped
 

@@ -29,7 +29,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 import torch.distributed as dist
-from clip_spy import CoefficientSpy
 from dist_cases import CollectiveSpy, compare, fsum_sq, run_suite
 from torch import nn
 
@@ -466,114 +465,6 @@ def case_warm_costs(stage: int, dtype: str, loss_scale: float | None) -> Callabl
     return run
 
 
-AUTO_STEPS = 60
-AUTO_SPIKES = (35, 45, 55)  # after the default 25-step warm-up
-
-
-def case_auto_clip(stage: int, dtype: str = "fp32",
-                   loss_scale: float | None = None) -> Callable[[int, int], dict]:
-    """``clip_grad_norm_("auto")`` with DeepSpeed's clipping off, 60 steps, 40x loss spikes at
-    three steps after the warm-up, noise targets (a steady norm): per step the figures
-    (hex: compared bit for bit across ranks), the coefficient gradwatch multiplied the
-    partitions by, DeepSpeed's full gradient after the clip (a gather, float64 ``fsum``) and
-    DeepSpeed's own norm in ``engine.step()`` (of the clipped partitions it steps)."""
-
-    def run(rank: int, world: int) -> dict:
-        from gradwatch import GradWatch
-        from gradwatch.doctor.testing import OpCounter
-
-        engine, _replica = engine_and_replica(
-            stage, dtype,
-            optimizer={"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}})
-        if loss_scale is not None:
-            engine.optimizer.loss_scaler.cur_scale = loss_scale
-        watch = GradWatch(engine, config())
-        gen = torch.Generator().manual_seed(1000 + rank)
-        rows: list[dict[str, Any]] = []
-        scalar_reads = 0
-        for step in range(AUTO_STEPS):
-            x = torch.randn(MICRO_BATCH, 7, generator=gen).to(_low(engine))
-            y = torch.randn(MICRO_BATCH, generator=gen)
-            loss = (engine(x).float() - y).pow(2).mean()
-            engine.backward(loss * (40.0 if step in AUTO_SPIKES else 1.0))
-            with CoefficientSpy() as spy, OpCounter() as ops:
-                total = watch.clip_grad_norm_("auto", step=step)
-            scalar_reads += ops.scalar_reads
-            history = watch._collector.history
-            reading = history.last.reading()
-            after = deepspeed_reference(engine)
-            scale = float(engine.optimizer.loss_scale) if loss_scale is not None else 1.0
-            post = math.sqrt(math.fsum(v for v in after.values() if v is not None)) / scale
-            engine.step()
-            ds_norm = engine.get_global_grad_norm()
-            rows.append({
-                "norm": float(total).hex(),
-                "threshold": None if reading.threshold is None else reading.threshold.hex(),
-                "limit": None if reading.limit is None else reading.limit.hex(),
-                "coef": spy.hex(),
-                "samples": reading.samples,
-                "state": [float(t).hex() for t in history.state()],
-                "post": post,
-                "deepspeed_norm": None if ds_norm is None else float(ds_norm),
-            })
-        watch.close()
-        return {"rows": rows, "scalar_reads": scalar_reads, "parallelism": watch.parallelism}
-
-    return run
-
-
-def case_auto_overflow(rank: int, world: int) -> dict:
-    """``clip_grad_norm_("auto")`` (3-step warm-up) when DeepSpeed's loss scaler overflows at
-    warm step 5 (an infinite loss): the clip returns NaN, the history is left as it was (no
-    sample), DeepSpeed skips the step, and the next step clips by the threshold again; the
-    figures as hex, to compare across ranks."""
-    from gradwatch import GradWatch
-
-    engine, _replica = engine_and_replica(2)
-    engine.optimizer.loss_scaler.cur_scale = 1024.0  # the scaler that detects overflows
-    watch = GradWatch(engine, config(adaptive_clip_warmup=3))
-    rows: list[dict[str, Any]] = []
-    for step in range(8):
-        x = batch(dist.get_rank(), step).to(_low(engine))
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss * float("inf") if step == 5 else loss)
-        with CoefficientSpy() as spy:
-            total = watch.clip_grad_norm_("auto", step=step)
-        history = watch._collector.history
-        reading = history.last.reading()
-        rows.append({"norm": float(total).hex(), "coef": spy.hex(), "samples": reading.samples,
-                     "threshold": None if reading.threshold is None else reading.threshold.hex(),
-                     "state": [float(t).hex() for t in history.state()]})
-        engine.step()
-    watch.close()
-    return {"rows": rows, "engine_skipped": int(engine.skipped_steps)}
-
-
-def case_auto_accumulation(rank: int, world: int) -> dict:
-    """``clip_grad_norm_("auto")`` with two micro-steps per optimizer step: off the boundary
-    it raises (nothing reduced to clip) and feeds no history; on it, it clips and samples."""
-    from gradwatch import GradWatch
-
-    engine, _replica = engine_and_replica(2, gas=2)
-    watch = GradWatch(engine, config())
-    out: dict[str, Any] = {"off": [], "samples": []}
-    for step in range(3):
-        backward(engine, step, micro=0)
-        try:
-            watch.clip_grad_norm_("auto", step=step)
-            out["off"].append("")
-        except Exception as exc:
-            out["off"].append(f"{type(exc).__name__}: {exc}")
-        engine.step()  # off the boundary: no optimizer step
-        backward(engine, step, micro=1)
-        total = watch.clip_grad_norm_("auto", step=step)
-        out["samples"].append([watch._collector.history.last.reading().samples,
-                               float(total).hex()])
-        engine.step()
-    watch.close()
-    return out
-
-
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
     "costs": [
         ("costs_s2_fp16", case_warm_costs(2, "fp32", 1024.0)),
@@ -599,16 +490,6 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("temporaries_s3", case_temporaries(3)),
     ],
     "overflow": [("overflow_skips", case_overflow_skips)],
-    "auto": [
-        ("auto_s0", case_auto_clip(0)),
-        ("auto_s1", case_auto_clip(1)),
-        ("auto_s2", case_auto_clip(2)),
-        ("auto_s3", case_auto_clip(3)),
-        ("auto_s2_scaled", case_auto_clip(2, loss_scale=1024.0)),
-        ("auto_s3_bf16", case_auto_clip(3, "bf16")),
-        ("auto_overflow", case_auto_overflow),
-        ("auto_accumulation", case_auto_accumulation),
-    ],
     "updates": [(f"update_stats_s{s}", case_update_stats(s)) for s in (0, 1, 2, 3)]
     + [(f"update_stats_s{s}_bf16", case_update_stats(s, "bf16")) for s in (2, 3)],
     "w4": [
