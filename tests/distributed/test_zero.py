@@ -254,3 +254,22 @@ def test_auto_clip_off_the_accumulation_boundary_is_refused(auto: list[dict[str,
         assert [s for s, _ in res["samples"]] == [0, 1, 2]
         assert all(math.isfinite(float.fromhex(n)) and float.fromhex(n) > 0
                    for _, n in res["samples"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_auto_clip_resumes_from_a_deepspeed_checkpoint(
+    auto: list[dict[str, Any]], stage: int
+) -> None:
+    """ZeRO-2/3: ``watch.state_dict()`` saved in DeepSpeed's checkpoint (``client_state``) at a
+    warm step and loaded in a new engine and watcher: every later step (a spike among them)
+    has the uninterrupted run's norm, threshold, limit and applied coefficient, bit for bit, on
+    both ranks; without the loaded state the threshold starts its warm-up again."""
+    per_rank = case_results(auto, f"auto_resume_s{stage}")
+    assert per_rank[0]["resumed"] == per_rank[1]["resumed"]
+    for res in per_rank:
+        assert res["resumed"] == res["whole"]
+        for step, (_norm, threshold, _limit, coef) in res["resumed"].items():
+            assert threshold != "inf", step
+            if int(step) == zero_auto_cases.RESUME_SPIKE:
+                assert float.fromhex(coef) < 0.1
+        assert all(threshold == "inf" for _n, threshold, _l, _c in res["fresh"].values())

@@ -137,6 +137,75 @@ def case_auto_accumulation(rank: int, world: int) -> dict:
     return out
 
 
+RESUME_AT = 30  # warm, before the spikes
+RESUME_STEPS = 40
+RESUME_SPIKE = 35
+
+
+def _resume_engine(stage: int) -> tuple[Any, Any]:
+    from gradwatch import GradWatch
+
+    engine, _replica = engine_and_replica(
+        stage, optimizer={"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}})
+    return engine, GradWatch(engine, config())
+
+
+def _resume_steps(engine: Any, watch: Any, steps: range) -> dict[str, list[str]]:
+    """Train ``steps`` with "auto" (noise targets seeded per rank and step, so a resumed run
+    sees the same batches); step -> [norm, threshold, limit, coefficient] as hex."""
+    rows: dict[str, list[str]] = {}
+    for step in steps:
+        gen = torch.Generator().manual_seed(5000 + 101 * dist.get_rank() + step)
+        x = torch.randn(MICRO_BATCH, 7, generator=gen).to(_low(engine))
+        y = torch.randn(MICRO_BATCH, generator=gen)
+        loss = (engine(x).float() - y).pow(2).mean()
+        engine.backward(loss * (40.0 if step == RESUME_SPIKE else 1.0))
+        with CoefficientSpy() as spy:
+            total = watch.clip_grad_norm_("auto", step=step)
+        reading = watch._collector.history.last.reading()
+        limit = "inf" if reading.limit is None else reading.limit.hex()
+        threshold = "inf" if reading.threshold is None else reading.threshold.hex()
+        rows[str(step)] = [float(total).hex(), threshold, limit, *spy.hex()]
+        engine.step()
+    return rows
+
+
+def case_auto_resume(stage: int) -> Callable[[int, int], dict]:
+    """A ZeRO run checkpointed at a warm step with ``engine.save_checkpoint(client_state=
+    {"gradwatch": watch.state_dict()})`` and resumed in a new engine and watcher from
+    ``engine.load_checkpoint`` and ``watch.load_state_dict(client_state["gradwatch"])``:
+    the uninterrupted run's figures of the later steps (a spike among them) and the
+    resumed run's, as hex; and a resumed watcher that loaded no state (its warm-up again)."""
+
+    def run(rank: int, world: int) -> dict:
+        import shutil
+        import tempfile
+
+        where = [tempfile.mkdtemp(prefix="gradwatch-zero-ckpt-") if rank == 0 else None]
+        dist.broadcast_object_list(where, src=0)
+        engine, watch = _resume_engine(stage)
+        _resume_steps(engine, watch, range(RESUME_AT))
+        engine.save_checkpoint(where[0], tag="warm",
+                               client_state={"gradwatch": watch.state_dict()})
+        whole = _resume_steps(engine, watch, range(RESUME_AT, RESUME_STEPS))
+        watch.close()
+        out: dict[str, Any] = {"whole": whole}
+        for load_watch in (True, False):
+            engine, watch = _resume_engine(stage)
+            _path, client = engine.load_checkpoint(where[0], tag="warm")
+            if load_watch:
+                watch.load_state_dict(client["gradwatch"])
+            rows = _resume_steps(engine, watch, range(RESUME_AT, RESUME_STEPS))
+            out["resumed" if load_watch else "fresh"] = rows
+            watch.close()
+        dist.barrier()  # both ranks loaded: the checkpoint can go
+        if rank == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+        return out
+
+    return run
+
+
 CASES: list[tuple[str, Callable[[int, int], dict]]] = [
     ("auto_s0", case_auto_clip(0)),
     ("auto_s1", case_auto_clip(1)),
@@ -146,6 +215,8 @@ CASES: list[tuple[str, Callable[[int, int], dict]]] = [
     ("auto_s3_bf16", case_auto_clip(3, "bf16")),
     ("auto_overflow", case_auto_overflow),
     ("auto_accumulation", case_auto_accumulation),
+    ("auto_resume_s2", case_auto_resume(2)),
+    ("auto_resume_s3", case_auto_resume(3)),
 ]
 
 
