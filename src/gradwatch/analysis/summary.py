@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from gradwatch.analysis.anomalies import AnomalyLog
@@ -138,45 +140,53 @@ def summarize(
     low_of = low if low is not None else zeros
     all_norms: list[float] = []  # the banded case
     members = _members(tuple(groups_of), tuple(group_order), tuple(has_grad))
+    # No flag anywhere (the common case): no group gathers its flags.
+    flagged = any(nonfinite_flags)
     param_norms: dict[str, float] = {}
     nonfinite_params: list[str] = []
     group_stats: dict[str, GroupStats] = {}
     all_squares: list[float] = []
     vt, et = cfg.vanishing_threshold, cfg.exploding_threshold
     total_v = total_e = total_n = 0
-    for group, idx in members.items():
-        sq = list(map(squares.__getitem__, idx))
-        all_squares.extend(sq)
-        group_names = list(map(names.__getitem__, idx))
+    # One group with members (the common case): its norm is the global norm, the very same
+    # values through the very same exact sum (or hypot), so nothing is gathered twice.
+    single = sum(1 for idx, _ in members.values() if idx) == 1
+    global_norm = math.nan
+    for group, (idx, take) in members.items():
+        sq = take(squares)
+        group_names = take(names)
         if banded:
-            hi = list(map(high_of.__getitem__, idx))
-            lo = list(map(low_of.__getitem__, idx))
-            norms = list(map(norm_from_bands, sq, hi, lo))
-            all_norms.extend(norms)
+            norms = list(map(norm_from_bands, sq, take(high_of), take(low_of)))
             group_norm = _hypot(norms)
+            if not single:
+                all_norms.extend(norms)
         else:
             norms = list(map(math.sqrt, sq))
             group_norm = sqrt_sum(sq)
+            if not single:
+                all_squares.extend(sq)
         param_norms.update(zip(group_names, norms, strict=True))
-        flags = list(map(nonfinite_flags.__getitem__, idx))
+        flags = take(nonfinite_flags) if flagged else ()
         # The common case, all finite and unflagged, is settled by two C-level passes: a NaN
         # or Inf square makes the plain sum NaN or Inf (a finite sum that overflows only sends
         # us to the exact per-parameter check). Only otherwise is each parameter looked at:
         # ``not norm < inf`` is True for NaN and Inf; a replica's flag marks a finite copy too.
         if sum(norms) < math.inf and not any(flags):
             bad: list[int] = []
-            finite = norms
+            finite: Sequence[float] = norms
         else:
             bad = [k for k in range(len(idx)) if not norms[k] < math.inf or flags[k] > 0]
             ok = set(range(len(idx))).difference(bad)
             finite = [norms[k] for k in sorted(ok)]
         nonfinite = len(bad)
         nonfinite_params.extend(group_names[k] for k in bad)
-        exploding = nonfinite + sum(map(et.__lt__, finite))
-        vanishing = sum(map(vt.__gt__, finite))
+        # Counted only when the extreme says some norm is past the threshold (one C pass).
+        exploding = nonfinite + (sum(map(et.__lt__, finite)) if finite and max(finite) > et
+                                 else 0)
+        vanishing = sum(map(vt.__gt__, finite)) if finite and min(finite) < vt else 0
         group_stats[group] = GroupStats(
             norm=group_norm,
-            numel=sum(map(numels.__getitem__, idx)),
+            numel=sum(take(numels)),
             tensors=len(idx),
             vanishing=vanishing,
             exploding=exploding,
@@ -185,7 +195,10 @@ def summarize(
         total_v += vanishing
         total_e += exploding
         total_n += len(idx)
-    global_norm = _hypot(all_norms) if banded else sqrt_sum(all_squares)
+        if single and idx:
+            global_norm = group_norm
+    if not single:
+        global_norm = _hypot(all_norms) if banded else sqrt_sum(all_squares)
     if nonfinite_params and math.isfinite(global_norm):
         global_norm = math.nan  # a replica flagged NaN that the counted copy did not show
     empty = GroupStats()
@@ -203,11 +216,11 @@ def summarize(
         key = ratio_key(num, den)
         ratios[key] = normalized_ratio(n.norm, n.numel, d.norm, d.numel)
         raw[key] = raw_ratio(n.norm, d.norm)
-    return Snapshot(
+    return Snapshot.of(
         step=step,
         global_norm=global_norm,
         groups=group_stats,
-        param_norms=param_norms,
+        param_norms=MappingProxyType(param_norms),  # built here, handed over: not copied
         nonfinite_params=tuple(sorted(nonfinite_params)),
         ratios=ratios,
         raw_ratios=raw,
@@ -221,15 +234,26 @@ def summarize(
 @functools.lru_cache(maxsize=4)
 def _members(
     groups_of: tuple[str, ...], group_order: tuple[str, ...], has_grad: tuple[float, ...]
-) -> dict[str, list[int]]:
-    """Per group, the positions that had a gradient (the always-shown groups first). The
+) -> dict[str, tuple[tuple[int, ...], Callable[[Sequence[Any]], Sequence[Any]]]]:
+    """Per group, the positions that had a gradient (the always-shown groups first) and a
+    function taking those positions of any per-parameter sequence (a C-level gather). The
     same from step to step in most jobs, so cached on the exact inputs (tuples: hashed and
     compared in C)."""
-    members: dict[str, list[int]] = {g: [] for g in group_order}
+    positions: dict[str, list[int]] = {g: [] for g in group_order}
     for i, group in enumerate(groups_of):
         if has_grad[i] > 0:
-            members.setdefault(group, []).append(i)
-    return members
+            positions.setdefault(group, []).append(i)
+    return {g: (tuple(idx), _taker(idx)) for g, idx in positions.items()}
+
+
+def _taker(idx: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """``lambda seq: [seq[i] for i in idx]`` as one C call (``itemgetter``), a tuple."""
+    if len(idx) > 1:
+        return operator.itemgetter(*idx)
+    if len(idx) == 1:
+        only = idx[0]
+        return lambda seq: (seq[only],)
+    return lambda seq: ()
 
 
 def _hypot(norms: list[float]) -> float:

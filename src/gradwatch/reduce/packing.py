@@ -260,6 +260,9 @@ class Reducer:
         self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
         self._staged_step, self._staged_residue, self._staged_residue_sq = (
             self._staging[5 * n_local + k : 5 * n_local + k + 1] for k in range(3))
+        # On the CPU the step and its residues are written through a NumPy view of the same
+        # memory: three plain stores instead of three dispatched fill_ ops per collect.
+        self._host_tail = self._staging[5 * n_local :].numpy() if dev.type == "cpu" else None
         # has-gradient patterns already on the device (which gradients are None changes rarely:
         # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
@@ -369,8 +372,12 @@ class Reducer:
                 self._has_grad_flags[key] = flags
             self._staged_has_grad.copy_(flags)
             self._has_grad_key = key
-        self._staged_step.fill_(float(step))
         residue, square = step_residues(step)
+        host = self._host_tail
+        if host is not None:
+            host[0], host[1], host[2] = float(step), residue, square
+            return
+        self._staged_step.fill_(float(step))
         self._staged_residue.fill_(residue)
         self._staged_residue_sq.fill_(square)
 

@@ -204,3 +204,20 @@ def test_group_norm_is_exact_sum() -> None:
     squares = [1.0] + [1e-16] * 10_000
     snap = _one(squares, ["a"] * len(squares))
     assert snap.groups["a"].norm == pytest.approx(math.sqrt(1.0 + 1e-12), rel=1e-15)
+
+
+def test_one_filled_group_among_several_gives_the_exact_global_norm() -> None:
+    """Every gradient in one group ("b"; "a" has none): the global norm is that group's,
+    and both are the exact float64 norm; the vanishing and exploding counts are the
+    reference counts on either side of the thresholds."""
+    squares = [1e-20, 0.25, 9.0, 2.5e7, 1e-30]
+    snap = _one(squares, ["b"] * 5, vanishing_threshold=1e-7, exploding_threshold=1e3)
+    exact = math.sqrt(math.fsum(squares))
+    assert snap.global_norm == exact == snap.groups["b"].norm
+    assert snap.groups["a"].tensors == 0 and snap.groups["a"].norm == 0.0
+    norms = [math.sqrt(s) for s in squares]
+    assert snap.groups["b"].vanishing == sum(n < 1e-7 for n in norms) == 2
+    assert snap.groups["b"].exploding == sum(n > 1e3 for n in norms) == 1
+    calm = _one([0.25, 9.0], ["a", "b"], vanishing_threshold=1e-7, exploding_threshold=1e3)
+    assert calm.vanishing == 0 and calm.exploding == 0
+    assert calm.global_norm == math.sqrt(math.fsum([0.25, 9.0]))
