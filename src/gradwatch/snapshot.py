@@ -350,33 +350,6 @@ class Snapshot:
     def vanishing(self) -> int:
         return sum(g.vanishing for g in self.groups.values())
 
-    @classmethod
-    def of(cls, **values: Any) -> Snapshot:
-        """``cls(**values)``, built for the warm path (every collect's result): the instance
-        dict is filled from the defaults precomputed once per class (an empty mapping is one
-        shared read-only proxy) instead of one frozen-field assignment per field; the given
-        mappings and sequences are frozen as the constructor freezes them (a read-only proxy
-        is taken as given, not copied: the caller hands over the dict it wraps, which is how a
-        per-parameter mapping is built once), and a missing or unknown field raises
-        ``TypeError`` as the constructor does."""
-        defaults, required = _defaults(cls)
-        unknown = values.keys() - defaults.keys() - required
-        missing = required - values.keys()
-        if unknown or missing:
-            raise TypeError(f"Snapshot: unknown field(s) {sorted(unknown)}, "
-                            f"missing field(s) {sorted(missing)}")
-        new = object.__new__(cls)
-        fields = new.__dict__
-        fields.update(defaults)
-        fields.update(values)
-        for name in _MAPPINGS:
-            if name in values and type(values[name]) is not MappingProxyType:
-                fields[name] = _frozen(values[name])
-        for name in _TUPLES:
-            if name in values:
-                fields[name] = tuple(values[name])
-        return new
-
     def replace(self, **changes: Any) -> Snapshot:
         """A copy with some fields changed (snapshots are immutable).
 
@@ -463,6 +436,33 @@ def _rebuild_snapshot(fields: dict[str, Any]) -> Snapshot:
 def _field_names(cls: type) -> frozenset[str]:
     """The field names of a snapshot class, read once (``replace`` runs on every collect)."""
     return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def snapshot_of(**values: Any) -> Snapshot:
+    """``Snapshot(**values)``, built for the warm path (every collect's result): the instance
+    dict is filled from the defaults precomputed once (an empty mapping is one shared
+    read-only proxy) instead of one frozen-field assignment per field; the given mappings and
+    sequences are frozen as the constructor freezes them (a read-only proxy is taken as given,
+    not copied: the caller hands over the dict it wraps, which is how a per-parameter mapping
+    is built once), and a missing or unknown field raises ``TypeError`` as the constructor
+    does."""
+    defaults, required = _defaults(Snapshot)
+    unknown = values.keys() - defaults.keys() - required
+    missing = required - values.keys()
+    if unknown or missing:
+        raise TypeError(f"Snapshot: unknown field(s) {sorted(unknown)}, "
+                        f"missing field(s) {sorted(missing)}")
+    new = object.__new__(Snapshot)
+    fields = new.__dict__
+    fields.update(defaults)
+    fields.update(values)
+    for name in _MAPPINGS:
+        if name in values and type(values[name]) is not MappingProxyType:
+            fields[name] = _frozen(values[name])
+    for name in _TUPLES:
+        if name in values:
+            fields[name] = tuple(values[name])
+    return new
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from types import MappingProxyType
 import pytest
 
 from gradwatch import GroupStats, Snapshot
+from gradwatch.snapshot import snapshot_of
 
 
 def make() -> Snapshot:
@@ -119,23 +120,23 @@ def test_of_builds_what_the_constructor_builds() -> None:
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     values["groups"] = dict(base.groups)
     values["nonfinite_params"] = ["b"]
-    built = Snapshot.of(**values)
+    built = snapshot_of(**values)
     assert built == base and built.__dict__ == base.__dict__
     assert isinstance(built.nonfinite_params, tuple)
     with pytest.raises(TypeError):
         built.groups["x"] = GroupStats()  # type: ignore[index]
     values["groups"]["x"] = GroupStats()
     assert "x" not in built.groups
-    minimal = Snapshot.of(step=3)
+    minimal = snapshot_of(step=3)
     assert minimal == Snapshot(step=3) and minimal.__dict__ == Snapshot(step=3).__dict__
     assert pickle.loads(pickle.dumps(minimal)) == minimal
 
 
 def test_of_refuses_unknown_and_missing_fields() -> None:
     with pytest.raises(TypeError, match="bogus"):
-        Snapshot.of(step=1, bogus=2)
+        snapshot_of(step=1, bogus=2)
     with pytest.raises(TypeError, match="step"):
-        Snapshot.of(global_norm=1.0)
+        snapshot_of(global_norm=1.0)
 
 
 def test_of_takes_a_read_only_proxy_as_given() -> None:
@@ -143,7 +144,7 @@ def test_of_takes_a_read_only_proxy_as_given() -> None:
     dict is copied."""
     owned = MappingProxyType({"a": 1.0})
     plain = {"a": 1.0}
-    snap = Snapshot.of(step=1, param_norms=owned, ratios=plain)
+    snap = snapshot_of(step=1, param_norms=owned, ratios=plain)
     assert snap.param_norms is owned
     plain["b"] = 2.0
     assert dict(snap.ratios) == {"a": 1.0}

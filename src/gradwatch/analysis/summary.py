@@ -32,7 +32,14 @@ from gradwatch.norms.stats import sqrt_sum
 from gradwatch.reduce.layout import Layout
 from gradwatch.reduce.ranktiming import timing_fields
 from gradwatch.reduce.reduced import ReducedStats
-from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, clip_coefficient, ratio_defined
+from gradwatch.snapshot import (
+    RATIO_EPS,
+    GroupStats,
+    Snapshot,
+    clip_coefficient,
+    ratio_defined,
+    snapshot_of,
+)
 
 
 class ResolvedModel(Protocol):
@@ -216,7 +223,7 @@ def summarize(
         key = ratio_key(num, den)
         ratios[key] = normalized_ratio(n.norm, n.numel, d.norm, d.numel)
         raw[key] = raw_ratio(n.norm, d.norm)
-    return Snapshot.of(
+    return snapshot_of(
         step=step,
         global_norm=global_norm,
         groups=group_stats,
