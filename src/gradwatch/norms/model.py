@@ -85,9 +85,10 @@ class ParameterSlots:
 
     def first_replaced(self) -> str | None:
         """The name of the first parameter no longer held by its module, or None."""
-        current = list(map(dict.get, self._dicts, self._keys))
-        if all(map(operator.is_, current, self._params)):
+        # One C-level pass in the common case (nothing replaced), no list built
+        if all(map(operator.is_, map(dict.get, self._dicts, self._keys), self._params)):
             return None
+        current = list(map(dict.get, self._dicts, self._keys))
         for name, now, held in zip(self._names, current, self._params, strict=True):
             if now is held:
                 continue

@@ -205,8 +205,7 @@ def build_plan(
 
     CPU float32/bf16/fp16 tensors take the row path (larger than :data:`WHOLE_NUMEL` and
     dense) or the pack (the rest of those up to :data:`WHOLE_NUMEL`); anything else a float64
-    path.
-    Float64 tensors off the CPU take the rescaled path (:func:`rescaled_norms`); with
+    path. Float64 tensors off the CPU take the rescaled path (:func:`rescaled_norms`); with
     ``rescale_float64`` CPU ones do too (instead of the repair), which is how tests exercise
     the accelerator path on a CPU.
     """
@@ -415,8 +414,7 @@ def foreach_norms(tensors: Sequence[Tensor], splits: Sequence[slice]) -> Tensor:
     """The L2 norm of each of ``tensors`` accumulated in float64 (their dtype on input: no
     float64 copy), stacked into one float64 vector: one ``_foreach_norm`` per slice of
     ``splits`` (:func:`gradwatch.norms.rows.foreach_splits`, which bounds the kernel's scratch),
-    then
-    one ``stack``. No host read. Float64 inputs square to 0 or Inf outside about ``[1e-154,
+    then one ``stack``. No host read. Float64 inputs square to 0 or Inf outside about ``[1e-154,
     1e154]``: the engine repairs or rescales those, the comm hook documents the limit."""
     return torch.stack(
         [
@@ -546,12 +544,14 @@ class NormEngine:
         """
         return self.squared_norms_and_plan(tensors, out_device)[0]
 
-    @torch.no_grad()
     def squared_norms_and_plan(
         self, tensors: Sequence[Tensor | None], out_device: torch.device | None = None
     ) -> tuple[Tensor, NormPlan]:
         """:meth:`squared_norms`, and the plan that computed them: its buckets group these
         very tensors by (device, dtype), which clipping reuses (:mod:`gradwatch.step.clip`)."""
+        if torch.is_grad_enabled():  # no autograd; no decorator object per call when it is off
+            with torch.no_grad():
+                return self.squared_norms_and_plan(tensors, out_device)
         if out_device is None:
             out_device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         if out_device.type != "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
