@@ -251,10 +251,11 @@ class Reducer:
         at = sections(lay)
         dev = self.device
         n_local = len(lay.local_to_global)
-        # Persistent staging vector [3 bands | non-finite flags | has-grad | step, residues],
-        # filled by out= ops and scattered into the fresh packed vector by one index_copy_.
+        # Persistent staging vector [3 bands | non-finite flags | has-grad | step, residues | 0],
+        # filled by out= ops; the fresh packed vector is one index_select of it (every slot the
+        # staging does not fill reads the trailing zero).
         self._n_local = n_local
-        self._staging = torch.zeros(5 * n_local + 3, dtype=torch.float64, device=dev)
+        self._staging = torch.zeros(5 * n_local + 4, dtype=torch.float64, device=dev)
         self._staged_squares = self._staging[: 3 * n_local]
         self._staged_flags = self._staging[3 * n_local : 4 * n_local]
         self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
@@ -262,14 +263,15 @@ class Reducer:
             self._staging[5 * n_local + k : 5 * n_local + k + 1] for k in range(3))
         # On the CPU the step and its residues are written through a NumPy view of the same
         # memory: three plain stores instead of three dispatched fill_ ops per collect.
-        self._host_tail = self._staging[5 * n_local :].numpy() if dev.type == "cpu" else None
+        self._host_tail = self._staging[5 * n_local : 5 * n_local + 3].numpy() if (
+            dev.type == "cpu") else None
         # has-gradient patterns already on the device (which gradients are None changes rarely:
         # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
         self._has_grad_key: tuple[bool, ...] | None = None
         self._contributes = contrib.repeat(3).to(dev)
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
-        self._scatter = torch.cat(
+        scatter = torch.cat(
             [
                 to_global + at.squares.start,
                 to_global + at.squares_high.start,
@@ -278,7 +280,10 @@ class Reducer:
                 to_global + at.has_grad.start,
                 torch.tensor([at.step, at.residues.start, at.residues.start + 1]),
             ]
-        ).to(dev)
+        )
+        gather = torch.full((lay.packed_length,), 5 * n_local + 3, dtype=torch.long)
+        gather[scatter] = torch.arange(len(scatter))
+        self._gather = gather.to(dev)
         # Divergence steps: each replica slot's sum of this rank's pieces, in a fixed order
         # (index_add_ adds by atomics on CUDA: replicas with equal gradients could sum to
         # different bits), written by one index_copy_ (distinct slots).
@@ -306,13 +311,12 @@ class Reducer:
         :data:`MONITOR_ON_HOST_BACKENDS` the all-reduce runs on the host gloo group instead,
         issued from a background thread.
 
-        A constant number of ops (about 7), whatever the number of parameters: pieces this rank
+        A constant number of ops (about 6), whatever the number of parameters: pieces this rank
         does not count (replicated copies owned by another rank) are zeroed by ``where`` (not
         multiplied: a NaN times 0 is NaN), and ``sq - sq`` is 0 where finite and NaN where NaN
         or Inf, which gives the non-finite flags in two ops.
         """
         lay = self.layout
-        packed = torch.zeros(lay.packed_length, dtype=torch.float64, device=self.device)
         sq_local = sq_local.to(self.device)
         alone = not self.issues_collective(with_replicas)
         if alone:  # this rank's vector is the whole model's: every piece counts
@@ -322,7 +326,7 @@ class Reducer:
         plain = sq_local[: self._n_local]  # NaN/Inf only ever sit in the plain band
         torch.sub(plain, plain, out=self._staged_flags).nan_to_num_(nan=1.0)
         self._stage_tail(has_grad, step)
-        packed.index_copy_(0, self._scatter, self._staging)
+        packed = self._staging.index_select(0, self._gather)  # a fresh vector, zeros elsewhere
         if with_replicas and self._slot_sums is not None:
             packed.index_copy_(0, self._slot_global, self._slot_sums(sq_local))
         if lay.rank_view_groups and rank_local is not None:
