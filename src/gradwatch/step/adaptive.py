@@ -177,6 +177,7 @@ class AdaptiveHistory:
         self._inf = torch.tensor(math.inf, **f64)
         self._nan = torch.tensor(math.nan, **f64)
         self._one = torch.ones((), **f64)
+        self._zero = torch.zeros((), **f64)
         self._warmup = torch.tensor(float(self.warmup), **f64)
         self._ema_weight = torch.tensor(1.0 - self.alpha, **f64)
 
@@ -201,18 +202,20 @@ class AdaptiveHistory:
         warm = count >= self._warmup
         sd = torch.maximum(var.sqrt(), mean * MIN_RELATIVE_STD)
         threshold = torch.where(warm, torch.addcmul(mean, sd, self._one, value=self.z), self._inf)
-        sample = torch.isfinite(norm)
+        sample = norm < self._inf  # a norm is >= 0: False exactly for NaN and +inf
         score = torch.where(warm & sample, (norm - mean) / sd, self._nan)
         over = norm > threshold  # False during warm-up and for NaN
         scaled = torch.addcdiv(mean, sd, score, value=self.z * self.z)  # mean + z^2 sd / s
         limit = torch.where(over, scaled, threshold)
         x = torch.minimum(norm, limit)
         weight = torch.where(warm, self._ema_weight, (count + 1.0).reciprocal())
-        delta = torch.where(sample, x - mean, 0.0)
-        kept = torch.where(sample, 1.0 - weight, 1.0)
+        # No sample: delta 0 and kept 1 leave mean and var exactly as they were (x + 0 and
+        # 1 * (var + 0) are x and var), and the count adds 0: no select of the old state.
+        delta = torch.where(sample, x - mean, self._zero)
+        kept = torch.where(sample, 1.0 - weight, self._one)
         self.mean = torch.addcmul(mean, weight, delta)
-        self.var = torch.where(sample, kept * torch.addcmul(var, weight * delta, delta), var)
-        self.count = torch.where(sample, count + 1.0, count)
+        self.var = kept * torch.addcmul(var, weight * delta, delta)
+        self.count = count + sample
         self.last = AdaptiveStep(
             norm, threshold, limit, score, count, self._timeout, self._copy_to_host
         )
