@@ -68,6 +68,13 @@ def _job(mode: GuardMode, endpoint: bool) -> tuple[nn.Module, Any, Any]:
     return model, stepper, watch
 
 
+def _skipped(watch: Any) -> int:
+    """The steps ``watch``'s guard skipped so far (read after the timed blocks: a skipped
+    fused step returns early, so a kind that skips is timed on cheaper steps)."""
+    guard = watch._collector.guard
+    return 0 if guard is None else int(guard._skipped)
+
+
 def _worker(rank: int, port: int, blocks: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -104,6 +111,7 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
 
         # three warm-up blocks first (DDP rebuilds its buckets after one step)
         times = palindromic(step, kinds, blocks, barrier=dist.barrier)
+        skipped = {mode: _skipped(jobs[mode][2]) for mode in kinds if mode not in UNGUARDED}
         ops = {}
         for mode in kinds:  # one warm optimizer step each: collect, decision, fused step
             backward(mode)
@@ -119,7 +127,7 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
                 scalar_reads=max(ops[m].scalar_reads for m in kinds if m not in UNGUARDED),
                 ops={m: counted.total for m, counted in ops.items()},
                 collectives={m: counted.collectives for m, counted in ops.items()},
-                packed_length=packed_length)))
+                packed_length=packed_length, skipped=skipped)))
     finally:
         dist.destroy_process_group()
 

@@ -679,7 +679,13 @@ def _guard_section(g: GuardResult | Failure) -> str:
     return (f"Blocks: {g.blocks}. One warm guarded optimizer step, {ops}; {g.scalar_reads} host "
             f"scalar reads. Unguarded: {unguarded} collective(s) (plain DDP: the collect "
             f"all-reduces only on divergence steps). The floor's all-reduce: "
-            f"{g.packed_length} float64, as the packed vector.\n\n" + guard_table(g))
+            f"{g.packed_length} float64, as the packed vector. Steps the guards skipped "
+            f"(timed or not): {_guard_skips(g)}.\n\n" + guard_table(g))
+
+
+def _guard_skips(g: GuardResult) -> str:
+    return ", ".join(f"{config} {g.skipped.get(mode, 0)}"
+                     for mode, config in zip(GUARDED_MODES, GUARD_CONFIGS, strict=True))
 
 
 def _fsdp1_section(results: list[Fsdp1Result] | Failure) -> str:

@@ -448,7 +448,8 @@ class GuardResult:
     """Rank 0's step times of every :class:`GuardMode` (2 ranks, DDP, demo model, fused
     AdamW), in palindromic blocks; per kind, the aten ops and the collectives of one warm
     optimizer step (collect, decision, fused step; the floor's all-reduce) and the host scalar
-    reads of the guarded ones; the packed vector's length (float64 entries)."""
+    reads of the guarded ones; the packed vector's length (float64 entries); the steps each
+    guarded kind skipped (warm-up and timed blocks)."""
 
     model: str
     blocks: int
@@ -457,6 +458,7 @@ class GuardResult:
     ops: dict[GuardMode, int]
     collectives: dict[GuardMode, int] = field(default_factory=dict)
     packed_length: int = 0
+    skipped: dict[GuardMode, int] = field(default_factory=dict)  # steps the guard skipped
 
     def timing(self, mode: GuardMode) -> Timing:
         return Timing.of(self.step_times[mode])

@@ -311,6 +311,8 @@ def test_quick_guard_section() -> None:
     assert found.collectives == {GuardMode.WATCHED: 0, GuardMode.COLLECTIVE: 1,
                                  GuardMode.GUARDED_NONFINITE: 1, GuardMode.GUARDED: 1}
     assert found.packed_length > 0
+    assert set(found.skipped) == {GuardMode.GUARDED_NONFINITE, GuardMode.GUARDED}
+    assert found.skipped[GuardMode.GUARDED_NONFINITE] == 0  # finite gradients throughout
     modes = (GuardMode.GUARDED, GuardMode.GUARDED_NONFINITE)
     spike, nonfinite = (found.extra_ops(m) for m in modes)
     assert spike > nonfinite > 0
