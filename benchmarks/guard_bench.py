@@ -19,7 +19,9 @@ The kinds (:class:`~benchmarks.results.GuardMode`), each a DDP copy of the same 
   itself: the loop does not clip).
 
 Every step is forward, backward, the optimizer step (and the collect) in the documented loop:
-rank 0's exporter thread builds the results. Rank 0's times are kept. One warm optimizer step
+rank 0's exporter thread builds the results. Rank 0's times are kept, of the whole step and of
+its optimizer phase (from the end of the backward: collect, all-reduce, decision, fused step),
+where the kinds differ. One warm optimizer step
 of each kind (collect, decision and fused step) is counted, untimed, under
 ``gradwatch.doctor.testing.OpCounter``: its aten ops, collectives and host scalar reads (0
 expected).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +108,14 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
                 floor_group.allreduce([packed]).wait()
             stepper.step()  # the guarded kinds collect inside their step
 
+        phases: dict[GuardMode, list[float]] = {mode: [] for mode in kinds}
+
         def step(mode: GuardMode, i: int) -> None:
             backward(mode)
+            started = time.perf_counter()
             optimizer_step(mode, i)
+            if i >= 1000:  # the timed steps (palindromic numbers them from 1000 on)
+                phases[mode].append(time.perf_counter() - started)
 
         # three warm-up blocks first (DDP rebuilds its buckets after one step)
         times = palindromic(step, kinds, blocks, barrier=dist.barrier)
@@ -124,6 +132,7 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
             Path(out).write_bytes(pickle.dumps(GuardResult(
                 model="demo model", blocks=blocks,
                 step_times={m: tuple(ts) for m, ts in times.items()},
+                optimizer_times={m: tuple(ts) for m, ts in phases.items()},
                 scalar_reads=max(ops[m].scalar_reads for m in kinds if m not in UNGUARDED),
                 ops={m: counted.total for m, counted in ops.items()},
                 collectives={m: counted.collectives for m, counted in ops.items()},

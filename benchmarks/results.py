@@ -459,6 +459,13 @@ class GuardResult:
     collectives: dict[GuardMode, int] = field(default_factory=dict)
     packed_length: int = 0
     skipped: dict[GuardMode, int] = field(default_factory=dict)  # steps the guard skipped
+    #: the same steps' optimizer phase (collect, all-reduce, decision, fused step)
+    optimizer_times: dict[GuardMode, tuple[float, ...]] = field(default_factory=dict)
+
+    def optimizer_ms(self, mode: GuardMode) -> float:
+        """The median optimizer phase of ``mode``'s timed steps, in ms (NaN: not recorded)."""
+        times = self.optimizer_times.get(mode)
+        return statistics.median(times) * 1e3 if times else math.nan
 
     def timing(self, mode: GuardMode) -> Timing:
         return Timing.of(self.step_times[mode])

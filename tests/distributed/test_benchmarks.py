@@ -319,10 +319,15 @@ def test_quick_guard_section() -> None:
     _header, rows = _rows(report.guard_table(found), "| step |")
     assert [r[0] for r in rows] == [m.value for m in GuardMode]
     ratio = r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)"
+    assert all(len(found.optimizer_times[m]) == 4 for m in GuardMode)
+    assert all(0 < found.optimizer_times[m][k] < found.step_times[m][k]
+               for m in GuardMode for k in range(4))
+    for r in rows:
+        assert re.fullmatch(r"\d+\.\d\d", r[2])
     for r in rows[1:]:
-        assert re.fullmatch(ratio, r[2])
-        assert "beyond noise (95% CI of the median" in r[3]
-    assert rows[1][4] == "-" and all(re.fullmatch(ratio, r[4]) for r in rows[2:])
+        assert re.fullmatch(ratio, r[3])
+        assert "beyond noise (95% CI of the median" in r[4]
+    assert rows[1][5] == "-" and all(re.fullmatch(ratio, r[5]) for r in rows[2:])
     run = RunResults(command="x", rounds=(1, 1), guard=found)
     checks = [c for c in report.target_checks(run) if "watch.guard" in c.subject]
     assert len(checks) == 2 and all("<= +2%" in c.subject for c in checks)
