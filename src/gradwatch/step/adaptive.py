@@ -93,16 +93,19 @@ class AdaptiveReading:
 class AdaptiveStep:
     """One step's device figures (0-dim float64 tensors, never written again): ``norm``,
     ``threshold`` and ``limit`` (``+inf`` during warm-up), ``score`` (NaN when undefined) and
-    the history's ``count`` before the step; read to the host once by :meth:`reading` (on CUDA,
+    the history's ``count`` before the step, and ``finite`` (0-dim bool: the norm is finite, the
+    step a sample); read to the host once by :meth:`reading` (on CUDA,
     with ``copy_to_host``, from a pinned copy queued at once, waiting at most ``timeout``
     seconds for its event; without, by a blocking read, which a rank that publishes nothing
     never makes)."""
 
     def __init__(
         self, norm: Tensor, threshold: Tensor, limit: Tensor, score: Tensor, count: Tensor,
-        timeout: float, copy_to_host: bool = True,
+        timeout: float, copy_to_host: bool = True, finite: Tensor | None = None,
     ) -> None:
         self.norm = norm
+        # 0-dim bool: the norm is finite (the step is a sample); None: not computed
+        self.finite = finite
         self.threshold = threshold
         self.limit = limit
         self.score = score
@@ -217,7 +220,7 @@ class AdaptiveHistory:
         self.var = kept * torch.addcmul(var, weight * delta, delta)
         self.count = count + sample
         self.last = AdaptiveStep(
-            norm, threshold, limit, score, count, self._timeout, self._copy_to_host
+            norm, threshold, limit, score, count, self._timeout, self._copy_to_host, sample
         )
         return self.last
 
