@@ -40,7 +40,7 @@ from gradwatch.stacks.fsdp1 import Fsdp1GradientReader, Fsdp1Model
 from gradwatch.stacks.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.stacks.main_grad import reject_distributed_optimizer
 from gradwatch.stacks.zero import ZeroGradients, find_engine
-from gradwatch.step.ranktimer import RankTimer
+from gradwatch.step.ranktimer import RankTimer, cuda_clock
 
 log = logging.getLogger("gradwatch")
 
@@ -203,7 +203,7 @@ def resolve(
         zero=zero,
         fsdp1=flat,
         updates=updates,
-        timer=RankTimer(params, model) if layout.rank_timing else None,
+        timer=RankTimer(params, model, cuda_clock(params)) if layout.rank_timing else None,
     )
 
 
