@@ -321,6 +321,7 @@ class Plan:
     zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
     guard_blocks: int = 900  # palindromic blocks of the guard section (a median to ~1%)
     update_blocks: int = 900  # palindromic blocks of the update-stats section
+    rank_timing_blocks: int = 300  # palindromic blocks of the rank-timing section
     shapes: tuple[Any, ...] = ()  # benchmarks.shapes.Shape: the shapes section's shapes
 
 
@@ -370,4 +371,5 @@ def quick_plan() -> Plan:
         zero_rounds=2,
         guard_blocks=2,
         update_blocks=2,
+        rank_timing_blocks=2,
     )

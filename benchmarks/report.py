@@ -17,7 +17,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks import divergence_bench, shapes, zero_bench
+from benchmarks import divergence_bench, ranktiming_bench, shapes, zero_bench
 from benchmarks.cases import (
     DDP_OVERHEAD_TARGET,
     FLOAT64_COPIES_ELEMENTS,
@@ -131,6 +131,7 @@ CAUSES = (
     "Per-rank view",
     "The guarded step",
     "Update stats",
+    ranktiming_bench.CAUSE,
     "Clipping, bf16",
     "Clipping, fp32",
     "Float64 copies",
@@ -485,6 +486,7 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
     """Every measured value that has a stated target, in the report's order, each with the
     figures of the same run that bear on a miss and the heading of its known cause."""
     checks: list[TargetCheck] = list(shapes.checks(run.shapes))
+    checks += ranktiming_bench.checks(run.rank_timing)
     for m in run.mixed:
         short = "fp32" if m.case.dtype == "float32" else "bf16"
         checks.append(TargetCheck(
@@ -747,6 +749,9 @@ def render(run: RunResults) -> str:
         _skipped_or(run.guard, lambda: _guard_section(run.guard)),  # type: ignore[arg-type]
         _head("Optimizer-update health (2 ranks, gloo, CPU)"),
         _skipped_or(run.updates, lambda: _update_stats_section(run.updates)),  # type: ignore[arg-type]
+        _head("Which rank is slow: rank timing under plain DDP (2 ranks, gloo, CPU)",
+              "Which rank is slow: rank timing"),
+        ranktiming_bench.text(run.rank_timing),
         _head("Construction at scale (simulated ranks, one core)"),
         scale_table(run.scale) + "\n",
         _head("Scrapers during training"),

@@ -607,3 +607,5 @@ class RunResults:
     shapes: list[Any] = field(default_factory=list)
     #: benchmarks.divergence_bench.DivergenceResult; None: skipped
     divergence: Any = None
+    #: benchmarks.ranktiming_bench.RankTimingResult, or its Failure; None: skipped
+    rank_timing: Any = None

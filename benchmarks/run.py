@@ -36,6 +36,7 @@ from benchmarks import (  # noqa: E402
     fsdp1_bench,
     guard_bench,
     measure,
+    ranktiming_bench,
     rankview_bench,
     report,
     scale,
@@ -114,6 +115,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
             lambda: guard_bench.guard(plan.guard_blocks)))
         run.updates = section("update stats", lambda: _reported(
             lambda: update_bench.updates(plan.update_blocks)))
+        run.rank_timing = section("rank timing", lambda: _reported(
+            lambda: ranktiming_bench.measure(plan.rank_timing_blocks)))
         run.zero = section("deepspeed zero-2", lambda: zero_bench.measure(plan.zero_rounds))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))

@@ -346,3 +346,30 @@ def test_quick_update_stats_section() -> None:
     assert checks[1].met  # 24 bytes per tensor, far under 1% of the parameters' bytes
     text = report.miss_notes(run)
     assert all(c.met or c.subject in text for c in checks)
+
+
+@pytest.mark.distributed
+def test_quick_rank_timing_section() -> None:
+    """The rank-timing section (what `make bench` runs) on 2 blocks: both kinds timed in every
+    block, the added work measured from its parts, the counts (no collective on an ordinary
+    collect, one on a carried one, no host read added) and the target rows judged."""
+    from benchmarks import ranktiming_bench
+
+    found = ranktiming_bench.measure(2)
+    assert isinstance(found, ranktiming_bench.RankTimingResult)
+    assert all(len(v) == 4 for v in found.step_times.values())  # two per block
+    assert found.hook_calls > 0 and found.metered_seconds > 0 and found.added_pct > 0
+    assert found.collectives_ordinary == found.collectives_ordinary_untimed == 0
+    assert found.collectives_carried == 1
+    assert found.host_reads == found.host_reads_untimed
+    text = ranktiming_bench.text(found)
+    _header, rows = _rows(text, "| step |")
+    assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)",
+                        rows[1][2])
+    run = RunResults(command="x", rounds=(1, 1), rank_timing=found)
+    checks = [c for c in report.target_checks(run) if "rank_timing" in c.subject]
+    assert len(checks) == 3 and "<= +0.5%" in checks[0].subject
+    assert checks[1].met and checks[2].met
+    notes = report.miss_notes(run)
+    assert all(c.met or c.subject in notes for c in checks)
+    assert "which-rank-is-slow-rank-timing" in report.render(run)
