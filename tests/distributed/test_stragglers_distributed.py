@@ -77,6 +77,10 @@ def test_under_plain_ddp_ordinary_collects_issue_nothing(w4: list) -> None:
     the ordinary collects between, with rank timing on; every FSDP2 collect its one."""
     for per_rank in _costs(w4, "ddp_slow", "collectives"):
         assert per_rank == [int((WARM + i) % DDP_CARRY_EVERY == 0) for i in range(len(per_rank))]
+    # each rank's window after its collect: drained by a carried one, grown by an ordinary one
+    for per_rank in _costs(w4, "ddp_slow", "window"):
+        assert per_rank == [(WARM + i) % DDP_CARRY_EVERY for i in range(len(per_rank))]
+    assert {n for per_rank in _costs(w4, "fsdp2_slow", "window") for n in per_rank} == {0}
     assert {n for per_rank in _costs(w4, "fsdp2_slow", "collectives") for n in per_rank} == {1}
     untimed = case_results(w4, "fsdp2_untimed", "error_in_case")[0]["snaps"]
     assert all(s["straggler_score"] is None for s in untimed)  # off: absent, never 0

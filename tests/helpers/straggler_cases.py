@@ -72,9 +72,11 @@ def _train(
         model(torch.randn(16, 32)).pow(2).mean().backward()
         with count_host_reads() as reads, OpCounter() as ops:
             pendings.append(watch.collect(step))
+        timer = watch._resolved.timer  # its window: the steps since the last carried one
         if step >= WARM:
             costs.append({"host_reads": sum(reads.values()), "scalar_reads": ops.scalar_reads,
-                          "collectives": ops.collectives})  # fmt: skip
+                          "collectives": ops.collectives,
+                          "window": len(timer.window) if timer is not None else -1})  # fmt: skip
         opt.step()
     snaps = [p.result() for p in pendings]
     watch.close()
