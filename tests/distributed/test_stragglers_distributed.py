@@ -99,3 +99,12 @@ def test_snapshots_carry_the_latest_carried_step(w4: list, name: str, every: int
         else:
             assert s["rank_timing_step"] == carried, s
             assert s["straggler_score"] is not None
+
+
+@pytest.mark.timeout(400)
+def test_nothing_carrying_the_timing_is_said_and_nothing_is_published(w4: list) -> None:
+    """Plain DDP with divergence_every=0: rank 0 warns at construction (the other ranks stay
+    quiet) and no snapshot has timing figures (absent, never 0)."""
+    per_rank = case_results(w4, "ddp_nothing_carries", "error_in_case")
+    assert [r["warned"] for r in per_rank] == [True, False, False, False]
+    assert not any(t for r in per_rank for t in r["timed"])

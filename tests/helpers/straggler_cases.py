@@ -92,6 +92,28 @@ def case(
     return lambda rank, world: _train(rank, wrap, slow, timing, always_reduce)
 
 
+def case_nothing_carries(rank: int, world: int) -> dict[str, Any]:
+    """Plain DDP with ``divergence_every=0``: no collect all-reduces, so nothing carries the
+    timing; rank 0 says so when the watcher is built, and every snapshot's timing is absent."""
+    from logs import Capture
+
+    from gradwatch import GradWatch
+
+    model = nn.parallel.DistributedDataParallel(Net())
+    with Capture() as logged:
+        watch = GradWatch(model, config(rank_timing=True, divergence_every=0))
+    pendings = []
+    for step in range(4):
+        model.zero_grad()
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+        pendings.append(watch.collect(step))
+    snaps = [p.result() for p in pendings]
+    watch.close()
+    return {"warned": any("rank_timing" in line for line in logged.lines),
+            "timed": [s.straggler_score is not None or s.rank_timing_step is not None
+                      for s in snaps]}  # fmt: skip
+
+
 SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
     "w4": [
         ("ddp_slow", case("ddp", slow=True)),
@@ -99,6 +121,7 @@ SUITES: dict[str, list[tuple[str, Callable[[int, int], dict]]]] = {
         ("ddp_untimed", case("ddp", slow=False, timing=False)),
         ("fsdp2_slow", case("fsdp2", slow=True)),
         ("fsdp2_untimed", case("fsdp2", slow=False, timing=False)),
+        ("ddp_nothing_carries", case_nothing_carries),
     ],
 }
 

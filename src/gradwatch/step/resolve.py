@@ -163,6 +163,13 @@ def resolve(
             )
         detach(comm_hook)
         comm_hook = local_view = None
+    if (rank == 0 and layout.rank_timing and layout.replicated_synced
+            and cfg.divergence_every == 0 and layout.rank_view_groups == 0):
+        log.warning(
+            "gradwatch: rank_timing rides on the all-reduces gradwatch runs anyway; under this "
+            "plain DDP setup that is the divergence step, and divergence_every=0 turns it off: "
+            "which rank is slow stays unmeasured unless a guard makes every collect all-reduce"
+        )
     groups_of, group_order = group_membership(layout.names, cfg.groups)
     if rank == 0:
         for group in empty_groups(groups_of, cfg.groups):
