@@ -63,7 +63,7 @@ class RankTimingResult:
     model: str
     blocks: int
     step_times: dict[str, tuple[float, ...]]
-    steps: int  # timed steps with rank timing
+    steps: int  # steps run with rank timing while metered (the warm-up blocks' too)
     #: per function of the timing code: calls over those steps, median seconds of one call
     metered: dict[str, tuple[int, float]]
     hook_dispatch_seconds: float  # autograd's cost of one hook call
@@ -104,6 +104,7 @@ class _Meter:
 
     def __init__(self) -> None:
         self.durations: dict[str, list[float]] = defaultdict(list)  # by function name
+        self.steps = 0  # steps run with the meter on (warm-up blocks included)
         self.on = False
         self._undo: list[tuple[Any, str, Any]] = []
 
@@ -235,6 +236,7 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
         def step(kind: str, i: int) -> None:
             model, opt, watch = jobs[kind]
             meter.on = kind == "rank_timing"
+            meter.steps += meter.on
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(model(x), y).backward()
             pending = watch.collect(i)
@@ -252,7 +254,7 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
             Path(out).write_bytes(pickle.dumps(RankTimingResult(
                 model="demo model", blocks=blocks,
                 step_times={k: tuple(v) for k, v in times.items()},
-                steps=len(times["rank_timing"]), metered=calls,
+                steps=meter.steps, metered=calls,
                 hook_dispatch_seconds=hook_dispatch_seconds(),
                 vector_seconds=vector_seconds(length, TIMING_WIDTH),
                 carried_collects=calls.get("pack_timing", (0, 0.0))[0],
@@ -330,7 +332,7 @@ def text(result: RankTimingResult | Any) -> str:
     return (
         f"Blocks: {r.blocks}. Target: the added work of rank timing {TARGET} of the demo "
         f"model's 2-rank DDP step (verdict from the added work, not the A/B ratio: "
-        f"docs/benchmarks.md, \"{CAUSE}\"): {added:+.3f}% ({met}); {_figures(r)}.\n\n"
+        f"see the method): {added:+.3f}% ({met}); {_figures(r)}.\n\n"
         f"Collectives per collect: ordinary {r.collectives_ordinary} with timing, "
         f"{r.collectives_ordinary_untimed} without; carried (divergence step) "
         f"{r.collectives_carried}. Host reads per warm collect + `result()`: {r.host_reads} "
