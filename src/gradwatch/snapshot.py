@@ -197,19 +197,15 @@ class Snapshot:
         weight_norm: L2 norm of every weight at this collect, combined exactly across shards.
         update_norm: L2 norm of ``theta_t - theta_{t-1}``, the update the last optimizer step
             before this collect applied (0.0: no step changed the weights); None on the
-            first collect, or when a step could not be measured (an unsupported optimizer).
-            With ``every_n_steps > 1`` it is still that one step's update, not the sum of
-            the updates since the previous collect (that would need a copy of the weights).
+            first collect, or when a step could not be measured (an unsupported optimizer);
+            with ``every_n_steps > 1`` that one step's, not the sum since the last collect.
         update_ratio: ``update_norm / weight_norm``; NaN when the weight norm is 0 or
             non-finite; None when ``update_norm`` is.
         stalled_fraction: of the elements whose intended update was non-zero, the fraction
             whose weight did not change (the update was under half an ulp: bf16/fp16 weights
-            at small learning rates). Counted for bf16/fp16 weights; float32/float64
-            elements are not counted: each stepped one counts as moved, so a float32-only
-            model reads 0.0 (a float32 weight stalls only where its update is below 2^-24
-            of it, e.g. Adam's on an element whose gradient has been 0 for many steps,
-            which this does not see). NaN when no element was meant to change; None when
-            ``update_norm`` is.
+            at small learning rates); counted for bf16/fp16 weights only (float32/float64
+            ones count as moved: 0.0, docs/metrics.md). NaN when no element was meant to
+            change; None when ``update_norm`` is.
         no_update_step: a *silent skip*: no optimizer step changed a weight since the
             previous collect (``update_norm == 0.0``) although that collect's gradients were
             finite and non-zero and neither AMP nor the guard skipped it.
