@@ -203,9 +203,8 @@ class Snapshot:
             non-finite; None when ``update_norm`` is.
         stalled_fraction: of the elements whose intended update was non-zero, the fraction
             whose weight did not change (the update was under half an ulp: bf16/fp16 weights
-            at small learning rates); counted for bf16/fp16 weights only (float32/float64
-            ones count as moved: 0.0, docs/metrics.md). NaN when no element was meant to
-            change; None when ``update_norm`` is.
+            at small learning rates; float32/float64 ones count as moved: 0.0, not counted).
+            NaN when no element was meant to change; None when ``update_norm`` is.
         no_update_step: a *silent skip*: no optimizer step changed a weight since the
             previous collect (``update_norm == 0.0``) although that collect's gradients were
             finite and non-zero and neither AMP nor the guard skipped it.
