@@ -124,8 +124,9 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   update is that of the *last optimizer step before the collect*: with `every_n_steps > 1`,
   theta_t - theta_{{t-1}} of that one step, not the update summed since the previous collect
   (which would need a copy of the weights). The update figures are absent on the first collect
-  and whenever a step could not be read (an optimizer other than torch.optim SGD, Adam, AdamW): never a guessed 0. A collect with
-  no optimizer step since the previous one reads an update of 0; if the previous collect's
+  and whenever a step could not be read (an optimizer other than torch.optim SGD, Adam,
+  AdamW): never a guessed 0. A collect with no optimizer step since the previous one reads an
+  update of 0; if the previous collect's
   gradients were finite and non-zero that is a *silent skip*, counted in
   `gradwatch_skipped_steps_total{{reason="no_update"}}` beside `amp_overflow` (the GradScaler)
   and `deepspeed_overflow` (DeepSpeed's loss scaler).
