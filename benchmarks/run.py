@@ -36,6 +36,7 @@ from benchmarks import (  # noqa: E402
     fsdp1_bench,
     guard_bench,
     measure,
+    page,
     rankview_bench,
     report,
     scale,
@@ -76,7 +77,7 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
     """Runs every section of ``plan`` in turn, timing each."""
     started = time.perf_counter()
     run = RunResults(command=command, rounds=plan.rounds, load_start=os.getloadavg(),
-                     machine=report.machine(), demo_model=describe_demo_model())
+                     machine=page.machine(), demo_model=describe_demo_model())
 
     def section(name: str, fn: Callable[[], T]) -> T:
         print(f"{name} ...", flush=True)
@@ -88,8 +89,11 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
 
     run.norm_cases = section("per-collect", lambda: measure.per_collect(
         plan.norm_cases, plan.rounds, plan.budget_s))
+    shape_rounds = (min(7, plan.rounds[1]), max(7, plan.rounds[1]))
     run.shapes = section("shapes", lambda: shapes.measure(
-        plan.shapes, (min(7, plan.rounds[1]), max(7, plan.rounds[1])), plan.budget_s))
+        plan.shapes, shape_rounds, plan.budget_s))
+    run.collect_call = section("collect call", lambda: shapes.measure_collect_call(
+        plan.collect_call, shape_rounds, plan.budget_s))
     run.mixed = section("mixed sizes", lambda: measure.mixed(
         plan.mixed_rounds, 3 * plan.budget_s, plan.mixed_big))
     run.clipping = section("clipping", lambda: measure.clipping(
