@@ -1,11 +1,12 @@
 """gradwatch benchmarks: per-collect cost, targets, distributed overhead, the per-rank view,
 scrape latency.
 
-Usage: ``python benchmarks/run.py --out docs/performance.md`` (``make bench``, under 10 minutes
-on a 2-core machine); ``--quick`` runs tiny sizes (tests/distributed/test_benchmarks.py runs it so
-the harness cannot rot; its figures mean nothing); ``--no-distributed`` skips the multi-process
-sections. Every timing is a median over rounds in which the compared methods run round-robin on
-the same tensors, so load drift (other jobs on the machine) hits all of them alike.
+Usage: ``python benchmarks/run.py --out docs/performance.md`` (``make bench``, planned within
+15 minutes on a quiet 2-core machine: ``benchmarks.cases.WALL_TIME_BUDGET_S``); ``--quick``
+runs tiny sizes (tests/distributed/test_benchmarks.py runs it so the harness cannot rot; its
+figures mean nothing); ``--no-distributed`` skips the multi-process sections. Every timing is a
+median over rounds in which the compared methods run round-robin on the same tensors, so load
+drift (other jobs on the machine) hits all of them alike.
 """
 
 from __future__ import annotations
