@@ -381,19 +381,15 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
     if isinstance(run.guard, GuardResult):
         for mode, config in zip(GUARDED_MODES, GUARD_CONFIGS, strict=True):
             ov = run.guard.ratio(mode)
-            checks.append(TargetCheck(
-                "distributed", f"2-rank DDP step of the {run.guard.model} guarded by "
-                f"`watch.guard` ({config}, fused AdamW): {GUARD_TARGET} over the unguarded "
-                "step", GUARD_TARGET,
-                ov.median_pct, fmt_ratio(ov), _guard_figures(run.guard, mode),
+            checks.append(step_cost_check(
+                f"{run.guard.model} guarded by `watch.guard` ({config}, fused AdamW)",
+                GUARD_TARGET, ov, "the unguarded step", _guard_figures(run.guard, mode),
                 "The guarded step"))
     if isinstance(run.updates, UpdateStatsResult):
         ov = run.updates.ratio()
-        checks.append(TargetCheck(
-            "distributed", f"2-rank DDP step of the {run.updates.model} with "
-            f"`update_stats=True` (AdamW): {UPDATE_STATS_TARGET} over the step without it",
-            UPDATE_STATS_TARGET,
-            ov.median_pct, fmt_ratio(ov), _update_stats_figures(run.updates), "Update stats"))
+        checks.append(step_cost_check(
+            f"{run.updates.model} with `update_stats=True` (AdamW)", UPDATE_STATS_TARGET, ov,
+            "the step without it", _update_stats_figures(run.updates), "Update stats"))
         checks.append(TargetCheck(
             "distributed", f"persistent memory `update_stats=True` adds, {run.updates.model}: "
             f"{UPDATE_STATS_MEMORY_TARGET} of the parameters' bytes", UPDATE_STATS_MEMORY_TARGET,
@@ -429,6 +425,14 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
     unknown = {c.cause for c in checks} - set(CAUSES)
     assert not unknown, f"causes without a section in docs/{METHODS_PAGE}: {unknown}"
     return checks
+
+
+def step_cost_check(step: str, target: Target, ov: PairedRatio, over: str, figures: str,
+                    cause: str) -> TargetCheck:
+    """A targets-table row: the paired ratio ``ov`` of the 2-rank DDP step of ``step`` (the
+    model and what gradwatch does in it) over ``over``, held to ``target`` (extra percent)."""
+    return TargetCheck("distributed", f"2-rank DDP step of the {step}: {target} over {over}",
+                       target, ov.median_pct, fmt_ratio(ov), figures, cause)
 
 
 #: A warm training step's host reads gradwatch adds: none (each would stall an accelerator).
