@@ -37,7 +37,6 @@ from benchmarks import (  # noqa: E402
     fsdp1_bench,
     guard_bench,
     measure,
-    page,
     rankview_bench,
     report,
     scale,
@@ -46,6 +45,7 @@ from benchmarks import (  # noqa: E402
     zero_bench,
 )
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
+from benchmarks.page import machine  # noqa: E402
 from benchmarks.results import Failure, RunResults  # noqa: E402
 
 T = TypeVar("T")
@@ -78,7 +78,7 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
     """Runs every section of ``plan`` in turn, timing each."""
     started = time.perf_counter()
     run = RunResults(command=command, rounds=plan.rounds, load_start=os.getloadavg(),
-                     machine=page.machine(), demo_model=describe_demo_model())
+                     machine=machine(), demo_model=describe_demo_model())
 
     def section(name: str, fn: Callable[[], T]) -> T:
         print(f"{name} ...", flush=True)

@@ -419,12 +419,12 @@ def test_quick_guard_section() -> None:
     checks = [c for c in report.target_checks(run) if "watch.guard" in c.subject]
     assert len(checks) == 2 and all("<= +2%" in c.subject for c in checks)
     assert "skip_spike_score" in checks[1].subject and "skip_spike_score" not in checks[0].subject
+    text = report.miss_notes(run)
+    assert all(c.met or c.subject in text for c in checks)
     assert all(c.subject.startswith("2-rank DDP step of the demo model") for c in checks)
     reads = [c for c in report.target_checks(run) if c.area == "host reads"]
     assert len(reads) == 1 and "guarded optimizer step" in reads[0].subject
     assert reads[0].subject.endswith("<= 0 host reads") and reads[0].met
-    text = report.miss_notes(run)
-    assert all(c.met or c.subject in text for c in checks)
 
 
 @pytest.mark.distributed
