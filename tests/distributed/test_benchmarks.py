@@ -111,7 +111,7 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     header, rows = _rows(text, "| area | target |")
     assert rows and all(r[3] in ("met", "**NOT MET**") for r in rows)
     # each states its bound: a ratio, extra time, or a count
-    assert all(re.search(r"[<>]= \+?[\d.]+(x|%| host reads| of \d+ arms)", r[1]) for r in rows)
+    assert all(re.search(r"[<>]= \+?[\d.]+", r[1]) for r in rows)
     # No row holds gradwatch to a CPU `.item()` loop's time (on CPU the loop syncs nothing);
     # the loop appears as counts: host reads per collect, one per parameter.
     assert not any("faster than per-parameter" in r[1] for r in rows)
