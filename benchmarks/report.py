@@ -551,7 +551,9 @@ def _fsdp1_section(results: list[Fsdp1Result] | Failure) -> str:
 def _cuda_section(run: RunResults) -> str:
     if run.cuda_device is None:
         return "skipped: `torch.cuda.is_available()` is False: no GPU figure is published."
-    return f"Device: {run.cuda_device}.\n\n" + norm_report.per_collect_table(run.cuda_cases)
+    return (f"Device: {run.cuda_device}.\n\n" + norm_report.per_collect_table(run.cuda_cases)
+            + "\n\nHost reads and ops per call on the device (each host read waits for it):\n\n"
+            + norm_report.host_reads_table(run.cuda_cases))
 
 
 def _spike_section(sc: SpikeCostResult | None) -> str:

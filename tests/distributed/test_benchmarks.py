@@ -173,8 +173,10 @@ def _counted_case(n_tensors: int, ours: int) -> NormCaseResult:
     counts = {NormMethod.GRADWATCH: Counts(ours, 20, 0),
               NormMethod.GET_TOTAL_NORM: Counts(1, 4, 0),
               NormMethod.ITEM_LOOP: Counts(n_tensors, 2 * n_tensors, 0)}
+    methods = [MethodResult(m, t, 0.0, c) for m, c in counts.items()]
+    methods.append(MethodResult(NormMethod.READ_FOREACH_MAX, t, None, Counts(0, 1, 0)))
     return NormCaseResult(f"{n_tensors} x, 1M float32", n_tensors, 10**6, "float32", 4 * 10**6,
-                          tuple(MethodResult(m, t, 0.0, c) for m, c in counts.items()), 1)
+                          tuple(methods), 1)
 
 
 def test_host_reads_rows_judge_counts() -> None:
@@ -195,6 +197,17 @@ def test_host_reads_rows_judge_counts() -> None:
     _header, rows = _rows(norm_report.host_reads_table([few, over]), "| case |")
     assert rows[0][2:] == ["2 / 20", "1 / 4", "10 / 20", "met"]
     assert rows[1][2:] == ["3 / 20", "1 / 4", "10,000 / 20,000", "**NOT MET**"]
+
+
+def test_cuda_section_counts_host_reads() -> None:
+    """On a GPU run the CUDA section shows each method's host reads and ops per call beside
+    its times; the targets rows stay the CPU cases' (none here)."""
+    run = RunResults(command="x", rounds=(1, 1), cuda_device="a GPU",
+                     cuda_cases=[_counted_case(1000, 1)])
+    section = report.render(run).split("## CUDA")[1]
+    _header, rows = _rows(section, "| case | tensors | gradwatch collect()+result(): host reads")
+    assert rows == [["1000 x, 1M float32", "1,000", "1 / 20", "1 / 4", "1,000 / 2,000", "met"]]
+    assert not [c for c in report.target_checks(run) if c.area == "host reads"]
 
 
 def test_divergence_row_counts_the_arms_as_the_target_says() -> None:
