@@ -601,7 +601,7 @@ def render(run: RunResults) -> str:
         f"known causes of the targets not met: [{METHODS_PAGE}]({METHODS_PAGE}).\n",
         f"Command: `{run.command}` (`make bench` runs `.venv/bin/python benchmarks/run.py --out "
         f"docs/performance.md`). Wall time of this run: {run.total_seconds:.0f} s ({sections}); "
-        f"the plan's budget on a 2-core machine: {WALL_TIME_BUDGET_S // 60} minutes.\n",
+        f"a full run's budget on a quiet 2-core machine: {WALL_TIME_BUDGET_S // 60} minutes.\n",
         "## Machine\n",
         run.machine + "\n",
         _head("Targets"),
