@@ -316,7 +316,8 @@ def _figures(r: RankTimingResult) -> str:
 
 def text(result: RankTimingResult | Any) -> str:
     """The section's markdown (``result`` None: skipped; a failure: its message)."""
-    from benchmarks.report import fmt_ratio, fmt_timing, table, verdict_of
+    from benchmarks.page import fmt_timing, table
+    from benchmarks.report import fmt_ratio, verdict_of
 
     if result is None:
         return "skipped\n"

@@ -266,25 +266,30 @@ def case_clip(rank: int, world: int) -> dict:
 
 
 def case_clip_refused(rank: int, world: int) -> dict:
-    """DeepSpeed clips itself (gradient_clipping > 0): clip_grad_norm_ refuses, collect()
+    """DeepSpeed clips itself (gradient_clipping > 0): clip_grad_norm_ (a number or "auto")
+    refuses, collect()
     measures the pre-clip gradients, which audit DeepSpeed's own norm."""
     from gradwatch import GradWatch
 
     engine, _replica = engine_and_replica(2, gradient_clipping=0.05)
     watch = GradWatch(engine, config())
     backward(engine, 0)
-    try:
-        watch.clip_grad_norm_(1.0, step=0)
-        refused = ""
-    except Exception as exc:
-        refused = f"{type(exc).__name__}: {exc}"
+    refused: list[str] = []
+    for max_norm in (1.0, "auto"):
+        try:
+            watch.clip_grad_norm_(max_norm, step=0)
+            refused.append("")
+        except Exception as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
+    started = watch._collector.history is not None  # a refused "auto" starts no history
     snap = watch.collect(0).result()
     engine.step()
     ds_norm = float(engine.get_global_grad_norm())
     watch.audit_norm(ds_norm, step=0, source="deepspeed")
     watch.flush()
     watch.close()
-    return {"refused": refused, "global_norm": snap.global_norm, "deepspeed_norm": ds_norm}
+    return {"refused": refused, "started": started, "global_norm": snap.global_norm,
+            "deepspeed_norm": ds_norm}
 
 
 def case_refused(kind: str) -> Callable[[int, int], dict]:

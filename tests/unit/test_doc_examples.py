@@ -66,24 +66,25 @@ RUN: dict[tuple[str, int], tuple[str, str]] = {
         "resuming, ckpt, save = False, {}, lambda state: None\n",
         "",
     ),
-    ("docs/integrations.md", 8): ("", ""),  # 6b. your own sink: self-contained
-    ("docs/integrations.md", 9): (  # 7. auditing a reported norm
+    ("docs/integrations.md", 9): ("", ""),  # 6b. your own sink: self-contained
+    ("docs/integrations.md", 10): (  # 7. auditing a reported norm
         _WATCHED + "step = 0\nwatch.collect(step)\nreported = torch.tensor(1.0)\n",
         "watch.flush()\nwatch.close()\n",
     ),
-    ("docs/integrations.md", 11): (  # 8. the optimizer-step guard
+    ("docs/integrations.md", 12): (  # 8. the optimizer-step guard
         _MODEL + "model = MyModel()\nfrom gradwatch import GradWatch, WatchConfig\n", ""
     ),
 }
 
 #: Blocks not run here, and why (each is run by the test named, or cannot run on this host).
 SKIPPED: dict[tuple[str, int], str] = {
-    ("docs/integrations.md", 3): "torchrun train.py: tests/distributed/test_integrations.py",
-    ("docs/integrations.md", 4): "AMP on CUDA: no CUDA here (docs/gpu.md)",
-    ("docs/integrations.md", 5): "the Hugging Face Trainer: tests/distributed/test_integrations.py",
-    ("docs/integrations.md", 6): "Lightning: tests/distributed/test_integrations.py",
-    ("docs/integrations.md", 7): "tracker sinks need a run: tests/unit/export/test_sinks.py",
-    ("docs/integrations.md", 10): "FSDP2 on 2 ranks: tests/distributed/test_audit_distributed.py",
+    ("docs/integrations.md", 3): "DeepSpeed ZeRO on 2 ranks: tests/distributed/test_zero.py",
+    ("docs/integrations.md", 4): "torchrun train.py: tests/distributed/test_integrations.py",
+    ("docs/integrations.md", 5): "AMP on CUDA: no CUDA here (docs/gpu.md)",
+    ("docs/integrations.md", 6): "the Hugging Face Trainer: tests/distributed/test_integrations.py",
+    ("docs/integrations.md", 7): "Lightning: tests/distributed/test_integrations.py",
+    ("docs/integrations.md", 8): "tracker sinks need a run: tests/unit/export/test_sinks.py",
+    ("docs/integrations.md", 11): "FSDP2 on 2 ranks: tests/distributed/test_audit_distributed.py",
 }
 
 

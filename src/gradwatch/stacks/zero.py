@@ -322,7 +322,8 @@ class ZeroGradients:
                 f"DeepSpeed clips the gradients itself (gradient_clipping={clip}): clipping "
                 "them again here would clip twice. Keep DeepSpeed's clipping, collect() before "
                 "engine.step() and audit it with watch.audit_norm(engine.get_global_grad_norm(), "
-                "step=...) after the step; or set gradient_clipping to 0 to clip with gradwatch"
+                "step=...) after the step; or set gradient_clipping to 0 to clip with gradwatch "
+                "(watch.clip_grad_norm_(max_norm) or watch.clip_grad_norm_(\"auto\"))"
             )
         return None
 

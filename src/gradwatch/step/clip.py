@@ -65,7 +65,7 @@ def scale_grads_(
     ``unmeasured``), in place, one ``_foreach_mul_`` per bucket; ``max_norm`` a float or a
     0-dim tensor on ``total``'s device (the adaptive threshold, ``+inf``: coefficient 1 for a
     finite norm). No host read."""
-    coef = torch.where(unmeasured, 1.0, torch.clamp(max_norm / (total + CLIP_EPS), max=1.0))
+    coef = clip_coefficient_device(total, unmeasured, max_norm)
     sparse = grads.sparse_positions
     for g in grads.sparse_grads:
         g.mul_(coef.to(g.device, g.dtype))  # sparse: values scaled in place
@@ -77,6 +77,16 @@ def scale_grads_(
             bucket_tensors = [t for t in bucket_tensors if id(t) not in skip]
         if bucket_tensors:
             torch._foreach_mul_(bucket_tensors, coef.to(bucket.device, bucket.dtype))
+
+
+def clip_coefficient_device(
+    total: Tensor, unmeasured: Tensor, max_norm: float | Tensor
+) -> Tensor:
+    """The factor :func:`scale_grads_` multiplies the gradients by: ``clamp(max_norm / (total
+    + 1e-6), max=1)``, 1 where ``unmeasured`` (0-dim float64 on ``total``'s device). An
+    elementwise function of tensors every rank holds bitwise equal, so every rank's factor is
+    the same bits. Device ops only."""
+    return torch.where(unmeasured, 1.0, torch.clamp(max_norm / (total + CLIP_EPS), max=1.0))
 
 
 def unmeasured_total(device: torch.device) -> Tensor:

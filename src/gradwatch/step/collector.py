@@ -271,13 +271,13 @@ class Collector(StepActions):
         or to the adaptive threshold for :data:`~gradwatch.step.adaptive.AUTO`; the whole-model
         norm, or None when the step was not measured. Raises when this setup cannot clip
         through gradwatch (DeepSpeed: :meth:`gradwatch.stacks.zero.ZeroGradients.clip_refusal`)."""
-        if max_norm == AUTO:
-            self.start_history()
         zero = self.resolved.zero
         if zero is not None:
             refusal = zero.clip_refusal() or zero.off_boundary()
             if refusal is not None:
                 raise GradWatchError(f"gradwatch: clip_grad_norm_ under DeepSpeed: {refusal}")
+        if max_norm == AUTO:
+            self.start_history()
         if step is None:
             step = self._optimizer_steps
         self._clipped_step = step
