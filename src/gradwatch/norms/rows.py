@@ -1,16 +1,19 @@
 """The row geometry every norm engine shares, and the small helpers around it.
 
-Gradients are normed as rows of :data:`ROW_NUMEL` elements (:mod:`gradwatch.norms.stats`, and the
-per-rank view's comm hook in :mod:`gradwatch.stacks.ddp_hook`): this module holds that one row
-length, row-aligned slot sizes, flat views of dense tensors, the foreach-norm split that bounds its
-scratch, and the one non-blocking host-to-device copy; and the two row paths' shared parts:
-:class:`RowSquares` (float32 row norms squared into float64 and summed per owner, the end of
-every row path) and :class:`FlatRows` (one flat buffer of many tensors read in place as rows,
-the comm hook's layout).
+Gradients are normed as rows of :data:`ROW_NUMEL` elements (:mod:`gradwatch.norms.stats`, and
+the per-rank view's comm hook in :mod:`gradwatch.stacks.ddp_hook`): this module holds that one
+row length, each row-path tensor's row length (:func:`row_length`), row-aligned slot sizes and
+the pack buffer's fills (:func:`pack_fills`), flat views of dense tensors, the foreach-norm
+split that bounds its scratch, and the one non-blocking host-to-device copy; and the two row
+paths' shared parts: :class:`RowSquares` (float32 row norms squared into float64 and summed
+per owner, the end of every row path) and :class:`FlatRows` (one flat buffer of many tensors
+read in place as rows, the comm hook's layout).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,6 +98,67 @@ def aligned(numel: int) -> int:
     return -(-numel // ROW_NUMEL) * ROW_NUMEL
 
 
+#: Row-path tensors whose numel has a divisor in ``[MIN_ROW_NUMEL, ROW_NUMEL]`` are read as
+#: rows of that divisor (:func:`row_length`): CPU row norms of 256 elements and more run at
+#: the speed of 512 (shorter rows cost more per element).
+MIN_ROW_NUMEL = 256
+#: Above this many elements a tensor keeps rows of ROW_NUMEL and its partial last row: rows of
+#: 500 cost 3-5% more per element than 512 (measured), which beyond it outweighs the two ops
+#: and the copy a partial row costs.
+DIVISOR_ROWS_MAX_NUMEL = 1 << 19
+
+
+def row_length(numel: int) -> int:
+    """The row length of a row-path tensor of ``numel`` elements: :data:`ROW_NUMEL`, or, up to
+    :data:`DIVISOR_ROWS_MAX_NUMEL` elements, the largest divisor of ``numel`` in
+    ``[MIN_ROW_NUMEL, ROW_NUMEL]`` when there is one, so the tensor is whole rows (no partial
+    last row to copy into the pack: two fewer ops and a copy). Shorter rows stay within the
+    bound (docs/design.md, "Exactness of the rows": the measured worst case per path)."""
+    if numel % ROW_NUMEL == 0 or numel > DIVISOR_ROWS_MAX_NUMEL:
+        return ROW_NUMEL
+    for length in range(ROW_NUMEL - 1, MIN_ROW_NUMEL - 1, -1):
+        if numel % length == 0:
+            return length
+    return ROW_NUMEL
+
+
+#: Per fill of a pack buffer: ``(source, shape, offset)`` of each slot, and the elements used.
+FillLayout = list[tuple[list[tuple[int, tuple[int, ...], int]], int]]
+
+
+def pack_fills(items: Sequence[tuple[int, tuple[int, ...]]], cap: int) -> FillLayout:
+    """A pack buffer's fills for ``items`` (``(source, shape)`` each, in order): per fill,
+    ``(source, shape, offset)`` of every slot and the elements it uses; slots are row-aligned
+    and a fill uses at most ``cap`` elements."""
+    fills: FillLayout = []
+    current: list[tuple[int, tuple[int, ...], int]] = []
+    used = 0
+    for src, shape in items:
+        size = aligned(math.prod(shape))
+        if current and used + size > cap:
+            fills.append((current, used))
+            current, used = [], 0
+        current.append((src, shape, used))
+        used += size
+    if current:
+        fills.append((current, used))
+    return fills
+
+
+def written_by_other_fills(fills: FillLayout, length: int) -> list[int]:
+    """Prefix counts of the buffer's elements some fill writes data into: a slot's padding
+    ``[a, b)`` must be zeroed by its own fill when ``counts[b] > counts[a]`` (padding never
+    holds its own fill's data, so any data there is another fill's, left over). One fill:
+    nothing to zero."""
+    if len(fills) < 2:
+        return [0] * (length + 1)
+    delta = [0] * (length + 1)
+    for items, _ in fills:
+        for _, shape, offset in items:
+            delta[offset] += 1
+            delta[offset + math.prod(shape)] -= 1
+    written = (depth > 0 for depth in itertools.accumulate(delta[:length]))
+    return [0, *itertools.accumulate(written)]
 
 
 def segment_sum_matrix(owner: list[int], n: int, device: torch.device) -> Tensor:

@@ -24,7 +24,6 @@ exactness and its costs: docs/design.md, "The local math".
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,17 +35,24 @@ from gradwatch.norms.bands import BANDS, banded_total_device, bands_of_norm, ban
 from gradwatch.norms.rescale import RESCALE_SCRATCH, RescalePlan, build_rescale_plan, rescaled_norms
 from gradwatch.norms.rows import (
     ROW_NUMEL,
+    FillLayout,
     RowSquares,
     StalePlan,
     aligned,
     flat_view,
     foreach_splits,
     host_to_device,
+    pack_fills,
+    row_length,
     to_device,
+    written_by_other_fills,
 )
 
-#: CPU tensors with at most this many elements are normed whole, with float64 accumulation.
-WHOLE_NUMEL = 65536
+#: CPU float32/bf16/fp16 tensors of at most this many elements are copied into the pack buffer;
+#: larger dense ones are read in place as rows. Above it the copy costs more than the two ops
+#: (a view, a norm) of reading in place (measured: 30,000-element tensors 8% faster in place,
+#: 10,000-element ones 25% slower).
+WHOLE_NUMEL = 16384
 #: bf16/fp16 row-path tensors are widened to float32 this many elements at a time, into one
 #: reused scratch buffer (4 MiB). ``vector_norm(t, dtype=torch.float32)`` would allocate a float32
 #: copy of the whole tensor (twice its bytes, fresh memory each call). A multiple of ROW_NUMEL.
@@ -63,6 +69,9 @@ PACK_NUMEL = 1 << 19
 #: Buckets with at least this many rows sum them per tensor by a sparse-CSR matrix-vector
 #: product; fewer, by ``index_add_`` (cheaper below about 20K rows, see segment_sum_matrix).
 CSR_MIN_ROWS = 32768
+#: Plans of at most this many positions check their fast norms for a repair on the host (one
+#: read of the plain band, compared in Python) instead of by four tensor ops.
+HOST_CHECK_MAX = 64
 #: Exact recomputation walks a tensor in chunks of this many elements (bounds temporaries).
 RECOMPUTE_CHUNK = 65536
 #: A row-path tensor whose fast norm is below this is recomputed exactly: below it, float32
@@ -129,6 +138,9 @@ class _Bucket:
     rescaled_index: Tensor | None = None  # their indices in all three bands, on out_device
     rows: list[int] = field(default_factory=list)  # positions normed in place as float32 rows
     row_counts: list[int] = field(default_factory=list)  # full rows of each, for as_strided
+    row_lengths: list[int] = field(default_factory=list)  # elements per row of each
+    row_shapes: list[tuple[int, int]] = field(default_factory=list)  # (rows, row length)
+    tail_starts: dict[int, int] = field(default_factory=dict)  # position: its whole rows' numel
     row_strides: list[tuple[int, ...]] = field(default_factory=list)  # as planned (checked)
     row_outs: list[Tensor] = field(default_factory=list)  # float32 tensors: its slice of norms
     row_chunks: list[list[_RowChunk]] = field(default_factory=list)  # bf16/fp16 tensors
@@ -155,6 +167,9 @@ class NormPlan:
     needs_repair: bool  # some bucket is on CPU: the fast path may need an exact repair
     repair_floor: Tensor | None  # per position: squared norms below this are recomputed
     repair_ceiling: Tensor | None = None  # and above this (float64 positions; else None)
+    # The same bounds as host lists, for plans of at most HOST_CHECK_MAX positions: their
+    # check reads the plain band once and compares on the host (no op but the read)
+    host_bounds: list[tuple[float, float]] | None = None
     scratch: dict[torch.device, Tensor] = field(default_factory=dict)  # widening buffers
 
     @property
@@ -211,11 +226,15 @@ def build_plan(
         on_cpu = t.device.type == "cpu"
         fast = on_cpu and t.dtype in _LOW_PRECISION
         if fast and t.numel() > WHOLE_NUMEL and flat_view(t) is not None:
+            length = row_length(t.numel())
             bucket.rows.append(i)
-            bucket.row_counts.append(t.numel() // ROW_NUMEL)
+            bucket.row_counts.append(t.numel() // length)
+            bucket.row_lengths.append(length)
             bucket.row_strides.append(t.stride())
-            if t.numel() % ROW_NUMEL != 0:
+            bucket.row_shapes.append((t.numel() // length, length))
+            if t.numel() % length != 0:
                 bucket.tails.append(i)
+                bucket.tail_starts[i] = t.numel() // length * length
             floor[i] = TINY_NORM * TINY_NORM
             needs_repair = True
             continue
@@ -250,6 +269,11 @@ def build_plan(
             if any(c < math.inf for c in ceiling)
             else None
         ),
+        host_bounds=(
+            list(zip(floor, ceiling, strict=True))
+            if needs_repair and out_device.type == "cpu" and len(tensors) <= HOST_CHECK_MAX
+            else None
+        ),
     )
     for bucket in plan.buckets:
         if bucket.whole:
@@ -276,13 +300,14 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
     at = 0
     widen = bucket.dtype != torch.float32
     if widen and bucket.rows:
-        need = min(CONVERT_CHUNK, max(bucket.row_counts) * ROW_NUMEL)
+        need = min(CONVERT_CHUNK, max(
+            c * m for c, m in zip(bucket.row_counts, bucket.row_lengths, strict=True)))
         scratch = plan.scratch.get(bucket.device)
         if scratch is None or scratch.numel() < need:
             scratch = plan.scratch[bucket.device] = torch.empty(
                 need, dtype=torch.float32, device=bucket.device
             )
-    for i, count in zip(bucket.rows, bucket.row_counts, strict=True):
+    for i, count, length in zip(bucket.rows, bucket.row_counts, bucket.row_lengths, strict=True):
         out = norms[at : at + count]
         owner.extend([i] * count)
         at += count
@@ -290,19 +315,20 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
             bucket.row_outs.append(out)
             continue
         chunks = []
-        full = count * ROW_NUMEL
-        for start in range(0, full, CONVERT_CHUNK):
-            m = min(CONVERT_CHUNK, full - start)
+        full = count * length
+        step = CONVERT_CHUNK // length * length  # whole rows per chunk
+        for start in range(0, full, step):
+            m = min(step, full - start)
             buf = scratch[:m]
-            first = start // ROW_NUMEL
-            rows = out[first : first + m // ROW_NUMEL]
-            chunks.append(_RowChunk(start, m, buf, buf.view(-1, ROW_NUMEL), rows))
+            first = start // length
+            rows = out[first : first + m // length]
+            chunks.append(_RowChunk(start, m, buf, buf.view(-1, length), rows))
         bucket.row_chunks.append(chunks)
     if fills:
         length = max(used for _, used in fills)
         buffer = torch.zeros(length, dtype=torch.float32, device=bucket.device)
         zeros = torch.zeros(ROW_NUMEL, dtype=bucket.dtype, device=bucket.device)
-        dirty = _written_by_other_fills(fills, length)
+        dirty = written_by_other_fills(fills, length)
         for items, used in fills:
             slots, sources, pads, pad_zeros = [], [], [], []
             for src, shape, offset in items:
@@ -326,46 +352,17 @@ def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPla
     bucket.row_sums = RowSquares.build(owner, plan.n, bucket.device, csr, norms)
 
 
-_FillLayout = list[tuple[list[tuple[int, tuple[int, ...], int]], int]]
-
-
-def _pack_fills(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> _FillLayout:
-    """The pack buffer's fills: per fill, ``(source, shape, offset)`` of every slot (a source
-    is a position, or ``~position`` for a partial last row) and the elements it uses; slots
-    are row-aligned and a fill uses at most :data:`PACK_NUMEL` elements."""
+def _pack_fills(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> FillLayout:
+    """The pack buffer's fills (:func:`~gradwatch.norms.rows.pack_fills`, at most
+    :data:`PACK_NUMEL` elements each) of the bucket's packed tensors, then its partial rows."""
     items: list[tuple[int, tuple[int, ...]]] = [
         (i, tuple(tensors[i].shape)) for i in bucket.packed  # type: ignore[union-attr]
     ]
-    items += [(~i, (tensors[i].numel() % ROW_NUMEL,)) for i in bucket.tails]  # type: ignore[union-attr]
-    fills: _FillLayout = []
-    current: list[tuple[int, tuple[int, ...], int]] = []
-    used = 0
-    for src, shape in items:
-        size = aligned(math.prod(shape))
-        if current and used + size > PACK_NUMEL:
-            fills.append((current, used))
-            current, used = [], 0
-        current.append((src, shape, used))
-        used += size
-    if current:
-        fills.append((current, used))
-    return fills
-
-
-def _written_by_other_fills(fills: _FillLayout, length: int) -> list[int]:
-    """Prefix counts of the buffer's elements some fill writes data into: a slot's padding
-    ``[a, b)`` must be zeroed by its own fill when ``counts[b] > counts[a]`` (padding never
-    holds its own fill's data, so any data there is another fill's, left over). One fill:
-    nothing to zero."""
-    if len(fills) < 2:
-        return [0] * (length + 1)
-    delta = [0] * (length + 1)
-    for items, _ in fills:
-        for _, shape, offset in items:
-            delta[offset] += 1
-            delta[offset + math.prod(shape)] -= 1
-    written = (depth > 0 for depth in itertools.accumulate(delta[:length]))
-    return [0, *itertools.accumulate(written)]
+    items += [
+        (~i, (tensors[i].numel() - bucket.tail_starts[i],))  # type: ignore[union-attr]
+        for i in bucket.tails
+    ]
+    return pack_fills(items, PACK_NUMEL)
 
 
 def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
@@ -375,39 +372,42 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
     row-path tensors are read in place through ``as_strided`` views of their memory (dense, so
     the first ``count * ROW_NUMEL`` elements in memory order are whole rows), bf16/fp16 ones
     widened chunk by chunk into the plan's scratch. Every norm writes into its slice of
-    ``bucket.row_sums.norms`` (``out=``): no per-step allocation but the views."""
-    for i, stride in zip(bucket.rows, bucket.row_strides, strict=True):
-        t = tensors[i]
-        assert t is not None
-        if t.stride() != stride or t.device != bucket.device:
-            raise StalePlan  # as_strided would read the wrong memory: plan again
-    for fill in bucket.fills:
-        sources: list[Tensor] = [
-            tensors[src] if src >= 0 else _tail(tensors[~src])  # type: ignore[misc, arg-type]
-            for src in fill.sources
-        ]
-        torch._foreach_copy_([*fill.slots, *fill.pads], [*sources, *fill.zeros])
-        torch.linalg.vector_norm(fill.rows, 2, dim=1, out=fill.out)
+    ``bucket.row_sums.norms`` (``out=``): no per-step allocation but the views.
+
+    Raises :class:`StalePlan` when a row-path tensor's strides changed or it left the CPU,
+    checked as each one is read: nothing computed here is used then (the caller plans again
+    and recomputes), and a view outside the storage raises too."""
     if bucket.row_chunks:
-        for i, chunks in zip(bucket.rows, bucket.row_chunks, strict=True):
+        for i, stride, chunks in zip(bucket.rows, bucket.row_strides, bucket.row_chunks,
+                                     strict=True):
             t = tensors[i]
-            assert t is not None
+            if t is None or t.stride() != stride or not t.is_cpu:
+                raise StalePlan  # as_strided would read the wrong memory: plan again
             offset = t.storage_offset()
             for c in chunks:
                 c.scratch.copy_(t.as_strided((c.numel,), (1,), offset + c.start))
                 torch.linalg.vector_norm(c.rows, 2, dim=1, out=c.out)
     else:
-        for i, count, out in zip(bucket.rows, bucket.row_counts, bucket.row_outs, strict=True):
+        for i, shape, stride, out in zip(bucket.rows, bucket.row_shapes, bucket.row_strides,
+                                         bucket.row_outs, strict=True):
             t = tensors[i]
-            assert t is not None
-            rows = t.as_strided((count, ROW_NUMEL), (ROW_NUMEL, 1))
+            if t is None or t.stride() != stride or not t.is_cpu:
+                raise StalePlan
+            rows = t.as_strided(shape, (shape[1], 1))
             torch.linalg.vector_norm(rows, 2, dim=1, out=out)
+    for fill in bucket.fills:
+        sources: list[Tensor] = [
+            tensors[src] if src >= 0
+            else _tail(tensors[~src], bucket.tail_starts[~src])  # type: ignore[arg-type]
+            for src in fill.sources
+        ]
+        torch._foreach_copy_([*fill.slots, *fill.pads], [*sources, *fill.zeros])
+        torch.linalg.vector_norm(fill.rows, 2, dim=1, out=fill.out)
 
 
-def _tail(t: Tensor) -> Tensor:
-    """The partial last row of a dense row-path tensor: its elements past the whole rows, in
-    memory order."""
-    full = t.numel() // ROW_NUMEL * ROW_NUMEL
+def _tail(t: Tensor, full: int) -> Tensor:
+    """The partial last row of a dense row-path tensor: its elements past the first ``full``
+    (its whole rows), in memory order."""
     return t.as_strided((t.numel() - full,), (1,), t.storage_offset() + full)
 
 
@@ -481,6 +481,24 @@ def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Ten
             assert bucket.rescaled_index is not None
             banded.index_copy_(0, bucket.rescaled_index, to_device(bands, out_device))
     return banded
+
+
+def _suspicious(plan: NormPlan, plain: Tensor) -> list[int]:
+    """The positions whose fast squared norm (``plain``, on the CPU) is NaN, infinite, below
+    its floor or above its ceiling: one host read. Few positions: the band itself is read
+    and compared on the host (no other op); many: four ops and a read of the index list."""
+    if plan.host_bounds is not None:
+        return [
+            i for i, (v, (lo, hi)) in enumerate(zip(plain.tolist(), plan.host_bounds, strict=True))
+            if not lo <= v < math.inf or v > hi  # NaN fails every comparison
+        ]
+    assert plan.repair_floor is not None
+    # NaN and +Inf become -1, below every floor: 3 ops instead of isfinite's 5 + 2.
+    cleaned = plain.nan_to_num(nan=-1.0, posinf=-1.0, neginf=-1.0)
+    suspicious = cleaned < plan.repair_floor
+    if plan.repair_ceiling is not None:
+        suspicious |= cleaned > plan.repair_ceiling
+    return torch.nonzero(suspicious).flatten().tolist()
 
 
 class NormEngine:
@@ -562,14 +580,7 @@ class NormEngine:
             plan = self.plan_for(tensors, out_device, replan=True)
             sq = _fast_squared_norms(plan, tensors)
         if plan.needs_repair:
-            assert plan.repair_floor is not None
-            plain = sq[: plan.n]
-            # NaN and +Inf become -1, below every floor: 3 ops instead of isfinite's 5 + 2.
-            cleaned = plain.nan_to_num(nan=-1.0, posinf=-1.0, neginf=-1.0)
-            suspicious = cleaned < plan.repair_floor
-            if plan.repair_ceiling is not None:
-                suspicious |= cleaned > plan.repair_ceiling
-            bad = torch.nonzero(suspicious).flatten().tolist()
+            bad = _suspicious(plan, sq[: plan.n])
             self.host_reads += 1
             if bad:
                 where: list[int] = []

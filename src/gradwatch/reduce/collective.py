@@ -259,6 +259,11 @@ class StandIn(RuntimeError):
     stand-in instead: the step is not measured on any rank, the group is fine."""
 
 
+#: The ready event of every :class:`Pending` issued at construction: set once, never cleared.
+_ISSUED = threading.Event()
+_ISSUED.set()
+
+
 class Pending:
     """One issued all-reduce (or none), whatever its route; :meth:`wait` may be retried after a
     :class:`CollectiveTimeout` (the collective is never abandoned).
@@ -269,16 +274,16 @@ class Pending:
     """
 
     def __init__(self, work: Any = None) -> None:
-        self._ready = threading.Event()
+        # Issued already: the one shared set event (never cleared), no Event built per collect
+        self._ready = _ISSUED
         self._work: Any = work
         self._error: BaseException | None = None
         self._broken = False  # the group refused the all-reduce (vs. a stand-in was issued)
-        self._ready.set()
 
     @classmethod
     def queued(cls) -> Pending:
         pending = cls()
-        pending._ready.clear()
+        pending._ready = threading.Event()  # its own, set once the host thread issued it
         return pending
 
     def _issued(self, work: Any, error: BaseException | None, broken: bool = False) -> None:

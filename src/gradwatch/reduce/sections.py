@@ -62,7 +62,23 @@ def _rank_view_width(layout: LayoutShape) -> int:
 
 
 def sections(layout: LayoutShape) -> Sections:
-    """Where each part of ``layout``'s packed vector lives (the same on every rank)."""
+    """Where each part of ``layout``'s packed vector lives (the same on every rank). A frozen
+    dataclass layout (:class:`~gradwatch.reduce.layout.Layout`) never changes: its sections
+    are computed once and kept on it (every collect reads them several times)."""
+    params = getattr(type(layout), "__dataclass_params__", None)
+    if params is None or not params.frozen:
+        return _sections(layout)
+    cached = vars(layout).get(_CACHED)
+    if cached is None:
+        cached = vars(layout)[_CACHED] = _sections(layout)
+    return cached
+
+
+#: The attribute a frozen layout keeps its sections in.
+_CACHED = "_sections"
+
+
+def _sections(layout: LayoutShape) -> Sections:
     n, r = layout.size, layout.replicas
     view, timing = 5 * n + r + 3, TIMING_WIDTH if layout.rank_timing else 0
     upd = view + _rank_view_width(layout)

@@ -249,9 +249,13 @@ def test_engine_ops_constant_in_tensor_count() -> None:
         assert fills == -(-sum(aligned(t.numel()) for t in ts) // PACK_NUMEL)  # no gaps
         return counter.total - 2 * fills, sum(reads.values())
 
-    # Two ops per fill of the pack buffer (a copy, a norm), none per tensor.
-    small, large = ops(20), ops(400)
+    # Two ops per fill of the pack buffer (a copy, a norm), none per tensor; plans of at most
+    # HOST_CHECK_MAX positions check for a repair on the host, four ops fewer.
+    from gradwatch.norms.stats import HOST_CHECK_MAX
+
+    few, small, large = ops(20), ops(HOST_CHECK_MAX + 1), ops(400)
     assert small == large
+    assert few == (small[0] - 4, small[1])
     assert small[1] <= 1
 
 
@@ -557,7 +561,7 @@ def test_pack_fills_zero_padding_other_fills_wrote(
 def test_pack_fills_constant_tensors_and_extremes(value: float) -> None:
     """Many constant (worst-case) mid-size tensors across several fills, at magnitudes whose
     float32 squares underflow or overflow: the repair keeps every norm exact."""
-    sizes = [65_536, 40_000, 30_001, 513] * 8  # about 1.1M elements: three fills
+    sizes = [16_384, 10_000, 7_001, 513] * 40  # about 1.4M elements: three fills
     ts = [torch.full((n,), value) for n in sizes]
     engine = NormEngine()
     sq = engine.squared_norms(ts)
@@ -609,3 +613,95 @@ def test_gradients_split_between_host_and_device_repair_only_in_host_memory(
     assert engine._split.host.host_reads == 2 == engine.host_reads  # one mask read a call
     plain = NormEngine(rescale_float64=True)  # not split: nothing to join
     assert plain._mixed([tensors[0], tensors[5]], torch.device("cpu")) is None
+
+
+# -- every CPU low-precision path keeps the bound ----------------------------------------------
+
+#: One numel per CPU float32/bf16/fp16 path: packed whole (at most WHOLE_NUMEL), rows of 512
+#: read in place, rows of a shorter divisor read in place (no partial row), rows of 512 with
+#: the partial last row packed, and a large one (rows of 512 and a packed partial row; bf16
+#: and fp16 widened in two chunks).
+PATH_NUMELS = {
+    "packed": 10_000,
+    "rows of 512": 32_768,
+    "rows of a divisor": 30_000,
+    "rows and a packed tail": 16_411,
+    "large: rows of 512, a packed tail, two widening chunks": 1_500_000,
+}
+
+
+def _path_of(plan, numel: int, dtype: torch.dtype) -> str:  # type: ignore[no-untyped-def]
+    """Which path the plan gave the tensor at position 0."""
+    from gradwatch.norms.stats import CONVERT_CHUNK
+
+    (bucket,) = [b for b in plan.buckets if 0 in b.positions]
+    if 0 in bucket.packed:
+        return "packed"
+    assert bucket.rows[0] == 0
+    length = bucket.row_lengths[0]
+    if numel > CONVERT_CHUNK:
+        assert dtype == torch.float32 or len(bucket.row_chunks[0]) == 2
+        assert length == 512 and 0 in bucket.tails
+        return "large: rows of 512, a packed tail, two widening chunks"
+    if 0 in bucket.tails:
+        assert length == 512
+        return "rows and a packed tail"
+    return "rows of 512" if length == 512 else "rows of a divisor"
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["host check", "tensor check"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", list(PATH_NUMELS))
+def test_every_path_exact_on_constants_and_extremes(
+    path: str, dtype: torch.dtype, many: bool
+) -> None:
+    """Constant tensors (the worst case of float32 accumulation: no rounding cancels) on each
+    path, at ordinary magnitudes and (fp32, bf16) at 1e20 and 1e-25, whose float32 squares
+    overflow and underflow: within 1e-6 of the exact value, alone (the repair check on the
+    host) and among 64 more tensors (the check by tensor ops). Fails if a path loses rows'
+    exactness, reads the wrong elements, or a check misses a tensor to repair."""
+    numel = PATH_NUMELS[path]
+    extremes = [1e20, 1e-25] if dtype != torch.float16 else [6.0e4, 1e-7]
+    others = [torch.full((300,), 0.5, dtype=dtype) for _ in range(64 if many else 0)]
+    engine = NormEngine()
+    for value in [0.1, 1 / 3, 0.7, *extremes]:
+        t = torch.full((numel,), value, dtype=dtype)
+        stored = float(t[0].double())
+        assert stored != 0.0 and math.isfinite(stored)
+        sq, plan = engine.squared_norms_and_plan([t, *others])
+        assert _path_of(plan, numel, dtype) == path
+        assert (plan.host_bounds is None) == many
+        assert rel_err(engine_norm(sq, 0), stored * math.sqrt(numel)) <= REL, value
+        if others:
+            assert rel_err(engine_norm(sq, len(others)), 0.5 * math.sqrt(300)) <= REL
+
+
+@pytest.mark.parametrize("path", list(PATH_NUMELS))
+def test_every_path_one_overflowing_element(path: str) -> None:
+    """One float32 element of 1e20 (its square overflows float32) or 1e-25 among ordinary
+    values, on each path, at the start, in the middle and in the last (possibly partial)
+    row: the repair recomputes the tensor exactly."""
+    numel = PATH_NUMELS[path]
+    gen = torch.Generator().manual_seed(numel)
+    for where in (0, numel // 2, numel - 1):
+        for value in (1e20, 1e-25):
+            t = torch.randn(numel, generator=gen) * (1e-20 if value < 1 else 1.0)
+            t[where] = value
+            sq, plan = NormEngine().squared_norms_and_plan([t])
+            assert _path_of(plan, numel, torch.float32) == path
+            assert rel_err(engine_norm(sq, 0), ref_norm([t])) <= REL, (where, value)
+
+
+def test_row_length_divides_or_is_a_full_row() -> None:
+    """Row-path tensors up to DIVISOR_ROWS_MAX_NUMEL are whole rows of a divisor in
+    [MIN_ROW_NUMEL, ROW_NUMEL] when their numel has one, else (and larger ones) rows of
+    ROW_NUMEL and a partial last row."""
+    from gradwatch.norms.rows import DIVISOR_ROWS_MAX_NUMEL, MIN_ROW_NUMEL, ROW_NUMEL, row_length
+
+    for numel in [16_385, 16_411, 30_000, 32_768, 70_001, 100_000, 1_500_000, 2**21 + 3]:
+        length = row_length(numel)
+        assert MIN_ROW_NUMEL <= length <= ROW_NUMEL
+        divisors = [d for d in range(MIN_ROW_NUMEL, ROW_NUMEL + 1) if numel % d == 0]
+        if numel > DIVISOR_ROWS_MAX_NUMEL:
+            divisors = []
+        assert length == (max(divisors) if divisors else ROW_NUMEL)
