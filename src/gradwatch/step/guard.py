@@ -446,12 +446,10 @@ class StepGuard:
             if window is not None and self._decided_stage is not None:
                 window.clear()  # the isolated groups changed: a new baseline, as published
             self._decided_stage = self.stage
-        if finite_norm is not None:
-            finite = finite_norm  # the same test, made by the history (False unmeasured too)
-        else:
+        finite = finite_norm  # the same test, made by the history (False unmeasured too)
+        if finite is None:
             assert head is not None
-            weights, _ = self._weights_for(head)
-            finite = torch.dot(head, weights) < self._high_limit  # False for NaN too
+            finite = torch.dot(head, self._weights_for(head)[0]) < self._high_limit  # NaN: False
         measured = step > self._neg_inf  # NaN or -inf: a rank stood in
         want_nonfinite = self._false
         if self._skip_nonfinite:
@@ -459,8 +457,7 @@ class StepGuard:
         score = self._nan
         if window is not None:
             assert head is not None
-            _, y_weights = self._weights_for(head)
-            y = torch.dot(head, y_weights).log()
+            y = torch.dot(head, self._weights_for(head)[1]).log()
             sample = finite & measured & (y > self._neg_inf)
             score = window.score(y, sample)
             want_spike = score > window.threshold  # NaN (undefined) is never above it
