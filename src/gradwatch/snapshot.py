@@ -52,10 +52,14 @@ class GroupStats:
 
     Attributes:
         weight_norm: L2 norm of the group's weights at this collect.
-        update_norm: L2 norm of the update the last optimizer step applied to them.
+        update_norm: L2 norm of the update the last optimizer step before this collect
+            applied to them (with ``every_n_steps > 1``: that one step's, not the sum since
+            the previous collect).
         update_ratio: ``update_norm / weight_norm``.
         stalled_fraction: of the elements the step meant to change, the fraction it left
-            unchanged (the intended update was under half an ulp of the weight).
+            unchanged (the intended update was under half an ulp of the weight); counted for
+            bf16/fp16 weights, float32/float64 elements count as moved (see
+            :class:`Snapshot`).
     """
 
     norm: float = 0.0
@@ -177,13 +181,12 @@ class Snapshot:
             more share the top bin; slowest_host: its host.
         straggler_score: the fastest rank's working time over the slowest's, in ``(0, 1]``
             (below 0.7: a straggler); None when not measured.
-        work_seconds_min, work_seconds_median, work_seconds_max: the step's working times
-            over the ranks (exact when their bin holds one rank, else within its width;
-            :mod:`gradwatch.step.ranktiming`).
+        work_seconds_min, work_seconds_median, work_seconds_max: over the ranks, each rank's
+            median working time since the previous carried step (see ``rank_timing``).
+        rank_timing_step: the carried step those fields come from (None before the first).
         gradient_noise_scale: B_simple of the whole model (smoothed over the last
             ``NOISE_SCALE_WINDOW`` rank-view steps, :mod:`gradwatch.analysis.rankview`; unit: that
-            of
-            ``batch_size``, per-replica batches without it); NaN while undefined (either
+            of ``batch_size``, per-replica batches without it); NaN while undefined (either
             smoothed estimate not positive), never negative.
         group_noise_scale: group -> B_simple.
 
@@ -194,14 +197,14 @@ class Snapshot:
         weight_norm: L2 norm of every weight at this collect, combined exactly across shards.
         update_norm: L2 norm of ``theta_t - theta_{t-1}``, the update the last optimizer step
             before this collect applied (0.0: no step changed the weights); None on the
-            first collect, or when a step could not be measured (an unsupported optimizer).
+            first collect, or when a step could not be measured (an unsupported optimizer);
+            with ``every_n_steps > 1`` that one step's, not the sum since the last collect.
         update_ratio: ``update_norm / weight_norm``; NaN when the weight norm is 0 or
             non-finite; None when ``update_norm`` is.
         stalled_fraction: of the elements whose intended update was non-zero, the fraction
             whose weight did not change (the update was under half an ulp: bf16/fp16 weights
-            at small learning rates); measured for every dtype, so 0.0 for float32/float64
-            weights is a measurement; NaN when no element was meant to change; None when
-            ``update_norm`` is.
+            at small learning rates; float32/float64 ones count as moved: 0.0, not counted).
+            NaN when no element was meant to change; None when ``update_norm`` is.
         no_update_step: a *silent skip*: no optimizer step changed a weight since the
             previous collect (``update_norm == 0.0``) although that collect's gradients were
             finite and non-zero and neither AMP nor the guard skipped it.
@@ -265,13 +268,14 @@ class Snapshot:
     deepspeed_skipped_steps: int | None = None
     measured: bool = True
     no_gradient: bool = False
-    # -- which rank is slow (WatchConfig.rank_timing; gradwatch.step.ranktiming) --
+    # -- which rank is slow (WatchConfig.rank_timing; gradwatch.reduce.ranktiming) --
     slowest_rank: int | None = None
     slowest_host: str | None = None
     straggler_score: float | None = None
     work_seconds_min: float | None = None
     work_seconds_median: float | None = None
     work_seconds_max: float | None = None
+    rank_timing_step: int | None = None
 
     def __post_init__(self) -> None:
         for name in _MAPPINGS:

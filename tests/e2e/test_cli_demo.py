@@ -510,6 +510,11 @@ def test_demo_shows_an_injected_nan_step() -> None:
     assert "non-finite steps: 1 (step 20)" in out
     assert "gradwatch_nonfinite_steps_total 1," in out
     assert "gradwatch_collections_total 30" in out
+    # the job turns update_stats on: the progress lines and the summary show the update
+    assert "updates at step 29: weight norm " in out, out
+    assert any(
+        line.startswith("step ") and " | updates: ratio " in line for line in out.splitlines()
+    ), out
     # how long it runs and how to keep the endpoint: said first, and again at the end
     lines = out.splitlines()
     assert lines[0].startswith("gradwatch demo: 30 steps on 2 ranks, about 4 s of training")

@@ -181,6 +181,7 @@ def train(opts: DemoOptions, work: Workdir, parent_pid: int | None) -> int:
         port=opts.port,
         bind_address=opts.bind,
         rank_view=True,  # opt-in: the demo shows where a NaN started and the noise scale
+        update_stats=True,  # opt-in: the demo shows weight and update norms, stalled updates
         skip_spike_score=GUARD_SPIKE_SCORE if opts.guard else None,
     )
     try:

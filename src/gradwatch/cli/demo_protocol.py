@@ -165,13 +165,18 @@ class JobError:
 
 @dataclass(frozen=True)
 class LastStep:
-    """The figures of the last snapshot of the run."""
+    """The figures of the last snapshot of the run; the optimizer-update figures
+    (``update_stats``, whole model) are None where the snapshot has none."""
 
     step: int
     global_norm: float
     groups: dict[str, float]
     ratios: dict[str, float]
     health: float
+    weight_norm: float | None = None
+    update_norm: float | None = None
+    update_ratio: float | None = None
+    stalled_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,10 @@ class Summary:
             groups={g: s.norm for g, s in snap.groups.items()},
             ratios=dict(snap.ratios),
             health=snap.health,
+            weight_norm=snap.weight_norm,
+            update_norm=snap.update_norm,
+            update_ratio=snap.update_ratio,
+            stalled_fraction=snap.stalled_fraction,
         )
         self.events.add(snap)
         for group, violated in snap.isolation_violated.items():

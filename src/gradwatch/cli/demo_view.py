@@ -15,7 +15,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from gradwatch.cli.demo_protocol import DemoOptions, Summary
+from gradwatch.cli.demo_protocol import DemoOptions, LastStep, Summary
 from gradwatch.cli.endpoint import EndpointView
 from gradwatch.cli.render import (
     UNDEFINED,
@@ -25,6 +25,7 @@ from gradwatch.cli.render import (
     fmt_ratio,
     isolation_text,
     render_view,
+    updates_text,
 )
 from gradwatch.export import metrics as catalog
 
@@ -140,11 +141,13 @@ class PlainDisplay(Display):
         groups = " ".join(f"{g} {fmt(s.norm)}" for g, s in view.groups.items())
         ratios = " ".join(f"{k} {fmt_ratio(view, k)}" for k in view.ratios)
         isolation = isolation_text(view)
+        updates = updates_text(view)
         return (
             f"step {view.step}/{self.opts.steps} [{self.phase(view.step)}] "
             f"global norm {fmt(view.global_norm)} | {groups} | {ratios} | "
             f"health {fmt(view.health, 3)} | {anomalies_text(view).plain}"
             + (f"; {isolation.plain}" if isolation is not None else "")
+            + (f" | {updates.plain}" if updates is not None else "")
         )
 
 
@@ -161,6 +164,23 @@ def _steps_text(steps: Sequence[int]) -> str:
         return "0"
     shown = ", ".join(str(s) for s in steps[:20]) + (", ..." if len(steps) > 20 else "")
     return f"{len(steps)} (step{'s' if len(steps) > 1 else ''} {shown})"
+
+
+def last_update_text(last: LastStep) -> str | None:
+    """``updates at step 29: weight norm 12.3, update norm 0.0456, ratio 0.0037, stalled
+    0%``: the last snapshot's whole-model update figures (``update_stats``); None without
+    them. An update not measured at that step reads ``not measured``, an undefined ratio or
+    fraction (NaN) ``undefined``."""
+    if last.weight_norm is None:
+        return None
+    text = f"updates at step {last.step}: weight norm {fmt(last.weight_norm)}, "
+    if last.update_norm is None:
+        return text + "update not measured"
+    ratio, stalled = last.update_ratio, last.stalled_fraction
+    ratio_text = UNDEFINED if ratio is None or ratio != ratio else fmt(ratio)
+    stalled_text = UNDEFINED if stalled is None or stalled != stalled else f"{stalled:.0%}"
+    return (f"{text}update norm {fmt(last.update_norm)}, ratio {ratio_text}, "
+            f"stalled {stalled_text}")
 
 
 def summary_lines(
@@ -184,6 +204,9 @@ def summary_lines(
             f"last step {last.step}: global norm {fmt(last.global_norm)}; {groups}; "
             f"{ratios}; health {fmt(last.health, 3)}"
         )
+        update = last_update_text(last)
+        if update is not None:
+            lines.append(update)
     events = summary.events
     lines.append(f"non-finite steps: {_steps_text(events.nonfinite)}")
     for step, ranks in sorted(summary.nonfinite_origins.items()):
@@ -223,6 +246,9 @@ def summary_lines(
             if s.spikes
         )
     )
+    updates = updates_text(final)
+    if updates is not None:
+        lines.append(f"endpoint: {updates.plain}")
     if final.nonfinite_origin:
         lines.append(
             f"endpoint: last non-finite origin (step {final.nonfinite_origin_step}): "

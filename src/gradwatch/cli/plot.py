@@ -17,10 +17,13 @@ When the records carry the per-rank view (DDP, docs/distributed.md: ``replica_gr
 replicas' local (pre-reduction) gradient norms, min / median / max with the band between min and
 max shaded (log scale), and the gradient noise scale B_simple, whole model and per group (log
 scale, in :data:`~gradwatch.analysis.rankview.NOISE_SCALE_UNIT`; a non-positive or undefined
-estimate is a gap). Each panel is drawn only when some record has its figures, so a history without
-the view (or written before it existed) is drawn as three panels. A non-finite step whose origin
-ranks are known (``nonfinite_origin_ranks``) is annotated with them (``rank 1``) at the top of the
-norms panel. A value of the wrong type in a record is skipped (a gap), never drawn as a number.
+estimate is a gap). Histories written with ``update_stats`` get two more panels above the health
+score (:mod:`gradwatch.cli.plot_updates`): weight and update norms, update-to-weight ratios and
+stalled fractions. Each panel is drawn only when some record has its figures, so a history without
+the view or the update figures (or written before they existed) is drawn as three panels. A
+non-finite step whose origin ranks are known (``nonfinite_origin_ranks``) is annotated with them
+(``rank 1``) at the top of the norms panel. A value of the wrong type in a record is skipped (a
+gap), never drawn as a number.
 Every panel's legend sits outside it, to its right, so no label inside a panel hides under it.
 
 Steps with a non-finite gradient (red), AMP-skipped steps (grey) and exploding steps (orange)
@@ -55,6 +58,13 @@ import typer
 from pydantic import TypeAdapter, ValidationError
 
 from gradwatch.analysis.rankview import NOISE_SCALE_UNIT
+from gradwatch.cli.plot_updates import (
+    UPDATE_PANEL_HEIGHTS,
+    UPDATE_PANELS,
+    draw_updates,
+    draw_weights,
+    update_series,
+)
 from gradwatch.cli.step_events import StepEvents
 from gradwatch.config import (
     DEFAULT_RATIO_DORMANT,
@@ -140,8 +150,9 @@ class PlotSummary:
         return len(self.events.skipped)
 
 
-#: Every panel, top to bottom; the per-rank view's two are drawn only for records that carry it.
-PANELS = ("norms", "ratios", "replicas", "noise scale", "health")
+#: Every panel, top to bottom; the per-rank view's two and the update panels
+#: (:mod:`gradwatch.cli.plot_updates`) are drawn only for records that carry them.
+PANELS = ("norms", "ratios", "replicas", "noise scale", *UPDATE_PANELS, "health")
 #: Origin ranks named in one annotation; more are counted (``ranks 0, 1, 2, 3 +4``).
 ORIGIN_RANKS_SHOWN = 4
 
@@ -416,12 +427,15 @@ def draw_history(
     noise_groups: list[str] = []
     for scales in group_noise:
         noise_groups.extend(g for g, v in scales.items() if g not in noise_groups and v == v)
+    updates = update_series(recs)
     drawn = {
         "replicas": any(v == v for values in replica.values() for v in values),
         "noise scale": any(v == v for v in noise) or bool(noise_groups),
+        **dict.fromkeys(UPDATE_PANELS, updates is not None),
     }
     panels = tuple(p for p in PANELS if drawn.get(p, True))
-    heights = {"norms": 3, "ratios": 2, "replicas": 2, "noise scale": 2, "health": 1.2}
+    heights = {"norms": 3, "ratios": 2, "replicas": 2, "noise scale": 2, "health": 1.2,
+               **UPDATE_PANEL_HEIGHTS}  # fmt: skip
 
     fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
@@ -551,6 +565,10 @@ def draw_history(
         ax.set_title(f"gradient noise scale B_simple, in {NOISE_SCALE_UNIT}", loc="left",
                      fontsize="small")  # fmt: skip
         _legend(ax)
+
+    if updates is not None:  # update_stats: weights and update, update ratio and stalled
+        draw_weights(axes["weights"], steps, updates)
+        draw_updates(axes["updates"], steps, updates)
 
     # 3. health
     ax_health.plot(steps, [_float(r.get("health")) for r in recs], color="tab:blue", lw=1.2)

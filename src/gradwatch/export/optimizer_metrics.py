@@ -55,7 +55,9 @@ UPDATE_NORM = MetricDef(
     "L2 norm of the update the last optimizer step applied to one parameter group's weights "
     "(theta_t - theta_{t-1}).",
     "Recovered from the optimizer's state after its step, exact to the applied (rounded) "
-    "update; 0 when no step changed the weights since the previous collect. Absent without "
+    "update; with `every_n_steps` above 1 the update of the last optimizer step before the "
+    "collect, not the sum since the previous one; 0 when no step changed the weights since "
+    "the previous collect. Absent without "
     "`update_stats`, on the first collect, and when the optimizer's step could not be read "
     "(an optimizer other than torch.optim SGD, Adam, AdamW).",
     absent=ABSENT_WITHOUT_UPDATE_STATS,
@@ -79,9 +81,11 @@ STALLED_UPDATE_FRACTION = MetricDef(
     ("group",),
     "Fraction of one group's elements whose intended update the last optimizer step rounded "
     "away (under half an ulp of the weight).",
-    "Over the elements with a non-zero intended update; measured for every dtype (float32 "
-    "weights read a measured 0 in practice, bf16/fp16 weights at small learning rates "
-    "approach 1). NaN when no element was meant to change; absent when the update is.",
+    "Over the elements with a non-zero intended update; counted for bf16/fp16 weights (at "
+    "small learning rates they approach 1). float32/float64 elements are not counted and "
+    "count as moved: a float32 group reads 0 (such a weight stalls only where its update is "
+    "below 2^-24 of it, which is not seen). NaN when no element was meant to change; absent "
+    "when the update is.",
     absent=ABSENT_WITHOUT_UPDATE_STATS,
     source=MetricSource.SNAPSHOT,
     read=measured_group_field("stalled_fraction"),

@@ -14,16 +14,21 @@ within half an ulp of ``p_mid`` (the step's own rounding) plus the difference be
 ``|u| << |p|``); so the nearest grid point is ``p_mid`` itself except for elements whose
 rounding error lay within that difference of a tie, where it is the neighbour: an error of one
 ulp of ``p`` on a few elements. The applied update is then ``delta = p_new - p_old``, exact (two
-neighbouring values of one dtype: Sterbenz), its squared norm accumulated in float64
-(``_foreach_norm(dtype=float64)``). An element is *moving* when its intended change ``u + c *
-p_old`` is not 0 and *stalled* when it is moving and ``delta == 0`` (the change was under half
-an ulp of the weight and was rounded away); both are counted as squared norms of signs
-(``sign(intended)``, and its product with ``sign(delta)``: the number of non-zero elements,
-exact in float32 below 2^24 elements per view). The squared norm of ``delta`` is accumulated
-in float32 per view of at most :data:`BATCH` elements (relative error about 1e-7, against the
+neighbouring values of one dtype: Sterbenz); the squared norm of ``delta`` is accumulated in
+float32 per view of at most :data:`BATCH` elements (relative error about 1e-7, against the
 1e-4 the update is held to) and summed over views in float64; an element of the update above
 about 1e19 or below 1e-19 in magnitude would overflow or vanish in its float32 square (weights
 of ordinary training are far inside).
+
+**Stalled elements** are counted for bf16/fp16 weights (:func:`narrow_figures`): an element
+is *moving* when its intended change ``u + c * p_old`` is not 0 and *stalled* when it is
+moving and ``delta == 0`` (the change was under half an ulp of the weight and was rounded
+away); both are counted as squared norms of signs (``sign(intended)``, and its product with
+``sign(delta)``: the number of non-zero elements, exact in float32 below 2^24 elements per
+view). float32/float64 weights take the short path (:func:`wide_figures`): no intended update
+is kept and nothing is counted; every element of a stepped view counts as moving and none as
+stalled, so their stalled fraction reads 0.0 (documented: a float32 weight stalls only where
+its update is below 2^-24 of it, which this does not see).
 
 Why not the alternatives. ``||p_new - p_old||^2 = ||p_new||^2 + ||p_old||^2 - 2<p_new, p_old>``
 from norms alone cancels catastrophically: an update of relative size 1e-4 leaves 1e-8 of the
@@ -54,11 +59,15 @@ which is how a skipped step is seen. The first collect has no previous one (mark
 update figures are None). No host read anywhere: learning rates, step counts and ``found_inf``
 stay tensors; the per-group sums are device ops.
 
-Cost: per parameter group of the optimizer and batch of at most :data:`BATCH` elements, about
-fifteen foreach ops in the parameters' dtype (a constant number however many tensors a batch
-holds), and per collect one float32 norm per view of :data:`WEIGHT_ROWS` weights (their
-squares summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
-float64 figures per parameter *tensor*; temporaries: three of a batch's size in its dtype.
+Cost, float32/float64 weights (one batch per optimizer parameter group, device and dtype,
+at most :data:`BATCH` elements): Adam/AdamW five foreach passes over the batch (``sqrt(v)``,
+``+ e``, one ``addcdiv`` giving ``p_mid``, one ``addcdiv`` giving ``delta``, its norm), SGD
+five to seven; about a dozen ops on vectors of one element per view (the bias corrections);
+no Python loop over elements, one over the parameters to gather their state. bf16/fp16
+weights: about fifteen foreach ops per batch (the signs). Per collect, one float32 norm per
+view of :data:`WEIGHT_ROWS` weights (their squares summed in float64: the weight norm's
+relative error is about 1e-7). Persistent memory: three float64 figures per parameter
+*tensor*; temporaries: at most three of a batch's size in its dtype, freed by the step.
 """
 
 from __future__ import annotations
@@ -75,16 +84,18 @@ from gradwatch.norms.rows import host_to_device
 
 log = logging.getLogger("gradwatch")
 
-#: Elements of one batch of the hook's foreach ops: bounds its temporaries (three of this
-#: size, in the parameters' dtype: 3 MiB for float32).
-BATCH = 1 << 18
+#: Elements of one batch of the hook's foreach ops: bounds its temporaries (at most three of
+#: this size, in the parameters' dtype: 12 MiB for float32), and is large enough that a small
+#: model is one batch (each batch costs a dozen small ops besides its passes).
+BATCH = 1 << 20
 
 Scalar = float | Tensor
 
 
 def _local(t: Tensor) -> Tensor:
-    """This rank's part of a DTensor (the tensor itself otherwise), detached: no copy."""
-    return getattr(t, "_local_tensor", t).detach()
+    """This rank's part of a DTensor (the tensor itself otherwise): no copy, no dispatched op
+    (the callers run under ``torch.no_grad``, so nothing they compute records a graph)."""
+    return getattr(t, "_local_tensor", t)
 
 
 #: Elements per float32-accumulated norm of the weights (their squares summed in float64).
@@ -92,9 +103,9 @@ WEIGHT_ROWS = 1 << 16
 
 
 def _views(t: Tensor, size: int = BATCH) -> list[Tensor]:
-    """``t``'s elements as flat views of at most ``size`` (``t`` itself when it has no flat
-    view: not contiguous)."""
-    if not t.is_contiguous():
+    """``t``'s elements as flat views of at most ``size`` (``t`` itself when it holds at most
+    ``size`` elements, no op dispatched, or has no flat view: not contiguous)."""
+    if t.numel() <= size or not t.is_contiguous():
         return [t]
     return list(t.view(-1).split(size))
 
@@ -162,29 +173,65 @@ class _Batch:
         self.numel += param.numel()
 
 
-def _intended_adam(
+def _adam_scalars(
     b: _Batch, group: dict[str, Any], keep: Tensor | None
-) -> tuple[list[Tensor], Scalar]:
-    """Adam/AdamW: ``u = lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` with the bias
-    corrections of each parameter's step count after the step (``amsgrad``: the running max
-    of ``v``); L2 decay is inside ``m`` and ``v``, decoupled decay is ``c = lr * wd``."""
+) -> tuple[Tensor, Tensor, Scalar]:
+    """Adam/AdamW per view, as float64 vectors where the step counts live: ``s = lr / bc1 *
+    sqrt(bc2)`` (times ``1 - found_inf``) and ``e = eps * sqrt(bc2)``, so that the intended
+    step ``lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` is ``s * m / (sqrt(v) + e)`` (the
+    bias corrections of each parameter's step count after the step; ``amsgrad``: ``v`` is the
+    running max); and the decoupled decay ``c = lr * wd`` (0 without it: L2 decay is inside
+    ``m`` and ``v``). A handful of ops on vectors of one element per view."""
     beta1, beta2 = (_scalar(x) for x in group["betas"])
     lr = _scalar(group["lr"])
     steps = torch.stack(b.steps).to(torch.float64)  # where the optimizer keeps them
-    step_size = lr / (1 - torch.pow(beta1, steps))
-    if keep is not None:
-        step_size = step_size * keep
     bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, steps))
-    u = torch._foreach_sqrt(b.tensors["v"])
-    torch._foreach_div_(u, list(bc2_sqrt.unbind()))
-    torch._foreach_add_(u, float(group["eps"]))
-    torch._foreach_reciprocal_(u)
-    torch._foreach_mul_(u, b.tensors["m"])
-    torch._foreach_mul_(u, list(step_size.unbind()))
+    s = lr * bc2_sqrt / (1 - torch.pow(beta1, steps))
+    if keep is not None:
+        s = s * keep
     wd = float(group["weight_decay"])
     c: Scalar = 0.0
     if group.get("decoupled_weight_decay", False) and wd != 0.0:
         c = lr * wd if keep is None else lr * wd * keep
+    return s, bc2_sqrt * float(group["eps"]), c
+
+
+def _adam_denominators(b: _Batch, e: Tensor) -> list[Tensor]:
+    """``sqrt(v) + e`` per view: the batch's one new temporary list, two passes."""
+    d = list(torch._foreach_sqrt(b.tensors["v"]))
+    torch._foreach_add_(d, list(e.to(d[0].dtype).unbind()))  # one cast, not one per view
+    return d
+
+
+def _intended_adam(
+    b: _Batch, group: dict[str, Any], keep: Tensor | None
+) -> tuple[list[Tensor], Scalar]:
+    """Adam/AdamW's intended step ``u = s * m / (sqrt(v) + e)`` (:func:`_adam_scalars`) and
+    the decay ``c``: five passes, in place on one temporary."""
+    s, e, c = _adam_scalars(b, group, keep)
+    u = _adam_denominators(b, e)
+    torch._foreach_reciprocal_(u)
+    torch._foreach_mul_(u, b.tensors["m"])
+    torch._foreach_mul_(u, list(s.unbind()))
+    return u, c
+
+
+def _before_decay_adam(
+    b: _Batch, group: dict[str, Any], keep: Tensor | None
+) -> tuple[list[Tensor], Scalar]:
+    """``rnd(p_new + u)`` for Adam/AdamW (the weights before the step's ``addcdiv``, after
+    its decay) and the decay ``c``: three passes. With the per-view factors ``s`` in host
+    memory (the optimizer keeps step counts on the CPU unless it is fused or capturable) one
+    ``_foreach_addcdiv`` reads them there as its scalars (no copy to or from a device);
+    otherwise a division, a multiplication and an addition."""
+    s, e, c = _adam_scalars(b, group, keep)
+    d = _adam_denominators(b, e)
+    if s.device.type == "cpu":
+        return list(torch._foreach_addcdiv(b.params, b.tensors["m"], d, s)), c
+    u = list(torch._foreach_div(b.tensors["m"], d))
+    del d
+    torch._foreach_mul_(u, list(s.unbind()))
+    torch._foreach_add_(u, b.params)
     return u, c
 
 
@@ -221,15 +268,49 @@ def _times(tensors: list[Tensor], factor: Scalar, copy: bool) -> list[Tensor]:
     return tensors
 
 
-def batch_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
-    """``[||delta||^2, stalled, moving]`` per view (``3 x views`` float64) from the intended
-    update ``u`` (consumed) and the decay ``c`` (see the module docstring). The decay's
-    inversion rounds twice, as Adam's step does; SGD's step rounds ``p - lr (g + wd p)`` once,
-    so there a tie can leave one more element one ulp off."""
+#: Weight dtypes whose stalled elements are counted (:func:`narrow_figures`); the others
+#: (float32, float64) take :func:`wide_figures`.
+NARROW = (torch.bfloat16, torch.float16)
+
+
+def _undo_decay(mid: list[Tensor], c: Scalar) -> None:
+    """``p_old = rnd(p_mid / (1 - c))`` in place (nothing when ``c`` is the float 0)."""
+    if isinstance(c, float) and c == 0.0:
+        return
+    keep = 1 - c
+    torch._foreach_div_(mid, keep if isinstance(keep, float) else [keep] * len(mid))
+
+
+def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, counts: Tensor) -> Tensor:
+    """``[||delta||^2, 0, numel]`` per view (``3 x views`` float64) for float32/float64
+    weights, from ``mid = rnd(p_new + u)`` (see the module docstring): two passes, the
+    applied update then its norm. With a float decay ``c`` the update is one
+    ``addcdiv(p_new, mid, 1 - c, value=-1) = p_new - rnd(mid / (1 - c))``: the kernel rounds
+    the quotient to the dtype (``p_old``, as a division alone would) before adding, and
+    ``p_new - p_old`` is then exact (Sterbenz); a tensor decay (a tensor learning rate, a
+    fused step's ``found_inf``) divides in place first, then subtracts (three passes).
+    Stalled elements are not counted in these dtypes: every element of a stepped view counts
+    as moving and none as stalled (``counts``: the views' sizes, on the figures' device)."""
+    if isinstance(c, float) and c != 0.0:
+        first = b.params[0]
+        keep = torch.full((), 1 - c, dtype=first.dtype, device=first.device)
+        delta = list(torch._foreach_addcdiv(b.params, mid, [keep] * len(mid), value=-1.0))
+    else:
+        _undo_decay(mid, c)
+        torch._foreach_sub_(mid, b.params)  # p_old - p_new = -delta, exact (Sterbenz)
+        delta = mid
+    squares = _norms(delta).square()
+    return torch.stack([squares, torch.zeros_like(squares), counts.to(squares.device)])
+
+
+def narrow_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
+    """``[||delta||^2, stalled, moving]`` per view (``3 x views`` float64) for bf16/fp16
+    weights from the intended update ``u`` (consumed) and the decay ``c`` (see the module
+    docstring). The decay's inversion rounds twice, as Adam's step does; SGD's step rounds
+    ``p - lr (g + wd p)`` once, so there a tie can leave one more element one ulp off."""
     old = torch._foreach_add(b.params, u)  # rnd(p_new + u)
     if not (isinstance(c, float) and c == 0.0):
-        keep = 1 - c
-        torch._foreach_div_(old, keep if isinstance(keep, float) else [keep] * len(old))
+        _undo_decay(old, c)
         torch._foreach_add_(u, _times(old, c, copy=True))  # the intended change u + c p_old
     torch._foreach_sub_(old, b.params)  # -delta
     squares = _norms(old).square()
@@ -321,8 +402,8 @@ def _fragment_batches(
         if batch is None or (batch.numel and batch.numel + numel > BATCH):
             batch = open_[id(flat)] = _Batch()
             out.append((group, batch))
-        batch.add(position, flat.detach().narrow(0, start, numel),
-                  {k: t.detach().narrow(0, start, numel) for k, t in reads.items()}, step)
+        batch.add(position, flat.narrow(0, start, numel),
+                  {k: t.narrow(0, start, numel) for k, t in reads.items()}, step)
     return out
 
 
@@ -375,6 +456,10 @@ class UpdateMeter:
         self._unmeasured = False  # a step this module cannot invert touched a parameter
         self._warned: set[str] = set()
         self._indices: dict[tuple[int, ...], Tensor] = {}
+        self._counts: dict[tuple[int, ...], Tensor] = {}
+        self._weight_key: tuple[tuple[int, int], ...] | None = None
+        self._weight_views: list[Tensor] = []
+        self._weight_owners: tuple[int, ...] = ()
         self._handle = register_optimizer_step_post_hook(self._hook)
 
     def close(self) -> None:
@@ -416,19 +501,44 @@ class UpdateMeter:
                        "torch.optim SGD, Adam, AdamW); update figures are unmeasured",
                        type(optimizer).__name__)
             return
-        for group, batch in _batches(kind, optimizer, held) + _fragment_batches(
-            kind, optimizer, parts
-        ):
-            dev = batch.params[0].device
-            keep = _keep(optimizer, dev)
+        with torch.no_grad():
+            for group, batch in _batches(kind, optimizer, held) + _fragment_batches(
+                kind, optimizer, parts
+            ):
+                figures = self._batch_figures(kind, optimizer, group, batch)
+                owners = self._index_of(tuple(batch.owners))
+                self._updates.index_fill_(1, owners, 0.0)
+                self._updates.index_add_(1, owners, figures.to(self._device))
+
+    def _batch_figures(self, kind: str, optimizer: Any, group: dict[str, Any],
+                       batch: _Batch) -> Tensor:
+        """One batch's ``3 x views`` figures: :func:`wide_figures` from the weights before
+        the decay for float32/float64 weights, :func:`narrow_figures` from the intended
+        update for bf16/fp16."""
+        keep = _keep(optimizer, batch.params[0].device)
+        if batch.params[0].dtype not in NARROW:
+            counts = self._counts_of(tuple(v.numel() for v in batch.params))
             if kind == _Kind.ADAM:
-                u, c = _intended_adam(batch, group, keep)
+                mid, c = _before_decay_adam(batch, group, keep)
             else:
-                u, c = _intended_sgd(batch, group, optimizer, keep)
-            figures = batch_figures(batch, u, c).to(self._device)
-            owners = self._index_of(tuple(batch.owners))
-            self._updates.index_fill_(1, owners, 0.0)
-            self._updates.index_add_(1, owners, figures)
+                mid, c = _intended_sgd(batch, group, optimizer, keep)
+                torch._foreach_add_(mid, batch.params)
+            return wide_figures(batch, mid, c, counts)
+        if kind == _Kind.ADAM:
+            u, c = _intended_adam(batch, group, keep)
+        else:
+            u, c = _intended_sgd(batch, group, optimizer, keep)
+        return narrow_figures(batch, u, c)
+
+    def _counts_of(self, sizes: tuple[int, ...]) -> Tensor:
+        """The views' sizes as a float64 vector on the meter's device, built once per
+        pattern."""
+        counts = self._counts.get(sizes)
+        if counts is None:
+            if len(self._counts) >= 16:
+                self._counts.pop(next(iter(self._counts)))
+            counts = self._counts[sizes] = host_to_device(sizes, torch.float64, self._device)
+        return counts
 
     def _index_of(self, positions: tuple[int, ...]) -> Tensor:
         """The positions as a device index, built once per pattern (one non-blocking copy)."""
@@ -462,17 +572,25 @@ class UpdateMeter:
     def _weight_squares(self) -> Tensor:
         """Each local piece's squared norm: float32 norms of views of at most
         :data:`WEIGHT_ROWS` elements (relative error about 1e-7 each), squared and summed per
-        piece in float64. A constant number of ops, no host read."""
-        views: list[Tensor] = []
-        owners: list[int] = []
-        for i, p in enumerate(self._params):
-            parts = [v for v in _views(_local(p), WEIGHT_ROWS) if v.numel()]
-            views += parts
-            owners += [i] * len(parts)
+        piece in float64: one norm pass over the weights, a constant number of ops, no host
+        read. The views are kept while every piece's storage and size stay (a parameter
+        whose data was replaced gets new views)."""
+        locals_ = [_local(p) for p in self._params]
+        key = tuple((t.data_ptr(), t.numel()) for t in locals_)
+        if key != self._weight_key:
+            views: list[Tensor] = []
+            owners: list[int] = []
+            for i, t in enumerate(locals_):
+                parts = [v for v in _views(t.detach(), WEIGHT_ROWS) if v.numel()]
+                views += parts
+                owners += [i] * len(parts)
+            self._weight_views, self._weight_owners = views, tuple(owners)
+            self._weight_key = key
         out = torch.zeros(len(self._params), dtype=torch.float64, device=self._device)
-        if views:
-            squares = _norms(views).square().to(self._device)
-            out.index_add_(0, self._index_of(tuple(owners)), squares)
+        if self._weight_views:
+            with torch.no_grad():
+                squares = _norms(self._weight_views).square().to(self._device)
+            out.index_add_(0, self._index_of(self._weight_owners), squares)
         return out
 
     def _warn(self, key: str, message: str, *args: Any) -> None:

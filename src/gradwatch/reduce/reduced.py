@@ -96,8 +96,9 @@ class ReducedStats:
             rank_view=RankView.from_section(values[at.rank_view], layout),
             ranks=layout.world_size if ranks is None else ranks,
             updates=values[at.updates] if layout.update_groups else None,
+            # a vector that was not all-reduced carries no timing (it rides on all-reduces)
             rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
-            if layout.rank_timing else None,
+            if layout.rank_timing and ranks != 1 else None,
         )
 
     @property
@@ -231,8 +232,9 @@ class ReducedVector:
         """A 0-dim bool on the device: some rank stood in for this collect (its step slot is
         NaN or ``-inf``, see :meth:`~gradwatch.reduce.packing.Reducer.reduce_failed`) or the
         ranks collected different steps (:func:`~gradwatch.reduce.steps.steps_differ`): the
-        vector holds no measurement, and every rank reading it knows so without a host read."""
-        return ~torch.isfinite(self.device_step())
+        vector holds no measurement, and every rank reading it knows so without a host read.
+        The step slot is finite, NaN or ``-inf`` (never ``+inf``): two ops, not ``isfinite``'s."""
+        return torch.logical_not(self.device_step() > -math.inf)
 
     def device_step(self) -> Tensor:
         """The reduced step slot on the device, NaN where the ranks' steps differ

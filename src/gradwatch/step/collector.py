@@ -440,7 +440,7 @@ class Collector(StepActions):
             sq, has_grad, step, with_replicas=measure, rank_local=local,
             device_collective=max_norm is not None or guard is not None,
             updates=update_section(r, measure),
-            work_seconds=r.timer.take() if r.timer is not None else None,
+            work=r.timer.lap() if r.timer is not None else None,
         )
         acting = Acting(guard, self.history, self.incidents is not None)
         acted = acting.act(reduced, max_norm, grads, plan)
@@ -594,7 +594,7 @@ class Acting:
         guard, decision = self.guard, None
         if guard is not None:
             decision = guard.decide(reduced) if adaptive is None else guard.decide(
-                reduced, adaptive.score
+                reduced, adaptive.score, adaptive.finite
             )
         return Acted(total, norm, adaptive, decision)
 

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -164,3 +165,86 @@ def test_plot_with_configured_bands_and_a_bad_band(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr and not (tmp_path / "x.png").exists()
 
 
+
+
+def update_records() -> list[dict[str, Any]]:
+    """Histories written with update_stats: the first collect has no update (None), step 4
+    read a measured 0 (a skipped step), group ``b`` stalls (bf16-like) and its ratio is
+    undefined (NaN) at step 6; the records go through the history file's encoding."""
+    import json
+
+    from gradwatch.export.history import decode_record, encode_record
+
+    out = []
+    for i in range(8):
+        update = None if i == 0 else (0.0 if i == 4 else 0.01 * (i + 1))
+        stalled_b = None if update is None else 0.5 + 0.05 * i
+        ratio_b = None if update is None else (math.nan if i == 6 else 0.002 * i)
+        snap = Snapshot(
+            step=i, global_norm=1.0,
+            groups={
+                "a": GroupStats(norm=1.0, numel=10, tensors=1, weight_norm=3.0,
+                                update_norm=update, update_ratio=None if update is None
+                                else update / 3.0, stalled_fraction=None if update is None
+                                else 0.0),
+                "b": GroupStats(norm=1.0, numel=10, tensors=1, weight_norm=4.0,
+                                update_norm=update, update_ratio=ratio_b,
+                                stalled_fraction=stalled_b),
+            },
+            weight_norm=5.0 + i, update_norm=update,
+            update_ratio=None if update is None else update / (5.0 + i),
+            stalled_fraction=None if update is None else 0.25,
+        )  # fmt: skip
+        out.append(decode_record(json.loads(json.dumps(encode_record(snap.to_dict())))))
+    return out
+
+
+def lines_of(ax: Any) -> dict[str, list[float]]:
+    return {line.get_label(): [float(v) for v in line.get_ydata()] for line in ax.get_lines()
+            if not line.get_label().startswith("_")}  # fmt: skip
+
+
+def test_plot_draws_the_update_figures(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from gradwatch.cli.plot import PANELS, draw_history, render_history
+
+    records = update_records()
+    fig, summary = draw_history(records, width=8, height=9, dpi=40)
+    assert summary.panels == ("norms", "ratios", "weights", "updates", "health")
+    assert set(PANELS) >= set(summary.panels)
+    weights, updates = fig.axes[2], fig.axes[3]
+    assert weights.get_ylabel() == "weights, update" and weights.get_yscale() == "log"
+    drawn = lines_of(weights)
+    assert drawn["weight norm"] == [5.0 + i for i in range(8)]
+    update = drawn["update norm"]
+    assert math.isnan(update[0]) and math.isnan(update[4])  # None: a gap; 0: not on a log axis
+    assert update[1:4] == pytest.approx([0.02, 0.03, 0.04])
+    marked = next(line for line in weights.get_lines() if line.get_label() == "no update (1)")
+    assert [float(x) for x in marked.get_xdata()] == [4.0]  # the measured 0 is marked
+    ratios = lines_of(updates)
+    assert set(ratios) == {"ratio model", "ratio a", "ratio b"}
+    assert ratios["ratio model"][2] == pytest.approx(0.03 / 7.0)
+    assert math.isnan(ratios["ratio b"][6]) and math.isnan(ratios["ratio b"][0])
+    stalled_axis = [ax for ax in fig.axes if ax.get_ylabel() == "stalled fraction"]
+    assert len(stalled_axis) == 1
+    stalled = lines_of(stalled_axis[0])
+    assert stalled["stalled b"][3] == pytest.approx(0.65)
+    assert stalled["stalled a"][3] == 0.0 and stalled["stalled model"][5] == 0.25
+    out = render_history(records, tmp_path / "u.png", width=8, height=9, dpi=40)
+    assert out.panels == summary.panels and png_size(tmp_path / "u.png") == (320, 360)
+
+
+def test_plot_without_update_figures_draws_no_update_panel() -> None:
+    pytest.importorskip("matplotlib")
+    from gradwatch.cli.plot import draw_history
+    from gradwatch.cli.plot_updates import update_series
+
+    records = update_records()
+    for r in records:
+        for key in ("weight_norm", "update_norm", "update_ratio", "stalled_fraction"):
+            r[key] = None
+            for stats in r["groups"].values():
+                stats[key] = "0.5" if key == "weight_norm" else None  # not a figure: skipped
+    assert update_series(records) is None
+    assert draw_history(records, width=6, height=4, dpi=40)[1].panels == (
+        "norms", "ratios", "health")

@@ -333,3 +333,30 @@ def test_mixed_dtype_weights_are_exact() -> None:
             assert stats.weight_norm == pytest.approx(refs[k][g][0], rel=WEIGHT_TOL), g
             if k:
                 assert stats.update_norm == pytest.approx(refs[k - 1][g][1], rel=tolerance[g]), g
+
+
+def test_every_n_steps_publishes_the_last_optimizer_steps_update() -> None:
+    """With ``every_n_steps=2`` a collect's update figures are those of the last optimizer
+    step before it (theta_t - theta_{t-1}), not the update summed since the previous collect:
+    documented, and held against copies of both."""
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    snaps: dict[int, Any] = {}
+    befores, afters = [], []
+    with GradWatch(m, WatchConfig(update_stats=True, every_n_steps=2)) as watch:
+        for step in range(5):
+            m(torch.randn(8, 32)).pow(2).mean().backward()
+            watch.collect(step)
+            if step % 2 == 0:
+                snaps[step] = watch.last
+            befores.append(copies(m))
+            opt.step()
+            opt.zero_grad()
+            afters.append(copies(m))
+    for step in (2, 4):
+        last = norm_of([afters[step - 1][n] - befores[step - 1][n] for n in afters[0]])
+        since_collect = norm_of([afters[step - 1][n] - befores[step - 2][n] for n in afters[0]])
+        assert abs(since_collect - last) > 10 * UPDATE_TOL * last  # the two differ here
+        assert snaps[step].update_norm == pytest.approx(last, rel=UPDATE_TOL)
+        weight = norm_of(list(afters[step - 1].values()))
+        assert snaps[step].weight_norm == pytest.approx(weight, rel=WEIGHT_TOL)
