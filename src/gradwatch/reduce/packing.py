@@ -263,29 +263,17 @@ class Reducer:
         self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
         self._staged_step, self._staged_residue, self._staged_residue_sq = (
             self._staging[5 * n_local + k : 5 * n_local + k + 1] for k in range(3))
-        # On the CPU the step and its residues are written through a NumPy view of the same
-        # memory: three plain stores instead of three dispatched fill_ ops per collect.
-        self._host_tail = self._staging[5 * n_local : 5 * n_local + 3].numpy() if (
-            dev.type == "cpu") else None
+        self._host_tail = host_view(self._staging[5 * n_local : 5 * n_local + 3])
         # has-gradient patterns already on the device (which gradients are None changes rarely:
         # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
         self._has_grad_key: tuple[bool, ...] | None = None
         self._contributes = contrib.repeat(3).to(dev)
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
-        scatter = torch.cat(
-            [
-                to_global + at.squares.start,
-                to_global + at.squares_high.start,
-                to_global + at.squares_low.start,
-                to_global + at.nonfinite.start,
-                to_global + at.has_grad.start,
-                torch.tensor([at.step, at.residues.start, at.residues.start + 1]),
-            ]
-        )
-        gather = torch.full((lay.packed_length,), 5 * n_local + 3, dtype=torch.long)
-        gather[scatter] = torch.arange(len(scatter))
-        self._gather = gather.to(dev)
+        starts = (at.squares, at.squares_high, at.squares_low, at.nonfinite, at.has_grad)
+        scatter = torch.cat([*(to_global + part.start for part in starts),
+                             torch.tensor([at.step, at.residues.start, at.residues.start + 1])])
+        self._gather = gather_index(scatter, lay.packed_length, 5 * n_local + 3).to(dev)
         # Divergence steps: each replica slot's sum of this rank's pieces, in a fixed order
         # (index_add_ adds by atomics on CUDA: replicas with equal gradients could sum to
         # different bits), written by one index_copy_ (distinct slots).
@@ -428,3 +416,18 @@ class Reducer:
     def close(self, drain: bool = True) -> None:
         """Stop using gradwatch's process groups (see :meth:`Collective.close`)."""
         self.collective.close(drain)
+
+
+def gather_index(scatter: Tensor, length: int, zero_slot: int) -> Tensor:
+    """The index that reads a vector of ``length`` from a staging vector whose element ``k``
+    goes to position ``scatter[k]`` (distinct positions): every other position reads
+    ``zero_slot``, a staging element that always holds 0."""
+    gather = torch.full((length,), zero_slot, dtype=torch.long)
+    gather[scatter] = torch.arange(len(scatter))
+    return gather
+
+
+def host_view(t: Tensor) -> Any:
+    """A NumPy view of ``t``'s memory when it is on the CPU (None elsewhere): a few scalars
+    written per collect become plain stores instead of dispatched ``fill_`` ops."""
+    return t.numpy() if t.device.type == "cpu" else None
