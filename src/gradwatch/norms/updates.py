@@ -235,6 +235,15 @@ def _before_decay_adam(
     return u, c
 
 
+def _nonzero_rate(group: dict[str, Any], keep: Tensor | None) -> Scalar:
+    """1 when Adam's step factor ``s`` (:func:`_adam_scalars`) is non-zero, else 0: ``s`` is 0
+    exactly when the learning rate is or a fused step was skipped (``keep`` 0); a float, or a
+    0-dim tensor where the learning rate or ``keep`` lives (no host read)."""
+    lr = _scalar(group["lr"])
+    rate: Scalar = float(lr != 0.0) if isinstance(lr, float) else (lr != 0).to(torch.float64)
+    return rate if keep is None else rate * keep
+
+
 def _intended_sgd(
     b: _Batch, group: dict[str, Any], optimizer: Any, keep: Tensor | None
 ) -> tuple[list[Tensor], Scalar]:
@@ -281,26 +290,58 @@ def _undo_decay(mid: list[Tensor], c: Scalar) -> None:
     torch._foreach_div_(mid, keep if isinstance(keep, float) else [keep] * len(mid))
 
 
-def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, counts: Tensor) -> Tensor:
-    """``[||delta||^2, 0, numel]`` per view (``3 x views`` float64) for float32/float64
-    weights, from ``mid = rnd(p_new + u)`` (see the module docstring): two passes, the
-    applied update then its norm. With a float decay ``c`` the update is one
-    ``addcdiv(p_new, mid, 1 - c, value=-1) = p_new - rnd(mid / (1 - c))``: the kernel rounds
-    the quotient to the dtype (``p_old``, as a division alone would) before adding, and
-    ``p_new - p_old`` is then exact (Sterbenz); a tensor decay (a tensor learning rate, a
-    fused step's ``found_inf``) divides in place first, then subtracts (three passes).
-    Stalled elements are not counted in these dtypes: every element of a stepped view counts
-    as moving and none as stalled (``counts``: the views' sizes, on the figures' device)."""
+def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, counts: Tensor,
+                 marks: list[Tensor], meant: Scalar) -> Tensor:
+    """``[||delta||^2, stalled, moving]`` per view (``3 x views`` float64) for float32/float64
+    weights, from ``mid = rnd(p_new + u)`` (consumed; see the module docstring). ``counts``:
+    the views' sizes on the figures' device; ``marks``: per view, a tensor whose non-zero
+    elements are those the update ``u`` means to move (Adam's ``m``, SGD's ``u``); ``meant``:
+    1 when ``u`` is the marks times a non-zero factor, 0 when that factor is 0.
+
+    The applied update: with a float decay ``c`` one ``addcdiv(p_new, mid, 1 - c, value=-1) =
+    p_new - rnd(mid / (1 - c))`` (the kernel rounds the quotient to the dtype, ``p_old``, as a
+    division alone would, before adding; ``p_new - p_old`` is then exact: Sterbenz), and
+    ``mid`` stays ``p_mid``; a tensor decay divides in place first (``mid`` becomes
+    ``p_old``), then subtracts into a new list; no decay subtracts in place. Then its squared
+    norm, and counts of non-zero elements (``_foreach_norm`` of order 0: exact in float32
+    below 2^24 elements per view).
+
+    Stalled elements, counted without materialising the intended change ``u + c p_old``:
+    ``applied`` = non-zeros of ``delta``. Without decay, ``moving`` = non-zeros of the marks
+    times ``meant`` (in one norm call with ``applied``). With a decay, an element with a
+    non-zero weight before the step is moving (the decay meant to change it), and one with a
+    zero weight is moving exactly when the optimizer's own ``u`` was non-zero, i.e. when
+    ``p_new = rnd(-u)`` is non-zero, i.e. when ``delta`` is; so ``stalled`` = elements with
+    ``delta == 0`` and ``p_old != 0``, which are exactly the zeros of ``delta / mid`` (``mid``
+    is 0 exactly where ``p_old`` is, as ``rnd(p_old (1 - c))`` is never 0 for ``c < 1/2``;
+    ``0 / 0`` is NaN, a non-zero), and ``moving = stalled + applied``: one division and one
+    more norm call. A tensor decay that is 0 (a skipped fused step, a zero learning rate)
+    meant nothing to move: its stalled count is multiplied by ``c != 0``."""
     if isinstance(c, float) and c != 0.0:
         first = b.params[0]
         keep = torch.full((), 1 - c, dtype=first.dtype, device=first.device)
         delta = list(torch._foreach_addcdiv(b.params, mid, [keep] * len(mid), value=-1.0))
-    else:
-        _undo_decay(mid, c)
+    elif isinstance(c, float):
         torch._foreach_sub_(mid, b.params)  # p_old - p_new = -delta, exact (Sterbenz)
         delta = mid
+    else:
+        _undo_decay(mid, c)
+        delta = list(torch._foreach_sub(mid, b.params))  # -delta; mid stays p_old
     squares = _norms(delta).square()
-    return torch.stack([squares, torch.zeros_like(squares), counts.to(squares.device)])
+    views = len(delta)
+    if isinstance(c, float) and c == 0.0:
+        nonzero = _norms(delta + marks, norm_order=0)
+        applied, moving = nonzero[:views], nonzero[views:] * meant
+        stalled = moving - applied
+    else:
+        ratios = list(torch._foreach_div(delta, mid))  # 0 exactly where stalled
+        nonzero = _norms(delta + ratios, norm_order=0)
+        applied = nonzero[:views]
+        stalled = counts.to(applied.device) - nonzero[views:]
+        if not isinstance(c, float):
+            stalled = stalled * (c != 0)
+        moving = stalled + applied
+    return torch.stack([squares, stalled, moving])
 
 
 def narrow_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
@@ -322,11 +363,12 @@ def narrow_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
     return torch.stack([squares, moving - moved, moving])
 
 
-def _norms(tensors: list[Tensor]) -> Tensor:
-    """The L2 norm of each tensor, accumulated in float32 (bf16/fp16 widened by the op;
-    float64 in float64), as one float64 vector on the first tensor's device: one
-    ``_foreach_norm`` per (device, dtype). A norm of signs squares to the count of non-zero
-    elements, exactly below 2^24 elements per view (a view holds at most :data:`BATCH`)."""
+def _norms(tensors: list[Tensor], norm_order: int = 2) -> Tensor:
+    """The norm of each tensor (L2, or with ``norm_order=0`` the count of non-zero elements, NaN
+    counted), accumulated in float32 (bf16/fp16 widened by the op; float64 in float64), as
+    one float64 vector on the first tensor's device: one ``_foreach_norm`` per (device,
+    dtype). A norm of signs squares to the count of non-zero elements; either count is exact
+    below 2^24 elements per view (a contiguous view holds at most :data:`BATCH`)."""
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         buckets.setdefault((t.device, t.dtype), []).append(i)
@@ -335,7 +377,7 @@ def _norms(tensors: list[Tensor]) -> Tensor:
     order: list[int] = []
     for (_, dtype), idx in buckets.items():
         wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
-        norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=wide)
+        norms = torch._foreach_norm([tensors[i] for i in idx], norm_order, dtype=wide)
         parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
         order += idx
     if len(parts) == 1:
@@ -520,10 +562,11 @@ class UpdateMeter:
             counts = self._counts_of(tuple(v.numel() for v in batch.params))
             if kind == _Kind.ADAM:
                 mid, c = _before_decay_adam(batch, group, keep)
+                marks, meant = batch.tensors["m"], _nonzero_rate(group, keep)
             else:
-                mid, c = _intended_sgd(batch, group, optimizer, keep)
-                torch._foreach_add_(mid, batch.params)
-            return wide_figures(batch, mid, c, counts)
+                marks, c = _intended_sgd(batch, group, optimizer, keep)
+                mid, meant = list(torch._foreach_add(marks, batch.params)), 1.0
+            return wide_figures(batch, mid, c, counts, marks, meant)
         if kind == _Kind.ADAM:
             u, c = _intended_adam(batch, group, keep)
         else:
