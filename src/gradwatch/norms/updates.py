@@ -20,15 +20,25 @@ float32 per view of at most :data:`BATCH` elements (relative error about 1e-7, a
 about 1e19 or below 1e-19 in magnitude would overflow or vanish in its float32 square (weights
 of ordinary training are far inside).
 
-**Stalled elements** are counted for bf16/fp16 weights (:func:`narrow_figures`): an element
-is *moving* when its intended change ``u + c * p_old`` is not 0 and *stalled* when it is
-moving and ``delta == 0`` (the change was under half an ulp of the weight and was rounded
-away); both are counted as squared norms of signs (``sign(intended)``, and its product with
-``sign(delta)``: the number of non-zero elements, exact in float32 below 2^24 elements per
-view). float32/float64 weights take the short path (:func:`wide_figures`): no intended update
-is kept and nothing is counted; every element of a stepped view counts as moving and none as
-stalled, so their stalled fraction reads 0.0 (documented: a float32 weight stalls only where
-its update is below 2^-24 of it, which this does not see).
+**Stalled elements.** An element is *moving* when the step's intended change ``u + c * p_old``
+is not 0 and *stalled* when it is moving and ``delta == 0`` (the change was under half an ulp
+of the weight and was rounded away: Adam on an element whose gradient has long been 0, a tiny
+learning rate, a large weight). Every count is a ``_foreach_norm`` of a batch's views: of
+order 0 (the non-zero elements) or of signs, exact in float32 below 2^24 elements per view.
+bf16/fp16 weights (:func:`narrow_figures`) materialise the intended change in the dtype and
+count its signs. float32/float64 weights (:func:`wide_figures`) count without it, by exact
+equivalents: ``applied`` = the non-zero elements of ``delta``; without decay (``c`` the float
+0) the intended change is ``u``, non-zero exactly where Adam's ``m`` is (``u = s * m /
+(sqrt(v) + e)`` with ``e > 0``: the real quotient, so an update that underflows float32
+counts as moving and stalled) or SGD's ``u`` is, times ``s != 0`` (0 for a zero learning rate
+or a skipped fused step): ``moving`` = those non-zeros; with a decay ``c != 0`` an element
+with ``p_old != 0`` is moving (the decay meant to change it; an exact cancellation of ``u``
+and ``c * p_old`` counts as moving too), one with ``p_old == 0`` moves exactly when the
+optimizer's own ``u`` was non-zero, i.e. when ``p_new = rnd(-u)`` and so ``delta`` is: the
+stalled elements are those with ``delta == 0`` and ``p_old != 0``, the zeros of ``delta /
+p_mid`` (``p_mid = rnd(p_old (1 - c))`` is 0 exactly where ``p_old`` is; ``0 / 0`` is NaN,
+counted as non-zero), and ``moving = stalled + applied``. ``stalled = moving - applied``
+without decay, as every element with ``delta != 0`` had ``u != 0``.
 
 Why not the alternatives. ``||p_new - p_old||^2 = ||p_new||^2 + ||p_old||^2 - 2<p_new, p_old>``
 from norms alone cancels catastrophically: an update of relative size 1e-4 leaves 1e-8 of the
@@ -60,14 +70,17 @@ update figures are None). No host read anywhere: learning rates, step counts and
 stay tensors; the per-group sums are device ops.
 
 Cost, float32/float64 weights (one batch per optimizer parameter group, device and dtype,
-at most :data:`BATCH` elements): Adam/AdamW five foreach passes over the batch (``sqrt(v)``,
-``+ e``, one ``addcdiv`` giving ``p_mid``, one ``addcdiv`` giving ``delta``, its norm), SGD
-five to seven; about a dozen ops on vectors of one element per view (the bias corrections);
-no Python loop over elements, one over the parameters to gather their state. bf16/fp16
-weights: about fifteen foreach ops per batch (the signs). Per collect, one float32 norm per
-view of :data:`WEIGHT_ROWS` weights (their squares summed in float64: the weight norm's
-relative error is about 1e-7). Persistent memory: three float64 figures per parameter
-*tensor*; temporaries: at most three of a batch's size in its dtype, freed by the step.
+at most :data:`BATCH` elements): Adam/AdamW seven foreach passes over the batch without
+decoupled decay (``sqrt(v)``, ``+ e``, one ``addcdiv`` giving ``p_mid``, a subtraction giving
+``delta``, its norm, one order-0 norm call over ``delta`` and ``m``: two passes), eight with it
+(the second ``addcdiv`` gives ``delta``, then its norm, ``delta / p_mid``, one order-0 norm
+call over both: two passes); SGD six to nine; about 25 small ops on vectors of one element
+per view (the bias corrections, the counts); no Python loop over elements, one over the
+parameters to gather their state. bf16/fp16 weights: about fifteen foreach ops per batch (the
+signs). Per collect, one float32 norm per view of :data:`WEIGHT_ROWS` weights (their squares
+summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
+float64 figures per parameter *tensor*; temporaries: at most three of a batch's size in its
+dtype, freed by the step.
 """
 
 from __future__ import annotations
@@ -277,8 +290,8 @@ def _times(tensors: list[Tensor], factor: Scalar, copy: bool) -> list[Tensor]:
     return tensors
 
 
-#: Weight dtypes whose stalled elements are counted (:func:`narrow_figures`); the others
-#: (float32, float64) take :func:`wide_figures`.
+#: Weight dtypes whose figures come from the materialised intended change
+#: (:func:`narrow_figures`); the others (float32, float64) take :func:`wide_figures`.
 NARROW = (torch.bfloat16, torch.float16)
 
 
@@ -565,7 +578,12 @@ class UpdateMeter:
                 marks, meant = batch.tensors["m"], _nonzero_rate(group, keep)
             else:
                 marks, c = _intended_sgd(batch, group, optimizer, keep)
-                mid, meant = list(torch._foreach_add(marks, batch.params)), 1.0
+                meant = 1.0
+                if isinstance(c, float) and c == 0.0:  # u is counted: kept
+                    mid = list(torch._foreach_add(marks, batch.params))
+                else:  # in place (the decay's count needs no marks): three temporaries
+                    torch._foreach_add_(marks, batch.params)
+                    mid = marks
             return wide_figures(batch, mid, c, counts, marks, meant)
         if kind == _Kind.ADAM:
             u, c = _intended_adam(batch, group, keep)
