@@ -303,33 +303,34 @@ def _undo_decay(mid: list[Tensor], c: Scalar) -> None:
     torch._foreach_div_(mid, keep if isinstance(keep, float) else [keep] * len(mid))
 
 
-def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, counts: Tensor,
-                 marks: list[Tensor], meant: Scalar) -> Tensor:
+def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, marks: list[Tensor],
+                 meant: Scalar) -> Tensor:
     """``[||delta||^2, stalled, moving]`` per view (``3 x views`` float64) for float32/float64
-    weights, from ``mid = rnd(p_new + u)`` (consumed; see the module docstring). ``counts``:
-    the views' sizes on the figures' device; ``marks``: per view, a tensor whose non-zero
-    elements are those the update ``u`` means to move (Adam's ``m``, SGD's ``u``); ``meant``:
-    1 when ``u`` is the marks times a non-zero factor, 0 when that factor is 0.
+    weights, from ``mid = rnd(p_new + u)`` (consumed; see the module docstring). ``marks``:
+    per view, a tensor whose non-zero elements are those the update ``u`` means to move
+    (Adam's ``m``, SGD's ``u``); ``meant``: 1 when ``u`` is the marks times a non-zero
+    factor, 0 when that factor is 0.
 
     The applied update: with a float decay ``c`` one ``addcdiv(p_new, mid, 1 - c, value=-1) =
     p_new - rnd(mid / (1 - c))`` (the kernel rounds the quotient to the dtype, ``p_old``, as a
     division alone would, before adding; ``p_new - p_old`` is then exact: Sterbenz), and
     ``mid`` stays ``p_mid``; a tensor decay divides in place first (``mid`` becomes
     ``p_old``), then subtracts into a new list; no decay subtracts in place. Then its squared
-    norm, and counts of non-zero elements (``_foreach_norm`` of order 0: exact in float32
-    below 2^24 elements per view).
+    norm.
 
-    Stalled elements, counted without materialising the intended change ``u + c p_old``:
-    ``applied`` = non-zeros of ``delta``. Without decay, ``moving`` = non-zeros of the marks
-    times ``meant`` (in one norm call with ``applied``). With a decay, an element with a
-    non-zero weight before the step is moving (the decay meant to change it), and one with a
-    zero weight is moving exactly when the optimizer's own ``u`` was non-zero, i.e. when
-    ``p_new = rnd(-u)`` is non-zero, i.e. when ``delta`` is; so ``stalled`` = elements with
-    ``delta == 0`` and ``p_old != 0``, which are exactly the zeros of ``delta / mid`` (``mid``
-    is 0 exactly where ``p_old`` is, as ``rnd(p_old (1 - c))`` is never 0 for ``c < 1/2``;
-    ``0 / 0`` is NaN, a non-zero), and ``moving = stalled + applied``: one division and one
-    more norm call. A tensor decay that is 0 (a skipped fused step, a zero learning rate)
-    meant nothing to move: its stalled count is multiplied by ``c != 0``."""
+    Stalled elements, counted without materialising the intended change ``u + c p_old``, as
+    squared norms of signs (``_foreach_sign`` then ``_foreach_norm``: rounded, the count of
+    non-zero elements, exact below 2^22 elements per view; an order-0 norm counts the same but
+    runs several times slower on CPU): ``applied`` = non-zeros of ``delta``. Without decay,
+    ``moving`` = non-zeros of the marks times ``meant`` (one norm call with ``applied``) and
+    ``stalled = moving - applied`` (every element with ``delta != 0`` had ``u != 0``). With a
+    decay, an element with a non-zero weight before the step is moving (the decay meant to
+    change it), and one with a zero weight is moving exactly when the optimizer's own ``u`` was
+    non-zero, i.e. when ``p_new = rnd(-u)`` and so ``delta`` is; ``mid`` is 0 exactly where
+    ``p_old`` is (``rnd(p_old (1 - c))`` is never 0 for ``c < 1/2``), so ``stalled`` =
+    non-zeros of ``mid`` minus those of ``sign(mid) * sign(delta)`` and ``moving = stalled +
+    applied``. A tensor decay that is 0 (a skipped fused step, a zero learning rate) meant
+    nothing to move: its stalled count is multiplied by ``c != 0``."""
     if isinstance(c, float) and c != 0.0:
         first = b.params[0]
         keep = torch.full((), 1 - c, dtype=first.dtype, device=first.device)
@@ -342,15 +343,17 @@ def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, counts: Tensor,
         delta = list(torch._foreach_sub(mid, b.params))  # -delta; mid stays p_old
     squares = _norms(delta).square()
     views = len(delta)
+    torch._foreach_sign_(delta)
     if isinstance(c, float) and c == 0.0:
-        nonzero = _norms(delta + marks, norm_order=0)
+        nonzero = _norms(delta + list(torch._foreach_sign(marks))).square().round()
         applied, moving = nonzero[:views], nonzero[views:] * meant
         stalled = moving - applied
     else:
-        ratios = list(torch._foreach_div(delta, mid))  # 0 exactly where stalled
-        nonzero = _norms(delta + ratios, norm_order=0)
+        torch._foreach_sign_(mid)
+        nonzero = _norms(delta + mid).square().round()
         applied = nonzero[:views]
-        stalled = counts.to(applied.device) - nonzero[views:]
+        torch._foreach_mul_(mid, delta)  # +-1 where the weight was non-zero and moved
+        stalled = nonzero[views:] - _norms(mid).square().round()
         if not isinstance(c, float):
             stalled = stalled * (c != 0)
         moving = stalled + applied
@@ -511,7 +514,6 @@ class UpdateMeter:
         self._unmeasured = False  # a step this module cannot invert touched a parameter
         self._warned: set[str] = set()
         self._indices: dict[tuple[int, ...], Tensor] = {}
-        self._counts: dict[tuple[int, ...], Tensor] = {}
         self._weight_key: tuple[tuple[int, int], ...] | None = None
         self._weight_views: list[Tensor] = []
         self._weight_owners: tuple[int, ...] = ()
@@ -572,7 +574,6 @@ class UpdateMeter:
         update for bf16/fp16."""
         keep = _keep(optimizer, batch.params[0].device)
         if batch.params[0].dtype not in NARROW:
-            counts = self._counts_of(tuple(v.numel() for v in batch.params))
             if kind == _Kind.ADAM:
                 mid, c = _before_decay_adam(batch, group, keep)
                 marks, meant = batch.tensors["m"], _nonzero_rate(group, keep)
@@ -584,22 +585,12 @@ class UpdateMeter:
                 else:  # in place (the decay's count needs no marks): three temporaries
                     torch._foreach_add_(marks, batch.params)
                     mid = marks
-            return wide_figures(batch, mid, c, counts, marks, meant)
+            return wide_figures(batch, mid, c, marks, meant)
         if kind == _Kind.ADAM:
             u, c = _intended_adam(batch, group, keep)
         else:
             u, c = _intended_sgd(batch, group, optimizer, keep)
         return narrow_figures(batch, u, c)
-
-    def _counts_of(self, sizes: tuple[int, ...]) -> Tensor:
-        """The views' sizes as a float64 vector on the meter's device, built once per
-        pattern."""
-        counts = self._counts.get(sizes)
-        if counts is None:
-            if len(self._counts) >= 16:
-                self._counts.pop(next(iter(self._counts)))
-            counts = self._counts[sizes] = host_to_device(sizes, torch.float64, self._device)
-        return counts
 
     def _index_of(self, positions: tuple[int, ...]) -> Tensor:
         """The positions as a device index, built once per pattern (one non-blocking copy)."""
