@@ -23,8 +23,11 @@ of ordinary training are far inside).
 **Stalled elements.** An element is *moving* when the step's intended change ``u + c * p_old``
 is not 0 and *stalled* when it is moving and ``delta == 0`` (the change was under half an ulp
 of the weight and was rounded away: Adam on an element whose gradient has long been 0, a tiny
-learning rate, a large weight). Every count is a ``_foreach_norm`` of a batch's views: of
-order 0 (the non-zero elements) or of signs, exact in float32 below 2^24 elements per view.
+learning rate, a large weight). Every count is the squared ``_foreach_norm`` of signs
+(``-1, 0, 1``) over a batch's views, rounded: the number of non-zero elements, exact below
+2^22 elements per view (a contiguous view holds at most :data:`BATCH`). An order-0 norm
+counts the same but leaves the multi-tensor kernel on CUDA (it has L1, L2 and inf only: one
+kernel per view) and runs several times slower than ``sign`` plus an L2 norm on CPU.
 bf16/fp16 weights (:func:`narrow_figures`) materialise the intended change in the dtype and
 count its signs. float32/float64 weights (:func:`wide_figures`) count without it, by exact
 equivalents: ``applied`` = the non-zero elements of ``delta``; without decay (``c`` the float
@@ -35,9 +38,9 @@ or a skipped fused step): ``moving`` = those non-zeros; with a decay ``c != 0`` 
 with ``p_old != 0`` is moving (the decay meant to change it; an exact cancellation of ``u``
 and ``c * p_old`` counts as moving too), one with ``p_old == 0`` moves exactly when the
 optimizer's own ``u`` was non-zero, i.e. when ``p_new = rnd(-u)`` and so ``delta`` is: the
-stalled elements are those with ``delta == 0`` and ``p_old != 0``, the zeros of ``delta /
-p_mid`` (``p_mid = rnd(p_old (1 - c))`` is 0 exactly where ``p_old`` is; ``0 / 0`` is NaN,
-counted as non-zero), and ``moving = stalled + applied``. ``stalled = moving - applied``
+stalled elements are those with ``delta == 0`` and ``p_old != 0``: the non-zeros of
+``p_mid`` (``rnd(p_old (1 - c))``, 0 exactly where ``p_old`` is) minus those of ``sign(p_mid)
+* sign(delta)``, and ``moving = stalled + applied``. ``stalled = moving - applied``
 without decay, as every element with ``delta != 0`` had ``u != 0``.
 
 Why not the alternatives. ``||p_new - p_old||^2 = ||p_new||^2 + ||p_old||^2 - 2<p_new, p_old>``
@@ -70,12 +73,13 @@ update figures are None). No host read anywhere: learning rates, step counts and
 stay tensors; the per-group sums are device ops.
 
 Cost, float32/float64 weights (one batch per optimizer parameter group, device and dtype,
-at most :data:`BATCH` elements): Adam/AdamW seven foreach passes over the batch without
-decoupled decay (``sqrt(v)``, ``+ e``, one ``addcdiv`` giving ``p_mid``, a subtraction giving
-``delta``, its norm, one order-0 norm call over ``delta`` and ``m``: two passes), eight with it
-(the second ``addcdiv`` gives ``delta``, then its norm, ``delta / p_mid``, one order-0 norm
-call over both: two passes); SGD six to nine; about 25 small ops on vectors of one element
-per view (the bias corrections, the counts); no Python loop over elements, one over the
+at most :data:`BATCH` elements): Adam/AdamW without decoupled decay nine foreach passes over
+the batch (``sqrt(v)``, ``+ e``, one ``addcdiv`` giving ``p_mid``, a subtraction giving
+``delta``, its norm; then ``sign`` of ``delta`` in place and of ``m``, one norm call over
+both), eleven with it (the second ``addcdiv`` gives ``delta``; its norm, ``sign`` of
+``delta`` and ``p_mid`` in place, one norm call over both, their product in place, its norm);
+SGD eight to eleven; about 30 small ops on vectors of one element per view (the bias
+corrections, the counts); no Python loop over elements, one over the
 parameters to gather their state. bf16/fp16 weights: about fifteen foreach ops per batch (the
 signs). Per collect, one float32 norm per view of :data:`WEIGHT_ROWS` weights (their squares
 summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
@@ -320,8 +324,8 @@ def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, marks: list[Tensor],
 
     Stalled elements, counted without materialising the intended change ``u + c p_old``, as
     squared norms of signs (``_foreach_sign`` then ``_foreach_norm``: rounded, the count of
-    non-zero elements, exact below 2^22 elements per view; an order-0 norm counts the same but
-    runs several times slower on CPU): ``applied`` = non-zeros of ``delta``. Without decay,
+    non-zero elements, exact below 2^22 elements per view; see the module docstring for why
+    not an order-0 norm): ``applied`` = non-zeros of ``delta``. Without decay,
     ``moving`` = non-zeros of the marks times ``meant`` (one norm call with ``applied``) and
     ``stalled = moving - applied`` (every element with ``delta != 0`` had ``u != 0``). With a
     decay, an element with a non-zero weight before the step is moving (the decay meant to
@@ -379,12 +383,13 @@ def narrow_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
     return torch.stack([squares, moving - moved, moving])
 
 
-def _norms(tensors: list[Tensor], norm_order: int = 2) -> Tensor:
-    """The norm of each tensor (L2, or with ``norm_order=0`` the count of non-zero elements, NaN
-    counted), accumulated in float32 (bf16/fp16 widened by the op; float64 in float64), as
-    one float64 vector on the first tensor's device: one ``_foreach_norm`` per (device,
-    dtype). A norm of signs squares to the count of non-zero elements; either count is exact
-    below 2^24 elements per view (a contiguous view holds at most :data:`BATCH`)."""
+def _norms(tensors: list[Tensor]) -> Tensor:
+    """The L2 norm of each tensor, accumulated in float32 (bf16/fp16 widened by the op;
+    float64 in float64), as one float64 vector on the first tensor's device: one
+    ``_foreach_norm`` per (device, dtype). A norm of signs, squared and rounded, is the count
+    of non-zero elements: exact below 2^22 elements per view (the float32 square root's
+    relative error, 6e-8, doubled by the square, stays under half a unit; a contiguous view
+    holds at most :data:`BATCH`)."""
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         buckets.setdefault((t.device, t.dtype), []).append(i)
@@ -393,7 +398,7 @@ def _norms(tensors: list[Tensor], norm_order: int = 2) -> Tensor:
     order: list[int] = []
     for (_, dtype), idx in buckets.items():
         wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
-        norms = torch._foreach_norm([tensors[i] for i in idx], norm_order, dtype=wide)
+        norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=wide)
         parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
         order += idx
     if len(parts) == 1:
