@@ -202,10 +202,8 @@ class Snapshot:
         update_ratio: ``update_norm / weight_norm``; NaN when the weight norm is 0 or
             non-finite; None when ``update_norm`` is.
         stalled_fraction: of the elements whose intended update was non-zero, the fraction
-            whose weight did not change (the update was under half an ulp of the weight:
-            bf16/fp16 weights at small learning rates; float32/float64 ones where the update
-            is below about 2^-24 (2^-53) of the weight, e.g. Adam on an element whose
-            gradient has long been 0). Counted exactly in every dtype.
+            whose weight did not change (the update was under half an ulp of it), counted
+            in every dtype (float32: an update below about 2^-24 of the weight).
             NaN when no element was meant to change; None when ``update_norm`` is.
         no_update_step: a *silent skip*: no optimizer step changed a weight since the
             previous collect (``update_norm == 0.0``) although that collect's gradients were
