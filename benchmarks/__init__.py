@@ -11,5 +11,11 @@
   benchmark-only prototype (a post-reduction pass in the comm hook's callback).
 * :mod:`benchmarks.report`: the markdown of docs/performance.md, from the results alone:
   figures, targets and verdicts (how each section measures: docs/benchmarks.md, by hand).
+* :mod:`benchmarks.norm_report`: its single-process norm sections (per-collect cost, mixed
+  sizes, clipping, host reads and ops per collect) and their targets rows.
+* :mod:`benchmarks.page`: the page's building blocks (number formats, tables, verdicts, links
+  to docs/benchmarks.md, the machine).
+* the other ``*_bench`` modules and :mod:`benchmarks.shapes`: one section each, with its
+  measurement and, for most, its own result type and markdown.
 * :mod:`benchmarks.run`: the command line.
 """

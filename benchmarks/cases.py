@@ -48,6 +48,11 @@ SPIKE_TARGET = Target(5, "%")
 SPIKE_GROUPS = 10
 #: the float64-copies target applies from this many gradient elements
 FLOAT64_COPIES_ELEMENTS = 200_000_000
+#: host reads of one collect()+result() at most this many, whatever the number of parameters
+#: (a per-parameter ``.item()`` loop makes one per parameter: on a GPU each waits for the device)
+HOST_READS_TARGET = Target(2, " host reads")
+#: the per-collect cases held to it: from this many tensors (a model's parameters)
+HOST_READS_TENSORS = 1_000
 
 
 # -- gradients --------------------------------------------------------------------------------
@@ -280,6 +285,10 @@ def wrap(model: nn.Module, wrapper: str) -> nn.Module:
 
 # -- run plans --------------------------------------------------------------------------------
 
+#: What a full run may take on a quiet 2-core machine, every section included (the header of
+#: docs/performance.md gives each section's time; docs/benchmarks.md, *Machine*, the budget).
+WALL_TIME_BUDGET_S = 15 * 60
+
 
 @dataclass(frozen=True)
 class ScrapersPlan:
@@ -321,13 +330,22 @@ class Plan:
     zero_rounds: int = 30  # alternating rounds of the DeepSpeed ZeRO-2 norm comparison
     guard_blocks: int = 900  # palindromic blocks of the guard section (a median to ~1%)
     update_blocks: int = 900  # palindromic blocks of the update-stats section
+    rank_timing_blocks: int = 300  # palindromic blocks of the rank-timing section
     shapes: tuple[Any, ...] = ()  # benchmarks.shapes.Shape: the shapes section's shapes
+    #: benchmarks.shapes.Shape: the 1,000-parameter model of the host time per collect
+    collect_call: Any = None
 
 
 def _shapes(quick: bool) -> tuple[Any, ...]:
     from benchmarks.shapes import FULL_SHAPES, QUICK_SHAPES
 
     return QUICK_SHAPES if quick else FULL_SHAPES
+
+
+def _collect_call_shape(quick: bool) -> Any:
+    from benchmarks.shapes import COLLECT_CALL_SHAPE, QUICK_COLLECT_CALL_SHAPE
+
+    return QUICK_COLLECT_CALL_SHAPE if quick else COLLECT_CALL_SHAPE
 
 
 def full_plan() -> Plan:
@@ -344,6 +362,7 @@ def full_plan() -> Plan:
                 ModelSpec("mlp", "MLP 4 x 1024", width=1024, depth=4)),
         dist_steps={"ddp": 300, "fsdp2": 120},
         shapes=_shapes(quick=False),
+        collect_call=_collect_call_shape(quick=False),
         scrapers=(ScrapersPlan(20, 2.0, 5, n_slowloris=150, n_ordinary=200),
                   ScrapersPlan(20, 2.0, 5, n_slowloris=150, n_ordinary=200, client_nice=0,
                                judged=False)),
@@ -364,10 +383,12 @@ def quick_plan() -> Plan:
         spike_rounds=3,
         scale_worlds=(8,),
         shapes=_shapes(quick=True),
+        collect_call=_collect_call_shape(quick=True),
         rank_view_blocks=2,
         fsdp1_rounds=2,
         fsdp1_width=16,
         zero_rounds=2,
         guard_blocks=2,
         update_blocks=2,
+        rank_timing_blocks=2,
     )

@@ -10,36 +10,38 @@ written by hand in docs/benchmarks.md, whose headings the sections link to (:fun
 
 from __future__ import annotations
 
-import os
-import platform
-import re
-import subprocess
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-from benchmarks import divergence_bench, shapes, zero_bench
+from benchmarks import divergence_bench, norm_report, ranktiming_bench, shapes, zero_bench
 from benchmarks.cases import (
     DDP_OVERHEAD_TARGET,
-    FLOAT64_COPIES_ELEMENTS,
-    FLOAT64_COPIES_TARGET,
     GUARD_TARGET,
+    HOST_READS_TARGET,
     RANK_VIEW_TARGET,
     SCRAPE_SPACING,
     SCRAPERS_TARGET,
     UPDATE_STATS_MEMORY_TARGET,
     UPDATE_STATS_TARGET,
+    WALL_TIME_BUDGET_S,
     scrape_rate,
 )
+from benchmarks.page import (
+    METHODS_PAGE,
+    anchor,
+    fmt_bytes,
+    fmt_ms,
+    fmt_timing,
+    method_link,
+    table,
+    verdict,
+)
 from benchmarks.results import (
-    ClipResult,
     DistributedCase,
     DistributedFailure,
     Failure,
     Fsdp1Result,
     GuardMode,
     GuardResult,
-    MixedSizesResult,
-    NormCaseResult,
     NormMethod,
     Overhead,
     PairedRatio,
@@ -53,74 +55,11 @@ from benchmarks.results import (
     StepMode,
     Target,
     TargetCheck,
-    Timing,
     UpdateStatsMode,
     UpdateStatsResult,
 )
 
 GW = NormMethod.GRADWATCH.value
-
-PER_COLLECT_COLUMNS = [
-    "case",
-    "method",
-    "time ms",
-    "x get_total_norm",
-    "x read limit",
-    "rel err vs float64",
-    "host syncs",
-    "ops",
-    "largest temp",
-]
-
-# -- formatting -------------------------------------------------------------------------------
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def fmt_ms(s: float) -> str:
-    ms = s * 1e3
-    return f"{ms:.3f}" if ms < 10 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
-
-
-def fmt_spread(t: Timing) -> str:
-    lo, hi = t.quartiles
-    return f"{fmt_ms(lo)}-{fmt_ms(hi)}"
-
-
-def fmt_timing(t: Timing) -> str:
-    """``median (p25-p75)`` in milliseconds."""
-    return f"{fmt_ms(t.median)} ({fmt_spread(t)})"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "**NOT MET**"
-
-
-#: The hand-written page that says how each section measures and why a target can be missed.
-METHODS_PAGE = "benchmarks.md"
-
-
-def anchor(heading: str) -> str:
-    """The anchor GitHub gives a markdown heading."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def method_link(heading: str) -> str:
-    """The line under a section: where docs/benchmarks.md says how it is measured."""
-    return f"Method: [{METHODS_PAGE}]({METHODS_PAGE}#{anchor(heading)}).\n"
-
 
 #: The known causes of the targets a run can miss: headings of docs/benchmarks.md's
 #: *Known causes of the targets not met* (a test checks each stands there).
@@ -131,74 +70,20 @@ CAUSES = (
     "Per-rank view",
     "The guarded step",
     "Update stats",
+    ranktiming_bench.CAUSE,
     "Clipping, bf16",
     "Clipping, fp32",
     "Float64 copies",
     "Shapes",
     "Scrapers",
     "Spike detection and construction at scale",
+    "Host reads per collect",
+    "DeepSpeed ZeRO-2",
+    "Adaptive clipping: a divergence case",
 )
 
 
 # -- section tables ---------------------------------------------------------------------------
-
-
-def per_collect_table(cases: Sequence[NormCaseResult]) -> str:
-    rows: list[list[object]] = []
-    for case in cases:
-        base = case.median(NormMethod.GET_TOTAL_NORM)
-        limit = case.read_limit
-        for m in case.methods:
-            t = m.timing.median
-            if m is limit:
-                label = f"read limit: {m.method.value} ({case.nbytes / t / 1e9:.1f} GB/s)"
-            else:
-                label = m.method.value
-            err = "-" if m.rel_error is None else f"{m.rel_error:.1e}"
-            counts = m.counts
-            rows.append([case.label, label, fmt_ms(t), f"{t / base:.2f}",
-                         f"{t / limit.timing.median:.2f}", err,
-                         counts.host_syncs if counts else "-", counts.ops if counts else "-",
-                         fmt_bytes(counts.largest_bytes) if counts else "-"])
-    return table(PER_COLLECT_COLUMNS, rows)
-
-
-def mixed_table(results: Sequence[MixedSizesResult]) -> str:
-    rows: list[list[object]] = []
-    for r in results:
-        base = r.case.median(r.baseline)
-        for m in r.case.methods:
-            t = m.timing.median
-            mark = ""
-            if m.method is NormMethod.GRADWATCH:
-                mark = (f"{verdict(r.target.met(r.ratio))}: {r.ratio:.3f}x "
-                        f"(target {r.target})")
-            rows.append([r.case.dtype, m.method.value, fmt_ms(t), fmt_spread(m.timing),
-                         f"{t / base:.3f}", f"{m.rel_error:.1e}", mark])
-    return table(["dtype", "method", "median ms", "p25-p75 ms", "x target baseline",
-                  "rel err vs float64", "target"], rows)
-
-
-def clipping_tables(results: Sequence[ClipResult]) -> str:
-    rows: list[list[object]] = []
-    acc_rows: list[list[object]] = []
-    for r in results:
-        rows.append([r.dtype, "torch.nn.utils.clip_grad_norm_", fmt_ms(r.torch_clip.median),
-                     fmt_spread(r.torch_clip), "-", ""])
-        for v in r.variants:
-            extra = r.extra_pct(v)
-            rows.append([r.dtype, v.name, fmt_ms(v.timing.median), fmt_spread(v.timing),
-                         f"{extra:+.1f}%", f"{verdict(r.target.met(extra))} ({r.target})"])
-        a = r.accuracy
-        acc_rows.append([r.dtype, f"{a.n_tensors} x {a.tensor_elements:,}", f"{a.torch_error:.1e}",
-                         f"{a.gradwatch_error:.1e}",
-                         f"{a.torch_error / a.gradwatch_error:,.0f}x" if a.gradwatch_error > 0
-                         else "exact"])
-    return (table(["dtype", "method", "median ms", "p25-p75 ms", "extra vs torch", "target"],
-                  rows) + "\n\nAccuracy of the returned total norm (relative error vs a float64 "
-            "reference), tensors above 64K elements:\n\n"
-            + table(["dtype", "tensors", "torch clip_grad_norm_", "watch.clip_grad_norm_",
-                     "gradwatch more exact by"], acc_rows))
 
 
 DISTRIBUTED_COLUMNS = [
@@ -474,30 +359,13 @@ def _scrapers_figures(run: RunResults, s: ScrapersResult) -> str:
             f"{s.client_cpu_seconds / s.seconds_with * 100:.0f}% of a core")
 
 
-def _mixed_figures(m: MixedSizesResult) -> str:
-    ours, base = m.case.get(NormMethod.GRADWATCH), m.case.get(m.baseline)
-    return (f"p25-p75: gradwatch {fmt_spread(ours.timing)} ms, {m.baseline.value} "
-            f"{fmt_spread(base.timing)} ms; rel err {ours.rel_error:.0e} against "
-            f"{base.rel_error:.0e}")
-
-
 def target_checks(run: RunResults) -> list[TargetCheck]:
     """Every measured value that has a stated target, in the report's order, each with the
     figures of the same run that bear on a miss and the heading of its known cause."""
     checks: list[TargetCheck] = list(shapes.checks(run.shapes))
-    for m in run.mixed:
-        short = "fp32" if m.case.dtype == "float32" else "bf16"
-        checks.append(TargetCheck(
-            "norm cost", f"{short} {m.sizes}: {GW} {m.target} {m.baseline.value}",
-            m.target, m.ratio, f"{m.ratio:.3f}x", _mixed_figures(m), f"Mixed sizes, {short}"))
-    for case in run.norm_cases:
-        if case.total_elements >= FLOAT64_COPIES_ELEMENTS:
-            s = case.speedup(NormMethod.FLOAT64_COPIES)
-            checks.append(TargetCheck(
-                "norm cost", f"{case.label}: {GW} {FLOAT64_COPIES_TARGET} faster than "
-                f"{NormMethod.FLOAT64_COPIES.value}", FLOAT64_COPIES_TARGET, s, f"{s:.1f}x",
-                f"float64 copies {fmt_timing(case.get(NormMethod.FLOAT64_COPIES).timing)} ms",
-                "Float64 copies"))
+    checks += ranktiming_bench.checks(run.rank_timing)
+    checks += shapes.collect_call_checks(run.collect_call)
+    checks += norm_report.norm_cost_checks(run.mixed, run.norm_cases)
     for r in _ddp_cases(run):
         for mode in WATCHED_MODES:
             ov = r.overhead(mode)
@@ -515,31 +383,23 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
     if isinstance(run.guard, GuardResult):
         for mode, config in zip(GUARDED_MODES, GUARD_CONFIGS, strict=True):
             ov = run.guard.ratio(mode)
-            checks.append(TargetCheck(
-                "distributed", f"DDP step guarded by `watch.guard` ({config}, fused AdamW), "
-                f"{run.guard.model}: {GUARD_TARGET} over the unguarded step", GUARD_TARGET,
-                ov.median_pct, fmt_ratio(ov), _guard_figures(run.guard, mode),
+            checks.append(step_cost_check(
+                f"{run.guard.model} guarded by `watch.guard` ({config}, fused AdamW)",
+                GUARD_TARGET, ov, "the unguarded step", _guard_figures(run.guard, mode),
                 "The guarded step"))
     if isinstance(run.updates, UpdateStatsResult):
         ov = run.updates.ratio()
-        checks.append(TargetCheck(
-            "distributed", f"DDP step with `update_stats=True` (AdamW), {run.updates.model}: "
-            f"{UPDATE_STATS_TARGET} over the step without it", UPDATE_STATS_TARGET,
-            ov.median_pct, fmt_ratio(ov), _update_stats_figures(run.updates), "Update stats"))
+        checks.append(step_cost_check(
+            f"{run.updates.model} with `update_stats=True` (AdamW)", UPDATE_STATS_TARGET, ov,
+            "the step without it", _update_stats_figures(run.updates), "Update stats"))
         checks.append(TargetCheck(
             "distributed", f"persistent memory `update_stats=True` adds, {run.updates.model}: "
             f"{UPDATE_STATS_MEMORY_TARGET} of the parameters' bytes", UPDATE_STATS_MEMORY_TARGET,
             run.updates.persistent_pct, f"{run.updates.persistent_pct:.3f}%",
             _update_stats_figures(run.updates), "Update stats"))
-    for c in run.clipping:
-        a = c.accuracy
-        for v in c.variants:
-            extra = c.extra_pct(v)
-            checks.append(TargetCheck(
-                "clipping", f"{c.dtype} {v.name}: {c.target} over torch's clip", c.target,
-                extra, f"{extra:+.1f}%", f"rel err {a.gradwatch_error:.0e} against torch's "
-                f"{a.torch_error:.0e}",
-                "Clipping, bf16" if c.dtype == "bfloat16" else "Clipping, fp32"))
+    checks += warm_step_host_reads(run)
+    checks += _zero_checks(run.zero)
+    checks += norm_report.clipping_checks(run.clipping)
     if run.spike_cost is not None:
         sc = run.spike_cost
         checks.append(TargetCheck(
@@ -563,9 +423,70 @@ def target_checks(run: RunResults) -> list[TargetCheck]:
         checks.append(TargetCheck(
             "scraping", f"DDP step time with {s.n_scrapers} scrapers: {s.target}", s.target,
             s.slowdown_pct, f"{s.slowdown_pct:+.1f}%", _scrapers_figures(run, s), "Scrapers"))
+    checks += _divergence_checks(run.divergence)
     unknown = {c.cause for c in checks} - set(CAUSES)
     assert not unknown, f"causes without a section in docs/{METHODS_PAGE}: {unknown}"
     return checks
+
+
+def step_cost_check(step: str, target: Target, ov: PairedRatio, over: str, figures: str,
+                    cause: str) -> TargetCheck:
+    """A targets-table row: the paired ratio ``ov`` of the 2-rank DDP step of ``step`` (the
+    model and what gradwatch does in it) over ``over``, held to ``target`` (extra percent)."""
+    return TargetCheck("distributed", f"2-rank DDP step of the {step}: {target} over {over}",
+                       target, ov.median_pct, fmt_ratio(ov), figures, cause)
+
+
+#: A warm training step's host reads gradwatch adds: none (each would stall an accelerator).
+NO_HOST_READS = Target(0, " host reads")
+
+
+def no_host_reads_check(subject: str, reads: int, cause: str) -> TargetCheck:
+    """A targets-table row: ``reads`` host scalar reads gradwatch added to one warm step of a
+    distributed section (an untimed step under ``OpCounter``) held to :data:`NO_HOST_READS`."""
+    return TargetCheck("host reads", f"{subject}: {NO_HOST_READS}", NO_HOST_READS, reads,
+                       str(reads), "one warm step counted under a dispatch-mode counter", cause)
+
+
+def warm_step_host_reads(run: RunResults) -> list[TargetCheck]:
+    """The distributed sections' host reads per warm step."""
+    checks = []
+    if isinstance(run.guard, GuardResult):
+        checks.append(no_host_reads_check(
+            f"host reads of a warm guarded optimizer step, {run.guard.model}, 2-rank DDP",
+            run.guard.scalar_reads, "The guarded step"))
+    if isinstance(run.updates, UpdateStatsResult):
+        checks.append(no_host_reads_check(
+            f"host reads update stats add to a warm step, {run.updates.model}, 2-rank DDP",
+            run.updates.scalar_reads, "Update stats"))
+    return checks
+
+
+def _zero_checks(z: object) -> list[TargetCheck]:
+    if not isinstance(z, zero_bench.ZeroNormResult):
+        return []
+    target = Target(zero_bench.TARGET, "x")
+    return [TargetCheck(
+        "distributed", f"DeepSpeed ZeRO-{z.stage}, {z.world} ranks: {GW} {target} DeepSpeed's "
+        "`scaled_global_norm`", target, z.ratio, f"{z.ratio:.2f}x",
+        f"medians {z.gradwatch.median * 1e3:.2f} / {z.deepspeed.median * 1e3:.2f} ms",
+        "DeepSpeed ZeRO-2")]
+
+
+def _divergence_checks(d: divergence_bench.DivergenceResult | None) -> list[TargetCheck]:
+    """One row: every arm of the divergence case as its target says (fixed clipping diverges
+    and "auto" does not with corrupt batches, neither arm without)."""
+    if d is None:
+        return []
+    as_said = sum(r.diverged == (r.every != 0 and r.mode != "auto") for r in d.runs)
+    target = Target(len(d.runs), f" of {len(d.runs)} arms", at_most=False)
+    wrong = [f"{r.mode}, 1 in {r.every}, seed {r.seed}" if r.every else
+             f"{r.mode}, control, seed {r.seed}"
+             for r in d.runs if r.diverged != (r.every != 0 and r.mode != "auto")]
+    return [TargetCheck(
+        "adaptive clipping", f"divergence case ({divergence_bench.TARGET}): {target}", target,
+        as_said, f"{as_said} of {len(d.runs)}", "not as the target says: " + "; ".join(wrong),
+        "Adaptive clipping: a divergence case")]
 
 
 def _judged_scrapers(run: RunResults) -> list[ScrapersResult]:
@@ -594,53 +515,7 @@ def miss_notes(run: RunResults) -> str:
                    f"[{c.cause}]({METHODS_PAGE}#{anchor(c.cause)})"] for c in missed])
 
 
-def cpu_loop_table(cases: Sequence[NormCaseResult]) -> str:
-    """The `.item()` loop and the float64 copies against the read limit, per case."""
-    rows = []
-    for case in cases:
-        limit = case.read_limit.timing.median
-        loop, f64 = case.median(NormMethod.ITEM_LOOP), case.median(NormMethod.FLOAT64_COPIES)
-        rows.append([case.label, case.n_tensors, fmt_ms(loop), fmt_ms(limit),
-                     f"{loop / limit:.2f}", f"{case.speedup(NormMethod.ITEM_LOOP):.2f}x",
-                     fmt_ms(f64), f"{case.speedup(NormMethod.FLOAT64_COPIES):.1f}x"])
-    return table(["case", "tensors", "`.item()` loop ms", "read limit ms", "loop x read limit",
-                  f"{GW} faster than the loop", "float64 copies ms",
-                  f"{GW} faster than the copies"], rows)
-
-
 # -- the whole page ---------------------------------------------------------------------------
-
-
-def machine() -> str:
-    """The machine, for the report: CPU (``lscpu``), memory, versions, load."""
-    import torch
-
-    info: dict[str, str] = {}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            info[key.strip()] = value.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    mem = "?"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = f"{int(line.split()[1]) / 2**20:.0f} GiB"
-    except OSError:
-        pass
-    load = os.getloadavg()
-    return "\n".join([
-        f"* CPU (`lscpu`): {info.get('Model name', '?')}, {info.get('CPU(s)', os.cpu_count())} "
-        f"logical CPUs ({info.get('Core(s) per socket', '?')} cores per socket, "
-        f"{info.get('Thread(s) per core', '?')} thread(s) per core), "
-        f"{info.get('Hypervisor vendor', 'no') + ' VM' if info.get('Hypervisor vendor') else ''}"
-        f", {mem} RAM",
-        f"* Python {platform.python_version()}, torch {torch.__version__}; threads: 1 per "
-        "single-process case, 1 per rank",
-        f"* load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
-    ])
 
 
 def _skipped_or(result: object, body: Callable[[], str]) -> str:
@@ -678,7 +553,9 @@ def _fsdp1_section(results: list[Fsdp1Result] | Failure) -> str:
 def _cuda_section(run: RunResults) -> str:
     if run.cuda_device is None:
         return "skipped: `torch.cuda.is_available()` is False: no GPU figure is published."
-    return f"Device: {run.cuda_device}.\n\n" + per_collect_table(run.cuda_cases)
+    return (f"Device: {run.cuda_device}.\n\n" + norm_report.per_collect_table(run.cuda_cases)
+            + "\n\nHost reads and ops per call on the device (each host read waits for it):\n\n"
+            + norm_report.host_reads_table(run.cuda_cases))
 
 
 def _spike_section(sc: SpikeCostResult | None) -> str:
@@ -692,6 +569,19 @@ def _head(title: str, method: str | None = None) -> str:
     """A section's heading and its link to how it is measured (``method``: the methods page's
     heading, when it is not ``title``)."""
     return f"## {title}\n\n" + method_link(method or title)
+
+
+def _shapes_section(run: RunResults) -> str:
+    if not run.shapes:
+        return "Not measured in this run."
+    text = (f"Target: every shape {shapes.SHAPES_TARGET} torch's own norm read once, relative "
+            "error <= 1e-6 against float64. Ratio of the best times of interleaved rounds.\n\n"
+            + shapes.table(run.shapes) + "\n")
+    if run.collect_call is not None:
+        text += (f"\nHost time per `collect()` of a 1,000-parameter model, target "
+                 f"{shapes.COLLECT_CALL_TARGET} one `get_total_norm` call:\n\n"
+                 + shapes.collect_call_table(run.collect_call) + "\n")
+    return text.removesuffix("\n")
 
 
 def render(run: RunResults) -> str:
@@ -712,7 +602,8 @@ def render(run: RunResults) -> str:
         f"The figures of one run. How each section measures, what its columns mean and the "
         f"known causes of the targets not met: [{METHODS_PAGE}]({METHODS_PAGE}).\n",
         f"Command: `{run.command}` (`make bench` runs `.venv/bin/python benchmarks/run.py --out "
-        f"docs/performance.md`). Wall time of this run: {run.total_seconds:.0f} s ({sections}).\n",
+        f"docs/performance.md`). Wall time of this run: {run.total_seconds:.0f} s ({sections}); "
+        f"a full run's budget on a quiet 2-core machine: {WALL_TIME_BUDGET_S // 60} minutes.\n",
         "## Machine\n",
         run.machine + "\n",
         _head("Targets"),
@@ -720,20 +611,22 @@ def render(run: RunResults) -> str:
         "### Targets not met\n",
         miss_notes(run) + "\n",
         _head("Shapes: collect() against torch's own norm (one process, one thread)", "Shapes"),
-        f"Target: every shape {shapes.SHAPES_TARGET} torch's own norm read once, relative "
-        "error <= 1e-6 against float64. Ratio of the best times of interleaved rounds.\n",
-        (shapes.table(run.shapes) if run.shapes else "Not measured in this run.") + "\n",
+        _shapes_section(run) + "\n",
         _head("Per-collect cost (one process, one thread)"),
         f"Rounds per case: {run.rounds[0]}-{run.rounds[1]}.\n",
-        per_collect_table(run.norm_cases) + "\n",
+        norm_report.per_collect_table(run.norm_cases) + "\n",
         _head(f"Mixed sizes: {sizes} tensors (16-4,096 elements), one thread", "Mixed sizes"),
         f"Targets: {targets}. Rounds: {mixed_rounds}.\n",
-        mixed_table(run.mixed) + "\n",
-        _head("`.item()` loops and float64 copies on CPU"),
-        cpu_loop_table(run.norm_cases) + "\n",
+        norm_report.mixed_table(run.mixed) + "\n",
+        _head("Host reads and ops per collect (what a per-parameter loop costs on a GPU)",
+              "Host reads and ops per collect"),
+        f"Target: gradwatch {HOST_READS_TARGET} per collect()+result() whatever the number of "
+        "parameters (rows from 1,000 tensors in the targets table). One untimed call of each "
+        "method under a dispatch-mode counter.\n",
+        norm_report.host_reads_table(run.norm_cases) + "\n",
         _head("Clipping (one process, one thread, CPU)"),
         f"Gradients: {sizes}.\n",
-        clipping_tables(run.clipping) + "\n",
+        norm_report.clipping_tables(run.clipping) + "\n",
         _head("Distributed (2 ranks, gloo, CPU, spawn, 1 thread per rank)"),
         f"Demo model: {run.demo_model}.\n",
         _skipped_or(run.distributed, lambda: distributed_table(run.distributed or [])),
@@ -747,6 +640,9 @@ def render(run: RunResults) -> str:
         _skipped_or(run.guard, lambda: _guard_section(run.guard)),  # type: ignore[arg-type]
         _head("Optimizer-update health (2 ranks, gloo, CPU)"),
         _skipped_or(run.updates, lambda: _update_stats_section(run.updates)),  # type: ignore[arg-type]
+        _head("Which rank is slow: rank timing under plain DDP (2 ranks, gloo, CPU)",
+              "Which rank is slow: rank timing"),
+        ranktiming_bench.text(run.rank_timing),
         _head("Construction at scale (simulated ranks, one core)"),
         scale_table(run.scale) + "\n",
         _head("Scrapers during training"),

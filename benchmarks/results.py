@@ -605,5 +605,9 @@ class RunResults:
     zero: Any = None
     #: benchmarks.shapes.ShapeResult per shape (collect against torch's own norm)
     shapes: list[Any] = field(default_factory=list)
+    #: benchmarks.shapes.CollectCallResult (host time per collect); None: not measured
+    collect_call: Any = None
     #: benchmarks.divergence_bench.DivergenceResult; None: skipped
     divergence: Any = None
+    #: benchmarks.ranktiming_bench.RankTimingResult, or its Failure; None: skipped
+    rank_timing: Any = None

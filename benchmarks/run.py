@@ -1,11 +1,12 @@
 """gradwatch benchmarks: per-collect cost, targets, distributed overhead, the per-rank view,
 scrape latency.
 
-Usage: ``python benchmarks/run.py --out docs/performance.md`` (``make bench``, under 10 minutes
-on a 2-core machine); ``--quick`` runs tiny sizes (tests/distributed/test_benchmarks.py runs it so
-the harness cannot rot; its figures mean nothing); ``--no-distributed`` skips the multi-process
-sections. Every timing is a median over rounds in which the compared methods run round-robin on
-the same tensors, so load drift (other jobs on the machine) hits all of them alike.
+Usage: ``python benchmarks/run.py --out docs/performance.md`` (``make bench``, planned within
+15 minutes on a quiet 2-core machine: ``benchmarks.cases.WALL_TIME_BUDGET_S``); ``--quick``
+runs tiny sizes (tests/distributed/test_benchmarks.py runs it so the harness cannot rot; its
+figures mean nothing); ``--no-distributed`` skips the multi-process sections. Every timing is a
+median over rounds in which the compared methods run round-robin on the same tensors, so load
+drift (other jobs on the machine) hits all of them alike.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from benchmarks import (  # noqa: E402
     fsdp1_bench,
     guard_bench,
     measure,
+    ranktiming_bench,
     rankview_bench,
     report,
     scale,
@@ -44,6 +46,7 @@ from benchmarks import (  # noqa: E402
     zero_bench,
 )
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
+from benchmarks.page import machine  # noqa: E402
 from benchmarks.results import Failure, RunResults  # noqa: E402
 
 T = TypeVar("T")
@@ -76,7 +79,7 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
     """Runs every section of ``plan`` in turn, timing each."""
     started = time.perf_counter()
     run = RunResults(command=command, rounds=plan.rounds, load_start=os.getloadavg(),
-                     machine=report.machine(), demo_model=describe_demo_model())
+                     machine=machine(), demo_model=describe_demo_model())
 
     def section(name: str, fn: Callable[[], T]) -> T:
         print(f"{name} ...", flush=True)
@@ -88,8 +91,11 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
 
     run.norm_cases = section("per-collect", lambda: measure.per_collect(
         plan.norm_cases, plan.rounds, plan.budget_s))
+    shape_rounds = (min(7, plan.rounds[1]), max(7, plan.rounds[1]))
     run.shapes = section("shapes", lambda: shapes.measure(
-        plan.shapes, (min(7, plan.rounds[1]), max(7, plan.rounds[1])), plan.budget_s))
+        plan.shapes, shape_rounds, plan.budget_s))
+    run.collect_call = section("collect call", lambda: shapes.measure_collect_call(
+        plan.collect_call, shape_rounds, plan.budget_s))
     run.mixed = section("mixed sizes", lambda: measure.mixed(
         plan.mixed_rounds, 3 * plan.budget_s, plan.mixed_big))
     run.clipping = section("clipping", lambda: measure.clipping(
@@ -114,6 +120,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
             lambda: guard_bench.guard(plan.guard_blocks)))
         run.updates = section("update stats", lambda: _reported(
             lambda: update_bench.updates(plan.update_blocks)))
+        run.rank_timing = section("rank timing", lambda: _reported(
+            lambda: ranktiming_bench.measure(plan.rank_timing_blocks)))
         run.zero = section("deepspeed zero-2", lambda: zero_bench.measure(plan.zero_rounds))
         run.scrapers = section("scrapers", lambda: [
             _reported(lambda sp=sp: distributed.scrapers_during_training(sp))

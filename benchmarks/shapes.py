@@ -9,7 +9,10 @@ tensors; the ratio is of the best times (a shared machine's load only ever adds 
 best of N is the least disturbed figure of each), the medians are shown beside it. Each
 norm's relative error is against a float64 reference computed once per shape (the exact
 float64 squares of every element, summed per 64K-element chunk, the chunks by ``math.fsum``).
-Also runnable alone: ``python benchmarks/shapes.py [--quick]`` prints the table.
+The section's last row: the host time of one ``watch.collect(step)`` call (nothing read) of
+a 1,000-parameter model against one ``get_total_norm`` call (no ``.item()``)
+(:class:`CollectCallResult`). Also runnable alone: ``python benchmarks/shapes.py
+[--quick]`` prints both tables.
 """
 
 from __future__ import annotations
@@ -158,6 +161,68 @@ def checks(results: Sequence[ShapeResult]) -> list[TargetCheck]:
         SHAPES_CAUSE) for r in results]
 
 
+# -- the host time of one collect() --------------------------------------------------------
+
+#: one ``collect()`` call of a 1,000-parameter model: host time at most this many times one
+#: ``get_total_norm`` call on the same gradients
+COLLECT_CALL_TARGET = Target(1.25, "x")
+#: the 1,000-parameter model it is measured on, and the harness self-test's
+COLLECT_CALL_SHAPE = Shape(1_000, 10_000, torch.float32)
+QUICK_COLLECT_CALL_SHAPE = Shape(1_000, 100, torch.float32)
+
+
+@dataclass(frozen=True)
+class CollectCallResult:
+    """Host time of ``watch.collect(step)`` alone (the call that queues a step on the training
+    thread; nothing is read) against ``torch.nn.utils.get_total_norm(grads)`` alone (no
+    ``.item()``), interleaved on the same gradients."""
+
+    label: str
+    collect: Timing
+    torch: Timing
+
+    @property
+    def ratio(self) -> float:
+        return min(self.collect.samples) / min(self.torch.samples)
+
+
+def measure_collect_call(shape: Shape, rounds: tuple[int, int],
+                         budget_s: float) -> CollectCallResult:
+    """Both calls on one shape's gradients, interleaved (see :class:`CollectCallResult`)."""
+    from gradwatch import GradWatch, WatchConfig
+
+    grads = make_grads([shape.numel] * shape.n_tensors, shape.dtype, seed=5)
+    with GradWatch(GradHolder(grads), WatchConfig()) as watch:
+        times = timing.interleaved(
+            {"collect": lambda: watch.collect(0),
+             "torch": lambda: torch.nn.utils.get_total_norm(grads)}, rounds, budget_s)
+    return CollectCallResult(shape.label, Timing.of(times["collect"]), Timing.of(times["torch"]))
+
+
+def collect_call_table(r: CollectCallResult) -> str:
+    rows = [[f"`watch.collect(step)`, {r.label}", f"{min(r.collect.samples) * 1e3:.3f}",
+             f"{r.collect.median * 1e3:.3f}", f"{r.ratio:.2f}x",
+             "met" if COLLECT_CALL_TARGET.met(r.ratio) else "**NOT MET**"],
+            [f"`torch.nn.utils.get_total_norm(grads)`, {r.label}",
+             f"{min(r.torch.samples) * 1e3:.3f}", f"{r.torch.median * 1e3:.3f}", "1.00x", ""]]
+    header = ["call (host time, nothing read)", "best ms", "median ms", "ratio (best)",
+              f"{COLLECT_CALL_TARGET}"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def collect_call_checks(r: CollectCallResult | None) -> list[TargetCheck]:
+    """The targets-table row of the host time per collect (none when not measured)."""
+    if r is None:
+        return []
+    return [TargetCheck(
+        "norm cost", f"host time per `collect()` of a {r.label.split(' x ')[0]}-parameter "
+        f"model ({r.label}): {COLLECT_CALL_TARGET} one `get_total_norm` call",
+        COLLECT_CALL_TARGET, r.ratio, f"{r.ratio:.2f}x", f"medians {r.collect.median * 1e3:.3f}"
+        f" / {r.torch.median * 1e3:.3f} ms", SHAPES_CAUSE)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (harness self-test)")
@@ -165,7 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
-    print(table(measure(shapes, (min(7, args.rounds), args.rounds), 4.0)))
+    rounds = (min(7, args.rounds), args.rounds)
+    print(table(measure(shapes, rounds, 4.0)))
+    call = QUICK_COLLECT_CALL_SHAPE if args.quick else COLLECT_CALL_SHAPE
+    print("\n" + collect_call_table(measure_collect_call(call, rounds, 4.0)))
     return 0
 
 

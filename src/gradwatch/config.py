@@ -239,11 +239,11 @@ class WatchConfig(BaseSettings):
             Read from the optimizer's state after its step (``torch.optim`` SGD, Adam, AdamW:
             for-loop, foreach and fused); no copy of the parameters. Ranks must agree
             (checked by the handshake).
-        rank_timing: measure each rank's working time per step and name the slowest rank
-            (``Snapshot.slowest_rank``, ``straggler_score``; :mod:`gradwatch.step.ranktiming`):
-            ``3 x 192`` float64 more in the step's all-reduce whatever the world size. Off by
-            default: under plain DDP, where collects otherwise skip gradwatch's all-reduce, it
-            makes every collect all-reduce (docs/operations.md). Ranks must agree.
+        rank_timing: name the slowest rank (``Snapshot.slowest_rank``, ``straggler_score``;
+            :mod:`gradwatch.reduce.ranktiming`) from each rank's median working time, riding
+            on the collects that all-reduce anyway (plain DDP: every ``divergence_every``),
+            never a collective of its own. Off by default until its CUDA path is proven on a
+            GPU (docs/operations.md, section 9). Ranks must agree.
         batch_size: samples (or tokens) per replica per step, the ``b`` of the gradient noise
             scale (``collect(step, batch_size=...)`` overrides it); None: the noise scale is
             in per-replica batches.
@@ -468,7 +468,7 @@ LAYOUT_HASH_FIELDS = (
     "always_reduce",  # which collects all-reduce
     "rank_view",  # the packed vector's rank-view section
     "update_stats",  # the packed vector's update section
-    "rank_timing",  # the packed vector's timing section, and every collect all-reduces
+    "rank_timing",  # the packed vector's timing section
     "expert_parameters",  # which names may be held by some ranks only
     # the optimizer-step guard: every rank must take the same skip decisions
     "skip_nonfinite",

@@ -180,13 +180,12 @@ class Snapshot:
             more share the top bin; slowest_host: its host.
         straggler_score: the fastest rank's working time over the slowest's, in ``(0, 1]``
             (below 0.7: a straggler); None when not measured.
-        work_seconds_min, work_seconds_median, work_seconds_max: the step's working times
-            over the ranks (exact when their bin holds one rank, else within its width;
-            :mod:`gradwatch.step.ranktiming`).
+        work_seconds_min, work_seconds_median, work_seconds_max: over the ranks, each rank's
+            median working time since the previous carried step (see ``rank_timing``).
+        rank_timing_step: the carried step those fields come from (None before the first).
         gradient_noise_scale: B_simple of the whole model (smoothed over the last
             ``NOISE_SCALE_WINDOW`` rank-view steps, :mod:`gradwatch.analysis.rankview`; unit: that
-            of
-            ``batch_size``, per-replica batches without it); NaN while undefined (either
+            of ``batch_size``, per-replica batches without it); NaN while undefined (either
             smoothed estimate not positive), never negative.
         group_noise_scale: group -> B_simple.
 
@@ -268,13 +267,14 @@ class Snapshot:
     deepspeed_skipped_steps: int | None = None
     measured: bool = True
     no_gradient: bool = False
-    # -- which rank is slow (WatchConfig.rank_timing; gradwatch.step.ranktiming) --
+    # -- which rank is slow (WatchConfig.rank_timing; gradwatch.reduce.ranktiming) --
     slowest_rank: int | None = None
     slowest_host: str | None = None
     straggler_score: float | None = None
     work_seconds_min: float | None = None
     work_seconds_median: float | None = None
     work_seconds_max: float | None = None
+    rank_timing_step: int | None = None
 
     def __post_init__(self) -> None:
         for name in _MAPPINGS:

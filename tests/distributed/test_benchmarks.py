@@ -18,18 +18,23 @@ from benchmarks import (  # noqa: E402
     cases,
     distributed,
     guard_bench,
+    norm_report,
     rankview_bench,
     report,
     shapes,
 )
 from benchmarks.results import (  # noqa: E402
+    Counts,
     DistributedCase,
+    MethodResult,
+    NormCaseResult,
     NormMethod,
     RankViewMode,
     RankViewResult,
     RunResults,
     ScrapersResult,
     StepMode,
+    Timing,
 )
 
 
@@ -57,7 +62,7 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     assert torch.get_num_threads() == threads  # restored
     text = out.read_text()
     for heading in ("## Machine", "## Targets", "## Shapes", "## Per-collect cost",
-                    "## Mixed sizes", "## `.item()` loops and float64 copies on CPU", "## Clipping",
+                    "## Mixed sizes", "## Host reads and ops per collect", "## Clipping",
                     "## Distributed", "## Scrapers during training", "## Scrape latency",
                     "## Spike detection", "## CUDA", "## Construction at scale",
                     "## Per-rank view and the DDP path", "## FSDP1",
@@ -80,7 +85,7 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
     assert len(links) >= 14 and set(links) <= _methods_page_anchors()
     assert "this machine" not in text
     header, rows = _rows(text, "| case | method |")
-    assert header == report.PER_COLLECT_COLUMNS
+    assert header == norm_report.PER_COLLECT_COLUMNS
     methods = {r[1].removeprefix("read limit: ").split(" (")[0] for r in rows}
     compared = {m.value for m in NormMethod if not m.is_read_limit}
     assert compared <= methods  # every compared method (bf16 cases add the float32 baseline)
@@ -105,10 +110,34 @@ def test_quick_harness_produces_tables(tmp_path: Path) -> None:
         assert float(r[3]) <= float(r[2])
     header, rows = _rows(text, "| area | target |")
     assert rows and all(r[3] in ("met", "**NOT MET**") for r in rows)
-    assert all(re.search(r"[<>]= \+?[\d.]+(x|%)", r[1]) for r in rows)  # each states its bound
+    # each states its bound: a ratio, extra time, or a count
+    assert all(re.search(r"[<>]= \+?[\d.]+", r[1]) for r in rows)
+    # No row holds gradwatch to a CPU `.item()` loop's time (on CPU the loop syncs nothing);
+    # the loop appears as counts: host reads per collect, one per parameter.
+    assert not any("faster than per-parameter" in r[1] for r in rows)
+    reads = [r for r in rows if r[0] == "host reads" and "for the loop" in r[2]]
+    assert [r[1].split(":")[0] for r in reads] == [
+        c.label for c in cases.quick_plan().norm_cases if c.n_tensors >= 1000]
+    assert re.fullmatch(r"\d+ vs 1,000 for the loop; ops [\d,]+ vs 2,000", reads[0][2])
+    divergence = [r for r in rows if r[0] == "adaptive clipping"]
+    assert len(divergence) == 1 and re.fullmatch(r"\d+ of 18", divergence[0][2])
+    assert any(r[1].startswith("host time per `collect()` of a 1,000-parameter model")
+               for r in rows)
     assert re.search(r"skipped: `torch\.cuda\.is_available\(\)` is False|Device: ", text)
     header, rows = _rows(text, "| parameters | top-k |")
     assert [r[1] for r in rows] == ["50", "200"]
+    header, rows = _rows(text, "| case | tensors | gradwatch collect()+result(): host reads")
+    assert [r[0] for r in rows] == [c.label for c in cases.quick_plan().norm_cases]
+    for r in rows:  # host reads / ops of gradwatch, get_total_norm, the loop
+        ours, torch_own, loop = ([int(x.replace(",", "")) for x in c.split(" / ")]
+                                 for c in r[2:5])
+        tensors = int(r[1].replace(",", ""))
+        assert ours[0] >= 0 and torch_own[0] == 1 and loop == [tensors, 2 * tensors], r
+        assert r[5] == ("met" if ours[0] <= 2 else "**NOT MET**")
+    _header, rows = _rows(text, "| call (host time, nothing read) |")
+    assert [r[0].split(",")[0] for r in rows] == ["`watch.collect(step)`",
+                                                   "`torch.nn.utils.get_total_norm(grads)`"]
+    assert float(rows[0][1]) > 0 and rows[0][3].endswith("x") and rows[1][3] == "1.00x"
     header, rows = _rows(text, "| shape (tensors x elements) |")
     assert [r[0] for r in rows] == [s.label for s in shapes.QUICK_SHAPES]
     for r in rows:  # best times, their ratio, gradwatch exact to 1e-6
@@ -136,6 +165,86 @@ def test_target_bounds() -> None:
     assert str(cases.DDP_OVERHEAD_TARGET) == "<= +3%"
     assert cases.MIXED_FP32_TARGET.met(1.25) and not cases.MIXED_FP32_TARGET.met(1.26)
     assert cases.FLOAT64_COPIES_TARGET.met(3) and not cases.FLOAT64_COPIES_TARGET.met(2.9)
+
+
+def _counted_case(n_tensors: int, ours: int) -> NormCaseResult:
+    """A per-collect case with made-up counts (gradwatch's host reads ``ours``)."""
+    t = Timing.of([1e-3])
+    counts = {NormMethod.GRADWATCH: Counts(ours, 20, 0),
+              NormMethod.GET_TOTAL_NORM: Counts(1, 4, 0),
+              NormMethod.ITEM_LOOP: Counts(n_tensors, 2 * n_tensors, 0)}
+    methods = [MethodResult(m, t, 0.0, c) for m, c in counts.items()]
+    methods.append(MethodResult(NormMethod.READ_FOREACH_MAX, t, None, Counts(0, 1, 0)))
+    return NormCaseResult(f"{n_tensors} x, 1M float32", n_tensors, 10**6, "float32", 4 * 10**6,
+                          tuple(methods), 1)
+
+
+def test_host_reads_rows_judge_counts() -> None:
+    """Each case of at least 1,000 tensors gets a targets row on gradwatch's host reads per
+    collect, the loop's one per parameter beside it; a count above the bound is a miss with
+    its known cause; smaller cases are in the section's table only."""
+    few, ok, over = _counted_case(10, 2), _counted_case(1000, 2), _counted_case(10_000, 3)
+    checks = [c for c in norm_report.norm_cost_checks([], [few, ok, over])
+              if c.area == "host reads"]
+    assert [c.subject.split(":")[0] for c in checks] == [ok.label, over.label]
+    assert checks[0].met and checks[0].shown == "2 vs 1,000 for the loop; ops 20 vs 2,000"
+    assert not checks[1].met and checks[1].shown.startswith("3 vs 10,000 for the loop")
+    assert all("<= 2 host reads" in c.subject for c in checks)
+    run = RunResults(command="x", rounds=(1, 1), norm_cases=[few, ok, over])
+    notes = report.miss_notes(run)
+    assert over.label in notes and "(benchmarks.md#host-reads-per-collect)" in notes
+    assert ok.label not in notes
+    _header, rows = _rows(norm_report.host_reads_table([few, over]), "| case |")
+    assert rows[0][2:] == ["2 / 20", "1 / 4", "10 / 20", "met"]
+    assert rows[1][2:] == ["3 / 20", "1 / 4", "10,000 / 20,000", "**NOT MET**"]
+
+
+def test_cuda_section_counts_host_reads() -> None:
+    """On a GPU run the CUDA section shows each method's host reads and ops per call beside
+    its times; the targets rows stay the CPU cases' (none here)."""
+    run = RunResults(command="x", rounds=(1, 1), cuda_device="a GPU",
+                     cuda_cases=[_counted_case(1000, 1)])
+    section = report.render(run).split("## CUDA")[1]
+    _header, rows = _rows(section, "| case | tensors | gradwatch collect()+result(): host reads")
+    assert rows == [["1000 x, 1M float32", "1,000", "1 / 20", "1 / 4", "1,000 / 2,000", "met"]]
+    assert not [c for c in report.target_checks(run) if c.area == "host reads"]
+
+
+def test_divergence_row_counts_the_arms_as_the_target_says() -> None:
+    """The divergence case's targets row: every arm as its target says, else a miss naming
+    the arms that are not."""
+    from benchmarks import divergence_bench
+    from benchmarks.divergence_bench import DivergenceResult, DivergenceRun
+
+    def arm(every: int, mode: str, worst: float) -> DivergenceRun:
+        return DivergenceRun(every, 0, mode, 1.0, 1.0, worst, 0.1)
+
+    good = DivergenceResult([arm(0, "fixed 1", 1.0), arm(0, "auto", 1.0),
+                             arm(10, "fixed 1", 50.0), arm(10, "auto", 1.0)])
+    bad = DivergenceResult([*good.runs[:3], arm(10, "auto", float("nan"))])
+    for result, met in ((good, True), (bad, False)):
+        run = RunResults(command="x", rounds=(1, 1), divergence=result)
+        row = [c for c in report.target_checks(run) if c.area == "adaptive clipping"]
+        assert len(row) == 1 and row[0].met is met is result.met
+        assert row[0].subject.endswith(">= 4 of 4 arms")
+        assert divergence_bench.TARGET in row[0].subject
+    assert row[0].shown == "3 of 4" and "auto, 1 in 10, seed 0" in row[0].figures
+    assert "(benchmarks.md#adaptive-clipping-a-divergence-case)" in report.miss_notes(run)
+
+
+def test_collect_call_row() -> None:
+    """The host time per collect() row: ratio of the best times, judged against 1.25x; the
+    shapes section renders its table."""
+    r = shapes.CollectCallResult("1,000 x 10,000 float32", Timing.of([2.4e-3, 2.6e-3]),
+                                 Timing.of([2.0e-3, 3.0e-3]))
+    assert abs(r.ratio - 1.2) < 1e-12
+    (check,) = shapes.collect_call_checks(r)
+    assert check.met and check.subject.startswith(
+        "host time per `collect()` of a 1,000-parameter model (1,000 x 10,000 float32): "
+        "<= 1.25x")
+    slow = shapes.CollectCallResult(r.label, Timing.of([2.6e-3]), Timing.of([2.0e-3]))
+    assert not shapes.collect_call_checks(slow)[0].met
+    assert shapes.collect_call_checks(None) == []
 
 
 @pytest.mark.distributed
@@ -295,6 +404,10 @@ def test_quick_deepspeed_zero_section() -> None:
     assert rows[0][4] in ("met", "not met")
     text = report.render(RunResults(command="x", rounds=(1, 1), zero=found))
     assert "## DeepSpeed ZeRO-2" in text and "| gradwatch collect + result |" in text
+    (row,) = [c for c in report.target_checks(RunResults(command="x", rounds=(1, 1), zero=found))
+              if "ZeRO" in c.subject]
+    assert row.subject.startswith("DeepSpeed ZeRO-2, 2 ranks: ") and "<= 1.25x" in row.subject
+    assert row.met == (found.ratio <= zero_bench.TARGET)
 
 
 @pytest.mark.distributed
@@ -321,6 +434,10 @@ def test_quick_guard_section() -> None:
     assert "skip_spike_score" in checks[1].subject and "skip_spike_score" not in checks[0].subject
     text = report.miss_notes(run)
     assert all(c.met or c.subject in text for c in checks)
+    assert all(c.subject.startswith("2-rank DDP step of the demo model") for c in checks)
+    reads = [c for c in report.target_checks(run) if c.area == "host reads"]
+    assert len(reads) == 1 and "guarded optimizer step" in reads[0].subject
+    assert reads[0].subject.endswith("<= 0 host reads") and reads[0].met
 
 
 @pytest.mark.distributed
@@ -344,5 +461,35 @@ def test_quick_update_stats_section() -> None:
     checks = [c for c in report.target_checks(run) if "update_stats" in c.subject]
     assert len(checks) == 2 and "<= +2%" in checks[0].subject and "<= +1%" in checks[1].subject
     assert checks[1].met  # 24 bytes per tensor, far under 1% of the parameters' bytes
+    reads = [c for c in report.target_checks(run) if c.area == "host reads"]
+    assert len(reads) == 1 and "update stats add to a warm step" in reads[0].subject
+    assert reads[0].subject.endswith("<= 0 host reads") and reads[0].met
     text = report.miss_notes(run)
     assert all(c.met or c.subject in text for c in checks)
+
+
+@pytest.mark.distributed
+def test_quick_rank_timing_section() -> None:
+    """The rank-timing section (what `make bench` runs) on 2 blocks: both kinds timed in every
+    block, the added work measured from its parts, the counts (no collective on an ordinary
+    collect, one on a carried one, no host read added) and the target rows judged."""
+    from benchmarks import ranktiming_bench
+
+    found = ranktiming_bench.measure(2)
+    assert isinstance(found, ranktiming_bench.RankTimingResult)
+    assert all(len(v) == 4 for v in found.step_times.values())  # two per block
+    assert found.hook_calls > 0 and found.metered_seconds > 0 and found.added_pct > 0
+    assert found.collectives_ordinary == found.collectives_ordinary_untimed == 0
+    assert found.collectives_carried == 1
+    assert found.host_reads == found.host_reads_untimed
+    text = ranktiming_bench.text(found)
+    _header, rows = _rows(text, "| step |")
+    assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)",
+                        rows[1][2])
+    run = RunResults(command="x", rounds=(1, 1), rank_timing=found)
+    checks = [c for c in report.target_checks(run) if "rank_timing" in c.subject]
+    assert len(checks) == 3 and "<= +0.5%" in checks[0].subject
+    assert checks[1].met and checks[2].met
+    notes = report.miss_notes(run)
+    assert all(c.met or c.subject in notes for c in checks)
+    assert "which-rank-is-slow-rank-timing" in report.render(run)

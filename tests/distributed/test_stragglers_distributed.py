@@ -1,7 +1,8 @@
 """Which rank is slow, end to end in a 4-rank gloo world: a rank made slow by a sleep in its
 backward is named on rank 0 under DDP and FSDP2, nobody is named persistently without it, and
-timing costs no host read and no collective beyond the step's one all-reduce. Workers in
-straggler_cases.py; the world is spawned once and killed after WORLD_TIMEOUT seconds."""
+timing costs no host read and no collective: under plain DDP it rides on the divergence step's
+all-reduce, under FSDP2 on every collect's. Workers in straggler_cases.py; the world is spawned
+once and killed after WORLD_TIMEOUT seconds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 import straggler_cases
-from straggler_cases import SLOW_RANK, WARM
+from straggler_cases import DDP_CARRY_EVERY, SLOW_RANK, WARM
 from worlds import case_results, spawn_suite
 
 pytestmark = [pytest.mark.distributed]
@@ -60,29 +61,50 @@ def _costs(world: list[dict[str, Any]], name: str, key: str) -> list[list[int]]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("timed", "untimed"), [("ddp_slow", "ddp_untimed_reduced"),
-                                                ("ddp_control", "ddp_untimed_reduced"),
+@pytest.mark.parametrize(("timed", "untimed"), [("ddp_slow", "ddp_untimed"),
+                                                ("ddp_control", "ddp_untimed"),
                                                 ("fsdp2_slow", "fsdp2_untimed")])
-def test_timing_adds_no_host_read_in_warm_collects(w4: list, timed: str, untimed: str) -> None:
-    """Every rank, every warm collect: the host reads and scalar reads of collect with rank
-    timing equal those of an untimed collect that all-reduces too (none of them read the
-    timing section; under DDP timing makes every collect all-reduce, whose step agreement the
-    next collect reads from host memory)."""
-    for key in ("host_reads", "scalar_reads"):
+def test_timing_adds_no_host_read_and_no_collective(w4: list, timed: str, untimed: str) -> None:
+    """Every rank, every warm collect: host reads, scalar reads and c10d collectives of a
+    collect with rank timing equal those of the same collect without it."""
+    for key in ("host_reads", "scalar_reads", "collectives"):
         assert _costs(w4, timed, key) == _costs(w4, untimed, key), key
 
 
 @pytest.mark.timeout(400)
-def test_timing_adds_no_collective_under_fsdp2(w4: list) -> None:
-    assert _costs(w4, "fsdp2_slow", "collectives") == _costs(w4, "fsdp2_untimed", "collectives")
+def test_under_plain_ddp_ordinary_collects_issue_nothing(w4: list) -> None:
+    """The c10d op counter per warm collect: the divergence step's one all-reduce, nothing on
+    the ordinary collects between, with rank timing on; every FSDP2 collect its one."""
+    for per_rank in _costs(w4, "ddp_slow", "collectives"):
+        assert per_rank == [int((WARM + i) % DDP_CARRY_EVERY == 0) for i in range(len(per_rank))]
+    # each rank's window after its collect: drained by a carried one, grown by an ordinary one
+    for per_rank in _costs(w4, "ddp_slow", "window"):
+        assert per_rank == [(WARM + i) % DDP_CARRY_EVERY for i in range(len(per_rank))]
+    assert {n for per_rank in _costs(w4, "fsdp2_slow", "window") for n in per_rank} == {0}
     assert {n for per_rank in _costs(w4, "fsdp2_slow", "collectives") for n in per_rank} == {1}
     untimed = case_results(w4, "fsdp2_untimed", "error_in_case")[0]["snaps"]
     assert all(s["straggler_score"] is None for s in untimed)  # off: absent, never 0
 
 
 @pytest.mark.timeout(400)
-def test_under_plain_ddp_timing_keeps_the_one_all_reduce(w4: list) -> None:
-    """Plain DDP collects skip gradwatch's all-reduce (DDP reduced every gradient); rank
-    timing needs it on every collect: exactly one, the packed vector's, never more."""
-    assert {n for r in _costs(w4, "ddp_untimed", "collectives") for n in r} == {0}
-    assert {n for r in _costs(w4, "ddp_slow", "collectives") for n in r} == {1}
+@pytest.mark.parametrize(("name", "every"), [("ddp_slow", DDP_CARRY_EVERY), ("fsdp2_slow", 1)])
+def test_snapshots_carry_the_latest_carried_step(w4: list, name: str, every: int) -> None:
+    """Rank 0's snapshots: no timing before the first carried step that measured (step 0's
+    has no previous collect); after it, the latest carried step's timing with that step."""
+    snaps = case_results(w4, name, "error_in_case")[0]["snaps"]
+    for s in snaps:
+        carried = s["step"] - s["step"] % every
+        if carried == 0:
+            assert s["rank_timing_step"] is None and s["straggler_score"] is None
+        else:
+            assert s["rank_timing_step"] == carried, s
+            assert s["straggler_score"] is not None
+
+
+@pytest.mark.timeout(400)
+def test_nothing_carrying_the_timing_is_said_and_nothing_is_published(w4: list) -> None:
+    """Plain DDP with divergence_every=0: rank 0 warns at construction (the other ranks stay
+    quiet) and no snapshot has timing figures (absent, never 0)."""
+    per_rank = case_results(w4, "ddp_nothing_carries", "error_in_case")
+    assert [r["warned"] for r in per_rank] == [True, False, False, False]
+    assert not any(t for r in per_rank for t in r["timed"])

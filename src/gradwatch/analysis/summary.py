@@ -28,7 +28,7 @@ from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.norms.bands import norm_from_bands
 from gradwatch.norms.stats import sqrt_sum
 from gradwatch.reduce.layout import Layout
-from gradwatch.reduce.ranktiming import timing_fields
+from gradwatch.reduce.ranktiming import CarriedTiming
 from gradwatch.reduce.reduced import ReducedStats
 from gradwatch.snapshot import RATIO_EPS, GroupStats, Snapshot, clip_coefficient, ratio_defined
 
@@ -293,6 +293,7 @@ class Summarizer:
             cfg.spike_window, cfg.spike_threshold, cfg.spike_warmup, resolved.rank
         )
         self._noise = NoiseScale()
+        self._timing = CarriedTiming()  # which rank is slow, as the latest carried step said
         self._auditor = NormAuditor(
             cfg.audit_tolerance, parallel_factors(resolved.parallelism, resolved.world_size)
         )
@@ -353,8 +354,8 @@ class Summarizer:
         if stats.updates is not None:
             previous = self._previous if self._previous_attempt == step.attempt - 1 else None
             changes.update(update_fields(stats.updates, r.view_groups, snap.groups, previous))
-        if stats.rank_timing is not None:
-            changes.update(timing_fields(stats.rank_timing, r.layout.hosts))
+        if r.layout.rank_timing:
+            changes.update(self._timing.fields(step.step, stats.rank_timing, r.layout.hosts))
         # Host-side, after the one read: scored in collect order, see gradwatch.analysis.spikes.
         changes.update(self._spikes.fields(snap, step.attempt))
         if changes:

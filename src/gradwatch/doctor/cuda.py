@@ -15,6 +15,8 @@ the CUDA path promises and this project cannot test without a GPU.
   stop (:mod:`gradwatch.doctor.cuda_paths`).
 * the optimizer-step guard's checks (:mod:`gradwatch.doctor.cuda_guard`):
   ``cuda[guard-scaler]``, ``cuda[deterministic]``, ``cuda[first-skip]``.
+* ``cuda[rank-timing]``: rank timing's CUDA-event clock measures the GPU's working time with
+  no synchronization (:mod:`gradwatch.doctor.cuda_timing`).
 
 On a machine without CUDA each is a SKIP.
 """
@@ -33,6 +35,7 @@ from gradwatch.doctor.cuda_paths import (
     check_cuda_mixed,
     check_cuda_zero_fp16,
 )
+from gradwatch.doctor.cuda_timing import check_cuda_rank_timing
 from gradwatch.doctor.options import FAIL, PASS, SKIP, Check
 from gradwatch.errors import GradWatchError
 from gradwatch.reduce.collective import capture_window
@@ -148,6 +151,7 @@ def cuda_checks(device: torch.device) -> list[tuple[str, Callable[[], Check]]]:
         ("cuda[mixed]", check_cuda_mixed),
         ("cuda[zero-fp16]", check_cuda_zero_fp16),
         ("cuda[late-peer]", check_cuda_late_peer),
+        ("cuda[rank-timing]", check_cuda_rank_timing),
     ]
     if device.type != "cuda":
         return [

@@ -16,9 +16,11 @@ SLOWEST_RANK = MetricDef(
     "gauge",
     ("host",),
     "Rank whose working time (its own compute up to its gradient collective, not its waits "
-    "on peers) was the longest at the last published step; host: that rank's host.",
-    "One series whatever the world size. Also absent on a step where no rank is slower than "
-    "the others by a timing bin (about 9%). The "
+    "on peers; each rank's median since the previous carried step) was the longest at the "
+    "latest carried step; host: that rank's host.",
+    "One series whatever the world size. Carried by the collects gradwatch all-reduces anyway "
+    "(under plain DDP every divergence_every collects) and held in between. Also absent when "
+    "no rank is slower than the others by a timing bin (about 9%). The "
     "GradwatchSameRankSlowest alert fires when the same rank stays the straggler.",
     absent=md.ABSENT_WITHOUT_RANK_TIMING,
     source=MetricSource.SNAPSHOT,
@@ -28,7 +30,7 @@ STRAGGLER_SCORE = MetricDef(
     "gradwatch_straggler_score",
     "gauge",
     (),
-    "The fastest rank's working time over the slowest rank's at the last published step, "
+    "The fastest rank's working time over the slowest rank's at the latest carried step, "
     "in (0, 1]: 1 without a straggler, below 0.7 a straggler.",
     "1 when every rank worked as long (within a timing bin).",
     absent=md.ABSENT_WITHOUT_RANK_TIMING,
@@ -39,7 +41,7 @@ RANK_WORK_SECONDS = MetricDef(
     "gradwatch_rank_work_seconds",
     "gauge",
     ("quantity",),
-    "Working time per step over the ranks (quantity: min, median, max) at the last published "
+    "Working time per step over the ranks (quantity: min, median, max) at the latest carried "
     "step, in seconds.",
     "Exact when the quantity's timing bin holds one rank, else the mean of its bin's ranks "
     "(within about 9%).",

@@ -114,7 +114,7 @@ class Layout:
     # divergence steps and with the rank view (Reducer.issues_collective)
     replicated_synced: bool = False
     update_groups: int = 0  # groups of the update section (gradwatch.norms.updates); 0 = none
-    rank_timing: bool = False  # the timing section (gradwatch.step.ranktiming), agreed by hash
+    rank_timing: bool = False  # the timing section (gradwatch.reduce.ranktiming), agreed by hash
 
     @property
     def rank_view_slots(self) -> bool:

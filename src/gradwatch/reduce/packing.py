@@ -41,7 +41,9 @@ ranks that could not measure the update and those without a previous collect. Su
 rest: no second collective.
 **The rank timing** (``WatchConfig.rank_timing``): last, ``TIMING_WIDTH`` float64 whatever the
 world size, each rank's working time as one entry in a SUM-able histogram
-(:mod:`gradwatch.step.ranktiming`); it makes every collect all-reduce.
+(:mod:`gradwatch.reduce.ranktiming`). It rides only on collects that all-reduce anyway (a
+collect that issues nothing leaves it empty and the rank's window keeps growing): it never
+makes a collect all-reduce.
 
 **Reading it.** Only this module and :mod:`gradwatch.reduce.reduced` know those offsets (which
 :mod:`gradwatch.reduce.sections` defines: :class:`~gradwatch.reduce.sections.Sections`). The rest
@@ -77,7 +79,7 @@ from gradwatch.reduce.collective import (
     reducer_device,
 )
 from gradwatch.reduce.layout import Layout, LocalPiece, derive_layout
-from gradwatch.reduce.ranktiming import pack_timing
+from gradwatch.reduce.ranktiming import WorkSource, pack_timing
 from gradwatch.reduce.reduced import ReducedVector
 from gradwatch.reduce.sections import sections
 from gradwatch.reduce.steps import step_residues
@@ -293,7 +295,7 @@ class Reducer:
         rank_local: Tensor | None = None,
         device_collective: bool = True,
         updates: Tensor | None = None,
-        work_seconds: float | None = None,
+        work: WorkSource | None = None,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
         squared norms: three entries per local piece, see :mod:`gradwatch.norms.stats`) and
@@ -306,7 +308,9 @@ class Reducer:
         A constant number of ops (about 7), whatever the number of parameters: pieces this rank
         does not count (replicated copies owned by another rank) are zeroed by ``where`` (not
         multiplied: a NaN times 0 is NaN), and ``sq - sq`` is 0 where finite and NaN where NaN
-        or Inf, which gives the non-finite flags in two ops.
+        or Inf, which gives the non-finite flags in two ops. ``work``: this rank's working-time
+        window (rank timing), drained into the timing section only when this collect
+        all-reduces.
         """
         lay = self.layout
         packed = torch.zeros(lay.packed_length, dtype=torch.float64, device=self.device)
@@ -326,8 +330,8 @@ class Reducer:
             pack_rank_view(packed[sections(lay).rank_view], lay, rank_local, self._zero)
         if updates is not None:
             packed[sections(lay).updates].copy_(updates)
-        if lay.rank_timing:
-            pack_timing(packed[sections(lay).rank_timing], lay.rank, work_seconds)
+        if lay.rank_timing and work is not None and not alone:
+            pack_timing(packed[sections(lay).rank_timing], lay.rank, work.drain())
         if alone:
             return ReducedVector(packed, Pending(), self.timeout, step, lay, ranks=1)
         return self._issue(packed, step, on_host=not device_collective)
@@ -348,7 +352,7 @@ class Reducer:
         lay = self.layout
         return (
             with_replicas or self.guarded or not lay.replicated_synced
-            or lay.rank_view_groups > 0 or lay.rank_timing
+            or lay.rank_view_groups > 0
         )
 
     def _stage_tail(self, has_grad: Sequence[bool], step: int) -> None:

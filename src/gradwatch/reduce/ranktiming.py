@@ -1,9 +1,14 @@
-"""Which rank is slow: each rank's working time per step, carried by the step's one all-reduce.
+"""Which rank is slow: each rank's working time, carried by the all-reduces gradwatch runs anyway.
 
-**What a rank measures** (:mod:`gradwatch.step.ranktimer`, host clock, no device op): its
-*working time*, from the end of its previous ``collect`` to its *arrival*, the last gradient
-accumulated in this step's backward; the time it waits on peers is excluded (docs/design.md,
-"Which rank is slow").
+**What a rank measures** (:mod:`gradwatch.step.ranktimer`; host clock, or CUDA events on a
+CUDA device): per step its *working time*, from the end of its previous ``collect`` to its
+*arrival*, the last gradient accumulated in this step's backward; the time it waits on peers
+is excluded (docs/design.md, "Which rank is slow"). It keeps the times of the steps since the
+last *carried* step, and a carried step (a collect that all-reduces anyway: every collect on
+FSDP1/2, ZeRO, TP or with the guard, the rank view or ``always_reduce``; under plain DDP the
+divergence step, every ``divergence_every`` collects) packs their median, the one ``t`` below.
+No collect all-reduces for timing; rank 0's snapshots carry the latest carried step's
+attribution and that step (:class:`CarriedTiming`).
 
 **What the all-reduce carries** (:func:`pack_timing`): ``3 x TIMING_BINS`` float64 per rank,
 whatever the world size. The time ``t`` falls in a log-spaced bin ``k`` (:func:`bin_of`:
@@ -32,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -44,6 +49,15 @@ TIMING_FLOOR = 2.0**-13
 TIMING_BINS = 24 * TIMING_BINS_PER_OCTAVE
 #: Width of the packed vector's timing section: counts, rank-id sums, time sums per bin.
 TIMING_WIDTH = 3 * TIMING_BINS
+
+
+class WorkSource(Protocol):
+    """A rank's working times since the last carried step
+    (:class:`gradwatch.step.ranktimer.WorkWindow`)."""
+
+    def drain(self) -> float | None:
+        """The one time this rank packs (None: nothing measured), and a new window."""
+        ...
 
 
 def bin_of(seconds: float) -> int:
@@ -114,10 +128,11 @@ class RankTiming:
         )
 
 
-def timing_fields(timing: RankTiming, hosts: Sequence[str]) -> dict[str, Any]:
-    """The :class:`~gradwatch.snapshot.Snapshot` fields of a step's timing."""
+def timing_fields(timing: RankTiming, hosts: Sequence[str], step: int) -> dict[str, Any]:
+    """The :class:`~gradwatch.snapshot.Snapshot` fields of the timing carried at ``step``."""
     rank = timing.slowest_rank
     return {
+        "rank_timing_step": step,
         "slowest_rank": rank,
         "slowest_host": hosts[rank] if rank is not None and rank < len(hosts) else None,
         "straggler_score": timing.straggler_score,
@@ -125,3 +140,30 @@ def timing_fields(timing: RankTiming, hosts: Sequence[str]) -> dict[str, Any]:
         "work_seconds_median": timing.median_seconds,
         "work_seconds_max": timing.max_seconds,
     }
+
+
+class CarriedTiming:
+    """The latest carried step's timing, for the snapshots of the steps after it (host side).
+
+    A snapshot gets the timing its own vector carried, else the latest carried step's with
+    that step (``Snapshot.rank_timing_step``) when that step is not after its own; nothing
+    before the first carried step: never a guess. The latest is one tuple replaced whole
+    (snapshots may be built on the publisher's thread).
+    """
+
+    def __init__(self) -> None:
+        self._latest: tuple[int, RankTiming] | None = None
+
+    def fields(
+        self, step: int, timing: RankTiming | None, hosts: Sequence[str]
+    ) -> dict[str, Any]:
+        """The snapshot fields for ``step``, whose vector carried ``timing`` (or None)."""
+        if timing is not None:
+            latest = self._latest
+            if latest is None or latest[0] <= step:
+                self._latest = (step, timing)
+            return timing_fields(timing, hosts, step)
+        latest = self._latest
+        if latest is None or latest[0] > step:
+            return {}
+        return timing_fields(latest[1], hosts, latest[0])

@@ -96,8 +96,9 @@ class ReducedStats:
             rank_view=RankView.from_section(values[at.rank_view], layout),
             ranks=layout.world_size if ranks is None else ranks,
             updates=values[at.updates] if layout.update_groups else None,
+            # a vector that was not all-reduced carries no timing (it rides on all-reduces)
             rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
-            if layout.rank_timing else None,
+            if layout.rank_timing and ranks != 1 else None,
         )
 
     @property

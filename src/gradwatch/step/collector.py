@@ -440,7 +440,7 @@ class Collector(StepActions):
             sq, has_grad, step, with_replicas=measure, rank_local=local,
             device_collective=max_norm is not None or guard is not None,
             updates=update_section(r, measure),
-            work_seconds=r.timer.take() if r.timer is not None else None,
+            work=r.timer.lap() if r.timer is not None else None,
         )
         acting = Acting(guard, self.history, self.incidents is not None)
         acted = acting.act(reduced, max_norm, grads, plan)

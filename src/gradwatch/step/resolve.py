@@ -40,7 +40,7 @@ from gradwatch.stacks.fsdp1 import Fsdp1GradientReader, Fsdp1Model
 from gradwatch.stacks.fsdp1 import resolve as resolve_fsdp1
 from gradwatch.stacks.main_grad import reject_distributed_optimizer
 from gradwatch.stacks.zero import ZeroGradients, find_engine
-from gradwatch.step.ranktimer import RankTimer
+from gradwatch.step.ranktimer import RankTimer, cuda_clock
 
 log = logging.getLogger("gradwatch")
 
@@ -163,6 +163,13 @@ def resolve(
             )
         detach(comm_hook)
         comm_hook = local_view = None
+    if (rank == 0 and layout.rank_timing and layout.replicated_synced
+            and cfg.divergence_every == 0 and layout.rank_view_groups == 0):
+        log.warning(
+            "gradwatch: rank_timing rides on the all-reduces gradwatch runs anyway; under this "
+            "plain DDP setup that is the divergence step, and divergence_every=0 turns it off: "
+            "which rank is slow stays unmeasured unless a guard makes every collect all-reduce"
+        )
     groups_of, group_order = group_membership(layout.names, cfg.groups)
     if rank == 0:
         for group in empty_groups(groups_of, cfg.groups):
@@ -203,7 +210,7 @@ def resolve(
         zero=zero,
         fsdp1=flat,
         updates=updates,
-        timer=RankTimer(params, model) if layout.rank_timing else None,
+        timer=RankTimer(params, model, cuda_clock(params)) if layout.rank_timing else None,
     )
 
 

@@ -87,7 +87,7 @@ def test_doctor_cpu_json_every_check_passes() -> None:
         assert _passed(name, status.get(name)), (name, doc)
     assert status["distributed"] == "SKIP"
     cuda = [name for name in status if name.startswith("cuda[")]
-    assert len(cuda) == 10 and all(status[name] == "SKIP" for name in cuda), status
+    assert len(cuda) == 11 and all(status[name] == "SKIP" for name in cuda), status
     assert doc["ok"] is True and doc["failed"] == []
     assert doc["environment"]["torch"] == torch.__version__
     assert all(c["measured"] and c["threshold"] for c in doc["checks"])

@@ -89,11 +89,12 @@ def test_absent_unless_every_rank_measured() -> None:
 def test_snapshot_fields_and_metrics() -> None:
     timing = RankTiming.from_section(_reduced([0.01, 0.21, 0.0105, 0.011]), 4)
     assert timing is not None
-    fields = timing_fields(timing, ("a", "b", "c", "d"))
+    fields = timing_fields(timing, ("a", "b", "c", "d"), 3)
     snap = Snapshot(step=3, **fields)
     assert snap.slowest_rank == 1 and snap.slowest_host == "b"
     assert snap.work_seconds_min == 0.01 and snap.work_seconds_max == 0.21
     assert snap.straggler_score == pytest.approx(0.01 / 0.21)
+    assert snap.rank_timing_step == 3
     assert Snapshot.from_dict(snap.to_dict()) == snap
     published = PublishedStep(snap=snap, top_k=0, ratio_labels={})
     assert SLOWEST_RANK.read(published) == ((("b",), 1.0),)
