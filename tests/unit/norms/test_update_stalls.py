@@ -13,9 +13,10 @@ import torch
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.norms.updates import BATCH, UpdateMeter
 
-#: Blocks of the test weight: (weight, gradient, elements). At lr 1e-10 an Adam step moves an
-#: element by about 1e-10: under half an ulp of 1e4 (4.9e-4: stalls), far above one of 1e-4
-#: (7e-12: moves). The decoupled decay (lr * 0.1) moves 1e-4 by 1e-15, under its half ulp.
+#: Blocks of the test weight: (weight, gradient, elements). At lr 1e-10 an Adam or SGD step
+#: moves an element by about 1e-10 (SGD: lr times a gradient of 0.5 to 2): under half an ulp
+#: of 1e4 (4.9e-4: stalls), far above one of 1e-4 (7e-12: moves). A decay of 0.1 (decoupled,
+#: or SGD's L2) moves 1e-4 by 1e-15, under its half ulp.
 BLOCKS = (
     (1e4, 1.0, 700),     # meant to move, rounded away
     (1e-4, -1.0, 500),   # moves
@@ -33,12 +34,20 @@ def weight(repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return w, g
 
 
-def intended_change(opt: torch.optim.Optimizer, p: torch.Tensor, before: torch.Tensor
-                    ) -> torch.Tensor:
-    """Adam/AdamW's intended change ``lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps) + lr*wd*p_old``
-    in float64 from copies of the state after the step (the reference's own arithmetic)."""
+def intended_change(opt: torch.optim.Optimizer, p: torch.Tensor, before: torch.Tensor,
+                    grad: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's intended change in float64 from copies of the state after the step (the
+    reference's own arithmetic): Adam/AdamW's ``lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps) (+
+    lr*wd*p_old)``; SGD's ``lr * buf`` (momentum: the buffer holds the decay) or ``lr * (g +
+    wd * p_old)``."""
     group = opt.param_groups[0]
     state = opt.state[p]
+    if isinstance(opt, torch.optim.SGD):
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        if state.get("momentum_buffer") is not None:
+            return lr * state["momentum_buffer"].double()
+        assert grad is not None
+        return lr * (grad.double() + wd * before)
     lr, (b1, b2), eps = float(group["lr"]), group["betas"], group["eps"]
     t = float(state["step"])
     m = state["exp_avg"].double()
@@ -66,6 +75,11 @@ OPTIMIZERS: dict[str, Any] = {
         [p], lr=torch.tensor(lr), weight_decay=0.1, fused=True),
     "adam_no_decay": lambda p, lr: torch.optim.Adam([p], lr=lr, foreach=True),
     "adam_fused": lambda p, lr: torch.optim.Adam([p], lr=lr, fused=True),
+    "sgd": lambda p, lr: torch.optim.SGD([p], lr=lr),
+    "sgd_decay_foreach": lambda p, lr: torch.optim.SGD([p], lr=lr, weight_decay=0.1,
+                                                       foreach=True),
+    "sgd_momentum_decay": lambda p, lr: torch.optim.SGD([p], lr=lr, momentum=0.9,
+                                                        weight_decay=0.1),
 }
 
 
@@ -83,10 +97,10 @@ def test_float32_stalls_are_counted_exactly(kind: str, repeat: int) -> None:
             p.grad = g.clone()
             opt.step()
             after = p.detach().double()
-            moving = intended_change(opt, p, before) != 0
+            moving = intended_change(opt, p, before, g) != 0
             stalled = moving & (after == before)
             expected = (int(stalled.sum()), int(moving.sum()))
-            decayed = kind.startswith("adamw")
+            decayed = kind.startswith("adamw") or kind.startswith("sgd_")
             # what the blocks make of it, known without the reference
             known_stalled = (700 + 100 + (400 if decayed else 0)) * repeat
             known_moving = known_stalled + (500 + 200) * repeat
