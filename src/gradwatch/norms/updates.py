@@ -24,8 +24,8 @@ of ordinary training are far inside).
 is not 0 and *stalled* when it is moving and ``delta == 0`` (the change was under half an ulp
 of the weight and was rounded away: Adam on an element whose gradient has long been 0, a tiny
 learning rate, a large weight). Every count is the squared ``_foreach_norm`` of signs
-(``-1, 0, 1``) over a batch's views, rounded: the number of non-zero elements, exact below
-2^22 elements per view (a contiguous view holds at most :data:`BATCH`). An order-0 norm
+(``-1, 0, 1``) over a batch's views, rounded: the number of non-zero elements, exact
+(accumulated in float32 for views of up to 2^22 elements, in float64 above). An order-0 norm
 counts the same but leaves the multi-tensor kernel on CUDA (it has L1, L2 and inf only: one
 kernel per view) and runs several times slower than ``sign`` plus an L2 norm on CPU.
 bf16/fp16 weights (:func:`narrow_figures`) materialise the intended change in the dtype and
@@ -324,7 +324,7 @@ def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, marks: list[Tensor],
 
     Stalled elements, counted without materialising the intended change ``u + c p_old``, as
     squared norms of signs (``_foreach_sign`` then ``_foreach_norm``: rounded, the count of
-    non-zero elements, exact below 2^22 elements per view; see the module docstring for why
+    non-zero elements, exact: :func:`_nonzeros`; see the module docstring for why
     not an order-0 norm): ``applied`` = non-zeros of ``delta``. Without decay,
     ``moving`` = non-zeros of the marks times ``meant`` (one norm call with ``applied``) and
     ``stalled = moving - applied`` (every element with ``delta != 0`` had ``u != 0``). With a
@@ -349,15 +349,15 @@ def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, marks: list[Tensor],
     views = len(delta)
     torch._foreach_sign_(delta)
     if isinstance(c, float) and c == 0.0:
-        nonzero = _norms(delta + list(torch._foreach_sign(marks))).square().round()
+        nonzero = _nonzeros(delta + list(torch._foreach_sign(marks)))
         applied, moving = nonzero[:views], nonzero[views:] * meant
         stalled = moving - applied
     else:
         torch._foreach_sign_(mid)
-        nonzero = _norms(delta + mid).square().round()
+        nonzero = _nonzeros(delta + mid)
         applied = nonzero[:views]
         torch._foreach_mul_(mid, delta)  # +-1 where the weight was non-zero and moved
-        stalled = nonzero[views:] - _norms(mid).square().round()
+        stalled = nonzero[views:] - _nonzeros(mid)
         if not isinstance(c, float):
             stalled = stalled * (c != 0)
         moving = stalled + applied
@@ -376,20 +376,30 @@ def narrow_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
     torch._foreach_sub_(old, b.params)  # -delta
     squares = _norms(old).square()
     torch._foreach_sign_(u)  # -1, 0, 1: whether each element was meant to move
-    moving = _norms(u).square().round()
+    moving = _nonzeros(u)
     torch._foreach_sign_(old)
     torch._foreach_mul_(u, old)  # +-1 where it was meant to move and moved
-    moved = _norms(u).square().round()
+    moved = _nonzeros(u)
     return torch.stack([squares, moving - moved, moving])
 
 
-def _norms(tensors: list[Tensor]) -> Tensor:
-    """The L2 norm of each tensor, accumulated in float32 (bf16/fp16 widened by the op;
-    float64 in float64), as one float64 vector on the first tensor's device: one
-    ``_foreach_norm`` per (device, dtype). A norm of signs, squared and rounded, is the count
-    of non-zero elements: exact below 2^22 elements per view (the float32 square root's
-    relative error, 6e-8, doubled by the square, stays under half a unit; a contiguous view
-    holds at most :data:`BATCH`)."""
+#: Elements per view up to which a float32 norm of signs, squared and rounded, counts exactly
+#: (the float32 square root's relative error, 6e-8, doubled by the square, stays under half a
+#: unit); a larger view (a non-contiguous tensor is one) is counted in float64.
+EXACT_COUNT = 1 << 22
+
+
+def _nonzeros(signs: list[Tensor]) -> Tensor:
+    """The number of non-zero elements of each tensor of signs (``-1, 0, 1``): its squared L2
+    norm, rounded, as one float64 vector (see :func:`_norms`); exact at any size."""
+    wide = any(t.numel() > EXACT_COUNT for t in signs)
+    return _norms(signs, torch.float64 if wide else None).square().round()
+
+
+def _norms(tensors: list[Tensor], accumulate: torch.dtype | None = None) -> Tensor:
+    """The L2 norm of each tensor, accumulated in ``accumulate`` when given, else in float32
+    (bf16/fp16 widened by the op; float64 in float64), as one float64 vector on the first
+    tensor's device: one ``_foreach_norm`` per (device, dtype)."""
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         buckets.setdefault((t.device, t.dtype), []).append(i)
@@ -397,7 +407,8 @@ def _norms(tensors: list[Tensor]) -> Tensor:
     parts: list[Tensor] = []
     order: list[int] = []
     for (_, dtype), idx in buckets.items():
-        wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+        narrow = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+        wide = accumulate or narrow
         norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=wide)
         parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
         order += idx
