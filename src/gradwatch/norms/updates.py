@@ -78,7 +78,7 @@ the batch (``sqrt(v)``, ``+ e``, one ``addcdiv`` giving ``p_mid``, a subtraction
 ``delta``, its norm; then ``sign`` of ``delta`` in place and of ``m``, one norm call over
 both), eleven with it (the second ``addcdiv`` gives ``delta``; its norm, ``sign`` of
 ``delta`` and ``p_mid`` in place, one norm call over both, their product in place, its norm);
-SGD eight to eleven; about 30 small ops on vectors of one element per view (the bias
+SGD eight to twelve; about 30 small ops on vectors of one element per view (the bias
 corrections, the counts); no Python loop over elements, one over the
 parameters to gather their state. bf16/fp16 weights: about fifteen foreach ops per batch (the
 signs). Per collect, one float32 norm per view of :data:`WEIGHT_ROWS` weights (their squares
