@@ -227,18 +227,24 @@ def fsdp1_table(results: list[Fsdp1Result] | Failure) -> str:
 
 #: The guarded kinds, each judged against the target, and the configuration each runs.
 GUARDED_MODES = (GuardMode.GUARDED_NONFINITE, GuardMode.GUARDED)
-GUARD_CONFIGS = ("`skip_nonfinite`", "`skip_nonfinite` + `skip_spike_score=6`")
+GUARD_CONFIGS = ("`skip_nonfinite`",
+                 "`skip_nonfinite` + `skip_spike_score=6`, `guard_spike_statistic=\"ema\"`")
 
 
 def guard_table(r: GuardResult | Failure) -> str:
     if isinstance(r, Failure):
         return f"failed: {r.error}"
-    rows = [[GuardMode.WATCHED.value, fmt_timing(r.timing(GuardMode.WATCHED)), "-", "-"]]
-    for mode in GUARDED_MODES:
+    rows = [[GuardMode.WATCHED.value, fmt_timing(r.timing(GuardMode.WATCHED)),
+             f"{r.optimizer_ms(GuardMode.WATCHED):.2f}", "-", "-", "-"]]
+    for mode in (GuardMode.COLLECTIVE, *GUARDED_MODES):
         ov = r.ratio(mode)
-        rows.append([mode.value, fmt_timing(r.timing(mode)), fmt_ratio(ov), verdict_of(ov)])
+        floor = "-" if mode is GuardMode.COLLECTIVE else fmt_ratio(
+            r.ratio(mode, GuardMode.COLLECTIVE))
+        rows.append([mode.value, fmt_timing(r.timing(mode)), f"{r.optimizer_ms(mode):.2f}",
+                     fmt_ratio(ov), verdict_of(ov), floor])
     return table(
-        ["step", "step ms (p25-p75)", "ratio over unguarded (IQR over blocks)", "verdict"], rows)
+        ["step", "step ms (p25-p75)", "optimizer phase ms (median)",
+         "ratio over unguarded (IQR over blocks)", "verdict", "over the bare all-reduce"], rows)
 
 
 def update_stats_table(r: UpdateStatsResult | Failure) -> str:
@@ -347,8 +353,12 @@ def _rank_view_figures(r: RankViewResult) -> str:
 def _guard_figures(g: GuardResult, mode: GuardMode) -> str:
     ov = g.ratio(mode)
     extra = (g.timing(mode).median - g.timing(GuardMode.WATCHED).median) * 1e3
+    floor = g.ratio(GuardMode.COLLECTIVE)
     return (f"{extra:+.2f} ms; {verdict_of(ov)}; {g.ops[mode]} ops ({g.extra_ops(mode)} more "
-            f"than unguarded), {g.scalar_reads} host reads per guarded step")
+            f"than unguarded), {g.collectives.get(mode, 0)} collective(s) and "
+            f"{g.scalar_reads} host reads per guarded step; the bare all-reduce alone "
+            f"{floor.median_pct:+.1f}% (95% CI {floor.ci_low_pct:+.1f}% to "
+            f"{floor.ci_high_pct:+.1f}%: the floor on gloo)")
 
 
 def _scrapers_figures(run: RunResults, s: ScrapersResult) -> str:
@@ -539,10 +549,19 @@ def _guard_section(g: GuardResult | Failure) -> str:
     if isinstance(g, Failure):
         return guard_table(g)
     ops = "; ".join(f"{config}: {g.ops[mode]} aten ops ({g.extra_ops(mode)} more than an "
-                    "unguarded one)" for mode, config in zip(GUARDED_MODES, GUARD_CONFIGS,
-                                                             strict=True))
+                    f"unguarded one), {g.collectives.get(mode, 0)} collective(s)"
+                    for mode, config in zip(GUARDED_MODES, GUARD_CONFIGS, strict=True))
+    unguarded = g.collectives.get(GuardMode.WATCHED, 0)
     return (f"Blocks: {g.blocks}. One warm guarded optimizer step, {ops}; {g.scalar_reads} host "
-            "scalar reads.\n\n" + guard_table(g))
+            f"scalar reads. Unguarded: {unguarded} collective(s) (plain DDP: the collect "
+            f"all-reduces only on divergence steps). The floor's all-reduce: "
+            f"{g.packed_length} float64, as the packed vector. Steps the guards skipped "
+            f"(timed or not): {_guard_skips(g)}.\n\n" + guard_table(g))
+
+
+def _guard_skips(g: GuardResult) -> str:
+    return ", ".join(f"{config} {g.skipped.get(mode, 0)}"
+                     for mode, config in zip(GUARDED_MODES, GUARD_CONFIGS, strict=True))
 
 
 def _fsdp1_section(results: list[Fsdp1Result] | Failure) -> str:

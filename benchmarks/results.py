@@ -429,34 +429,52 @@ class GuardMode(Enum):
     """The kinds of DDP step the guard's benchmark times against each other."""
 
     WATCHED = "gradwatch `collect`, then the fused optimizer's step (unguarded)"
+    COLLECTIVE = (
+        "the unguarded step plus a bare gloo all-reduce of the packed vector's size, awaited "
+        "(the guard's collective alone: the floor)"
+    )
     GUARDED_NONFINITE = (
         "`watch.guard(optimizer).step()`, `skip_nonfinite` (the default): collect, decide, "
         "fused step with `found_inf`"
     )
     GUARDED = (
-        "`watch.guard(optimizer).step()`, `skip_nonfinite` and `skip_spike_score=6`: collect, "
-        "decide, fused step with `found_inf`"
+        "`watch.guard(optimizer).step()`, `skip_nonfinite` and `skip_spike_score=6` with "
+        "`guard_spike_statistic=\"ema\"`: collect, decide, fused step with `found_inf`"
     )
 
 
 @dataclass(frozen=True)
 class GuardResult:
     """Rank 0's step times of every :class:`GuardMode` (2 ranks, DDP, demo model, fused
-    AdamW), in palindromic blocks; per kind, the aten ops of one warm optimizer step (collect,
-    decision, fused step) and the host scalar reads of the guarded ones."""
+    AdamW), in palindromic blocks; per kind, the aten ops and the collectives of one warm
+    optimizer step (collect, decision, fused step; the floor's all-reduce) and the host scalar
+    reads of the guarded ones; the packed vector's length (float64 entries); the steps each
+    guarded kind skipped (warm-up and timed blocks)."""
 
     model: str
     blocks: int
     step_times: dict[GuardMode, tuple[float, ...]]
     scalar_reads: int
     ops: dict[GuardMode, int]
+    collectives: dict[GuardMode, int] = field(default_factory=dict)
+    packed_length: int = 0
+    skipped: dict[GuardMode, int] = field(default_factory=dict)  # steps the guard skipped
+    #: the same steps' optimizer phase (collect, all-reduce, decision, fused step)
+    optimizer_times: dict[GuardMode, tuple[float, ...]] = field(default_factory=dict)
+
+    def optimizer_ms(self, mode: GuardMode) -> float:
+        """The median optimizer phase of ``mode``'s timed steps, in ms (NaN: not recorded)."""
+        times = self.optimizer_times.get(mode)
+        return statistics.median(times) * 1e3 if times else math.nan
 
     def timing(self, mode: GuardMode) -> Timing:
         return Timing.of(self.step_times[mode])
 
-    def ratio(self, mode: GuardMode = GuardMode.GUARDED) -> PairedRatio:
-        """The ``mode`` step's extra time over the unguarded one (see :func:`paired_ratio`)."""
-        return paired_ratio(self.step_times[mode], self.step_times[GuardMode.WATCHED])
+    def ratio(self, mode: GuardMode = GuardMode.GUARDED,
+              base: GuardMode = GuardMode.WATCHED) -> PairedRatio:
+        """The ``mode`` step's extra time over the ``base`` one, by default the unguarded
+        step (see :func:`paired_ratio`)."""
+        return paired_ratio(self.step_times[mode], self.step_times[base])
 
     def extra_ops(self, mode: GuardMode) -> int:
         """The ``mode`` step's aten ops over the unguarded step's."""

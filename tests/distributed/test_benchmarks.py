@@ -412,26 +412,41 @@ def test_quick_deepspeed_zero_section() -> None:
 
 @pytest.mark.distributed
 def test_quick_guard_section() -> None:
-    """The guard section (what `make bench` runs) on 2 blocks: both kinds timed in every block,
-    the ratio rendered with its IQR and verdict, the target row judged, no host read."""
+    """The guard section (what `make bench` runs) on 2 blocks: every kind timed in every block,
+    the ratio rendered with its IQR and verdict (and over the bare all-reduce), the target rows
+    judged, one collective per guarded step and per floor step, none unguarded, no host read."""
     from benchmarks.results import GuardMode, GuardResult
 
     found = guard_bench.guard(2)
     assert isinstance(found, GuardResult)
     assert all(len(found.timing(m)) == 4 for m in GuardMode)  # two per block
     assert found.scalar_reads == 0
+    assert found.collectives == {GuardMode.WATCHED: 0, GuardMode.COLLECTIVE: 1,
+                                 GuardMode.GUARDED_NONFINITE: 1, GuardMode.GUARDED: 1}
+    assert found.packed_length > 0
+    assert set(found.skipped) == {GuardMode.GUARDED_NONFINITE, GuardMode.GUARDED}
+    assert found.skipped[GuardMode.GUARDED_NONFINITE] == 0  # finite gradients throughout
     modes = (GuardMode.GUARDED, GuardMode.GUARDED_NONFINITE)
     spike, nonfinite = (found.extra_ops(m) for m in modes)
     assert spike > nonfinite > 0
     _header, rows = _rows(report.guard_table(found), "| step |")
     assert [r[0] for r in rows] == [m.value for m in GuardMode]
+    ratio = r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)"
+    assert all(len(found.optimizer_times[m]) == 4 for m in GuardMode)
+    assert all(0 < found.optimizer_times[m][k] < found.step_times[m][k]
+               for m in GuardMode for k in range(4))
+    for r in rows:
+        assert re.fullmatch(r"\d+\.\d\d", r[2])
     for r in rows[1:]:
-        assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)", r[2])
-        assert "beyond noise (95% CI of the median" in r[3]
+        assert re.fullmatch(ratio, r[3])
+        assert "beyond noise (95% CI of the median" in r[4]
+    assert rows[1][5] == "-" and all(re.fullmatch(ratio, r[5]) for r in rows[2:])
     run = RunResults(command="x", rounds=(1, 1), guard=found)
     checks = [c for c in report.target_checks(run) if "watch.guard" in c.subject]
     assert len(checks) == 2 and all("<= +2%" in c.subject for c in checks)
     assert "skip_spike_score" in checks[1].subject and "skip_spike_score" not in checks[0].subject
+    assert '"ema"' in checks[1].subject
+    assert all("the floor on gloo" in c.figures for c in checks)
     text = report.miss_notes(run)
     assert all(c.met or c.subject in text for c in checks)
     assert all(c.subject.startswith("2-rank DDP step of the demo model") for c in checks)

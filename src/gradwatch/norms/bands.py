@@ -88,8 +88,38 @@ def norm_from_bands_device(plain: Tensor, high: Tensor, low: Tensor) -> Tensor:
 
 def banded_total_device(bands: Tensor, n: int) -> Tensor:
     """The L2 norm of every tensor together from a banded vector (``BANDS * n`` long) of
-    squared norms, a 0-dim float64 tensor on its device, no host read."""
-    sums = bands.view(BANDS, n).sum(dim=1)
-    return norm_from_bands_device(sums[0], sums[1], sums[2])
+    squared norms, a 0-dim float64 tensor on its device, no host read: the band sums
+    combined by :func:`norm_from_band_sums_device`."""
+    return norm_from_band_sums_device(bands.view(BANDS, n).sum(dim=1))
+
+
+#: Per device: the constant vectors of :func:`norm_from_band_sums_device`.
+_COMBINE: dict[torch.device, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+
+def _combine_constants(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    constants = _COMBINE.get(device)
+    if constants is None:
+        hh, hl = 2.0 ** -(HIGH_SHIFT // 2), 2.0 ** -(LOW_SHIFT // 2)
+        rows = ([hh, 0.0, hl], [hl, hh, 0.0], [1.0, 1.0 / hh, hl], [2.0, 4.0, 1.0])
+        constants = _COMBINE[device] = tuple(  # type: ignore[assignment]
+            torch.tensor(r, dtype=torch.float64).to(device) for r in rows
+        )
+    return constants  # type: ignore[return-value]
+
+
+def norm_from_band_sums_device(sums: Tensor) -> Tensor:
+    """:func:`norm_from_bands_device` of the band sums ``[plain, high, low]`` (a float64
+    3-vector), in nine small ops instead of some twenty: the three candidates at once,
+    ``c = [plain + low 2^-1200, high + plain 2^-1100, low]`` (each power of two applied in two
+    halves, as there), ``sqrt(c) * [1, 2^550, 2^-600]``, and the one of the largest non-zero
+    band (high, then plain, then low: the first maximum of ``(sums != 0) * [2, 4, 1]``).
+    The high candidate leaves out ``low * 2^-2300``: at most ``2^-1400`` per entry against a
+    high band sum of at least ``2^-200``, below half an ulp of it. Deterministic ops only
+    (``argmax`` returns the first maximum on every device), no host read."""
+    first, second, scale, priority = _combine_constants(sums.device)
+    halves = torch.roll(sums * first, 1)  # [low 2^-600, plain 2^-550, 0]
+    candidates = torch.addcmul(sums, halves, second).sqrt_().mul_(scale)
+    return torch.take(candidates, torch.argmax((sums != 0) * priority))
 
 

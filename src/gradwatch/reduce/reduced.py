@@ -232,8 +232,9 @@ class ReducedVector:
         """A 0-dim bool on the device: some rank stood in for this collect (its step slot is
         NaN or ``-inf``, see :meth:`~gradwatch.reduce.packing.Reducer.reduce_failed`) or the
         ranks collected different steps (:func:`~gradwatch.reduce.steps.steps_differ`): the
-        vector holds no measurement, and every rank reading it knows so without a host read."""
-        return ~torch.isfinite(self.device_step())
+        vector holds no measurement, and every rank reading it knows so without a host read.
+        The step slot is finite, NaN or ``-inf`` (never ``+inf``): two ops, not ``isfinite``'s."""
+        return torch.logical_not(self.device_step() > -math.inf)
 
     def device_step(self) -> Tensor:
         """The reduced step slot on the device, NaN where the ranks' steps differ

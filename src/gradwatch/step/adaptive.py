@@ -93,16 +93,19 @@ class AdaptiveReading:
 class AdaptiveStep:
     """One step's device figures (0-dim float64 tensors, never written again): ``norm``,
     ``threshold`` and ``limit`` (``+inf`` during warm-up), ``score`` (NaN when undefined) and
-    the history's ``count`` before the step; read to the host once by :meth:`reading` (on CUDA,
+    the history's ``count`` before the step, and ``finite`` (0-dim bool: the norm is finite, the
+    step a sample); read to the host once by :meth:`reading` (on CUDA,
     with ``copy_to_host``, from a pinned copy queued at once, waiting at most ``timeout``
     seconds for its event; without, by a blocking read, which a rank that publishes nothing
     never makes)."""
 
     def __init__(
         self, norm: Tensor, threshold: Tensor, limit: Tensor, score: Tensor, count: Tensor,
-        timeout: float, copy_to_host: bool = True,
+        timeout: float, copy_to_host: bool = True, finite: Tensor | None = None,
     ) -> None:
         self.norm = norm
+        # 0-dim bool: the norm is finite (the step is a sample); None: not computed
+        self.finite = finite
         self.threshold = threshold
         self.limit = limit
         self.score = score
@@ -177,6 +180,7 @@ class AdaptiveHistory:
         self._inf = torch.tensor(math.inf, **f64)
         self._nan = torch.tensor(math.nan, **f64)
         self._one = torch.ones((), **f64)
+        self._zero = torch.zeros((), **f64)
         self._warmup = torch.tensor(float(self.warmup), **f64)
         self._ema_weight = torch.tensor(1.0 - self.alpha, **f64)
 
@@ -201,20 +205,22 @@ class AdaptiveHistory:
         warm = count >= self._warmup
         sd = torch.maximum(var.sqrt(), mean * MIN_RELATIVE_STD)
         threshold = torch.where(warm, torch.addcmul(mean, sd, self._one, value=self.z), self._inf)
-        sample = torch.isfinite(norm)
+        sample = norm < self._inf  # a norm is >= 0: False exactly for NaN and +inf
         score = torch.where(warm & sample, (norm - mean) / sd, self._nan)
         over = norm > threshold  # False during warm-up and for NaN
         scaled = torch.addcdiv(mean, sd, score, value=self.z * self.z)  # mean + z^2 sd / s
         limit = torch.where(over, scaled, threshold)
         x = torch.minimum(norm, limit)
         weight = torch.where(warm, self._ema_weight, (count + 1.0).reciprocal())
-        delta = torch.where(sample, x - mean, 0.0)
-        kept = torch.where(sample, 1.0 - weight, 1.0)
+        # No sample: delta 0 and kept 1 leave mean and var exactly as they were (x + 0 and
+        # 1 * (var + 0) are x and var), and the count adds 0: no select of the old state.
+        delta = torch.where(sample, x - mean, self._zero)
+        kept = torch.where(sample, 1.0 - weight, self._one)
         self.mean = torch.addcmul(mean, weight, delta)
-        self.var = torch.where(sample, kept * torch.addcmul(var, weight * delta, delta), var)
-        self.count = torch.where(sample, count + 1.0, count)
+        self.var = kept * torch.addcmul(var, weight * delta, delta)
+        self.count = count + sample
         self.last = AdaptiveStep(
-            norm, threshold, limit, score, count, self._timeout, self._copy_to_host
+            norm, threshold, limit, score, count, self._timeout, self._copy_to_host, sample
         )
         return self.last
 

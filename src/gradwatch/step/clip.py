@@ -11,6 +11,8 @@ host's figure of the same coefficient: :func:`gradwatch.snapshot.clip_coefficien
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -50,7 +52,7 @@ def whole_norm(reduced: ReducedVector) -> tuple[Tensor, Tensor]:
     bands = reduced.device_bands()
     total = banded_total_device(bands, bands.numel() // BANDS)
     unmeasured = reduced.device_unmeasured()
-    total = torch.where((reduced.device_nonfinite().sum() > 0) | unmeasured, torch.nan, total)
+    total = total.masked_fill((reduced.device_nonfinite().sum() > 0) | unmeasured, math.nan)
     return total, unmeasured
 
 

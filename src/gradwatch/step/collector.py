@@ -594,7 +594,7 @@ class Acting:
         guard, decision = self.guard, None
         if guard is not None:
             decision = guard.decide(reduced) if adaptive is None else guard.decide(
-                reduced, adaptive.score
+                reduced, adaptive.score, adaptive.finite
             )
         return Acted(total, norm, adaptive, decision)
 

@@ -417,10 +417,16 @@ class StepGuard:
             self._weights, self._y_weights = weights[0].view(-1), weights[1].view(-1)
         return self._weights, self._y_weights
 
-    def decide(self, reduced: ReducedVector, ema_score: Tensor | None = None) -> GuardDecision:
+    def decide(
+        self, reduced: ReducedVector, ema_score: Tensor | None = None,
+        finite_norm: Tensor | None = None,
+    ) -> GuardDecision:
         """This step's decision from its reduced vector; updates the state. No host read.
         ``ema_score``: the adaptive history's z-score of this step (the spike score with
-        ``statistic="ema"``; None: undefined, no spike skip).
+        ``statistic="ema"``; None: undefined, no spike skip). ``finite_norm``: the adaptive
+        history's test of the same vector's whole-model norm (0-dim bool: no rank flagged
+        NaN/Inf, no rank stood in, and the norm fits float64), which stands for the dot
+        product below when the history already made it.
 
         Whether the step is finite, from one dot product of the bands and flags, ``t = high
         band sum + 2^1000 * flag sum`` (NaN when any band holds NaN or Inf): finite when
@@ -428,23 +434,30 @@ class StepGuard:
         and the norm fits float64). The spike window's sample, from a second dot product,
         ``y = ln(plain + 2^1100 * high) - 77 ln 2`` (:data:`_Y_EXPONENT`).
         """
-        head, step = reduced.device_bands_flags_and_step()
-        if head.device != self._device:  # the reducer followed the gradients
-            self._start(head.device)
         window = self._window
+        head = None
+        if finite_norm is None or window is not None:
+            head, step = reduced.device_bands_flags_and_step()
+        else:
+            step = reduced.device_step()
+        if step.device != self._device:  # the reducer followed the gradients
+            self._start(step.device)
         if self.stage != self._decided_stage:
             if window is not None and self._decided_stage is not None:
                 window.clear()  # the isolated groups changed: a new baseline, as published
             self._decided_stage = self.stage
-        weights, y_weights = self._weights_for(head)
-        finite = torch.dot(head, weights) < self._high_limit  # False for NaN too
+        finite = finite_norm  # the same test, made by the history (False unmeasured too)
+        if finite is None:
+            assert head is not None
+            finite = torch.dot(head, self._weights_for(head)[0]) < self._high_limit  # NaN: False
         measured = step > self._neg_inf  # NaN or -inf: a rank stood in
         want_nonfinite = self._false
         if self._skip_nonfinite:
             want_nonfinite = torch.gt(measured, finite)  # measured and not finite
         score = self._nan
         if window is not None:
-            y = torch.dot(head, y_weights).log()
+            assert head is not None
+            y = torch.dot(head, self._weights_for(head)[1]).log()
             sample = finite & measured & (y > self._neg_inf)
             score = window.score(y, sample)
             want_spike = score > window.threshold  # NaN (undefined) is never above it

@@ -403,6 +403,47 @@ def test_sqrt_sum_host(squares: list[float], expected: float) -> None:
         assert host == pytest.approx(expected, rel=1e-12, abs=0)
 
 
+def test_vector_band_combine_equals_the_elementwise_one_bitwise() -> None:
+    """:func:`norm_from_band_sums_device` (nine ops on the 3-vector of band sums) gives the very
+    bits of :func:`norm_from_bands_device` (one op per term) for seeded sets of norms over the
+    whole float64 range, band edges, zeros, NaN and Inf included; and the whole-model norm
+    from a banded vector dispatches eleven ops, none a host read."""
+    import random
+
+    from gradwatch.doctor.testing import OpCounter
+    from gradwatch.norms.bands import (
+        BANDS,
+        banded_total_device,
+        bands_of_norm,
+        norm_from_band_sums_device,
+        norm_from_bands_device,
+    )
+
+    rng = random.Random(7)
+    exponents = ((-1074.0, 1023.0), (-5.0, 5.0), (440.0, 460.0), (-460.0, -440.0))
+    for _ in range(3000):
+        k = rng.randint(1, 5)
+        norms = [
+            rng.choice((0.0, math.inf, math.nan)) if rng.random() < 0.05
+            else rng.random() * 2.0 ** rng.uniform(*rng.choice(exponents))
+            for _ in range(k)
+        ]
+        bands = [0.0] * (BANDS * k)
+        for i, norm in enumerate(norms):
+            band, value = bands_of_norm(norm)
+            bands[band * k + i] = value
+        sums = torch.tensor(bands, dtype=torch.float64).view(BANDS, k).sum(dim=1)
+        vector = norm_from_band_sums_device(sums)
+        elementwise = norm_from_bands_device(sums[0], sums[1], sums[2])
+        assert vector.shape == ()
+        assert torch.equal(vector, elementwise) or (vector.isnan() & elementwise.isnan()), norms
+    ones = torch.ones(BANDS * 4, dtype=torch.float64)
+    banded_total_device(ones, 4)  # the constants, made once per device
+    with OpCounter() as ops:
+        banded_total_device(ones, 4)
+    assert ops.total == 11 and ops.scalar_reads == 0, dict(ops.ops)
+
+
 @pytest.mark.parametrize(
     "norms",
     [

@@ -245,7 +245,7 @@ def _warm_guarded_ops(statistic: str | None, clip: bool) -> OpCounter:
 
 #: Device ops of a warm guarded step over the unguarded one (pinned, as tests/unit/
 #: test_guard_cost.py pins the guard's): (statistic, with clip_grad_norm_("auto")).
-GUARD_EXTRA_OPS = {("ema", True): 14, ("median_mad", True): 58, ("ema", False): 85,
+GUARD_EXTRA_OPS = {("ema", True): 11, ("median_mad", True): 56, ("ema", False): 58,
                    ("median_mad", False): 59}
 
 
@@ -253,7 +253,8 @@ GUARD_EXTRA_OPS = {("ema", True): 14, ("median_mad", True): 58, ("ema", False): 
 def test_what_the_ema_statistic_costs(clip: bool) -> None:
     """With clip_grad_norm_("auto") the EMA statistic only compares the history's score (the
     clip keeps the history), far fewer ops than the median/MAD window; without it, the guard
-    pays the whole-model norm and the history's update itself, more than the window. No host
+    pays the whole-model norm and the history's update itself, still fewer than the window
+    (no sort among them). No host
     read either way."""
     plain = _warm_guarded_ops(None, clip)
     for statistic in ("ema", "median_mad"):

@@ -50,8 +50,8 @@ def _recording(watch: GradWatch) -> list[GuardReading]:
     readings: list[GuardReading] = []
     decide = guard.decide
 
-    def recorded(reduced):  # type: ignore[no-untyped-def]
-        decision = decide(reduced)
+    def recorded(reduced, *history):  # type: ignore[no-untyped-def]
+        decision = decide(reduced, *history)
         readings.append(decision.reading())
         return decision
 

@@ -39,8 +39,8 @@ def _record_readings(watch: GradWatch) -> list[GuardReading]:
     decide = guard.decide
     readings: list[GuardReading] = []
 
-    def recorded(reduced) -> GuardDecision:  # type: ignore[no-untyped-def]
-        decision = decide(reduced)
+    def recorded(reduced, *history) -> GuardDecision:  # type: ignore[no-untyped-def]
+        decision = decide(reduced, *history)
         readings.append(decision.reading())
         return decision
 
@@ -185,22 +185,28 @@ def test_a_step_a_rank_stood_in_for_is_never_skipped() -> None:
         assert guard.decide(reduced).reading().skipped == "nonfinite"
 
 
-@pytest.mark.parametrize("spike", [None, 6.0], ids=["nonfinite", "nonfinite+spike"])
-def test_only_a_norm_beyond_float64_is_non_finite(spike: float | None) -> None:
-    """Float64 gradients whose norm is huge, beyond float64 (each element finite), tiny or
-    zero: only the second is non-finite, with and without the spike window (the two ways
-    the decision tells a finite step)."""
+@pytest.mark.parametrize(
+    ("spike", "statistic"), [(None, "median_mad"), (6.0, "median_mad"), (6.0, "ema")],
+    ids=["nonfinite", "nonfinite+spike", "nonfinite+ema"],
+)
+def test_only_a_norm_beyond_float64_is_non_finite(spike: float | None, statistic: str) -> None:
+    """Float64 gradients whose norm is huge, beyond float64 (each element finite), tiny,
+    zero or NaN: only the second and the last are non-finite, with and without the spike
+    window and with the EMA statistic (the decision's dot product, or the adaptive history's
+    test of the whole-model norm, which the EMA guard takes instead)."""
     param = nn.Parameter(torch.zeros(2, dtype=torch.float64))
     model = nn.Module()
     model.p = param
     opt = torch.optim.SGD([param], lr=0.0)
-    with GradWatch(model, WatchConfig(skip_spike_score=spike)) as watch:
+    cfg = WatchConfig(skip_spike_score=spike, guard_spike_statistic=statistic)
+    with GradWatch(model, cfg) as watch:
         guarded = watch.guard(opt)
         readings = _record_readings(watch)
-        for value in (1e200, 1.5e308, 1e-200, 0.0, 1.0):
+        for value in (1e200, 1.5e308, 1e-200, 0.0, 1.0, math.nan):
             param.grad = torch.full((2,), value, dtype=torch.float64)
             guarded.step()
-    assert [r.skipped for r in readings] == [None, "nonfinite", None, None, None]
+    expected = [None, "nonfinite", None, None, None, "nonfinite"]
+    assert [r.skipped for r in readings] == expected
 
 
 def test_a_finite_norm_beyond_the_windows_range_is_a_spike_once_warm() -> None:
