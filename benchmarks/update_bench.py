@@ -47,13 +47,12 @@ def _job(mode: UpdateStatsMode) -> tuple[nn.Module, Any, Any]:
 
 
 def _persistent_bytes(watch: Any) -> int:
-    """The update meter's persistent device buffers (figures, indices, masks, view sizes;
-    the weight views it keeps are views of the parameters, no memory of their own)."""
+    """The update meter's persistent device buffers (figures, indices, masks; the weight
+    views it keeps are views of the parameters, no memory of their own)."""
     meter = watch._resolved.updates
     if meter is None:
         return 0
-    held = [meter._updates, meter._group, meter._mask, meter._all, *meter._indices.values(),
-            *meter._counts.values()]
+    held = [meter._updates, meter._group, meter._mask, meter._all, *meter._indices.values()]
     return sum(t.numel() * t.element_size() for t in held)
 
 

@@ -118,9 +118,9 @@ and labels are a contract: the alert rules, the dashboard and outside checks rel
   recovered exactly from the optimizer's state: docs/design.md, "Optimizer-update health"),
   their ratio (`gradwatch_update_ratio`, NaN when the weight norm is 0) and the fraction of
   intended updates rounded away (`gradwatch_stalled_update_fraction`, NaN when nothing was meant
-  to move; counted for bf16/fp16 weights only: float32/float64 elements count as moved, so a
-  float32 group reads 0.0 without being counted, as such a weight stalls only where its update is
-  below 2^-24 of it, e.g. Adam's on an element whose gradient has been 0 for many steps). The
+  to move; counted exactly for every weight dtype: bf16/fp16 weights at small learning rates,
+  float32 ones where the update is below about 2^-24 of the weight, e.g. Adam's on an element
+  whose gradient has been 0 for many steps). The
   update is that of the *last optimizer step before the collect*: with `every_n_steps > 1`,
   theta_t - theta_{{t-1}} of that one step, not the update summed since the previous collect
   (which would need a copy of the weights). The update figures are absent on the first collect

@@ -58,8 +58,7 @@ class GroupStats:
         update_ratio: ``update_norm / weight_norm``.
         stalled_fraction: of the elements the step meant to change, the fraction it left
             unchanged (the intended update was under half an ulp of the weight); counted for
-            bf16/fp16 weights, float32/float64 elements count as moved (see
-            :class:`Snapshot`).
+            every weight dtype (see :class:`Snapshot`).
     """
 
     norm: float = 0.0
@@ -202,8 +201,8 @@ class Snapshot:
         update_ratio: ``update_norm / weight_norm``; NaN when the weight norm is 0 or
             non-finite; None when ``update_norm`` is.
         stalled_fraction: of the elements whose intended update was non-zero, the fraction
-            whose weight did not change (the update was under half an ulp: bf16/fp16 weights
-            at small learning rates; float32/float64 ones count as moved: 0.0, not counted).
+            whose weight did not change (the update was under half an ulp of it), counted
+            in every dtype (float32: an update below about 2^-24 of the weight).
             NaN when no element was meant to change; None when ``update_norm`` is.
         no_update_step: a *silent skip*: no optimizer step changed a weight since the
             previous collect (``update_norm == 0.0``) although that collect's gradients were

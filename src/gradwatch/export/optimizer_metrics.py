@@ -81,11 +81,11 @@ STALLED_UPDATE_FRACTION = MetricDef(
     ("group",),
     "Fraction of one group's elements whose intended update the last optimizer step rounded "
     "away (under half an ulp of the weight).",
-    "Over the elements with a non-zero intended update; counted for bf16/fp16 weights (at "
-    "small learning rates they approach 1). float32/float64 elements are not counted and "
-    "count as moved: a float32 group reads 0 (such a weight stalls only where its update is "
-    "below 2^-24 of it, which is not seen). NaN when no element was meant to change; absent "
-    "when the update is.",
+    "Over the elements with a non-zero intended update, counted exactly for every weight "
+    "dtype: bf16/fp16 weights at small learning rates approach 1; a float32 (float64) "
+    "element stalls where its update is below about 2^-24 (2^-53) of the weight, e.g. Adam "
+    "on an element whose gradient has long been 0. NaN when no element was meant to change; "
+    "absent when the update is.",
     absent=ABSENT_WITHOUT_UPDATE_STATS,
     source=MetricSource.SNAPSHOT,
     read=measured_group_field("stalled_fraction"),

@@ -20,15 +20,28 @@ float32 per view of at most :data:`BATCH` elements (relative error about 1e-7, a
 about 1e19 or below 1e-19 in magnitude would overflow or vanish in its float32 square (weights
 of ordinary training are far inside).
 
-**Stalled elements** are counted for bf16/fp16 weights (:func:`narrow_figures`): an element
-is *moving* when its intended change ``u + c * p_old`` is not 0 and *stalled* when it is
-moving and ``delta == 0`` (the change was under half an ulp of the weight and was rounded
-away); both are counted as squared norms of signs (``sign(intended)``, and its product with
-``sign(delta)``: the number of non-zero elements, exact in float32 below 2^24 elements per
-view). float32/float64 weights take the short path (:func:`wide_figures`): no intended update
-is kept and nothing is counted; every element of a stepped view counts as moving and none as
-stalled, so their stalled fraction reads 0.0 (documented: a float32 weight stalls only where
-its update is below 2^-24 of it, which this does not see).
+**Stalled elements.** An element is *moving* when the step's intended change ``u + c * p_old``
+is not 0 and *stalled* when it is moving and ``delta == 0`` (the change was under half an ulp
+of the weight and was rounded away: Adam on an element whose gradient has long been 0, a tiny
+learning rate, a large weight). Every count is the squared ``_foreach_norm`` of signs
+(``-1, 0, 1``) over a batch's views, rounded: the number of non-zero elements, exact
+(accumulated in float32 for views of up to 2^22 elements, in float64 above). An order-0 norm
+counts the same but leaves the multi-tensor kernel on CUDA (it has L1, L2 and inf only: one
+kernel per view) and runs several times slower than ``sign`` plus an L2 norm on CPU.
+bf16/fp16 weights (:func:`narrow_figures`) materialise the intended change in the dtype and
+count its signs. float32/float64 weights (:func:`wide_figures`) count without it, by exact
+equivalents: ``applied`` = the non-zero elements of ``delta``; without decay (``c`` the float
+0) the intended change is ``u``, non-zero exactly where Adam's ``m`` is (``u = s * m /
+(sqrt(v) + e)`` with ``e > 0``: the real quotient, so an update that underflows float32
+counts as moving and stalled) or SGD's ``u`` is, times ``s != 0`` (0 for a zero learning rate
+or a skipped fused step): ``moving`` = those non-zeros; with a decay ``c != 0`` an element
+with ``p_old != 0`` is moving (the decay meant to change it; an exact cancellation of ``u``
+and ``c * p_old`` counts as moving too), one with ``p_old == 0`` moves exactly when the
+optimizer's own ``u`` was non-zero, i.e. when ``p_new = rnd(-u)`` and so ``delta`` is: the
+stalled elements are those with ``delta == 0`` and ``p_old != 0``: the non-zeros of
+``p_mid`` (``rnd(p_old (1 - c))``, 0 exactly where ``p_old`` is) minus those of ``sign(p_mid)
+* sign(delta)``, and ``moving = stalled + applied``. ``stalled = moving - applied``
+without decay, as every element with ``delta != 0`` had ``u != 0``.
 
 Why not the alternatives. ``||p_new - p_old||^2 = ||p_new||^2 + ||p_old||^2 - 2<p_new, p_old>``
 from norms alone cancels catastrophically: an update of relative size 1e-4 leaves 1e-8 of the
@@ -60,14 +73,18 @@ update figures are None). No host read anywhere: learning rates, step counts and
 stay tensors; the per-group sums are device ops.
 
 Cost, float32/float64 weights (one batch per optimizer parameter group, device and dtype,
-at most :data:`BATCH` elements): Adam/AdamW five foreach passes over the batch (``sqrt(v)``,
-``+ e``, one ``addcdiv`` giving ``p_mid``, one ``addcdiv`` giving ``delta``, its norm), SGD
-five to seven; about a dozen ops on vectors of one element per view (the bias corrections);
-no Python loop over elements, one over the parameters to gather their state. bf16/fp16
-weights: about fifteen foreach ops per batch (the signs). Per collect, one float32 norm per
-view of :data:`WEIGHT_ROWS` weights (their squares summed in float64: the weight norm's
-relative error is about 1e-7). Persistent memory: three float64 figures per parameter
-*tensor*; temporaries: at most three of a batch's size in its dtype, freed by the step.
+at most :data:`BATCH` elements): Adam/AdamW without decoupled decay nine foreach passes over
+the batch (``sqrt(v)``, ``+ e``, one ``addcdiv`` giving ``p_mid``, a subtraction giving
+``delta``, its norm; then ``sign`` of ``delta`` in place and of ``m``, one norm call over
+both), eleven with it (the second ``addcdiv`` gives ``delta``; its norm, ``sign`` of
+``delta`` and ``p_mid`` in place, one norm call over both, their product in place, its norm);
+SGD eight to twelve; about 30 small ops on vectors of one element per view (the bias
+corrections, the counts); no Python loop over elements, one over the
+parameters to gather their state. bf16/fp16 weights: about fifteen foreach ops per batch (the
+signs). Per collect, one float32 norm per view of :data:`WEIGHT_ROWS` weights (their squares
+summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
+float64 figures per parameter *tensor*; temporaries: at most three of a batch's size in its
+dtype, freed by the step.
 """
 
 from __future__ import annotations
@@ -235,6 +252,15 @@ def _before_decay_adam(
     return u, c
 
 
+def _nonzero_rate(group: dict[str, Any], keep: Tensor | None) -> Scalar:
+    """1 when Adam's step factor ``s`` (:func:`_adam_scalars`) is non-zero, else 0: ``s`` is 0
+    exactly when the learning rate is or a fused step was skipped (``keep`` 0); a float, or a
+    0-dim tensor where the learning rate or ``keep`` lives (no host read)."""
+    lr = _scalar(group["lr"])
+    rate: Scalar = float(lr != 0.0) if isinstance(lr, float) else (lr != 0).to(torch.float64)
+    return rate if keep is None else rate * keep
+
+
 def _intended_sgd(
     b: _Batch, group: dict[str, Any], optimizer: Any, keep: Tensor | None
 ) -> tuple[list[Tensor], Scalar]:
@@ -268,8 +294,8 @@ def _times(tensors: list[Tensor], factor: Scalar, copy: bool) -> list[Tensor]:
     return tensors
 
 
-#: Weight dtypes whose stalled elements are counted (:func:`narrow_figures`); the others
-#: (float32, float64) take :func:`wide_figures`.
+#: Weight dtypes whose figures come from the materialised intended change
+#: (:func:`narrow_figures`); the others (float32, float64) take :func:`wide_figures`.
 NARROW = (torch.bfloat16, torch.float16)
 
 
@@ -281,26 +307,61 @@ def _undo_decay(mid: list[Tensor], c: Scalar) -> None:
     torch._foreach_div_(mid, keep if isinstance(keep, float) else [keep] * len(mid))
 
 
-def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, counts: Tensor) -> Tensor:
-    """``[||delta||^2, 0, numel]`` per view (``3 x views`` float64) for float32/float64
-    weights, from ``mid = rnd(p_new + u)`` (see the module docstring): two passes, the
-    applied update then its norm. With a float decay ``c`` the update is one
-    ``addcdiv(p_new, mid, 1 - c, value=-1) = p_new - rnd(mid / (1 - c))``: the kernel rounds
-    the quotient to the dtype (``p_old``, as a division alone would) before adding, and
-    ``p_new - p_old`` is then exact (Sterbenz); a tensor decay (a tensor learning rate, a
-    fused step's ``found_inf``) divides in place first, then subtracts (three passes).
-    Stalled elements are not counted in these dtypes: every element of a stepped view counts
-    as moving and none as stalled (``counts``: the views' sizes, on the figures' device)."""
+def wide_figures(b: _Batch, mid: list[Tensor], c: Scalar, marks: list[Tensor],
+                 meant: Scalar) -> Tensor:
+    """``[||delta||^2, stalled, moving]`` per view (``3 x views`` float64) for float32/float64
+    weights, from ``mid = rnd(p_new + u)`` (consumed; see the module docstring). ``marks``:
+    per view, a tensor whose non-zero elements are those the update ``u`` means to move
+    (Adam's ``m``, SGD's ``u``); ``meant``: 1 when ``u`` is the marks times a non-zero
+    factor, 0 when that factor is 0.
+
+    The applied update: with a float decay ``c`` one ``addcdiv(p_new, mid, 1 - c, value=-1) =
+    p_new - rnd(mid / (1 - c))`` (the kernel rounds the quotient to the dtype, ``p_old``, as a
+    division alone would, before adding; ``p_new - p_old`` is then exact: Sterbenz), and
+    ``mid`` stays ``p_mid``; a tensor decay divides in place first (``mid`` becomes
+    ``p_old``), then subtracts into a new list; no decay subtracts in place. Then its squared
+    norm.
+
+    Stalled elements, counted without materialising the intended change ``u + c p_old``, as
+    squared norms of signs (``_foreach_sign`` then ``_foreach_norm``: rounded, the count of
+    non-zero elements, exact: :func:`_nonzeros`; see the module docstring for why
+    not an order-0 norm): ``applied`` = non-zeros of ``delta``. Without decay,
+    ``moving`` = non-zeros of the marks times ``meant`` (one norm call with ``applied``) and
+    ``stalled = moving - applied`` (every element with ``delta != 0`` had ``u != 0``). With a
+    decay, an element with a non-zero weight before the step is moving (the decay meant to
+    change it), and one with a zero weight is moving exactly when the optimizer's own ``u`` was
+    non-zero, i.e. when ``p_new = rnd(-u)`` and so ``delta`` is; ``mid`` is 0 exactly where
+    ``p_old`` is (``rnd(p_old (1 - c))`` is never 0 for ``c < 1/2``), so ``stalled`` =
+    non-zeros of ``mid`` minus those of ``sign(mid) * sign(delta)`` and ``moving = stalled +
+    applied``. A tensor decay that is 0 (a skipped fused step, a zero learning rate) meant
+    nothing to move: its stalled count is multiplied by ``c != 0``."""
     if isinstance(c, float) and c != 0.0:
         first = b.params[0]
         keep = torch.full((), 1 - c, dtype=first.dtype, device=first.device)
         delta = list(torch._foreach_addcdiv(b.params, mid, [keep] * len(mid), value=-1.0))
-    else:
-        _undo_decay(mid, c)
+    elif isinstance(c, float):
         torch._foreach_sub_(mid, b.params)  # p_old - p_new = -delta, exact (Sterbenz)
         delta = mid
+    else:
+        _undo_decay(mid, c)
+        delta = list(torch._foreach_sub(mid, b.params))  # -delta; mid stays p_old
     squares = _norms(delta).square()
-    return torch.stack([squares, torch.zeros_like(squares), counts.to(squares.device)])
+    views = len(delta)
+    torch._foreach_sign_(delta)
+    if isinstance(c, float) and c == 0.0:
+        nonzero = _nonzeros(delta + list(torch._foreach_sign(marks)))
+        applied, moving = nonzero[:views], nonzero[views:] * meant
+        stalled = moving - applied
+    else:
+        torch._foreach_sign_(mid)
+        nonzero = _nonzeros(delta + mid)
+        applied = nonzero[:views]
+        torch._foreach_mul_(mid, delta)  # +-1 where the weight was non-zero and moved
+        stalled = nonzero[views:] - _nonzeros(mid)
+        if not isinstance(c, float):
+            stalled = stalled * (c != 0)
+        moving = stalled + applied
+    return torch.stack([squares, stalled, moving])
 
 
 def narrow_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
@@ -315,18 +376,30 @@ def narrow_figures(b: _Batch, u: list[Tensor], c: Scalar) -> Tensor:
     torch._foreach_sub_(old, b.params)  # -delta
     squares = _norms(old).square()
     torch._foreach_sign_(u)  # -1, 0, 1: whether each element was meant to move
-    moving = _norms(u).square().round()
+    moving = _nonzeros(u)
     torch._foreach_sign_(old)
     torch._foreach_mul_(u, old)  # +-1 where it was meant to move and moved
-    moved = _norms(u).square().round()
+    moved = _nonzeros(u)
     return torch.stack([squares, moving - moved, moving])
 
 
-def _norms(tensors: list[Tensor]) -> Tensor:
-    """The L2 norm of each tensor, accumulated in float32 (bf16/fp16 widened by the op;
-    float64 in float64), as one float64 vector on the first tensor's device: one
-    ``_foreach_norm`` per (device, dtype). A norm of signs squares to the count of non-zero
-    elements, exactly below 2^24 elements per view (a view holds at most :data:`BATCH`)."""
+#: Elements per view up to which a float32 norm of signs, squared and rounded, counts exactly
+#: (the float32 square root's relative error, 6e-8, doubled by the square, stays under half a
+#: unit); a larger view (a non-contiguous tensor is one) is counted in float64.
+EXACT_COUNT = 1 << 22
+
+
+def _nonzeros(signs: list[Tensor]) -> Tensor:
+    """The number of non-zero elements of each tensor of signs (``-1, 0, 1``): its squared L2
+    norm, rounded, as one float64 vector (see :func:`_norms`); exact at any size."""
+    wide = any(t.numel() > EXACT_COUNT for t in signs)
+    return _norms(signs, torch.float64 if wide else None).square().round()
+
+
+def _norms(tensors: list[Tensor], accumulate: torch.dtype | None = None) -> Tensor:
+    """The L2 norm of each tensor, accumulated in ``accumulate`` when given, else in float32
+    (bf16/fp16 widened by the op; float64 in float64), as one float64 vector on the first
+    tensor's device: one ``_foreach_norm`` per (device, dtype)."""
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         buckets.setdefault((t.device, t.dtype), []).append(i)
@@ -334,7 +407,8 @@ def _norms(tensors: list[Tensor]) -> Tensor:
     parts: list[Tensor] = []
     order: list[int] = []
     for (_, dtype), idx in buckets.items():
-        wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+        narrow = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+        wide = accumulate or narrow
         norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=wide)
         parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
         order += idx
@@ -456,7 +530,6 @@ class UpdateMeter:
         self._unmeasured = False  # a step this module cannot invert touched a parameter
         self._warned: set[str] = set()
         self._indices: dict[tuple[int, ...], Tensor] = {}
-        self._counts: dict[tuple[int, ...], Tensor] = {}
         self._weight_key: tuple[tuple[int, int], ...] | None = None
         self._weight_views: list[Tensor] = []
         self._weight_owners: tuple[int, ...] = ()
@@ -517,28 +590,23 @@ class UpdateMeter:
         update for bf16/fp16."""
         keep = _keep(optimizer, batch.params[0].device)
         if batch.params[0].dtype not in NARROW:
-            counts = self._counts_of(tuple(v.numel() for v in batch.params))
             if kind == _Kind.ADAM:
                 mid, c = _before_decay_adam(batch, group, keep)
+                marks, meant = batch.tensors["m"], _nonzero_rate(group, keep)
             else:
-                mid, c = _intended_sgd(batch, group, optimizer, keep)
-                torch._foreach_add_(mid, batch.params)
-            return wide_figures(batch, mid, c, counts)
+                marks, c = _intended_sgd(batch, group, optimizer, keep)
+                meant = 1.0
+                if isinstance(c, float) and c == 0.0:  # u is counted: kept
+                    mid = list(torch._foreach_add(marks, batch.params))
+                else:  # in place (the decay's count needs no marks): three temporaries
+                    torch._foreach_add_(marks, batch.params)
+                    mid = marks
+            return wide_figures(batch, mid, c, marks, meant)
         if kind == _Kind.ADAM:
             u, c = _intended_adam(batch, group, keep)
         else:
             u, c = _intended_sgd(batch, group, optimizer, keep)
         return narrow_figures(batch, u, c)
-
-    def _counts_of(self, sizes: tuple[int, ...]) -> Tensor:
-        """The views' sizes as a float64 vector on the meter's device, built once per
-        pattern."""
-        counts = self._counts.get(sizes)
-        if counts is None:
-            if len(self._counts) >= 16:
-                self._counts.pop(next(iter(self._counts)))
-            counts = self._counts[sizes] = host_to_device(sizes, torch.float64, self._device)
-        return counts
 
     def _index_of(self, positions: tuple[int, ...]) -> Tensor:
         """The positions as a device index, built once per pattern (one non-blocking copy)."""
