@@ -100,6 +100,25 @@ def run_huggingface(out: Path) -> dict[str, Any]:
     return seen
 
 
+def _routing_callback(out: Path) -> tuple[Any, list[bool], Path]:
+    """A Hugging Face callback writing this rank's history under ``out``, the list its
+    ``on_train_begin`` appends to (whether it routed the Trainer's clip through gradwatch) and
+    the history's path."""
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    history = out / f"history-{os.environ.get('RANK', '0')}.jsonl"
+    callback = GradWatchCallback(groups=GROUPS, history_path=str(history))
+    routed: list[bool] = []
+    original_begin = callback.on_train_begin
+
+    def on_train_begin(*args: Any, **kwargs: Any) -> None:
+        original_begin(*args, **kwargs)
+        routed.append(callback.routed)
+
+    callback.on_train_begin = on_train_begin  # type: ignore[method-assign]
+    return callback, routed, history
+
+
 def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
     """Train with the callback and ``max_grad_norm``, recording a float64 reference of every
     step's pre-clip gradient norm (after backward, DDP's all-reduce included, before the
@@ -110,7 +129,6 @@ def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
     import transformers
 
     from gradwatch.export.history import read_history
-    from gradwatch.integrations.huggingface import GradWatchCallback
 
     references: list[float] = []
 
@@ -134,16 +152,7 @@ def run_huggingface_clip(out: Path, max_grad_norm: float) -> dict[str, Any]:
         trainer.train()
         return trainer, model
 
-    history = out / f"history-{os.environ.get('RANK', '0')}.jsonl"
-    callback = GradWatchCallback(groups=GROUPS, history_path=str(history))
-    routed: list[bool] = []
-    original_begin = callback.on_train_begin
-
-    def on_train_begin(*args: Any, **kwargs: Any) -> None:
-        original_begin(*args, **kwargs)
-        routed.append(callback.routed)
-
-    callback.on_train_begin = on_train_begin  # type: ignore[method-assign]
+    callback, routed, history = _routing_callback(out)
     trainer, watched = train([callback], "watched")
     refs = list(references)
     references.clear()
@@ -251,7 +260,6 @@ def run_huggingface_fsdp1(out: Path, use_orig_params: bool) -> dict[str, Any]:
     import transformers
 
     from gradwatch.export.history import read_history
-    from gradwatch.integrations.huggingface import GradWatchCallback
 
     references: list[float] = []
     post: list[float] = []
@@ -273,16 +281,7 @@ def run_huggingface_fsdp1(out: Path, use_orig_params: bool) -> dict[str, Any]:
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             post.append(full_norm(trainer.model))
 
-    history = out / f"history-{os.environ.get('RANK', '0')}.jsonl"
-    callback = GradWatchCallback(groups=GROUPS, history_path=str(history))
-    routed: list[bool] = []
-    original_begin = callback.on_train_begin
-
-    def on_train_begin(*args: Any, **kwargs: Any) -> None:
-        original_begin(*args, **kwargs)
-        routed.append(callback.routed)
-
-    callback.on_train_begin = on_train_begin  # type: ignore[method-assign]
+    callback, routed, history = _routing_callback(out)
     torch.manual_seed(0)
     args = training_args(
         out / "hf-fsdp1", max_steps=3, logging_steps=1, learning_rate=0.5, ddp_backend="gloo",
