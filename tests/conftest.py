@@ -10,6 +10,11 @@ from gradwatch.doctor.testing import OpCounter, count_host_reads
 
 __all__ = ["OpCounter", "count_host_reads"]
 
+# Compiling a fused kernel per layout takes seconds of CPU; the suite builds hundreds of
+# layouts. Tests of the compiled kernels ask for them (compile_kernels="wait"); subprocesses
+# the tests start inherit this.
+os.environ.setdefault("GRADWATCH_COMPILE_KERNELS", "off")
+
 _skipped_e2e: list[str] = []
 
 

@@ -199,8 +199,7 @@ class WatchConfig(BaseSettings):
         exploding_threshold: a parameter whose gradient L2 norm is above this is "exploding".
         isolation_threshold: an isolated group whose norm exceeds this violates isolation.
         every_n_steps: ``collect(step)`` does work only when ``step % every_n_steps == 0``.
-        divergence_every: replica divergence is measured every this many collected steps
-            (0 disables it).
+        divergence_every: replica divergence is measured every this many collected steps (0: never).
         collective_timeout_seconds: how long one gradwatch collective may wait for the other
             ranks before it gives up with :class:`~gradwatch.errors.GradWatchTimeoutError`.
         always_reduce: all-reduce the statistics on every collect. By default a collect skips
@@ -217,9 +216,8 @@ class WatchConfig(BaseSettings):
         history_max_bytes: the history file is rotated (one ``.1`` backup) past this size.
         enabled: ``False`` makes :func:`gradwatch.watch` return a no-op watcher and a
             directly constructed :class:`~gradwatch.GradWatch` inert.
-        spike_window: spike detection compares each norm with the median and MAD of the
-            last this many collected log-norms of the same series
-            (:mod:`gradwatch.analysis.spikes`).
+        spike_window: spike detection compares each norm with the median and MAD of the last
+            this many collected log-norms of the same series (:mod:`gradwatch.analysis.spikes`).
         spike_threshold: a norm this many robust deviations above its recent median is a
             spike; ``0`` disables spike detection.
         spike_warmup: samples a series' window needs before its spike score is defined.
@@ -239,6 +237,9 @@ class WatchConfig(BaseSettings):
             Read from the optimizer's state after its step (``torch.optim`` SGD, Adam, AdamW:
             for-loop, foreach and fused); no copy of the parameters. Ranks must agree
             (checked by the handshake).
+        compile_kernels: fused kernels for CPU tensors (:mod:`gradwatch.norms.kernels`):
+            ``"background"`` compiles them off the training thread, eager until ready;
+            ``"wait"`` compiles on first use; ``"off"`` never. Per rank.
         rank_timing: name the slowest rank (``Snapshot.slowest_rank``, ``straggler_score``;
             :mod:`gradwatch.reduce.ranktiming`) from each rank's median working time, riding
             on the collects that all-reduce anyway (plain DDP: every ``divergence_every``),
@@ -298,11 +299,7 @@ class WatchConfig(BaseSettings):
     """
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        extra="forbid",
-        frozen=True,
-        validate_default=True,
-    )
+        env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
 
     groups: dict[GroupName, list[StrictStr]] = Field(default_factory=dict)
     ratios: list[RatioSpec] = Field(default_factory=list)
@@ -374,8 +371,8 @@ class WatchConfig(BaseSettings):
 
     # -- the per-rank view (DDP comm hook; docs/distributed.md) --------------------------------
     rank_view: bool = False
-    # -- optimizer-update health (gradwatch.norms.updates; docs/design.md) --
     update_stats: bool = False
+    compile_kernels: Literal["background", "wait", "off"] = "background"
     rank_timing: bool = False
     batch_size: int | None = Field(default=None, ge=1, le=MAX_INT)
 

@@ -1,0 +1,216 @@
+"""Tensor kernels compiled by inductor off the training thread, and used once they are ready.
+
+Some per-step figures cost several eager passes over memory where one fused loop would read
+each element once (a float64-accumulating norm of float32/bf16 gradients, an optimizer step
+inverted from its state). ``torch.compile`` writes that loop, but compiling takes seconds per
+layout, which a training step must never wait for. A :class:`KernelCache` therefore compiles
+each (function, layout) pair on one daemon thread shared by the process and answers ``None``
+until it is ready: the caller runs its eager path meanwhile, and for good when compiling failed
+(logged once per cause, never raised). The eager and compiled paths compute the same figures;
+callers document how close their results are.
+
+Modes (``WatchConfig.compile_kernels``):
+
+* ``"background"``: compile off the training thread; eager until ready.
+* ``"wait"``: compile on first use, on the calling thread (benchmarks and tests that must time
+  the compiled kernel from the first call).
+* ``"off"``: never compile.
+
+What compiling costs the job: one CPU thread for seconds per layout (inductor writes and builds
+C++; ``compile_threads=1`` keeps it to this thread), files in inductor's cache directory, and
+dynamo's process-wide compile lock while it compiles, so a ``torch.compile`` of the user's own
+that starts meanwhile waits for it. Each kernel gets a code object of its own, so dynamo's
+recompile limit (per code object) never sends a user's function, or another layout, to eager.
+
+Sync behaviour: none. Compiling runs on example tensors of the layout (``empty_strided``), never
+on the caller's tensors, and the compiled call on CPU tensors has no host read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import types
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+CompileMode = Literal["background", "wait", "off"]
+COMPILE_MODES: tuple[str, ...] = ("background", "wait", "off")
+
+# Inductor's options for every kernel: one compile worker (no process pool in the user's job).
+COMPILE_OPTIONS: dict[str, Any] = {"compile_threads": 1}
+
+_jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], Callable[[], tuple]]] = (
+    queue.SimpleQueue())
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
+_serial = itertools.count()
+_logged_failures: set[str] = set()
+
+
+def _work() -> None:
+    while True:
+        future, fn, example = _jobs.get()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(compile_kernel(fn, example))
+        except BaseException as error:
+            future.set_exception(error)
+
+
+def submit(fn: Callable[..., Any], example: Callable[[], tuple]) -> Future:
+    """Compile ``fn`` for ``example``'s layout on the process's one compile thread: a daemon
+    (a ``ThreadPoolExecutor``'s workers are joined at exit, which would keep a finished job
+    alive until a compile ends)."""
+    global _worker
+    future: Future = Future()
+    _jobs.put((future, fn, example))
+    with _worker_lock:
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_work, name="gradwatch-compile", daemon=True)
+            _worker.start()
+    return future
+
+
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with a code object of its own: dynamo keys its cache and recompile
+    limit by code object, so each compiled layout is a separate entry."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_gw{next(_serial)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def compile_kernel(fn: Callable[..., Any], example: Callable[[], tuple]) -> Callable[..., Any]:
+    """``fn`` compiled by inductor for the layout of ``example()``'s arguments, and run once on
+    them (which is when inductor compiles): full graph, static shapes."""
+    import torch
+
+    compiled = torch.compile(own_code(fn), fullgraph=True, dynamic=False,
+                             options=COMPILE_OPTIONS)
+    with torch.no_grad():
+        compiled(*example())
+    return compiled
+
+
+def tensor_layout(tensors: Sequence[Tensor | None]) -> tuple:
+    """What dynamo's guards read of each tensor argument (dtype, device, shape, strides, and
+    whether it requires grad): a kernel keyed by it is never recompiled on the caller's
+    thread. Call compiled kernels under ``torch.no_grad()`` (grad mode is guarded too)."""
+    return tuple(None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride(),
+                                         t.requires_grad) for t in tensors)
+
+
+def compiled_calls_allowed() -> bool:
+    """False while a ``TorchDispatchMode`` is active (gradwatch's op counters, a user's
+    tracing mode): dynamo would trace under it; the eager path is what such a mode observes."""
+    import torch
+
+    return torch._C._len_torch_dispatch_stack() == 0
+
+
+def _log_failure(name: str, error: BaseException) -> None:
+    cause = f"{name}: {type(error).__name__}"
+    if cause in _logged_failures:
+        return
+    _logged_failures.add(cause)
+    log.warning("gradwatch: compiling %s failed (%s: %s); its eager path stays in use. "
+                "Set compile_kernels='off' to stop trying.", name, type(error).__name__, error)
+
+
+class KernelCache:
+    """Compiled kernels per (function, layout key), built in ``mode`` (see the module docstring).
+
+    :meth:`get` never blocks in ``"background"`` mode and never raises: a failed compile is
+    logged once and its key stays eager. ``failed``, ``ready`` and ``pending`` count the keys
+    in each state (``gradwatch doctor`` and the tests read them).
+    """
+
+    def __init__(self, mode: CompileMode = "background") -> None:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile_kernels must be one of {COMPILE_MODES}, got {mode!r}")
+        self.mode: CompileMode = mode
+        self._entries: dict[Hashable, Future | Callable[..., Any] | None] = {}
+
+    def get(self, fn: Callable[..., Any], key: Hashable,
+            example: Callable[[], tuple]) -> Callable[..., Any] | None:
+        """The compiled ``fn`` for ``key`` if it is ready, else None (and compiling starts on
+        first sight of ``key``). ``example`` builds arguments of the layout ``key`` names."""
+        if self.mode == "off":
+            return None
+        full_key = (fn.__module__, fn.__qualname__, key)
+        entry = self._entries.get(full_key, _MISSING)
+        if entry is _MISSING:
+            if self.mode == "wait":
+                entry = self._compile_or_none(fn, example)
+                self._entries[full_key] = entry
+                return entry
+            self._entries[full_key] = submit(fn, example)
+            return None
+        if isinstance(entry, Future):
+            if not entry.done():
+                return None
+            error = entry.exception()
+            if error is not None:
+                _log_failure(fn.__qualname__, error)
+                self._entries[full_key] = None
+                return None
+            entry = entry.result()
+            self._entries[full_key] = entry
+        return entry  # type: ignore[return-value]
+
+    def _compile_or_none(self, fn: Callable[..., Any],
+                         example: Callable[[], tuple]) -> Callable[..., Any] | None:
+        try:
+            return compile_kernel(fn, example)
+        except Exception as error:
+            _log_failure(fn.__qualname__, error)
+            return None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` seconds each) for the compiles started so far; True when
+        none is still pending. For benchmarks and tests: a training loop never calls it."""
+        for entry in list(self._entries.values()):
+            if isinstance(entry, Future):
+                try:
+                    entry.exception(timeout=timeout)
+                except TimeoutError:
+                    return False
+        return True
+
+    def _count(self, state: str) -> int:
+        n = 0
+        for entry in self._entries.values():
+            if isinstance(entry, Future):
+                done = entry.done()
+                kind = "pending" if not done else (
+                    "failed" if entry.exception() is not None else "ready")
+            else:
+                kind = "failed" if entry is None else "ready"
+            n += kind == state
+        return n
+
+    @property
+    def ready(self) -> int:
+        return self._count("ready")
+
+    @property
+    def pending(self) -> int:
+        return self._count("pending")
+
+    @property
+    def failed(self) -> int:
+        return self._count("failed")
+
+
+_MISSING: Any = object()

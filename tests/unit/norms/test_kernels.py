@@ -1,0 +1,83 @@
+"""The compile cache: eager until ready, compiled after, failures logged and never raised."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from gradwatch.doctor.testing import OpCounter
+from gradwatch.norms.kernels import (
+    KernelCache,
+    compiled_calls_allowed,
+    own_code,
+    tensor_layout,
+)
+
+
+def squares(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t.double().square().sum() for t in ts])
+
+
+def _grads() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(n, generator=g) for n in (1000, 3000)]
+
+
+def _example(ts: list[torch.Tensor]):
+    return lambda: ([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in ts],)
+
+
+def test_off_never_compiles() -> None:
+    kc = KernelCache("off")
+    ts = _grads()
+    assert kc.get(squares, tensor_layout(ts), _example(ts)) is None
+    assert (kc.ready, kc.pending, kc.failed) == (0, 0, 0)
+
+
+def test_background_is_eager_until_ready_then_compiled() -> None:
+    kc = KernelCache("background")
+    ts = _grads()
+    key = tensor_layout(ts)
+    assert kc.get(squares, key, _example(ts)) is None  # never waits
+    assert kc.wait(timeout=300)
+    fn = kc.get(squares, key, _example(ts))
+    assert fn is not None and kc.ready == 1
+    with torch.no_grad():
+        got = fn(ts)
+    want = [sum(float(x) ** 2 for x in t.double().tolist()) for t in ts]
+    assert got.dtype == torch.float64
+    for g, w in zip(got.tolist(), want, strict=True):
+        assert g == pytest.approx(w, rel=1e-12)
+
+
+def test_failed_compile_is_logged_once_and_stays_eager(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(ts: list[torch.Tensor]) -> torch.Tensor:
+        raise RuntimeError("no compiler here")
+
+    kc = KernelCache("wait")
+    ts = _grads()
+    with caplog.at_level(logging.WARNING, logger="gradwatch.norms.kernels"):
+        assert kc.get(broken, tensor_layout(ts), _example(ts)) is None
+        assert kc.get(broken, tensor_layout(ts), _example(ts)) is None
+    assert kc.failed == 1
+    assert sum("compiling" in r.message for r in caplog.records) == 1
+
+
+def test_bad_mode_names_the_field() -> None:
+    with pytest.raises(ValueError, match="compile_kernels"):
+        KernelCache("sometimes")  # type: ignore[arg-type]
+
+
+def test_dispatch_modes_see_the_eager_path() -> None:
+    assert compiled_calls_allowed()
+    with OpCounter():
+        assert not compiled_calls_allowed()
+
+
+def test_own_code_gives_each_kernel_its_code_object() -> None:
+    a, b = own_code(squares), own_code(squares)
+    assert a.__code__ is not b.__code__ and a.__code__ is not squares.__code__
+    ts = _grads()
+    assert torch.equal(a(ts), squares(ts))
