@@ -63,7 +63,7 @@ def _work() -> None:
             continue
         try:
             future.set_result(compile_kernel(fn, example))
-        except BaseException as error:
+        except Exception as error:
             future.set_exception(error)
 
 
