@@ -50,9 +50,11 @@ Changes of level re-base the window, so a spike after one is measured against th
 With the defaults (window 128, warm-up 32) a 10x spike 50 steps after a 30x drop of level is
 found, announced or not (tests/unit/analysis/test_spikes.py).
 
-Cost: per series and step, one insertion and one removal in a sorted list (``bisect``) and one
-sort of ``spike_window`` absolute deviations: O(groups * window log window) host work on the
-publisher thread, independent of the number of parameters.
+Cost: per series and step, one insertion and one removal in a sorted list (``bisect``) and a
+selection of the median absolute deviation from the two sorted runs around the median
+(O(log window) comparisons, :meth:`SpikeWindow.center_spread`), computed once for windows
+holding the same samples (the one group of a model is the global norm's series): host work on
+the publisher thread, independent of the number of parameters.
 
 Each spike logs a WARNING naming the series, the score, the norm and the typical norm, at most
 once a minute per series (the counters of :mod:`gradwatch.export` count every one). Steps are
@@ -184,11 +186,6 @@ def _kth_deviation(s: Sequence[float], m: float, k: int) -> float:
             return max(last_below, last_above)
 
 
-def _log_sample(norm: float) -> float | None:
-    """``ln(norm)`` when it can be a sample (finite and positive), else None."""
-    return math.log(norm) if math.isfinite(norm) and norm > 0.0 else None
-
-
 class SpikeDetector:
     """Scores every snapshot against the rolling window of each series (see the module docs).
 
@@ -231,6 +228,7 @@ class SpikeDetector:
             return {}
         series: dict[str | None, float] = {None: snap.global_norm}
         series.update((g, s.norm) for g, s in snap.groups.items())
+        threshold = self.threshold
         with self._lock:
             enters = snap.is_finite and order > self._last_order
             if order > self._last_order:
@@ -240,34 +238,65 @@ class SpikeDetector:
                     for w in self._windows.values():  # a new stage: a new baseline
                         w.clear()
                 self._stage = stage
-            scores: dict[str | None, float] = {}
-            typical: dict[str | None, tuple[float, int]] = {}
-            for key, norm in series.items():
-                x = _log_sample(norm)
-                w = self._windows.get(key)
-                if w is None:
-                    w = self._windows[key] = SpikeWindow(self.window)
-                score = math.nan
-                if x is not None and len(w) >= self.warmup and len(w) > 0:
-                    m, s = w.center_spread()
-                    score = (x - m) / s
-                    typical[key] = (math.exp(m), len(w))
-                scores[key] = score
-                if enters and x is not None:
+            scores, samples, centers = self._score(series)
+            if enters:  # every series scored first: a window enters only its own sample
+                for key, x in samples.items():
+                    w = self._windows[key]
                     w.add(x)
+                    score = scores[key]
                     if score == score:
                         w.track_shift(x, score)
-        spiking = tuple(g for g in snap.groups if scores[g] > self.threshold)
-        global_spike = scores[None] > self.threshold
+        groups = snap.groups
+        spiking = tuple([g for g in groups if scores[g] > threshold])
+        global_spike = scores[None] > threshold
         for key in ((None,) if global_spike else ()) + spiking:
-            self._warn(snap.step, key, scores[key], series[key], *typical[key])
-        group_scores: Mapping[str, float] = {g: scores[g] for g in snap.groups}
+            m, n = centers[key]
+            self._warn(snap.step, key, scores[key], series[key], math.exp(m), n)
+        group_scores: Mapping[str, float] = {g: scores[g] for g in groups}
         return {
             "global_spike_score": scores[None],
             "spike_scores": group_scores,
             "global_spike": global_spike,
             "spiking_groups": spiking,
         }
+
+    def _score(
+        self, series: Mapping[str | None, float]
+    ) -> tuple[
+        dict[str | None, float], dict[str | None, float], dict[str | None, tuple[float, int]]
+    ]:
+        """Each series' score against its window as it is (NaN while undefined), its sample
+        ``ln(norm)`` (absent for a norm not finite and positive) and, where scored, its
+        window's median and size. Two windows holding the same samples (a model whose one
+        group is the whole model: its norm is the global norm, so both windows took the same
+        samples) have the same median and spread, which depend on the sorted samples alone:
+        computed once. Caller holds the lock."""
+        windows, warmup = self._windows, self.warmup
+        scores: dict[str | None, float] = {}
+        samples: dict[str | None, float] = {}
+        centers: dict[str | None, tuple[float, int]] = {}
+        seen: tuple[float, list[float], float, float] | None = None
+        for key, norm in series.items():
+            w = windows.get(key)
+            if w is None:
+                w = windows[key] = SpikeWindow(self.window)
+            if not 0.0 < norm < math.inf:  # NaN, Inf, zero: no sample, no score
+                scores[key] = math.nan
+                continue
+            x = samples[key] = math.log(norm)
+            n = len(w._fifo)
+            if n < warmup or n == 0:
+                scores[key] = math.nan
+                continue
+            if seen is not None and seen[0] == x and seen[1] == w._sorted:
+                m, s = seen[2], seen[3]
+            else:
+                m, s = w.center_spread()
+                if seen is None:
+                    seen = (x, w._sorted, m, s)
+            scores[key] = (x - m) / s
+            centers[key] = (m, n)
+        return scores, samples, centers
 
     def _warn(
         self, step: int, group: str | None, score: float, norm: float, typical: float, n: int
