@@ -83,7 +83,10 @@ class ReducedStats:
             raise ValueError(
                 f"gradwatch: a packed vector of {len(values)} values, expected {at.length}"
             )
-        return cls(
+        # The instance dict filled at once (a frozen dataclass assigns field by field): one
+        # per collect, on the publisher's path.
+        stats = object.__new__(cls)
+        vars(stats).update(
             squares=values[at.squares],
             squares_high=values[at.squares_high],
             squares_low=values[at.squares_low],
@@ -91,15 +94,17 @@ class ReducedStats:
             has_grad=values[at.has_grad],
             replica_squares=values[at.replicas],
             step_check=values[at.step],
-            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
             world_size=layout.world_size,
-            rank_view=RankView.from_section(values[at.rank_view], layout),
+            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
+            rank_view=RankView.from_section(values[at.rank_view], layout)
+            if layout.rank_view_groups else None,
             ranks=layout.world_size if ranks is None else ranks,
             updates=values[at.updates] if layout.update_groups else None,
             # a vector that was not all-reduced carries no timing (it rides on all-reduces)
             rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
             if layout.rank_timing and ranks != 1 else None,
         )
+        return stats
 
     @property
     def steps_differ(self) -> bool:
@@ -287,7 +292,7 @@ class ReducedVector:
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
-            if self._packed.device.type != "cpu":
+            if not self.on_cpu:
                 self._wait_landed(self._timeout)
                 values = self._pinned.tolist()
             else:
