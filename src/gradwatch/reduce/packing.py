@@ -259,6 +259,7 @@ class Reducer:
         self._n_local = n_local
         self._staging = torch.zeros(5 * n_local + 4, dtype=torch.float64, device=dev)
         self._staged_squares = self._staging[: 3 * n_local]
+        self._staged_plain = self._staging[:n_local]
         self._staged_flags = self._staging[3 * n_local : 4 * n_local]
         self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
         self._staged_step, self._staged_residue, self._staged_residue_sq = (
@@ -313,9 +314,11 @@ class Reducer:
         alone = not self.issues_collective(with_replicas)
         if alone:  # this rank's vector is the whole model's: every piece counts
             self._staged_squares.copy_(sq_local)
+            plain = self._staged_plain  # that copy's plain band: a persistent view
         else:
             torch.where(self._contributes, sq_local, self._zero, out=self._staged_squares)
-        plain = sq_local[: self._n_local]  # NaN/Inf only ever sit in the plain band
+            plain = sq_local[: self._n_local]
+        # NaN/Inf only ever sit in the plain band
         torch.sub(plain, plain, out=self._staged_flags).nan_to_num_(nan=1.0)
         self._stage_tail(has_grad, step)
         packed = self._staging.index_select(0, self._gather)  # a fresh vector, zeros elsewhere

@@ -177,7 +177,7 @@ class ReducedVector:
         self._device_step: Tensor | None = None
         self.step, self.ranks = step, ranks  # this rank's step; summed ranks (None: all)
         self.on_cpu = packed.device.type == "cpu"  # read without a device sync
-        if packed.device.type != "cpu":
+        if not self.on_cpu:
             # NCCL: make the compute stream wait for the collective (no host wait), then start
             # a non-blocking copy to pinned memory; stats() waits on the event, once.
             pending.order_on_stream()
