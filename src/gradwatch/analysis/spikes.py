@@ -159,17 +159,44 @@ class SpikeWindow:
         s = self._sorted
         n = len(s)
         mid = n // 2
-        mad = _kth_deviation(s, m, mid)
-        if n % 2 == 0:
-            mad = 0.5 * (_kth_deviation(s, m, mid - 1) + mad)
+        if n % 2:
+            mad = _kth_deviation(s, m, mid)
+        else:
+            upper, lower = _kth_deviations(s, m, mid)
+            mad = 0.5 * (lower + upper)
         return m, max(MAD_TO_SIGMA * mad, MIN_LOG_SPREAD)
 
 
 def _kth_deviation(s: Sequence[float], m: float, k: int) -> float:
-    """The ``k``-th smallest (from 0) of ``|v - m|`` over the sorted ``s``: the ``k + 1``
-    smallest deviations take ``i`` from the run below ``m`` (``m - s[p - 1 - x]``,
-    increasing in ``x``) and ``k + 1 - i`` from the run above (``s[p + y] - m``), ``i`` found by
-    bisection (``m - v`` is ``abs(v - m)`` exactly: rounding is sign-symmetric)."""
+    """The ``k``-th smallest (from 0) of ``|v - m|`` over the sorted ``s`` (see
+    :func:`_split`)."""
+    p, i, j = _split(s, m, k)
+    last_below = m - s[p - i] if i > 0 else -math.inf
+    last_above = s[p + j - 1] - m if j > 0 else -math.inf
+    return max(last_below, last_above)
+
+
+def _kth_deviations(s: Sequence[float], m: float, k: int) -> tuple[float, float]:
+    """The ``k``-th and ``(k - 1)``-th smallest (from 0, ``k >= 1``) of ``|v - m|`` over the
+    sorted ``s``, from one :func:`_split`: the largest and the second largest of the ``k + 1``
+    smallest, which are the last two taken from the run below or the run above (each run
+    increases outwards). The values :func:`_kth_deviation` gives for ``k`` and ``k - 1``: an
+    order statistic's value does not depend on which equal deviations are taken."""
+    p, i, j = _split(s, m, k)
+    below = m - s[p - i] if i > 0 else -math.inf  # the last taken below, and the one before
+    below_before = m - s[p - i + 1] if i > 1 else -math.inf
+    above = s[p + j - 1] - m if j > 0 else -math.inf
+    above_before = s[p + j - 2] - m if j > 1 else -math.inf
+    if below >= above:
+        return below, max(below_before, above)
+    return above, max(above_before, below)
+
+
+def _split(s: Sequence[float], m: float, k: int) -> tuple[int, int, int]:
+    """``(p, i, j)``: the ``k + 1`` smallest of ``|v - m|`` over the sorted ``s`` take ``i``
+    from the run below ``m`` (``m - s[p - 1 - x]``, increasing in ``x``; ``p`` its length)
+    and ``j = k + 1 - i`` from the run above (``s[p + y] - m``), ``i`` found by bisection
+    (``m - v`` is ``abs(v - m)`` exactly: rounding is sign-symmetric)."""
     p = bisect.bisect_left(s, m)
     below, above = p, len(s) - p
     lo, hi = max(0, k + 1 - above), min(k + 1, below)
@@ -181,9 +208,7 @@ def _kth_deviation(s: Sequence[float], m: float, k: int) -> float:
         elif j > 0 and i < below and s[p + j - 1] - m > m - s[p - 1 - i]:
             lo = i + 1  # too few from below
         else:
-            last_below = m - s[p - i] if i > 0 else -math.inf
-            last_above = s[p + j - 1] - m if j > 0 else -math.inf
-            return max(last_below, last_above)
+            return p, i, j
 
 
 class SpikeDetector:

@@ -33,6 +33,8 @@ from gradwatch.analysis.spikes import (
     SHIFT_RUN,
     SHIFT_SCORE,
     SpikeDetector,
+    _kth_deviation,
+    _kth_deviations,
 )
 from gradwatch.cli.endpoint import EndpointView, parse_exposition
 from gradwatch.cli.plot import counts_text, render_history, spike_points
@@ -120,6 +122,23 @@ def test_each_series_is_scored_by_its_own_window_when_norms_coincide() -> None:
             assert (math.isnan(got) and math.isnan(want)) or got == want, (step, key)
         shared += out.spike_scores["b"] == out.global_spike_score
     assert shared > 60  # the shared computation was exercised
+
+
+def test_kth_deviations_are_the_sorted_absolute_deviations_exactly() -> None:
+    """The selection of the MAD from the two sorted runs around the median, one order
+    statistic or two adjacent ones, equals sorting ``|v - m|``, bit for bit (ties too)."""
+    rng = random.Random(5)
+    for _ in range(400):
+        n = rng.choice([2, 3, 4, 7, 16, 127, 128])
+        pool = [rng.gauss(0.0, 1.0) for _ in range(4)]
+        s = sorted(rng.choice(pool) if rng.random() < 0.4 else rng.gauss(0.0, 1.0)
+                   for _ in range(n))
+        mid = n // 2
+        m = s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+        want = sorted(abs(v - m) for v in s)
+        for k in range(1, n):
+            assert _kth_deviation(s, m, k) == want[k]
+            assert _kth_deviations(s, m, k) == (want[k], want[k - 1])
 
 
 def test_synthetic_stream_detects_every_injected_spike_with_few_false_alarms() -> None:
