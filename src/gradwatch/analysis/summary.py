@@ -29,6 +29,7 @@ from gradwatch.analysis.update_health import update_fields
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.norms.bands import norm_from_bands
 from gradwatch.norms.stats import sqrt_sum
+from gradwatch.records import fast_init
 from gradwatch.reduce.layout import Layout
 from gradwatch.reduce.ranktiming import CarriedTiming
 from gradwatch.reduce.reduced import ReducedStats
@@ -301,6 +302,7 @@ def _violates(norm: float, threshold: float) -> bool:
     return not math.isfinite(norm) or norm > threshold
 
 
+@fast_init
 @dataclass(frozen=True)
 class CollectedStep:
     """What a collect knew that the reduced figures do not: its step, when it ran, and what

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from gradwatch.errors import UnsupportedParallelismError
 from gradwatch.norms.stats import as_real_values
+from gradwatch.records import fast_init
 
 
 def main_grad_positions(params: Sequence[Tensor]) -> list[int]:
@@ -31,6 +32,7 @@ def main_grad_positions(params: Sequence[Tensor]) -> list[int]:
     ]
 
 
+@fast_init
 @dataclass(frozen=True)
 class LocalGradients:
     """This rank's gradients of one collect, one entry per local parameter.

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError
+from gradwatch.records import fast_init
 from gradwatch.reduce.collective import (
     CollectiveTimeout,
     Pending,
@@ -33,6 +34,7 @@ from gradwatch.reduce.sections import sections
 from gradwatch.reduce.steps import device_step, steps_differ
 
 
+@fast_init
 @dataclass(frozen=True)
 class ReducedStats:
     """The reduced vector of one collect as named host-side views (Python floats, in the
@@ -83,10 +85,7 @@ class ReducedStats:
             raise ValueError(
                 f"gradwatch: a packed vector of {len(values)} values, expected {at.length}"
             )
-        # The instance dict filled at once (a frozen dataclass assigns field by field): one
-        # per collect, on the publisher's path.
-        stats = object.__new__(cls)
-        vars(stats).update(
+        return cls(
             squares=values[at.squares],
             squares_high=values[at.squares_high],
             squares_low=values[at.squares_low],
@@ -104,7 +103,6 @@ class ReducedStats:
             rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
             if layout.rank_timing and ranks != 1 else None,
         )
-        return stats
 
     @property
     def steps_differ(self) -> bool:

@@ -27,6 +27,7 @@ from gradwatch.analysis.summary import CollectedStep, Summarizer
 from gradwatch.config import OTHER_GROUP, WatchConfig
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError, UnsupportedParallelismError
 from gradwatch.norms.stats import NormEngine
+from gradwatch.records import fast_init
 from gradwatch.reduce.collective import refuse_capture
 from gradwatch.reduce.reduced import ReducedVector
 from gradwatch.snapshot import Snapshot
@@ -88,6 +89,7 @@ def not_measured(step: int, why: str) -> PendingSnapshot:
     return PendingSnapshot(step, fail)
 
 
+@fast_init
 @dataclass(frozen=True)
 class Collected:
     """What one call to :meth:`Collector.collect` produced: the step's result, the whole-model

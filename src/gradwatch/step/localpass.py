@@ -20,6 +20,7 @@ from gradwatch.analysis.reporter import Reporter
 from gradwatch.norms.amp import pending_scale
 from gradwatch.norms.gradients import LocalGradients
 from gradwatch.norms.stats import NormEngine, NormPlan
+from gradwatch.records import fast_init
 from gradwatch.reduce.reduced import ReducedVector
 from gradwatch.step.adaptive import AUTO, AdaptiveHistory, AdaptiveStep
 from gradwatch.step.clip import clip_grads_, scale_grads_, whole_norm
@@ -80,6 +81,7 @@ def measure_alone(
     return grads, plan, r.reducer.pack_and_reduce(sq, has_grad, step, with_replicas=with_replicas)
 
 
+@fast_init
 @dataclass(frozen=True)
 class Acted:
     """What a collect did with its reduced vector: the clip's returned norm (None: no clip),
@@ -92,6 +94,7 @@ class Acted:
     decision: GuardDecision | None = None
 
 
+@fast_init
 @dataclass(frozen=True)
 class Acting:
     """What acts on a reduced vector: the guard and the adaptive history (each optional);
