@@ -80,7 +80,10 @@ def reducer_device(
             return torch.device("cuda", torch.cuda.current_device())
     if gradients is not None:
         return gradients
-    return torch.device("cpu")
+    return _CPU
+
+
+_CPU = torch.device("cpu")  # immutable: one shared value, not one built per collect
 
 
 def capturing() -> bool:

@@ -270,6 +270,7 @@ class Reducer:
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
         self._has_grad_key: tuple[bool, ...] | None = None
         self._contributes = contrib.repeat(3).to(dev)
+        self._all_contribute = all(lay.contributes)  # one process, or each rank its own pieces
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
         starts = (at.squares, at.squares_high, at.squares_low, at.nonfinite, at.has_grad)
         scatter = torch.cat([*(to_global + part.start for part in starts),
@@ -312,7 +313,7 @@ class Reducer:
         lay = self.layout
         sq_local = sq_local.to(self.device)
         alone = not self.issues_collective(with_replicas)
-        if alone:  # this rank's vector is the whole model's: every piece counts
+        if alone or self._all_contribute:  # every piece counts: the where would copy
             self._staged_squares.copy_(sq_local)
             plain = self._staged_plain  # that copy's plain band: a persistent view
         else:
