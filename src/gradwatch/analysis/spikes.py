@@ -252,17 +252,20 @@ class SpikeDetector:
         if not self.enabled:
             return {}
         series: dict[str | None, float] = {None: snap.global_norm}
-        series.update((g, s.norm) for g, s in snap.groups.items())
+        groups = snap.groups
+        for g, stats in groups.items():
+            series[g] = stats.norm
         threshold = self.threshold
         with self._lock:
             enters = snap.is_finite and order > self._last_order
             if order > self._last_order:
                 self._last_order = order
-                stage = frozenset(snap.isolation_violated)
-                if self._stage is not None and stage != self._stage:
-                    for w in self._windows.values():  # a new stage: a new baseline
-                        w.clear()
-                self._stage = stage
+                isolated = snap.isolation_violated.keys()
+                if self._stage is None or isolated != self._stage:  # as sets: no set built
+                    if self._stage is not None:
+                        for w in self._windows.values():  # a new stage: a new baseline
+                            w.clear()
+                    self._stage = frozenset(isolated)
             scores, samples, centers = self._score(series)
             if enters:  # every series scored first: a window enters only its own sample
                 for key, x in samples.items():
@@ -271,7 +274,6 @@ class SpikeDetector:
                     score = scores[key]
                     if score == score:
                         w.track_shift(x, score)
-        groups = snap.groups
         spiking = tuple([g for g in groups if scores[g] > threshold])
         global_spike = scores[None] > threshold
         for key in ((None,) if global_spike else ()) + spiking:
