@@ -290,7 +290,7 @@ class ReducedVector:
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
-            if not self.on_cpu:
+            if self._packed.device.type != "cpu":
                 self._wait_landed(self._timeout)
                 values = self._pinned.tolist()
             else:
