@@ -174,12 +174,13 @@ def summarize(
             if not single:
                 all_squares.extend(sq)
         param_norms.update(zip(group_names, norms, strict=True))
-        # The common case, all finite and unflagged, is settled by two C-level passes: a NaN
-        # or Inf square makes the plain sum NaN or Inf (a finite sum that overflows only sends
-        # us to the exact per-parameter check). Only otherwise is each parameter looked at:
-        # ``not norm < inf`` is True for NaN and Inf; a replica's flag marks a finite copy too.
+        # The common case, all finite and unflagged, is settled by the group's norm and one
+        # C-level pass over the flags: a NaN or Inf norm makes the group's exact sum (or hypot)
+        # NaN or Inf (a sum of finite norms that overflows only sends us to the exact
+        # per-parameter check). Only otherwise is each parameter looked at: ``not norm < inf``
+        # is True for NaN and Inf; a replica's flag marks a finite copy too.
         flags = take(nonfinite_flags) if flagged else ()
-        if sum(norms) < math.inf and not any(flags):
+        if group_norm < math.inf and not any(flags):
             nonfinite = 0
             finite: Sequence[float] = norms
         else:
@@ -273,18 +274,27 @@ def _members(
     for i, group in enumerate(groups_of):
         if has_grad[i] > 0:
             positions.setdefault(group, []).append(i)
-    members = {g: (tuple(idx), _taker(idx)) for g, idx in positions.items()}
+    members = {g: (tuple(idx), _taker(idx, len(groups_of))) for g, idx in positions.items()}
     return members, sum(1 for idx, _ in members.values() if idx) == 1
 
 
-def _taker(idx: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
-    """``lambda seq: [seq[i] for i in idx]`` as one C call (``itemgetter``), a tuple."""
+def _taker(idx: Sequence[int], n: int) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """``lambda seq: [seq[i] for i in idx]`` over sequences of ``n``: the sequence itself
+    when ``idx`` is every position in order (one group holding every parameter with a
+    gradient: nothing copied; the taken sequences are only read), else one C call
+    (``itemgetter``), a tuple."""
+    if len(idx) == n and all(map(operator.eq, idx, range(n))):
+        return _itself
     if len(idx) > 1:
         return operator.itemgetter(*idx)
     if len(idx) == 1:
         only = idx[0]
         return lambda seq: (seq[only],)
     return lambda seq: ()
+
+
+def _itself(seq: Sequence[Any]) -> Sequence[Any]:
+    return seq
 
 
 def _hypot(norms: list[float]) -> float:
