@@ -52,9 +52,10 @@ found, announced or not (tests/unit/analysis/test_spikes.py).
 
 Cost: per series and step, one insertion and one removal in a sorted list (``bisect``) and a
 selection of the median absolute deviation from the two sorted runs around the median
-(O(log window) comparisons, :meth:`SpikeWindow.center_spread`), computed once for windows
-holding the same samples (the one group of a model is the global norm's series): host work on
-the publisher thread, independent of the number of parameters.
+(O(log window) comparisons, :meth:`SpikeWindow.center_spread`); series that took the same
+samples since their windows were made (the one group of a model is the global norm's series)
+share one window, updated and read once, until their samples differ: host work on the
+publisher thread, independent of the number of parameters.
 
 Each spike logs a WARNING naming the series, the score, the norm and the typical norm, at most
 once a minute per series (the counters of :mod:`gradwatch.export` count every one). Steps are
@@ -117,6 +118,15 @@ class SpikeWindow:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._fifo.append(x)
         bisect.insort(self._sorted, x)
+
+    def copy(self) -> SpikeWindow:
+        """A window of the same size holding the same samples, in the same state."""
+        twin = SpikeWindow(self.size)
+        twin._fifo = deque(self._fifo)
+        twin._sorted = list(self._sorted)
+        twin._run = list(self._run)
+        twin._run_side = self._run_side
+        return twin
 
     def clear(self, keep: Sequence[float] = ()) -> None:
         """Empty the window, then add ``keep`` (oldest first): a new baseline."""
@@ -268,12 +278,7 @@ class SpikeDetector:
                     self._stage = frozenset(isolated)
             scores, samples, centers = self._score(series)
             if enters:  # every series scored first: a window enters only its own sample
-                for key, x in samples.items():
-                    w = self._windows[key]
-                    w.add(x)
-                    score = scores[key]
-                    if score == score:
-                        w.track_shift(x, score)
+                self._enter(series, scores, samples)
         spiking = tuple([g for g in groups if scores[g] > threshold])
         global_spike = scores[None] > threshold
         for key in ((None,) if global_spike else ()) + spiking:
@@ -294,36 +299,72 @@ class SpikeDetector:
     ]:
         """Each series' score against its window as it is (NaN while undefined), its sample
         ``ln(norm)`` (absent for a norm not finite and positive) and, where scored, its
-        window's median and size. Two windows holding the same samples (a model whose one
-        group is the whole model: its norm is the global norm, so both windows took the same
-        samples) have the same median and spread, which depend on the sorted samples alone:
-        computed once. Caller holds the lock."""
+        window's median and size. A window one series has is made here, empty: series whose
+        windows are made by the same call with the same first sample share one (see
+        :meth:`_enter`); the median and spread of a shared window are computed once. Caller
+        holds the lock."""
         windows, warmup = self._windows, self.warmup
         scores: dict[str | None, float] = {}
         samples: dict[str | None, float] = {}
         centers: dict[str | None, tuple[float, int]] = {}
-        seen: tuple[float, list[float], float, float] | None = None
+        made: dict[float, SpikeWindow] = {}  # windows made by this call, by first sample
+        spread: dict[int, tuple[float, float]] = {}  # id(window) -> its (m, s)
         for key, norm in series.items():
+            sample = 0.0 < norm < math.inf  # NaN, Inf, zero: no sample, no score
+            x = math.log(norm) if sample else math.nan
             w = windows.get(key)
             if w is None:
-                w = windows[key] = SpikeWindow(self.window)
-            if not 0.0 < norm < math.inf:  # NaN, Inf, zero: no sample, no score
+                w = made.get(x) if sample else None
+                if w is None:
+                    w = SpikeWindow(self.window)
+                    if sample:
+                        made[x] = w
+                windows[key] = w
+            if not sample:
                 scores[key] = math.nan
                 continue
-            x = samples[key] = math.log(norm)
+            samples[key] = x
             n = len(w._fifo)
             if n < warmup or n == 0:
                 scores[key] = math.nan
                 continue
-            if seen is not None and seen[0] == x and seen[1] == w._sorted:
-                m, s = seen[2], seen[3]
-            else:
-                m, s = w.center_spread()
-                if seen is None:
-                    seen = (x, w._sorted, m, s)
+            ms = spread.get(id(w))
+            if ms is None:
+                ms = spread[id(w)] = w.center_spread()
+            m, s = ms
             scores[key] = (x - m) / s
             centers[key] = (m, n)
         return scores, samples, centers
+
+    def _enter(
+        self,
+        series: Mapping[str | None, float],
+        scores: Mapping[str | None, float],
+        samples: Mapping[str | None, float],
+    ) -> None:
+        """Every window takes its series' sample (none without one) and counts it towards a
+        level shift, once per window: series sharing a window took the same samples so far,
+        and keep sharing it while they take the same one (a model whose one group is the
+        whole model: its norm is the global norm). A series whose sample differs from its
+        sharer's gets a copy of the window as it is (the history it took) before any sample
+        enters, so each window holds exactly its own series' samples, as if never shared.
+        Caller holds the lock."""
+        windows = self._windows
+        taking: dict[int, tuple[SpikeWindow, float | None, float]] = {}
+        for key in series:
+            w = windows[key]
+            x = samples.get(key)
+            first = taking.get(id(w))
+            if first is not None and first[1] == x:
+                continue  # the sharer's sample: taken once, for both
+            if first is not None:
+                w = windows[key] = w.copy()
+            taking[id(w)] = (w, x, scores[key])
+        for w, x, score in taking.values():
+            if x is not None:
+                w.add(x)
+                if score == score:
+                    w.track_shift(x, score)
 
     def _warn(
         self, step: int, group: str | None, score: float, norm: float, typical: float, n: int

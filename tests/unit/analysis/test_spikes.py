@@ -101,27 +101,39 @@ def test_scores_match_an_independent_median_mad_reference() -> None:
 
 
 def test_each_series_is_scored_by_its_own_window_when_norms_coincide() -> None:
-    """Series scored together equal series scored alone, bit for bit: ``b`` always has the
-    global norm (same window, computed once), ``a`` only on some steps (its window differs)."""
+    """Series scored together equal series scored alone, bit for bit, whether their windows
+    are shared or not: ``b`` always has the global norm (one window for both), ``c`` until
+    step 40 (shared, then its own copy), ``d`` but for a zero norm at step 25 (no sample:
+    split there), ``a`` only on some steps and never at the first (its own window)."""
     rng = random.Random(11)
     window, warmup = 16, 5
+    keys = ("g", "a", "b", "c", "d")
     together = SpikeDetector(window, 2.0, warmup)
-    alone = {key: SpikeDetector(window, 2.0, warmup) for key in ("g", "a", "b")}
+    alone = {key: SpikeDetector(window, 2.0, warmup) for key in keys}
     shared = 0
     for step in range(90):
         g = math.exp(rng.gauss(1.0, 0.6))
-        a = g if step % 3 else g * 1.7
+        norms = {
+            "g": g,
+            "a": g if step % 3 else g * 1.7,
+            "b": g,
+            "c": g if step < 40 else g * math.exp(rng.gauss(0.0, 0.5)),
+            "d": 0.0 if step == 25 else g,
+        }
         if step == 30:
-            g = a = math.inf  # a non-finite step: no sample for any series
-        out = together.score(snap(step, g, a=a, b=g), order=step + 1)
-        for key, got in (("g", out.global_spike_score), ("a", out.spike_scores["a"]),
-                         ("b", out.spike_scores["b"])):
-            norm = {"g": g, "a": a, "b": g}[key]
-            want = alone[key].score(snap(step, norm), order=step + 1).global_spike_score
+            norms = dict.fromkeys(keys, math.inf)  # a non-finite step: no sample for any
+        groups = {k: v for k, v in norms.items() if k != "g"}
+        out = together.score(snap(step, norms["g"], **groups), order=step + 1)
+        for key in keys:
+            got = out.global_spike_score if key == "g" else out.spike_scores[key]
+            want = alone[key].score(snap(step, norms[key]), order=step + 1).global_spike_score
             assert got is not None and want is not None
             assert (math.isnan(got) and math.isnan(want)) or got == want, (step, key)
         shared += out.spike_scores["b"] == out.global_spike_score
-    assert shared > 60  # the shared computation was exercised
+    assert shared > 60  # the shared window was scored
+    windows = together._windows
+    assert windows["b"] is windows[None]  # still shared; the others split or never shared
+    assert all(windows[k] is not windows[None] for k in ("a", "c", "d"))
 
 
 def test_kth_deviations_are_the_sorted_absolute_deviations_exactly() -> None:
