@@ -359,18 +359,15 @@ class Snapshot:
         Unchanged mappings are shared, not copied again: they are this snapshot's own
         read-only copies, and ``param_norms`` of a large model holds one entry per parameter.
         """
-        known = _field_names(type(self))
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise TypeError(f"Snapshot has no field(s) {unknown}")
+        mappings, tuples = _given(type(self), tuple(changes))
         new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        for name, value in changes.items():
-            if name in _MAPPINGS:
-                value = _frozen(value)
-            elif name in _TUPLES:
-                value = tuple(value)
-            object.__setattr__(new, name, value)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.update(changes)
+        for name in mappings:
+            fields[name] = _frozen(changes[name])
+        for name in tuples:
+            fields[name] = tuple(changes[name])
         return new
 
     def _fields(self) -> dict[str, Any]:
@@ -449,23 +446,44 @@ def snapshot_of(**values: Any) -> Snapshot:
     not copied: the caller hands over the dict it wraps, which is how a per-parameter mapping
     is built once), and a missing or unknown field raises ``TypeError`` as the constructor
     does."""
-    defaults, required = _defaults(Snapshot)
-    unknown = values.keys() - defaults.keys() - required
-    missing = required - values.keys()
-    if unknown or missing:
-        raise TypeError(f"Snapshot: unknown field(s) {sorted(unknown)}, "
-                        f"missing field(s) {sorted(missing)}")
+    defaults = _defaults(Snapshot)[0]
+    mappings, tuples = _complete(tuple(values))
     new = object.__new__(Snapshot)
     fields = new.__dict__
     fields.update(defaults)
     fields.update(values)
-    for name in _MAPPINGS:
-        if name in values and type(values[name]) is not MappingProxyType:
+    for name in mappings:
+        if type(values[name]) is not MappingProxyType:
             fields[name] = _frozen(values[name])
-    for name in _TUPLES:
-        if name in values:
-            fields[name] = tuple(values[name])
+    for name in tuples:
+        fields[name] = tuple(values[name])
     return new
+
+
+@functools.lru_cache(maxsize=64)
+def _complete(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """:func:`_given` for a whole :class:`Snapshot`: also raises ``TypeError`` when a field
+    without a default is not among ``names``."""
+    given = _given(Snapshot, names)
+    missing = _defaults(Snapshot)[1].difference(names)
+    if missing:
+        raise TypeError(f"Snapshot: missing field(s) {sorted(missing)}")
+    return given
+
+
+@functools.lru_cache(maxsize=256)
+def _given(cls: type, names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Of the field names ``names`` (in the order given), the mapping fields and the tuple
+    fields: what a construction or :meth:`Snapshot.replace` freezes. Raises ``TypeError`` on
+    a name that is no field of ``cls``. Cached on the names: a collect builds its snapshot
+    with the same names every step (a tuple of interned strings, hashed once)."""
+    unknown = sorted(set(names) - _field_names(cls))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {unknown}")
+    return (
+        tuple(n for n in names if n in _MAPPINGS),
+        tuple(n for n in names if n in _TUPLES),
+    )
 
 
 @functools.cache

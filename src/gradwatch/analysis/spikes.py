@@ -50,8 +50,11 @@ Changes of level re-base the window, so a spike after one is measured against th
 With the defaults (window 128, warm-up 32) a 10x spike 50 steps after a 30x drop of level is
 found, announced or not (tests/unit/analysis/test_spikes.py).
 
-Cost: per series and step, one insertion and one removal in a sorted list (``bisect``) and one
-sort of ``spike_window`` absolute deviations: O(groups * window log window) host work on the
+Cost: per series and step, one insertion and one removal in a sorted list (``bisect``) and a
+selection of the median absolute deviation from the two sorted runs around the median
+(O(log window) comparisons, :meth:`SpikeWindow.center_spread`); series that took the same
+samples since their windows were made (the one group of a model is the global norm's series)
+share one window, updated and read once, until their samples differ: host work on the
 publisher thread, independent of the number of parameters.
 
 Each spike logs a WARNING naming the series, the score, the norm and the typical norm, at most
@@ -116,6 +119,15 @@ class SpikeWindow:
         self._fifo.append(x)
         bisect.insort(self._sorted, x)
 
+    def copy(self) -> SpikeWindow:
+        """A window of the same size holding the same samples, in the same state."""
+        twin = SpikeWindow(self.size)
+        twin._fifo = deque(self._fifo)
+        twin._sorted = list(self._sorted)
+        twin._run = list(self._run)
+        twin._run_side = self._run_side
+        return twin
+
     def clear(self, keep: Sequence[float] = ()) -> None:
         """Empty the window, then add ``keep`` (oldest first): a new baseline."""
         self._fifo.clear()
@@ -157,17 +169,44 @@ class SpikeWindow:
         s = self._sorted
         n = len(s)
         mid = n // 2
-        mad = _kth_deviation(s, m, mid)
-        if n % 2 == 0:
-            mad = 0.5 * (_kth_deviation(s, m, mid - 1) + mad)
+        if n % 2:
+            mad = _kth_deviation(s, m, mid)
+        else:
+            upper, lower = _kth_deviations(s, m, mid)
+            mad = 0.5 * (lower + upper)
         return m, max(MAD_TO_SIGMA * mad, MIN_LOG_SPREAD)
 
 
 def _kth_deviation(s: Sequence[float], m: float, k: int) -> float:
-    """The ``k``-th smallest (from 0) of ``|v - m|`` over the sorted ``s``: the ``k + 1``
-    smallest deviations take ``i`` from the run below ``m`` (``m - s[p - 1 - x]``,
-    increasing in ``x``) and ``k + 1 - i`` from the run above (``s[p + y] - m``), ``i`` found by
-    bisection (``m - v`` is ``abs(v - m)`` exactly: rounding is sign-symmetric)."""
+    """The ``k``-th smallest (from 0) of ``|v - m|`` over the sorted ``s`` (see
+    :func:`_split`)."""
+    p, i, j = _split(s, m, k)
+    last_below = m - s[p - i] if i > 0 else -math.inf
+    last_above = s[p + j - 1] - m if j > 0 else -math.inf
+    return max(last_below, last_above)
+
+
+def _kth_deviations(s: Sequence[float], m: float, k: int) -> tuple[float, float]:
+    """The ``k``-th and ``(k - 1)``-th smallest (from 0, ``k >= 1``) of ``|v - m|`` over the
+    sorted ``s``, from one :func:`_split`: the largest and the second largest of the ``k + 1``
+    smallest, which are the last two taken from the run below or the run above (each run
+    increases outwards). The values :func:`_kth_deviation` gives for ``k`` and ``k - 1``: an
+    order statistic's value does not depend on which equal deviations are taken."""
+    p, i, j = _split(s, m, k)
+    below = m - s[p - i] if i > 0 else -math.inf  # the last taken below, and the one before
+    below_before = m - s[p - i + 1] if i > 1 else -math.inf
+    above = s[p + j - 1] - m if j > 0 else -math.inf
+    above_before = s[p + j - 2] - m if j > 1 else -math.inf
+    if below >= above:
+        return below, max(below_before, above)
+    return above, max(above_before, below)
+
+
+def _split(s: Sequence[float], m: float, k: int) -> tuple[int, int, int]:
+    """``(p, i, j)``: the ``k + 1`` smallest of ``|v - m|`` over the sorted ``s`` take ``i``
+    from the run below ``m`` (``m - s[p - 1 - x]``, increasing in ``x``; ``p`` its length)
+    and ``j = k + 1 - i`` from the run above (``s[p + y] - m``), ``i`` found by bisection
+    (``m - v`` is ``abs(v - m)`` exactly: rounding is sign-symmetric)."""
     p = bisect.bisect_left(s, m)
     below, above = p, len(s) - p
     lo, hi = max(0, k + 1 - above), min(k + 1, below)
@@ -179,14 +218,7 @@ def _kth_deviation(s: Sequence[float], m: float, k: int) -> float:
         elif j > 0 and i < below and s[p + j - 1] - m > m - s[p - 1 - i]:
             lo = i + 1  # too few from below
         else:
-            last_below = m - s[p - i] if i > 0 else -math.inf
-            last_above = s[p + j - 1] - m if j > 0 else -math.inf
-            return max(last_below, last_above)
-
-
-def _log_sample(norm: float) -> float | None:
-    """``ln(norm)`` when it can be a sample (finite and positive), else None."""
-    return math.log(norm) if math.isfinite(norm) and norm > 0.0 else None
+            return p, i, j
 
 
 class SpikeDetector:
@@ -230,44 +262,109 @@ class SpikeDetector:
         if not self.enabled:
             return {}
         series: dict[str | None, float] = {None: snap.global_norm}
-        series.update((g, s.norm) for g, s in snap.groups.items())
+        groups = snap.groups
+        for g, stats in groups.items():
+            series[g] = stats.norm
+        threshold = self.threshold
         with self._lock:
             enters = snap.is_finite and order > self._last_order
             if order > self._last_order:
                 self._last_order = order
-                stage = frozenset(snap.isolation_violated)
-                if self._stage is not None and stage != self._stage:
-                    for w in self._windows.values():  # a new stage: a new baseline
-                        w.clear()
-                self._stage = stage
-            scores: dict[str | None, float] = {}
-            typical: dict[str | None, tuple[float, int]] = {}
-            for key, norm in series.items():
-                x = _log_sample(norm)
-                w = self._windows.get(key)
-                if w is None:
-                    w = self._windows[key] = SpikeWindow(self.window)
-                score = math.nan
-                if x is not None and len(w) >= self.warmup and len(w) > 0:
-                    m, s = w.center_spread()
-                    score = (x - m) / s
-                    typical[key] = (math.exp(m), len(w))
-                scores[key] = score
-                if enters and x is not None:
-                    w.add(x)
-                    if score == score:
-                        w.track_shift(x, score)
-        spiking = tuple(g for g in snap.groups if scores[g] > self.threshold)
-        global_spike = scores[None] > self.threshold
+                isolated = snap.isolation_violated.keys()
+                if self._stage is None or isolated != self._stage:  # as sets: no set built
+                    if self._stage is not None:
+                        for w in self._windows.values():  # a new stage: a new baseline
+                            w.clear()
+                    self._stage = frozenset(isolated)
+            scores, samples, centers = self._score(series)
+            if enters:  # every series scored first: a window enters only its own sample
+                self._enter(series, scores, samples)
+        spiking = tuple([g for g in groups if scores[g] > threshold])
+        global_spike = scores[None] > threshold
         for key in ((None,) if global_spike else ()) + spiking:
-            self._warn(snap.step, key, scores[key], series[key], *typical[key])
-        group_scores: Mapping[str, float] = {g: scores[g] for g in snap.groups}
+            m, n = centers[key]
+            self._warn(snap.step, key, scores[key], series[key], math.exp(m), n)
+        group_scores: Mapping[str, float] = {g: scores[g] for g in groups}
         return {
             "global_spike_score": scores[None],
             "spike_scores": group_scores,
             "global_spike": global_spike,
             "spiking_groups": spiking,
         }
+
+    def _score(
+        self, series: Mapping[str | None, float]
+    ) -> tuple[
+        dict[str | None, float], dict[str | None, float], dict[str | None, tuple[float, int]]
+    ]:
+        """Each series' score against its window as it is (NaN while undefined), its sample
+        ``ln(norm)`` (absent for a norm not finite and positive) and, where scored, its
+        window's median and size. A window one series has is made here, empty: series whose
+        windows are made by the same call with the same first sample share one (see
+        :meth:`_enter`); the median and spread of a shared window are computed once. Caller
+        holds the lock."""
+        windows, warmup = self._windows, self.warmup
+        scores: dict[str | None, float] = {}
+        samples: dict[str | None, float] = {}
+        centers: dict[str | None, tuple[float, int]] = {}
+        made: dict[float, SpikeWindow] = {}  # windows made by this call, by first sample
+        spread: dict[int, tuple[float, float]] = {}  # id(window) -> its (m, s)
+        for key, norm in series.items():
+            sample = 0.0 < norm < math.inf  # NaN, Inf, zero: no sample, no score
+            x = math.log(norm) if sample else math.nan
+            w = windows.get(key)
+            if w is None:
+                w = made.get(x) if sample else None
+                if w is None:
+                    w = SpikeWindow(self.window)
+                    if sample:
+                        made[x] = w
+                windows[key] = w
+            if not sample:
+                scores[key] = math.nan
+                continue
+            samples[key] = x
+            n = len(w._fifo)
+            if n < warmup or n == 0:
+                scores[key] = math.nan
+                continue
+            ms = spread.get(id(w))
+            if ms is None:
+                ms = spread[id(w)] = w.center_spread()
+            m, s = ms
+            scores[key] = (x - m) / s
+            centers[key] = (m, n)
+        return scores, samples, centers
+
+    def _enter(
+        self,
+        series: Mapping[str | None, float],
+        scores: Mapping[str | None, float],
+        samples: Mapping[str | None, float],
+    ) -> None:
+        """Every window takes its series' sample (none without one) and counts it towards a
+        level shift, once per window: series sharing a window took the same samples so far,
+        and keep sharing it while they take the same one (a model whose one group is the
+        whole model: its norm is the global norm). A series whose sample differs from its
+        sharer's gets a copy of the window as it is (the history it took) before any sample
+        enters, so each window holds exactly its own series' samples, as if never shared.
+        Caller holds the lock."""
+        windows = self._windows
+        taking: dict[int, tuple[SpikeWindow, float | None, float]] = {}
+        for key in series:
+            w = windows[key]
+            x = samples.get(key)
+            first = taking.get(id(w))
+            if first is not None and first[1] == x:
+                continue  # the sharer's sample: taken once, for both
+            if first is not None:
+                w = windows[key] = w.copy()
+            taking[id(w)] = (w, x, scores[key])
+        for w, x, score in taking.values():
+            if x is not None:
+                w.add(x)
+                if score == score:
+                    w.track_shift(x, score)
 
     def _warn(
         self, step: int, group: str | None, score: float, norm: float, typical: float, n: int

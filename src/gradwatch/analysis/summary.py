@@ -29,6 +29,7 @@ from gradwatch.analysis.update_health import update_fields
 from gradwatch.config import WatchConfig, ratio_key
 from gradwatch.norms.bands import norm_from_bands
 from gradwatch.norms.stats import sqrt_sum
+from gradwatch.records import fast_init
 from gradwatch.reduce.layout import Layout
 from gradwatch.reduce.ranktiming import CarriedTiming
 from gradwatch.reduce.reduced import ReducedStats
@@ -146,7 +147,7 @@ def summarize(
     high_of = high if high is not None else zeros
     low_of = low if low is not None else zeros
     all_norms: list[float] = []  # the banded case
-    members = _members(tuple(groups_of), tuple(group_order), tuple(has_grad))
+    members, single = _members(tuple(groups_of), tuple(group_order), tuple(has_grad))
     # No flag anywhere (the common case): no group gathers its flags.
     flagged = any(nonfinite_flags)
     param_norms: dict[str, float] = {}
@@ -155,10 +156,10 @@ def summarize(
     all_squares: list[float] = []
     vt, et = cfg.vanishing_threshold, cfg.exploding_threshold
     total_v = total_e = total_n = 0
-    # One group with members (the common case): its norm is the global norm, the very same
-    # values through the very same exact sum (or hypot), so nothing is gathered twice.
-    single = sum(1 for idx, _ in members.values() if idx) == 1
+    # One group with members (the common case, ``single``): its norm is the global norm, the
+    # very same values through the very same exact sum (or hypot), so nothing is gathered twice.
     global_norm = math.nan
+    sqrt = math.sqrt
     for group, (idx, take) in members.items():
         sq = take(squares)
         group_names = take(names)
@@ -168,47 +169,44 @@ def summarize(
             if not single:
                 all_norms.extend(norms)
         else:
-            norms = list(map(math.sqrt, sq))
+            norms = list(map(sqrt, sq))
             group_norm = sqrt_sum(sq)
             if not single:
                 all_squares.extend(sq)
         param_norms.update(zip(group_names, norms, strict=True))
+        # The common case, all finite and unflagged, is settled by the group's norm and one
+        # C-level pass over the flags: a NaN or Inf norm makes the group's exact sum (or hypot)
+        # NaN or Inf (a sum of finite norms that overflows only sends us to the exact
+        # per-parameter check). Only otherwise is each parameter looked at: ``not norm < inf``
+        # is True for NaN and Inf; a replica's flag marks a finite copy too.
         flags = take(nonfinite_flags) if flagged else ()
-        # The common case, all finite and unflagged, is settled by two C-level passes: a NaN
-        # or Inf square makes the plain sum NaN or Inf (a finite sum that overflows only sends
-        # us to the exact per-parameter check). Only otherwise is each parameter looked at:
-        # ``not norm < inf`` is True for NaN and Inf; a replica's flag marks a finite copy too.
-        if sum(norms) < math.inf and not any(flags):
-            bad: list[int] = []
+        if group_norm < math.inf and not any(flags):
+            nonfinite = 0
             finite: Sequence[float] = norms
         else:
             bad = [k for k in range(len(idx)) if not norms[k] < math.inf or flags[k] > 0]
             ok = set(range(len(idx))).difference(bad)
             finite = [norms[k] for k in sorted(ok)]
-        nonfinite = len(bad)
-        nonfinite_params.extend(group_names[k] for k in bad)
+            nonfinite = len(bad)
+            nonfinite_params.extend(group_names[k] for k in bad)
         # Counted only when the extreme says some norm is past the threshold (one C pass).
         exploding = nonfinite + (sum(map(et.__lt__, finite)) if finite and max(finite) > et
                                  else 0)
         vanishing = sum(map(vt.__gt__, finite)) if finite and min(finite) < vt else 0
-        group_stats[group] = GroupStats(
-            norm=group_norm,
-            numel=sum(take(numels)),
-            tensors=len(idx),
-            vanishing=vanishing,
-            exploding=exploding,
-            nonfinite=nonfinite,
+        count = len(idx)
+        group_stats[group] = _group_stats(
+            group_norm, sum(take(numels)), count, vanishing, exploding, nonfinite
         )
         total_v += vanishing
         total_e += exploding
-        total_n += len(idx)
-        if single and idx:
+        total_n += count
+        if single and count:
             global_norm = group_norm
     if not single:
         global_norm = _hypot(all_norms) if banded else sqrt_sum(all_squares)
     if nonfinite_params and math.isfinite(global_norm):
         global_norm = math.nan  # a replica flagged NaN that the counted copy did not show
-    empty = GroupStats()
+    empty = _EMPTY_GROUP
     checked = cfg.isolated if isolated is None else isolated
     isolation = {  # before a gradient-less step's NaN norms: no gradient violates nothing
         g: _violates(group_stats.get(g, empty).norm, cfg.isolation_threshold) for g in checked
@@ -223,44 +221,80 @@ def summarize(
         key = ratio_key(num, den)
         ratios[key] = normalized_ratio(n.norm, n.numel, d.norm, d.numel)
         raw[key] = raw_ratio(n.norm, d.norm)
+    # Every mapping is built here and handed over as its read-only view: not copied again.
     return snapshot_of(
         step=step,
         global_norm=global_norm,
-        groups=group_stats,
-        param_norms=MappingProxyType(param_norms),  # built here, handed over: not copied
+        groups=MappingProxyType(group_stats),
+        param_norms=MappingProxyType(param_norms),
         nonfinite_params=tuple(sorted(nonfinite_params)),
-        ratios=ratios,
-        raw_ratios=raw,
+        ratios=MappingProxyType(ratios),
+        raw_ratios=MappingProxyType(raw),
         health=health_score(total_n, total_v, total_e, global_norm),
-        isolation_violated=isolation,
+        isolation_violated=MappingProxyType(isolation),
         no_gradient=total_n == 0,
         **extra,  # type: ignore[arg-type]
     )
 
 
+#: The stats of a group absent from a step (no parameter of it has a gradient).
+_EMPTY_GROUP = GroupStats()
+
+#: Every field of :class:`GroupStats` at its default: what :func:`_group_stats` starts from.
+_GROUP_DEFAULTS = dict(vars(_EMPTY_GROUP))
+
+
+def _group_stats(
+    norm: float, numel: int, tensors: int, vanishing: int, exploding: int, nonfinite: int
+) -> GroupStats:
+    """``GroupStats(norm=..., ..., nonfinite=...)`` (the update-health fields at their
+    default), with its instance dict filled at once rather than by one frozen-field
+    assignment per field: every collect builds one per group."""
+    stats = object.__new__(GroupStats)
+    fields = stats.__dict__
+    fields.update(_GROUP_DEFAULTS)
+    fields["norm"] = norm
+    fields["numel"] = numel
+    fields["tensors"] = tensors
+    fields["vanishing"] = vanishing
+    fields["exploding"] = exploding
+    fields["nonfinite"] = nonfinite
+    return stats
+
+
 @functools.lru_cache(maxsize=4)
 def _members(
     groups_of: tuple[str, ...], group_order: tuple[str, ...], has_grad: tuple[float, ...]
-) -> dict[str, tuple[tuple[int, ...], Callable[[Sequence[Any]], Sequence[Any]]]]:
+) -> tuple[dict[str, tuple[tuple[int, ...], Callable[[Sequence[Any]], Sequence[Any]]]], bool]:
     """Per group, the positions that had a gradient (the always-shown groups first) and a
-    function taking those positions of any per-parameter sequence (a C-level gather). The
-    same from step to step in most jobs, so cached on the exact inputs (tuples: hashed and
-    compared in C)."""
+    function taking those positions of any per-parameter sequence (a C-level gather); and
+    whether exactly one group has such positions. The same from step to step in most jobs,
+    so cached on the exact inputs (tuples: hashed and compared in C)."""
     positions: dict[str, list[int]] = {g: [] for g in group_order}
     for i, group in enumerate(groups_of):
         if has_grad[i] > 0:
             positions.setdefault(group, []).append(i)
-    return {g: (tuple(idx), _taker(idx)) for g, idx in positions.items()}
+    members = {g: (tuple(idx), _taker(idx, len(groups_of))) for g, idx in positions.items()}
+    return members, sum(1 for idx, _ in members.values() if idx) == 1
 
 
-def _taker(idx: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
-    """``lambda seq: [seq[i] for i in idx]`` as one C call (``itemgetter``), a tuple."""
+def _taker(idx: Sequence[int], n: int) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """``lambda seq: [seq[i] for i in idx]`` over sequences of ``n``: the sequence itself
+    when ``idx`` is every position in order (one group holding every parameter with a
+    gradient: nothing copied; the taken sequences are only read), else one C call
+    (``itemgetter``), a tuple."""
+    if len(idx) == n and all(map(operator.eq, idx, range(n))):
+        return _itself
     if len(idx) > 1:
         return operator.itemgetter(*idx)
     if len(idx) == 1:
         only = idx[0]
         return lambda seq: (seq[only],)
     return lambda seq: ()
+
+
+def _itself(seq: Sequence[Any]) -> Sequence[Any]:
+    return seq
 
 
 def _hypot(norms: list[float]) -> float:
@@ -278,6 +312,7 @@ def _violates(norm: float, threshold: float) -> bool:
     return not math.isfinite(norm) or norm > threshold
 
 
+@fast_init
 @dataclass(frozen=True)
 class CollectedStep:
     """What a collect knew that the reduced figures do not: its step, when it ran, and what

@@ -32,7 +32,8 @@ from gradwatch.errors import GradWatchError, GradWatchTimeoutError
 from gradwatch.norms.bands import BANDS, norm_from_bands
 from gradwatch.norms.stats import NormEngine
 from gradwatch.snapshot import Snapshot
-from gradwatch.step.collector import PendingSnapshot, measure_local
+from gradwatch.step.collector import PendingSnapshot
+from gradwatch.step.localpass import measure_local
 from gradwatch.watcher import GradWatch
 
 #: The stand-in fp16 loss scale of ``cuda[zero-fp16]`` (a power of two, as DeepSpeed's).

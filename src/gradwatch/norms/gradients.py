@@ -17,6 +17,7 @@ from torch import Tensor
 
 from gradwatch.errors import UnsupportedParallelismError
 from gradwatch.norms.stats import as_real_values
+from gradwatch.records import fast_init
 
 
 def main_grad_positions(params: Sequence[Tensor]) -> list[int]:
@@ -31,6 +32,7 @@ def main_grad_positions(params: Sequence[Tensor]) -> list[int]:
     ]
 
 
+@fast_init
 @dataclass(frozen=True)
 class LocalGradients:
     """This rank's gradients of one collect, one entry per local parameter.
@@ -93,8 +95,9 @@ class GradientReader:
         strided = torch.strided
         sparse = [i for i, g in enumerate(grads) if g is not None and g.layout is not strided]
         sparse_grads: list[Tensor] = [grads[i] for i in sparse]  # type: ignore[misc]
-        for i in sorted({*sparse, *self._complex_positions}):
-            g = grads[i]
-            if g is not None:
-                grads[i] = as_real_values(g)
+        if sparse or self._complex_positions:  # rare: a sorted set only then
+            for i in sorted({*sparse, *self._complex_positions}):
+                g = grads[i]
+                if g is not None:
+                    grads[i] = as_real_values(g)
         return LocalGradients(grads, sparse, sparse_grads)

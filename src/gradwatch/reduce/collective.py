@@ -80,7 +80,10 @@ def reducer_device(
             return torch.device("cuda", torch.cuda.current_device())
     if gradients is not None:
         return gradients
-    return torch.device("cpu")
+    return _CPU
+
+
+_CPU = torch.device("cpu")  # immutable: one shared value, not one built per collect
 
 
 def capturing() -> bool:
@@ -328,7 +331,8 @@ class Pending:
         succeed), :class:`CollectiveFailed` when it completed with an error or this rank could
         not feed it (its host thread issued a stand-in instead: see :class:`_HostThread`)."""
         deadline = time.monotonic() + timeout
-        if not self._ready.wait(timeout):
+        # is_set() first: an issued one (nearly always) is not waited on under the event's lock
+        if not self._ready.is_set() and not self._ready.wait(timeout):
             raise CollectiveTimeout("the monitoring all-reduce was not issued in time")
         if self._error is not None:
             if self._broken:

@@ -259,6 +259,7 @@ class Reducer:
         self._n_local = n_local
         self._staging = torch.zeros(5 * n_local + 4, dtype=torch.float64, device=dev)
         self._staged_squares = self._staging[: 3 * n_local]
+        self._staged_plain = self._staging[:n_local]
         self._staged_flags = self._staging[3 * n_local : 4 * n_local]
         self._staged_has_grad = self._staging[4 * n_local : 5 * n_local]
         self._staged_step, self._staged_residue, self._staged_residue_sq = (
@@ -269,6 +270,7 @@ class Reducer:
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
         self._has_grad_key: tuple[bool, ...] | None = None
         self._contributes = contrib.repeat(3).to(dev)
+        self._all_contribute = all(lay.contributes)  # one process, or each rank its own pieces
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
         starts = (at.squares, at.squares_high, at.squares_low, at.nonfinite, at.has_grad)
         scatter = torch.cat([*(to_global + part.start for part in starts),
@@ -311,11 +313,13 @@ class Reducer:
         lay = self.layout
         sq_local = sq_local.to(self.device)
         alone = not self.issues_collective(with_replicas)
-        if alone:  # this rank's vector is the whole model's: every piece counts
+        if alone or self._all_contribute:  # every piece counts: the where would copy
             self._staged_squares.copy_(sq_local)
+            plain = self._staged_plain  # that copy's plain band: a persistent view
         else:
             torch.where(self._contributes, sq_local, self._zero, out=self._staged_squares)
-        plain = sq_local[: self._n_local]  # NaN/Inf only ever sit in the plain band
+            plain = sq_local[: self._n_local]
+        # NaN/Inf only ever sit in the plain band
         torch.sub(plain, plain, out=self._staged_flags).nan_to_num_(nan=1.0)
         self._stage_tail(has_grad, step)
         packed = self._staging.index_select(0, self._gather)  # a fresh vector, zeros elsewhere

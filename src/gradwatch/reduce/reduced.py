@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.errors import GradWatchError, GradWatchTimeoutError
+from gradwatch.records import fast_init
 from gradwatch.reduce.collective import (
     CollectiveTimeout,
     Pending,
@@ -33,6 +34,7 @@ from gradwatch.reduce.sections import sections
 from gradwatch.reduce.steps import device_step, steps_differ
 
 
+@fast_init
 @dataclass(frozen=True)
 class ReducedStats:
     """The reduced vector of one collect as named host-side views (Python floats, in the
@@ -91,9 +93,10 @@ class ReducedStats:
             has_grad=values[at.has_grad],
             replica_squares=values[at.replicas],
             step_check=values[at.step],
-            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
             world_size=layout.world_size,
-            rank_view=RankView.from_section(values[at.rank_view], layout),
+            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
+            rank_view=RankView.from_section(values[at.rank_view], layout)
+            if layout.rank_view_groups else None,
             ranks=layout.world_size if ranks is None else ranks,
             updates=values[at.updates] if layout.update_groups else None,
             # a vector that was not all-reduced carries no timing (it rides on all-reduces)
@@ -172,7 +175,7 @@ class ReducedVector:
         self._device_step: Tensor | None = None
         self.step, self.ranks = step, ranks  # this rank's step; summed ranks (None: all)
         self.on_cpu = packed.device.type == "cpu"  # read without a device sync
-        if packed.device.type != "cpu":
+        if not self.on_cpu:
             # NCCL: make the compute stream wait for the collective (no host wait), then start
             # a non-blocking copy to pinned memory; stats() waits on the event, once.
             pending.order_on_stream()

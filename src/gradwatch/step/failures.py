@@ -230,6 +230,8 @@ class Failures:
         except GradWatchError:
             self._reporter.internal_error("host_copy")
             raise
+        if stats.steps_agree(step):  # so no rank failed (NaN) nor closed (-inf): measured
+            return stats
         if stats.failed_rank:
             self._reporter.internal_error("other_rank")
             raise GradWatchError(
@@ -241,20 +243,18 @@ class Failures:
             raise GradWatchError(
                 f"gradwatch: step {step} was not measured: another rank closed its watcher"
             )
-        if not stats.steps_agree(step):
-            self._reporter.internal_error("step_mismatch")
-            self._reporter.log_once(
-                "step-mismatch",
-                "gradwatch: ranks called collect() with different steps (rank %d: %d); such "
-                "steps are not measured (logged once)",
-                self._reporter.rank,
-                step,
-            )
-            raise GradWatchError(
-                f"gradwatch: step {step} was not measured: the ranks collected different steps "
-                f"(the step slot sums to {stats.step_check})"
-            )
-        return stats
+        self._reporter.internal_error("step_mismatch")  # finite, but not this step's sum
+        self._reporter.log_once(
+            "step-mismatch",
+            "gradwatch: ranks called collect() with different steps (rank %d: %d); such "
+            "steps are not measured (logged once)",
+            self._reporter.rank,
+            step,
+        )
+        raise GradWatchError(
+            f"gradwatch: step {step} was not measured: the ranks collected different steps "
+            f"(the step slot sums to {stats.step_check})"
+        )
 
 
 class Replaced(GradWatchError):

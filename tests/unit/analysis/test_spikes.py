@@ -33,6 +33,8 @@ from gradwatch.analysis.spikes import (
     SHIFT_RUN,
     SHIFT_SCORE,
     SpikeDetector,
+    _kth_deviation,
+    _kth_deviations,
 )
 from gradwatch.cli.endpoint import EndpointView, parse_exposition
 from gradwatch.cli.plot import counts_text, render_history, spike_points
@@ -96,6 +98,59 @@ def test_scores_match_an_independent_median_mad_reference() -> None:
                 assert got == pytest.approx(want, rel=1e-12, abs=1e-12), step
         assert out.global_spike == (want > 6.0)
         history.append(norm)
+
+
+def test_each_series_is_scored_by_its_own_window_when_norms_coincide() -> None:
+    """Series scored together equal series scored alone, bit for bit, whether their windows
+    are shared or not: ``b`` always has the global norm (one window for both), ``c`` until
+    step 40 (shared, then its own copy), ``d`` but for a zero norm at step 25 (no sample:
+    split there), ``a`` only on some steps and never at the first (its own window)."""
+    rng = random.Random(11)
+    window, warmup = 16, 5
+    keys = ("g", "a", "b", "c", "d")
+    together = SpikeDetector(window, 2.0, warmup)
+    alone = {key: SpikeDetector(window, 2.0, warmup) for key in keys}
+    shared = 0
+    for step in range(90):
+        g = math.exp(rng.gauss(1.0, 0.6))
+        norms = {
+            "g": g,
+            "a": g if step % 3 else g * 1.7,
+            "b": g,
+            "c": g if step < 40 else g * math.exp(rng.gauss(0.0, 0.5)),
+            "d": 0.0 if step == 25 else g,
+        }
+        if step == 30:
+            norms = dict.fromkeys(keys, math.inf)  # a non-finite step: no sample for any
+        groups = {k: v for k, v in norms.items() if k != "g"}
+        out = together.score(snap(step, norms["g"], **groups), order=step + 1)
+        for key in keys:
+            got = out.global_spike_score if key == "g" else out.spike_scores[key]
+            want = alone[key].score(snap(step, norms[key]), order=step + 1).global_spike_score
+            assert got is not None and want is not None
+            assert (math.isnan(got) and math.isnan(want)) or got == want, (step, key)
+        shared += out.spike_scores["b"] == out.global_spike_score
+    assert shared > 60  # the shared window was scored
+    windows = together._windows
+    assert windows["b"] is windows[None]  # still shared; the others split or never shared
+    assert all(windows[k] is not windows[None] for k in ("a", "c", "d"))
+
+
+def test_kth_deviations_are_the_sorted_absolute_deviations_exactly() -> None:
+    """The selection of the MAD from the two sorted runs around the median, one order
+    statistic or two adjacent ones, equals sorting ``|v - m|``, bit for bit (ties too)."""
+    rng = random.Random(5)
+    for _ in range(400):
+        n = rng.choice([2, 3, 4, 7, 16, 127, 128])
+        pool = [rng.gauss(0.0, 1.0) for _ in range(4)]
+        s = sorted(rng.choice(pool) if rng.random() < 0.4 else rng.gauss(0.0, 1.0)
+                   for _ in range(n))
+        mid = n // 2
+        m = s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+        want = sorted(abs(v - m) for v in s)
+        for k in range(1, n):
+            assert _kth_deviation(s, m, k) == want[k]
+            assert _kth_deviations(s, m, k) == (want[k], want[k - 1])
 
 
 def test_synthetic_stream_detects_every_injected_spike_with_few_false_alarms() -> None:
