@@ -40,7 +40,7 @@ built from Python numbers, no host read).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -52,8 +52,14 @@ from gradwatch.norms.kernels import (
     compiled_calls_allowed,
 )
 
-if TYPE_CHECKING:
-    from gradwatch.norms.updates import _Batch
+
+class _Batch(Protocol):
+    """What this module reads of a batch of :mod:`gradwatch.norms.updates`: its views of the
+    parameters, the same views of the state tensors by name, each view's step count."""
+
+    params: list[Tensor]
+    tensors: dict[str, list[Tensor]]
+    steps: list[Tensor]
 
 F64 = torch.float64
 WIDE = (torch.float32, torch.float64)
