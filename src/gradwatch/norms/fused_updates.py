@@ -178,11 +178,13 @@ def update_section(weights: list[Tensor], updates: Tensor, group: Tensor, counte
     """The collect's update section (:meth:`gradwatch.norms.updates.UpdateMeter.figures`):
     each weight's squared norm accumulated in float64, stacked over the ``3 x P`` update
     figures, zeroed where ``counted`` is false, summed per group (``group``: each piece's group;
-    the number of groups is ``tail``'s length minus 2), then ``tail``'s last two values."""
+    the number of groups is ``tail``'s length minus 2; a masked sum, where inductor cannot
+    lower an ``index_add`` into one group), then ``tail``'s last two values."""
     squares = torch.stack([w.to(F64).square().sum() for w in weights])
-    local = torch.where(counted, torch.cat([squares.unsqueeze(0), updates]), 0.0)
-    sums = torch.zeros(4, tail.shape[0] - 2, dtype=F64, device=updates.device)
-    sums = sums.index_add(1, group, local)
+    local = torch.cat([squares.unsqueeze(0), updates])  # 4 x P
+    groups = torch.arange(tail.shape[0] - 2, device=group.device)
+    member = (group.unsqueeze(0) == groups.unsqueeze(1)) & counted  # G x P
+    sums = torch.where(member, local.unsqueeze(1), 0.0).sum(-1)  # 4 x G
     return torch.cat([sums.reshape(-1), tail[-2:]])
 
 
