@@ -22,6 +22,10 @@ dynamo's process-wide compile lock while it compiles, so a ``torch.compile`` of 
 that starts meanwhile waits for it. Each kernel gets a code object of its own, so dynamo's
 recompile limit (per code object) never sends a user's function, or another layout, to eager.
 
+:func:`compile_traced` (a ``KernelCache``'s ``compiler``) compiles without dynamo: traced to an
+aten graph and compiled by inductor, called without guards, never recompiled; for callers that
+key by the exact layout (:mod:`gradwatch.norms.fused_updates`).
+
 Sync behaviour: none. Compiling runs on example tensors of the layout (``empty_strided``), never
 on the caller's tensors, and the compiled call on CPU tensors has no host read.
 """

@@ -85,6 +85,13 @@ signs). Per collect, one float32 norm per view of :data:`WEIGHT_ROWS` weights (t
 summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
 float64 figures per parameter *tensor*; temporaries: at most three of a batch's size in its
 dtype, freed by the step.
+
+**Compiled** (:mod:`gradwatch.norms.fused_updates`): on CPU tensors of float32/float64
+weights, once a batch's layout has its kernel (``compile_kernels``: compiled off the training
+thread by default), the batch's figures come from one compiled call that reads the weights and
+the state once (the same arithmetic, the sums in float64), and the collect's section from
+another; everything else, and every batch until its kernel is ready, takes the eager path
+above.
 """
 
 from __future__ import annotations
