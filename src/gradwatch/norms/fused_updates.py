@@ -63,6 +63,9 @@ class _Batch(Protocol):
 
 F64 = torch.float64
 WIDE = (torch.float32, torch.float64)
+#: Weight dtypes whose figures come from the materialised intended change, each op rounded to
+#: the dtype as eager's are (inductor's ``emulate_precision_casts``).
+NARROW = (torch.bfloat16, torch.float16)
 
 
 def _count(mask: Tensor) -> Tensor:
@@ -93,6 +96,26 @@ def _plain(p: Tensor, mid: Tensor, marks: Tensor, meant: Tensor) -> tuple[Tensor
     return delta, moving - _count(delta != 0), moving
 
 
+def _scalar_dtype(p: Tensor) -> torch.dtype:
+    """The dtype eager's ops read a Python or 0-dim scalar in, for tensors of ``p``'s dtype
+    (their compute type: float32 for bf16/fp16)."""
+    return torch.float32 if p.dtype in NARROW else p.dtype
+
+
+def _narrow(p: Tensor, u: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """bf16/fp16 weights, from the intended update ``u`` (in the weights' dtype) and the decay
+    ``c`` (None: none), as :func:`gradwatch.norms.updates.narrow_figures`: ``p_old = rnd(rnd(p
+    + u) / (1 - c))``, the intended change ``u + c p_old``, ``-delta = p_old - p``; moving
+    where the intended change is non-zero, stalled where it is and ``delta`` is 0."""
+    old = p + u
+    if c is not None:
+        old = old / (1 - c).to(torch.float32)
+        u = u + old * c.to(torch.float32)
+    neg = old - p
+    moving = _count(u != 0)
+    return neg, moving - _count((u != 0) & (neg != 0)), moving
+
+
 def _adam(params: list[Tensor], ms: list[Tensor], vs: list[Tensor], steps: list[Tensor],
           hyper: Tensor, keep: Tensor | None, decay: bool) -> Tensor:
     """Adam/AdamW's figures (``hyper`` = ``[lr, beta1, beta2, eps, weight_decay]``): per view
@@ -110,6 +133,10 @@ def _adam(params: list[Tensor], ms: list[Tensor], vs: list[Tensor], steps: list[
         s, c, meant = s * keep, c * keep, meant * keep
     rows = []
     for i, (p, m, v) in enumerate(zip(params, ms, vs, strict=True)):
+        if p.dtype in NARROW:  # the intended update, materialised: 1 / (sqrt(v) + e) * m * s
+            u = torch.reciprocal(v.sqrt() + e[i].to(p.dtype)) * m * s[i].to(torch.float32)
+            rows.append(_row(*_narrow(p, u, c if decay else None)))
+            continue
         mid = p + (s[i].to(p.dtype) * m) / (v.sqrt() + e[i].to(p.dtype))
         figures = _decayed(p, mid, c) if decay else _plain(p, mid, m, meant)
         rows.append(_row(*figures))
@@ -138,10 +165,14 @@ def _sgd(params: list[Tensor], gs: list[Tensor], bufs: list[Tensor] | None, hype
     inv = sign if scale is None else sign / scale.to(F64)
     rows = []
     for i, (p, g) in enumerate(zip(params, gs, strict=True)):
-        u = g * inv.to(p.dtype)
+        k = _scalar_dtype(p)
+        u = g * inv.to(k)
         if bufs is not None:
-            u = u + mu.to(p.dtype) * bufs[i]
-        u = u * rate.to(p.dtype)
+            u = u + mu.to(k) * bufs[i]
+        u = u * rate.to(k)
+        if p.dtype in NARROW:
+            rows.append(_row(*_narrow(p, u, rate * wd if decay else None)))
+            continue
         mid = u + p
         figures = _decayed(p, mid, rate * wd) if decay else _plain(p, mid, u, torch.ones_like(lr))
         rows.append(_row(*figures))
@@ -168,7 +199,10 @@ def sgd_buffer(params: list[Tensor], bufs: list[Tensor], hyper: Tensor,
     rate = lr if keep is None else lr * keep
     rows = []
     for p, buf in zip(params, bufs, strict=True):
-        u = buf * rate.to(p.dtype)
+        u = buf * rate.to(_scalar_dtype(p))
+        if p.dtype in NARROW:
+            rows.append(_row(*_narrow(p, u, None)))
+            continue
         rows.append(_row(*_plain(p, u + p, u, torch.ones_like(lr))))
     return torch.stack(rows, 1)
 
@@ -257,7 +291,8 @@ class FusedUpdates:
         """The batch's ``3 x views`` figures from a compiled kernel, or None (the eager path
         measures it): not a covered batch (module docstring), or its kernel is not ready."""
         first = batch.params[0]
-        if self.cache.mode == "off" or first.device.type != "cpu" or first.dtype not in WIDE:
+        if self.cache.mode == "off" or first.device.type != "cpu" or first.dtype not in (
+                WIDE + NARROW):
             return None
         if kind == "adam":
             out = self._adam(group, batch, keep)
@@ -299,7 +334,7 @@ class FusedUpdates:
         number of groups into the layout key)."""
         if self.cache.mode == "off" or not weights or updates.device.type != "cpu":
             return None
-        if any(w.device.type != "cpu" or w.dtype not in WIDE for w in weights):
+        if any(w.device.type != "cpu" or w.dtype not in WIDE + NARROW for w in weights):
             return None
         out = self._run(update_section, (weights, updates, group, counted, tail))
         if out is not None:

@@ -52,9 +52,10 @@ COMPILE_MODES: tuple[str, ...] = ("background", "wait", "off")
 # Inductor's options for every kernel: one compile worker (no process pool in the user's job).
 COMPILE_OPTIONS: dict[str, Any] = {"compile_threads": 1}
 # compile_traced's kernels: no size, stride or alignment checks in the wrapper (the caller's
-# key is the exact layout; the checks cost a microsecond per argument on every call).
+# key is the exact layout; the checks cost a microsecond per argument on every call), and each
+# bf16/fp16 op rounded to its dtype as eager's is (inductor otherwise keeps float32 between).
 TRACED_OPTIONS: dict[str, Any] = {**COMPILE_OPTIONS, "size_asserts": False,
-                                  "alignment_asserts": False}
+                                  "alignment_asserts": False, "emulate_precision_casts": True}
 
 Compiler = Callable[[Callable[..., Any], Callable[[], tuple]], Callable[..., Any]]
 
