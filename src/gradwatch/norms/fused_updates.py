@@ -4,7 +4,7 @@
 passes over the batch (Adam/AdamW), each reading and writing the whole batch. The same
 arithmetic fused by inductor reads the weights and the optimizer state once and writes nothing
 but the figures: per view ``[||delta||^2, stalled, moving]`` (``3 x views`` float64), the squared
-norm accumulated in float64 from the exact float32/float64 ``delta``, the counts as int32 sums
+norm accumulated in float64 from the exact ``delta``, the counts as int32 sums
 (exact: a view holds fewer than 2^31 elements). The kernels are compiled per layout (the
 tensors' dtypes, shapes and strides, the variant, the thread count) by
 :class:`gradwatch.norms.kernels.KernelCache` with :func:`~gradwatch.norms.kernels.compile_traced`
@@ -26,12 +26,16 @@ follow the eager path's definitions: with a decoupled decay ``stalled = #(p_mid 
 == 0)`` (times ``c != 0``) and ``moving = stalled + applied``; without, ``moving = #(marks !=
 0) * meant`` and ``stalled = moving - applied``.
 
-**Covered**: float32/float64 weights on the CPU; ``torch.optim`` Adam/AdamW (decoupled or L2
+**Covered**: float32/float64 and bf16/fp16 weights on the CPU (bf16/fp16 as the eager path's
+:func:`~gradwatch.norms.updates.narrow_figures`: the intended change materialised, each op
+rounded to the dtype as eager's is, by inductor's ``emulate_precision_casts``: tested within
+0.02 of the copies' stalled fraction, not element for element equal to eager's counts);
+``torch.optim`` Adam/AdamW (decoupled or L2
 decay, ``amsgrad``) and SGD (momentum, Nesterov, weight decay, ``maximize``), for-loop,
 foreach or fused (``found_inf``, fused SGD's ``grad_scale``), with hyperparameters that are
 Python numbers (a tensor learning rate or betas keeps the eager path). Scalars that change
 every step (the learning rate, the step counts, ``found_inf``) are tensor inputs, so a schedule
-never recompiles. bf16/fp16 weights and accelerator tensors keep the eager path.
+never recompiles. Accelerator tensors keep the eager path.
 
 Sync behaviour: none (CPU tensors only; the hyperparameters become one float64 CPU tensor,
 built from Python numbers, no host read).
@@ -329,7 +333,8 @@ class FusedUpdates:
     def section(self, weights: list[Tensor], updates: Tensor, group: Tensor, counted: Tensor,
                 tail: Tensor) -> Tensor | None:
         """:func:`update_section` from a compiled kernel, or None (eager): weights not all
-        float32/float64 CPU tensors (``updates`` on the CPU), or the kernel is not ready.
+        floating CPU tensors of a covered dtype (``updates`` on the CPU), or the kernel is not
+        ready.
         ``tail``: ``G + 2`` float64, its last two the section's tail (its length carries the
         number of groups into the layout key)."""
         if self.cache.mode == "off" or not weights or updates.device.type != "cpu":

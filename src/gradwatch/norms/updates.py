@@ -86,12 +86,11 @@ summed in float64: the weight norm's relative error is about 1e-7). Persistent m
 float64 figures per parameter *tensor*; temporaries: at most three of a batch's size in its
 dtype, freed by the step.
 
-**Compiled** (:mod:`gradwatch.norms.fused_updates`): on CPU tensors of float32/float64
-weights, once a batch's layout has its kernel (``compile_kernels``: compiled off the training
-thread by default), the batch's figures come from one compiled call that reads the weights and
-the state once (the same arithmetic, the sums in float64), and the collect's section from
-another; everything else, and every batch until its kernel is ready, takes the eager path
-above.
+**Compiled** (:mod:`gradwatch.norms.fused_updates`): on CPU tensors, once a batch's layout
+has its kernel (``compile_kernels``: compiled off the training thread by default), the batch's
+figures come from one compiled call that reads the weights and the state once (the same
+arithmetic, the sums in float64), and the collect's section from another; everything else, and
+every batch until its kernel is ready, takes the eager path above.
 """
 
 from __future__ import annotations
@@ -512,7 +511,7 @@ class UpdateMeter:
             master fragments): per flat partition the optimizer steps (by ``id``), the
             ``(position, start, numel)`` of each piece's fragment in it.
         compile_kernels: whether to compile the fused kernels of
-            :mod:`gradwatch.norms.fused_updates` (CPU batches of float32/float64 weights;
+            :mod:`gradwatch.norms.fused_updates` (CPU batches;
             ``WatchConfig.compile_kernels``); the eager path measures until they are ready.
 
     Thread-safety: :meth:`after_step` and :meth:`figures` run on the training thread.
