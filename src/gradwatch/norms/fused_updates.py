@@ -10,7 +10,8 @@ tensors' dtypes, shapes and strides, the variant, the thread count) by
 :class:`gradwatch.norms.kernels.KernelCache` with :func:`~gradwatch.norms.kernels.compile_traced`
 (traced to aten and compiled by inductor without dynamo: no guards, never a recompile), off the
 training thread in ``"background"`` mode; until a layout's kernel is ready, and for any batch
-this module does not cover, :func:`figures` answers None and the eager path runs.
+this module does not cover, :meth:`FusedUpdates.batch_figures` answers None and the eager path
+runs.
 
 **The same arithmetic.** Each op of the eager inversion is an op here, in the same order and
 dtype (``mid = p + (s * m) / (sqrt(v) + e)`` as ``addcdiv`` computes it, ``p_old = mid / (1 -
@@ -28,14 +29,14 @@ follow the eager path's definitions: with a decoupled decay ``stalled = #(p_mid 
 
 **Covered**: float32/float64 and bf16/fp16 weights on the CPU (bf16/fp16 as the eager path's
 :func:`~gradwatch.norms.updates.narrow_figures`: the intended change materialised, each op
-rounded to the dtype as eager's is, by inductor's ``emulate_precision_casts``: tested within
+rounded to the dtype as eager's is, by inductor's ``emulate_precision_casts``; tested within
 0.02 of the copies' stalled fraction, not element for element equal to eager's counts);
-``torch.optim`` Adam/AdamW (decoupled or L2
-decay, ``amsgrad``) and SGD (momentum, Nesterov, weight decay, ``maximize``), for-loop,
-foreach or fused (``found_inf``, fused SGD's ``grad_scale``), with hyperparameters that are
-Python numbers (a tensor learning rate or betas keeps the eager path). Scalars that change
-every step (the learning rate, the step counts, ``found_inf``) are tensor inputs, so a schedule
-never recompiles. Accelerator tensors keep the eager path.
+``torch.optim`` Adam/AdamW (decoupled or L2 decay, ``amsgrad``) and SGD (momentum, Nesterov,
+weight decay, ``maximize``), for-loop, foreach or fused (``found_inf``, fused SGD's
+``grad_scale``), with hyperparameters that are Python numbers (a tensor learning rate or betas
+keeps the eager path). Scalars that change every step (the learning rate, the step counts,
+``found_inf``) are tensor inputs, so a schedule never recompiles. Accelerator tensors keep the
+eager path.
 
 Sync behaviour: none (CPU tensors only; the hyperparameters become one float64 CPU tensor,
 built from Python numbers, no host read).
@@ -64,6 +65,7 @@ class _Batch(Protocol):
     params: list[Tensor]
     tensors: dict[str, list[Tensor]]
     steps: list[Tensor]
+
 
 F64 = torch.float64
 WIDE = (torch.float32, torch.float64)
@@ -241,31 +243,46 @@ def _hyper(values: Sequence[Any]) -> Tensor | None:
     return torch.tensor(floats, dtype=F64)
 
 
-def _example(args: tuple) -> Callable[[], tuple]:
-    """Arguments of the layout of ``args`` (tensors, lists of tensors, None), zeros (an index
-    argument must be in range)."""
+def _example(layout: tuple) -> Callable[[], tuple]:
+    """Arguments of ``layout`` (:func:`_layout`: the key's own record, so the compiled kernel
+    is the key's even if a tensor changes before the compile thread gets to it; no reference
+    to the caller's tensors), zeros (an index argument must be in range), on the CPU."""
 
-    def like(x: Any) -> Any:
-        if isinstance(x, Tensor):
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
-                                       device=x.device).zero_()
-        if isinstance(x, list):
-            return [like(t) for t in x]
-        return x
+    def like(spec: Any) -> Any:
+        if spec is None:
+            return None
+        if isinstance(spec, tuple) and spec and isinstance(spec[0], torch.dtype):
+            dtype, shape, stride, _cpu = spec
+            return torch.empty_strided(shape, stride, dtype=dtype).zero_()
+        return [like(t) for t in spec]
 
-    return lambda: tuple(like(a) for a in args)
+    return lambda: tuple(like(a) for a in layout)
 
 
-def _layout(args: tuple) -> tuple:
+def _spec(t: Tensor) -> tuple | None:
+    return (t.dtype, t.shape, t.stride(), True) if t.is_cpu else None
+
+
+def _layout(args: tuple) -> tuple | None:
     """What a traced kernel assumes of its arguments (the structure; per tensor its dtype,
-    shape, strides and whether it is on the CPU): :func:`~gradwatch.norms.kernels.
-    tensor_layout` less what a call under ``no_grad`` on the CPU does not depend on, at half
-    its cost (a key is built on every call)."""
-    return tuple(
-        tuple((t.dtype, t.shape, t.stride(), t.is_cpu) for t in a) if isinstance(a, list)
-        else None if a is None else (a.dtype, a.shape, a.stride(), a.is_cpu)
-        for a in args
-    )
+    shape and strides): :func:`~gradwatch.norms.kernels.tensor_layout` less what a call under
+    ``no_grad`` on the CPU does not depend on, at half its cost (a key is built on every call);
+    None when a tensor is not on the CPU (the kernels are CPU kernels)."""
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, list):
+            specs = tuple(_spec(t) for t in a)
+            if None in specs:
+                return None
+            out.append(specs)
+        elif a is None:
+            out.append(None)
+        else:
+            spec = _spec(a)
+            if spec is None:
+                return None
+            out.append(spec)
+    return tuple(out)
 
 
 class FusedUpdates:
@@ -283,8 +300,10 @@ class FusedUpdates:
         first sight), else None."""
         if self.cache.mode == "off" or not compiled_calls_allowed():
             return None
-        key = (_layout(args), torch.get_num_threads())
-        kernel = self.cache.get(fn, key, _example(args))
+        layout = _layout(args)
+        if layout is None:
+            return None
+        kernel = self.cache.get(fn, (layout, torch.get_num_threads()), _example(layout))
         if kernel is None:
             return None
         with torch.no_grad():
@@ -332,9 +351,8 @@ class FusedUpdates:
 
     def section(self, weights: list[Tensor], updates: Tensor, group: Tensor, counted: Tensor,
                 tail: Tensor) -> Tensor | None:
-        """:func:`update_section` from a compiled kernel, or None (eager): weights not all
-        floating CPU tensors of a covered dtype (``updates`` on the CPU), or the kernel is not
-        ready.
+        """:func:`update_section` from a compiled kernel, or None (eager): weights not all CPU
+        tensors of a covered dtype (``updates`` on the CPU), or the kernel is not ready.
         ``tail``: ``G + 2`` float64, its last two the section's tail (its length carries the
         number of groups into the layout key)."""
         if self.cache.mode == "off" or not weights or updates.device.type != "cpu":
