@@ -285,13 +285,19 @@ def _layout(args: tuple) -> tuple | None:
     return tuple(out)
 
 
+#: Layouts one meter compiles at most (batches and sections); any after stay eager. A job's
+#: layouts are its optimizer parameter groups times dtypes, times the sets of parameters with
+#: gradients it steps (phases that freeze some): a few; one that changes every step is eager.
+LAYOUTS = 16
+
+
 class FusedUpdates:
     """The compiled kernels of one update meter, per layout, from a :class:`KernelCache` in
     ``mode``. ``calls`` counts the batches measured by a compiled kernel and ``section_calls``
     the collects (the tests read them: the compiled path is the one taken)."""
 
     def __init__(self, mode: CompileMode) -> None:
-        self.cache = KernelCache(mode, compile_traced)
+        self.cache = KernelCache(mode, compile_traced, limit=LAYOUTS)
         self.calls = 0
         self.section_calls = 0
 

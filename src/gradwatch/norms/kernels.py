@@ -180,16 +180,21 @@ class KernelCache:
 
     :meth:`get` never blocks in ``"background"`` mode and never raises: a failed compile is
     logged once and its key stays eager. ``failed``, ``ready`` and ``pending`` count the keys
-    in each state (``gradwatch doctor`` and the tests read them).
+    in each state (``gradwatch doctor`` and the tests read them). ``limit``: at most this many
+    keys are ever compiled (None: no limit); a key seen after that stays eager, logged once (a
+    layout that changes every step, say a mixture of experts whose routed experts alone have
+    gradients, would otherwise keep the compile thread busy for good and the kernels piling up).
     """
 
     def __init__(self, mode: CompileMode = "background",
-                 compiler: Compiler | None = None) -> None:
+                 compiler: Compiler | None = None, limit: int | None = None) -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile_kernels must be one of {COMPILE_MODES}, got {mode!r}")
         self.mode: CompileMode = mode
+        self.limit = limit
         self._compiler: Compiler = compiler or compile_kernel
         self._entries: dict[Hashable, Future | Callable[..., Any] | None] = {}
+        self._over_limit_logged = False
 
     def get(self, fn: Callable[..., Any], key: Hashable,
             example: Callable[[], tuple]) -> Callable[..., Any] | None:
@@ -199,6 +204,12 @@ class KernelCache:
             return None
         full_key = (fn.__module__, fn.__qualname__, key)
         entry = self._entries.get(full_key, _MISSING)
+        if entry is _MISSING and self.limit is not None and len(self._entries) >= self.limit:
+            if not self._over_limit_logged:
+                self._over_limit_logged = True
+                log.warning("gradwatch: %d kernel layouts compiled, the limit; new layouts "
+                            "(%s) stay on their eager path", self.limit, fn.__qualname__)
+            return None
         if entry is _MISSING:
             if self.mode == "wait":
                 entry = self._compile_or_none(fn, example)

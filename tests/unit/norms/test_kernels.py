@@ -111,3 +111,16 @@ def test_compile_traced_takes_live_scalars_and_never_recompiles() -> None:
             assert torch.allclose(got, want, rtol=1e-12, atol=0.0)
     assert kc.ready == 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_limit_keeps_new_layouts_eager(caplog: pytest.LogCaptureFixture) -> None:
+    kc = KernelCache("wait", limit=1)
+    ts = _grads()
+    assert kc.get(squares, tensor_layout(ts), _example(ts)) is not None
+    other = [torch.randn(7)]
+    with caplog.at_level(logging.WARNING, logger="gradwatch.norms.kernels"):
+        assert kc.get(squares, tensor_layout(other), _example(other)) is None
+        assert kc.get(squares, tensor_layout(other), _example(other)) is None
+    assert kc.ready == 1 and kc.pending == 0
+    assert sum("limit" in r.message for r in caplog.records) == 1
+    assert kc.get(squares, tensor_layout(ts), _example(ts)) is not None  # known: still used
