@@ -266,7 +266,21 @@ def _update_stats_figures(r: UpdateStatsResult) -> str:
     return (f"{extra:+.2f} ms; {verdict_of(r.ratio())}; {r.scalar_reads} host reads added per "
             f"step; persistent memory {r.persistent_bytes} B ({r.persistent_pct:.3f}% of "
             f"{r.parameter_bytes} B of parameters); largest allocation of a warm step "
-            f"{peak[UpdateStatsMode.UPDATES]} B with, {peak[UpdateStatsMode.WATCHED]} B without")
+            f"{peak[UpdateStatsMode.UPDATES]} B with, {peak[UpdateStatsMode.WATCHED]} B without"
+            + _update_stats_kernels(r))
+
+
+def _update_stats_kernels(r: UpdateStatsResult) -> str:
+    """The fused kernels' compile and what a warm step dispatches and costs the thread."""
+    if not r.ops_per_step or not r.thread_ms:
+        return ""
+    w, u = UpdateStatsMode.WATCHED, UpdateStatsMode.UPDATES
+    return (f"; fused kernels: {r.kernels_ready} compiled ({r.kernels_failed} failed) "
+            f"{r.compile_seconds:.1f} s after the first step (in the background); aten ops "
+            f"per warm step {r.ops_per_step[u]} with, {r.ops_per_step[w]} without "
+            f"({r.profiled_scalar_reads:+d} scalar reads, profiler); training-thread CPU per "
+            f"step {r.thread_ms[u]:.2f} ms with, {r.thread_ms[w]:.2f} ms without "
+            f"({r.thread_ms[u] - r.thread_ms[w]:+.2f} ms)")
 
 
 def _update_stats_section(r: UpdateStatsResult | Failure) -> str:

@@ -502,6 +502,15 @@ class UpdateStatsResult:
     parameter_bytes: int
     persistent_bytes: int
     largest_allocation: dict[UpdateStatsMode, int]
+    #: seconds from the first step to the compiled kernels ready (rank 0), and their counts
+    compile_seconds: float = float("nan")
+    kernels_ready: int = 0
+    kernels_failed: int = 0
+    #: aten ops one warm step dispatches (profiler), per kind; scalar reads update stats add
+    ops_per_step: dict[UpdateStatsMode, int] = field(default_factory=dict)
+    profiled_scalar_reads: int = 0
+    #: median CPU time of the training thread per step (ms), per kind
+    thread_ms: dict[UpdateStatsMode, float] = field(default_factory=dict)
 
     def timing(self, mode: UpdateStatsMode) -> Timing:
         return Timing.of(self.step_times[mode])

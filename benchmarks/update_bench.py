@@ -6,11 +6,23 @@ both alike; the ratio is the median over blocks with a 95% bootstrap interval
 (:func:`benchmarks.results.paired_ratio`).
 
 Every step is forward, backward, ``collect`` and the optimizer step (the update's measurement
-runs in the optimizer's step post-hook), as the documented loop. Rank 0's times are kept. One
-warm step with update stats is counted, untimed, under ``gradwatch.doctor.testing.OpCounter``
-(host scalar reads: 0 expected); memory: the meter's persistent buffers, and the largest
-allocation of one warm optimizer step with and without it (``largest_allocation``), against
-the parameters' bytes.
+runs in the optimizer's step post-hook), as the documented loop. Rank 0's times are kept.
+
+The steady state is timed: the job with update stats is built with the default
+``compile_kernels="background"``; two warm steps show the meter every layout (its fused
+kernels start compiling on the compile thread, the steps measure eagerly meanwhile), then each
+rank waits for its kernels (``KernelCache.wait``) and a barrier follows, so every timed step
+of every rank runs the compiled kernels. The seconds from the first step to ready are reported
+(both ranks compile at once), and so is the number of kernels that failed to compile (0
+expected: a failure would leave the eager path timed).
+
+Untimed, after the blocks: one warm step of each kind under ``torch.profiler`` (the aten ops
+dispatched, the compiled kernels' wrappers included, and the scalar reads among them: the
+difference is what update stats add); one more under ``gradwatch.doctor.testing.OpCounter``
+(a dispatch mode: the eager path runs under it, host scalar reads 0 expected); the training
+thread's CPU time per step (``time.thread_time``, interleaved steps of both kinds); memory:
+the meter's persistent buffers, and the largest allocation of one warm optimizer step with and
+without it (``largest_allocation``), against the parameters' bytes.
 
 Standalone::
 
@@ -21,7 +33,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +49,8 @@ from benchmarks.results import UpdateStatsMode, UpdateStatsResult
 from gradwatch.doctor.timing import palindromic
 
 
-def _job(mode: UpdateStatsMode) -> tuple[nn.Module, Any, Any]:
+def _job(mode: UpdateStatsMode, compile_kernels: str = "background"
+         ) -> tuple[nn.Module, Any, Any]:
     from gradwatch import GradWatch, WatchConfig
 
     torch.manual_seed(0)
@@ -42,8 +58,46 @@ def _job(mode: UpdateStatsMode) -> tuple[nn.Module, Any, Any]:
     model = wrap(model, "ddp")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     watch = GradWatch(model, WatchConfig(
-        update_stats=mode is UpdateStatsMode.UPDATES, collective_timeout_seconds=120))
+        update_stats=mode is UpdateStatsMode.UPDATES, collective_timeout_seconds=120,
+        compile_kernels=compile_kernels))  # type: ignore[arg-type]
     return model, opt, watch
+
+
+def _until_compiled(step: Callable[[int], None], watch: Any) -> tuple[float, int, int]:
+    """Two steps (every layout seen), then wait for the meter's kernels: (seconds from the
+    first step to ready, kernels ready, kernels failed)."""
+    start = time.perf_counter()
+    for i in range(2):
+        step(-2 + i)
+    cache = watch._resolved.updates.fused.cache
+    cache.wait(timeout=900)
+    return time.perf_counter() - start, cache.ready, cache.failed
+
+
+def _profiled_ops(fn: Callable[[], None]) -> tuple[int, int]:
+    """(aten ops dispatched, scalar reads among them) while ``fn`` runs, from the profiler
+    (not a dispatch mode: the compiled kernels run under it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gradwatch.doctor.testing import _without_profiler_banners
+
+    with _without_profiler_banners(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events()]
+    return (sum(n.startswith("aten::") for n in names),
+            sum(n == "aten::_local_scalar_dense" for n in names))
+
+
+def _thread_ms(step: Callable[[UpdateStatsMode, int], None], kinds: tuple, steps: int
+               ) -> dict[UpdateStatsMode, float]:
+    """Median CPU time of the training thread per step (ms), the kinds interleaved."""
+    times: dict[UpdateStatsMode, list[float]] = {k: [] for k in kinds}
+    for i in range(steps):
+        for mode in kinds if i % 2 == 0 else kinds[::-1]:
+            t0 = time.thread_time()
+            step(mode, 2 * 10**6 + i)
+            times[mode].append(time.thread_time() - t0)
+    return {k: 1e3 * statistics.median(ts) for k, ts in times.items()}
 
 
 def _persistent_bytes(watch: Any) -> int:
@@ -56,7 +110,7 @@ def _persistent_bytes(watch: Any) -> int:
     return sum(t.numel() * t.element_size() for t in held)
 
 
-def _worker(rank: int, port: int, blocks: int, out: str) -> None:
+def _worker(rank: int, port: int, blocks: int, out: str, compile_kernels: str) -> None:
     import torch.distributed as dist
 
     from gradwatch.doctor.testing import OpCounter, largest_allocation
@@ -64,7 +118,7 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
     _init(rank, port)
     kinds = tuple(UpdateStatsMode)
     try:
-        jobs = {mode: _job(mode) for mode in kinds}
+        jobs = {mode: _job(mode, compile_kernels) for mode in kinds}
         _, width, batch = build_model(ModelSpec("demo", "demo model"))
         gen = torch.Generator().manual_seed(10 + rank)
         x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, 1, generator=gen)
@@ -83,9 +137,16 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
             backward(mode)
             optimizer_step(mode, i)
 
+        compile_s, ready, failed = _until_compiled(
+            lambda i: step(UpdateStatsMode.UPDATES, i), jobs[UpdateStatsMode.UPDATES][2])
+        dist.barrier()
         times = palindromic(step, kinds, blocks, barrier=dist.barrier)
         reads = {}
         peak = {}
+        ops = {}
+        for mode in kinds:
+            ops[mode] = _profiled_ops(lambda mode=mode: step(mode, 3 * 10**6))
+        thread = _thread_ms(step, kinds, max(20, min(blocks, 200)))
         for mode in kinds:
             backward(mode)
             with OpCounter() as counted:
@@ -104,19 +165,25 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
                 step_times={m: tuple(ts) for m, ts in times.items()},
                 scalar_reads=reads[UpdateStatsMode.UPDATES] - reads[UpdateStatsMode.WATCHED],
                 parameter_bytes=param_bytes, persistent_bytes=persistent,
-                largest_allocation={m: int(b) for m, b in peak.items()})))
+                largest_allocation={m: int(b) for m, b in peak.items()},
+                compile_seconds=compile_s, kernels_ready=ready, kernels_failed=failed,
+                ops_per_step={m: o for m, (o, _) in ops.items()},
+                profiled_scalar_reads=(ops[UpdateStatsMode.UPDATES][1]
+                                       - ops[UpdateStatsMode.WATCHED][1]),
+                thread_ms=thread)))
     finally:
         dist.destroy_process_group()
 
 
-def updates(blocks: int = 300) -> UpdateStatsResult:
+def updates(blocks: int = 300, compile_kernels: str = "background") -> UpdateStatsResult:
     """``blocks`` palindromic blocks of both :class:`UpdateStatsMode` kinds on 2 spawned
-    ranks."""
+    ranks (``compile_kernels="off"``: the eager path, for comparison)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.pickle")
-        mp.spawn(_worker, args=(_free_port(), blocks, path), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(_free_port(), blocks, path, compile_kernels), nprocs=WORLD,
+                 join=True)
         # our own child wrote it, into our own temporary directory
         result: UpdateStatsResult = pickle.loads(Path(path).read_bytes())
     return result

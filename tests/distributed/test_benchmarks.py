@@ -459,7 +459,7 @@ def test_quick_guard_section() -> None:
 def test_quick_update_stats_section() -> None:
     """The update-stats section (what `make bench` runs) on 2 blocks: both kinds timed in every
     block, the ratio rendered with its IQR and verdict, both target rows judged (time and
-    persistent memory), no host read added."""
+    persistent memory), no host read added, the fused kernels compiled before the blocks."""
     from benchmarks import update_bench
     from benchmarks.results import UpdateStatsMode, UpdateStatsResult
 
@@ -468,6 +468,11 @@ def test_quick_update_stats_section() -> None:
     assert all(len(found.timing(m)) == 4 for m in UpdateStatsMode)  # two per block
     assert found.scalar_reads == 0
     assert 0 < found.persistent_bytes < found.parameter_bytes
+    # the steady state was timed: both fused kernels compiled before the blocks
+    assert (found.kernels_ready, found.kernels_failed) == (2, 0) and found.compile_seconds > 0
+    assert found.profiled_scalar_reads == 0
+    assert set(found.ops_per_step) == set(found.thread_ms) == set(UpdateStatsMode)
+    assert "fused kernels: 2 compiled (0 failed)" in report._update_stats_section(found)
     _header, rows = _rows(report.update_stats_table(found), "| step |")
     assert [r[0] for r in rows] == [m.value for m in UpdateStatsMode]
     assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)",

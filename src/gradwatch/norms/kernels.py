@@ -22,6 +22,10 @@ dynamo's process-wide compile lock while it compiles, so a ``torch.compile`` of 
 that starts meanwhile waits for it. Each kernel gets a code object of its own, so dynamo's
 recompile limit (per code object) never sends a user's function, or another layout, to eager.
 
+:func:`compile_traced` (a ``KernelCache``'s ``compiler``) compiles without dynamo: traced to an
+aten graph and compiled by inductor, called without guards, never recompiled; for callers that
+key by the exact layout (:mod:`gradwatch.norms.fused_updates`).
+
 Sync behaviour: none. Compiling runs on example tensors of the layout (``empty_strided``), never
 on the caller's tensors, and the compiled call on CPU tensors has no host read.
 """
@@ -47,8 +51,15 @@ COMPILE_MODES: tuple[str, ...] = ("background", "wait", "off")
 
 # Inductor's options for every kernel: one compile worker (no process pool in the user's job).
 COMPILE_OPTIONS: dict[str, Any] = {"compile_threads": 1}
+# compile_traced's kernels: no size, stride or alignment checks in the wrapper (the caller's
+# key is the exact layout; the checks cost a microsecond per argument on every call), and each
+# bf16/fp16 op rounded to its dtype as eager's is (inductor otherwise keeps float32 between).
+TRACED_OPTIONS: dict[str, Any] = {**COMPILE_OPTIONS, "size_asserts": False,
+                                  "alignment_asserts": False, "emulate_precision_casts": True}
 
-_jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], Callable[[], tuple]]] = (
+Compiler = Callable[[Callable[..., Any], Callable[[], tuple]], Callable[..., Any]]
+
+_jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], Callable[[], tuple], Compiler]] = (
     queue.SimpleQueue())
 _worker: threading.Thread | None = None
 _worker_lock = threading.Lock()
@@ -58,22 +69,23 @@ _logged_failures: set[str] = set()
 
 def _work() -> None:
     while True:
-        future, fn, example = _jobs.get()
+        future, fn, example, compiler = _jobs.get()
         if not future.set_running_or_notify_cancel():
             continue
         try:
-            future.set_result(compile_kernel(fn, example))
+            future.set_result(compiler(fn, example))
         except Exception as error:
             future.set_exception(error)
 
 
-def submit(fn: Callable[..., Any], example: Callable[[], tuple]) -> Future:
-    """Compile ``fn`` for ``example``'s layout on the process's one compile thread: a daemon
-    (a ``ThreadPoolExecutor``'s workers are joined at exit, which would keep a finished job
-    alive until a compile ends)."""
+def submit(fn: Callable[..., Any], example: Callable[[], tuple],
+           compiler: Compiler | None = None) -> Future:
+    """Compile ``fn`` for ``example``'s layout with ``compiler`` (:func:`compile_kernel` by
+    default) on the process's one compile thread: a daemon (a ``ThreadPoolExecutor``'s
+    workers are joined at exit, which would keep a finished job alive until a compile ends)."""
     global _worker
     future: Future = Future()
-    _jobs.put((future, fn, example))
+    _jobs.put((future, fn, example, compiler or compile_kernel))
     with _worker_lock:
         if _worker is None or not _worker.is_alive():
             _worker = threading.Thread(target=_work, name="gradwatch-compile", daemon=True)
@@ -103,6 +115,39 @@ def compile_kernel(fn: Callable[..., Any], example: Callable[[], tuple]) -> Call
     return compiled
 
 
+def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> Callable[..., Any]:
+    """``fn`` traced to an aten graph for the layout of ``example()``'s arguments (tensors, lists
+    of tensors, None: no other value) and compiled by inductor, without dynamo: the result is
+    called with arguments of that pytree structure and exactly that layout, and checks neither
+    (no guards: a call costs a few microseconds, where a ``torch.compile``'d function spends
+    tens on its guards; nothing ever recompiles). The caller keys it by :func:`tensor_layout`
+    and never calls it with another layout. Compiles under dynamo's compile lock (a
+    ``torch.compile`` of the user's own waits meanwhile) and in inference mode, and runs once
+    on the example."""
+    import torch
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._pytree import tree_leaves
+
+    args = example()
+    with _compile_lock(), torch.no_grad():
+        graph = make_fx(fn)(*args)
+        compiled = compile_fx(graph, tree_leaves(args), config_patches=TRACED_OPTIONS)
+        compiled(*args)
+    return compiled
+
+
+def _compile_lock() -> Any:
+    """Dynamo's process-wide compile lock (a null context where this torch has none)."""
+    import contextlib
+
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+    except ImportError:  # pragma: no cover - a torch without it
+        return contextlib.nullcontext()
+    return compile_lock
+
+
 def tensor_layout(tensors: Sequence[Tensor | None]) -> tuple:
     """What dynamo's guards read of each tensor argument (dtype, device, shape, strides, and
     whether it requires grad): a kernel keyed by it is never recompiled on the caller's
@@ -129,18 +174,27 @@ def _log_failure(name: str, error: BaseException) -> None:
 
 
 class KernelCache:
-    """Compiled kernels per (function, layout key), built in ``mode`` (see the module docstring).
+    """Compiled kernels per (function, layout key), built in ``mode`` (see the module docstring)
+    by ``compiler`` (:func:`compile_kernel`, dynamo with guards, by default; or
+    :func:`compile_traced`, no guards, for callers whose key is the exact layout).
 
     :meth:`get` never blocks in ``"background"`` mode and never raises: a failed compile is
     logged once and its key stays eager. ``failed``, ``ready`` and ``pending`` count the keys
-    in each state (``gradwatch doctor`` and the tests read them).
+    in each state (``gradwatch doctor`` and the tests read them). ``limit``: at most this many
+    keys are ever compiled (None: no limit); a key seen after that stays eager, logged once (a
+    layout that changes every step, say a mixture of experts whose routed experts alone have
+    gradients, would otherwise keep the compile thread busy for good and the kernels piling up).
     """
 
-    def __init__(self, mode: CompileMode = "background") -> None:
+    def __init__(self, mode: CompileMode = "background",
+                 compiler: Compiler | None = None, limit: int | None = None) -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile_kernels must be one of {COMPILE_MODES}, got {mode!r}")
         self.mode: CompileMode = mode
+        self.limit = limit
+        self._compiler: Compiler = compiler or compile_kernel
         self._entries: dict[Hashable, Future | Callable[..., Any] | None] = {}
+        self._over_limit_logged = False
 
     def get(self, fn: Callable[..., Any], key: Hashable,
             example: Callable[[], tuple]) -> Callable[..., Any] | None:
@@ -150,12 +204,18 @@ class KernelCache:
             return None
         full_key = (fn.__module__, fn.__qualname__, key)
         entry = self._entries.get(full_key, _MISSING)
+        if entry is _MISSING and self.limit is not None and len(self._entries) >= self.limit:
+            if not self._over_limit_logged:
+                self._over_limit_logged = True
+                log.warning("gradwatch: %d kernel layouts compiled, the limit; new layouts "
+                            "(%s) stay on their eager path", self.limit, fn.__qualname__)
+            return None
         if entry is _MISSING:
             if self.mode == "wait":
                 entry = self._compile_or_none(fn, example)
                 self._entries[full_key] = entry
                 return entry
-            self._entries[full_key] = submit(fn, example)
+            self._entries[full_key] = submit(fn, example, self._compiler)
             return None
         if isinstance(entry, Future):
             if not entry.done():
@@ -172,7 +232,7 @@ class KernelCache:
     def _compile_or_none(self, fn: Callable[..., Any],
                          example: Callable[[], tuple]) -> Callable[..., Any] | None:
         try:
-            return compile_kernel(fn, example)
+            return self._compiler(fn, example)
         except Exception as error:
             _log_failure(fn.__qualname__, error)
             return None

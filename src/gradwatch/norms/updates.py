@@ -85,6 +85,12 @@ signs). Per collect, one float32 norm per view of :data:`WEIGHT_ROWS` weights (t
 summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
 float64 figures per parameter *tensor*; temporaries: at most three of a batch's size in its
 dtype, freed by the step.
+
+**Compiled** (:mod:`gradwatch.norms.fused_updates`): on CPU tensors, once a batch's layout
+has its kernel (``compile_kernels``: compiled off the training thread by default), the batch's
+figures come from one compiled call that reads the weights and the state once (the same
+arithmetic, the sums in float64), and the collect's section from another; everything else, and
+every batch until its kernel is ready, takes the eager path above.
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from gradwatch.norms.fused_updates import FusedUpdates
+from gradwatch.norms.kernels import CompileMode
 from gradwatch.norms.rows import host_to_device
 
 log = logging.getLogger("gradwatch")
@@ -502,6 +510,9 @@ class UpdateMeter:
         fragments: under DeepSpeed ZeRO stages 1-3 (``params`` are then the pieces' fp32
             master fragments): per flat partition the optimizer steps (by ``id``), the
             ``(position, start, numel)`` of each piece's fragment in it.
+        compile_kernels: whether to compile the fused kernels of
+            :mod:`gradwatch.norms.fused_updates` (CPU batches;
+            ``WatchConfig.compile_kernels``); the eager path measures until they are ready.
 
     Thread-safety: :meth:`after_step` and :meth:`figures` run on the training thread.
     """
@@ -514,8 +525,10 @@ class UpdateMeter:
         contributes: Sequence[bool],
         device: torch.device,
         fragments: Mapping[int, Sequence[tuple[int, int, int]]] | None = None,
+        compile_kernels: CompileMode = "off",
     ) -> None:
         self._params = list(params)
+        self.fused = FusedUpdates(compile_kernels)
         self._position = {id(p): i for i, p in enumerate(self._params)}
         # DeepSpeed ZeRO 1-3: the inner optimizer steps flat fp32 partitions; per partition
         # (by id), the (piece position, start, numel) of each watched fragment
@@ -589,6 +602,9 @@ class UpdateMeter:
         the decay for float32/float64 weights, :func:`narrow_figures` from the intended
         update for bf16/fp16."""
         keep = _keep(optimizer, batch.params[0].device)
+        fused = self.fused.batch_figures(kind, optimizer, group, batch, keep)
+        if fused is not None:
+            return fused
         if batch.params[0].dtype not in NARROW:
             if kind == _Kind.ADAM:
                 mid, c = _before_decay_adam(batch, group, keep)
@@ -625,7 +641,13 @@ class UpdateMeter:
         squared norms, stalled and moving elements, over the pieces this rank counts (every
         piece when ``count_all``: the collect does not all-reduce); then 1 when some step
         could not be measured, 1 when there is no previous collect. Clears the update
-        figures. A constant number of ops, no host read."""
+        figures. A constant number of ops, no host read; one compiled call
+        (:func:`gradwatch.norms.fused_updates.update_section`) once it is ready."""
+        fused = self._fused_section(count_all)
+        if fused is not None:
+            self._updates.zero_()
+            self._armed, self._unmeasured = True, False
+            return fused
         local = torch.cat([self._weight_squares().unsqueeze(0), self._updates])
         counted = torch.where(self._all if count_all else self._mask, local, 0.0)
         sums = torch.zeros(4, self._groups, dtype=torch.float64, device=self._device)
@@ -636,6 +658,15 @@ class UpdateMeter:
         self._updates.zero_()
         self._armed, self._unmeasured = True, False
         return torch.cat([sums.reshape(-1), tail])
+
+    def _fused_section(self, count_all: bool) -> Tensor | None:
+        """:meth:`figures`' section from the compiled kernel, or None (eager)."""
+        if self.fused.cache.mode == "off":
+            return None
+        tail = torch.tensor([0.0] * self._groups + [float(self._unmeasured),
+                                                     float(not self._armed)], dtype=torch.float64)
+        return self.fused.section([_local(p) for p in self._params], self._updates,
+                                  self._group, self._all if count_all else self._mask, tail)
 
     def _weight_squares(self) -> Tensor:
         """Each local piece's squared norm: float32 norms of views of at most

@@ -10,6 +10,7 @@ import torch
 from gradwatch.doctor.testing import OpCounter
 from gradwatch.norms.kernels import (
     KernelCache,
+    compile_traced,
     compiled_calls_allowed,
     own_code,
     tensor_layout,
@@ -81,3 +82,45 @@ def test_own_code_gives_each_kernel_its_code_object() -> None:
     assert a.__code__ is not b.__code__ and a.__code__ is not squares.__code__
     ts = _grads()
     assert torch.equal(a(ts), squares(ts))
+
+
+def scaled_squares(ts: list[torch.Tensor], scale: torch.Tensor,
+                   offset: torch.Tensor | None) -> torch.Tensor:
+    out = torch.stack([t.double().square().sum() for t in ts]) * scale
+    return out if offset is None else out + offset
+
+
+def test_compile_traced_takes_live_scalars_and_never_recompiles() -> None:
+    """Traced without dynamo: lists and None as arguments, a 0-dim tensor read on every call
+    (a changing value never recompiles: no dynamo graph at all), results as eager's."""
+    kc = KernelCache("wait", compile_traced)
+    ts = _grads()
+    args = (ts, torch.tensor(2.0, dtype=torch.float64), None)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def example() -> tuple:
+        return ([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).zero_() for t in ts],
+                torch.zeros((), dtype=torch.float64), None)
+
+    fn = kc.get(scaled_squares, tensor_layout(ts), example)
+    assert fn is not None
+    with torch.no_grad():
+        for scale in (2.0, 0.5, 3.0):
+            args = (ts, torch.tensor(scale, dtype=torch.float64), None)
+            got, want = fn(*args), scaled_squares(*args)
+            assert torch.allclose(got, want, rtol=1e-12, atol=0.0)
+    assert kc.ready == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_limit_keeps_new_layouts_eager(caplog: pytest.LogCaptureFixture) -> None:
+    kc = KernelCache("wait", limit=1)
+    ts = _grads()
+    assert kc.get(squares, tensor_layout(ts), _example(ts)) is not None
+    other = [torch.randn(7)]
+    with caplog.at_level(logging.WARNING, logger="gradwatch.norms.kernels"):
+        assert kc.get(squares, tensor_layout(other), _example(other)) is None
+        assert kc.get(squares, tensor_layout(other), _example(other)) is None
+    assert kc.ready == 1 and kc.pending == 0
+    assert sum("limit" in r.message for r in caplog.records) == 1
+    assert kc.get(squares, tensor_layout(ts), _example(ts)) is not None  # known: still used
