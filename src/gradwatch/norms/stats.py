@@ -14,7 +14,8 @@ costs two ops: a view and a norm). Per (device, dtype) bucket, like
   packed into one cache-sized buffer, fill after fill; large ones read in place), their
   squares summed per tensor in float64 (``index_add_``, or one sparse-CSR product);
 * CPU repair: a tensor whose fast norm is non-finite or tiny is recomputed exactly in float64,
-  chunk by chunk.
+  chunk by chunk (:mod:`gradwatch.norms.repair`);
+* CPU float32 row-path tensors, once compiled: a float64 kernel, exact, no repair (norms.fused).
 
 Non-finite detection comes from the norms themselves (a NaN gives a NaN norm, an Inf an Inf
 norm): no gradient-sized masks. Totals are :func:`sqrt_sum` of plain squares (the largest
