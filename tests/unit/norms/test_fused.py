@@ -175,3 +175,22 @@ def test_strides_changed_under_the_plan_stay_exact_and_replan() -> None:
 def test_jobs_of_many_ranks_never_compile() -> None:
     assert NormEngine.for_job("background", 1).kernels.mode == "background"  # type: ignore[union-attr]
     assert NormEngine.for_job("wait", 2).kernels.mode == "off"  # type: ignore[union-attr]
+
+
+def test_watch_collects_and_clips_by_the_kernel() -> None:
+    from gradwatch import GradWatch, WatchConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)  # a 20,000-element weight (the kernel) and a bias
+    model(torch.randn(8, 200)).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    want = math.sqrt(math.fsum(fsum_square(g) for g in grads))
+    with GradWatch(model, WatchConfig(compile_kernels="wait")) as watch:
+        total = float(watch.clip_grad_norm_(want / 4, step=0))
+        engine = watch._collector.engine
+        assert engine._plan is not None and engine._plan.residual is not None
+        assert engine._plan.fused is not None and engine._plan.fused.positions != []
+    assert abs(total - want) <= 1e-6 * want  # the bias is packed: rows, 1e-6
+    coef = (want / 4) / (total + 1e-6)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, g * coef, rtol=1e-6, atol=0)
