@@ -86,8 +86,10 @@ def clipping_tables(results: Sequence[ClipResult]) -> str:
                          f"{a.gradwatch_error:.1e}",
                          f"{a.torch_error / a.gradwatch_error:,.0f}x" if a.gradwatch_error > 0
                          else "exact"])
+    compiled = ", ".join(f"{r.dtype} {r.compile_s:.1f} s" for r in results)
     return (table(["dtype", "method", "median ms", "p25-p75 ms", "extra vs torch", "target"],
-                  rows) + "\n\nAccuracy of the returned total norm (relative error vs a float64 "
+                  rows) + f"\n\nCompiling the norm kernels before the timed rounds: {compiled}."
+            "\n\nAccuracy of the returned total norm (relative error vs a float64 "
             "reference), tensors above 64K elements:\n\n"
             + table(["dtype", "tensors", "torch clip_grad_norm_", "watch.clip_grad_norm_",
                      "gradwatch more exact by"], acc_rows))

@@ -231,6 +231,9 @@ class ClipResult:
     variants: tuple[ClipVariant, ...]
     accuracy: ClipAccuracy
     target: Target
+    #: seconds from the first clip until the engine's compiled kernels were ready (waited for
+    #: before the timed rounds; see benchmarks.measure.ready_kernels)
+    compile_s: float = 0.0
 
     def extra_pct(self, variant: ClipVariant) -> float:
         return (variant.timing.median / self.torch_clip.median - 1) * 100

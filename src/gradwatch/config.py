@@ -237,9 +237,12 @@ class WatchConfig(BaseSettings):
             Read from the optimizer's state after its step (``torch.optim`` SGD, Adam, AdamW:
             for-loop, foreach and fused); no copy of the parameters. Ranks must agree
             (checked by the handshake).
-        compile_kernels: fused kernels for CPU tensors (:mod:`gradwatch.norms.kernels`):
-            ``"background"`` compiles them off the training thread, eager until ready;
-            ``"wait"`` compiles on first use; ``"off"`` never. Per rank.
+        compile_kernels: fused kernels for CPU tensors (:mod:`gradwatch.norms.kernels`; the
+            float64 norm of CPU float32 gradients above 16,384 elements, exact with no host
+            read, :mod:`gradwatch.norms.fused`): ``"background"`` compiles them off the
+            training thread (one CPU thread, seconds per layout), eager until ready;
+            ``"wait"`` compiles on first use; ``"off"`` never. One-process jobs only (with
+            more ranks the eager paths run). Per rank.
         rank_timing: name the slowest rank (``Snapshot.slowest_rank``, ``straggler_score``;
             :mod:`gradwatch.reduce.ranktiming`) from each rank's median working time, riding
             on the collects that all-reduce anyway (plain DDP: every ``divergence_every``),

@@ -14,7 +14,8 @@ costs two ops: a view and a norm). Per (device, dtype) bucket, like
   packed into one cache-sized buffer, fill after fill; large ones read in place), their
   squares summed per tensor in float64 (``index_add_``, or one sparse-CSR product);
 * CPU repair: a tensor whose fast norm is non-finite or tiny is recomputed exactly in float64,
-  chunk by chunk.
+  chunk by chunk (:mod:`gradwatch.norms.repair`);
+* CPU float32 row-path tensors, once compiled: a float64 kernel, exact, no repair (norms.fused).
 
 Non-finite detection comes from the norms themselves (a NaN gives a NaN norm, an Inf an Inf
 norm): no gradient-sized masks. Totals are :func:`sqrt_sum` of plain squares (the largest
@@ -31,7 +32,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from gradwatch.norms.bands import BANDS, banded_total_device, bands_of_norm, bands_of_norms_device
+from gradwatch.norms.bands import BANDS, banded_total_device, bands_of_norms_device
+from gradwatch.norms.fused import FusedNorms, fusable
+from gradwatch.norms.kernels import CompileMode, KernelCache, compiled_calls_allowed
+from gradwatch.norms.repair import TINY_NORM_FLOAT64, repair_, suspicious
 from gradwatch.norms.rescale import RESCALE_SCRATCH, RescalePlan, build_rescale_plan, rescaled_norms
 from gradwatch.norms.rows import (
     ROW_NUMEL,
@@ -72,13 +76,9 @@ CSR_MIN_ROWS = 32768
 #: Plans of at most this many positions check their fast norms for a repair on the host (one
 #: read of the plain band, compared in Python) instead of by four tensor ops.
 HOST_CHECK_MAX = 64
-#: Exact recomputation walks a tensor in chunks of this many elements (bounds temporaries).
-RECOMPUTE_CHUNK = 65536
 #: A row-path tensor whose fast norm is below this is recomputed exactly: below it, float32
 #: squares of its elements may have flushed to zero or lost precision as subnormals.
 TINY_NORM = 1e-11
-#: Float64 tensors whose norm is below this (or non-finite) are recomputed with rescaling.
-TINY_NORM_FLOAT64 = 1e-140
 #: Float64 tensors whose squared norm is above this are recomputed too (into the high band):
 #: plain-band values stay at most 2^900, so no sum of them can overflow.
 HUGE_SQUARE_FLOAT64 = 2.0**900
@@ -171,6 +171,10 @@ class NormPlan:
     # check reads the plain band once and compares on the host (no op but the read)
     host_bounds: list[tuple[float, float]] | None = None
     scratch: dict[torch.device, Tensor] = field(default_factory=dict)  # widening buffers
+    # CPU float32/bf16/fp16 positions a compiled kernel norms once it is ready (norms.fused),
+    # and the plan of every other position, built when the kernels first are
+    fused: FusedNorms | None = None
+    residual: NormPlan | None = None
 
     @property
     def pack_fills(self) -> int:
@@ -198,7 +202,10 @@ def _layout_key(tensors: Sequence[Tensor | None]) -> list:
 
 
 def build_plan(
-    tensors: Sequence[Tensor | None], out_device: torch.device, rescale_float64: bool = False
+    tensors: Sequence[Tensor | None],
+    out_device: torch.device,
+    rescale_float64: bool = False,
+    kernels: KernelCache | None = None,
 ) -> NormPlan:
     """Sorts tensors into buckets and paths; O(len(tensors)) Python and a few index tensors,
     so it is cached and rebuilt only when the gradient layout changes.
@@ -207,7 +214,9 @@ def build_plan(
     dense) or the pack (the rest of those up to :data:`WHOLE_NUMEL`); anything else a float64
     path. Float64 tensors off the CPU take the rescaled path (:func:`rescaled_norms`); with
     ``rescale_float64`` CPU ones do too (instead of the repair), which is how tests exercise
-    the accelerator path on a CPU.
+    the accelerator path on a CPU. With ``kernels`` (a CPU output), the :func:`~gradwatch.
+    norms.fused.fusable` tensors also get a :class:`~gradwatch.norms.fused.FusedNorms`
+    (compiling starts here), used once every kernel of it is ready.
     """
     buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
     floor = [0.0] * len(tensors)
@@ -285,7 +294,24 @@ def build_plan(
             bucket.rescale = build_rescale_plan(rescaled)  # type: ignore[arg-type]
             index = host_to_device(bucket.rescaled, torch.long, out_device)
             bucket.rescaled_index = torch.cat([index + band * plan.n for band in range(BANDS)])
+    if kernels is not None and kernels.mode != "off" and out_device.type == "cpu":
+        fused = [i for i, t in enumerate(tensors) if t is not None and fusable(t)]
+        if fused:
+            plan.fused = FusedNorms.build(tensors, fused, kernels)
     return plan
+
+
+def _residual_plan(
+    plan: NormPlan, tensors: Sequence[Tensor | None], rescale_float64: bool
+) -> NormPlan:
+    """The plan of ``plan``'s positions but its fused ones (built once, when its kernels are
+    ready): the same n positions, the fused ones left at 0 for the kernel to fill."""
+    if plan.residual is None:
+        assert plan.fused is not None
+        skip = set(plan.fused.positions)
+        rest = [None if i in skip else t for i, t in enumerate(tensors)]
+        plan.residual = build_plan(rest, plan.out_device, rescale_float64)
+    return plan.residual
 
 
 def _build_rows(bucket: _Bucket, tensors: Sequence[Tensor | None], plan: NormPlan) -> None:
@@ -425,35 +451,6 @@ def foreach_norms(tensors: Sequence[Tensor], splits: Sequence[slice]) -> Tensor:
     )
 
 
-def exact_norm(t: Tensor) -> float:
-    """``||t||`` computed in float64 chunk by chunk (rare path: repair and references).
-
-    Low-precision inputs accumulate in float64, which cannot overflow or underflow for them.
-    A float64 chunk whose plain norm is non-finite or tiny is rescaled by its max-abs (tensor
-    ops); chunk norms combine by ``math.hypot``, so no square of a Python float is ever formed.
-    Returns a Python float: NaN when ``t`` holds NaN, Inf when it holds Inf (and no NaN) or
-    its norm exceeds float64.
-    """
-    flat = flat_view(t)
-    if flat is None:
-        flat = t.reshape(-1)  # copies; only for overlapping/exotic strides
-    chunks = list(flat.split(RECOMPUTE_CHUNK))
-    if not chunks:
-        return 0.0
-    norms = torch.stack(torch._foreach_norm(chunks, 2, dtype=torch.float64)).cpu().tolist()
-    if t.dtype == torch.float64:
-        for k, (chunk, norm) in enumerate(zip(chunks, norms, strict=True)):
-            if math.isfinite(norm) and norm >= TINY_NORM_FLOAT64:
-                continue
-            amax = chunk.abs().max()
-            if not bool(torch.isfinite(amax)) or float(amax) == 0.0:
-                continue  # NaN/Inf (the plain norm says which) or all zeros
-            norms[k] = float(amax) * float(torch.linalg.vector_norm(chunk / amax, 2))
-    if any(x != x for x in norms):
-        return math.nan  # hypot would let an Inf hide a NaN
-    return math.hypot(*norms)
-
-
 def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Tensor:
     """The fast path of :meth:`NormEngine.squared_norms`, before any repair."""
     out_device = plan.out_device
@@ -481,34 +478,21 @@ def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Ten
     return banded
 
 
-def _suspicious(plan: NormPlan, plain: Tensor) -> list[int]:
-    """The positions whose fast squared norm (``plain``, on the CPU) is NaN, infinite, below
-    its floor or above its ceiling: one host read. Few positions: the band itself is read
-    and compared on the host (no other op); many: four ops and a read of the index list."""
-    if plan.host_bounds is not None:
-        return [
-            i for i, (v, (lo, hi)) in enumerate(zip(plain.tolist(), plan.host_bounds, strict=True))
-            if not lo <= v < math.inf or v > hi  # NaN fails every comparison
-        ]
-    assert plan.repair_floor is not None
-    # NaN and +Inf become -1, below every floor: 3 ops instead of isfinite's 5 + 2.
-    cleaned = plain.nan_to_num(nan=-1.0, posinf=-1.0, neginf=-1.0)
-    suspicious = cleaned < plan.repair_floor
-    if plan.repair_ceiling is not None:
-        suspicious |= cleaned > plan.repair_ceiling
-    return torch.nonzero(suspicious).flatten().tolist()
-
-
 class NormEngine:
     """Computes per-tensor squared L2 norms into one float64 vector, caching the plan.
 
     Sync behaviour: on accelerators no host read at all; on CPU at most one host read per call
     (the repair mask), counted in :attr:`host_reads`. Not thread-safe: use from one thread.
     ``rescale_float64``: CPU float64 tensors take the accelerator's rescaled path instead of
-    the repair (for tests of that path on a CPU; see :func:`build_plan`).
+    the repair (for tests of that path on a CPU; see :func:`build_plan`). ``kernels``: where
+    compiled kernels come from (:mod:`gradwatch.norms.fused`; None: never compiled). Buckets
+    normed by a ready kernel take no host read.
     """
 
-    def __init__(self, rescale_float64: bool = False) -> None:
+    def __init__(
+        self, rescale_float64: bool = False, kernels: KernelCache | None = None
+    ) -> None:
+        self.kernels = kernels
         self._plan: NormPlan | None = None
         self._key: tuple | None = None
         self._rescale_float64 = rescale_float64
@@ -516,6 +500,14 @@ class NormEngine:
         self._split: _SplitEngines | None = None  # gradients on the host and on a device
         self._split_key: tuple | None = None
         self._split_layout = False
+
+    @classmethod
+    def for_job(cls, compile_kernels: CompileMode, world_size: int) -> NormEngine:
+        """A watcher's engine: compiled kernels (``compile_kernels``) in one-process jobs only.
+        Ranks finish compiling at different steps and the kernel rounds differently from the
+        eager paths, so replicas' local norms (compared on divergence steps, used alone under
+        pure replication) would differ in their last bits."""
+        return cls(kernels=KernelCache(compile_kernels if world_size == 1 else "off"))
 
     def plan_for(
         self,
@@ -528,7 +520,7 @@ class NormEngine:
             key = (out_device, _layout_key(tensors))
         if replan or self._plan is None or key != self._key:
             self._plan = None  # free the old plan's buffers before allocating the new ones
-            self._plan = build_plan(tensors, out_device, self._rescale_float64)
+            self._plan = build_plan(tensors, out_device, self._rescale_float64, self.kernels)
             self._key = key
         return self._plan
 
@@ -573,27 +565,32 @@ class NormEngine:
                 return self._mixed(tensors, out_device)
         plan = self.plan_for(tensors, out_device, key=key)
         try:
-            sq = _fast_squared_norms(plan, tensors)
+            sq = self._compute(plan, tensors)
         except (StalePlan, RuntimeError):
             # A device or stride the cheap layout key does not read changed: plan again, once
             # (a second failure is a real error and propagates).
             plan = self.plan_for(tensors, out_device, replan=True)
-            sq = _fast_squared_norms(plan, tensors)
-        if plan.needs_repair:
-            bad = _suspicious(plan, sq[: plan.n])
+            sq = self._compute(plan, tensors)
+        return sq, plan
+
+    def _compute(self, plan: NormPlan, tensors: Sequence[Tensor | None]) -> Tensor:
+        """The banded vector by ``plan``: its eager paths (all, or its residual's when the
+        compiled kernels of its fused positions are ready and may be called), the repair of
+        what they computed (one host read), then the kernels' exact squares."""
+        fused = plan.fused
+        compiled = (fused is not None and self.kernels is not None and compiled_calls_allowed()
+                    and fused.ready(self.kernels))
+        eager = _residual_plan(plan, tensors, self._rescale_float64) if compiled else plan
+        sq = _fast_squared_norms(eager, tensors)
+        if eager.needs_repair:
+            bad = suspicious(sq[: plan.n], eager.host_bounds, eager.repair_floor,
+                             eager.repair_ceiling)
             self.host_reads += 1
             if bad:
-                where: list[int] = []
-                fixed: list[float] = []
-                for i in bad:
-                    band, value = bands_of_norm(exact_norm(tensors[i]))  # type: ignore[arg-type]
-                    where += [i, band * plan.n + i] if band else [i]
-                    fixed += [0.0, value] if band else [value]
-                sq.index_put_(
-                    (torch.tensor(where, dtype=torch.long, device=out_device),),
-                    torch.tensor(fixed, dtype=torch.float64, device=out_device),
-                )
-        return sq, plan
+                repair_(sq, plan.n, bad, tensors)
+        if compiled and not fused.add_to(sq[: plan.n], tensors):  # type: ignore[union-attr]
+            self._key = None  # strides the kernels were not compiled for: plan again next call
+        return sq
 
     def _mixed(
         self, tensors: Sequence[Tensor | None], out_device: torch.device
@@ -612,7 +609,7 @@ class NormEngine:
             self._split = None
             return None
         if self._split is None:
-            self._split = _SplitEngines(NormEngine(self._rescale_float64),
+            self._split = _SplitEngines(NormEngine(self._rescale_float64, self.kernels),
                                         NormEngine(self._rescale_float64))
         split = self._split
         reads = split.host.host_reads + split.device.host_reads

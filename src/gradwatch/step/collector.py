@@ -230,7 +230,7 @@ class Collector(StepActions):
     ) -> None:
         self.cfg = cfg
         self.resolved = resolved
-        self.engine = NormEngine()
+        self.engine = NormEngine.for_job(cfg.compile_kernels, resolved.world_size)
         self.summarizer = summarizer
         self.reporter = reporter
         self.isolated: tuple[str, ...] = tuple(cfg.isolated)

@@ -1,0 +1,196 @@
+"""The compiled norm kernel (norms/fused.py) inside the engine: exact against math.fsum of
+exact float64 squares over the whole float32 range, taken when ready (no host read), never
+waited for in "background" mode, and the eager figures when compiling fails.
+
+Each distinct layout compiles for seconds: the tests share a few lists."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from gradwatch.doctor.testing import OpCounter
+from gradwatch.norms import fused, kernels
+from gradwatch.norms.bands import BANDS
+from gradwatch.norms.kernels import KernelCache
+from gradwatch.norms.stats import NormEngine
+
+N = fused.FUSED_MIN_NUMEL  # the smallest tensor the kernel norms
+
+
+def fsum_square(t: torch.Tensor) -> float:
+    """||t||^2 from the exact float64 square of every element, summed exactly."""
+    return math.fsum(x * x for x in t.detach().double().reshape(-1).tolist())
+
+
+def mixed_list() -> list[torch.Tensor]:
+    """Every case in one layout: random, constant, values whose float32 squares overflow
+    (1e20) and underflow (1e-25), subnormal float32 (1e-40), NaN and Inf at the start, middle
+    and end, bf16, fp16, a transposed and a permuted tensor, and a small (packed) one."""
+    g = torch.Generator().manual_seed(11)
+    nan_mid = torch.randn(N, generator=g)
+    nan_mid[N // 2] = math.nan
+    inf_end = torch.randn(N, generator=g)
+    inf_end[-1] = math.inf
+    inf_first = torch.randn(N, generator=g)
+    inf_first[0] = -math.inf
+    nan_and_inf = torch.randn(N, generator=g)
+    nan_and_inf[3], nan_and_inf[9] = math.inf, math.nan
+    return [
+        torch.randn(N + 1000, generator=g),
+        torch.full((N,), 0.1),
+        torch.full((N,), 1e20),
+        torch.full((N,), 1e-25),
+        torch.full((N,), 1e-40),  # subnormal float32
+        torch.randn(N, generator=g) * 1e19,
+        nan_mid,
+        inf_end,
+        inf_first,
+        nan_and_inf,
+        torch.randn(N + 7, generator=g).to(torch.bfloat16),
+        torch.randn(N + 9, generator=g).to(torch.float16),
+        torch.randn(160, 130, generator=g).t(),  # transposed
+        torch.randn(4, 50, 100, generator=g).permute(2, 0, 1),  # permuted
+        torch.randn(300, generator=g),  # packed: the eager path
+    ]
+
+
+@pytest.fixture
+def every_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel for bf16/fp16 too (exact; off by default for speed on this hardware)."""
+    monkeypatch.setattr(fused, "FUSED_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
+
+
+def test_compiled_path_exact_on_every_case(every_dtype: None) -> None:
+    ts = mixed_list()
+    engine = NormEngine(kernels=KernelCache("wait"))
+    sq = engine.squared_norms(ts)
+    plan = engine._plan
+    assert plan is not None and plan.fused is not None and plan.residual is not None
+    assert plan.fused.positions == list(range(len(ts) - 1))  # all but the packed one
+    n = len(ts)
+    high_low = sq[n:].tolist()
+    assert high_low == [0.0] * ((BANDS - 1) * n)  # float32 squares: the plain band only
+    for i, t in enumerate(ts):
+        got, want = float(sq[i]), fsum_square(t)
+        if math.isnan(want):
+            assert math.isnan(got), i
+        elif math.isinf(want):
+            assert got == math.inf, i
+        elif i in plan.fused.positions:
+            assert abs(got - want) <= 1e-12 * want, (i, got, want)  # float64 accumulation
+        else:
+            assert abs(got - want) <= 2e-6 * want, (i, got, want)  # eager rows: 1e-6 on norms
+    # The same figures as the eager engine (its repair included) to its 1e-6
+    eager = NormEngine().squared_norms(ts)
+    for i in range(n):
+        a, b = float(sq[i]), float(eager[i])
+        assert (math.isnan(a) and math.isnan(b)) or a == b or abs(a - b) <= 2e-6 * b, i
+
+
+def test_compiled_path_is_taken_when_ready_and_reads_nothing() -> None:
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(N, generator=g), torch.full((N,), 1e20), torch.randn(N + 3, generator=g)]
+    want = [fsum_square(t) for t in ts]
+    kc = KernelCache("wait")
+    engine, eager = NormEngine(kernels=kc), NormEngine()
+    for _ in range(2):
+        got, ref = engine.squared_norms(ts), eager.squared_norms(ts)
+        for i, w in enumerate(want):
+            assert abs(float(got[i]) - w) <= 1e-12 * w
+            assert abs(float(ref[i]) - w) <= 2e-6 * w  # the eager path (repaired 1e20)
+    assert kc.ready == 1
+    assert (engine.host_reads, eager.host_reads) == (0, 2)  # no repair check: no host read
+    # Under a dispatch mode (gradwatch's op counters) the eager path runs, and is seen
+    with OpCounter() as ops:
+        engine.squared_norms(ts)
+    assert engine.host_reads == 1 and sum(ops.ops.values()) > 0
+
+
+def test_background_never_blocks_on_a_new_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    real = kernels.compile_kernel
+
+    def slow_compile(fn, example):  # type: ignore[no-untyped-def]
+        assert release.wait(timeout=120)
+        return real(fn, example)
+
+    monkeypatch.setattr(kernels, "compile_kernel", slow_compile)
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(N, generator=g), torch.full((N,), 1e20), torch.randn(N + 3, generator=g)]
+    kc = KernelCache("background")
+    engine = NormEngine(kernels=kc)
+    first = engine.squared_norms(ts)  # returns while the compile is blocked: eager
+    assert kc.pending == 1 and engine.host_reads == 1
+    assert engine._plan is not None and engine._plan.residual is None
+    release.set()
+    assert kc.wait(timeout=300) and kc.ready == 1
+    second = engine.squared_norms(ts)
+    assert engine.host_reads == 1  # compiled now: no further host read
+    for i, t in enumerate(ts):
+        w = fsum_square(t)
+        assert abs(float(first[i]) - w) <= 2e-6 * w
+        assert abs(float(second[i]) - w) <= 1e-12 * w
+
+
+def test_failed_compile_leaves_the_eager_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(fn, example):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(kernels, "compile_kernel", broken)
+    g = torch.Generator().manual_seed(8)
+    ts = [torch.randn(N, generator=g), torch.full((N,), 1e-25), torch.randn(50, generator=g)]
+    kc = KernelCache("wait")
+    engine = NormEngine(kernels=kc)
+    for _ in range(2):
+        got = engine.squared_norms(ts)
+        assert torch.equal(got, NormEngine().squared_norms(ts))
+    assert kc.failed == 1 and engine.host_reads == 2
+    assert engine._plan is not None and engine._plan.residual is None
+
+
+def test_strides_changed_under_the_plan_stay_exact_and_replan() -> None:
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(N, generator=g), torch.full((N,), 1e20), torch.randn(N + 3, generator=g)]
+    kc = KernelCache("wait")
+    engine = NormEngine(kernels=kc)
+    engine.squared_norms(ts)
+    assert engine.host_reads == 0
+    kc.mode = "off"  # the new layout is not compiled: its eager path after the replan
+    strided = [torch.randn(N, 2, generator=g)[:, 0], *ts[1:]]  # same shape, stride 2
+    before = fused._eager_calls[0]
+    got = engine.squared_norms(strided)
+    assert fused._eager_calls[0] == before + 1  # the kernel's Python body ran, not a compile
+    again = engine.squared_norms(strided)  # planned again: no kernel for this layout
+    assert engine._plan is not None and engine._plan.fused is None
+    for i, t in enumerate(strided):
+        w = fsum_square(t)
+        assert abs(float(got[i]) - w) <= 1e-12 * w
+        assert abs(float(again[i]) - w) <= 2e-6 * w
+
+
+def test_jobs_of_many_ranks_never_compile() -> None:
+    assert NormEngine.for_job("background", 1).kernels.mode == "background"  # type: ignore[union-attr]
+    assert NormEngine.for_job("wait", 2).kernels.mode == "off"  # type: ignore[union-attr]
+
+
+def test_watch_collects_and_clips_by_the_kernel() -> None:
+    from gradwatch import GradWatch, WatchConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)  # a 20,000-element weight (the kernel) and a bias
+    model(torch.randn(8, 200)).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    want = math.sqrt(math.fsum(fsum_square(g) for g in grads))
+    with GradWatch(model, WatchConfig(compile_kernels="wait")) as watch:
+        total = float(watch.clip_grad_norm_(want / 4, step=0))
+        engine = watch._collector.engine
+        assert engine._plan is not None and engine._plan.residual is not None
+        assert engine._plan.fused is not None and engine._plan.fused.positions != []
+    assert abs(total - want) <= 1e-6 * want  # the bias is packed: rows, 1e-6
+    coef = (want / 4) / (total + 1e-6)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, g * coef, rtol=1e-6, atol=0)
