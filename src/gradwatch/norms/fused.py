@@ -23,11 +23,16 @@ its tensors in chunks of at most :data:`FUSED_CHUNK` (compile time grows with th
 layout; chunks of equal layout share one kernel), each chunk's kernel looked up in the
 engine's :class:`~gradwatch.norms.kernels.KernelCache` until every chunk's is ready.
 
-Sync behaviour: none (CPU tensors, no host read). Compiled calls run in dynamo's run-only
-mode (``torch._dynamo.run``): a tensor whose strides or flags differ from the compiled layout
-under an unchanged plan runs the kernel's Python body instead (the same exact figures, slower)
-and is reported (:meth:`FusedNorms.add_to` returns False) so the engine plans again; nothing
-is ever compiled on the calling thread.
+Sync behaviour: none (CPU tensors, no host read). The kernels are compiled by
+:func:`~gradwatch.norms.kernels.compile_traced`: no dynamo, no guards, so a call costs a few
+microseconds whatever the tensor count, and a kernel called with another layout would read
+the wrong memory. What the compiled code assumes of each tensor is its dtype, shape, strides
+and that it is in CPU memory (its storage offset is in the data pointer it is passed, and
+inductor's CPU loops load unaligned; ``requires_grad`` is never read: calls run under
+``no_grad``). The plan's per-step key checks dtype and shape of every gradient;
+:meth:`FusedNorms.add_to` checks the strides and the device of the tensors it passes, and
+raises :class:`~gradwatch.norms.rows.StalePlan` before any call on a mismatch (the engine
+plans again, and the new layout compiles off the calling thread).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.norms.kernels import KernelCache, tensor_layout
+from gradwatch.norms.rows import StalePlan
 
 #: Tensors of at least this many elements are normed by the kernel: the row-path tensors
 #: (above the pack's 16,384). Smaller ones stay in the pack buffer, whose two ops per fill
@@ -57,17 +63,9 @@ FUSED_CHUNK = 128
 #: rows on this project's machines (AMD EPYC, AVX-512): 48 x 1M bf16 17.1 ms against 8.8 ms.
 FUSED_DTYPES: tuple[torch.dtype, ...] = (torch.float32,)
 
-#: Calls of :func:`squares_kernel`'s Python body (dynamo's run-only mode did not match the
-#: compiled layout): read before and after the compiled calls.
-_eager_calls = [0]
-
-
 def squares_kernel(tensors: list[Tensor]) -> Tensor:
     """``||t||^2`` of each of ``tensors``, accumulated in float64: a float64 vector. Compiled,
-    one loop per tensor reading it once; run as Python (a layout the compiled code does not
-    match), counted in ``_eager_calls``."""
-    if not torch.compiler.is_compiling():
-        _eager_calls[0] += 1
+    one loop per tensor reading it once."""
     # Through float32 (exact): inductor's vector conversion bf16 -> float32 -> float64 is
     # faster than its direct bf16 -> float64 one (1.2 ms against 1.8 ms on 40 x 70,001).
     return torch.stack([t.to(torch.float32).to(torch.float64).square().sum() for t in tensors])
@@ -115,7 +113,8 @@ class FusedChunk:
     index: Tensor  # the positions, on the CPU output
     key: Hashable
     example: Callable[[], tuple]
-    kernel: Callable[..., Any] | None = None  # run-only compiled kernel, once ready
+    strides: list[tuple[int, ...]]  # of the compiled layout: checked on every call
+    kernel: Callable[..., Any] | None = None  # the traced kernel, once ready
 
 
 @dataclass
@@ -135,7 +134,8 @@ class FusedNorms:
             part = positions[start:start + FUSED_CHUNK]
             layout = tensor_layout([tensors[i] for i in part])
             fused.chunks.append(FusedChunk(part, torch.tensor(part, dtype=torch.long),
-                                           LayoutKey(layout), _example(layout)))
+                                           LayoutKey(layout), _example(layout),
+                                           [stride for _, _, _, stride, _ in layout]))
         fused.ready(kernels)
         return fused
 
@@ -148,16 +148,21 @@ class FusedNorms:
                 if kernel is None:
                     done = False
                     continue
-                chunk.kernel = torch._dynamo.run(kernel)
+                chunk.kernel = kernel
         return done
 
-    def add_to(self, plain: Tensor, tensors: Sequence[Tensor | None]) -> bool:
+    def add_to(self, plain: Tensor, tensors: Sequence[Tensor | None]) -> None:
         """Writes each position's squared norm into ``plain`` (float64, on the CPU): one
-        compiled call and one ``index_copy_`` per chunk. False when some chunk ran as Python
-        (its tensors' layout changed under the plan: the figures are the same, the engine
-        plans again)."""
-        before = _eager_calls[0]
+        compiled call and one ``index_copy_`` per chunk.
+
+        Raises :class:`~gradwatch.norms.rows.StalePlan` before a chunk's call when one of its
+        tensors has other strides than the compiled layout or left the CPU (the plan's key,
+        checked by the caller, holds their dtypes and shapes): the traced kernel checks
+        nothing and would read the wrong memory."""
         for chunk in self.chunks:
+            items = [tensors[i] for i in chunk.positions]
+            if [t.stride() for t in items] != chunk.strides or not all(  # type: ignore[union-attr]
+                    t.is_cpu for t in items):  # type: ignore[union-attr]
+                raise StalePlan
             assert chunk.kernel is not None
-            plain.index_copy_(0, chunk.index, chunk.kernel([tensors[i] for i in chunk.positions]))
-        return _eager_calls[0] == before
+            plain.index_copy_(0, chunk.index, chunk.kernel(items))

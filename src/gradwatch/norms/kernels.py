@@ -24,7 +24,8 @@ recompile limit (per code object) never sends a user's function, or another layo
 
 :func:`compile_traced` (a ``KernelCache``'s ``compiler``) compiles without dynamo: traced to an
 aten graph and compiled by inductor, called without guards, never recompiled; for callers that
-key by the exact layout (:mod:`gradwatch.norms.fused_updates`).
+key by the exact layout and check it on every call (:mod:`gradwatch.norms.fused`,
+:mod:`gradwatch.norms.fused_updates`). It is :class:`KernelCache`'s default.
 
 Sync behaviour: none. Compiling runs on example tensors of the layout (``empty_strided``), never
 on the caller's tensors, and the compiled call on CPU tensors has no host read.
@@ -80,12 +81,12 @@ def _work() -> None:
 
 def submit(fn: Callable[..., Any], example: Callable[[], tuple],
            compiler: Compiler | None = None) -> Future:
-    """Compile ``fn`` for ``example``'s layout with ``compiler`` (:func:`compile_kernel` by
+    """Compile ``fn`` for ``example``'s layout with ``compiler`` (:func:`compile_traced` by
     default) on the process's one compile thread: a daemon (a ``ThreadPoolExecutor``'s
     workers are joined at exit, which would keep a finished job alive until a compile ends)."""
     global _worker
     future: Future = Future()
-    _jobs.put((future, fn, example, compiler or compile_kernel))
+    _jobs.put((future, fn, example, compiler or compile_traced))
     with _worker_lock:
         if _worker is None or not _worker.is_alive():
             _worker = threading.Thread(target=_work, name="gradwatch-compile", daemon=True)
@@ -175,8 +176,9 @@ def _log_failure(name: str, error: BaseException) -> None:
 
 class KernelCache:
     """Compiled kernels per (function, layout key), built in ``mode`` (see the module docstring)
-    by ``compiler`` (:func:`compile_kernel`, dynamo with guards, by default; or
-    :func:`compile_traced`, no guards, for callers whose key is the exact layout).
+    by ``compiler`` (:func:`compile_traced`, no guards, by default: the callers key by the
+    exact layout and check it before every call; or :func:`compile_kernel`, dynamo with its
+    guards).
 
     :meth:`get` never blocks in ``"background"`` mode and never raises: a failed compile is
     logged once and its key stays eager. ``failed``, ``ready`` and ``pending`` count the keys
@@ -192,7 +194,7 @@ class KernelCache:
             raise ValueError(f"compile_kernels must be one of {COMPILE_MODES}, got {mode!r}")
         self.mode: CompileMode = mode
         self.limit = limit
-        self._compiler: Compiler = compiler or compile_kernel
+        self._compiler: Compiler = compiler or compile_traced
         self._entries: dict[Hashable, Future | Callable[..., Any] | None] = {}
         self._over_limit_logged = False
 

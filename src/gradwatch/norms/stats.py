@@ -588,8 +588,8 @@ class NormEngine:
             self.host_reads += 1
             if bad:
                 repair_(sq, plan.n, bad, tensors)
-        if compiled and not fused.add_to(sq[: plan.n], tensors):  # type: ignore[union-attr]
-            self._key = None  # strides the kernels were not compiled for: plan again next call
+        if compiled:  # raises StalePlan on strides or a device the kernels were not built for
+            fused.add_to(sq[: plan.n], tensors)  # type: ignore[union-attr]
         return sq
 
     def _mixed(

@@ -112,13 +112,13 @@ def test_compiled_path_is_taken_when_ready_and_reads_nothing() -> None:
 
 def test_background_never_blocks_on_a_new_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
-    real = kernels.compile_kernel
+    real = kernels.compile_traced
 
     def slow_compile(fn, example):  # type: ignore[no-untyped-def]
         assert release.wait(timeout=120)
         return real(fn, example)
 
-    monkeypatch.setattr(kernels, "compile_kernel", slow_compile)
+    monkeypatch.setattr(kernels, "compile_traced", slow_compile)
     g = torch.Generator().manual_seed(5)
     ts = [torch.randn(N, generator=g), torch.full((N,), 1e20), torch.randn(N + 3, generator=g)]
     kc = KernelCache("background")
@@ -140,7 +140,7 @@ def test_failed_compile_leaves_the_eager_figures(monkeypatch: pytest.MonkeyPatch
     def broken(fn, example):  # type: ignore[no-untyped-def]
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(kernels, "compile_kernel", broken)
+    monkeypatch.setattr(kernels, "compile_traced", broken)
     g = torch.Generator().manual_seed(8)
     ts = [torch.randn(N, generator=g), torch.full((N,), 1e-25), torch.randn(50, generator=g)]
     kc = KernelCache("wait")
@@ -153,23 +153,51 @@ def test_failed_compile_leaves_the_eager_figures(monkeypatch: pytest.MonkeyPatch
 
 
 def test_strides_changed_under_the_plan_stay_exact_and_replan() -> None:
+    """The traced kernel checks nothing: a tensor of the plan's dtype and shape but other
+    strides (a column of a matrix, a transposed one) or another storage offset must never
+    reach it. Strides are checked on every call (a replan, then the eager paths while the new
+    layout compiles); a storage offset is in the pointer the kernel gets: exact."""
     g = torch.Generator().manual_seed(5)
-    ts = [torch.randn(N, generator=g), torch.full((N,), 1e20), torch.randn(N + 3, generator=g)]
+    ts = [torch.randn(N, generator=g), torch.full((N,), 1e20), torch.randn(N + 3, generator=g),
+          torch.randn(130, 160, generator=g)]
     kc = KernelCache("wait")
     engine = NormEngine(kernels=kc)
     engine.squared_norms(ts)
-    assert engine.host_reads == 0
-    kc.mode = "off"  # the new layout is not compiled: its eager path after the replan
-    strided = [torch.randn(N, 2, generator=g)[:, 0], *ts[1:]]  # same shape, stride 2
-    before = fused._eager_calls[0]
-    got = engine.squared_norms(strided)
-    assert fused._eager_calls[0] == before + 1  # the kernel's Python body ran, not a compile
-    again = engine.squared_norms(strided)  # planned again: no kernel for this layout
-    assert engine._plan is not None and engine._plan.fused is None
-    for i, t in enumerate(strided):
+    plan = engine._plan
+    assert plan is not None and plan.fused is not None and engine.host_reads == 0
+    kc.mode = "off"  # the new layouts are not compiled: their eager paths after the replan
+    offset = [torch.randn(N + 1, generator=g)[1:], *ts[1:]]  # storage offset 1: not 16-aligned
+    got = engine.squared_norms(offset)
+    assert engine._plan is plan and engine.host_reads == 0  # the kernel, no replan
+    for i, t in enumerate(offset):
         w = fsum_square(t)
         assert abs(float(got[i]) - w) <= 1e-12 * w
-        assert abs(float(again[i]) - w) <= 2e-6 * w
+    column = torch.randn(N, 2, generator=g)[:, 0]  # same shape, stride 2
+    transposed = torch.randn(160, 130, generator=g).t()  # same shape, strides (1, 130)
+    for strided in ([column, *ts[1:]], [*ts[:3], transposed]):
+        engine = NormEngine(kernels=kc)
+        kc.mode = "wait"
+        engine.squared_norms(ts)  # the kernel of ts's layout, ready
+        kc.mode = "off"
+        got = engine.squared_norms(strided)  # stale: planned again, eager (one host read)
+        assert engine._plan is not None and engine._plan.fused is None
+        assert engine.host_reads == 1
+        for i, t in enumerate(strided):
+            w = fsum_square(t)
+            assert abs(float(got[i]) - w) <= 2e-6 * w, (i, float(got[i]), w)
+
+
+def test_a_gradient_off_the_cpu_never_reaches_the_kernel() -> None:
+    g = torch.Generator().manual_seed(6)
+    ts = [torch.randn(N, generator=g), torch.randn(N + 3, generator=g)]
+    kc = KernelCache("wait")
+    engine = NormEngine(kernels=kc)
+    engine.squared_norms(ts)
+    plan = engine._plan
+    assert plan is not None and plan.fused is not None
+    meta = [ts[0], torch.empty(N + 3, device="meta")]  # same dtype and shape, not in memory
+    with pytest.raises(ValueError, match="meta"):
+        engine.squared_norms(meta)  # the check raised StalePlan; the new plan names it
 
 
 def test_jobs_of_many_ranks_never_compile() -> None:
