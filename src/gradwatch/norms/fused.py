@@ -48,19 +48,20 @@ from gradwatch.norms.kernels import KernelCache, tensor_layout
 from gradwatch.norms.rows import StalePlan
 
 #: Tensors of at least this many elements are normed by the kernel: the row-path tensors
-#: (above the pack's 16,384). Smaller ones stay in the pack buffer, whose two ops per fill
-#: cost less than a compiled call's per-tensor overhead (dynamo's guard and inductor's size
-#: check per input, about 1.5 us) plus a float64 loop (measured, one core, the engine alone
-#: against torch's norm: 1,000 x 4,096 float32 1.41x compiled, 1.05x packed; 1,000 x 10,000
-#: 1.20x and 1.17x).
+#: (above the pack's 16,384). Smaller ones stay in the pack buffer: even with a guard-free call
+#: the kernel's float64 loop costs more than the pack's float32 rows there (measured, one
+#: thread, the engine alone against torch's norm: 1,000 x 4,096 float32 1.09x compiled, 0.85x
+#: packed; 1,000 x 10,000 1.09x and 1.06x).
 FUSED_MIN_NUMEL = 16385
-#: Tensors per compiled kernel. Compiling a layout costs seconds plus tens of milliseconds per
-#: tensor (docs/design.md); chunks bound one compile and what a layout change recompiles, and
-#: equal chunks (a model's repeated blocks) share one kernel.
+#: Tensors per compiled kernel. A guard-free call costs the same per tensor in one chunk or
+#: several (one chunk of 1,000 measured no faster), but compiling a layout costs seconds plus
+#: tens of milliseconds per tensor (docs/design.md): chunks bound one compile and what a layout
+#: change recompiles, and equal chunks (a model's repeated blocks) share one kernel.
 FUSED_CHUNK = 128
 #: The dtypes the kernel norms. bf16/fp16 compile and are exact too, but their float64 loop
-#: (a widening to four float64 vectors per 32 elements) measured 1.5-2x slower than the eager
-#: rows on this project's machines (AMD EPYC, AVX-512): 48 x 1M bf16 17.1 ms against 8.8 ms.
+#: (a widening to four float64 vectors per 32 elements) measured about 2x slower than the eager
+#: rows on this project's machines (AMD EPYC, AVX-512), guards or not: 48 x 1M bf16 17.0 ms
+#: against 8.7 ms (squaring in float32 first: the same).
 FUSED_DTYPES: tuple[torch.dtype, ...] = (torch.float32,)
 
 def squares_kernel(tensors: list[Tensor]) -> Tensor:
