@@ -187,7 +187,7 @@ def test_strides_changed_under_the_plan_stay_exact_and_replan() -> None:
             assert abs(float(got[i]) - w) <= 2e-6 * w, (i, float(got[i]), w)
 
 
-def test_a_gradient_off_the_cpu_never_reaches_the_kernel() -> None:
+def test_a_gradient_off_the_cpu_or_without_memory_never_reaches_the_kernel() -> None:
     g = torch.Generator().manual_seed(6)
     ts = [torch.randn(N, generator=g), torch.randn(N + 3, generator=g)]
     kc = KernelCache("wait")
@@ -198,6 +198,16 @@ def test_a_gradient_off_the_cpu_never_reaches_the_kernel() -> None:
     meta = [ts[0], torch.empty(N + 3, device="meta")]  # same dtype and shape, not in memory
     with pytest.raises(ValueError, match="meta"):
         engine.squared_norms(meta)  # the check raised StalePlan; the new plan names it
+    # An autograd zero tensor (no memory: a null data pointer) of the same layout: the eager
+    # paths after a replan, which norm it as 0 (the kernel would read address 0)
+    zero = [ts[0], torch._efficientzerotensor(N + 3)]
+    engine = NormEngine(kernels=kc)
+    engine.squared_norms(ts)
+    assert engine._plan is not None and engine._plan.fused is not None
+    got = engine.squared_norms(zero)
+    assert engine._plan is not None and engine._plan.fused is not None
+    assert engine._plan.fused.positions == [0]  # the zero tensor is not the kernel's
+    assert float(got[1]) == 0.0 and abs(float(got[0]) - fsum_square(ts[0])) <= 1e-12 * float(got[0])
 
 
 def test_jobs_of_many_ranks_never_compile() -> None:
