@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradwatch.norms.kernels import KernelCache, tensor_layout
+from gradwatch.norms.kernels import KernelCache, compiled_calls_allowed, tensor_layout
 from gradwatch.norms.rows import StalePlan
 
 #: Tensors of at least this many elements are normed by the kernel: the row-path tensors
@@ -171,3 +171,56 @@ class FusedNorms:
                 raise StalePlan
             assert chunk.kernel is not None
             plain.index_copy_(0, chunk.index, chunk.kernel(items))
+
+
+def row_norms_kernel(rows: list[Tensor]) -> Tensor:
+    """The float32 L2 norm of every row of each of ``rows`` (2-D bf16/fp16 views of whole rows),
+    concatenated: what the eager rows compute (each element widened to float32, squared and
+    summed in float32 per row), compiled to one loop per tensor that reads the narrow values
+    in place, with no widened copy."""
+    return torch.cat([torch.linalg.vector_norm(r.to(torch.float32), 2, dim=1) for r in rows])
+
+
+@dataclass
+class NarrowRows:
+    """The row norms of a CPU bf16/fp16 bucket's row-path tensors by one compiled call of
+    :func:`row_norms_kernel` (traced, no guards) into ``out``, their slice of the bucket's row
+    norms. The figures are float32 row norms, as the eager widening's: the engine squares,
+    sums and repairs them alike."""
+
+    shapes: list[tuple[int, int]]  # (rows, row length) of each row-path tensor
+    strides: list[tuple[int, ...]]  # of each tensor, as planned
+    out: Tensor
+    key: Hashable
+    example: Callable[[], tuple]
+    kernels: KernelCache
+    kernel: Callable[..., Any] | None = None
+
+    @classmethod
+    def build(cls, shapes: list[tuple[int, int]], strides: list[tuple[int, ...]],
+              dtype: torch.dtype, out: Tensor, kernels: KernelCache) -> NarrowRows:
+        layout = tuple((dtype, torch.device("cpu"), shape, (shape[1], 1), False)
+                       for shape in shapes)
+        return cls(shapes, strides, out, LayoutKey(layout), _example(layout), kernels)
+
+    def fill(self, positions: list[int], tensors: Sequence[Tensor | None]) -> bool:
+        """Writes the row norms of ``positions`` into ``out`` by the compiled kernel: False
+        (nothing written; the eager rows run, and check the strides) when it is not ready,
+        a dispatch mode is active, or a tensor's strides, device or data differ from the
+        plan's. The views passed are the eager rows' own (``as_strided`` rows of the tensor's
+        memory, its storage offset included): their layout is the key's by construction."""
+        if not compiled_calls_allowed():
+            return False
+        if self.kernel is None:
+            self.kernel = self.kernels.get(row_norms_kernel, self.key, self.example)
+            if self.kernel is None:
+                return False
+        views = []
+        for i, shape, stride in zip(positions, self.shapes, self.strides, strict=True):
+            t = tensors[i]
+            if (type(t) is not Tensor or t.stride() != stride or not t.is_cpu
+                    or t._is_zerotensor()):
+                return False
+            views.append(t.as_strided(shape, (shape[1], 1)))
+        self.out.copy_(self.kernel(views))
+        return True

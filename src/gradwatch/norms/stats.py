@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.norms.bands import BANDS, banded_total_device, bands_of_norms_device
-from gradwatch.norms.fused import FusedNorms, fusable
+from gradwatch.norms.fused import FusedNorms, NarrowRows, fusable
 from gradwatch.norms.kernels import CompileMode, KernelCache, compiled_calls_allowed
 from gradwatch.norms.repair import TINY_NORM_FLOAT64, repair_, suspicious
 from gradwatch.norms.rescale import RESCALE_SCRATCH, RescalePlan, build_rescale_plan, rescaled_norms
@@ -144,6 +144,7 @@ class _Bucket:
     row_strides: list[tuple[int, ...]] = field(default_factory=list)  # as planned (checked)
     row_outs: list[Tensor] = field(default_factory=list)  # float32 tensors: its slice of norms
     row_chunks: list[list[_RowChunk]] = field(default_factory=list)  # bf16/fp16 tensors
+    narrow: NarrowRows | None = None  # or their rows by a compiled kernel (norms.fused)
     tails: list[int] = field(default_factory=list)  # rows positions with a partial last row
     packed: list[int] = field(default_factory=list)  # positions copied whole into the pack
     fills: list[_Fill] = field(default_factory=list)  # the pack buffer's fills, in order
@@ -192,12 +193,10 @@ class MetaGradientError(ValueError):
 
 
 def _layout_key(tensors: Sequence[Tensor | None]) -> list:
-    # The cheap part of what a plan depends on, read for every tensor on every step: presence,
-    # dtype and shape (pack slots are views of that shape). Devices and strides matter only for
-    # row-path tensors, read in place through as_strided: _fill_row_norms checks those few and
-    # raises StalePlan. A packed or whole-path tensor on another device or with other strides
-    # is still normed right (copy_ and foreach norms accept any), or raises, which replans.
-    # Reading device and contiguity too would cost half as much again, per tensor per step.
+    # What a plan depends on, read for every tensor every step: presence, dtype, shape. Devices
+    # and strides matter only where memory is read in place (row path, compiled kernels): those
+    # few are checked as they are read (StalePlan). Packed and whole-path tensors are normed
+    # right whatever their strides, or raise, which replans.
     return [None if t is None else (t.dtype, t.shape) for t in tensors]
 
 
@@ -289,6 +288,10 @@ def build_plan(
             bucket.whole_splits = foreach_splits([tensors[i].numel() for i in bucket.whole])
         if bucket.rows or bucket.packed:
             _build_rows(bucket, tensors, plan)
+            if bucket.row_chunks and kernels is not None and kernels.mode != "off":
+                norms = bucket.row_sums.norms[: sum(bucket.row_counts)]  # type: ignore[union-attr]
+                bucket.narrow = NarrowRows.build(bucket.row_shapes, bucket.row_strides,
+                                                 bucket.dtype, norms, kernels)
         if bucket.rescaled:
             rescaled = [tensors[i] for i in bucket.rescaled]
             bucket.rescale = build_rescale_plan(rescaled)  # type: ignore[arg-type]
@@ -301,16 +304,16 @@ def build_plan(
     return plan
 
 
-def _residual_plan(
-    plan: NormPlan, tensors: Sequence[Tensor | None], rescale_float64: bool
-) -> NormPlan:
+def _residual_plan(plan: NormPlan, tensors: Sequence[Tensor | None], rescale_float64: bool,
+                   kernels: KernelCache | None) -> NormPlan:
     """The plan of ``plan``'s positions but its fused ones (built once, when its kernels are
-    ready): the same n positions, the fused ones left at 0 for the kernel to fill."""
+    ready): the same n positions, the fused ones left at 0 for the kernel to fill (``kernels``
+    for its bf16/fp16 rows: :class:`~gradwatch.norms.fused.NarrowRows`)."""
     if plan.residual is None:
         assert plan.fused is not None
         skip = set(plan.fused.positions)
         rest = [None if i in skip else t for i, t in enumerate(tensors)]
-        plan.residual = build_plan(rest, plan.out_device, rescale_float64)
+        plan.residual = build_plan(rest, plan.out_device, rescale_float64, kernels)
     return plan.residual
 
 
@@ -396,13 +399,15 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
     per fill (with the zeros of padding another fill wrote into) and normed as rows,
     row-path tensors are read in place through ``as_strided`` views of their memory (dense, so
     the first ``count * ROW_NUMEL`` elements in memory order are whole rows), bf16/fp16 ones
-    widened chunk by chunk into the plan's scratch. Every norm writes into its slice of
-    ``bucket.row_sums.norms`` (``out=``): no per-step allocation but the views.
+    by a compiled kernel once ready (``bucket.narrow``), else widened chunk by chunk into the
+    plan's scratch. Every norm writes into its slice of ``bucket.row_sums.norms``.
 
     Raises :class:`StalePlan` when a row-path tensor's strides changed or it left the CPU,
     checked as each one is read: nothing computed here is used then (the caller plans again
     and recomputes), and a view outside the storage raises too."""
-    if bucket.row_chunks:
+    if bucket.narrow is not None and bucket.narrow.fill(bucket.rows, tensors):
+        pass
+    elif bucket.row_chunks:
         for i, stride, chunks in zip(bucket.rows, bucket.row_strides, bucket.row_chunks,
                                      strict=True):
             t = tensors[i]
@@ -442,13 +447,8 @@ def foreach_norms(tensors: Sequence[Tensor], splits: Sequence[slice]) -> Tensor:
     ``splits`` (:func:`gradwatch.norms.rows.foreach_splits`, which bounds the kernel's scratch),
     then one ``stack``. No host read. Float64 inputs square to 0 or Inf outside about ``[1e-154,
     1e154]``: the engine repairs or rescales those, the comm hook documents the limit."""
-    return torch.stack(
-        [
-            norm
-            for part in splits
-            for norm in torch._foreach_norm(tensors[part], 2, dtype=torch.float64)
-        ]
-    )
+    return torch.stack([norm for part in splits
+                        for norm in torch._foreach_norm(tensors[part], 2, dtype=torch.float64)])
 
 
 def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Tensor:
@@ -548,10 +548,8 @@ class NormEngine:
             out_device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         if out_device.type != "cpu" and all(t is None or t.device.type == "cpu" for t in tensors):
             # Gradients on the CPU, output on an accelerator (FSDP2 CPU offload): norm and
-            # repair on the host, then one non-blocking copy from pinned memory. Normed with a
-            # CUDA output, each bucket's result would cross by a blocking pageable copy and the
-            # repair check would read its index list back from the device. (The CUDA path:
-            # no CUDA device in CI.)
+            # repair on the host, then one non-blocking copy from pinned memory (a CUDA output
+            # would cross each bucket by a blocking pageable copy). (No CUDA device in CI.)
             sq, plan = self.squared_norms_and_plan(tensors, torch.device("cpu"))
             staged = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
             staged.copy_(sq)
@@ -580,7 +578,8 @@ class NormEngine:
         fused = plan.fused
         compiled = (fused is not None and self.kernels is not None and compiled_calls_allowed()
                     and fused.ready(self.kernels))
-        eager = _residual_plan(plan, tensors, self._rescale_float64) if compiled else plan
+        eager = (_residual_plan(plan, tensors, self._rescale_float64, self.kernels)
+                 if compiled else plan)
         sq = _fast_squared_norms(eager, tensors)
         if eager.needs_repair:
             bad = suspicious(sq[: plan.n], eager.host_bounds, eager.repair_floor,

@@ -232,3 +232,65 @@ def test_watch_collects_and_clips_by_the_kernel() -> None:
     coef = (want / 4) / (total + 1e-6)
     for p, g in zip(model.parameters(), grads, strict=True):
         torch.testing.assert_close(p.grad, g * coef, rtol=1e-6, atol=0)
+
+
+def narrow_list() -> list[torch.Tensor]:
+    """bf16/fp16 row-path tensors (above the pack's 16,384 elements): random, a partial last
+    row (the pack's), squares that overflow (1e20) and underflow (1e-25) float32 (the repair's),
+    NaN, a permuted dense one, and a small (packed) one."""
+    g = torch.Generator().manual_seed(12)
+    nan = torch.randn(N, generator=g).to(torch.bfloat16)
+    nan[7] = math.nan
+    return [
+        torch.randn(70_000, generator=g).to(torch.bfloat16),
+        torch.randn(N + 100, generator=g).to(torch.bfloat16),
+        torch.full((40_960,), 1e20).to(torch.bfloat16),
+        torch.full((40_960,), 1e-25).to(torch.bfloat16),
+        nan,
+        torch.randn(4, 90, 100, generator=g).to(torch.bfloat16).permute(2, 0, 1),
+        torch.randn(300, generator=g).to(torch.bfloat16),
+        torch.randn(30_000, generator=g).to(torch.float16),
+    ]
+
+
+def test_narrow_rows_by_the_kernel_match_the_rows_bound() -> None:
+    ts = narrow_list()
+    kc = KernelCache("wait")
+    engine = NormEngine(kernels=kc)
+    engine.squared_norms(ts)
+    narrow = [b.narrow for b in engine._plan.buckets]  # type: ignore[union-attr]
+    assert all(r is not None for r in narrow) and len(narrow) == 2  # bf16 and fp16
+    calls = []
+    for r in narrow:
+        real = r.kernel  # type: ignore[union-attr]
+        assert real is not None
+        r.kernel = lambda views, real=real: calls.append(1) or real(views)  # type: ignore[union-attr]
+    sq = engine.squared_norms(ts)
+    assert len(calls) == 2  # each bucket's row-path tensors: one compiled call
+    for i, t in enumerate(ts):
+        got, want = float(sq[i]), fsum_square(t)
+        if math.isnan(want):
+            assert math.isnan(got), i
+        else:
+            assert abs(got - want) <= 2e-6 * want, (i, got, want)  # rows: 1e-6 on norms
+    with OpCounter():  # a dispatch mode: the eager rows, seen by it
+        engine.squared_norms(ts)
+    assert len(calls) == 2
+
+
+def test_narrow_rows_with_other_strides_take_the_eager_rows_and_replan() -> None:
+    ts = narrow_list()[:2]
+    kc = KernelCache("wait")
+    engine = NormEngine(kernels=kc)
+    engine.squared_norms(ts)
+    bucket = engine._plan.buckets[0]  # type: ignore[union-attr]
+    assert bucket.narrow is not None and bucket.narrow.kernel is not None
+    kc.mode = "off"
+    g = torch.Generator().manual_seed(13)
+    column = torch.randn(70_000, 2, generator=g).to(torch.bfloat16)[:, 0]  # stride 2
+    strided = [column, ts[1]]
+    got = engine.squared_norms(strided)
+    assert engine._plan.buckets[0] is not bucket  # type: ignore[union-attr]
+    for i, t in enumerate(strided):
+        want = fsum_square(t)
+        assert abs(float(got[i]) - want) <= 2e-6 * want, i
