@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from gradwatch.config import WatchConfig
 from gradwatch.doctor.cuda import cuda_checks
+from gradwatch.doctor.kernels import check_kernels
 from gradwatch.doctor.options import (
     FAIL,
     INCONCLUSIVE,
@@ -126,12 +127,14 @@ def _config(**overrides: Any) -> WatchConfig:
     explicitly, so the job's ``GRADWATCH_*`` environment (read by ``WatchConfig()``) cannot
     change what a check measures: ``GRADWATCH_EVERY_N_STEPS=10`` would turn the measured
     collect into a skipped one (a vacuous PASS), ``GRADWATCH_PORT`` would start an endpoint
-    inside the timed calls. Only the endpoint check reads the configured port."""
+    inside the timed calls. Only the endpoint check reads the configured port. Kernels are not
+    compiled (``kernels`` checks them): the checks time the eager paths, nothing compiling
+    beside them."""
     fields = {
         name: info.get_default(call_default_factory=True)
         for name, info in WatchConfig.model_fields.items()
     }
-    return WatchConfig(**{**fields, **overrides})
+    return WatchConfig(**{**fields, "compile_kernels": "off", **overrides})
 
 
 @contextlib.contextmanager
@@ -654,6 +657,7 @@ def run_checks(
             for d in cost_dtypes
         ],
         ("threading", lambda: check_threading(device)),
+        ("kernels", lambda: check_kernels(device)),
         ("endpoint", lambda: check_endpoint(device)),
         *cuda_checks(device),
     ]

@@ -64,6 +64,7 @@ FAMILIES = (
     "memory",
     "cost",
     "threading",
+    "kernels",
     "endpoint",
     "cuda",
     "distributed",

@@ -33,13 +33,15 @@ on the caller's tensors, and the compiled call on CPU tensors has no host read.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 import types
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -64,19 +66,50 @@ _jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], Callable[[], tuple], 
     queue.SimpleQueue())
 _worker: threading.Thread | None = None
 _worker_lock = threading.Lock()
+_running: list[Future] = []  # the compile in hand, if any
+_exiting = threading.Event()
 _serial = itertools.count()
 _logged_failures: set[str] = set()
+
+#: How long an ending process waits for the compile in hand (see :func:`_quiesce_at_exit`).
+EXIT_WAIT_SECONDS = 60.0
 
 
 def _work() -> None:
     while True:
         future, fn, example, compiler = _jobs.get()
-        if not future.set_running_or_notify_cancel():
+        if _exiting.is_set() or not future.set_running_or_notify_cancel():
+            future.cancel()
             continue
+        _running.append(future)
         try:
             future.set_result(compiler(fn, example))
         except Exception as error:
             future.set_exception(error)
+        finally:
+            _running.clear()
+
+
+def _quiesce_at_exit(timeout: float = EXIT_WAIT_SECONDS) -> None:
+    """At interpreter exit: drop the compiles not started and wait (at most ``timeout``
+    seconds) for the one in hand. A daemon thread still inside torch's compiler when the
+    interpreter finalizes is ended by unwinding through C++ frames, which aborts the process
+    ("terminate called without an active exception", exit status 134): a job that ended well
+    would be reported as failed. Idle, the thread waits on the queue, where ending it is safe."""
+    _exiting.set()
+    while True:
+        try:
+            _jobs.get_nowait()[0].cancel()
+        except queue.Empty:
+            break
+    for future in list(_running):
+        log.warning("gradwatch: waiting up to %.0f s for a kernel compile to end before the "
+                    "process exits (compile_kernels='off' never compiles)", timeout)
+        with contextlib.suppress(TimeoutError, CancelledError):
+            future.exception(timeout=timeout)
+
+
+atexit.register(_quiesce_at_exit)
 
 
 def submit(fn: Callable[..., Any], example: Callable[[], tuple],
@@ -86,6 +119,9 @@ def submit(fn: Callable[..., Any], example: Callable[[], tuple],
     workers are joined at exit, which would keep a finished job alive until a compile ends)."""
     global _worker
     future: Future = Future()
+    if _exiting.is_set():
+        future.cancel()
+        return future
     _jobs.put((future, fn, example, compiler or compile_traced))
     with _worker_lock:
         if _worker is None or not _worker.is_alive():
@@ -140,8 +176,6 @@ def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> Call
 
 def _compile_lock() -> Any:
     """Dynamo's process-wide compile lock (a null context where this torch has none)."""
-    import contextlib
-
     try:
         from torch._dynamo.convert_frame import compile_lock
     except ImportError:  # pragma: no cover - a torch without it
@@ -222,6 +256,9 @@ class KernelCache:
         if isinstance(entry, Future):
             if not entry.done():
                 return None
+            if entry.cancelled():  # the process is exiting: no compile will start
+                self._entries[full_key] = None
+                return None
             error = entry.exception()
             if error is not None:
                 _log_failure(fn.__qualname__, error)
@@ -248,6 +285,8 @@ class KernelCache:
                     entry.exception(timeout=timeout)
                 except TimeoutError:
                     return False
+                except CancelledError:
+                    continue
         return True
 
     def _count(self, state: str) -> int:
@@ -256,7 +295,7 @@ class KernelCache:
             if isinstance(entry, Future):
                 done = entry.done()
                 kind = "pending" if not done else (
-                    "failed" if entry.exception() is not None else "ready")
+                    "failed" if entry.cancelled() or entry.exception() is not None else "ready")
             else:
                 kind = "failed" if entry is None else "ready"
             n += kind == state

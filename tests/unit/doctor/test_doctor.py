@@ -36,6 +36,7 @@ CPU_CHECKS = [
     "cost[bfloat16, collect()+result() vs _foreach_norm(dtype=f32)]",
     "cost[bfloat16, clip_grad_norm_ vs torch's]",
     "threading",
+    "kernels",
     "endpoint",
 ]
 

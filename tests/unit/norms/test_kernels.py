@@ -124,3 +124,35 @@ def test_a_limit_keeps_new_layouts_eager(caplog: pytest.LogCaptureFixture) -> No
     assert kc.ready == 1 and kc.pending == 0
     assert sum("limit" in r.message for r in caplog.records) == 1
     assert kc.get(squares, tensor_layout(ts), _example(ts)) is not None  # known: still used
+
+
+_EXIT_MID_COMPILE = """
+import time, torch
+from gradwatch.norms import kernels
+def sq(ts):
+    return torch.stack([t.double().square().sum() for t in ts])
+gs = [torch.randn(1000) for _ in range(3)]
+example = lambda: ([torch.empty_like(t) for t in gs],)
+kernels.KernelCache("background").get(sq, kernels.tensor_layout(gs), example)
+deadline = time.monotonic() + 60
+while not kernels._running and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(1.0)  # well inside the compile (a cold cache: several seconds)
+print("in hand" if kernels._running else "not compiling", flush=True)
+"""
+
+
+def test_a_process_ending_mid_compile_waits_and_exits_cleanly(tmp_path) -> None:
+    """A daemon thread ended inside torch's compiler aborts the process (exit status 134);
+    the exit hook lets the compile in hand finish first, so the job's status is its own."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    done = subprocess.run([sys.executable, "-c", _EXIT_MID_COMPILE], env=env, timeout=240,
+                          capture_output=True, text=True)
+    assert "in hand" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr
+    assert "terminate called" not in done.stderr
+    assert "waiting up to" in done.stderr
