@@ -23,6 +23,11 @@ its tensors in chunks of at most :data:`FUSED_CHUNK` (compile time grows with th
 layout; chunks of equal layout share one kernel), each chunk's kernel looked up in the
 engine's :class:`~gradwatch.norms.kernels.KernelCache` until every chunk's is ready.
 
+:class:`NarrowRows` is the other kernel: the float32 row norms of a bf16/fp16 bucket's
+row-path tensors (:func:`row_norms_kernel`), what the eager rows compute after widening each
+tensor into a float32 scratch, read in place instead: the engine squares, sums and repairs
+them as the eager rows' (the same 1e-6 bound, not this module's exactness).
+
 Sync behaviour: none (CPU tensors, no host read). The kernels are compiled by
 :func:`~gradwatch.norms.kernels.compile_traced`: no dynamo, no guards, so a call costs a few
 microseconds whatever the tensor count, and a kernel called with another layout would read

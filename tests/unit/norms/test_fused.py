@@ -1,6 +1,8 @@
 """The compiled norm kernel (norms/fused.py) inside the engine: exact against math.fsum of
 exact float64 squares over the whole float32 range, taken when ready (no host read), never
-waited for in "background" mode, and the eager figures when compiling fails.
+waited for in "background" mode, and the eager figures when compiling fails; never called
+with another layout than its own. And the bf16/fp16 row-norm kernel (NarrowRows) to the rows'
+bound.
 
 Each distinct layout compiles for seconds: the tests share a few lists."""
 
