@@ -7,6 +7,9 @@ so the doctor proves it here, on the calling thread (``"wait"``):
 
 * the norm kernel: float32 gradients of the sizes it takes, values near float32's overflow and
   underflow included, against ``math.fsum`` of their exact float64 squares (<= 1e-12);
+* the bf16 row-norm kernel: bf16 gradients of the row path, with squares that overflow and
+  underflow float32 (the rows' repair), against ``math.fsum`` (<= 1e-6 on the norm, the rows'
+  bound);
 * the update kernel: three AdamW steps of a small model watched with ``update_stats=True``,
   compiled against the eager path on an identical copy (update norm within 1e-6, stalled and
   moving counts as the eager path's).
@@ -29,8 +32,8 @@ from gradwatch.doctor.options import FAIL, PASS, SKIP, Check
 from gradwatch.norms.kernels import KernelCache
 from gradwatch.norms.stats import NormEngine
 
-THRESHOLD = ("compiles; norms within 1e-12 of float64, extremes included; update norm within "
-             "1e-6 of the eager path's, counts equal")
+THRESHOLD = ("compiles; norms within 1e-12 of float64, extremes included; bf16 row norms "
+             "within 1e-6; update norm within 1e-6 of the eager path's, counts equal")
 
 
 def _grads() -> list[torch.Tensor]:
@@ -38,14 +41,21 @@ def _grads() -> list[torch.Tensor]:
     return [torch.randn(40_000, generator=g) * scale for scale in (1.0, 1e19, 1e-22)]
 
 
-def _norm_error(kernels: KernelCache) -> float:
-    grads = _grads()
+def _narrow_grads() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(12)
+    return [(torch.randn(70_000, generator=g) * scale).to(torch.bfloat16)
+            for scale in (1.0, 1e20, 1e-25)]
+
+
+def _norm_error(kernels: KernelCache, grads: list[torch.Tensor]) -> float:
+    """The largest relative error of the engine's norms of ``grads`` (its kernels compiled on
+    the first call, ``"wait"``) against ``math.fsum`` of the exact float64 squares."""
     engine = NormEngine(kernels=kernels)
     got = engine.squared_norms(grads)[: len(grads)].tolist()
     worst = 0.0
     for g, sq in zip(grads, got, strict=True):
         want = math.fsum(x * x for x in g.double().tolist())
-        worst = max(worst, abs(sq - want) / want)
+        worst = max(worst, abs(math.sqrt(sq) - math.sqrt(want)) / math.sqrt(want))
     return worst
 
 
@@ -78,9 +88,10 @@ def check_kernels(device: torch.device) -> Check:
         return Check("kernels", SKIP, "compiled kernels are for CPU tensors only", THRESHOLD)
     started = time.perf_counter()
     kernels = KernelCache("wait")
-    norm_err = _norm_error(kernels)
-    if kernels.failed or not kernels.ready:
-        return Check("kernels", FAIL, "the norm kernel did not compile (see the log): "
+    norm_err = _norm_error(kernels, _grads())
+    narrow_err = _norm_error(kernels, _narrow_grads())
+    if kernels.failed or kernels.ready < 2:
+        return Check("kernels", FAIL, "the norm kernels did not compile (see the log): "
                      "gradwatch uses its eager paths here", THRESHOLD)
     compiled = _update_figures("wait")
     eager = _update_figures("off")
@@ -94,7 +105,8 @@ def check_kernels(device: torch.device) -> Check:
         if cu is not None and eu:
             update_err = max(update_err, abs(cu - eu) / eu)
         counts_equal &= cs == es
-    measured = (f"compiled in {seconds:.1f} s; norm rel err {norm_err:.1g}; update norm rel "
+    measured = (f"compiled in {seconds:.1f} s; norm rel err {norm_err:.1g}; bf16 rows "
+                f"{narrow_err:.1g}; update norm rel "
                 f"err {update_err:.1g}; counts {'equal' if counts_equal else 'DIFFER'}")
-    ok = norm_err <= 1e-12 and update_err <= 1e-6 and counts_equal
+    ok = norm_err <= 1e-12 and narrow_err <= 1e-6 and update_err <= 1e-6 and counts_equal
     return Check("kernels", PASS if ok else FAIL, measured, THRESHOLD)

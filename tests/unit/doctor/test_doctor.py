@@ -167,6 +167,21 @@ def test_exactness_check_fails_on_a_wrong_norm(monkeypatch: pytest.MonkeyPatch) 
     assert [c.status for c in checks if c.name.startswith("exactness[float64")] == ["FAIL"] * 2
 
 
+def test_kernels_check_fails_on_a_wrong_bf16_row_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels check holds the bf16 row-norm kernel to 1e-6: a 1e-5 error is a FAIL."""
+    from gradwatch.doctor.kernels import check_kernels
+    from gradwatch.norms import fused
+
+    real = fused.row_norms_kernel
+
+    def wrong(rows: list[torch.Tensor]) -> torch.Tensor:
+        return real(rows) * (1 + 1e-5)
+
+    monkeypatch.setattr(fused, "row_norms_kernel", wrong)
+    check = check_kernels(torch.device("cpu"))
+    assert check.status == "FAIL" and "bf16 rows 1e-05" in check.measured, check
+
+
 def test_sync_check_fails_on_a_python_built_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-step tail built by torch.tensor(list), as it once was, is caught."""
     from gradwatch.reduce import packing as reduce
