@@ -14,23 +14,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from update_refs import GROUPS, STALLING_OPTIMIZERS, UPDATE_TOL, WEIGHT_TOL, copies, model, norm_of
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.doctor.testing import count_host_reads
 from gradwatch.norms.updates import UpdateMeter
-
-GROUPS = {"first": ["0.*"]}
-WEIGHT_TOL = 1e-6
-UPDATE_TOL = 1e-4
-
-
-def model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8)).to(dtype)
-
-
-def norm_of(parts: list[torch.Tensor]) -> float:
-    return math.sqrt(math.fsum(float(x) ** 2 for t in parts for x in t.reshape(-1).tolist()))
 
 
 def reference(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
@@ -39,9 +27,6 @@ def reference(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
     return {"weight": norm_of([after[n] for n in keys]),
             "update": norm_of([after[n] - before[n] for n in keys])}
 
-
-def copies(m: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to(torch.float64).clone() for n, p in m.named_parameters()}
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
@@ -116,16 +101,9 @@ BLOCKS = ((1e4, 1.0, 700), (1e-4, -1.0, 500), (0.0, 0.0, 300), (0.0, 2.0, 200),
           (1e-4, 0.0, 400), (-3e3, 0.5, 100))
 
 STALLING: dict[str, Any] = {
-    "adamw_foreach": lambda p, lr: torch.optim.AdamW([p], lr=lr, weight_decay=0.1,
-                                                     foreach=True),
-    "adam_no_decay": lambda p, lr: torch.optim.Adam([p], lr=lr, foreach=True),
-    "adam_fused": lambda p, lr: torch.optim.Adam([p], lr=lr, fused=True),
-    "sgd": lambda p, lr: torch.optim.SGD([p], lr=lr),
-    "sgd_decay_foreach": lambda p, lr: torch.optim.SGD([p], lr=lr, weight_decay=0.1,
-                                                       foreach=True),
-    "sgd_momentum_decay": lambda p, lr: torch.optim.SGD([p], lr=lr, momentum=0.9,
-                                                        weight_decay=0.1),
-}
+    name: STALLING_OPTIMIZERS[name] for name in (
+        "adamw_foreach", "adam_no_decay", "adam_fused", "sgd", "sgd_decay_foreach",
+        "sgd_momentum_decay")}
 
 
 def stalling_weight() -> tuple[torch.Tensor, torch.Tensor]:

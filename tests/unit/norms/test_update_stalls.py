@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from update_refs import STALLING_OPTIMIZERS
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.norms.updates import BATCH, UpdateMeter
@@ -66,21 +67,7 @@ def counts_of(meter: UpdateMeter) -> tuple[int, int]:
     return int(stalled), int(moving)
 
 
-OPTIMIZERS: dict[str, Any] = {
-    "adamw_foreach": lambda p, lr: torch.optim.AdamW([p], lr=lr, weight_decay=0.1,
-                                                     foreach=True),
-    "adamw_for_loop": lambda p, lr: torch.optim.AdamW([p], lr=lr, weight_decay=0.1,
-                                                      foreach=False),
-    "adamw_fused_tensor_lr": lambda p, lr: torch.optim.AdamW(
-        [p], lr=torch.tensor(lr), weight_decay=0.1, fused=True),
-    "adam_no_decay": lambda p, lr: torch.optim.Adam([p], lr=lr, foreach=True),
-    "adam_fused": lambda p, lr: torch.optim.Adam([p], lr=lr, fused=True),
-    "sgd": lambda p, lr: torch.optim.SGD([p], lr=lr),
-    "sgd_decay_foreach": lambda p, lr: torch.optim.SGD([p], lr=lr, weight_decay=0.1,
-                                                       foreach=True),
-    "sgd_momentum_decay": lambda p, lr: torch.optim.SGD([p], lr=lr, momentum=0.9,
-                                                        weight_decay=0.1),
-}
+OPTIMIZERS: dict[str, Any] = STALLING_OPTIMIZERS
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))

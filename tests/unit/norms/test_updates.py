@@ -11,27 +11,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from update_refs import GROUPS, UPDATE_TOL, WEIGHT_TOL, copies, model, norm_of
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.analysis.update_health import stalled_fraction, update_fields, update_ratio
 from gradwatch.doctor.testing import OpCounter, count_host_reads
-
-GROUPS = {"first": ["0.*"]}
-WEIGHT_TOL = 1e-6
-UPDATE_TOL = 1e-4
-
-
-def model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8)).to(dtype)
-
-
-def copies(m: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to(torch.float64).clone() for n, p in m.named_parameters()}
-
-
-def norm_of(parts: list[torch.Tensor]) -> float:
-    return math.sqrt(math.fsum(float(x) ** 2 for t in parts for x in t.reshape(-1).tolist()))
 
 
 def reference(
