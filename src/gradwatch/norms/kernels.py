@@ -19,13 +19,12 @@ Modes (``WatchConfig.compile_kernels``):
 What compiling costs the job: one CPU thread for seconds per layout (inductor writes and builds
 C++; ``compile_threads=1`` keeps it to this thread), files in inductor's cache directory, and
 dynamo's process-wide compile lock while it compiles, so a ``torch.compile`` of the user's own
-that starts meanwhile waits for it. Each kernel gets a code object of its own, so dynamo's
-recompile limit (per code object) never sends a user's function, or another layout, to eager.
+that starts meanwhile waits for it.
 
 :func:`compile_traced` (a ``KernelCache``'s ``compiler``) compiles without dynamo: traced to an
-aten graph and compiled by inductor, called without guards, never recompiled; for callers that
-key by the exact layout and check it on every call (:mod:`gradwatch.norms.fused`,
-:mod:`gradwatch.norms.fused_updates`). It is :class:`KernelCache`'s default.
+aten graph and compiled by inductor, called without guards, never recompiled, nothing added to
+dynamo's caches or recompile counts; for callers that key by the exact layout and check it on
+every call (:mod:`gradwatch.norms.fused`, :mod:`gradwatch.norms.fused_updates`).
 
 Sync behaviour: none. Compiling runs on example tensors of the layout (``empty_strided``), never
 on the caller's tensors, and the compiled call on CPU tensors has no host read.
@@ -35,11 +34,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import queue
 import threading
-import types
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any, Literal
@@ -68,7 +65,6 @@ _worker: threading.Thread | None = None
 _worker_lock = threading.Lock()
 _running: list[Future] = []  # the compile in hand, if any
 _exiting = threading.Event()
-_serial = itertools.count()
 _logged_failures: set[str] = set()
 
 #: How long an ending process waits for the compile in hand (see :func:`_quiesce_at_exit`).
@@ -130,28 +126,6 @@ def submit(fn: Callable[..., Any], example: Callable[[], tuple],
     return future
 
 
-def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of ``fn`` with a code object of its own: dynamo keys its cache and recompile
-    limit by code object, so each compiled layout is a separate entry."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_gw{next(_serial)}")
-    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
-                              fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
-
-
-def compile_kernel(fn: Callable[..., Any], example: Callable[[], tuple]) -> Callable[..., Any]:
-    """``fn`` compiled by inductor for the layout of ``example()``'s arguments, and run once on
-    them (which is when inductor compiles): full graph, static shapes."""
-    import torch
-
-    compiled = torch.compile(own_code(fn), fullgraph=True, dynamic=False,
-                             options=COMPILE_OPTIONS)
-    with torch.no_grad():
-        compiled(*example())
-    return compiled
-
-
 def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> Callable[..., Any]:
     """``fn`` traced to an aten graph for the layout of ``example()``'s arguments (tensors, lists
     of tensors, None: no other value) and compiled by inductor, without dynamo: the result is
@@ -210,9 +184,8 @@ def _log_failure(name: str, error: BaseException) -> None:
 
 class KernelCache:
     """Compiled kernels per (function, layout key), built in ``mode`` (see the module docstring)
-    by ``compiler`` (:func:`compile_traced`, no guards, by default: the callers key by the
-    exact layout and check it before every call; or :func:`compile_kernel`, dynamo with its
-    guards).
+    by ``compiler`` (:func:`compile_traced` by default: no guards, so the callers key by the
+    exact layout and check it before every call).
 
     :meth:`get` never blocks in ``"background"`` mode and never raises: a failed compile is
     logged once and its key stays eager. ``failed``, ``ready`` and ``pending`` count the keys

@@ -12,7 +12,6 @@ from gradwatch.norms.kernels import (
     KernelCache,
     compile_traced,
     compiled_calls_allowed,
-    own_code,
     tensor_layout,
 )
 
@@ -76,12 +75,6 @@ def test_dispatch_modes_see_the_eager_path() -> None:
     with OpCounter():
         assert not compiled_calls_allowed()
 
-
-def test_own_code_gives_each_kernel_its_code_object() -> None:
-    a, b = own_code(squares), own_code(squares)
-    assert a.__code__ is not b.__code__ and a.__code__ is not squares.__code__
-    ts = _grads()
-    assert torch.equal(a(ts), squares(ts))
 
 
 def scaled_squares(ts: list[torch.Tensor], scale: torch.Tensor,
