@@ -48,6 +48,7 @@ from benchmarks import (  # noqa: E402
 from benchmarks.cases import Plan, describe_demo_model, full_plan, quick_plan  # noqa: E402
 from benchmarks.page import machine  # noqa: E402
 from benchmarks.results import Failure, RunResults  # noqa: E402
+from gradwatch.norms import kernels  # noqa: E402
 
 T = TypeVar("T")
 
@@ -83,6 +84,8 @@ def measure_all(plan: Plan, command: str, distributed_sections: bool = True) -> 
 
     def section(name: str, fn: Callable[[], T]) -> T:
         print(f"{name} ...", flush=True)
+        # No kernel compiling in the background of one section while the next is timed.
+        kernels.wait_idle(timeout=600)
         t0 = time.perf_counter()
         try:
             return fn()

@@ -86,6 +86,20 @@ def _work() -> None:
             _running.clear()
 
 
+def wait_idle(timeout: float) -> bool:
+    """Wait, at most ``timeout`` seconds, until the compile thread has nothing queued or in
+    hand; True when it is idle. For benchmarks, so that no compile of one measurement runs
+    beside the next: a training loop never calls it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not _jobs.empty() or _running:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _quiesce_at_exit(timeout: float = EXIT_WAIT_SECONDS) -> None:
     """At interpreter exit: drop the compiles not started and wait (at most ``timeout``
     seconds) for the one in hand. A daemon thread still inside torch's compiler when the
