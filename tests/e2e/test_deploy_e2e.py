@@ -80,6 +80,9 @@ def run_training_job(port: int, workdir: Path) -> Iterator[subprocess.Popen[byte
         GRADWATCH_GUARD="1",  # the optimizer-step guard too (its alerts and panel)
         GRADWATCH_UPDATE_STATS="1",  # optimizer-update health (opt-in): its panels need it
         GRADWATCH_RANK_TIMING="1",  # slow-rank attribution (opt-in): its panel needs it
+        # No kernels compiling beside the first steps: a rank compiling is a slower rank for
+        # those seconds, and this test's alert windows are seconds (docs/design.md).
+        GRADWATCH_COMPILE_KERNELS="off",
         GRADWATCH_HISTORY_PATH=str(workdir / "history.jsonl"),  # a sink: the sink panels
         CLIP_NORM="1000",  # clipped through gradwatch (gradwatch_clip_coef), never reached healthy
         INJECT_NAN_AT=str(NAN_STEP),
