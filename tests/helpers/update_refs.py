@@ -5,6 +5,7 @@ and the optimizers the stall tests run."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,4 +44,24 @@ STALLING_OPTIMIZERS: dict[str, Any] = {
                                                        foreach=True),
     "sgd_momentum_decay": lambda p, lr: torch.optim.SGD([p], lr=lr, momentum=0.9,
                                                         weight_decay=0.1),
+}
+
+
+#: Optimizers of a whole model, by name: every torch.optim implementation the meter reads.
+MODEL_OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+    "sgd_momentum_foreach": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01, foreach=True),
+    "sgd_nesterov_wd": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=False),
+    "sgd_fused_maximize": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.01, momentum=0.5, dampening=0.1, maximize=True, fused=True),
+    "adamw_for_loop": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False),
+    "adamw_foreach": lambda m: torch.optim.AdamW(
+        m.parameters(), lr=1e-3, weight_decay=0.1, foreach=True),
+    "adamw_fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
+    "adam_l2_amsgrad": lambda m: torch.optim.Adam(
+        m.parameters(), lr=1e-3, weight_decay=0.1, amsgrad=True),
+    "adam_tensor_lr_fused": lambda m: torch.optim.Adam(
+        m.parameters(), lr=torch.tensor(2e-3), fused=True),
 }

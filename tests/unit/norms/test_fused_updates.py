@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from update_refs import GROUPS, STALLING_OPTIMIZERS, UPDATE_TOL, WEIGHT_TOL, copies, model, norm_of
+from update_refs import (
+    GROUPS,
+    MODEL_OPTIMIZERS,
+    STALLING_OPTIMIZERS,
+    UPDATE_TOL,
+    WEIGHT_TOL,
+    copies,
+    model,
+    norm_of,
+)
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.doctor.testing import count_host_reads
@@ -29,21 +38,8 @@ def reference(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
 
 
 
-OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
-    "adamw_foreach": lambda m: torch.optim.AdamW(
-        m.parameters(), lr=1e-3, weight_decay=0.1, foreach=True),
-    "adamw_for_loop": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False),
-    "adamw_fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
-    "adam_l2_amsgrad": lambda m: torch.optim.Adam(
-        m.parameters(), lr=1e-3, weight_decay=0.1, amsgrad=True),
-    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
-    "sgd_momentum_foreach": lambda m: torch.optim.SGD(
-        m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01, foreach=True),
-    "sgd_nesterov_wd": lambda m: torch.optim.SGD(
-        m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=False),
-    "sgd_fused_maximize": lambda m: torch.optim.SGD(
-        m.parameters(), lr=0.01, momentum=0.5, dampening=0.1, maximize=True, fused=True),
-}
+#: The compiled path's optimizers (a tensor learning rate keeps the eager path).
+OPTIMIZERS = {name: make for name, make in MODEL_OPTIMIZERS.items() if "tensor_lr" not in name}
 
 
 def meter_of(watch: GradWatch) -> UpdateMeter:

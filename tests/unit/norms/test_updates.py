@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from update_refs import GROUPS, UPDATE_TOL, WEIGHT_TOL, copies, model, norm_of
+from update_refs import GROUPS, MODEL_OPTIMIZERS, UPDATE_TOL, WEIGHT_TOL, copies, model, norm_of
 
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.analysis.update_health import stalled_fraction, update_fields, update_ratio
@@ -67,23 +67,7 @@ def train(
     return out
 
 
-OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
-    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
-    "sgd_momentum_foreach": lambda m: torch.optim.SGD(
-        m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01, foreach=True),
-    "sgd_nesterov_wd": lambda m: torch.optim.SGD(
-        m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=False),
-    "sgd_fused_maximize": lambda m: torch.optim.SGD(
-        m.parameters(), lr=0.01, momentum=0.5, dampening=0.1, maximize=True, fused=True),
-    "adamw_for_loop": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False),
-    "adamw_foreach": lambda m: torch.optim.AdamW(
-        m.parameters(), lr=1e-3, weight_decay=0.1, foreach=True),
-    "adamw_fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
-    "adam_l2_amsgrad": lambda m: torch.optim.Adam(
-        m.parameters(), lr=1e-3, weight_decay=0.1, amsgrad=True),
-    "adam_tensor_lr_fused": lambda m: torch.optim.Adam(
-        m.parameters(), lr=torch.tensor(2e-3), fused=True),
-}
+OPTIMIZERS = MODEL_OPTIMIZERS
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
