@@ -120,12 +120,14 @@ def summarize(
     groups_of: Sequence[str],
     numels: Sequence[int],
     squares: Sequence[float],
-    nonfinite_flags: Sequence[float],
-    has_grad: Sequence[float],
+    nonfinite_flags: Sequence[float] | None,
+    has_grad: Sequence[float] | None,
     group_order: Sequence[str],
     isolated: Sequence[str] | None = None,
     squares_high: Sequence[float] | None = None,
     squares_low: Sequence[float] | None = None,
+    norms: Sequence[float] | None = None,
+    extremes: tuple[float, float] | None = None,
     **extra: object,
 ) -> Snapshot:
     """Build the snapshot of one step from per-parameter squared norms (global layout order).
@@ -138,7 +140,11 @@ def summarize(
     It is non-finite when its squared norm is NaN/Inf or any rank flagged its piece.
     ``squares_high`` / ``squares_low``: the high and low bands of the squared norms (the
     parameter's squared norm is ``squares[i] + squares_high[i] * 2^1100 + squares_low[i] *
-    2^-1200``); None when empty.
+    2^-1200``); None when empty. ``nonfinite_flags`` None: no flag is set; ``has_grad`` None:
+    every parameter has a gradient. ``norms``: ``sqrt(squares[i])`` per parameter when already
+    computed (used when no band is set); ``extremes``: their ``(min, max)``, read only by a
+    group holding every parameter whose norms are all finite. These only save work: the
+    snapshot is the same without them.
     """
     high = squares_high if squares_high is not None and any(squares_high) else None
     low = squares_low if squares_low is not None and any(squares_low) else None
@@ -147,9 +153,9 @@ def summarize(
     high_of = high if high is not None else zeros
     low_of = low if low is not None else zeros
     all_norms: list[float] = []  # the banded case
-    members, single = _members(tuple(groups_of), tuple(group_order), tuple(has_grad))
+    members, single = _members_of(groups_of, group_order, has_grad)
     # No flag anywhere (the common case): no group gathers its flags.
-    flagged = any(nonfinite_flags)
+    flagged = nonfinite_flags is not None and any(nonfinite_flags)
     param_norms: dict[str, float] = {}
     nonfinite_params: list[str] = []
     group_stats: dict[str, GroupStats] = {}
@@ -160,6 +166,7 @@ def summarize(
     # very same values through the very same exact sum (or hypot), so nothing is gathered twice.
     global_norm = math.nan
     sqrt = math.sqrt
+    plain = norms
     for group, (idx, take) in members.items():
         sq = take(squares)
         group_names = take(names)
@@ -169,7 +176,7 @@ def summarize(
             if not single:
                 all_norms.extend(norms)
         else:
-            norms = list(map(sqrt, sq))
+            norms = take(plain) if plain is not None else list(map(sqrt, sq))
             group_norm = sqrt_sum(sq)
             if not single:
                 all_squares.extend(sq)
@@ -179,20 +186,26 @@ def summarize(
         # NaN or Inf (a sum of finite norms that overflows only sends us to the exact
         # per-parameter check). Only otherwise is each parameter looked at: ``not norm < inf``
         # is True for NaN and Inf; a replica's flag marks a finite copy too.
-        flags = take(nonfinite_flags) if flagged else ()
+        flags = take(nonfinite_flags) if flagged else ()  # type: ignore[arg-type]
+        lowest = highest = math.nan  # the extremes of ``finite``, when known
         if group_norm < math.inf and not any(flags):
             nonfinite = 0
             finite: Sequence[float] = norms
+            if extremes is not None and take is _itself and not banded:
+                lowest, highest = extremes
+            elif norms:
+                lowest, highest = min(norms), max(norms)
         else:
             bad = [k for k in range(len(idx)) if not norms[k] < math.inf or flags[k] > 0]
             ok = set(range(len(idx))).difference(bad)
             finite = [norms[k] for k in sorted(ok)]
             nonfinite = len(bad)
             nonfinite_params.extend(group_names[k] for k in bad)
+            if finite:
+                lowest, highest = min(finite), max(finite)
         # Counted only when the extreme says some norm is past the threshold (one C pass).
-        exploding = nonfinite + (sum(map(et.__lt__, finite)) if finite and max(finite) > et
-                                 else 0)
-        vanishing = sum(map(vt.__gt__, finite)) if finite and min(finite) < vt else 0
+        exploding = nonfinite + (sum(map(et.__lt__, finite)) if highest > et else 0)
+        vanishing = sum(map(vt.__gt__, finite)) if lowest < vt else 0
         count = len(idx)
         group_stats[group] = _group_stats(
             group_norm, sum(take(numels)), count, vanishing, exploding, nonfinite
@@ -262,17 +275,42 @@ def _group_stats(
     return stats
 
 
+def _members_of(
+    groups_of: Sequence[str], group_order: Sequence[str], has_grad: Sequence[float] | None
+) -> tuple[dict[str, tuple[tuple[int, ...], Callable[[Sequence[Any]], Sequence[Any]]]], bool]:
+    """:func:`_members` of these inputs (``has_grad`` None: every parameter has a gradient).
+    Tuples (what :class:`Summarizer` passes: built once) are matched by identity against the
+    last call, so a step whose every parameter has a gradient hashes nothing per parameter;
+    any other input is cached on its value."""
+    global _last_members
+    key = None if has_grad is None else tuple(has_grad)
+    last = _last_members
+    if (
+        last is not None and last[0] is groups_of and last[1] is group_order
+        and last[2] == key and type(groups_of) is tuple and type(group_order) is tuple
+    ):
+        return last[3]
+    found = _members(tuple(groups_of), tuple(group_order), key)
+    _last_members = (groups_of, group_order, key, found)
+    return found
+
+
+#: The last :func:`_members_of` call's inputs and answer (replaced whole: thread-safe).
+_last_members: tuple[Any, Any, tuple[float, ...] | None, Any] | None = None
+
+
 @functools.lru_cache(maxsize=4)
 def _members(
-    groups_of: tuple[str, ...], group_order: tuple[str, ...], has_grad: tuple[float, ...]
+    groups_of: tuple[str, ...], group_order: tuple[str, ...], has_grad: tuple[float, ...] | None
 ) -> tuple[dict[str, tuple[tuple[int, ...], Callable[[Sequence[Any]], Sequence[Any]]]], bool]:
     """Per group, the positions that had a gradient (the always-shown groups first) and a
     function taking those positions of any per-parameter sequence (a C-level gather); and
-    whether exactly one group has such positions. The same from step to step in most jobs,
-    so cached on the exact inputs (tuples: hashed and compared in C)."""
+    whether exactly one group has such positions (``has_grad`` None: every position). The
+    same from step to step in most jobs, so cached on the exact inputs (tuples: hashed and
+    compared in C)."""
     positions: dict[str, list[int]] = {g: [] for g in group_order}
     for i, group in enumerate(groups_of):
-        if has_grad[i] > 0:
+        if has_grad is None or has_grad[i] > 0:
             positions.setdefault(group, []).append(i)
     members = {g: (tuple(idx), _taker(idx, len(groups_of))) for g, idx in positions.items()}
     return members, sum(1 for idx, _ in members.values() if idx) == 1
@@ -368,6 +406,9 @@ class Summarizer:
         # just before (the publisher builds every step in order; otherwise when built so).
         self._previous: Snapshot | None = None
         self._previous_attempt = -1
+        # Built once: the summary's grouping cache matches them by identity each step.
+        self._groups_of = tuple(resolved.groups_of)
+        self._group_order = tuple(resolved.group_order)
 
     def build(self, stats: ReducedStats, step: CollectedStep) -> Snapshot:
         """The snapshot of ``step`` from its reduced ``stats``: the summary, the clip
@@ -376,18 +417,23 @@ class Summarizer:
         r = self._resolved
         if step.measure_divergence:
             self._last_divergence = stats.replica_divergence()
+        # Each per-parameter section is read only when some entry of it is set.
+        banded = stats.banded()
+        norms, extremes = (None, None) if banded else stats.plain_norms()
         snap = summarize(
             step=step.step,
             cfg=self.cfg,
             names=r.layout.names,
-            groups_of=r.groups_of,
+            groups_of=self._groups_of,
             numels=r.layout.numels,
             squares=stats.squares,
-            squares_high=stats.squares_high,
-            squares_low=stats.squares_low,
-            nonfinite_flags=stats.nonfinite,
-            has_grad=stats.has_grad,
-            group_order=r.group_order,
+            squares_high=stats.squares_high if banded else None,
+            squares_low=stats.squares_low if banded else None,
+            nonfinite_flags=stats.nonfinite if stats.flagged() else None,
+            has_grad=None if stats.all_have_grad() else stats.has_grad,
+            norms=norms,
+            extremes=extremes,
+            group_order=self._group_order,
             isolated=step.isolated,
             world_size=stats.world_size,
             parallelism=r.parallelism,

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -30,7 +32,7 @@ from gradwatch.reduce.collective import (
 )
 from gradwatch.reduce.layout import Layout
 from gradwatch.reduce.ranktiming import RankTiming
-from gradwatch.reduce.sections import sections
+from gradwatch.reduce.sections import Sections, sections
 from gradwatch.reduce.steps import device_step, steps_differ
 
 
@@ -80,29 +82,86 @@ class ReducedStats:
         """Split the host copy of a packed vector (pure; what :meth:`ReducedVector.stats`
         does after its one host read). ``ranks``: how many ranks' vectors it sums (default:
         all of them)."""
-        at = sections(layout)
-        if len(values) != at.length:
-            raise ValueError(
-                f"gradwatch: a packed vector of {len(values)} values, expected {at.length}"
-            )
+        at = _checked_sections(len(values), layout)
         return cls(
             squares=values[at.squares],
             squares_high=values[at.squares_high],
             squares_low=values[at.squares_low],
             nonfinite=values[at.nonfinite],
             has_grad=values[at.has_grad],
-            replica_squares=values[at.replicas],
-            step_check=values[at.step],
-            world_size=layout.world_size,
-            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
-            rank_view=RankView.from_section(values[at.rank_view], layout)
-            if layout.rank_view_groups else None,
-            ranks=layout.world_size if ranks is None else ranks,
-            updates=values[at.updates] if layout.update_groups else None,
-            # a vector that was not all-reduced carries no timing (it rides on all-reduces)
-            rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
-            if layout.rank_timing and ranks != 1 else None,
+            **_trailing_fields(values, 0, layout, ranks),
         )
+
+    @classmethod
+    def from_host(cls, host: Tensor, layout: Layout, ranks: int | None = None) -> ReducedStats:
+        """:meth:`from_values` of ``host.tolist()`` (``host``: the packed vector in host
+        memory), equal field for field, by a cheaper route for a model of more than
+        :data:`EAGER_PARAMETERS` parameters: only ``squares`` and the sections after the
+        per-parameter ones become Python floats now; the bands, flags and has-gradient
+        sections stay in ``host`` until first read (then as :meth:`from_values` gives them,
+        kept), and :meth:`banded`, :meth:`flagged`, :meth:`all_have_grad` and
+        :meth:`plain_norms` answer from ``host`` by one vectorized reduction each: what the
+        summary asks of them on a step whose gradients are all finite and plain."""
+        if layout.size <= EAGER_PARAMETERS:  # a handful of floats: one tolist() is cheaper
+            return cls.from_values(host.tolist(), layout, ranks)
+        array = host.numpy()
+        at = _checked_sections(len(array), layout)
+        tail = at.replicas.start
+        stats = object.__new__(cls)
+        fields = vars(stats)
+        fields["squares"] = array[at.squares].tolist()
+        fields.update(_trailing_fields(array[tail:].tolist(), tail, layout, ranks))
+        fields[_HOST] = (array, at)
+        return stats
+
+    def __getattr__(self, name: str) -> Any:
+        """A per-parameter section :meth:`from_host` left in host memory, read on first use
+        (only called for an attribute not in the instance dict)."""
+        host = vars(self).get(_HOST)
+        if host is None or name not in _LAZY_SECTIONS:
+            raise AttributeError(name)
+        array, at = host
+        value = vars(self)[name] = array[getattr(at, name)].tolist()
+        return value
+
+    def _section(self, name: str) -> Any:
+        """The NumPy view of section ``name`` when it is still in host memory, else None."""
+        host = vars(self).get(_HOST)
+        if host is None:
+            return None
+        array, at = host
+        return array[getattr(at, name)]
+
+    def banded(self) -> bool:
+        """Some parameter's squared norm has a non-zero high or low band (a norm outside
+        ``[2^-450, 2^450]``, see :mod:`gradwatch.norms.stats`)."""
+        host = vars(self).get(_HOST)
+        if host is None:
+            return any(self.squares_high) or any(self.squares_low)
+        array, at = host
+        return bool(array[at.squares_high.start : at.squares_low.stop].any())
+
+    def flagged(self) -> bool:
+        """Some non-finite flag is set (NaN counts as set, as in ``any``)."""
+        flags = self._section("nonfinite")
+        return any(self.nonfinite) if flags is None else bool(flags.any())
+
+    def all_have_grad(self) -> bool:
+        """Every parameter's has-gradient flag is ``> 0`` (a NaN flag is not)."""
+        flags = self._section("has_grad")
+        if flags is None:
+            return all(map((0.0).__lt__, self.has_grad))
+        return bool((flags > 0.0).all())
+
+    def plain_norms(self) -> tuple[list[float], tuple[float, float] | None]:
+        """Per parameter ``sqrt(squares[i])`` (its norm when no band is set: correctly
+        rounded, the same float as ``math.sqrt``) and, when computed from host memory, their
+        ``(min, max)`` (NaN when some norm is NaN: read only when all are finite), else None."""
+        squares = self._section("squares")
+        if squares is None:
+            return list(map(math.sqrt, self.squares)), None
+        norms = numpy.sqrt(squares)
+        return norms.tolist(), (float(norms.min()), float(norms.max()))
 
     @property
     def steps_differ(self) -> bool:
@@ -143,6 +202,50 @@ class ReducedStats:
         if top == 0.0 or math.isinf(top):
             return 0.0 if top == 0.0 else math.nan
         return (top - min(norms)) / top
+
+
+#: Models up to this many parameters build every :class:`ReducedStats` field at once
+#: (:meth:`ReducedStats.from_host`): below it, the vectorized reductions cost more than they save.
+EAGER_PARAMETERS = 64
+
+#: The per-parameter sections :meth:`ReducedStats.from_host` reads on first use.
+_LAZY_SECTIONS = frozenset({"squares_high", "squares_low", "nonfinite", "has_grad"})
+
+#: The instance-dict key of the host array (and its sections) those sections are read from.
+_HOST = "_host"
+
+
+def _checked_sections(length: int, layout: Layout) -> Sections:
+    """``layout``'s sections, after checking that a packed vector of ``length`` fits them."""
+    at = sections(layout)
+    if length != at.length:
+        raise ValueError(f"gradwatch: a packed vector of {length} values, expected {at.length}")
+    return at
+
+
+def _trailing_fields(
+    values: list[float], offset: int, layout: Layout, ranks: int | None
+) -> dict[str, Any]:
+    """The :class:`ReducedStats` fields after the per-parameter sections, from ``values``
+    holding the packed vector from position ``offset`` on."""
+    at = sections(layout)
+
+    def part(s: slice) -> list[float]:
+        return values[s.start - offset : s.stop - offset]
+
+    return {
+        "replica_squares": part(at.replicas),
+        "step_check": values[at.step - offset],
+        "world_size": layout.world_size,
+        "step_residues": tuple(part(at.residues)),
+        "rank_view": RankView.from_section(part(at.rank_view), layout)
+        if layout.rank_view_groups else None,
+        "ranks": layout.world_size if ranks is None else ranks,
+        "updates": part(at.updates) if layout.update_groups else None,
+        # a vector that was not all-reduced carries no timing (it rides on all-reduces)
+        "rank_timing": RankTiming.from_section(part(at.rank_timing), layout.world_size)
+        if layout.rank_timing and ranks != 1 else None,
+    }
 
 
 class ReducedVector:
@@ -292,11 +395,11 @@ class ReducedVector:
         if self._stats is None:
             if self._packed.device.type != "cpu":
                 self._wait_landed(self._timeout)
-                values = self._pinned.tolist()
+                host = self._pinned
             else:
                 self._wait_collective()
-                values = self._packed.tolist()
-            self._stats = ReducedStats.from_values(values, self._layout, self._ranks)
+                host = self._packed
+            self._stats = ReducedStats.from_host(host, self._layout, self._ranks)
         return self._stats
 
 

@@ -221,3 +221,34 @@ def test_one_filled_group_among_several_gives_the_exact_global_norm() -> None:
     calm = _one([0.25, 9.0], ["a", "b"], vanishing_threshold=1e-7, exploding_threshold=1e3)
     assert calm.vanishing == 0 and calm.exploding == 0
     assert calm.global_norm == math.sqrt(math.fsum([0.25, 9.0]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=cases(), one_group=st.booleans())
+def test_what_the_summarizer_precomputes_changes_no_figure(case, one_group: bool) -> None:  # type: ignore[no-untyped-def]
+    """``norms``/``extremes`` precomputed, ``nonfinite_flags`` None when no flag is set and
+    ``has_grad`` None when every parameter has one (what ``Summarizer.build`` passes, from
+    ``ReducedStats``) give the snapshot summarize builds from the plain lists, bit for bit."""
+    params, vt, et, iso = case
+    if one_group:  # one group holding every parameter: the extremes are read
+        params = [(name, "other", *rest) for name, _, *rest in params]
+    cfg = WatchConfig(groups={"a": ["a*"], "b": ["b*"]}, isolated=["a"],
+                      vanishing_threshold=vt, exploding_threshold=et, isolation_threshold=iso)
+    groups_of = tuple(p[1] for p in params)
+    order = ("a", "b", "other")
+    squares = [p[3] for p in params]
+    flags = [p[4] for p in params]
+    has_grad = [p[5] for p in params]
+    common = dict(step=1, cfg=cfg, names=[p[0] for p in params], numels=[p[2] for p in params],
+                  squares=squares, group_order=order, groups_of=groups_of)
+    plain = summarize(nonfinite_flags=flags, has_grad=has_grad, **common)
+    norms = [math.sqrt(s) for s in squares]
+    finite = [x for x in norms if math.isfinite(x)]
+    extremes = (min(norms), max(norms)) if finite and len(finite) == len(norms) else (
+        (math.nan, math.nan) if norms else None)
+    hinted = summarize(
+        nonfinite_flags=flags if any(flags) else None,
+        has_grad=None if all(h > 0 for h in has_grad) else has_grad,
+        norms=norms, extremes=extremes, **common,
+    )
+    assert repr(hinted.to_dict()) == repr(plain.to_dict())

@@ -210,3 +210,35 @@ def test_a_timeout_names_the_setting_that_bounded_the_wait() -> None:
         vector._wait_collective()
     with pytest.raises(GradWatchTimeoutError, match=r"within 1800s \(the job's process-group"):
         vector.device_bands()
+
+
+@pytest.mark.parametrize("n", [3, 65, 300])
+@pytest.mark.parametrize("kind", ["plain", "banded", "nonfinite", "no-grad"])
+def test_reduced_stats_from_host_equals_from_values(n: int, kind: str) -> None:
+    """``from_host`` (lazy sections, vectorized answers above EAGER_PARAMETERS) gives the
+    fields ``from_values`` gives from the same vector, and the same answers."""
+    per_rank = [desc([whole(f"p{i}", (2,)) for i in range(n)]) for _ in range(2)]
+    lay = build_layout(per_rank, 0)
+    gen = torch.Generator().manual_seed(n)
+    host = torch.rand(lay.packed_length, dtype=torch.float64, generator=gen)
+    host[n : 4 * n] = 0.0  # bands and flags clear
+    host[4 * n : 5 * n] = 2.0  # every parameter has a gradient on both ranks
+    if kind == "banded":
+        host[n + n // 2] = 3.0
+    if kind == "nonfinite":
+        host[n // 3], host[3 * n + n // 3] = math.nan, 1.0
+    if kind == "no-grad":
+        host[4 * n + n - 1] = 0.0
+    lazy = ReducedStats.from_host(host, lay)
+    eager = ReducedStats.from_values(host.tolist(), lay)
+    answers = (lazy.banded(), lazy.flagged(), lazy.all_have_grad())
+    assert answers == (eager.banded(), eager.flagged(), eager.all_have_grad())
+    assert answers == (kind == "banded", kind == "nonfinite", kind != "no-grad")
+    norms, extremes = lazy.plain_norms()
+    assert repr(norms) == repr(eager.plain_norms()[0])
+    assert repr(norms) == repr([math.sqrt(s) for s in host[:n].tolist()])
+    if extremes is not None and kind != "nonfinite":
+        assert extremes == (min(norms), max(norms))
+    assert repr(lazy) == repr(eager)  # NaN != NaN: compared as text
+    with pytest.raises(AttributeError):
+        _ = lazy.no_such_field
