@@ -350,6 +350,28 @@ def _violates(norm: float, threshold: float) -> bool:
     return not math.isfinite(norm) or norm > threshold
 
 
+def _per_parameter_inputs(stats: ReducedStats) -> tuple[
+    Sequence[float] | None, Sequence[float] | None, Sequence[float] | None,
+    Sequence[float] | None, Sequence[float] | None, tuple[float, float] | None,
+]:
+    """The :func:`summarize` arguments ``squares_high, squares_low, nonfinite_flags, has_grad,
+    norms, extremes`` of ``stats``. A vectorized :class:`ReducedStats` (many parameters) gives
+    its precomputed norms and extremes and a section only when some entry of it is set; a
+    small one its lists, as they are (a few Python floats: nothing to save)."""
+    if not stats.vectorized:
+        return stats.squares_high, stats.squares_low, stats.nonfinite, stats.has_grad, None, None
+    banded = stats.banded()
+    norms, extremes = (None, None) if banded else stats.plain_norms()
+    return (
+        stats.squares_high if banded else None,
+        stats.squares_low if banded else None,
+        stats.nonfinite if stats.flagged() else None,
+        None if stats.all_have_grad() else stats.has_grad,
+        norms,
+        extremes,
+    )
+
+
 @fast_init
 @dataclass(frozen=True)
 class CollectedStep:
@@ -417,9 +439,7 @@ class Summarizer:
         r = self._resolved
         if step.measure_divergence:
             self._last_divergence = stats.replica_divergence()
-        # Each per-parameter section is read only when some entry of it is set.
-        banded = stats.banded()
-        norms, extremes = (None, None) if banded else stats.plain_norms()
+        high, low, flags, has_grad, norms, extremes = _per_parameter_inputs(stats)
         snap = summarize(
             step=step.step,
             cfg=self.cfg,
@@ -427,18 +447,18 @@ class Summarizer:
             groups_of=self._groups_of,
             numels=r.layout.numels,
             squares=stats.squares,
-            squares_high=stats.squares_high if banded else None,
-            squares_low=stats.squares_low if banded else None,
-            nonfinite_flags=stats.nonfinite if stats.flagged() else None,
-            has_grad=None if stats.all_have_grad() else stats.has_grad,
-            norms=norms,
-            extremes=extremes,
             group_order=self._group_order,
             isolated=step.isolated,
             world_size=stats.world_size,
             parallelism=r.parallelism,
             replica_divergence=self._last_divergence,
             timestamp=step.timestamp,
+            squares_high=high,
+            squares_low=low,
+            nonfinite_flags=flags,
+            has_grad=has_grad,
+            norms=norms,
+            extremes=extremes,
         )
         changes: dict[str, Any] = {}
         if step.adaptive is not None:

@@ -83,13 +83,25 @@ class ReducedStats:
         does after its one host read). ``ranks``: how many ranks' vectors it sums (default:
         all of them)."""
         at = _checked_sections(len(values), layout)
+        # The trailing fields as _trailing_fields gives them, spelled out: every collect of
+        # a small model takes this path, and a dict of keyword arguments costs a microsecond.
         return cls(
             squares=values[at.squares],
             squares_high=values[at.squares_high],
             squares_low=values[at.squares_low],
             nonfinite=values[at.nonfinite],
             has_grad=values[at.has_grad],
-            **_trailing_fields(values, 0, layout, ranks),
+            replica_squares=values[at.replicas],
+            step_check=values[at.step],
+            world_size=layout.world_size,
+            step_residues=(values[at.residues.start], values[at.residues.start + 1]),
+            rank_view=RankView.from_section(values[at.rank_view], layout)
+            if layout.rank_view_groups else None,
+            ranks=layout.world_size if ranks is None else ranks,
+            updates=values[at.updates] if layout.update_groups else None,
+            # a vector that was not all-reduced carries no timing (it rides on all-reduces)
+            rank_timing=RankTiming.from_section(values[at.rank_timing], layout.world_size)
+            if layout.rank_timing and ranks != 1 else None,
         )
 
     @classmethod
@@ -102,7 +114,7 @@ class ReducedStats:
         kept), and :meth:`banded`, :meth:`flagged`, :meth:`all_have_grad` and
         :meth:`plain_norms` answer from ``host`` by one vectorized reduction each: what the
         summary asks of them on a step whose gradients are all finite and plain."""
-        if layout.size <= EAGER_PARAMETERS:  # a handful of floats: one tolist() is cheaper
+        if len(layout.names) <= EAGER_PARAMETERS:  # a few floats: one tolist() is cheaper
             return cls.from_values(host.tolist(), layout, ranks)
         array = host.numpy()
         at = _checked_sections(len(array), layout)
@@ -123,6 +135,12 @@ class ReducedStats:
         array, at = host
         value = vars(self)[name] = array[getattr(at, name)].tolist()
         return value
+
+    @property
+    def vectorized(self) -> bool:
+        """Built by :meth:`from_host` for many parameters: its per-parameter answers
+        (:meth:`banded`, ...) are vectorized reductions, cheaper than reading the lists."""
+        return _HOST in vars(self)
 
     def _section(self, name: str) -> Any:
         """The NumPy view of section ``name`` when it is still in host memory, else None."""
