@@ -18,7 +18,7 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from gradwatch.analysis.anomalies import AnomalyLog
 from gradwatch.analysis.audit import LocalSquares, NormAuditor, parallel_factors
@@ -153,10 +153,10 @@ def summarize(
     high_of = high if high is not None else zeros
     low_of = low if low is not None else zeros
     all_norms: list[float] = []  # the banded case
-    members, single = _members_of(groups_of, group_order, has_grad)
+    members, single, ordered = _grouping_of(names, groups_of, group_order, numels, has_grad)
     # No flag anywhere (the common case): no group gathers its flags.
     flagged = nonfinite_flags is not None and any(nonfinite_flags)
-    param_norms: dict[str, float] = {}
+    param_norms: dict[str, Any] = ordered.copy()  # every key in place: filled by update
     nonfinite_params: list[str] = []
     group_stats: dict[str, GroupStats] = {}
     all_squares: list[float] = []
@@ -167,7 +167,7 @@ def summarize(
     global_norm = math.nan
     sqrt = math.sqrt
     plain = norms
-    for group, (idx, take) in members.items():
+    for group, (idx, take, numel) in members.items():
         sq = take(squares)
         group_names = take(names)
         if banded:
@@ -208,7 +208,7 @@ def summarize(
         vanishing = sum(map(vt.__gt__, finite)) if lowest < vt else 0
         count = len(idx)
         group_stats[group] = _group_stats(
-            group_norm, sum(take(numels)), count, vanishing, exploding, nonfinite
+            group_norm, numel, count, vanishing, exploding, nonfinite
         )
         total_v += vanishing
         total_e += exploding
@@ -275,45 +275,75 @@ def _group_stats(
     return stats
 
 
-def _members_of(
-    groups_of: Sequence[str], group_order: Sequence[str], has_grad: Sequence[float] | None
-) -> tuple[dict[str, tuple[tuple[int, ...], Callable[[Sequence[Any]], Sequence[Any]]]], bool]:
-    """:func:`_members` of these inputs (``has_grad`` None: every parameter has a gradient).
+#: Per group: the positions with a gradient, their taker (see :func:`_taker`) and their
+#: number of gradient elements.
+Members = dict[str, tuple[tuple[int, ...], Callable[[Sequence[Any]], Sequence[Any]], int]]
+
+
+class Grouping(NamedTuple):
+    """Which parameters each group counts on a step (see :func:`_grouping`)."""
+
+    members: Members
+    single: bool  # exactly one group has members
+    names: dict[str, None]  # every member's name, in the order the summary lists them
+
+
+def _grouping_of(
+    names: Sequence[str],
+    groups_of: Sequence[str],
+    group_order: Sequence[str],
+    numels: Sequence[int],
+    has_grad: Sequence[float] | None,
+) -> Grouping:
+    """:func:`_grouping` of these inputs (``has_grad`` None: every parameter has a gradient).
     Tuples (what :class:`Summarizer` passes: built once) are matched by identity against the
     last call, so a step whose every parameter has a gradient hashes nothing per parameter;
     any other input is cached on its value."""
-    global _last_members
+    global _last_grouping
     key = None if has_grad is None else tuple(has_grad)
-    last = _last_members
+    last = _last_grouping
     if (
-        last is not None and last[0] is groups_of and last[1] is group_order
-        and last[2] == key and type(groups_of) is tuple and type(group_order) is tuple
+        last is not None and last[0] is names and last[1] is groups_of
+        and last[2] is group_order and last[3] is numels and last[4] == key
     ):
-        return last[3]
-    found = _members(tuple(groups_of), tuple(group_order), key)
-    _last_members = (groups_of, group_order, key, found)
+        return last[5]
+    given = (names, groups_of, group_order, numels)
+    found = _grouping(*(tuple(x) for x in given), key)
+    if all(type(x) is tuple for x in given):  # immutable: the same object, the same value
+        _last_grouping = (*given, key, found)
     return found
 
 
-#: The last :func:`_members_of` call's inputs and answer (replaced whole: thread-safe).
-_last_members: tuple[Any, Any, tuple[float, ...] | None, Any] | None = None
+#: The last :func:`_grouping_of` call's tuple inputs and answer (replaced whole: thread-safe).
+_last_grouping: tuple[Any, ...] | None = None
 
 
 @functools.lru_cache(maxsize=4)
-def _members(
-    groups_of: tuple[str, ...], group_order: tuple[str, ...], has_grad: tuple[float, ...] | None
-) -> tuple[dict[str, tuple[tuple[int, ...], Callable[[Sequence[Any]], Sequence[Any]]]], bool]:
-    """Per group, the positions that had a gradient (the always-shown groups first) and a
-    function taking those positions of any per-parameter sequence (a C-level gather); and
-    whether exactly one group has such positions (``has_grad`` None: every position). The
+def _grouping(
+    names: tuple[str, ...],
+    groups_of: tuple[str, ...],
+    group_order: tuple[str, ...],
+    numels: tuple[int, ...],
+    has_grad: tuple[float, ...] | None,
+) -> Grouping:
+    """Per group, the positions that had a gradient (the always-shown groups first), a
+    function taking those positions of any per-parameter sequence (a C-level gather) and their
+    elements; whether exactly one group has such positions (``has_grad`` None: every
+    position); and the members' names in that order, as the keys of a dict whose copy the
+    summary fills (a copy of a dict is a block copy: no key is hashed or inserted again). The
     same from step to step in most jobs, so cached on the exact inputs (tuples: hashed and
     compared in C)."""
     positions: dict[str, list[int]] = {g: [] for g in group_order}
     for i, group in enumerate(groups_of):
         if has_grad is None or has_grad[i] > 0:
             positions.setdefault(group, []).append(i)
-    members = {g: (tuple(idx), _taker(idx, len(groups_of))) for g, idx in positions.items()}
-    return members, sum(1 for idx, _ in members.values() if idx) == 1
+    n = len(groups_of)
+    members: Members = {
+        g: (tuple(idx), _taker(idx, n), sum(numels[i] for i in idx))
+        for g, idx in positions.items()
+    }
+    ordered = dict.fromkeys(names[i] for idx in positions.values() for i in idx)
+    return Grouping(members, sum(1 for idx in positions.values() if idx) == 1, ordered)
 
 
 def _taker(idx: Sequence[int], n: int) -> Callable[[Sequence[Any]], Sequence[Any]]:
