@@ -268,7 +268,7 @@ class Reducer:
         # has-gradient patterns already on the device (which gradients are None changes rarely:
         # unused parameters, MoE experts); a new one costs one non-blocking copy, never a sync.
         self._has_grad_flags: dict[tuple[bool, ...], Tensor] = {}
-        self._has_grad_key: tuple[bool, ...] | None = None
+        self._has_grad_seen: list[bool] | None = None  # the pattern staged last
         self._contributes = contrib.repeat(3).to(dev)
         self._all_contribute = all(lay.contributes)  # one process, or each rank its own pieces
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
@@ -362,8 +362,9 @@ class Reducer:
         allocator keeps that memory alive until the copy ran); a repeated pattern costs nothing,
         the current one not even a copy. ``torch.tensor(list)`` copied into a CUDA vector would
         be a blocking copy from pageable memory: the host would wait for the whole backward."""
-        key = tuple(has_grad)
-        if key != self._has_grad_key:
+        seen = has_grad if type(has_grad) is list else list(has_grad)
+        if seen != self._has_grad_seen:  # lists compare in C without building a key
+            key = tuple(seen)
             flags = self._has_grad_flags.get(key)
             if flags is None:
                 flags = host_to_device(key, torch.float64, self.device)
@@ -371,7 +372,7 @@ class Reducer:
                     self._has_grad_flags.pop(next(iter(self._has_grad_flags)))
                 self._has_grad_flags[key] = flags
             self._staged_has_grad.copy_(flags)
-            self._has_grad_key = key
+            self._has_grad_seen = list(seen)  # a copy: the caller may reuse its list
         residue, square = step_residues(step)
         host = self._host_tail
         if host is not None:
