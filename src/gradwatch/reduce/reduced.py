@@ -3,11 +3,12 @@
 :class:`ReducedVector` holds the packed vector once its all-reduce is issued
 (:mod:`gradwatch.reduce.packing` builds it) and reads it by the offsets of
 :mod:`gradwatch.reduce.sections`: :meth:`ReducedVector.stats` on the host (one host read, a
-:class:`ReducedStats` of Python floats, for the summary; the rank view's section as a
-:class:`RankView`) and :meth:`ReducedVector.device_bands` /
-:meth:`ReducedVector.device_nonfinite` on the device (for clipping without a host read). Every
-wait is bounded: the collective's by ``collective_timeout_seconds`` (or, for the device views, the
-job's process-group timeout), an accelerator copy's by the same.
+:class:`ReducedStats` of Python floats, for the summary, a large model's per-parameter sections
+converted when first read; the rank view's section as a :class:`RankView`) and
+:meth:`ReducedVector.device_bands` / :meth:`ReducedVector.device_nonfinite` on the device (for
+clipping without a host read). Every wait is bounded: the collective's by
+``collective_timeout_seconds`` (or, for the device views, the job's process-group timeout), an
+accelerator copy's by the same.
 """
 
 from __future__ import annotations

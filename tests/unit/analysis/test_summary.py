@@ -252,3 +252,46 @@ def test_what_the_summarizer_precomputes_changes_no_figure(case, one_group: bool
         norms=norms, extremes=extremes, **common,
     )
     assert repr(hinted.to_dict()) == repr(plain.to_dict())
+
+
+def _watched_run(monkeypatch: pytest.MonkeyPatch, eager: int) -> list[str]:
+    """The snapshots (as text, timestamps dropped) of a short run through GradWatch whose
+    reduced figures take the list path (``eager`` large) or the vectorized one (0)."""
+    import torch
+    from torch import nn
+
+    from gradwatch import GradWatch
+    from gradwatch.reduce import reduced
+
+    monkeypatch.setattr(reduced, "EAGER_PARAMETERS", eager)
+    model = nn.ParameterList(nn.Parameter(torch.zeros(3, dtype=torch.float64)) for _ in range(80))
+    cfg = WatchConfig(groups={"a": ["1*"], "b": ["2*", "3*"]}, ratios=[("a", "b")],
+                      isolated=["b"], exploding_threshold=2.0, vanishing_threshold=1e-3,
+                      spike_window=8, spike_warmup=2, spike_threshold=3.0)
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    with GradWatch(model, cfg) as watch:
+        for step in range(10):
+            for i, p in enumerate(model):
+                scale = 10.0 ** ((i + step) % 7 - 3) * (50.0 if step == 6 else 1.0)
+                p.grad = torch.randn(3, dtype=torch.float64, generator=gen) * scale
+            if step == 3:
+                model[5].grad[1] = math.nan
+            if step == 4:
+                model[7].grad = None
+            if step == 5:
+                model[9].grad *= 1e200  # a band: the norm is beyond 2^450
+            if step == 7:
+                model[11].grad[0] = math.inf
+            snap = watch.collect(step).result().to_dict()
+            snap.pop("timestamp")
+            out.append(repr(snap))
+    return out
+
+
+def test_the_vectorized_reading_of_the_reduced_figures_changes_no_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model above ``EAGER_PARAMETERS`` (figures read from host memory, vectorized) gets
+    the very snapshots of the all-lists path: every field, every float, every key order."""
+    assert _watched_run(monkeypatch, 0) == _watched_run(monkeypatch, 10**9)
