@@ -235,7 +235,7 @@ def _float(value: Any) -> float | None:
     return float(value)
 
 
-def _hyper(values: Sequence[Any]) -> Tensor | None:
+def hyper_tensor(values: Sequence[Any]) -> Tensor | None:
     """The hyperparameters as one float64 CPU tensor (None when one is not a number)."""
     floats = [_float(v) for v in values]
     if any(f is None for f in floats):
@@ -300,6 +300,11 @@ class FusedUpdates:
         self.cache = KernelCache(mode, compile_traced, limit=LAYOUTS)
         self.calls = 0
         self.section_calls = 0
+        #: the compiled batch calls ``(kernel, args)`` since the caller last cleared it (the
+        #: meter, at each step it measures batch by batch: what
+        #: :class:`gradwatch.norms.update_replay.Replays` prepares from)
+        self.ran: list[tuple[Callable[..., Tensor], tuple]] = []
+        self._last: tuple[Callable[..., Tensor], tuple] | None = None
 
     def _run(self, fn: Callable[..., Tensor], args: tuple) -> Tensor | None:
         """``fn(*args)`` compiled for their layout if it is ready (starting its compile on
@@ -312,6 +317,7 @@ class FusedUpdates:
         kernel = self.cache.get(fn, (layout, torch.get_num_threads()), _example(layout))
         if kernel is None:
             return None
+        self._last = (kernel, args)
         with torch.no_grad():
             return kernel(*args)
 
@@ -329,11 +335,12 @@ class FusedUpdates:
             out = self._sgd(optimizer, group, batch, keep)
         if out is not None:
             self.calls += 1
+            self.ran.append(self._last)  # type: ignore[arg-type]
         return out
 
     def _adam(self, group: dict[str, Any], batch: _Batch, keep: Tensor | None
               ) -> Tensor | None:
-        hyper = _hyper([group["lr"], *group["betas"], group["eps"], group["weight_decay"]])
+        hyper = hyper_tensor([group["lr"], *group["betas"], group["eps"], group["weight_decay"]])
         if hyper is None:
             return None
         decay = bool(group.get("decoupled_weight_decay", False)) and (
@@ -345,7 +352,7 @@ class FusedUpdates:
     def _sgd(self, optimizer: Any, group: dict[str, Any], batch: _Batch,
              keep: Tensor | None) -> Tensor | None:
         sign = -1.0 if group["maximize"] else 1.0
-        hyper = _hyper([group["lr"], group["momentum"], group["weight_decay"], sign])
+        hyper = hyper_tensor([group["lr"], group["momentum"], group["weight_decay"], sign])
         if hyper is None:
             return None
         bufs = batch.tensors.get("buf")

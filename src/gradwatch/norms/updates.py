@@ -113,6 +113,7 @@ from gradwatch.norms.update_batches import flat_views as _views
 from gradwatch.norms.update_batches import fragment_batches as _fragment_batches
 from gradwatch.norms.update_batches import local_part as _local
 from gradwatch.norms.update_batches import stepped_batches as _batches
+from gradwatch.norms.update_replay import Replays
 
 log = logging.getLogger("gradwatch")
 
@@ -419,6 +420,7 @@ class UpdateMeter:
     ) -> None:
         self._params = list(params)
         self.fused = FusedUpdates(compile_kernels)
+        self._replays = Replays(self.fused)
         self._position = {id(p): i for i, p in enumerate(self._params)}
         # DeepSpeed ZeRO 1-3: the inner optimizer steps flat fp32 partitions; per partition
         # (by id), the (piece position, start, numel) of each watched fragment
@@ -441,6 +443,7 @@ class UpdateMeter:
     def close(self) -> None:
         """Stop observing optimizer steps."""
         self._handle.remove()
+        self._replays.clear()
 
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The global post-step hook: a never-crash boundary (an error makes the step's
@@ -454,7 +457,11 @@ class UpdateMeter:
 
     def after_step(self, optimizer: Any) -> None:
         """Measure the update ``optimizer`` just applied to the watched parameters it holds
-        (each overwrites its previous figures); others' steps are ignored."""
+        (each overwrites its previous figures); others' steps are ignored. A step like the
+        previous one of a compiled Adam repeats its prepared calls
+        (:mod:`gradwatch.norms.update_replay`)."""
+        if self._replays.run(optimizer, self._updates):
+            return
         held = [
             (group, p, i)
             for group in optimizer.param_groups
@@ -477,6 +484,8 @@ class UpdateMeter:
                        "torch.optim SGD, Adam, AdamW); update figures are unmeasured",
                        type(optimizer).__name__)
             return
+        self.fused.ran.clear()
+        measured = []
         with torch.no_grad():
             for group, batch in _batches(kind, optimizer, held) + _fragment_batches(
                 kind, optimizer, parts
@@ -485,6 +494,9 @@ class UpdateMeter:
                 owners = self._index_of(tuple(batch.owners))
                 self._updates.index_fill_(1, owners, 0.0)
                 self._updates.index_add_(1, owners, figures.to(self._device))
+                measured.append((group, owners, len(set(batch.owners)) == len(batch.owners)))
+        if kind == _Kind.ADAM and not parts:  # the next steps repeat the compiled calls
+            self._replays.record(optimizer, [p for _, p, _ in held], measured)
 
     def _batch_figures(self, kind: str, optimizer: Any, group: dict[str, Any],
                        batch: _Batch) -> Tensor:
