@@ -305,6 +305,7 @@ class FusedUpdates:
         #: :class:`gradwatch.norms.update_replay.Replays` prepares from)
         self.ran: list[tuple[Callable[..., Tensor], tuple]] = []
         self._last: tuple[Callable[..., Tensor], tuple] | None = None
+        self._section_last: tuple[tuple, Callable[..., Tensor]] | None = None
 
     def _run(self, fn: Callable[..., Tensor], args: tuple) -> Tensor | None:
         """``fn(*args)`` compiled for their layout if it is ready (starting its compile on
@@ -367,12 +368,26 @@ class FusedUpdates:
         """:func:`update_section` from a compiled kernel, or None (eager): weights not all CPU
         tensors of a covered dtype (``updates`` on the CPU), or the kernel is not ready.
         ``tail``: ``G + 2`` float64, its last two the section's tail (its length carries the
-        number of groups into the layout key)."""
+        number of groups into the layout key). The layout of the last compiled call is kept:
+        a collect with the same layout (each weight's device, dtype, shape and strides, the other
+        arguments' shapes, the thread count) calls its kernel without building the key."""
         if self.cache.mode == "off" or not weights or updates.device.type != "cpu":
             return None
-        if any(w.device.type != "cpu" or w.dtype not in WIDE + NARROW for w in weights):
+        if not compiled_calls_allowed():
             return None
-        out = self._run(update_section, (weights, updates, group, counted, tail))
+        args = (weights, updates, group, counted, tail)
+        quick = (torch.get_num_threads(), updates.shape, group.shape, counted.shape, tail.shape,
+                 [(w.device.type, w.dtype, w.shape, w.stride()) for w in weights])
+        last = self._section_last
+        if last is not None and last[0] == quick:
+            with torch.no_grad():
+                out = last[1](*args)
+        else:
+            if any(w.device.type != "cpu" or w.dtype not in WIDE + NARROW for w in weights):
+                return None
+            out = self._run(update_section, args)
+            if out is not None and self._last is not None:
+                self._section_last = (quick, self._last[0])
         if out is not None:
             self.section_calls += 1
         return out

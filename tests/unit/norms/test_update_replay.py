@@ -129,3 +129,26 @@ def test_a_changed_decay_keeps_the_replay_a_zero_decay_drops_it(
     replayed, errors = run({2: halve, 4: zero}, 6, monkeypatch)
     assert replayed == [False, True, True, True, False, True]
     assert max(errors) < UPDATE_TOL
+
+
+def test_the_section_follows_a_weight_whose_strides_changed() -> None:
+    """The collect's compiled section repeats its last call while the weights' layout is the
+    same; a weight replaced by one of other strides (same shape) takes the keyed path (its
+    own kernel), and every weight norm is the copies'."""
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+    with GradWatch(m, WatchConfig(update_stats=True, compile_kernels="wait")) as watch:
+        meter = meter_of(watch)
+        for step in range(4):
+            if step == 2:
+                first = next(m.parameters())
+                first.data = first.data.t().contiguous().t()  # column-major, same values
+                opt.load_state_dict(opt.state_dict())
+            m(torch.randn(8, 32)).pow(2).mean().backward()
+            watch.collect(step)
+            exact = norm_of(list(copies(m).values()))
+            assert watch.last.weight_norm == pytest.approx(exact, rel=1e-6)
+            opt.step()
+            opt.zero_grad()
+        assert meter.fused.section_calls == 4
+        assert meter.fused.cache.ready == 4  # the batch and the section, each in both layouts
