@@ -90,7 +90,9 @@ dtype, freed by the step.
 has its kernel (``compile_kernels``: compiled off the training thread by default), the batch's
 figures come from one compiled call that reads the weights and the state once (the same
 arithmetic, the sums in float64), and the collect's section from another; everything else, and
-every batch until its kernel is ready, takes the eager path above.
+every batch until its kernel is ready, takes the eager path above. An Adam/AdamW step whose
+batches all ran compiled repeats its prepared calls on the next steps, no batch rebuilt, while
+what they read is unchanged (:mod:`gradwatch.norms.update_replay`).
 """
 
 from __future__ import annotations
