@@ -337,6 +337,7 @@ class FusedUpdates:
         if out is not None:
             self.calls += 1
             self.ran.append(self._last)  # type: ignore[arg-type]
+        self._last = None  # no reference to the step's tensors kept past it
         return out
 
     def _adam(self, group: dict[str, Any], batch: _Batch, keep: Tensor | None
@@ -388,6 +389,7 @@ class FusedUpdates:
             out = self._run(update_section, args)
             if out is not None and self._last is not None:
                 self._section_last = (quick, self._last[0])
+            self._last = None
         if out is not None:
             self.section_calls += 1
         return out

@@ -28,7 +28,9 @@ two ops otherwise. The check is a few attribute reads per parameter; no op per v
 
 Sync behaviour: none (CPU tensors; no value is read on the host). Memory: the replay holds
 references to the parameters and state tensors it reads (no copy), dropped with the optimizer
-(a weak reference) or the meter.
+(a weak reference), when the optimizer loads a state (a ``load_state_dict`` pre-hook: the old
+tensors are freed as they would be without it), at the first step it no longer holds, or with
+the meter.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class AdamReplay:
                                        bool]],
                  on_drop: Callable[[], None]) -> None:
         self._optimizer = weakref.ref(optimizer, lambda _ref: on_drop())
+        # a loaded state replaces the tensors held here: drop them at once, not at the next step
+        self._loading = optimizer.register_load_state_dict_pre_hook(
+            lambda _opt, _state: on_drop())
         self._state = optimizer.state
         self._groups = list(optimizer.param_groups)
         self._sizes = [len(g["params"]) for g in self._groups]
@@ -126,6 +131,10 @@ class AdamReplay:
         self._found_inf = getattr(optimizer, "found_inf", None) is not None
         self._calls = [_Call(*c) for c in calls]
         self.batches = len(self._calls)
+
+    def close(self) -> None:
+        """Stop watching the optimizer's ``load_state_dict``."""
+        self._loading.remove()
 
     def holds(self, optimizer: Any) -> bool:
         """Whether the prepared calls read what ``optimizer``'s step just updated."""
@@ -181,7 +190,7 @@ class Replays:
         if replay is None:
             return False
         if not replay.run(optimizer, updates):
-            del self._by_id[key]
+            self._drop(key)
             return False
         self._fused.calls += replay.batches
         return True
@@ -195,10 +204,17 @@ class Replays:
         if not batches or len(ran) != len(batches) or len(self._by_id) >= REPLAYS:
             return
         key = id(optimizer)
+        self._drop(key)
         calls = [(kernel, group, args, owners, unique)
                  for (kernel, args), (group, owners, unique) in zip(ran, batches, strict=True)]
         self._by_id[key] = AdamReplay(optimizer, params, calls,
-                                      lambda: self._by_id.pop(key, None))
+                                      lambda: self._drop(key))
+
+    def _drop(self, key: int) -> None:
+        replay = self._by_id.pop(key, None)
+        if replay is not None:
+            replay.close()
 
     def clear(self) -> None:
-        self._by_id.clear()
+        for key in list(self._by_id):
+            self._drop(key)

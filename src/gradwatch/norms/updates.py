@@ -499,6 +499,7 @@ class UpdateMeter:
                 measured.append((group, owners, len(set(batch.owners)) == len(batch.owners)))
         if kind == _Kind.ADAM and not parts:  # the next steps repeat the compiled calls
             self._replays.record(optimizer, [p for _, p, _ in held], measured)
+        self.fused.ran.clear()  # no reference to the step's tensors (SGD's gradients) kept
 
     def _batch_figures(self, kind: str, optimizer: Any, group: dict[str, Any],
                        batch: _Batch) -> Tensor:

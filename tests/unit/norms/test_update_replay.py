@@ -88,7 +88,9 @@ def test_steps_after_the_first_compiled_one_are_replayed(monkeypatch: pytest.Mon
 
 
 def _load_state(m: nn.Module, opt: torch.optim.Optimizer) -> None:
-    opt.load_state_dict(opt.state_dict())  # new state tensors: the replay's are stale
+    import copy
+
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors
 
 
 def _freeze_last(m: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -152,3 +154,32 @@ def test_the_section_follows_a_weight_whose_strides_changed() -> None:
             opt.zero_grad()
         assert meter.fused.section_calls == 4
         assert meter.fused.cache.ready == 4  # the batch and the section, each in both layouts
+
+
+def test_a_loaded_state_is_let_go_at_once() -> None:
+    """``load_state_dict`` drops the replay (and the old state tensors it held) before the next
+    step; closing the meter drops the rest and removes the hook."""
+    import copy
+    import gc
+    import weakref
+
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+    with GradWatch(m, WatchConfig(update_stats=True, compile_kernels="wait")) as watch:
+        meter = meter_of(watch)
+        for step in range(2):
+            m(torch.randn(8, 32)).pow(2).mean().backward()
+            watch.collect(step)
+            opt.step()
+            opt.zero_grad()
+        assert len(meter._replays._by_id) == 1
+        old = weakref.ref(opt.state[next(m.parameters())]["exp_avg"])
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new tensors
+        gc.collect()
+        assert not meter._replays._by_id and old() is None
+        m(torch.randn(8, 32)).pow(2).mean().backward()
+        watch.collect(2)
+        opt.step()
+        assert len(meter._replays._by_id) == 1
+        assert len(opt._optimizer_load_state_dict_pre_hooks) == 1
+    assert not meter._replays._by_id and not opt._optimizer_load_state_dict_pre_hooks
