@@ -250,11 +250,12 @@ def guard_table(r: GuardResult | Failure) -> str:
 def update_stats_table(r: UpdateStatsResult | Failure) -> str:
     if isinstance(r, Failure):
         return f"failed: {r.error}"
-    ov = r.ratio()
     rows = [[UpdateStatsMode.WATCHED.value, fmt_timing(r.timing(UpdateStatsMode.WATCHED)), "-",
-             "-"],
-            [UpdateStatsMode.UPDATES.value, fmt_timing(r.timing(UpdateStatsMode.UPDATES)),
-             fmt_ratio(ov), verdict_of(ov)]]
+             "-"]]
+    for mode in (UpdateStatsMode.UPDATES, UpdateStatsMode.FLOOR):
+        if mode in r.step_times:
+            ov = r.ratio(mode)
+            rows.append([mode.value, fmt_timing(r.timing(mode)), fmt_ratio(ov), verdict_of(ov)])
     return table(["step", "step ms (p25-p75)", "ratio over the step without (IQR over blocks)",
                   "verdict"], rows)
 
@@ -267,7 +268,23 @@ def _update_stats_figures(r: UpdateStatsResult) -> str:
             f"step; persistent memory {r.persistent_bytes} B ({r.persistent_pct:.3f}% of "
             f"{r.parameter_bytes} B of parameters); largest allocation of a warm step "
             f"{peak[UpdateStatsMode.UPDATES]} B with, {peak[UpdateStatsMode.WATCHED]} B without"
-            + _update_stats_kernels(r))
+            + _update_stats_kernels(r) + _update_stats_floor(r))
+
+
+def _update_stats_floor(r: UpdateStatsResult) -> str:
+    """The floor hook's cost: what reading the weights and Adam's state once costs the step."""
+    if UpdateStatsMode.FLOOR not in r.step_times:
+        return ""
+    fl = r.ratio(UpdateStatsMode.FLOOR)
+    extra = (r.timing(UpdateStatsMode.FLOOR).median
+             - r.timing(UpdateStatsMode.WATCHED).median) * 1e3
+    nan = float("nan")
+    cpu = (r.thread_ms.get(UpdateStatsMode.FLOOR, nan)
+           - r.thread_ms.get(UpdateStatsMode.WATCHED, nan))
+    return (f"; the floor (one compiled pass reading the weights and Adam's state once, no "
+            f"figure): {fl.median_pct:+.1f}% (95% CI {fl.ci_low_pct:+.1f}% to "
+            f"{fl.ci_high_pct:+.1f}%), {extra:+.2f} ms, training-thread CPU {cpu:+.2f} ms: "
+            f"no exact per-element update figure costs less here")
 
 
 def _update_stats_kernels(r: UpdateStatsResult) -> str:

@@ -489,11 +489,13 @@ class UpdateStatsMode(Enum):
 
     WATCHED = "gradwatch `collect`, then AdamW's step (without update stats)"
     UPDATES = "the same with `update_stats=True` (the update measured in the step's post-hook)"
+    FLOOR = ("the step without update stats plus a bare post-hook: one compiled pass reading "
+             "every parameter, `exp_avg` and `exp_avg_sq` once into one float64 scalar (the floor)")
 
 
 @dataclass(frozen=True)
 class UpdateStatsResult:
-    """Rank 0's step times of both :class:`UpdateStatsMode` kinds (2 ranks, DDP, demo model,
+    """Rank 0's step times of the :class:`UpdateStatsMode` kinds (2 ranks, DDP, demo model,
     AdamW), in palindromic blocks; the host scalar reads update stats add to one warm step;
     the meter's persistent bytes and each kind's largest allocation of one warm step, against
     the parameters' bytes."""
@@ -518,10 +520,10 @@ class UpdateStatsResult:
     def timing(self, mode: UpdateStatsMode) -> Timing:
         return Timing.of(self.step_times[mode])
 
-    def ratio(self) -> PairedRatio:
-        """The step with update stats over the step without (see :func:`paired_ratio`)."""
-        return paired_ratio(self.step_times[UpdateStatsMode.UPDATES],
-                            self.step_times[UpdateStatsMode.WATCHED])
+    def ratio(self, mode: UpdateStatsMode = UpdateStatsMode.UPDATES) -> PairedRatio:
+        """The step of ``mode`` (with update stats by default; ``FLOOR``: the floor hook's)
+        over the step without update stats (see :func:`paired_ratio`)."""
+        return paired_ratio(self.step_times[mode], self.step_times[UpdateStatsMode.WATCHED])
 
     @property
     def persistent_pct(self) -> float:

@@ -1,9 +1,17 @@
 """The cost of optimizer-update health (``update_stats=True``): the DDP step of the demo model
 on 2 gloo ranks (one thread each) with an AdamW (foreach, torch's default on CPU), watched by
 gradwatch without and with update stats, in the same processes, interleaved in palindromic
-blocks (A B B A, :func:`gradwatch.doctor.timing.palindromic`) so drift and cache effects hit
-both alike; the ratio is the median over blocks with a 95% bootstrap interval
+blocks (A B C C B A, :func:`gradwatch.doctor.timing.palindromic`) so drift and cache effects hit
+every kind alike; each ratio is the median over blocks with a 95% bootstrap interval
 (:func:`benchmarks.results.paired_ratio`).
+
+A third kind, the **floor**, is the job without update stats plus a bare optimizer step
+post-hook (:class:`FloorHook`) doing the least work any exact per-element update figure needs:
+one compiled pass (inductor, as the meter's kernels) that reads every parameter and its AdamW
+state (``exp_avg``, ``exp_avg_sq``) once and reduces them to one float64 scalar, nothing read
+on the host, no Python per parameter (its tensor lists are built once). Its ratio over the
+step without update stats is what memory traffic alone costs here: if the floor already costs
+the target, no implementation of these exact figures meets it on this machine.
 
 Every step is forward, backward, ``collect`` and the optimizer step (the update's measurement
 runs in the optimizer's step post-hook), as the documented loop. Rank 0's times are kept.
@@ -20,9 +28,10 @@ Untimed, after the blocks: one warm step of each kind under ``torch.profiler`` (
 dispatched, the compiled kernels' wrappers included, and the scalar reads among them: the
 difference is what update stats add); one more under ``gradwatch.doctor.testing.OpCounter``
 (a dispatch mode: the eager path runs under it, host scalar reads 0 expected); the training
-thread's CPU time per step (``time.thread_time``, interleaved steps of both kinds); memory:
-the meter's persistent buffers, and the largest allocation of one warm optimizer step with and
-without it (``largest_allocation``), against the parameters' bytes.
+thread's CPU time per step (``time.thread_time``, interleaved steps of the three kinds);
+memory: the meter's persistent buffers, and the largest allocation of one warm optimizer step
+with and without it (the host reads and the allocation: the kinds without and with update
+stats) (``largest_allocation``), against the parameters' bytes.
 
 Standalone::
 
@@ -41,12 +50,44 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from benchmarks.cases import ModelSpec, build_model, wrap
 from benchmarks.distributed import WORLD, _free_port, _init
 from benchmarks.results import UpdateStatsMode, UpdateStatsResult
 from gradwatch.doctor.timing import palindromic
+
+
+def floor_pass(params: list[Tensor], ms: list[Tensor], vs: list[Tensor]) -> Tensor:
+    """Every element of the weights and of Adam's two moments read once, summed in float64:
+    one float64 scalar (what :class:`FloorHook` compiles)."""
+    return torch.stack([(p + m + v).to(torch.float64).sum()
+                        for p, m, v in zip(params, ms, vs, strict=True)]).sum()
+
+
+class FloorHook:
+    """An optimizer step post-hook doing the least work an exact per-element figure of the
+    applied update needs: :func:`floor_pass` compiled (:func:`compile_traced`, the meter's
+    compiler) over the parameters with Adam state, called on the tensor lists built at the
+    first step (which compiles it: an untimed warm-up step); its scalar is kept, never read."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.kernel: Callable[..., Tensor] | None = None
+        self.args: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
+        self.out: Tensor | None = None
+        self.handle = optimizer.register_step_post_hook(self)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.kernel is None:
+            from gradwatch.norms.kernels import compile_traced
+
+            state = optimizer.state
+            params = [p for g in optimizer.param_groups for p in g["params"] if p in state]
+            self.args = (params, [state[p]["exp_avg"] for p in params],
+                         [state[p]["exp_avg_sq"] for p in params])
+            self.kernel = compile_traced(floor_pass, lambda: self.args)
+        with torch.no_grad():
+            self.out = self.kernel(*self.args)
 
 
 def _job(mode: UpdateStatsMode, compile_kernels: str = "background"
@@ -60,6 +101,8 @@ def _job(mode: UpdateStatsMode, compile_kernels: str = "background"
     watch = GradWatch(model, WatchConfig(
         update_stats=mode is UpdateStatsMode.UPDATES, collective_timeout_seconds=120,
         compile_kernels=compile_kernels))  # type: ignore[arg-type]
+    if mode is UpdateStatsMode.FLOOR:
+        FloorHook(opt)
     return model, opt, watch
 
 
@@ -139,6 +182,7 @@ def _worker(rank: int, port: int, blocks: int, out: str, compile_kernels: str) -
 
         compile_s, ready, failed = _until_compiled(
             lambda i: step(UpdateStatsMode.UPDATES, i), jobs[UpdateStatsMode.UPDATES][2])
+        step(UpdateStatsMode.FLOOR, -3)  # the floor hook's compile
         dist.barrier()
         times = palindromic(step, kinds, blocks, barrier=dist.barrier)
         reads = {}
@@ -147,7 +191,7 @@ def _worker(rank: int, port: int, blocks: int, out: str, compile_kernels: str) -
         for mode in kinds:
             ops[mode] = _profiled_ops(lambda mode=mode: step(mode, 3 * 10**6))
         thread = _thread_ms(step, kinds, max(20, min(blocks, 200)))
-        for mode in kinds:
+        for mode in (UpdateStatsMode.WATCHED, UpdateStatsMode.UPDATES):
             backward(mode)
             with OpCounter() as counted:
                 optimizer_step(mode, 10**6)
@@ -176,7 +220,7 @@ def _worker(rank: int, port: int, blocks: int, out: str, compile_kernels: str) -
 
 
 def updates(blocks: int = 300, compile_kernels: str = "background") -> UpdateStatsResult:
-    """``blocks`` palindromic blocks of both :class:`UpdateStatsMode` kinds on 2 spawned
+    """``blocks`` palindromic blocks of the three :class:`UpdateStatsMode` kinds on 2 spawned
     ranks (``compile_kernels="off"``: the eager path, for comparison)."""
     import torch.multiprocessing as mp
 

@@ -238,7 +238,7 @@ class WatchConfig(BaseSettings):
             for-loop, foreach and fused); no copy of the parameters. Ranks must agree
             (checked by the handshake).
         compile_kernels: fused kernels for CPU tensors (:mod:`gradwatch.norms.kernels`; the
-            float64 norm of CPU float32 gradients above 16,384 elements, exact with no host
+            float64 norm of CPU float32 gradients above 8,192 elements, exact with no host
             read, :mod:`gradwatch.norms.fused`): ``"background"`` compiles them off the
             training thread (one CPU thread, seconds per layout), eager until ready;
             ``"wait"`` compiles on first use; ``"off"`` never. One-process jobs only (with

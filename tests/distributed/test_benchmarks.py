@@ -457,9 +457,10 @@ def test_quick_guard_section() -> None:
 
 @pytest.mark.distributed
 def test_quick_update_stats_section() -> None:
-    """The update-stats section (what `make bench` runs) on 2 blocks: both kinds timed in every
-    block, the ratio rendered with its IQR and verdict, both target rows judged (time and
-    persistent memory), no host read added, the fused kernels compiled before the blocks."""
+    """The update-stats section (what `make bench` runs) on 2 blocks: the three kinds (without,
+    with update stats, the floor hook) timed in every block, the ratios rendered with their IQR
+    and verdict, both target rows judged (time and persistent memory), no host read added, the
+    fused kernels compiled before the blocks."""
     from benchmarks import update_bench
     from benchmarks.results import UpdateStatsMode, UpdateStatsResult
 
@@ -473,10 +474,14 @@ def test_quick_update_stats_section() -> None:
     assert found.profiled_scalar_reads == 0
     assert set(found.ops_per_step) == set(found.thread_ms) == set(UpdateStatsMode)
     assert "fused kernels: 2 compiled (0 failed)" in report._update_stats_section(found)
+    # the floor arm: timed in the same blocks, its ratio and interval in the section's text
+    assert re.search(r"the floor \(.*\): [+-][\d.]+% \(95% CI [+-][\d.]+% to [+-][\d.]+%\)",
+                     report._update_stats_section(found))
     _header, rows = _rows(report.update_stats_table(found), "| step |")
     assert [r[0] for r in rows] == [m.value for m in UpdateStatsMode]
-    assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)",
-                        rows[1][2])
+    for row in rows[1:]:  # with update stats, the floor
+        assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)",
+                            row[2])
     run = RunResults(command="x", rounds=(1, 1), updates=found)
     checks = [c for c in report.target_checks(run) if "update_stats" in c.subject]
     assert len(checks) == 2 and "<= +2%" in checks[0].subject and "<= +1%" in checks[1].subject

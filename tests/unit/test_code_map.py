@@ -367,7 +367,8 @@ def test_the_rules_are_read() -> None:
     assert rules["snapshot.py"].no_torch and rules["snapshot.py"].no_gradwatch_but == frozenset()
     assert rules["norms/stats.py"].no_gradwatch_but == frozenset(
         {"gradwatch.norms.bands", "gradwatch.norms.rows", "gradwatch.norms.rescale",
-         "gradwatch.norms.repair", "gradwatch.norms.fused", "gradwatch.norms.kernels"}
+         "gradwatch.norms.repair", "gradwatch.norms.fused", "gradwatch.norms.kernels",
+         "gradwatch.norms.layout"}
     )
     assert "gradwatch.export" in rules["reduce/packing.py"].forbidden
     assert "gradwatch.step" in rules["analysis/summary.py"].forbidden

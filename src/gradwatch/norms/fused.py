@@ -1,7 +1,8 @@
 """Squared norms of CPU float32/bf16/fp16 gradients by one compiled float64-accumulating loop.
 
-The kernel, :func:`squares_kernel`, is ``torch.stack([t.double().square().sum() for t in
-tensors])`` compiled by inductor (:mod:`gradwatch.norms.kernels`) for one layout of tensors:
+The kernel, :func:`squares_kernel`, is ``torch.cat([t.double().reshape(1, -1).square()
+.sum(dim=1) for t in tensors])`` compiled by inductor (:mod:`gradwatch.norms.kernels`) for one
+layout of tensors:
 one C++ function that reads each element once in its own dtype (bf16/fp16 are widened in
 registers, never copied), squares it in float64 and adds it to a vectorized float64
 accumulator per tensor. Nothing else is allocated but the output.
@@ -50,15 +51,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradwatch.norms.bands import BANDS
 from gradwatch.norms.kernels import KernelCache, compiled_calls_allowed, tensor_layout
 from gradwatch.norms.rows import StalePlan
 
-#: Tensors of at least this many elements are normed by the kernel: the row-path tensors
-#: (above the pack's 16,384). Smaller ones stay in the pack buffer: even with a guard-free call
-#: the kernel's float64 loop costs more than the pack's float32 rows there (measured, one
-#: thread, the engine alone against torch's norm: 1,000 x 4,096 float32 1.09x compiled, 0.85x
-#: packed; 1,000 x 10,000 1.09x and 1.06x).
-FUSED_MIN_NUMEL = 16385
+#: Tensors of at least this many elements are normed by the kernel; smaller ones stay in the
+#: pack buffer, whose copy into a cache-sized buffer and float32 rows cost less than the
+#: kernel's float64 loop there. Where the pack's copy costs more than the loop (measured, one
+#: thread, the engine alone against torch's norm, interleaved: 1,000 x 4,096 float32 0.96x
+#: compiled against 0.74x packed, 1,000 x 8,192 0.91x / 0.89x, 1,000 x 10,000 0.95x / 1.07x,
+#: 1,000 x 12,000 1.00x / 1.05x).
+FUSED_MIN_NUMEL = 8193
 #: Tensors per compiled kernel. A guard-free call costs the same per tensor in one chunk or
 #: several (one chunk of 1,000 measured no faster), but compiling a layout costs seconds plus
 #: tens of milliseconds per tensor (docs/design.md): chunks bound one compile and what a layout
@@ -75,7 +78,19 @@ def squares_kernel(tensors: list[Tensor]) -> Tensor:
     one loop per tensor reading it once."""
     # Through float32 (exact): inductor's vector conversion bf16 -> float32 -> float64 is
     # faster than its direct bf16 -> float64 one (1.2 ms against 1.8 ms on 40 x 70,001).
-    return torch.stack([t.to(torch.float32).to(torch.float64).square().sum() for t in tensors])
+    # Each sum over dim 1 of a one-row view, concatenated: inductor then writes every sum
+    # straight into the output (a stack of 0-d sums allocates a buffer per tensor and copies
+    # each, about 0.4 us per tensor per call); the same loop, the same bits.
+    return torch.cat([t.to(torch.float32).to(torch.float64).reshape(1, -1).square().sum(dim=1)
+                      for t in tensors])
+
+
+def banded_squares_kernel(tensors: list[Tensor]) -> Tensor:
+    """:func:`squares_kernel` followed by the zeros of the high and low bands
+    (:mod:`gradwatch.norms.bands`): the engine's whole banded vector, when the kernel norms
+    every position of a plan in one chunk (no other op then builds or fills it)."""
+    return torch.cat([squares_kernel(tensors),
+                      torch.zeros((BANDS - 1) * len(tensors), dtype=torch.float64)])
 
 
 def fusable(t: Tensor) -> bool:
@@ -124,27 +139,32 @@ class FusedChunk:
     example: Callable[[], tuple]
     strides: list[tuple[int, ...]]  # of the compiled layout: checked on every call
     kernel: Callable[..., Any] | None = None  # the traced kernel, once ready
+    fn: Callable[[list[Tensor]], Tensor] = squares_kernel  # what the kernel computes
 
 
 @dataclass
 class FusedNorms:
-    """The positions of a plan the compiled kernel norms, and its chunks."""
+    """The positions of a plan the compiled kernel norms, and its chunks. ``whole``: one
+    chunk holds every position of the plan (none is None or normed otherwise), and its kernel
+    is :func:`banded_squares_kernel`: :meth:`banded` is the plan's whole computation."""
 
     positions: list[int]
     chunks: list[FusedChunk] = field(default_factory=list)
+    whole: bool = False
 
     @classmethod
     def build(cls, tensors: Sequence[Tensor | None], positions: list[int],
               kernels: KernelCache) -> FusedNorms:
         """Chunks of ``positions`` in order, each keyed by its layout; asks ``kernels`` for
         each, which starts compiling (``"background"``) or compiles now (``"wait"``)."""
-        fused = cls(positions)
+        fused = cls(positions, whole=len(positions) == len(tensors) <= FUSED_CHUNK)
         for start in range(0, len(positions), FUSED_CHUNK):
             part = positions[start:start + FUSED_CHUNK]
             layout = tensor_layout([tensors[i] for i in part])
-            fused.chunks.append(FusedChunk(part, torch.tensor(part, dtype=torch.long),
-                                           LayoutKey(layout), _example(layout),
-                                           [stride for _, _, _, stride, _ in layout]))
+            fused.chunks.append(FusedChunk(
+                part, torch.tensor(part, dtype=torch.long), LayoutKey(layout), _example(layout),
+                [stride for _, _, _, stride, _ in layout],
+                fn=banded_squares_kernel if fused.whole else squares_kernel))
         fused.ready(kernels)
         return fused
 
@@ -153,14 +173,15 @@ class FusedNorms:
         done = True
         for chunk in self.chunks:
             if chunk.kernel is None:
-                kernel = kernels.get(squares_kernel, chunk.key, chunk.example)
+                kernel = kernels.get(chunk.fn, chunk.key, chunk.example)
                 if kernel is None:
                     done = False
                     continue
                 chunk.kernel = kernel
         return done
 
-    def add_to(self, plain: Tensor, tensors: Sequence[Tensor | None]) -> None:
+    def add_to(self, plain: Tensor, tensors: Sequence[Tensor | None],
+               verified: bool = False) -> None:
         """Writes each position's squared norm into ``plain`` (float64, on the CPU): one
         compiled call and one ``index_copy_`` per chunk.
 
@@ -168,14 +189,28 @@ class FusedNorms:
         tensors has other strides than the compiled layout, left the CPU or has no memory (an
         autograd zero tensor, whose data pointer is null; the eager paths norm it): the plan's
         key, checked by the caller, holds their dtypes and shapes, and the traced kernel
-        checks nothing and would read the wrong memory (about 0.2 us per tensor)."""
+        checks nothing and would read the wrong memory (about 0.2 us per tensor). Not checked
+        again when ``verified`` (the plan's :class:`~gradwatch.norms.layout.LayoutGuard` held
+        for these tensors: the same properties, in one call)."""
         for chunk in self.chunks:
-            items = [tensors[i] for i in chunk.positions]
-            if [t.stride() for t in items] != chunk.strides or not all(  # type: ignore[union-attr]
-                    t.is_cpu and not t._is_zerotensor() for t in items):  # type: ignore[union-attr]
-                raise StalePlan
-            assert chunk.kernel is not None
-            plain.index_copy_(0, chunk.index, chunk.kernel(items))
+            out = self._call(chunk, tensors, verified)
+            plain.index_copy_(0, chunk.index, out[: len(chunk.positions)] if self.whole else out)
+
+    def banded(self, tensors: Sequence[Tensor | None], verified: bool = False) -> Tensor:
+        """The plan's whole banded vector (``whole`` plans only): one compiled call, the
+        squares in the plain band and zeros in the others. Raises as :meth:`add_to`."""
+        assert self.whole
+        return self._call(self.chunks[0], tensors, verified)
+
+    @staticmethod
+    def _call(chunk: FusedChunk, tensors: Sequence[Tensor | None], verified: bool) -> Tensor:
+        items = [tensors[i] for i in chunk.positions]
+        if not verified and ([t.stride() for t in items] != chunk.strides  # type: ignore[union-attr]
+                             or not all(t.is_cpu and not t._is_zerotensor()  # type: ignore[union-attr]
+                                        for t in items)):
+            raise StalePlan
+        assert chunk.kernel is not None
+        return chunk.kernel(items)
 
 
 def row_norms_kernel(rows: list[Tensor]) -> Tensor:
@@ -208,12 +243,14 @@ class NarrowRows:
                        for shape in shapes)
         return cls(shapes, strides, out, LayoutKey(layout), _example(layout), kernels)
 
-    def fill(self, positions: list[int], tensors: Sequence[Tensor | None]) -> bool:
+    def fill(self, positions: list[int], tensors: Sequence[Tensor | None],
+             verified: bool = False) -> bool:
         """Writes the row norms of ``positions`` into ``out`` by the compiled kernel: False
         (nothing written; the eager rows run, and check the strides) when it is not ready,
         a dispatch mode is active, or a tensor's strides, device or data differ from the
-        plan's. The views passed are the eager rows' own (``as_strided`` rows of the tensor's
-        memory, its storage offset included): their layout is the key's by construction."""
+        plan's (checked here unless ``verified``: the plan's guard held). The views passed are
+        the eager rows' own (``as_strided`` rows of the tensor's memory, its storage offset
+        included): their layout is the key's by construction."""
         if not compiled_calls_allowed():
             return False
         if self.kernel is None:
@@ -223,8 +260,8 @@ class NarrowRows:
         views = []
         for i, shape, stride in zip(positions, self.shapes, self.strides, strict=True):
             t = tensors[i]
-            if (type(t) is not Tensor or t.stride() != stride or not t.is_cpu
-                    or t._is_zerotensor()):
+            if type(t) is not Tensor or (not verified and (
+                    t.stride() != stride or not t.is_cpu or t._is_zerotensor())):
                 return False
             views.append(t.as_strided(shape, (shape[1], 1)))
         self.out.copy_(self.kernel(views))

@@ -235,7 +235,7 @@ def _float(value: Any) -> float | None:
     return float(value)
 
 
-def _hyper(values: Sequence[Any]) -> Tensor | None:
+def hyper_tensor(values: Sequence[Any]) -> Tensor | None:
     """The hyperparameters as one float64 CPU tensor (None when one is not a number)."""
     floats = [_float(v) for v in values]
     if any(f is None for f in floats):
@@ -300,6 +300,12 @@ class FusedUpdates:
         self.cache = KernelCache(mode, compile_traced, limit=LAYOUTS)
         self.calls = 0
         self.section_calls = 0
+        #: the compiled batch calls ``(kernel, args)`` since the caller last cleared it (the
+        #: meter, at each step it measures batch by batch: what
+        #: :class:`gradwatch.norms.update_replay.Replays` prepares from)
+        self.ran: list[tuple[Callable[..., Tensor], tuple]] = []
+        self._last: tuple[Callable[..., Tensor], tuple] | None = None
+        self._section_last: tuple[tuple, Callable[..., Tensor]] | None = None
 
     def _run(self, fn: Callable[..., Tensor], args: tuple) -> Tensor | None:
         """``fn(*args)`` compiled for their layout if it is ready (starting its compile on
@@ -312,6 +318,7 @@ class FusedUpdates:
         kernel = self.cache.get(fn, (layout, torch.get_num_threads()), _example(layout))
         if kernel is None:
             return None
+        self._last = (kernel, args)
         with torch.no_grad():
             return kernel(*args)
 
@@ -329,11 +336,13 @@ class FusedUpdates:
             out = self._sgd(optimizer, group, batch, keep)
         if out is not None:
             self.calls += 1
+            self.ran.append(self._last)  # type: ignore[arg-type]
+        self._last = None  # no reference to the step's tensors kept past it
         return out
 
     def _adam(self, group: dict[str, Any], batch: _Batch, keep: Tensor | None
               ) -> Tensor | None:
-        hyper = _hyper([group["lr"], *group["betas"], group["eps"], group["weight_decay"]])
+        hyper = hyper_tensor([group["lr"], *group["betas"], group["eps"], group["weight_decay"]])
         if hyper is None:
             return None
         decay = bool(group.get("decoupled_weight_decay", False)) and (
@@ -345,7 +354,7 @@ class FusedUpdates:
     def _sgd(self, optimizer: Any, group: dict[str, Any], batch: _Batch,
              keep: Tensor | None) -> Tensor | None:
         sign = -1.0 if group["maximize"] else 1.0
-        hyper = _hyper([group["lr"], group["momentum"], group["weight_decay"], sign])
+        hyper = hyper_tensor([group["lr"], group["momentum"], group["weight_decay"], sign])
         if hyper is None:
             return None
         bufs = batch.tensors.get("buf")
@@ -360,12 +369,27 @@ class FusedUpdates:
         """:func:`update_section` from a compiled kernel, or None (eager): weights not all CPU
         tensors of a covered dtype (``updates`` on the CPU), or the kernel is not ready.
         ``tail``: ``G + 2`` float64, its last two the section's tail (its length carries the
-        number of groups into the layout key)."""
+        number of groups into the layout key). The layout of the last compiled call is kept:
+        a collect with the same layout (each weight's device, dtype, shape and strides, the other
+        arguments' shapes, the thread count) calls its kernel without building the key."""
         if self.cache.mode == "off" or not weights or updates.device.type != "cpu":
             return None
-        if any(w.device.type != "cpu" or w.dtype not in WIDE + NARROW for w in weights):
+        if not compiled_calls_allowed():
             return None
-        out = self._run(update_section, (weights, updates, group, counted, tail))
+        args = (weights, updates, group, counted, tail)
+        quick = (torch.get_num_threads(), updates.shape, group.shape, counted.shape, tail.shape,
+                 [(w.device.type, w.dtype, w.shape, w.stride()) for w in weights])
+        last = self._section_last
+        if last is not None and last[0] == quick:
+            with torch.no_grad():
+                out = last[1](*args)
+        else:
+            if any(w.device.type != "cpu" or w.dtype not in WIDE + NARROW for w in weights):
+                return None
+            out = self._run(update_section, args)
+            if out is not None and self._last is not None:
+                self._section_last = (quick, self._last[0])
+            self._last = None
         if out is not None:
             self.section_calls += 1
         return out

@@ -140,7 +140,7 @@ def submit(fn: Callable[..., Any], example: Callable[[], tuple],
     return future
 
 
-def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> Callable[..., Any]:
+def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> TracedKernel:
     """``fn`` traced to an aten graph for the layout of ``example()``'s arguments (tensors, lists
     of tensors, None: no other value) and compiled by inductor, without dynamo: the result is
     called with arguments of that pytree structure and exactly that layout, and checks neither
@@ -148,18 +148,57 @@ def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> Call
     tens on its guards; nothing ever recompiles). The caller keys it by :func:`tensor_layout`
     and never calls it with another layout. Compiles under dynamo's compile lock (a
     ``torch.compile`` of the user's own waits meanwhile) and in inference mode, and runs once
-    on the example."""
+    on the example.
+
+    The graph takes the flattened tensors and is traced with inductor's decompositions, as
+    ``torch.compile`` would hand it over; it is compiled by ``compile_fx_inner`` alone, so a
+    call runs inductor's generated code directly, without AOTAutograd's runtime wrappers
+    (autograd, pytree and dynamo context on every call: about half of a small kernel's
+    host time). The traced functions are pure (no input is mutated), so no functionalization
+    is needed."""
     import torch
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._pytree import tree_leaves
+    from torch.utils._pytree import tree_flatten, tree_unflatten
 
     args = example()
-    with _compile_lock(), torch.no_grad():
-        graph = make_fx(fn)(*args)
-        compiled = compile_fx(graph, tree_leaves(args), config_patches=TRACED_OPTIONS)
-        compiled(*args)
-    return compiled
+    leaves, spec = tree_flatten(args)
+
+    def flat(*tensors: Tensor) -> tuple[Tensor]:
+        return (fn(*tree_unflatten(list(tensors), spec)),)
+
+    with _compile_lock(), torch.no_grad(), inductor_config.patch(TRACED_OPTIONS):
+        graph = make_fx(flat, decomposition_table=select_decomp_table())(*leaves)
+        compiled = compile_fx_inner(graph, leaves)
+        kernel = TracedKernel(compiled, spec)
+        kernel(*args)
+    return kernel
+
+
+class TracedKernel:
+    """A :func:`compile_traced` kernel: called with its function's arguments, it hands their
+    tensors to the compiled graph as one flat list (inductor's boxed calling convention: the
+    list is consumed) and returns the function's one result. A single list of tensors, the
+    common argument, is passed on as is without flattening."""
+
+    __slots__ = ("_compiled", "_one_list", "_spec")
+
+    def __init__(self, compiled: Callable[[list[Any]], Sequence[Any]], spec: Any) -> None:
+        from torch.utils._pytree import tree_flatten
+
+        self._compiled = compiled
+        self._spec = spec
+        probe = ([object()] * spec.num_leaves,)
+        self._one_list = tree_flatten(probe)[1] == spec
+
+    def __call__(self, *args: Any) -> Any:
+        if self._one_list:
+            return self._compiled(list(args[0]))[0]
+        from torch.utils._pytree import tree_leaves
+
+        return self._compiled(tree_leaves(args))[0]
 
 
 def _compile_lock() -> Any:

@@ -55,6 +55,16 @@ def host_to_device(values: Sequence[float], dtype: torch.dtype, device: torch.de
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def pinned_to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` by one non-blocking copy from pinned memory (as is on the
+    CPU): the host engine's vector joining a device one, never a blocking pageable copy."""
+    if device.type == "cpu":
+        return host
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staged.copy_(host)
+    return staged.to(device, non_blocking=True)
+
+
 def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     """``tensor`` on ``device`` without a host wait: mixed CPU and accelerator gradients send
     their CPU bucket's O(parameters) figures by one ``non_blocking`` copy from pinned memory (a

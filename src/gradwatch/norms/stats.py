@@ -35,6 +35,7 @@ from torch import Tensor
 from gradwatch.norms.bands import BANDS, banded_total_device, bands_of_norms_device
 from gradwatch.norms.fused import FusedNorms, NarrowRows, fusable
 from gradwatch.norms.kernels import CompileMode, KernelCache, compiled_calls_allowed
+from gradwatch.norms.layout import LayoutGuard, layout_key
 from gradwatch.norms.repair import TINY_NORM_FLOAT64, repair_, suspicious
 from gradwatch.norms.rescale import RESCALE_SCRATCH, RescalePlan, build_rescale_plan, rescaled_norms
 from gradwatch.norms.rows import (
@@ -47,6 +48,7 @@ from gradwatch.norms.rows import (
     foreach_splits,
     host_to_device,
     pack_fills,
+    pinned_to_device,
     row_length,
     to_device,
     written_by_other_fills,
@@ -176,6 +178,8 @@ class NormPlan:
     # and the plan of every other position, built when the kernels first are
     fused: FusedNorms | None = None
     residual: NormPlan | None = None
+    # The layout it was built for, checked in one call per step (None: the Python key only)
+    guard: LayoutGuard | None = None
 
     @property
     def pack_fills(self) -> int:
@@ -190,14 +194,6 @@ class MetaGradientError(ValueError):
     def __init__(self, position: int) -> None:
         super().__init__(f"gradwatch: gradient {position} is on the meta device")
         self.position = position
-
-
-def _layout_key(tensors: Sequence[Tensor | None]) -> list:
-    # What a plan depends on, read for every tensor every step: presence, dtype, shape. Devices
-    # and strides matter only where memory is read in place (row path, compiled kernels): those
-    # few are checked as they are read (StalePlan). Packed and whole-path tensors are normed
-    # right whatever their strides, or raise, which replans.
-    return [None if t is None else (t.dtype, t.shape) for t in tensors]
 
 
 def build_plan(
@@ -281,6 +277,7 @@ def build_plan(
             if needs_repair and out_device.type == "cpu" and len(tensors) <= HOST_CHECK_MAX
             else None
         ),
+        guard=LayoutGuard.of(tensors),
     )
     for bucket in plan.buckets:
         if bucket.whole:
@@ -393,7 +390,8 @@ def _pack_fills(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> FillLayout
     return pack_fills(items, PACK_NUMEL)
 
 
-def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
+def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None],
+                    verified: bool = False) -> None:
     """Writes the float32 norm of every row of ``bucket`` into ``bucket.row_sums.norms``: packed
     tensors and partial last rows are copied (widened) into the pack buffer by one foreach op
     per fill (with the zeros of padding another fill wrote into) and normed as rows,
@@ -403,16 +401,18 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
     plan's scratch. Every norm writes into its slice of ``bucket.row_sums.norms``.
 
     Raises :class:`StalePlan` when a row-path tensor's strides changed or it left the CPU,
-    checked as each one is read: nothing computed here is used then (the caller plans again
-    and recomputes), and a view outside the storage raises too."""
-    if bucket.narrow is not None and bucket.narrow.fill(bucket.rows, tensors):
+    checked as each one is read unless ``verified`` (the plan's guard checked them all):
+    nothing computed here is used then (the caller plans again and recomputes), and a view
+    outside the storage raises too."""
+    if bucket.narrow is not None and bucket.narrow.fill(bucket.rows, tensors, verified):
         pass
     elif bucket.row_chunks:
         for i, stride, chunks in zip(bucket.rows, bucket.row_strides, bucket.row_chunks,
                                      strict=True):
             t = tensors[i]
-            if t is None or t.stride() != stride or not t.is_cpu:
+            if not verified and (t is None or t.stride() != stride or not t.is_cpu):
                 raise StalePlan  # as_strided would read the wrong memory: plan again
+            assert t is not None
             offset = t.storage_offset()
             for c in chunks:
                 c.scratch.copy_(t.as_strided((c.numel,), (1,), offset + c.start))
@@ -421,8 +421,9 @@ def _fill_row_norms(bucket: _Bucket, tensors: Sequence[Tensor | None]) -> None:
         for i, shape, stride, out in zip(bucket.rows, bucket.row_shapes, bucket.row_strides,
                                          bucket.row_outs, strict=True):
             t = tensors[i]
-            if t is None or t.stride() != stride or not t.is_cpu:
+            if not verified and (t is None or t.stride() != stride or not t.is_cpu):
                 raise StalePlan
+            assert t is not None
             rows = t.as_strided(shape, (shape[1], 1))
             torch.linalg.vector_norm(rows, 2, dim=1, out=out)
     for fill in bucket.fills:
@@ -451,14 +452,16 @@ def foreach_norms(tensors: Sequence[Tensor], splits: Sequence[slice]) -> Tensor:
                         for norm in torch._foreach_norm(tensors[part], 2, dtype=torch.float64)])
 
 
-def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None]) -> Tensor:
-    """The fast path of :meth:`NormEngine.squared_norms`, before any repair."""
+def _fast_squared_norms(plan: NormPlan, tensors: Sequence[Tensor | None],
+                        verified: bool = False) -> Tensor:
+    """The fast path of :meth:`NormEngine.squared_norms`, before any repair (``verified``: the
+    layout was checked by the plan's guard, see :func:`_fill_row_norms`)."""
     out_device = plan.out_device
     banded = torch.zeros(BANDS * plan.n, dtype=torch.float64, device=out_device)
     sq = banded[: plan.n]  # the plain band: the fast path never leaves it
     for bucket in plan.buckets:
         if bucket.row_sums is not None:
-            _fill_row_norms(bucket, tensors)
+            _fill_row_norms(bucket, tensors, verified)
             # Float32 row norms, squared and summed per tensor in float64: two ops for all
             # the rows of the bucket, whatever the number of tensors, into buffers of the
             # plan. n scalars cross devices (if at all), never gradient data. Rows too tiny
@@ -517,7 +520,7 @@ class NormEngine:
         key: tuple | None = None,
     ) -> NormPlan:
         if key is None:
-            key = (out_device, _layout_key(tensors))
+            key = (out_device, layout_key(tensors))
         if replan or self._plan is None or key != self._key:
             self._plan = None  # free the old plan's buffers before allocating the new ones
             self._plan = build_plan(tensors, out_device, self._rescale_float64, self.kernels)
@@ -551,36 +554,45 @@ class NormEngine:
             # repair on the host, then one non-blocking copy from pinned memory (a CUDA output
             # would cross each bucket by a blocking pageable copy). (No CUDA device in CI.)
             sq, plan = self.squared_norms_and_plan(tensors, torch.device("cpu"))
-            staged = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
-            staged.copy_(sq)
-            return staged.to(out_device, non_blocking=True), plan
-        key = (out_device, _layout_key(tensors))
-        if out_device.type != "cpu":
-            if key != self._split_key:  # once per layout: which devices hold the gradients
-                self._split_key = key
-                self._split_layout = _split_between_host_and_device(tensors)
-            if self._split_layout:
-                return self._mixed(tensors, out_device)
-        plan = self.plan_for(tensors, out_device, key=key)
+            return pinned_to_device(sq, out_device), plan
+        plan = self._plan
+        # The cached plan, checked in one call (LayoutGuard); else by the Python key, and then
+        # the in-place paths check strides and devices as they read.
+        verified = (plan is not None and plan.guard is not None and not self._split_layout
+                    and plan.out_device == out_device and plan.guard.holds(tensors))
+        if not verified:
+            key = (out_device, layout_key(tensors))
+            if out_device.type != "cpu":
+                if key != self._split_key:  # once per layout: which devices hold the gradients
+                    self._split_key = key
+                    self._split_layout = _split_between_host_and_device(tensors)
+                if self._split_layout:
+                    return self._mixed(tensors, out_device)
+            plan = self.plan_for(tensors, out_device, key=key)
+        assert plan is not None
         try:
-            sq = self._compute(plan, tensors)
+            sq = self._compute(plan, tensors, verified)
         except (StalePlan, RuntimeError):
             # A device or stride the cheap layout key does not read changed: plan again, once
             # (a second failure is a real error and propagates).
             plan = self.plan_for(tensors, out_device, replan=True)
-            sq = self._compute(plan, tensors)
+            sq = self._compute(plan, tensors, False)
         return sq, plan
 
-    def _compute(self, plan: NormPlan, tensors: Sequence[Tensor | None]) -> Tensor:
+    def _compute(self, plan: NormPlan, tensors: Sequence[Tensor | None],
+                 verified: bool) -> Tensor:
         """The banded vector by ``plan``: its eager paths (all, or its residual's when the
         compiled kernels of its fused positions are ready and may be called), the repair of
-        what they computed (one host read), then the kernels' exact squares."""
+        what they computed (one host read), then the kernels' exact squares. ``verified``:
+        the plan's guard held for ``tensors`` (no stride or device check is repeated)."""
         fused = plan.fused
         compiled = (fused is not None and self.kernels is not None and compiled_calls_allowed()
                     and fused.ready(self.kernels))
+        if compiled and fused.whole:  # type: ignore[union-attr]
+            return fused.banded(tensors, verified)  # type: ignore[union-attr]
         eager = (_residual_plan(plan, tensors, self._rescale_float64, self.kernels)
                  if compiled else plan)
-        sq = _fast_squared_norms(eager, tensors)
+        sq = _fast_squared_norms(eager, tensors, verified)
         if eager.needs_repair:
             bad = suspicious(sq[: plan.n], eager.host_bounds, eager.repair_floor,
                              eager.repair_ceiling)
@@ -588,7 +600,7 @@ class NormEngine:
             if bad:
                 repair_(sq, plan.n, bad, tensors)
         if compiled:  # raises StalePlan on strides or a device the kernels were not built for
-            fused.add_to(sq[: plan.n], tensors)  # type: ignore[union-attr]
+            fused.add_to(sq[: plan.n], tensors, verified)  # type: ignore[union-attr]
         return sq
 
     def _mixed(
@@ -616,7 +628,7 @@ class NormEngine:
         sq, device_plan = split.device.squared_norms_and_plan(on_device, out_device)
         self.host_reads += split.host.host_reads + split.device.host_reads - reads
         # Disjoint positions: every entry of one vector is 0 where the other's is set.
-        sq.add_(_host_vector_to(host_sq, out_device))
+        sq.add_(pinned_to_device(host_sq, out_device))
         return sq, split.plan(host_plan, device_plan, out_device)
 
 
@@ -630,15 +642,6 @@ def _split_between_host_and_device(tensors: Sequence[Tensor | None]) -> bool:
 def is_host_resident(t: Tensor) -> bool:
     """A tensor in host memory (the split of :meth:`NormEngine._mixed`)."""
     return t.device.type == "cpu"
-
-
-def _host_vector_to(host: Tensor, device: torch.device) -> Tensor:
-    """``host`` on ``device`` by one non-blocking copy from pinned memory (as is on the CPU)."""
-    if device.type == "cpu":
-        return host
-    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    staged.copy_(host)
-    return staged.to(device, non_blocking=True)
 
 
 @dataclass

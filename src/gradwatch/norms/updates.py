@@ -90,7 +90,9 @@ dtype, freed by the step.
 has its kernel (``compile_kernels``: compiled off the training thread by default), the batch's
 figures come from one compiled call that reads the weights and the state once (the same
 arithmetic, the sums in float64), and the collect's section from another; everything else, and
-every batch until its kernel is ready, takes the eager path above.
+every batch until its kernel is ready, takes the eager path above. An Adam/AdamW step whose
+batches all ran compiled repeats its prepared calls on the next steps, no batch rebuilt, while
+what they read is unchanged (:mod:`gradwatch.norms.update_replay`).
 """
 
 from __future__ import annotations
@@ -106,33 +108,22 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from gradwatch.norms.fused_updates import FusedUpdates
 from gradwatch.norms.kernels import CompileMode
 from gradwatch.norms.rows import host_to_device
+from gradwatch.norms.update_batches import BATCH as BATCH
+from gradwatch.norms.update_batches import Batch as _Batch
+from gradwatch.norms.update_batches import Kind as _Kind
+from gradwatch.norms.update_batches import flat_views as _views
+from gradwatch.norms.update_batches import fragment_batches as _fragment_batches
+from gradwatch.norms.update_batches import local_part as _local
+from gradwatch.norms.update_batches import stepped_batches as _batches
+from gradwatch.norms.update_replay import Replays
 
 log = logging.getLogger("gradwatch")
-
-#: Elements of one batch of the hook's foreach ops: bounds its temporaries (at most three of
-#: this size, in the parameters' dtype: 12 MiB for float32), and is large enough that a small
-#: model is one batch (each batch costs a dozen small ops besides its passes).
-BATCH = 1 << 20
 
 Scalar = float | Tensor
 
 
-def _local(t: Tensor) -> Tensor:
-    """This rank's part of a DTensor (the tensor itself otherwise): no copy, no dispatched op
-    (the callers run under ``torch.no_grad``, so nothing they compute records a graph)."""
-    return getattr(t, "_local_tensor", t)
-
-
 #: Elements per float32-accumulated norm of the weights (their squares summed in float64).
 WEIGHT_ROWS = 1 << 16
-
-
-def _views(t: Tensor, size: int = BATCH) -> list[Tensor]:
-    """``t``'s elements as flat views of at most ``size`` (``t`` itself when it holds at most
-    ``size`` elements, no op dispatched, or has no flat view: not contiguous)."""
-    if t.numel() <= size or not t.is_contiguous():
-        return [t]
-    return list(t.view(-1).split(size))
 
 
 def _scalar(value: Any) -> Scalar:
@@ -142,13 +133,6 @@ def _scalar(value: Any) -> Scalar:
     if isinstance(value, Tensor):
         return value.to(dtype=torch.float64)
     return float(value)
-
-
-class _Kind:
-    """The optimizers whose step this module inverts."""
-
-    SGD = "sgd"
-    ADAM = "adam"
 
 
 def optimizer_kind(optimizer: Any) -> str | None:
@@ -168,34 +152,6 @@ def _keep(optimizer: Any, device: torch.device) -> Tensor | None:
     if found_inf is None:
         return None
     return 1 - found_inf.to(device=device, dtype=torch.float64)
-
-
-class _Batch:
-    """Views of stepped parameters of one optimizer parameter group (one device and dtype),
-    at most :data:`BATCH` elements in all unless one tensor alone is larger than that: the
-    parameters' views, the same views of the state tensors the inversion reads, and the
-    owner (local position) and step count of each view."""
-
-    def __init__(self) -> None:
-        self.params: list[Tensor] = []
-        self.owners: list[int] = []
-        self.tensors: dict[str, list[Tensor]] = {}
-        self.steps: list[Tensor] = []
-        self.numel = 0
-
-    def add(self, position: int, param: Tensor, state: dict[str, Tensor],
-            step: Tensor | None) -> None:
-        views = _views(param)
-        split = {name: _views(t) for name, t in state.items()}
-        if any(len(v) != len(views) for v in split.values()):  # a non-contiguous state
-            views, split = [param], {name: [t] for name, t in state.items()}
-        self.params += views
-        self.owners += [position] * len(views)
-        for name, vs in split.items():
-            self.tensors.setdefault(name, []).extend(vs)
-        if step is not None:
-            self.steps += [step] * len(views)
-        self.numel += param.numel()
 
 
 def _adam_scalars(
@@ -426,69 +382,6 @@ def _norms(tensors: list[Tensor], accumulate: torch.dtype | None = None) -> Tens
     return out.index_copy_(0, torch.tensor(order, device=device), torch.cat(parts))
 
 
-def _batches(
-    kind: str, optimizer: Any, held: list[tuple[dict[str, Any], Tensor, int]]
-) -> list[tuple[dict[str, Any], _Batch]]:
-    """The stepped parameters (a gradient, and Adam's state) grouped by optimizer parameter
-    group, device and dtype, in batches of at most :data:`BATCH` elements."""
-    out: list[tuple[dict[str, Any], _Batch]] = []
-    open_: dict[tuple[int, torch.device, torch.dtype], _Batch] = {}
-    for group, param, position in held:
-        if param.grad is None:  # the optimizer left it alone this step
-            continue
-        state = optimizer.state.get(param, {})
-        local = _local(param)
-        if kind == _Kind.ADAM:
-            if not state:
-                continue
-            v = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
-            reads = {"m": _local(state["exp_avg"]), "v": _local(state[v])}
-            step = state["step"]
-        else:
-            reads = {"g": _local(param.grad)}
-            if state.get("momentum_buffer") is not None:
-                reads["buf"] = _local(state["momentum_buffer"])
-            step = None
-        key = (id(group), local.device, local.dtype)
-        batch = open_.get(key)
-        if batch is None or (batch.numel and batch.numel + local.numel() > BATCH):
-            batch = open_[key] = _Batch()
-            out.append((group, batch))
-        batch.add(position, local, reads, step)
-    return out
-
-
-def _fragment_batches(
-    kind: str, optimizer: Any, parts: list[tuple[dict[str, Any], Tensor, tuple[int, int, int]]]
-) -> list[tuple[dict[str, Any], _Batch]]:
-    """:func:`_batches` for fragments of flat partitions (DeepSpeed ZeRO 1-3): each piece's
-    slice of the partition, of its gradient and of its optimizer state."""
-    out: list[tuple[dict[str, Any], _Batch]] = []
-    open_: dict[int, _Batch] = {}
-    for group, flat, (position, start, numel) in parts:
-        state = optimizer.state.get(flat, {})
-        if kind == _Kind.ADAM:
-            if not state:
-                continue
-            v = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
-            reads = {"m": state["exp_avg"], "v": state[v]}
-            step = state["step"]
-        else:
-            if flat.grad is None:
-                continue
-            reads = {"g": flat.grad}
-            if state.get("momentum_buffer") is not None:
-                reads["buf"] = state["momentum_buffer"]
-            step = None
-        batch = open_.get(id(flat))
-        if batch is None or (batch.numel and batch.numel + numel > BATCH):
-            batch = open_[id(flat)] = _Batch()
-            out.append((group, batch))
-        batch.add(position, flat.narrow(0, start, numel),
-                  {k: t.narrow(0, start, numel) for k, t in reads.items()}, step)
-    return out
-
-
 def section_width(groups: int) -> int:
     """The packed vector's update section for ``groups`` groups: ``[weight squares | update
     squares | stalled elements | moving elements]`` per group (``4G``), then the ranks that
@@ -529,6 +422,7 @@ class UpdateMeter:
     ) -> None:
         self._params = list(params)
         self.fused = FusedUpdates(compile_kernels)
+        self._replays = Replays(self.fused)
         self._position = {id(p): i for i, p in enumerate(self._params)}
         # DeepSpeed ZeRO 1-3: the inner optimizer steps flat fp32 partitions; per partition
         # (by id), the (piece position, start, numel) of each watched fragment
@@ -551,6 +445,7 @@ class UpdateMeter:
     def close(self) -> None:
         """Stop observing optimizer steps."""
         self._handle.remove()
+        self._replays.clear()
 
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The global post-step hook: a never-crash boundary (an error makes the step's
@@ -564,7 +459,11 @@ class UpdateMeter:
 
     def after_step(self, optimizer: Any) -> None:
         """Measure the update ``optimizer`` just applied to the watched parameters it holds
-        (each overwrites its previous figures); others' steps are ignored."""
+        (each overwrites its previous figures); others' steps are ignored. A step like the
+        previous one of a compiled Adam repeats its prepared calls
+        (:mod:`gradwatch.norms.update_replay`)."""
+        if self._replays.run(optimizer, self._updates):
+            return
         held = [
             (group, p, i)
             for group in optimizer.param_groups
@@ -587,6 +486,8 @@ class UpdateMeter:
                        "torch.optim SGD, Adam, AdamW); update figures are unmeasured",
                        type(optimizer).__name__)
             return
+        self.fused.ran.clear()
+        measured = []
         with torch.no_grad():
             for group, batch in _batches(kind, optimizer, held) + _fragment_batches(
                 kind, optimizer, parts
@@ -595,6 +496,10 @@ class UpdateMeter:
                 owners = self._index_of(tuple(batch.owners))
                 self._updates.index_fill_(1, owners, 0.0)
                 self._updates.index_add_(1, owners, figures.to(self._device))
+                measured.append((group, owners, len(set(batch.owners)) == len(batch.owners)))
+        if kind == _Kind.ADAM and not parts:  # the next steps repeat the compiled calls
+            self._replays.record(optimizer, [p for _, p, _ in held], measured)
+        self.fused.ran.clear()  # no reference to the step's tensors (SGD's gradients) kept
 
     def _batch_figures(self, kind: str, optimizer: Any, group: dict[str, Any],
                        batch: _Batch) -> Tensor:

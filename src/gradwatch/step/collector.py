@@ -266,7 +266,12 @@ class Collector(StepActions):
         if max_norm is None:
             self._next_step = max(self._next_step, step + 1)
         self._batch, self.batch = self.batch, None
-        collected = self._collect(step, scaler, optimizer, max_norm, batch_size)
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # nothing a collect computes is differentiated
+        try:
+            collected = self._collect(step, scaler, optimizer, max_norm, batch_size)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
         if collected.seconds is not None and self.publish is not None and not self.closed:
             self.publish(collected.pending, collected.seconds)
         if self.resolved.timer is not None:  # the next step's work starts here
