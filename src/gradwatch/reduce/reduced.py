@@ -418,7 +418,10 @@ class ReducedVector:
             else:
                 self._wait_collective()
                 host = self._packed
-            self._stats = ReducedStats.from_host(host, self._layout, self._ranks)
+            if len(self._layout.names) <= EAGER_PARAMETERS:  # as from_host, one call less
+                self._stats = ReducedStats.from_values(host.tolist(), self._layout, self._ranks)
+            else:
+                self._stats = ReducedStats.from_host(host, self._layout, self._ranks)
         return self._stats
 
 
