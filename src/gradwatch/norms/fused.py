@@ -81,15 +81,23 @@ def squares_kernel(tensors: list[Tensor]) -> Tensor:
     # Each sum over dim 1 of a one-row view, concatenated: inductor then writes every sum
     # straight into the output (a stack of 0-d sums allocates a buffer per tensor and copies
     # each, about 0.4 us per tensor per call); the same loop, the same bits.
-    return torch.cat([t.to(torch.float32).to(torch.float64).reshape(1, -1).square().sum(dim=1)
-                      for t in tensors])
+    return torch.cat(_row_sums(tensors))
+
+
+def _row_sums(tensors: list[Tensor]) -> list[Tensor]:
+    """Per tensor, ``||t||^2`` in float64 as a one-element vector (the sum of a one-row view:
+    see :func:`squares_kernel`)."""
+    return [t.to(torch.float32).to(torch.float64).reshape(1, -1).square().sum(dim=1)
+            for t in tensors]
 
 
 def banded_squares_kernel(tensors: list[Tensor]) -> Tensor:
     """:func:`squares_kernel` followed by the zeros of the high and low bands
     (:mod:`gradwatch.norms.bands`): the engine's whole banded vector, when the kernel norms
     every position of a plan in one chunk (no other op then builds or fills it)."""
-    return torch.cat([squares_kernel(tensors),
+    # One cat of every sum and the zeros: inductor writes each into the output itself (a cat
+    # of the squares' cat would be a second buffer and a copy per call).
+    return torch.cat([*_row_sums(tensors),
                       torch.zeros((BANDS - 1) * len(tensors), dtype=torch.float64)])
 
 

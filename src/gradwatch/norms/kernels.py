@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -172,6 +173,7 @@ def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> Trac
     with _compile_lock(), torch.no_grad(), inductor_config.patch(TRACED_OPTIONS):
         graph = make_fx(flat, decomposition_table=select_decomp_table())(*leaves)
         compiled = compile_fx_inner(graph, leaves)
+        compiled(list(leaves))  # the first call by inductor's own entry: it ends its compile
         kernel = TracedKernel(compiled, spec)
         kernel(*args)
     return kernel
@@ -181,24 +183,46 @@ class TracedKernel:
     """A :func:`compile_traced` kernel: called with its function's arguments, it hands their
     tensors to the compiled graph as one flat list (inductor's boxed calling convention: the
     list is consumed) and returns the function's one result. A single list of tensors, the
-    common argument, is passed on as is without flattening."""
+    common argument, is passed on as is without flattening.
 
-    __slots__ = ("_compiled", "_one_list", "_spec")
+    The call goes to the compiled graph's generated code (its ``current_callable``) directly:
+    inductor's ``CompiledFxGraph.__call__`` around it only records debug and autotune-cache
+    state, none of which a CPU graph traced without dynamo uses after its first call (made by
+    :func:`compile_traced`), and costs about a microsecond per call. While the autograd
+    profiler is on, calls go through it (it labels the call in the trace)."""
+
+    __slots__ = ("_compiled", "_direct", "_one_list", "_spec")
 
     def __init__(self, compiled: Callable[[list[Any]], Sequence[Any]], spec: Any) -> None:
         from torch.utils._pytree import tree_flatten
 
         self._compiled = compiled
+        direct = getattr(compiled, "current_callable", None)
+        self._direct: Callable[[list[Any]], Sequence[Any]] = (
+            direct if callable(direct) else compiled)
         self._spec = spec
         probe = ([object()] * spec.num_leaves,)
         self._one_list = tree_flatten(probe)[1] == spec
 
     def __call__(self, *args: Any) -> Any:
+        run = self._compiled if _profiler_on() else self._direct
         if self._one_list:
-            return self._compiled(list(args[0]))[0]
+            return run(list(args[0]))[0]
         from torch.utils._pytree import tree_leaves
 
-        return self._compiled(tree_leaves(args))[0]
+        return run(tree_leaves(args))[0]
+
+
+def _profiler_on() -> bool:
+    """Is torch's autograd profiler recording (its flag, read without a call into C++)?"""
+    return bool(_autograd_profiler()._is_profiler_enabled)
+
+
+@functools.cache
+def _autograd_profiler() -> Any:
+    from torch.autograd import profiler
+
+    return profiler
 
 
 def _compile_lock() -> Any:

@@ -149,3 +149,22 @@ def test_a_process_ending_mid_compile_waits_and_exits_cleanly(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "terminate called" not in done.stderr
     assert "waiting up to" in done.stderr
+
+
+def test_traced_calls_skip_inductors_entry_but_not_under_the_profiler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A traced kernel calls the generated code directly, with the bits of inductor's own
+    entry; under the autograd profiler it goes through that entry (which labels the call)."""
+    ts = _grads()
+    kernel = compile_traced(squares, _example(ts))
+    entries: list[int] = []
+    compiled = kernel._compiled
+    monkeypatch.setattr(kernel, "_compiled", lambda flat: entries.append(1) or compiled(flat))
+    with torch.no_grad():
+        direct = kernel(ts)
+        assert entries == []
+        assert torch.equal(direct, compiled(list(ts))[0])
+        with torch.autograd.profiler.profile():
+            profiled = kernel(ts)
+    assert entries == [1]
+    assert torch.equal(direct, profiled)
