@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -276,13 +277,8 @@ class Reducer:
         scatter = torch.cat([*(to_global + part.start for part in starts),
                              torch.tensor([at.step, at.residues.start, at.residues.start + 1])])
         self._gather = gather_index(scatter, lay.packed_length, 5 * n_local + 3).to(dev)
-        # Divergence steps: each replica slot's sum of this rank's pieces, in a fixed order
-        # (index_add_ adds by atomics on CUDA: replicas with equal gradients could sum to
-        # different bits), written by one index_copy_ (distinct slots).
-        slots = sorted({s for s in lay.replica_slot if s >= 0})
-        members = [[i for i, s in enumerate(lay.replica_slot) if s == k] for k in slots]
-        self._slot_sums = SegmentReduction(members, 3 * n_local, dev) if slots else None
-        self._slot_global = (torch.tensor(slots, dtype=torch.long) + at.replicas.start).to(dev)
+        self._slot_sums, self._slot_global = replica_slot_sums(lay, at.replicas.start, dev)
+        self._host_packing = HostPacking.of(self._gather, n_local, dev)
 
     def pack_and_reduce(
         self,
@@ -311,8 +307,12 @@ class Reducer:
         all-reduces.
         """
         lay = self.layout
-        sq_local = sq_local.to(self.device)
         alone = not self.issues_collective(with_replicas)
+        if self._host_packing is not None and not device_collective and host_packs(
+                lay, alone, sq_local, with_replicas and self._slot_sums is not None,
+                rank_local, updates, work):
+            return self._host_packing.reduce(self, sq_local, has_grad, step, alone)
+        sq_local = sq_local.to(self.device)
         if alone or self._all_contribute:  # every piece counts: the where would copy
             self._staged_squares.copy_(sq_local)
             plain = self._staged_plain  # that copy's plain band: a persistent view
@@ -421,6 +421,88 @@ class Reducer:
     def close(self, drain: bool = True) -> None:
         """Stop using gradwatch's process groups (see :meth:`Collective.close`)."""
         self.collective.close(drain)
+
+
+def replica_slot_sums(lay: Layout, start: int,
+                      device: torch.device) -> tuple[SegmentReduction | None, Tensor]:
+    """What a divergence step writes at the replica slots (from ``start``): each slot's sum
+    of this rank's pieces, in a fixed order (``index_add_`` adds by atomics on CUDA: replicas
+    with equal gradients could sum to different bits), and the slots' positions, written by
+    one ``index_copy_`` (distinct slots). None: the layout has no slot."""
+    slots = sorted({s for s in lay.replica_slot if s >= 0})
+    members = [[i for i, s in enumerate(lay.replica_slot) if s == k] for k in slots]
+    sums = SegmentReduction(members, 3 * len(lay.local_to_global), device) if slots else None
+    return sums, (torch.tensor(slots, dtype=torch.long) + start).to(device)
+
+
+#: Local pieces up to which a CPU collect whose all-reduce changes nothing packs its vector
+#: as Python floats (:class:`HostPacking`); above, tensor ops cost less than a float a slot.
+HOST_PACK_PIECES = 64
+
+
+def host_packs(lay: Layout, alone: bool, sq_local: Tensor, replica_sums: bool,
+               rank_local: Tensor | None, updates: Tensor | None,
+               work: WorkSource | None) -> bool:
+    """Does a collect that clips nothing and is not guarded (no device view read at once)
+    pack on the host (:class:`HostPacking`)? When no all-reduce changes its vector (none is
+    issued, ``alone``, or one process: no group), its squares are on the CPU and it writes no
+    section past the step's: no replica sums, rank view, update section or rank timing."""
+    return ((alone or lay.world_size == 1) and sq_local.device.type == "cpu"
+            and not replica_sums and updates is None
+            and not (lay.rank_view_groups and rank_local is not None)
+            and not (lay.rank_timing and work is not None and not alone))
+
+
+class HostPacking:
+    """The packed vector of a collect whose all-reduce changes nothing (:func:`host_packs`),
+    on the CPU, as Python floats: what :meth:`Reducer.pack_and_reduce` stages and gathers by
+    about six tensor ops (each a microsecond's dispatch on a few dozen floats), the same
+    values by the same rules, read from the engine's vector once (a CPU tensor: no sync).
+    ``gather``: the staging vector's gather index (:func:`gather_index`), ``n_local``: the
+    local pieces.
+
+    Same bits, slot by slot: the squares are copied; a flag is ``x - x`` of the plain square
+    (0 where finite, NaN where NaN or Inf: IEEE's subtraction, in C or in Python) with NaN
+    made 1.0 (``nan_to_num_(nan=1.0)``; ``x - x`` is never infinite); the has-gradient flags
+    are 1.0 or 0.0; the step and its residues as the staging's tail writes them; every other
+    slot reads the staging's trailing zero."""
+
+    __slots__ = ("_gather", "_n_local")
+
+    def __init__(self, gather: Tensor, n_local: int) -> None:
+        self._gather = operator.itemgetter(*gather.tolist())
+        self._n_local = n_local
+
+    @classmethod
+    def of(cls, gather: Tensor, n_local: int, device: torch.device) -> HostPacking | None:
+        """The host packing of a CPU vector of at most :data:`HOST_PACK_PIECES` pieces."""
+        if device.type != "cpu" or n_local > HOST_PACK_PIECES:
+            return None
+        return cls(gather, n_local)
+
+    def values(self, sq_local: Tensor, has_grad: Sequence[bool], step: int) -> list[float]:
+        """The packed vector of ``sq_local`` (the engine's banded squares on the CPU),
+        ``has_grad`` and ``step``, as floats."""
+        staged = sq_local.tolist()
+        differences = [x - x for x in staged[: self._n_local]]
+        staged += [1.0 if d != d else d for d in differences]
+        staged += [1.0 if g else 0.0 for g in has_grad]
+        residue, square = step_residues(step)
+        staged += (float(step), residue, square, 0.0)
+        return list(self._gather(staged))
+
+    def reduce(self, reducer: Reducer, sq_local: Tensor, has_grad: Sequence[bool], step: int,
+               alone: bool) -> ReducedVector:
+        """The :class:`ReducedVector` ``reducer`` returns for this collect, its vector packed
+        here: as the tensor route's, ``ranks`` 1 when ``alone``; else (one process) counted
+        as an issued all-reduce, as :meth:`Collective.issue` counts one without a group."""
+        values = self.values(sq_local, has_grad, step)
+        lay = reducer.layout
+        if alone:
+            return ReducedVector.of_values(values, reducer.timeout, step, lay, ranks=1)
+        reducer.collective.issued += 1
+        return ReducedVector.of_values(values, reducer.timeout, step, lay,
+                                       device_timeout=reducer.collective.group_timeout)
 
 
 def gather_index(scatter: Tensor, length: int, zero_slot: int) -> Tensor:

@@ -285,6 +285,7 @@ class ReducedVector:
         device_timeout: float | None = None,
     ) -> None:
         self._packed = packed
+        self._values: list[float] | None = None  # the packed vector as floats (of_values)
         # The device views (a clip) wait as the job's own collectives would: the group's
         # timeout, so no rank gives up on a clip's all-reduce that another rank completes.
         self._device_timeout = timeout if device_timeout is None else device_timeout
@@ -307,6 +308,19 @@ class ReducedVector:
             self._pinned = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._pinned.copy_(packed, non_blocking=True)
             self._landed = landed(record_event(packed.device))
+
+    @classmethod
+    def of_values(cls, values: list[float], timeout: float, step: int, layout: Layout,
+                  ranks: int | None = None,
+                  device_timeout: float | None = None) -> ReducedVector:
+        """The vector of a collect whose all-reduce changes nothing (none issued, or one
+        process), given as the Python floats of its CPU packed vector
+        (:class:`~gradwatch.reduce.packing.HostPacking`): :meth:`stats` splits them with no
+        host read, and the CPU tensor the device views read is built from them (the same
+        bits) when one is first asked for. The other arguments as the constructor's."""
+        reduced = cls(_NO_VECTOR, Pending(), timeout, step, layout, ranks, device_timeout)
+        reduced._values = values
+        return reduced
 
     def _wait_collective(self, timeout: float | None = None) -> None:
         """Wait for the all-reduce. A wait that times out leaves it in flight (a retry may
@@ -346,6 +360,8 @@ class ReducedVector:
         # wait); on gloo this waits for the all-reduce, which CPU work would wait for anyway,
         # bounded by the group's timeout (a clip never gives up before the others do).
         self._wait_collective(self._device_timeout)
+        if self._packed is _NO_VECTOR:  # of_values: built once (a race builds equal ones)
+            self._packed = torch.tensor(self._values, dtype=torch.float64)
         return self._packed
 
     def device_bands(self) -> Tensor:
@@ -386,6 +402,8 @@ class ReducedVector:
         """The reduced step slot and residue sums on the host, after waiting at most
         ``timeout`` (``in_flight`` :class:`GradWatchTimeoutError` when still in flight)."""
         s = sections(self._layout)
+        if self._values is not None:
+            return self._values[s.step], self._values[s.step + 1], self._values[s.step + 2]
         if self._packed.device.type != "cpu":
             self._wait_landed(timeout)
             host = self._pinned
@@ -412,6 +430,9 @@ class ReducedVector:
     def stats(self) -> ReducedStats:
         """Wait (at most once), read the vector to the host once, return its named views."""
         if self._stats is None:
+            if self._values is not None:  # of_values: nothing to wait for, nothing to read
+                self._stats = ReducedStats.from_values(self._values, self._layout, self._ranks)
+                return self._stats
             if self._packed.device.type != "cpu":
                 self._wait_landed(self._timeout)
                 host = self._pinned
@@ -423,6 +444,10 @@ class ReducedVector:
             else:
                 self._stats = ReducedStats.from_host(host, self._layout, self._ranks)
         return self._stats
+
+
+#: The vector of :meth:`ReducedVector.of_values` until a device view builds it (a CPU tensor).
+_NO_VECTOR = torch.empty(0, dtype=torch.float64)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ views of the packed vector (ReducedStats, the device accessors)."""
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 import torch
@@ -242,3 +243,92 @@ def test_reduced_stats_from_host_equals_from_values(n: int, kind: str) -> None:
     assert repr(lazy) == repr(eager)  # NaN != NaN: compared as text
     with pytest.raises(AttributeError):
         _ = lazy.no_such_field
+
+
+def _bits(values: list[float]) -> list[int]:
+    """Each float as its IEEE bits (NaN payloads and signed zeros compared too)."""
+    return [struct.unpack("<q", struct.pack("<d", v))[0] for v in values]
+
+
+@pytest.mark.parametrize("case", ["plain", "nan", "inf", "banded", "no-grad", "big-step"])
+@pytest.mark.parametrize("device_view", [False, True])
+def test_host_packing_equals_the_tensor_packing_bit_for_bit(case: str, device_view: bool) -> None:
+    """A one-process collect that clips nothing packs its vector as Python floats
+    (HostPacking): the same vector, stats and step sums as the tensor ops' packing, slot for
+    slot, and the same count of issued all-reduces; a device view built from it holds the
+    same bits."""
+    numels = (3, 4, 5, 6)
+    fast, general = one_process_reducer(*numels), one_process_reducer(*numels)
+    general._host_packing = None  # the tensor ops' path
+    assert fast._host_packing is not None
+    gen = torch.Generator().manual_seed(len(case))
+    sq = torch.rand(12, dtype=torch.float64, generator=gen) * 1e3
+    sq[4:] = 0.0  # the high and low bands: empty unless banded
+    has_grad = [True, True, True, True]
+    step = 2**40 + 17 if case == "big-step" else 9
+    if case == "nan":
+        sq[1] = math.nan
+    if case == "inf":
+        sq[2] = math.inf
+    if case == "banded":
+        sq[0], sq[4] = 0.0, 3.5  # a high-band square
+    if case == "no-grad":
+        sq[3], has_grad[3] = 0.0, False
+    got = fast.pack_and_reduce(sq.clone(), has_grad, step, with_replicas=False,
+                               device_collective=False)
+    want = general.pack_and_reduce(sq.clone(), has_grad, step, with_replicas=False,
+                                   device_collective=False)
+    assert got._values is not None and want._values is None
+    assert fast.issued == general.issued == 1
+    if device_view:
+        assert _bits(got.device_bands().tolist()) == _bits(want.device_bands().tolist())
+        assert _bits(got._device().tolist()) == _bits(want._device().tolist())
+    assert _bits(got._values) == _bits(want._device().tolist())
+    assert repr(got.stats()) == repr(want.stats())  # NaN != NaN: compared as text
+    assert got.step_sums(1.0) == want.step_sums(1.0)
+    assert got.stats().steps_agree(step) and got.stats().ranks == want.stats().ranks
+
+
+def test_a_clip_packs_by_tensor_ops() -> None:
+    """A collect that clips or is guarded (the device views are read at once) packs by the
+    tensor ops: no float vector is built then read back."""
+    reducer = one_process_reducer(3, 4)
+    sq = torch.zeros(6, dtype=torch.float64)
+    reduced = reducer.pack_and_reduce(sq, [True, True], 0, with_replicas=False)
+    assert reduced._values is None
+
+
+def _snapshots(monkeypatch: pytest.MonkeyPatch, host_pieces: int,
+               grads: list[list[float]]) -> list[dict]:
+    """The snapshots of one collect per list of gradients (a 4-parameter model) by a watcher
+    whose reducer packs on the host up to ``host_pieces`` pieces; timestamps left out."""
+    import gradwatch.reduce.packing as packing
+    from gradwatch import GradWatch, WatchConfig
+
+    monkeypatch.setattr(packing, "HOST_PACK_PIECES", host_pieces)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)).double()
+    params = list(model.parameters())
+    out = []
+    with GradWatch(model, WatchConfig(spike_warmup=2, compile_kernels="off")) as watch:
+        assert (watch._collector.resolved.reducer._host_packing is None) == (host_pieces == 0)
+        for step, values in enumerate(grads):
+            for p, v in zip(params, values, strict=True):
+                p.grad = torch.full_like(p, v)
+            snap = watch.collect(step).result().to_dict()
+            snap.pop("timestamp")
+            out.append(snap)
+    return out
+
+
+def test_a_watcher_publishes_the_same_snapshots_packing_on_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-process watcher's snapshots, field for field, whether its vector is packed as
+    floats or by tensor ops: plain, NaN, Inf and overflowing-square steps, and spike scores
+    over the series."""
+    steps = [[0.1, 0.2, 0.3, 0.4], [0.5, 0.2, 0.3, 0.4], [math.nan, 1.0, 1.0, 1.0],
+             [0.2, math.inf, 0.1, 0.1], [1e200, 1.0, 1.0, 1.0], [1e-200, 0.0, 0.0, 0.0],
+             [0.3, 0.2, 0.3, 0.4], [30.0, 0.2, 0.3, 0.4]]
+    fast = _snapshots(monkeypatch, 64, steps)
+    general = _snapshots(monkeypatch, 0, steps)
+    assert repr(fast) == repr(general)  # NaN != NaN: compared as text
+    assert fast[0]["global_norm"] > 0 and math.isnan(fast[2]["global_norm"])

@@ -250,12 +250,15 @@ GUARD_EXTRA_OPS = {("ema", True): 11, ("median_mad", True): 56, ("ema", False): 
 
 
 @pytest.mark.parametrize("clip", [True, False], ids=["auto-clip", "no-clip"])
-def test_what_the_ema_statistic_costs(clip: bool) -> None:
+def test_what_the_ema_statistic_costs(clip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """With clip_grad_norm_("auto") the EMA statistic only compares the history's score (the
     clip keeps the history), far fewer ops than the median/MAD window; without it, the guard
     pays the whole-model norm and the history's update itself, still fewer than the window
     (no sort among them). No host
     read either way."""
+    # Guarded collects pack by tensor ops (their vector is read on the device at once), an
+    # unguarded one-process collect as host floats (HostPacking): compared on one route.
+    monkeypatch.setattr("gradwatch.reduce.packing.HOST_PACK_PIECES", 0)
     plain = _warm_guarded_ops(None, clip)
     for statistic in ("ema", "median_mad"):
         ops = _warm_guarded_ops(statistic, clip)

@@ -78,7 +78,11 @@ def _warm_step_ops(spike: float | None, guarded: bool) -> tuple[OpCounter, OpCou
 
 
 @pytest.mark.parametrize("spike", [None, 6.0], ids=["nonfinite", "nonfinite+spike"])
-def test_a_warm_decision_costs_a_fixed_handful_of_device_ops(spike: float | None) -> None:
+def test_a_warm_decision_costs_a_fixed_handful_of_device_ops(
+        spike: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A guarded collect packs by tensor ops (its vector is read on the device at once); an
+    # unguarded one-process collect packs as host floats (HostPacking): compared on one route.
+    monkeypatch.setattr("gradwatch.reduce.packing.HOST_PACK_PIECES", 0)
     guarded, decision = _warm_step_ops(spike, guarded=True)
     unguarded, _ = _warm_step_ops(spike, guarded=False)
     assert decision is not None
