@@ -460,6 +460,21 @@ def snapshot_of(**values: Any) -> Snapshot:
     return new
 
 
+def amend_fresh(snap: Snapshot, changes: Mapping[str, Any]) -> Snapshot:
+    """``snap.replace(**changes)`` for a snapshot its builder still holds alone (just built
+    by :func:`snapshot_of`, handed to no one yet): the changes are written into ``snap``
+    itself, frozen as :meth:`Snapshot.replace` freezes them, and ``snap`` is returned; no
+    second snapshot is built. Raises ``TypeError`` on an unknown field, as ``replace``."""
+    mappings, tuples = _given(type(snap), tuple(changes))
+    fields = snap.__dict__
+    fields.update(changes)
+    for name in mappings:
+        fields[name] = _frozen(changes[name])
+    for name in tuples:
+        fields[name] = tuple(changes[name])
+    return snap
+
+
 @functools.lru_cache(maxsize=64)
 def _complete(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """:func:`_given` for a whole :class:`Snapshot`: also raises ``TypeError`` when a field

@@ -148,3 +148,22 @@ def test_of_takes_a_read_only_proxy_as_given() -> None:
     assert snap.param_norms is owned
     plain["b"] = 2.0
     assert dict(snap.ratios) == {"a": 1.0}
+
+
+def test_amend_fresh_is_replace_without_the_copy() -> None:
+    """A snapshot amended in place holds what ``replace`` gives, field for field, its
+    mappings and tuples frozen alike; unknown fields raise as in ``replace``."""
+    from gradwatch.snapshot import amend_fresh
+
+    changes = {"clip_coef": 0.25, "spike_scores": {"host": 1.5}, "spiking_groups": ["host"],
+               "amp_skipped": True}
+    want = make().replace(**changes)
+    fresh = make()
+    got = amend_fresh(fresh, changes)
+    assert got is fresh
+    assert repr(got) == repr(want)
+    assert isinstance(got.spike_scores, MappingProxyType) and got.spiking_groups == ("host",)
+    changes["spike_scores"]["host"] = 9.0  # the caller's dict: copied, as replace copies it
+    assert got.spike_scores["host"] == 1.5
+    with pytest.raises(TypeError, match="no field"):
+        amend_fresh(make(), {"no_such_field": 1})

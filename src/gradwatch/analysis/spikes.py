@@ -276,9 +276,13 @@ class SpikeDetector:
                         for w in self._windows.values():  # a new stage: a new baseline
                             w.clear()
                     self._stage = frozenset(isolated)
-            scores, samples, centers = self._score(series)
-            if enters:  # every series scored first: a window enters only its own sample
-                self._enter(series, scores, samples)
+            shared = self._score_shared(series, enters)
+            if shared is not None:
+                scores, centers = shared
+            else:
+                scores, samples, centers = self._score(series)
+                if enters:  # every series scored first: a window enters only its own sample
+                    self._enter(series, scores, samples)
         spiking = tuple([g for g in groups if scores[g] > threshold])
         global_spike = scores[None] > threshold
         for key in ((None,) if global_spike else ()) + spiking:
@@ -335,6 +339,37 @@ class SpikeDetector:
             scores[key] = (x - m) / s
             centers[key] = (m, n)
         return scores, samples, centers
+
+    def _score_shared(
+        self, series: Mapping[str | None, float], enters: bool
+    ) -> tuple[dict[str | None, float], dict[str | None, tuple[float, int]]] | None:
+        """:meth:`_score` then :meth:`_enter` (when ``enters``) of series that all share one
+        window and have the same finite positive norm (a model whose one group is the whole
+        model): the one sample scored and entered once, what those two do for such series
+        (every series scored alike from the same window, which takes the sample once). None,
+        with nothing done, for any other series. Caller holds the lock."""
+        norms = iter(series.values())
+        norm = next(norms)
+        if not 0.0 < norm < math.inf or any(other != norm for other in norms):
+            return None
+        windows = self._windows
+        w = windows.get(None)
+        if w is None or any(windows.get(key) is not w for key in series):
+            return None
+        x = math.log(norm)
+        n = len(w._fifo)
+        center: tuple[float, int] | None = None
+        score = math.nan
+        if n >= self.warmup and n > 0:
+            m, s = w.center_spread()
+            score = (x - m) / s
+            center = (m, n)
+        if enters:
+            w.add(x)
+            if score == score:
+                w.track_shift(x, score)  # the sample's run towards a level shift
+        scores = dict.fromkeys(series, score)
+        return scores, ({} if center is None else dict.fromkeys(series, center))
 
     def _enter(
         self,

@@ -37,6 +37,7 @@ from gradwatch.snapshot import (
     RATIO_EPS,
     GroupStats,
     Snapshot,
+    amend_fresh,
     clip_coefficient,
     ratio_defined,
     snapshot_of,
@@ -520,8 +521,8 @@ class Summarizer:
             changes.update(self._timing.fields(step.step, stats.rank_timing, r.layout.hosts))
         # Host-side, after the one read: scored in collect order, see gradwatch.analysis.spikes.
         changes.update(self._spikes.fields(snap, step.attempt))
-        if changes:
-            snap = snap.replace(**changes)
+        if changes:  # snap is this call's own until returned: amended, not copied
+            snap = amend_fresh(snap, changes)
         self._previous, self._previous_attempt = snap, step.attempt
         if r.rank == 0:  # the same figures on every rank: one rank speaks
             self._anomalies.report(snap)

@@ -639,3 +639,34 @@ def test_window_spread_is_the_sorted_deviations_median() -> None:
             m = statistics.median(window._sorted)
             mad = statistics.median(sorted(abs(v - m) for v in window._sorted))
             assert window.center_spread() == (m, max(MAD_TO_SIGMA * mad, MIN_LOG_SPREAD))
+
+
+def test_series_sharing_one_window_score_as_each_on_its_own() -> None:
+    """The shared-window shortcut (every series the same norm, one window: a model whose one
+    group is the whole model) gives the fields of the general scoring, step for step, through
+    warm-up, spikes, level shifts, non-finite and zero norms, and a second group joining."""
+    rng = random.Random(5)
+    norms = [math.exp(rng.gauss(0.0, 0.05)) for _ in range(300)]
+    norms[60] *= 40.0
+    norms[90:] = [n * 30.0 for n in norms[90:]]
+    norms[120], norms[121], norms[150] = math.nan, math.inf, 0.0
+    shared, general = SpikeDetector(64, 6.0, 8), SpikeDetector(64, 6.0, 8)
+    general._score_shared = lambda series, enters: None  # type: ignore[method-assign]
+    taken: list[bool] = []
+    score_shared = shared._score_shared
+
+    def counted(series, enters):  # type: ignore[no-untyped-def]
+        result = score_shared(series, enters)
+        taken.append(result is not None)
+        return result
+
+    shared._score_shared = counted  # type: ignore[method-assign]
+    spikes = 0
+    for order, norm in enumerate(norms, start=1):
+        groups = {"all": norm} if order < 200 else {"all": norm, "head": norm * 0.5}
+        s = snap(order, norm, **groups)
+        got = shared.fields(s, order)
+        assert repr(got) == repr(general.fields(s, order)), order
+        spikes += got["global_spike"]
+    assert spikes >= 1
+    assert sum(taken) > 150 and not all(taken)  # the shortcut, and the general scoring
