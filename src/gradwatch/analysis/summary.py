@@ -381,6 +381,10 @@ def _violates(norm: float, threshold: float) -> bool:
     return not math.isfinite(norm) or norm > threshold
 
 
+#: ``x > 0`` as one C call (``0 < x``): False for NaN, as the summary's ``has_grad[i] > 0``.
+_POSITIVE = (0.0).__lt__
+
+
 def _per_parameter_inputs(stats: ReducedStats) -> tuple[
     Sequence[float] | None, Sequence[float] | None, Sequence[float] | None,
     Sequence[float] | None, Sequence[float] | None, tuple[float, float] | None,
@@ -389,8 +393,9 @@ def _per_parameter_inputs(stats: ReducedStats) -> tuple[
     norms, extremes`` of ``stats``. A vectorized :class:`ReducedStats` (many parameters) gives
     its precomputed norms and extremes and a section only when some entry of it is set; a
     small one its lists, as they are (a few Python floats: nothing to save)."""
-    if not stats.vectorized:
-        return stats.squares_high, stats.squares_low, stats.nonfinite, stats.has_grad, None, None
+    if not stats.vectorized:  # has_grad None when every flag is > 0: what summarize reads
+        has_grad = None if all(map(_POSITIVE, stats.has_grad)) else stats.has_grad
+        return stats.squares_high, stats.squares_low, stats.nonfinite, has_grad, None, None
     banded = stats.banded()
     norms, extremes = (None, None) if banded else stats.plain_norms()
     return (

@@ -210,9 +210,10 @@ class FusedNorms:
         assert self.whole
         return self._call(self.chunks[0], tensors, verified)
 
-    @staticmethod
-    def _call(chunk: FusedChunk, tensors: Sequence[Tensor | None], verified: bool) -> Tensor:
-        items = [tensors[i] for i in chunk.positions]
+    def _call(self, chunk: FusedChunk, tensors: Sequence[Tensor | None],
+              verified: bool) -> Tensor:
+        # A whole plan's one chunk is every tensor in order (the kernel copies the list)
+        items = tensors if self.whole else [tensors[i] for i in chunk.positions]
         if not verified and ([t.stride() for t in items] != chunk.strides  # type: ignore[union-attr]
                              or not all(t.is_cpu and not t._is_zerotensor()  # type: ignore[union-attr]
                                         for t in items)):
