@@ -252,7 +252,8 @@ def update_stats_table(r: UpdateStatsResult | Failure) -> str:
         return f"failed: {r.error}"
     rows = [[UpdateStatsMode.WATCHED.value, fmt_timing(r.timing(UpdateStatsMode.WATCHED)), "-",
              "-"]]
-    for mode in (UpdateStatsMode.UPDATES, UpdateStatsMode.FLOOR):
+    for mode in (UpdateStatsMode.UPDATES, UpdateStatsMode.FLOOR,
+                 UpdateStatsMode.ARITHMETIC_FLOOR):
         if mode in r.step_times:
             ov = r.ratio(mode)
             rows.append([mode.value, fmt_timing(r.timing(mode)), fmt_ratio(ov), verdict_of(ov)])
@@ -272,19 +273,26 @@ def _update_stats_figures(r: UpdateStatsResult) -> str:
 
 
 def _update_stats_floor(r: UpdateStatsResult) -> str:
-    """The floor hook's cost: what reading the weights and Adam's state once costs the step."""
-    if UpdateStatsMode.FLOOR not in r.step_times:
-        return ""
-    fl = r.ratio(UpdateStatsMode.FLOOR)
-    extra = (r.timing(UpdateStatsMode.FLOOR).median
-             - r.timing(UpdateStatsMode.WATCHED).median) * 1e3
-    nan = float("nan")
-    cpu = (r.thread_ms.get(UpdateStatsMode.FLOOR, nan)
-           - r.thread_ms.get(UpdateStatsMode.WATCHED, nan))
-    return (f"; the floor (one compiled pass reading the weights and Adam's state once, no "
-            f"figure): {fl.median_pct:+.1f}% (95% CI {fl.ci_low_pct:+.1f}% to "
-            f"{fl.ci_high_pct:+.1f}%), {extra:+.2f} ms, training-thread CPU {cpu:+.2f} ms: "
-            f"no exact per-element update figure costs less here")
+    """The floor hooks' costs: what reading the weights and Adam's state once costs the step,
+    and that read with Adam's per-element arithmetic."""
+    out = ""
+    for mode, name, what, meaning in (
+            (UpdateStatsMode.FLOOR, "the floor", "one compiled pass reading the weights and "
+             "Adam's state once, no figure", "no exact per-element update figure costs less "
+             "here"),
+            (UpdateStatsMode.ARITHMETIC_FLOOR, "the arithmetic floor", "that pass also "
+             "computing Adam's per-element quotient", "no exact figure of Adam's applied "
+             "update computed after the step costs less here")):
+        if mode not in r.step_times:
+            continue
+        fl = r.ratio(mode)
+        extra = (r.timing(mode).median - r.timing(UpdateStatsMode.WATCHED).median) * 1e3
+        nan = float("nan")
+        cpu = r.thread_ms.get(mode, nan) - r.thread_ms.get(UpdateStatsMode.WATCHED, nan)
+        out += (f"; {name} ({what}): {fl.median_pct:+.1f}% (95% CI {fl.ci_low_pct:+.1f}% to "
+                f"{fl.ci_high_pct:+.1f}%), {extra:+.2f} ms, training-thread CPU {cpu:+.2f} "
+                f"ms: {meaning}")
+    return out
 
 
 def _update_stats_kernels(r: UpdateStatsResult) -> str:

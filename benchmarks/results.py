@@ -491,6 +491,8 @@ class UpdateStatsMode(Enum):
     UPDATES = "the same with `update_stats=True` (the update measured in the step's post-hook)"
     FLOOR = ("the step without update stats plus a bare post-hook: one compiled pass reading "
              "every parameter, `exp_avg` and `exp_avg_sq` once into one float64 scalar (the floor)")
+    ARITHMETIC_FLOOR = ("the same hook, its pass also adding Adam's per-element quotient "
+                        "`m / (sqrt(v) + eps)` to each weight (the arithmetic floor)")
 
 
 @dataclass(frozen=True)
@@ -521,7 +523,7 @@ class UpdateStatsResult:
         return Timing.of(self.step_times[mode])
 
     def ratio(self, mode: UpdateStatsMode = UpdateStatsMode.UPDATES) -> PairedRatio:
-        """The step of ``mode`` (with update stats by default; ``FLOOR``: the floor hook's)
+        """The step of ``mode`` (with update stats by default; a floor: that floor hook's)
         over the step without update stats (see :func:`paired_ratio`)."""
         return paired_ratio(self.step_times[mode], self.step_times[UpdateStatsMode.WATCHED])
 

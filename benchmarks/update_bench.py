@@ -13,6 +13,14 @@ on the host, no Python per parameter (its tensor lists are built once). Its rati
 step without update stats is what memory traffic alone costs here: if the floor already costs
 the target, no implementation of these exact figures meets it on this machine.
 
+A fourth kind, the **arithmetic floor**, is the same hook whose pass also computes, per
+element, Adam's quotient ``m / (sqrt(v) + eps)`` added to the weight (one square root and one
+division: the update ``lr * m_hat / (sqrt(v_hat) + eps)`` is a per-element quotient that no
+exact figure of the applied update can skip, and the weight it is rounded against), summed in
+float64. It computes less than the meter must (no decay inverted, no count, no weight norm):
+if it already costs more than the target, no exact figure of Adam's applied update computed
+after the step meets the target on this machine.
+
 Every step is forward, backward, ``collect`` and the optimizer step (the update's measurement
 runs in the optimizer's step post-hook), as the documented loop. Rank 0's times are kept.
 
@@ -28,7 +36,7 @@ Untimed, after the blocks: one warm step of each kind under ``torch.profiler`` (
 dispatched, the compiled kernels' wrappers included, and the scalar reads among them: the
 difference is what update stats add); one more under ``gradwatch.doctor.testing.OpCounter``
 (a dispatch mode: the eager path runs under it, host scalar reads 0 expected); the training
-thread's CPU time per step (``time.thread_time``, interleaved steps of the three kinds);
+thread's CPU time per step (``time.thread_time``, interleaved steps of the four kinds);
 memory: the meter's persistent buffers, and the largest allocation of one warm optimizer step
 with and without it (the host reads and the allocation: the kinds without and with update
 stats) (``largest_allocation``), against the parameters' bytes.
@@ -65,13 +73,24 @@ def floor_pass(params: list[Tensor], ms: list[Tensor], vs: list[Tensor]) -> Tens
                         for p, m, v in zip(params, ms, vs, strict=True)]).sum()
 
 
+def arithmetic_floor_pass(params: list[Tensor], ms: list[Tensor], vs: list[Tensor]
+                          ) -> Tensor:
+    """:func:`floor_pass` plus the per-element arithmetic of Adam's update: each weight plus
+    ``m / (sqrt(v) + eps)``, summed in float64 (what :class:`FloorHook` compiles for the
+    arithmetic floor)."""
+    return torch.stack([(p + m / (v.sqrt() + 1e-8)).to(torch.float64).sum()
+                        for p, m, v in zip(params, ms, vs, strict=True)]).sum()
+
+
 class FloorHook:
     """An optimizer step post-hook doing the least work an exact per-element figure of the
     applied update needs: :func:`floor_pass` compiled (:func:`compile_traced`, the meter's
     compiler) over the parameters with Adam state, called on the tensor lists built at the
     first step (which compiles it: an untimed warm-up step); its scalar is kept, never read."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 fn: Callable[..., Tensor] = floor_pass) -> None:
+        self.fn = fn
         self.kernel: Callable[..., Tensor] | None = None
         self.args: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
         self.out: Tensor | None = None
@@ -85,7 +104,7 @@ class FloorHook:
             params = [p for g in optimizer.param_groups for p in g["params"] if p in state]
             self.args = (params, [state[p]["exp_avg"] for p in params],
                          [state[p]["exp_avg_sq"] for p in params])
-            self.kernel = compile_traced(floor_pass, lambda: self.args)
+            self.kernel = compile_traced(self.fn, lambda: self.args)
         with torch.no_grad():
             self.out = self.kernel(*self.args)
 
@@ -103,6 +122,8 @@ def _job(mode: UpdateStatsMode, compile_kernels: str = "background"
         compile_kernels=compile_kernels))  # type: ignore[arg-type]
     if mode is UpdateStatsMode.FLOOR:
         FloorHook(opt)
+    elif mode is UpdateStatsMode.ARITHMETIC_FLOOR:
+        FloorHook(opt, arithmetic_floor_pass)
     return model, opt, watch
 
 
@@ -182,7 +203,8 @@ def _worker(rank: int, port: int, blocks: int, out: str, compile_kernels: str) -
 
         compile_s, ready, failed = _until_compiled(
             lambda i: step(UpdateStatsMode.UPDATES, i), jobs[UpdateStatsMode.UPDATES][2])
-        step(UpdateStatsMode.FLOOR, -3)  # the floor hook's compile
+        step(UpdateStatsMode.FLOOR, -3)  # the floor hooks' compiles
+        step(UpdateStatsMode.ARITHMETIC_FLOOR, -3)
         dist.barrier()
         times = palindromic(step, kinds, blocks, barrier=dist.barrier)
         reads = {}

@@ -3,10 +3,10 @@
 :mod:`gradwatch.norms.updates` inverts an optimizer step with nine to eleven eager foreach
 passes over the batch (Adam/AdamW), each reading and writing the whole batch. The same
 arithmetic fused by inductor reads the weights and the optimizer state once and writes nothing
-but the figures: per view ``[||delta||^2, stalled, moving]`` (``3 x views`` float64), the squared
-norm accumulated in float64 from the exact ``delta``, the counts as int32 sums
-(exact: a view holds fewer than 2^31 elements). The kernels are compiled per layout (the
-tensors' dtypes, shapes and strides, the variant, the thread count) by
+but the figures: per view ``[||p||^2, ||delta||^2, stalled, moving]`` (``4 x views`` float64),
+the squared norms of the weights the step left and of the exact ``delta`` accumulated in
+float64, the counts as int32 sums (exact: a view holds fewer than 2^31 elements). The kernels
+are compiled per layout (the tensors' dtypes, shapes and strides, the variant, the thread count) by
 :class:`gradwatch.norms.kernels.KernelCache` with :func:`~gradwatch.norms.kernels.compile_traced`
 (traced to aten and compiled by inductor without dynamo: no guards, never a recompile), off the
 training thread in ``"background"`` mode; until a layout's kernel is ready, and for any batch
@@ -79,11 +79,13 @@ def _count(mask: Tensor) -> Tensor:
     return mask.to(torch.int32).sum(dtype=torch.int32)
 
 
-def _row(delta: Tensor, stalled: Tensor, moving: Tensor) -> Tensor:
-    """``[||delta||^2, stalled, moving]`` of one view, float64 (the square of a float32 or
-    float64 ``delta`` accumulated in float64)."""
-    wide = delta.to(F64)
-    return torch.stack([(wide * wide).sum(), stalled.to(F64), moving.to(F64)])
+def _row(p: Tensor, delta: Tensor, stalled: Tensor, moving: Tensor) -> Tensor:
+    """``[||p||^2, ||delta||^2, stalled, moving]`` of one view, float64: the weights the step
+    left and the applied update, each square accumulated in float64 (``p`` is read for the
+    update anyway: the weight norm costs no second pass over the weights)."""
+    weight, wide = p.to(F64), delta.to(F64)
+    return torch.stack([(weight * weight).sum(), (wide * wide).sum(), stalled.to(F64),
+                        moving.to(F64)])
 
 
 def _decayed(p: Tensor, mid: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,11 +143,11 @@ def _adam(params: list[Tensor], ms: list[Tensor], vs: list[Tensor], steps: list[
     for i, (p, m, v) in enumerate(zip(params, ms, vs, strict=True)):
         if p.dtype in NARROW:  # the intended update, materialised: 1 / (sqrt(v) + e) * m * s
             u = torch.reciprocal(v.sqrt() + e[i].to(p.dtype)) * m * s[i].to(torch.float32)
-            rows.append(_row(*_narrow(p, u, c if decay else None)))
+            rows.append(_row(p, *_narrow(p, u, c if decay else None)))
             continue
         mid = p + (s[i].to(p.dtype) * m) / (v.sqrt() + e[i].to(p.dtype))
         figures = _decayed(p, mid, c) if decay else _plain(p, mid, m, meant)
-        rows.append(_row(*figures))
+        rows.append(_row(p, *figures))
     return torch.stack(rows, 1)
 
 
@@ -177,11 +179,11 @@ def _sgd(params: list[Tensor], gs: list[Tensor], bufs: list[Tensor] | None, hype
             u = u + mu.to(k) * bufs[i]
         u = u * rate.to(k)
         if p.dtype in NARROW:
-            rows.append(_row(*_narrow(p, u, rate * wd if decay else None)))
+            rows.append(_row(p, *_narrow(p, u, rate * wd if decay else None)))
             continue
         mid = u + p
         figures = _decayed(p, mid, rate * wd) if decay else _plain(p, mid, u, torch.ones_like(lr))
-        rows.append(_row(*figures))
+        rows.append(_row(p, *figures))
     return torch.stack(rows, 1)
 
 
@@ -207,24 +209,28 @@ def sgd_buffer(params: list[Tensor], bufs: list[Tensor], hyper: Tensor,
     for p, buf in zip(params, bufs, strict=True):
         u = buf * rate.to(_scalar_dtype(p))
         if p.dtype in NARROW:
-            rows.append(_row(*_narrow(p, u, None)))
+            rows.append(_row(p, *_narrow(p, u, None)))
             continue
-        rows.append(_row(*_plain(p, u + p, u, torch.ones_like(lr))))
+        rows.append(_row(p, *_plain(p, u + p, u, torch.ones_like(lr))))
     return torch.stack(rows, 1)
 
 
-def update_section(weights: list[Tensor], updates: Tensor, group: Tensor, counted: Tensor,
-                   tail: Tensor) -> Tensor:
-    """The collect's update section (:meth:`gradwatch.norms.updates.UpdateMeter.figures`):
-    each weight's squared norm accumulated in float64, stacked over the ``3 x P`` update
-    figures, zeroed where ``counted`` is false, summed per group (``group``: each piece's group;
-    the number of groups is ``tail``'s length minus 2; a masked sum, where inductor cannot
-    lower an ``index_add`` into one group), then ``tail``'s last two values."""
-    squares = torch.stack([w.to(F64).square().sum() for w in weights])
-    local = torch.cat([squares.unsqueeze(0), updates])  # 4 x P
+def weight_squares(weights: list[Tensor]) -> Tensor:
+    """Each weight's squared norm, accumulated in float64 (``P`` float64): what the collect
+    reads when the steps did not leave them
+    (:meth:`gradwatch.norms.updates.UpdateMeter.figures`)."""
+    return torch.stack([w.to(F64).square().sum() for w in weights])
+
+
+def update_section(updates: Tensor, group: Tensor, counted: Tensor, tail: Tensor) -> Tensor:
+    """The collect's update section (:meth:`gradwatch.norms.updates.UpdateMeter.figures`): the
+    ``4 x P`` figures (weight squares, update squares, stalled, moving) zeroed where
+    ``counted`` is false, summed per group (``group``: each piece's group; the number of
+    groups is ``tail``'s length minus 2; a masked sum, where inductor cannot lower an
+    ``index_add`` into one group), then ``tail``'s last two values."""
     groups = torch.arange(tail.shape[0] - 2, device=group.device)
     member = (group.unsqueeze(0) == groups.unsqueeze(1)) & counted  # G x P
-    sums = torch.where(member, local.unsqueeze(1), 0.0).sum(-1)  # 4 x G
+    sums = torch.where(member, updates.unsqueeze(1), 0.0).sum(-1)  # 4 x G
     return torch.cat([sums.reshape(-1), tail[-2:]])
 
 
@@ -306,6 +312,7 @@ class FusedUpdates:
         self.ran: list[tuple[Callable[..., Tensor], tuple]] = []
         self._last: tuple[Callable[..., Tensor], tuple] | None = None
         self._section_last: tuple[tuple, Callable[..., Tensor]] | None = None
+        self._weights_last: tuple[tuple, Callable[..., Tensor]] | None = None
 
     def _run(self, fn: Callable[..., Tensor], args: tuple) -> Tensor | None:
         """``fn(*args)`` compiled for their layout if it is ready (starting its compile on
@@ -324,7 +331,7 @@ class FusedUpdates:
 
     def batch_figures(self, kind: str, optimizer: Any, group: dict[str, Any], batch: _Batch,
                       keep: Tensor | None) -> Tensor | None:
-        """The batch's ``3 x views`` figures from a compiled kernel, or None (the eager path
+        """The batch's ``4 x views`` figures from a compiled kernel, or None (the eager path
         measures it): not a covered batch (module docstring), or its kernel is not ready."""
         first = batch.params[0]
         if self.cache.mode == "off" or first.device.type != "cpu" or first.dtype not in (
@@ -364,28 +371,44 @@ class FusedUpdates:
         scale = getattr(optimizer, "grad_scale", None)
         return self._run(fn, (batch.params, batch.tensors["g"], bufs, hyper, keep, scale))
 
-    def section(self, weights: list[Tensor], updates: Tensor, group: Tensor, counted: Tensor,
-                tail: Tensor) -> Tensor | None:
-        """:func:`update_section` from a compiled kernel, or None (eager): weights not all CPU
-        tensors of a covered dtype (``updates`` on the CPU), or the kernel is not ready.
-        ``tail``: ``G + 2`` float64, its last two the section's tail (its length carries the
-        number of groups into the layout key). The layout of the last compiled call is kept:
-        a collect with the same layout (each weight's device, dtype, shape and strides, the other
-        arguments' shapes, the thread count) calls its kernel without building the key."""
-        if self.cache.mode == "off" or not weights or updates.device.type != "cpu":
+    def weights(self, weights: list[Tensor]) -> Tensor | None:
+        """:func:`weight_squares` from a compiled kernel, or None (eager): weights not all CPU
+        tensors of a covered dtype, or the kernel is not ready. The layout of the last compiled
+        call is kept: weights with the same layout (each one's device, dtype, shape and
+        strides, the thread count) call its kernel without building the key."""
+        if self.cache.mode == "off" or not weights or not compiled_calls_allowed():
+            return None
+        quick = (torch.get_num_threads(),
+                 [(w.device.type, w.dtype, w.shape, w.stride()) for w in weights])
+        last = self._weights_last
+        if last is not None and last[0] == quick:
+            with torch.no_grad():
+                return last[1](weights)
+        if any(w.device.type != "cpu" or w.dtype not in WIDE + NARROW for w in weights):
+            return None
+        out = self._run(weight_squares, (weights,))
+        if out is not None and self._last is not None:
+            self._weights_last = (quick, self._last[0])
+        self._last = None
+        return out
+
+    def section(self, updates: Tensor, group: Tensor, counted: Tensor, tail: Tensor
+                ) -> Tensor | None:
+        """:func:`update_section` from a compiled kernel, or None (eager: ``updates`` not on
+        the CPU, or the kernel is not ready). ``tail``: ``G + 2`` float64, its last two the
+        section's tail (its length carries the number of groups into the layout key). The
+        layout of the last compiled call is kept as :meth:`weights`' is."""
+        if self.cache.mode == "off" or updates.device.type != "cpu":
             return None
         if not compiled_calls_allowed():
             return None
-        args = (weights, updates, group, counted, tail)
-        quick = (torch.get_num_threads(), updates.shape, group.shape, counted.shape, tail.shape,
-                 [(w.device.type, w.dtype, w.shape, w.stride()) for w in weights])
+        args = (updates, group, counted, tail)
+        quick = (torch.get_num_threads(), updates.shape, group.shape, counted.shape, tail.shape)
         last = self._section_last
         if last is not None and last[0] == quick:
             with torch.no_grad():
                 out = last[1](*args)
         else:
-            if any(w.device.type != "cpu" or w.dtype not in WIDE + NARROW for w in weights):
-                return None
             out = self._run(update_section, args)
             if out is not None and self._last is not None:
                 self._section_last = (quick, self._last[0])

@@ -113,12 +113,13 @@ class AdamReplay:
         calls: per batch ``(kernel, group, args, owners, unique)``: the compiled kernel and the
             arguments it was called with, the owners' device index and whether each owner
             has one view.
+        positions: the meter's positions of every piece the calls write.
     """
 
     def __init__(self, optimizer: Any, params: Sequence[Tensor],
                  calls: Sequence[tuple[Callable[..., Tensor], dict[str, Any], tuple, Tensor,
                                        bool]],
-                 on_drop: Callable[[], None]) -> None:
+                 positions: Sequence[int], on_drop: Callable[[], None]) -> None:
         self._optimizer = weakref.ref(optimizer, lambda _ref: on_drop())
         # a loaded state replaces the tensors held here: drop them at once, not at the next step
         self._loading = optimizer.register_load_state_dict_pre_hook(
@@ -131,6 +132,8 @@ class AdamReplay:
         self._found_inf = getattr(optimizer, "found_inf", None) is not None
         self._calls = [_Call(*c) for c in calls]
         self.batches = len(self._calls)
+        #: the meter's positions of the pieces the calls write (their weight squares included)
+        self.positions = frozenset(positions)
 
     def close(self) -> None:
         """Stop watching the optimizer's ``load_state_dict``."""
@@ -147,7 +150,7 @@ class AdamReplay:
                 and _signature(optimizer, self._params) == self._signature)
 
     def run(self, optimizer: Any, updates: Tensor) -> bool:
-        """The step's figures into ``updates`` (``3 x P``: each batch's owners overwritten), or
+        """The step's figures into ``updates`` (``4 x P``: each batch's owners overwritten), or
         False, with nothing written, when the replay no longer holds (the caller measures the
         step its full way and drops this replay)."""
         if not compiled_calls_allowed() or not self.holds(optimizer):
@@ -182,24 +185,26 @@ class Replays:
         self._fused = fused
         self._by_id: dict[int, AdamReplay] = {}
 
-    def run(self, optimizer: Any, updates: Tensor) -> bool:
-        """``optimizer``'s step measured by its replay (True), or False: none, or it no longer
-        holds (then dropped)."""
+    def run(self, optimizer: Any, updates: Tensor) -> frozenset[int] | None:
+        """``optimizer``'s step measured by its replay (the positions it wrote), or None: no
+        replay, or it no longer holds (then dropped)."""
         key = id(optimizer)
         replay = self._by_id.get(key)
         if replay is None:
-            return False
+            return None
         if not replay.run(optimizer, updates):
             self._drop(key)
-            return False
+            return None
         self._fused.calls += replay.batches
-        return True
+        return replay.positions
 
     def record(self, optimizer: Any, params: Sequence[Tensor],
-               batches: Sequence[tuple[dict[str, Any], Tensor, bool]]) -> None:
+               batches: Sequence[tuple[dict[str, Any], Tensor, bool]],
+               positions: Sequence[int]) -> None:
         """Prepare ``optimizer``'s replay from the step just measured: ``params`` the watched
-        parameters it holds, per batch ``(group, owners index, each owner one view)``; nothing
-        when some batch did not run a compiled kernel. Clears ``ran``."""
+        parameters it holds, per batch ``(group, owners index, each owner one view)``,
+        ``positions`` the pieces the batches wrote; nothing when some batch did not run a
+        compiled kernel. Clears ``ran``."""
         ran, self._fused.ran = self._fused.ran, []
         if not batches or len(ran) != len(batches) or len(self._by_id) >= REPLAYS:
             return
@@ -207,7 +212,7 @@ class Replays:
         self._drop(key)
         calls = [(kernel, group, args, owners, unique)
                  for (kernel, args), (group, owners, unique) in zip(ran, batches, strict=True)]
-        self._by_id[key] = AdamReplay(optimizer, params, calls,
+        self._by_id[key] = AdamReplay(optimizer, params, calls, positions,
                                       lambda: self._drop(key))
 
     def _drop(self, key: int) -> None:

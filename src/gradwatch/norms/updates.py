@@ -66,7 +66,8 @@ every step of an optimizer holding watched parameters; each parameter's figures 
 previous step's, so a collect publishes the update of the last step that updated each parameter
 (with ``every_n_steps > 1``: of the last step before the collect, not the sum since the
 previous collect). :meth:`UpdateMeter.figures` (the collect) adds the weight norms, sums per
-group over the pieces this rank counts, and clears the update figures: a collect with no
+group over the pieces this rank counts, and clears the update figures (not the weight
+squares): a collect with no
 optimizer step since the previous one publishes an update of 0 (the weights did not change),
 which is how a skipped step is seen. The first collect has no previous one (marked, so the
 update figures are None). No host read anywhere: learning rates, step counts and ``found_inf``
@@ -81,15 +82,28 @@ both), eleven with it (the second ``addcdiv`` gives ``delta``; its norm, ``sign`
 SGD eight to twelve; about 30 small ops on vectors of one element per view (the bias
 corrections, the counts); no Python loop over elements, one over the
 parameters to gather their state. bf16/fp16 weights: about fifteen foreach ops per batch (the
-signs). Per collect, one float32 norm per view of :data:`WEIGHT_ROWS` weights (their squares
-summed in float64: the weight norm's relative error is about 1e-7). Persistent memory: three
-float64 figures per parameter *tensor*; temporaries: at most three of a batch's size in its
-dtype, freed by the step.
+signs). Per collect where the weights are read (above), one float32 norm per view of
+:data:`WEIGHT_ROWS` weights (their squares summed in float64: the weight norm's relative
+error is about 1e-7). Persistent memory: four float64 figures per parameter *tensor*;
+temporaries: at most three of a batch's size in its dtype, freed by the step.
+
+**Weight norms, measured once.** Each piece's weight squares are kept with a *stamp*: its
+local storage (``data_ptr``) and its version counter (``_version``, which every in-place op
+on the tensor bumps, the optimizer's own included). A compiled step kernel (below) reads the
+weights for the update anyway and also leaves their squares: the weights the step produced,
+stamped right after the step. The collect compares every piece's stamp with the one kept; when
+all match, the weights are what was measured and are not read again; otherwise (the first
+collect, a step measured eagerly, an in-place change or new data after the step) it reads
+every piece's weights once (one compiled call, or the float32 norms below) and keeps their
+stamps. A change made through ``.data`` bumps no version counter: such a change after the last
+step is seen when a step or a change through the tensor next measures the weights (the
+``.data`` route is autograd's own blind spot for the same reason).
 
 **Compiled** (:mod:`gradwatch.norms.fused_updates`): on CPU tensors, once a batch's layout
 has its kernel (``compile_kernels``: compiled off the training thread by default), the batch's
 figures come from one compiled call that reads the weights and the state once (the same
-arithmetic, the sums in float64), and the collect's section from another; everything else, and
+arithmetic, the sums in float64; the weight squares too), and the collect's section from
+another; everything else, and
 every batch until its kernel is ready, takes the eager path above. An Adam/AdamW step whose
 batches all ran compiled repeats its prepared calls on the next steps, no batch rebuilt, while
 what they read is unchanged (:mod:`gradwatch.norms.update_replay`).
@@ -98,7 +112,7 @@ what they read is unchanged (:mod:`gradwatch.norms.update_replay`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -432,7 +446,11 @@ class UpdateMeter:
         self._group = torch.tensor(list(group_index), dtype=torch.long, device=device)
         self._mask = torch.tensor(list(contributes), dtype=torch.bool, device=device)
         self._all = torch.ones_like(self._mask)
-        self._updates = torch.zeros(3, len(self._params), dtype=torch.float64, device=device)
+        # per piece [weight squares, update squares, stalled, moving]: the update figures of
+        # the last step that stepped it, its weight squares as last measured (by that step's
+        # kernel or by a collect), current while the piece's stamp is the one kept here
+        self._updates = torch.zeros(4, len(self._params), dtype=torch.float64, device=device)
+        self._weighed: list[tuple[int, int] | None] = [None] * len(self._params)
         self._armed = False  # a collect packed figures before: the next one has an update
         self._unmeasured = False  # a step this module cannot invert touched a parameter
         self._warned: set[str] = set()
@@ -454,6 +472,7 @@ class UpdateMeter:
             self.after_step(optimizer)
         except Exception as exc:  # never-crash boundary: the update is unmeasured, logged
             self._unmeasured = True
+            self._weights_changed(None, ())
             self._warn("error", "gradwatch: the optimizer update could not be measured "
                        "(%s: %s); update figures are unmeasured", type(exc).__name__, exc)
 
@@ -461,8 +480,11 @@ class UpdateMeter:
         """Measure the update ``optimizer`` just applied to the watched parameters it holds
         (each overwrites its previous figures); others' steps are ignored. A step like the
         previous one of a compiled Adam repeats its prepared calls
-        (:mod:`gradwatch.norms.update_replay`)."""
-        if self._replays.run(optimizer, self._updates):
+        (:mod:`gradwatch.norms.update_replay`). The compiled kernels also leave the squares of
+        the weights they read (:meth:`_weights_changed`)."""
+        replayed = self._replays.run(optimizer, self._updates)
+        if replayed is not None:
+            self._weights_changed(replayed, ())
             return
         held = [
             (group, p, i)
@@ -482,28 +504,55 @@ class UpdateMeter:
         kind = optimizer_kind(optimizer)
         if kind is None:
             self._unmeasured = True
+            self._weights_changed(None, ())
             self._warn("kind", "gradwatch: update_stats cannot read %s's steps (supported: "
                        "torch.optim SGD, Adam, AdamW); update figures are unmeasured",
                        type(optimizer).__name__)
             return
         self.fused.ran.clear()
         measured = []
+        weighed: set[int] = set()
+        unweighed: set[int] = set()
         with torch.no_grad():
             for group, batch in _batches(kind, optimizer, held) + _fragment_batches(
                 kind, optimizer, parts
             ):
                 figures = self._batch_figures(kind, optimizer, group, batch)
                 owners = self._index_of(tuple(batch.owners))
-                self._updates.index_fill_(1, owners, 0.0)
-                self._updates.index_add_(1, owners, figures.to(self._device))
+                with_weights = figures.shape[0] == 4  # a compiled kernel's: weights included
+                rows = self._updates if with_weights else self._updates[1:]
+                rows.index_fill_(1, owners, 0.0)
+                rows.index_add_(1, owners, figures.to(self._device))
+                (weighed if with_weights else unweighed).update(batch.owners)
                 measured.append((group, owners, len(set(batch.owners)) == len(batch.owners)))
+        self._weights_changed(weighed - unweighed, unweighed)
         if kind == _Kind.ADAM and not parts:  # the next steps repeat the compiled calls
-            self._replays.record(optimizer, [p for _, p, _ in held], measured)
+            self._replays.record(optimizer, [p for _, p, _ in held], measured, sorted(weighed))
         self.fused.ran.clear()  # no reference to the step's tensors (SGD's gradients) kept
+
+    def _weights_changed(self, weighed: Iterable[int] | None, unweighed: Iterable[int]
+                         ) -> None:
+        """After a step: the pieces whose weight squares its compiled kernels measured
+        (``weighed``) keep the stamp they have now; those it stepped eagerly (``unweighed``:
+        no squares) lose theirs; None: the step may have changed any weight, every piece's
+        squares are read at the next collect."""
+        if weighed is None:
+            self._weighed = [None] * len(self._params)
+            return
+        now = self._stamps()
+        for i in weighed:
+            self._weighed[i] = now[i]
+        for i in unweighed:
+            self._weighed[i] = None
+
+    def _stamps(self) -> list[tuple[int, int] | None]:
+        """Each local piece's storage and version counter (bumped by every in-place op)."""
+        return [(t.data_ptr(), t._version) for t in map(_local, self._params)]
 
     def _batch_figures(self, kind: str, optimizer: Any, group: dict[str, Any],
                        batch: _Batch) -> Tensor:
-        """One batch's ``3 x views`` figures: :func:`wide_figures` from the weights before
+        """One batch's figures: ``4 x views`` from a compiled kernel (the weight squares
+        first), else ``3 x views``: :func:`wide_figures` from the weights before
         the decay for float32/float64 weights, :func:`narrow_figures` from the intended
         update for bf16/fp16."""
         keep = _keep(optimizer, batch.params[0].device)
@@ -546,32 +595,42 @@ class UpdateMeter:
         squared norms, stalled and moving elements, over the pieces this rank counts (every
         piece when ``count_all``: the collect does not all-reduce); then 1 when some step
         could not be measured, 1 when there is no previous collect. Clears the update
-        figures. A constant number of ops, no host read; one compiled call
+        figures. The weight squares are those the steps' compiled kernels left, read again
+        (:meth:`_measure_weights`) when some piece's storage or version changed since it was
+        measured (an in-place change after the step, new data, a step measured eagerly, the
+        first collect). A constant number of ops, no host read; one compiled call
         (:func:`gradwatch.norms.fused_updates.update_section`) once it is ready."""
-        fused = self._fused_section(count_all)
-        if fused is not None:
-            self._updates.zero_()
-            self._armed, self._unmeasured = True, False
-            return fused
-        local = torch.cat([self._weight_squares().unsqueeze(0), self._updates])
-        counted = torch.where(self._all if count_all else self._mask, local, 0.0)
-        sums = torch.zeros(4, self._groups, dtype=torch.float64, device=self._device)
-        sums.index_add_(1, self._group, counted)
-        tail = torch.zeros(2, dtype=torch.float64, device=self._device)
-        tail[0].fill_(float(self._unmeasured))
-        tail[1].fill_(float(not self._armed))
-        self._updates.zero_()
+        now = self._stamps()
+        if now != self._weighed:
+            self._measure_weights()
+            self._weighed = now
+        counted = self._all if count_all else self._mask
+        out = None
+        if self.fused.cache.mode != "off":
+            tail = torch.tensor([0.0] * self._groups + [float(self._unmeasured),
+                                                         float(not self._armed)],
+                                dtype=torch.float64)
+            out = self.fused.section(self._updates, self._group, counted, tail)
+        if out is None:
+            local = torch.where(counted, self._updates, 0.0)
+            sums = torch.zeros(4, self._groups, dtype=torch.float64, device=self._device)
+            sums.index_add_(1, self._group, local)
+            tail = torch.zeros(2, dtype=torch.float64, device=self._device)
+            tail[0].fill_(float(self._unmeasured))
+            tail[1].fill_(float(not self._armed))
+            out = torch.cat([sums.reshape(-1), tail])
+        self._updates[1:].zero_()
         self._armed, self._unmeasured = True, False
-        return torch.cat([sums.reshape(-1), tail])
+        return out
 
-    def _fused_section(self, count_all: bool) -> Tensor | None:
-        """:meth:`figures`' section from the compiled kernel, or None (eager)."""
-        if self.fused.cache.mode == "off":
-            return None
-        tail = torch.tensor([0.0] * self._groups + [float(self._unmeasured),
-                                                     float(not self._armed)], dtype=torch.float64)
-        return self.fused.section([_local(p) for p in self._params], self._updates,
-                                  self._group, self._all if count_all else self._mask, tail)
+    def _measure_weights(self) -> None:
+        """Every piece's weight squares into the figures' first row: one compiled call
+        (:func:`gradwatch.norms.fused_updates.weight_squares`) once ready, else
+        :meth:`_weight_squares`."""
+        squares = self.fused.weights([_local(p) for p in self._params])
+        if squares is None:
+            squares = self._weight_squares()
+        self._updates[0].copy_(squares)
 
     def _weight_squares(self) -> Tensor:
         """Each local piece's squared norm: float32 norms of views of at most

@@ -53,7 +53,7 @@ def meter_of(watch: GradWatch) -> UpdateMeter:
 def test_compiled_figures_match_the_copies_under_a_schedule(kind: str,
                                                             dtype: torch.dtype) -> None:
     """A learning rate that changes every step (a schedule): the figures follow it (the rate
-    is an input of the kernel, not a constant), nothing is compiled after the first step, and
+    is an input of the kernel, not a constant), nothing is compiled after the second step, and
     every step and collect went through the compiled kernels."""
     m = model(dtype)
     opt = OPTIMIZERS[kind](m)
@@ -82,11 +82,13 @@ def test_compiled_figures_match_the_copies_under_a_schedule(kind: str,
             after = copies(m)
             pending = {"all": reference(before, after, lambda n: True),
                        "first": reference(before, after, lambda n: n.startswith("0."))}
-            if step == 0:
+            if step == 1:
                 compiled = meter.fused.cache.ready
         cache = meter.fused.cache
         assert (meter.fused.calls, meter.fused.section_calls) == (steps, steps)
-        assert (cache.ready, cache.pending, cache.failed) == (compiled, 0, 0) == (2, 0, 0)
+        # the step's kernel, the first collect's section (reading the weights: no step before
+        # it) and the later collects' (from the weight squares the step's kernel left)
+        assert (cache.ready, cache.pending, cache.failed) == (compiled, 0, 0) == (3, 0, 0)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no dynamo
 
 
@@ -113,7 +115,8 @@ def test_counts_equal_the_eager_paths_and_the_copies(kind: str) -> None:
     """Two meters on one parameter, the eager one and the compiled one: per step the stalled
     and moving counts are equal (exactly), and equal to those of the float64 copies (an
     element stalled when it was meant to move, its gradient or decay non-zero, and is
-    unchanged); the squared update within 1e-6 of the eager path's float32-accumulated one."""
+    unchanged); the squared update within 1e-6 of the eager path's float32-accumulated one; the
+    compiled one's weight squares those of the weights after the step."""
     w, g = stalling_weight()
     p = nn.Parameter(w.clone())
     opt = STALLING[kind](p, 1e-10)
@@ -126,13 +129,16 @@ def test_counts_equal_the_eager_paths_and_the_copies(kind: str) -> None:
             p.grad = g.clone()
             opt.step()
             got, want = fused._updates.clone(), eager._updates.clone()
-            assert torch.equal(got[1:], want[1:]), step
-            assert float(got[0, 0]) == pytest.approx(float(want[0, 0]), rel=1e-6)
+            assert torch.equal(got[2:], want[2:]), step
+            assert float(got[1, 0]) == pytest.approx(float(want[1, 0]), rel=1e-6)
             meant = (g != 0) | ((before != 0) if decayed else torch.zeros_like(g, dtype=bool))
             stalled = meant & (p.detach() == before)
-            assert (int(got[1, 0]), int(got[2, 0])) == (int(stalled.sum()), int(meant.sum()))
+            assert (int(got[2, 0]), int(got[3, 0])) == (int(stalled.sum()), int(meant.sum()))
             update = norm_of([p.detach().double() - before.double()])
-            assert math.sqrt(float(got[0, 0])) == pytest.approx(update, rel=UPDATE_TOL)
+            assert math.sqrt(float(got[1, 0])) == pytest.approx(update, rel=UPDATE_TOL)
+            # the compiled kernel also leaves the squares of the weights the step left
+            weights = math.fsum(x * x for x in p.detach().double().tolist())
+            assert float(got[0, 0]) == pytest.approx(weights, rel=1e-12)
             eager.figures(count_all=True)
             fused.figures(count_all=True)
         assert fused.fused.calls == 3 and eager.fused.calls == 0
@@ -152,11 +158,13 @@ def test_a_skipped_fused_step_is_read_by_the_compiled_kernel() -> None:
         p.grad = g.clone()
         opt.found_inf = torch.zeros(())
         opt.step()
-        assert float(meter._updates[2, 0]) > 0
+        assert float(meter._updates[3, 0]) > 0
         opt.found_inf = torch.ones(())
         p.grad = g.clone()
         opt.step()
-        assert meter._updates[:, 0].tolist() == [0.0, 0.0, 0.0]
+        assert meter._updates[1:, 0].tolist() == [0.0, 0.0, 0.0]
+        weights = math.fsum(x * x for x in p.detach().double().tolist())
+        assert float(meter._updates[0, 0]) == pytest.approx(weights, rel=1e-12)
         assert meter.fused.calls == 2 and meter.fused.cache.ready == 1
     finally:
         meter.close()
@@ -223,8 +231,16 @@ def test_background_mode_compiles_off_the_training_thread() -> None:
             if step == 0:  # the first sight of each layout never waits for its compile
                 assert meter.fused.calls == 0 and meter.fused.section_calls == 0
         assert cache.wait(timeout=600)
-        calls, sections = meter.fused.calls, meter.fused.section_calls
+        # the first collect after a compiled step shows the section from the step's weight
+        # squares: its own compile
         for step in range(2, 4):
+            m(torch.randn(4, 32)).sum().backward()
+            watch.collect(step)
+            opt.step()
+            opt.zero_grad()
+        assert cache.wait(timeout=600)
+        calls, sections = meter.fused.calls, meter.fused.section_calls
+        for step in range(4, 6):
             m(torch.randn(4, 32)).sum().backward()
             watch.collect(step)
             opt.step()

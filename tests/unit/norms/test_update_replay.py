@@ -73,7 +73,7 @@ def run(changes: dict[int, Callable[[nn.Module, torch.optim.Optimizer], None]],
             assert torch.equal(figures, full_path(meter, opt))
             after = copies(m)
             exact = norm_of([after[k] - before[k] for k in after])
-            measured = float(figures[0].sum().sqrt())
+            measured = float(figures[1].sum().sqrt())
             errors.append(abs(measured - exact) / exact)
             schedule.step()
             opt.zero_grad()
@@ -135,8 +135,9 @@ def test_a_changed_decay_keeps_the_replay_a_zero_decay_drops_it(
 
 def test_the_section_follows_a_weight_whose_strides_changed() -> None:
     """The collect's compiled section repeats its last call while the weights' layout is the
-    same; a weight replaced by one of other strides (same shape) takes the keyed path (its
-    own kernel), and every weight norm is the copies'."""
+    same; a weight replaced by one of other strides (same shape) is read again at the collect
+    (new data since the step) through the keyed path (its own kernel), and every weight norm
+    is the copies'."""
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
     with GradWatch(m, WatchConfig(update_stats=True, compile_kernels="wait")) as watch:
@@ -153,7 +154,10 @@ def test_the_section_follows_a_weight_whose_strides_changed() -> None:
             opt.step()
             opt.zero_grad()
         assert meter.fused.section_calls == 4
-        assert meter.fused.cache.ready == 4  # the batch and the section, each in both layouts
+        # the batch and the section reading the weights, each in both layouts (the first
+        # collect and the one after the data changed read the weights), and the section
+        # from the step's weight squares
+        assert meter.fused.cache.ready == 5
 
 
 def test_a_loaded_state_is_let_go_at_once() -> None:
@@ -183,3 +187,58 @@ def test_a_loaded_state_is_let_go_at_once() -> None:
         assert len(meter._replays._by_id) == 1
         assert len(opt._optimizer_load_state_dict_pre_hooks) == 1
     assert not meter._replays._by_id and not opt._optimizer_load_state_dict_pre_hooks
+
+
+def test_the_collect_reads_the_weights_only_when_the_step_did_not_leave_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a compiled step the collect's weight norm comes from the squares the step's kernel
+    left (the weights not read again), and so does a collect with nothing changed since the
+    previous one read them; an in-place change after the step (a version bump) or replaced
+    data make the collect read the weights; every weight norm is the copies'."""
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+    with GradWatch(m, WatchConfig(update_stats=True, compile_kernels="wait")) as watch:
+        meter = meter_of(watch)
+        read: list[bool] = []
+        real = meter.fused.weights
+
+        def weights(*args: Any) -> Any:
+            read.append(True)
+            return real(*args)
+
+        monkeypatch.setattr(meter.fused, "weights", weights)
+
+        def collect(step: int) -> bool:
+            n = len(read)
+            watch.collect(step)
+            exact = norm_of(list(copies(m).values()))
+            assert watch.last.weight_norm == pytest.approx(exact, rel=1e-6)
+            return len(read) > n
+
+        def train() -> None:
+            m(torch.randn(8, 32)).pow(2).mean().backward()
+
+        train()
+        assert collect(0)  # no step before it
+        for step in range(1, 3):
+            opt.step()
+            opt.zero_grad()
+            train()
+            assert not collect(step)  # the step's squares
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            next(m.parameters()).mul_(2.0)  # in place after the step
+        train()
+        assert collect(3)
+        assert not collect(4)  # no step and no change since the previous collect read them
+        opt.step()
+        opt.zero_grad()
+        first = next(m.parameters())
+        first.data = first.data * 0.5  # new data after the step
+        train()
+        assert collect(5)
+        opt.step()
+        opt.zero_grad()
+        train()
+        assert not collect(6)
