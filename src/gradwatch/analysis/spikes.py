@@ -348,13 +348,14 @@ class SpikeDetector:
         model): the one sample scored and entered once, what those two do for such series
         (every series scored alike from the same window, which takes the sample once). None,
         with nothing done, for any other series. Caller holds the lock."""
-        norms = iter(series.values())
-        norm = next(norms)
-        if not 0.0 < norm < math.inf or any(other != norm for other in norms):
+        norms = list(series.values())
+        norm = norms[0]
+        # C-level counts (a window compares by identity): no generator per collect
+        if not 0.0 < norm < math.inf or norms.count(norm) != len(norms):
             return None
         windows = self._windows
         w = windows.get(None)
-        if w is None or any(windows.get(key) is not w for key in series):
+        if w is None or list(map(windows.get, series)).count(w) != len(norms):
             return None
         x = math.log(norm)
         n = len(w._fifo)
