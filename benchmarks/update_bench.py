@@ -242,7 +242,7 @@ def _worker(rank: int, port: int, blocks: int, out: str, compile_kernels: str) -
 
 
 def updates(blocks: int = 300, compile_kernels: str = "background") -> UpdateStatsResult:
-    """``blocks`` palindromic blocks of the three :class:`UpdateStatsMode` kinds on 2 spawned
+    """``blocks`` palindromic blocks of the :class:`UpdateStatsMode` kinds on 2 spawned
     ranks (``compile_kernels="off"``: the eager path, for comparison)."""
     import torch.multiprocessing as mp
 

@@ -43,7 +43,10 @@ WEIGHT_NORM = MetricDef(
     "gauge",
     ("group",),
     "L2 norm of the weights of one parameter group at the last published step.",
-    "Exact across shards (each piece counted once). Absent without `update_stats`.",
+    "Exact across shards (each piece counted once). The weights as the last optimizer step "
+    "left them, measured in the same pass as its update; read again at the collect when a "
+    "piece changed in place or got new data since (a write through `.data` bumps no version "
+    "counter and is seen at the next step). Absent without `update_stats`.",
     absent=ABSENT_WITHOUT_UPDATE_STATS,
     source=MetricSource.SNAPSHOT,
     read=measured_group_field("weight_norm"),
