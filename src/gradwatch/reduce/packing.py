@@ -462,16 +462,19 @@ class HostPacking:
     local pieces.
 
     Same bits, slot by slot: the squares are copied; a flag is ``x - x`` of the plain square
-    (0 where finite, NaN where NaN or Inf: IEEE's subtraction, in C or in Python) with NaN
-    made 1.0 (``nan_to_num_(nan=1.0)``; ``x - x`` is never infinite); the has-gradient flags
+    (+0.0 where finite, NaN where NaN or Inf: IEEE's subtraction rounding to nearest, in C or
+    in Python) with NaN made 1.0 (``nan_to_num_(nan=1.0)``; ``x - x`` is never infinite),
+    so 0.0 exactly where ``x - x == 0``, else 1.0; the has-gradient flags
     are 1.0 or 0.0; the step and its residues as the staging's tail writes them; every other
     slot reads the staging's trailing zero."""
 
-    __slots__ = ("_gather", "_n_local")
+    __slots__ = ("_flags", "_gather", "_n_local", "_seen")
 
     def __init__(self, gather: Tensor, n_local: int) -> None:
         self._gather = operator.itemgetter(*gather.tolist())
         self._n_local = n_local
+        self._seen: list[bool] | None = None  # the has-gradient pattern of ``_flags``
+        self._flags: list[float] = []
 
     @classmethod
     def of(cls, gather: Tensor, n_local: int, device: torch.device) -> HostPacking | None:
@@ -484,9 +487,13 @@ class HostPacking:
         """The packed vector of ``sq_local`` (the engine's banded squares on the CPU),
         ``has_grad`` and ``step``, as floats."""
         staged = sq_local.tolist()
-        differences = [x - x for x in staged[: self._n_local]]
-        staged += [1.0 if d != d else d for d in differences]
-        staged += [1.0 if g else 0.0 for g in has_grad]
+        # x - x is +0.0 for every finite x (round to nearest), NaN otherwise
+        staged += [0.0 if x - x == 0.0 else 1.0 for x in staged[: self._n_local]]
+        seen = has_grad if type(has_grad) is list else list(has_grad)
+        if seen != self._seen:  # the pattern changes rarely: its floats are kept
+            self._flags = [1.0 if g else 0.0 for g in seen]
+            self._seen = list(seen)  # a copy: the caller may reuse its list
+        staged += self._flags
         residue, square = step_residues(step)
         staged += (float(step), residue, square, 0.0)
         return list(self._gather(staged))

@@ -287,6 +287,14 @@ def test_host_packing_equals_the_tensor_packing_bit_for_bit(case: str, device_vi
     assert repr(got.stats()) == repr(want.stats())  # NaN != NaN: compared as text
     assert got.step_sums(1.0) == want.step_sums(1.0)
     assert got.stats().steps_agree(step) and got.stats().ranks == want.stats().ranks
+    # the next collect, another has-gradient pattern in the caller's same (reused) list
+    has_grad[0] = not has_grad[0]
+    again = fast.pack_and_reduce(sq.clone(), has_grad, step + 1, with_replicas=False,
+                                 device_collective=False)
+    has_grad[0] = not has_grad[0]  # the caller reuses its list: nothing kept refers to it
+    want = general.pack_and_reduce(sq.clone(), [not has_grad[0], *has_grad[1:]], step + 1,
+                                   with_replicas=False, device_collective=False)
+    assert _bits(again._values) == _bits(want._device().tolist())
 
 
 def test_a_clip_packs_by_tensor_ops() -> None:
