@@ -457,8 +457,8 @@ def test_quick_guard_section() -> None:
 
 @pytest.mark.distributed
 def test_quick_update_stats_section() -> None:
-    """The update-stats section (what `make bench` runs) on 2 blocks: the three kinds (without,
-    with update stats, the floor hook) timed in every block, the ratios rendered with their IQR
+    """The update-stats section (what `make bench` runs) on 2 blocks: the four kinds (without,
+    with update stats, the two floor hooks) timed in every block, the ratios rendered with their IQR
     and verdict, both target rows judged (time and persistent memory), no host read added, the
     fused kernels compiled before the blocks."""
     from benchmarks import update_bench
@@ -469,23 +469,25 @@ def test_quick_update_stats_section() -> None:
     assert all(len(found.timing(m)) == 4 for m in UpdateStatsMode)  # two per block
     assert found.scalar_reads == 0
     assert 0 < found.persistent_bytes < found.parameter_bytes
-    # the steady state was timed: both fused kernels compiled before the blocks
-    assert (found.kernels_ready, found.kernels_failed) == (2, 0) and found.compile_seconds > 0
+    # the steady state was timed: the fused kernels (the step's, the collect's section, the
+    # first collect's weight squares) compiled before the blocks
+    assert (found.kernels_ready, found.kernels_failed) == (3, 0) and found.compile_seconds > 0
     assert found.profiled_scalar_reads == 0
     assert set(found.ops_per_step) == set(found.thread_ms) == set(UpdateStatsMode)
-    assert "fused kernels: 2 compiled (0 failed)" in report._update_stats_section(found)
-    # the floor arm: timed in the same blocks, its ratio and interval in the section's text
-    assert re.search(r"the floor \(.*\): [+-][\d.]+% \(95% CI [+-][\d.]+% to [+-][\d.]+%\)",
-                     report._update_stats_section(found))
+    assert "fused kernels: 3 compiled (0 failed)" in report._update_stats_section(found)
+    # the floor arms: timed in the same blocks, their ratios and intervals in the section's text
+    for name in ("the floor", "the arithmetic floor"):
+        assert re.search(name + r" \([^)]*\): [+-][\d.]+% \(95% CI [+-][\d.]+% to [+-][\d.]+%\)",
+                         report._update_stats_section(found)), name
     _header, rows = _rows(report.update_stats_table(found), "| step |")
     assert [r[0] for r in rows] == [m.value for m in UpdateStatsMode]
-    for row in rows[1:]:  # with update stats, the floor
+    for row in rows[1:]:  # with update stats, the floors
         assert re.fullmatch(r"\d+\.\d{3}x \([+-][\d.]+%, IQR [+-][\d.]+% to [+-][\d.]+%\)",
                             row[2])
     run = RunResults(command="x", rounds=(1, 1), updates=found)
     checks = [c for c in report.target_checks(run) if "update_stats" in c.subject]
     assert len(checks) == 2 and "<= +2%" in checks[0].subject and "<= +1%" in checks[1].subject
-    assert checks[1].met  # 24 bytes per tensor, far under 1% of the parameters' bytes
+    assert checks[1].met  # 32 bytes per tensor, far under 1% of the parameters' bytes
     reads = [c for c in report.target_checks(run) if c.area == "host reads"]
     assert len(reads) == 1 and "update stats add to a warm step" in reads[0].subject
     assert reads[0].subject.endswith("<= 0 host reads") and reads[0].met
