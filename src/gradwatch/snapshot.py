@@ -359,15 +359,9 @@ class Snapshot:
         Unchanged mappings are shared, not copied again: they are this snapshot's own
         read-only copies, and ``param_norms`` of a large model holds one entry per parameter.
         """
-        mappings, tuples = _given(type(self), tuple(changes))
         new = object.__new__(type(self))
-        fields = new.__dict__
-        fields.update(self.__dict__)
-        fields.update(changes)
-        for name in mappings:
-            fields[name] = _frozen(changes[name])
-        for name in tuples:
-            fields[name] = tuple(changes[name])
+        new.__dict__.update(self.__dict__)
+        _write(new, changes)
         return new
 
     def _fields(self) -> dict[str, Any]:
@@ -465,6 +459,13 @@ def amend_fresh(snap: Snapshot, changes: Mapping[str, Any]) -> Snapshot:
     by :func:`snapshot_of`, handed to no one yet): the changes are written into ``snap``
     itself, frozen as :meth:`Snapshot.replace` freezes them, and ``snap`` is returned; no
     second snapshot is built. Raises ``TypeError`` on an unknown field, as ``replace``."""
+    _write(snap, changes)
+    return snap
+
+
+def _write(snap: Snapshot, changes: Mapping[str, Any]) -> None:
+    """``changes`` written into ``snap``'s fields, mappings frozen and sequences made tuples
+    as the constructor does. Raises ``TypeError`` on an unknown field."""
     mappings, tuples = _given(type(snap), tuple(changes))
     fields = snap.__dict__
     fields.update(changes)
@@ -472,7 +473,6 @@ def amend_fresh(snap: Snapshot, changes: Mapping[str, Any]) -> Snapshot:
         fields[name] = _frozen(changes[name])
     for name in tuples:
         fields[name] = tuple(changes[name])
-    return snap
 
 
 @functools.lru_cache(maxsize=64)
