@@ -6,9 +6,10 @@ arithmetic fused by inductor reads the weights and the optimizer state once and 
 but the figures: per view ``[||p||^2, ||delta||^2, stalled, moving]`` (``4 x views`` float64),
 the squared norms of the weights the step left and of the exact ``delta`` accumulated in
 float64, the counts as int32 sums (exact: a view holds fewer than 2^31 elements). The kernels
-are compiled per layout (the tensors' dtypes, shapes and strides, the variant, the thread count) by
-:class:`gradwatch.norms.kernels.KernelCache` with :func:`~gradwatch.norms.kernels.compile_traced`
-(traced to aten and compiled by inductor without dynamo: no guards, never a recompile), off the
+are compiled per layout (the tensors' dtypes, shapes and strides, the variant, the thread count)
+by :class:`gradwatch.norms.kernels.KernelCache` with
+:func:`~gradwatch.norms.kernels.compile_traced_cpp` (traced to aten and compiled by inductor
+without dynamo: no guards, never a recompile; a C++ wrapper: no Python per buffer), off the
 training thread in ``"background"`` mode; until a layout's kernel is ready, and for any batch
 this module does not cover, :meth:`FusedUpdates.batch_figures` answers None and the eager path
 runs.
@@ -24,7 +25,8 @@ tie, or where SGD's ``u + mu * buf`` is rounded twice here and once by eager's f
 multiply-add. Such an element's ``delta`` differs by one ulp of the weight at most, as the
 eager path's own ties do (module docstring of :mod:`gradwatch.norms.updates`). The counts
 follow the eager path's definitions: with a decoupled decay ``stalled = #(p_mid != 0 and delta
-== 0)`` (times ``c != 0``) and ``moving = stalled + applied``; without, ``moving = #(marks !=
+== 0)`` (counted as ``#(p_mid != 0 or delta != 0) - applied``, times ``c != 0``) and
+``moving = stalled + applied``; without, ``moving = #(marks !=
 0) * meant`` and ``stalled = moving - applied``.
 
 **Covered**: float32/float64 and bf16/fp16 weights on the CPU (bf16/fp16 as the eager path's
@@ -53,7 +55,7 @@ from torch import Tensor
 from gradwatch.norms.kernels import (
     CompileMode,
     KernelCache,
-    compile_traced,
+    compile_traced_cpp,
     compiled_calls_allowed,
 )
 
@@ -89,10 +91,13 @@ def _row(p: Tensor, delta: Tensor, stalled: Tensor, moving: Tensor) -> Tensor:
 
 
 def _decayed(p: Tensor, mid: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``delta = p - rnd(mid / (1 - c))`` and the counts with a decoupled decay ``c``."""
+    """``delta = p - rnd(mid / (1 - c))`` and the counts with a decoupled decay ``c``: the
+    elements with ``mid != 0 or delta != 0`` less the applied ones are those with ``mid != 0
+    and delta == 0`` (one count fewer per element than counting them), stalled where ``c !=
+    0``."""
     delta = p - mid / (1 - c).to(p.dtype)
     applied = _count(delta != 0)
-    stalled = _count((mid != 0) & (delta == 0)) * (c != 0)
+    stalled = (_count((mid != 0) | (delta != 0)) - applied) * (c != 0)
     return delta, stalled, stalled + applied
 
 
@@ -303,7 +308,7 @@ class FusedUpdates:
     the collects (the tests read them: the compiled path is the one taken)."""
 
     def __init__(self, mode: CompileMode) -> None:
-        self.cache = KernelCache(mode, compile_traced, limit=LAYOUTS)
+        self.cache = KernelCache(mode, compile_traced_cpp, limit=LAYOUTS)
         self.calls = 0
         self.section_calls = 0
         #: the compiled batch calls ``(kernel, args)`` since the caller last cleared it (the

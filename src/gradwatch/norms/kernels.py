@@ -141,7 +141,8 @@ def submit(fn: Callable[..., Any], example: Callable[[], tuple],
     return future
 
 
-def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> TracedKernel:
+def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple],
+                   cpp_wrapper: bool = False) -> TracedKernel:
     """``fn`` traced to an aten graph for the layout of ``example()``'s arguments (tensors, lists
     of tensors, None: no other value) and compiled by inductor, without dynamo: the result is
     called with arguments of that pytree structure and exactly that layout, and checks neither
@@ -156,7 +157,13 @@ def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> Trac
     call runs inductor's generated code directly, without AOTAutograd's runtime wrappers
     (autograd, pytree and dynamo context on every call: about half of a small kernel's
     host time). The traced functions are pure (no input is mutated), so no functionalization
-    is needed."""
+    is needed.
+
+    ``cpp_wrapper``: the generated code that allocates the kernel's buffers and calls it is
+    C++ (inductor's ``cpp_wrapper``) instead of Python: a call spends no Python per buffer
+    (what a kernel with many per-view results, the update figures', saves on every call; it
+    compiles slower). Its graph takes tensors only, so a ``None`` argument is left out of the
+    call (its place is part of the layout); so are the Python wrapper's graphs."""
     import torch
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -166,17 +173,27 @@ def compile_traced(fn: Callable[..., Any], example: Callable[[], tuple]) -> Trac
 
     args = example()
     leaves, spec = tree_flatten(args)
+    present = [i for i, leaf in enumerate(leaves) if leaf is not None]
+    tensors = [leaves[i] for i in present]
 
-    def flat(*tensors: Tensor) -> tuple[Tensor]:
-        return (fn(*tree_unflatten(list(tensors), spec)),)
+    def flat(*given: Tensor) -> tuple[Tensor]:
+        full: list[Any] = [None] * len(leaves)
+        for i, t in zip(present, given, strict=True):
+            full[i] = t
+        return (fn(*tree_unflatten(full, spec)),)
 
     with _compile_lock(), torch.no_grad(), inductor_config.patch(TRACED_OPTIONS):
-        graph = make_fx(flat, decomposition_table=select_decomp_table())(*leaves)
-        compiled = compile_fx_inner(graph, leaves)
-        compiled(list(leaves))  # the first call by inductor's own entry: it ends its compile
-        kernel = TracedKernel(compiled, spec)
+        graph = make_fx(flat, decomposition_table=select_decomp_table())(*tensors)
+        compiled = compile_fx_inner(graph, tensors, cpp_wrapper=cpp_wrapper)
+        compiled(list(tensors))  # the first call by inductor's own entry: it ends its compile
+        kernel = TracedKernel(compiled, spec, len(present) < len(leaves))
         kernel(*args)
     return kernel
+
+
+def compile_traced_cpp(fn: Callable[..., Any], example: Callable[[], tuple]) -> TracedKernel:
+    """:func:`compile_traced` with a C++ wrapper (a :class:`KernelCache` compiler)."""
+    return compile_traced(fn, example, cpp_wrapper=True)
 
 
 class TracedKernel:
@@ -191,12 +208,14 @@ class TracedKernel:
     :func:`compile_traced`), and costs about a microsecond per call. While the autograd
     profiler is on, calls go through it (it labels the call in the trace)."""
 
-    __slots__ = ("_compiled", "_direct", "_one_list", "_spec")
+    __slots__ = ("_compiled", "_direct", "_no_none", "_one_list", "_spec")
 
-    def __init__(self, compiled: Callable[[list[Any]], Sequence[Any]], spec: Any) -> None:
+    def __init__(self, compiled: Callable[[list[Any]], Sequence[Any]], spec: Any,
+                 drops_none: bool = False) -> None:
         from torch.utils._pytree import tree_flatten
 
         self._compiled = compiled
+        self._no_none = drops_none  # the graph takes the tensor leaves only
         direct = getattr(compiled, "current_callable", None)
         self._direct: Callable[[list[Any]], Sequence[Any]] = (
             direct if callable(direct) else compiled)
@@ -210,7 +229,10 @@ class TracedKernel:
             return run(list(args[0]))[0]
         from torch.utils._pytree import tree_leaves
 
-        return run(tree_leaves(args))[0]
+        leaves = tree_leaves(args)
+        if self._no_none:
+            leaves = [leaf for leaf in leaves if leaf is not None]
+        return run(leaves)[0]
 
 
 def _profiler_on() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from gradwatch.doctor.testing import OpCounter
 from gradwatch.norms.kernels import (
     KernelCache,
     compile_traced,
+    compile_traced_cpp,
     compiled_calls_allowed,
     tensor_layout,
 )
@@ -168,3 +170,24 @@ def test_traced_calls_skip_inductors_entry_but_not_under_the_profiler(
             profiled = kernel(ts)
     assert entries == [1]
     assert torch.equal(direct, profiled)
+
+
+def _scaled_sum(ts: list[torch.Tensor], scale: torch.Tensor | None) -> torch.Tensor:
+    total = torch.stack([t.double().square().sum() for t in ts]).sum()
+    return total if scale is None else total * scale
+
+
+def test_a_cpp_wrapped_kernel_matches_and_leaves_none_out() -> None:
+    ts = _grads()
+    scale = torch.tensor(3.0, dtype=torch.float64)
+    example = lambda: ([torch.zeros_like(t) for t in ts], None)  # noqa: E731
+    python = compile_traced(_scaled_sum, example)
+    cpp = compile_traced_cpp(_scaled_sum, example)
+    with torch.no_grad():
+        assert torch.equal(cpp(ts, None), python(ts, None))
+        expected = math.fsum(float(x) ** 2 for t in ts for x in t.tolist())
+        assert float(cpp(ts, None)) == pytest.approx(expected, rel=1e-12)
+        with_scale = compile_traced_cpp(_scaled_sum, lambda: ([torch.zeros_like(t) for t in ts],
+                                                              torch.zeros((), dtype=torch.float64)))
+        assert float(with_scale(ts, scale)) == pytest.approx(3 * expected, rel=1e-12)
+
