@@ -455,6 +455,9 @@ class UpdateMeter:
         self._unmeasured = False  # a step this module cannot invert touched a parameter
         self._warned: set[str] = set()
         self._indices: dict[tuple[int, ...], Tensor] = {}
+        # the compiled section's tail argument per (unmeasured, no previous collect): read
+        # only, built once each
+        self._tails: dict[tuple[bool, bool], Tensor] = {}
         self._weight_key: tuple[tuple[int, int], ...] | None = None
         self._weight_views: list[Tensor] = []
         self._weight_owners: tuple[int, ...] = ()
@@ -607,9 +610,11 @@ class UpdateMeter:
         counted = self._all if count_all else self._mask
         out = None
         if self.fused.cache.mode != "off":
-            tail = torch.tensor([0.0] * self._groups + [float(self._unmeasured),
-                                                         float(not self._armed)],
-                                dtype=torch.float64)
+            flags = (self._unmeasured, not self._armed)
+            tail = self._tails.get(flags)
+            if tail is None:
+                tail = self._tails[flags] = torch.tensor(
+                    [0.0] * self._groups + [float(f) for f in flags], dtype=torch.float64)
             out = self.fused.section(self._updates, self._group, counted, tail)
         if out is None:
             local = torch.where(counted, self._updates, 0.0)
