@@ -55,6 +55,7 @@ from torch import Tensor
 from gradwatch.norms.kernels import (
     CompileMode,
     KernelCache,
+    compile_traced,
     compile_traced_cpp,
     compiled_calls_allowed,
 )
@@ -296,6 +297,15 @@ def _layout(args: tuple) -> tuple | None:
     return tuple(out)
 
 
+def _compile(fn: Callable[..., Tensor], example: Callable[[], tuple]) -> Callable[..., Tensor]:
+    """The step kernels and the weight squares (a result buffer per view) with a C++ wrapper
+    (:func:`~gradwatch.norms.kernels.compile_traced_cpp`: no Python per buffer), the
+    collect's small section with inductor's Python one (fewer steps into C++ for its few)."""
+    if fn is update_section:
+        return compile_traced(fn, example)
+    return compile_traced_cpp(fn, example)
+
+
 #: Layouts one meter compiles at most (batches and sections); any after stay eager. A job's
 #: layouts are its optimizer parameter groups times dtypes, times the sets of parameters with
 #: gradients it steps (phases that freeze some): a few; one that changes every step is eager.
@@ -308,7 +318,7 @@ class FusedUpdates:
     the collects (the tests read them: the compiled path is the one taken)."""
 
     def __init__(self, mode: CompileMode) -> None:
-        self.cache = KernelCache(mode, compile_traced_cpp, limit=LAYOUTS)
+        self.cache = KernelCache(mode, _compile, limit=LAYOUTS)
         self.calls = 0
         self.section_calls = 0
         #: the compiled batch calls ``(kernel, args)`` since the caller last cleared it (the

@@ -160,10 +160,13 @@ class AdamReplay:
         keep = None
         if self._found_inf:
             keep = 1 - optimizer.found_inf.to(device="cpu", dtype=torch.float64)
+        on_cpu = updates.device.type == "cpu"  # the kernels' figures are CPU tensors
         with torch.no_grad():
             for call in self._calls:
                 call.args[5] = keep
-                figures = call.kernel(*call.args).to(updates.device)
+                figures = call.kernel(*call.args)
+                if not on_cpu:
+                    figures = figures.to(updates.device)
                 if call.unique:
                     updates.index_copy_(1, call.owners, figures)
                 else:
