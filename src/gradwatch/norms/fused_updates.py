@@ -94,7 +94,7 @@ def _row(p: Tensor, delta: Tensor, stalled: Tensor, moving: Tensor) -> Tensor:
 def _decayed(p: Tensor, mid: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``delta = p - rnd(mid / (1 - c))`` and the counts with a decoupled decay ``c``: the
     elements with ``mid != 0 or delta != 0`` less the applied ones are those with ``mid != 0
-    and delta == 0`` (one count fewer per element than counting them), stalled where ``c !=
+    and delta == 0`` (one comparison fewer per element than counting them), stalled where ``c !=
     0``."""
     delta = p - mid / (1 - c).to(p.dtype)
     applied = _count(delta != 0)
