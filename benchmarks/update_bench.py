@@ -170,7 +170,8 @@ def _persistent_bytes(watch: Any) -> int:
     meter = watch._resolved.updates
     if meter is None:
         return 0
-    held = [meter._updates, meter._group, meter._mask, meter._all, *meter._indices.values()]
+    sums = meter._section
+    held = [meter._updates, sums.group, sums.mask, sums.all, *meter._indices.values()]
     return sum(t.numel() * t.element_size() for t in held)
 
 

@@ -234,6 +234,14 @@ class TracedKernel:
             leaves = [leaf for leaf in leaves if leaf is not None]
         return run(leaves)[0]
 
+    def call_leaves(self, leaves: list[Any]) -> Any:
+        """The call with the graph's inputs already flat: ``leaves`` are the tensor leaves of
+        the arguments in :func:`~torch.utils._pytree.tree_leaves` order (no ``None``), as
+        :meth:`__call__` would pass them (a caller repeating one call builds them once;
+        copied here, as the graph consumes its list)."""
+        run = self._compiled if _profiler_on() else self._direct
+        return run(list(leaves))[0]
+
 
 def _profiler_on() -> bool:
     """Is torch's autograd profiler recording (its flag, read without a call into C++)?"""

@@ -59,25 +59,48 @@ def _flags(group: dict[str, Any]) -> tuple[bool, bool, bool]:
             float(group["weight_decay"]) != 0.0, bool(group.get("amsgrad", False)))
 
 
-def _signature(optimizer: Any, params: Sequence[Tensor]) -> tuple | None:
-    """Per parameter: has it a gradient, its local storage, its state tensors' identities
-    (None when a parameter has a gradient but no state: the step did not initialise it)."""
+#: The state entries whose tensors an Adam kernel reads (their identities are checked).
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
+
+
+def _entries(optimizer: Any, params: Sequence[Tensor]) -> list[tuple]:
+    """Per parameter: itself, whether it has a gradient, its state dict (None when it has
+    none: the step did not initialise it), that dict's tensors the kernel reads, its local
+    storage. The replay holds these references (the identities stay meaningful)."""
     state = optimizer.state
     out: list[tuple] = []
     for p in params:
         st = state.get(p)
+        held = None if st is None else tuple(st.get(k) for k in _STATE_KEYS)
+        out.append((p, p.grad is None, st, held, local_part(p).data_ptr()))
+    return out
+
+
+def _unchanged(optimizer: Any, entries: list[tuple]) -> bool:
+    """Does every parameter of ``entries`` still have (or lack) its gradient, the same state
+    dict holding the same tensors, and the same local storage? Identity checks only: no tuple
+    is built per parameter."""
+    get = optimizer.state.get
+    for p, no_grad, st, held, ptr in entries:
+        if (p.grad is None) is not no_grad or get(p) is not st:
+            return False
         if st is None:
-            out.append((p.grad is None,))
             continue
-        out.append((p.grad is None, local_part(p).data_ptr(), id(st.get("exp_avg")),
-                    id(st.get("exp_avg_sq")), id(st.get("max_exp_avg_sq")), id(st.get("step"))))
-    return tuple(out)
+        exp_avg, exp_avg_sq, max_exp_avg_sq, step = held
+        if (st.get("exp_avg") is not exp_avg or st.get("exp_avg_sq") is not exp_avg_sq
+                or st.get("max_exp_avg_sq") is not max_exp_avg_sq
+                or st.get("step") is not step or local_part(p).data_ptr() != ptr):
+            return False
+    return True
 
 
 class _Call:
-    """One batch's prepared compiled call: ``kernel(params, ms, vs, steps, hyper, keep)``."""
+    """One batch's prepared compiled call: ``kernel(params, ms, vs, steps, hyper, keep)``,
+    its tensors kept flat in the kernel's input order (``leaves``: the lists' tensors, then
+    ``hyper``, then ``keep`` when there is one), so a repeated call flattens nothing."""
 
-    __slots__ = ("args", "flags", "group", "kernel", "owners", "unique", "values")
+    __slots__ = ("flags", "group", "hyper_at", "kernel", "leaves", "owners", "unique",
+                 "values")
 
     def __init__(self, kernel: Callable[..., Tensor], group: dict[str, Any], args: tuple,
                  owners: Tensor, unique: bool) -> None:
@@ -85,9 +108,17 @@ class _Call:
         self.group = group
         self.values = _values(group)
         self.flags = _flags(group)
-        self.args = list(args)  # params, ms, vs, steps, hyper, keep
+        params, ms, vs, steps, hyper, _keep = args
+        self.leaves: list[Tensor] = [*params, *ms, *vs, *steps, hyper]
+        self.hyper_at = len(self.leaves) - 1
         self.owners = owners
         self.unique = unique
+
+    def run(self, keep: Tensor | None) -> Tensor:
+        """The kernel's figures for this step (``keep``: ``1 - found_inf``, or None)."""
+        if keep is None:
+            return self.kernel.call_leaves(self.leaves)
+        return self.kernel.call_leaves([*self.leaves, keep])
 
     def refresh(self) -> bool:
         """The ``hyper`` tensor for the group's current values (rebuilt only when one changed);
@@ -100,7 +131,7 @@ class _Call:
             hyper = hyper_tensor(values)
             if hyper is None:
                 return False
-            self.values, self.args[4] = values, hyper
+            self.values, self.leaves[self.hyper_at] = values, hyper
         return True
 
 
@@ -128,7 +159,7 @@ class AdamReplay:
         self._groups = list(optimizer.param_groups)
         self._sizes = [len(g["params"]) for g in self._groups]
         self._params = list(params)
-        self._signature = _signature(optimizer, self._params)
+        self._entries = _entries(optimizer, self._params)
         self._found_inf = getattr(optimizer, "found_inf", None) is not None
         self._calls = [_Call(*c) for c in calls]
         self.batches = len(self._calls)
@@ -147,7 +178,7 @@ class AdamReplay:
                 and all(a is b and len(a["params"]) == n
                         for a, b, n in zip(groups, self._groups, self._sizes, strict=True))
                 and (getattr(optimizer, "found_inf", None) is not None) == self._found_inf
-                and _signature(optimizer, self._params) == self._signature)
+                and _unchanged(optimizer, self._entries))
 
     def run(self, optimizer: Any, updates: Tensor) -> bool:
         """The step's figures into ``updates`` (``4 x P``: each batch's owners overwritten), or
@@ -163,8 +194,7 @@ class AdamReplay:
         on_cpu = updates.device.type == "cpu"  # the kernels' figures are CPU tensors
         with torch.no_grad():
             for call in self._calls:
-                call.args[5] = keep
-                figures = call.kernel(*call.args)
+                figures = call.run(keep)
                 if not on_cpu:
                     figures = figures.to(updates.device)
                 if call.unique:

@@ -112,7 +112,7 @@ what they read is unchanged (:mod:`gradwatch.norms.update_replay`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -130,6 +130,7 @@ from gradwatch.norms.update_batches import fragment_batches as _fragment_batches
 from gradwatch.norms.update_batches import local_part as _local
 from gradwatch.norms.update_batches import stepped_batches as _batches
 from gradwatch.norms.update_replay import Replays
+from gradwatch.norms.update_section import Section, SectionSums
 
 log = logging.getLogger("gradwatch")
 
@@ -420,6 +421,8 @@ class UpdateMeter:
         compile_kernels: whether to compile the fused kernels of
             :mod:`gradwatch.norms.fused_updates` (CPU batches;
             ``WatchConfig.compile_kernels``); the eager path measures until they are ready.
+        host_section: may the section be given as floats (the packed vector is packed on
+            the host; :class:`~gradwatch.norms.update_section.SectionSums`)?
 
     Thread-safety: :meth:`after_step` and :meth:`figures` run on the training thread.
     """
@@ -433,6 +436,7 @@ class UpdateMeter:
         device: torch.device,
         fragments: Mapping[int, Sequence[tuple[int, int, int]]] | None = None,
         compile_kernels: CompileMode = "off",
+        host_section: bool = True,
     ) -> None:
         self._params = list(params)
         self.fused = FusedUpdates(compile_kernels)
@@ -443,21 +447,18 @@ class UpdateMeter:
         self._fragments = dict(fragments or {})
         self._groups = groups
         self._device = device
-        self._group = torch.tensor(list(group_index), dtype=torch.long, device=device)
-        self._mask = torch.tensor(list(contributes), dtype=torch.bool, device=device)
-        self._all = torch.ones_like(self._mask)
+        self._section = SectionSums(group_index, groups, contributes, device, self.fused,
+                                    host_section)
         # per piece [weight squares, update squares, stalled, moving]: the update figures of
         # the last step that stepped it, its weight squares as last measured (by that step's
         # kernel or by a collect), current while the piece's stamp is the one kept here
         self._updates = torch.zeros(4, len(self._params), dtype=torch.float64, device=device)
+        self._update_rows = self._updates[1:]  # what a collect clears: one view, kept
         self._weighed: list[tuple[int, int] | None] = [None] * len(self._params)
         self._armed = False  # a collect packed figures before: the next one has an update
         self._unmeasured = False  # a step this module cannot invert touched a parameter
         self._warned: set[str] = set()
         self._indices: dict[tuple[int, ...], Tensor] = {}
-        # the compiled section's tail argument per (unmeasured, no previous collect): read
-        # only, built once each
-        self._tails: dict[tuple[bool, bool], Tensor] = {}
         self._weight_key: tuple[tuple[int, int], ...] | None = None
         self._weight_views: list[Tensor] = []
         self._weight_owners: tuple[int, ...] = ()
@@ -533,7 +534,7 @@ class UpdateMeter:
             self._replays.record(optimizer, [p for _, p, _ in held], measured, sorted(weighed))
         self.fused.ran.clear()  # no reference to the step's tensors (SGD's gradients) kept
 
-    def _weights_changed(self, weighed: Iterable[int] | None, unweighed: Iterable[int]
+    def _weights_changed(self, weighed: Collection[int] | None, unweighed: Collection[int]
                          ) -> None:
         """After a step: the pieces whose weight squares its compiled kernels measured
         (``weighed``) keep the stamp they have now; those it stepped eagerly (``unweighed``:
@@ -543,6 +544,9 @@ class UpdateMeter:
             self._weighed = [None] * len(self._params)
             return
         now = self._stamps()
+        if not unweighed and len(weighed) == len(now):  # every piece (a whole replayed step)
+            self._weighed = now
+            return
         for i in weighed:
             self._weighed[i] = now[i]
         for i in unweighed:
@@ -592,7 +596,7 @@ class UpdateMeter:
             )
         return index
 
-    def figures(self, count_all: bool) -> Tensor:
+    def figures(self, count_all: bool) -> Section:
         """This rank's update section for the packed vector (``4G + 2`` float64, see
         :func:`section_width`): per group the weights' and the updates'
         squared norms, stalled and moving elements, over the pieces this rank counts (every
@@ -601,30 +605,16 @@ class UpdateMeter:
         figures. The weight squares are those the steps' compiled kernels left, read again
         (:meth:`_measure_weights`) when some piece's storage or version changed since it was
         measured (an in-place change after the step, new data, a step measured eagerly, the
-        first collect). A constant number of ops, no host read; one compiled call
-        (:func:`gradwatch.norms.fused_updates.update_section`) once it is ready."""
+        first collect). No host read of a device: a CPU meter of at most
+        :data:`~gradwatch.norms.update_section.HOST_SECTION_PIECES` pieces sums its figures as
+        Python floats (the same bits as the eager tensor route); else a constant number of
+        ops, or one compiled call once it is ready (:mod:`gradwatch.norms.update_section`)."""
         now = self._stamps()
         if now != self._weighed:
             self._measure_weights()
             self._weighed = now
-        counted = self._all if count_all else self._mask
-        out = None
-        if self.fused.cache.mode != "off":
-            flags = (self._unmeasured, not self._armed)
-            tail = self._tails.get(flags)
-            if tail is None:
-                tail = self._tails[flags] = torch.tensor(
-                    [0.0] * self._groups + [float(f) for f in flags], dtype=torch.float64)
-            out = self.fused.section(self._updates, self._group, counted, tail)
-        if out is None:
-            local = torch.where(counted, self._updates, 0.0)
-            sums = torch.zeros(4, self._groups, dtype=torch.float64, device=self._device)
-            sums.index_add_(1, self._group, local)
-            tail = torch.zeros(2, dtype=torch.float64, device=self._device)
-            tail[0].fill_(float(self._unmeasured))
-            tail[1].fill_(float(not self._armed))
-            out = torch.cat([sums.reshape(-1), tail])
-        self._updates[1:].zero_()
+        out = self._section.of(self._updates, count_all, (self._unmeasured, not self._armed))
+        self._update_rows.zero_()
         self._armed, self._unmeasured = True, False
         return out
 

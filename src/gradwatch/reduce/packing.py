@@ -72,6 +72,7 @@ from gradwatch.errors import (
     UnsupportedParallelismError,
 )
 from gradwatch.norms.rows import SegmentReduction, host_to_device
+from gradwatch.norms.updates import Section
 from gradwatch.reduce import handshake
 from gradwatch.reduce.collective import (
     Collective,
@@ -279,6 +280,7 @@ class Reducer:
         self._gather = gather_index(scatter, lay.packed_length, 5 * n_local + 3).to(dev)
         self._slot_sums, self._slot_global = replica_slot_sums(lay, at.replicas.start, dev)
         self._host_packing = HostPacking.of(self._gather, n_local, dev)
+        self.packs_on_host = self._host_packing is not None  # an update section as floats too
 
     def pack_and_reduce(
         self,
@@ -288,7 +290,7 @@ class Reducer:
         with_replicas: bool,
         rank_local: Tensor | None = None,
         device_collective: bool = True,
-        updates: Tensor | None = None,
+        updates: Section | None = None,
         work: WorkSource | None = None,
     ) -> ReducedVector:
         """Fill the packed vector from this rank's ``sq_local`` (the engine's banded float64
@@ -311,7 +313,7 @@ class Reducer:
         if self._host_packing is not None and not device_collective and host_packs(
                 lay, alone, sq_local, with_replicas and self._slot_sums is not None,
                 rank_local, updates, work):
-            return self._host_packing.reduce(self, sq_local, has_grad, step, alone)
+            return self._host_packing.reduce(self, sq_local, has_grad, step, alone, updates)
         sq_local = sq_local.to(self.device)
         if alone or self._all_contribute:  # every piece counts: the where would copy
             self._staged_squares.copy_(sq_local)
@@ -327,8 +329,8 @@ class Reducer:
             packed.index_copy_(0, self._slot_global, self._slot_sums(sq_local))
         if lay.rank_view_groups and rank_local is not None:
             pack_rank_view(packed[sections(lay).rank_view], lay, rank_local, self._zero)
-        if updates is not None:
-            packed[sections(lay).updates].copy_(updates)
+        if updates is not None:  # a tensor, or a CPU meter's floats host_packs declined
+            packed[sections(lay).updates].copy_(torch.as_tensor(updates, dtype=torch.float64))
         if lay.rank_timing and work is not None and not alone:
             pack_timing(packed[sections(lay).rank_timing], lay.rank, work.drain())
         if alone:
@@ -441,14 +443,15 @@ HOST_PACK_PIECES = 64
 
 
 def host_packs(lay: Layout, alone: bool, sq_local: Tensor, replica_sums: bool,
-               rank_local: Tensor | None, updates: Tensor | None,
+               rank_local: Tensor | None, updates: Section | None,
                work: WorkSource | None) -> bool:
     """Does a collect that clips nothing and is not guarded (no device view read at once)
     pack on the host (:class:`HostPacking`)? When no all-reduce changes its vector (none is
     issued, ``alone``, or one process: no group), its squares are on the CPU and it writes no
-    section past the step's: no replica sums, rank view, update section or rank timing."""
+    section past the step's but an update section given as floats: no replica sums, rank
+    view, update section as a tensor or rank timing."""
     return ((alone or lay.world_size == 1) and sq_local.device.type == "cpu"
-            and not replica_sums and updates is None
+            and not replica_sums and not isinstance(updates, Tensor)
             and not (lay.rank_view_groups and rank_local is not None)
             and not (lay.rank_timing and work is not None and not alone))
 
@@ -499,12 +502,15 @@ class HostPacking:
         return list(self._gather(staged))
 
     def reduce(self, reducer: Reducer, sq_local: Tensor, has_grad: Sequence[bool], step: int,
-               alone: bool) -> ReducedVector:
+               alone: bool, updates: list[float] | None = None) -> ReducedVector:
         """The :class:`ReducedVector` ``reducer`` returns for this collect, its vector packed
         here: as the tensor route's, ``ranks`` 1 when ``alone``; else (one process) counted
-        as an issued all-reduce, as :meth:`Collective.issue` counts one without a group."""
+        as an issued all-reduce, as :meth:`Collective.issue` counts one without a group.
+        ``updates``: the update section's floats, written at its slots."""
         values = self.values(sq_local, has_grad, step)
         lay = reducer.layout
+        if updates is not None:
+            values[sections(lay).updates] = updates
         if alone:
             return ReducedVector.of_values(values, reducer.timeout, step, lay, ranks=1)
         reducer.collective.issued += 1

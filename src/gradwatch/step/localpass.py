@@ -20,6 +20,7 @@ from gradwatch.analysis.reporter import Reporter
 from gradwatch.norms.amp import pending_scale
 from gradwatch.norms.gradients import LocalGradients
 from gradwatch.norms.stats import NormEngine, NormPlan
+from gradwatch.norms.updates import Section
 from gradwatch.records import fast_init
 from gradwatch.reduce.reduced import ReducedVector
 from gradwatch.step.adaptive import AUTO, AdaptiveHistory, AdaptiveStep
@@ -29,7 +30,7 @@ from gradwatch.step.guard import GuardDecision, StepGuard
 from gradwatch.step.resolve import Resolved
 
 
-def update_section(r: Resolved, measure: bool) -> Tensor | None:
+def update_section(r: Resolved, measure: bool) -> Section | None:
     """This collect's update section (``update_stats``; None when off): every piece counts on
     a rank that does not all-reduce (:meth:`gradwatch.reduce.packing.Reducer.issues_collective`
     with ``measure``, the divergence step), else the pieces it contributes."""

@@ -187,7 +187,7 @@ def resolve(
         updates = UpdateMeter(
             weights, [position[group_of(n, cfg.groups)] for n in names], len(view_groups),
             layout.contributes, gradient_device(params) or torch.device("cpu"), fragments,
-            cfg.compile_kernels,
+            cfg.compile_kernels, host_section=reducer.packs_on_host,
         )
     return Resolved(
         params=params,

@@ -85,10 +85,11 @@ def test_compiled_figures_match_the_copies_under_a_schedule(kind: str,
             if step == 1:
                 compiled = meter.fused.cache.ready
         cache = meter.fused.cache
-        assert (meter.fused.calls, meter.fused.section_calls) == (steps, steps)
-        # the step's kernel, the first collect's section (reading the weights: no step before
-        # it) and the later collects' (from the weight squares the step's kernel left)
-        assert (cache.ready, cache.pending, cache.failed) == (compiled, 0, 0) == (3, 0, 0)
+        # a CPU meter of a few pieces sums its section as floats: no section kernel
+        assert (meter.fused.calls, meter.fused.section_calls) == (steps, 0)
+        # the step's kernel and the first collect's weights (no step before it); the later
+        # collects read the weight squares the step's kernel left
+        assert (cache.ready, cache.pending, cache.failed) == (compiled, 0, 0) == (2, 0, 0)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no dynamo
 
 
@@ -236,8 +237,7 @@ def test_background_mode_compiles_off_the_training_thread() -> None:
             if step == 0:  # the first sight of each layout never waits for its compile
                 assert meter.fused.calls == 0 and meter.fused.section_calls == 0
         assert cache.wait(timeout=600)
-        # the first collect after a compiled step shows the section from the step's weight
-        # squares: its own compile
+        # the first collects after compiled steps read the weight squares those steps left
         for step in range(2, 4):
             m(torch.randn(4, 32)).sum().backward()
             watch.collect(step)
@@ -250,7 +250,7 @@ def test_background_mode_compiles_off_the_training_thread() -> None:
             watch.collect(step)
             opt.step()
             opt.zero_grad()
-        assert (meter.fused.calls, meter.fused.section_calls) == (calls + 2, sections + 2)
+        assert (meter.fused.calls, meter.fused.section_calls) == (calls + 2, sections)
         assert watch.last.update_norm is not None and watch.last.update_norm > 0
     assert threads and all(t == "gradwatch-compile" for t in threads)
     assert threading.current_thread().name not in threads

@@ -153,11 +153,10 @@ def test_the_section_follows_a_weight_whose_strides_changed() -> None:
             assert watch.last.weight_norm == pytest.approx(exact, rel=1e-6)
             opt.step()
             opt.zero_grad()
-        assert meter.fused.section_calls == 4
-        # the batch and the section reading the weights, each in both layouts (the first
-        # collect and the one after the data changed read the weights), and the section
-        # from the step's weight squares
-        assert meter.fused.cache.ready == 5
+        assert meter.fused.section_calls == 0  # a few CPU pieces: the section as floats
+        # the batch and the weights' kernel, each in both layouts (the first collect and the
+        # one after the data changed read the weights)
+        assert meter.fused.cache.ready == 4
 
 
 def test_a_loaded_state_is_let_go_at_once() -> None:

@@ -334,3 +334,64 @@ def test_every_n_steps_publishes_the_last_optimizer_steps_update() -> None:
         assert snaps[step].update_norm == pytest.approx(last, rel=UPDATE_TOL)
         weight = norm_of(list(afters[step - 1].values()))
         assert snaps[step].weight_norm == pytest.approx(weight, rel=WEIGHT_TOL)
+
+
+@pytest.mark.parametrize("count_all", [True, False])
+def test_the_host_section_is_the_tensor_routes_bit_for_bit(count_all: bool) -> None:
+    """A CPU meter of a few pieces sums its section as Python floats: the same float64
+    additions in the same order as the tensor route's ``where`` and ``index_add_``, so the same
+    bits, pieces another rank counts left out, the tail's flags included."""
+    from gradwatch.norms.updates import UpdateMeter
+
+    params = [nn.Parameter(torch.randn(3)) for _ in range(7)]
+    groups, contributes = [0, 1, 0, 2, 1, 0, 2], [True, False, True, True, True, False, True]
+    on_host = UpdateMeter(params, groups, 3, contributes, torch.device("cpu"))
+    on_device = UpdateMeter(params, groups, 3, contributes, torch.device("cpu"),
+                            host_section=False)
+    try:
+        figures = torch.rand(4, 7, dtype=torch.float64) * torch.tensor(
+            [[1e3], [1e-9], [1.0], [1.0]], dtype=torch.float64)
+        figures[2:] = (figures[2:] * 1000).round()
+        for meter in (on_host, on_device):
+            meter._updates.copy_(figures)
+            meter._weighed = meter._stamps()  # the weights as measured: not read again
+        got, want = on_host.figures(count_all), on_device.figures(count_all)
+        assert isinstance(got, list) and isinstance(want, torch.Tensor)
+        assert got == want.tolist()
+        assert got[-2:] == [0.0, 1.0]  # measured; no previous collect
+        # cleared, as the tensor route's
+        assert torch.equal(on_host._updates, on_device._updates)
+        assert on_host._updates[1:].abs().sum() == 0
+    finally:
+        on_host.close()
+        on_device.close()
+
+
+def test_a_host_packed_collect_publishes_the_tensor_routes_figures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same steps watched with the host packing (the section as floats) and on the tensor
+    route publish the same update figures, bit for bit, and neither dispatches a scalar
+    read in a warm step."""
+    def run(host: bool) -> tuple[list[tuple[Any, ...]], int]:
+        torch.manual_seed(0)
+        m = model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+        out = []
+        with GradWatch(m, WatchConfig(update_stats=True, groups=GROUPS)) as watch:
+            assert (watch._resolved.updates._section.host_pairs is not None) == host
+            for step in range(4):
+                m(torch.randn(4, 32)).pow(2).mean().backward()
+                with OpCounter() as ops:
+                    watch.collect(step)
+                snap = watch.last
+                out.append((snap.weight_norm, snap.update_norm, snap.stalled_fraction,
+                            snap.groups["first"].update_norm))
+                opt.step()
+                opt.zero_grad()
+        return out, ops.scalar_reads
+
+    on_host, host_reads = run(True)
+    monkeypatch.setattr("gradwatch.reduce.packing.HOST_PACK_PIECES", 0)
+    on_device, device_reads = run(False)
+    assert on_host == on_device and on_host[1][1] is not None
+    assert host_reads == device_reads == 0
