@@ -35,6 +35,7 @@ the meter.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,6 +53,13 @@ def _values(group: dict[str, Any]) -> tuple[Any, ...]:
     return (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
 
 
+def _raw(group: dict[str, Any]) -> tuple[Any, ...]:
+    """The group's entries :func:`_values` and :func:`_flags` read, as they are: the same
+    objects mean the same call (identity: a tensor entry is never compared by value)."""
+    return (group["lr"], group["betas"], group["eps"], group["weight_decay"],
+            group.get("decoupled_weight_decay"), group.get("amsgrad"))
+
+
 def _flags(group: dict[str, Any]) -> tuple[bool, bool, bool]:
     """What selects a batch's kernel and the state it reads: decoupled decay, a non-zero decay,
     ``amsgrad``."""
@@ -63,35 +71,43 @@ def _flags(group: dict[str, Any]) -> tuple[bool, bool, bool]:
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
 
 
-def _entries(optimizer: Any, params: Sequence[Tensor]) -> list[tuple]:
-    """Per parameter: itself, whether it has a gradient, its state dict (None when it has
-    none: the step did not initialise it), that dict's tensors the kernel reads, its local
-    storage. The replay holds these references (the identities stay meaningful)."""
-    state = optimizer.state
-    out: list[tuple] = []
-    for p in params:
-        st = state.get(p)
-        held = None if st is None else tuple(st.get(k) for k in _STATE_KEYS)
-        out.append((p, p.grad is None, st, held, local_part(p).data_ptr()))
-    return out
+class _Held:
+    """What a replay's calls were built from, per watched parameter (in order): whether it
+    had a gradient, its state dict (None: the step did not initialise it), that dict's
+    tensors the kernel reads, its local storage. The replay holds these references (so the
+    identities compared stay meaningful)."""
 
+    __slots__ = ("no_grad", "params", "ptrs", "states", "tensors")
 
-def _unchanged(optimizer: Any, entries: list[tuple]) -> bool:
-    """Does every parameter of ``entries`` still have (or lack) its gradient, the same state
-    dict holding the same tensors, and the same local storage? Identity checks only: no tuple
-    is built per parameter."""
-    get = optimizer.state.get
-    for p, no_grad, st, held, ptr in entries:
-        if (p.grad is None) is not no_grad or get(p) is not st:
+    def __init__(self, optimizer: Any, params: Sequence[Tensor]) -> None:
+        self.params = list(params)
+        self.no_grad = self._no_grad()
+        self.states = list(map(optimizer.state.get, self.params))
+        self.tensors = self._tensors(self.states)
+        self.ptrs = self._ptrs()
+
+    def _no_grad(self) -> list[bool]:
+        return [p.grad is None for p in self.params]
+
+    @staticmethod
+    def _tensors(states: list[Any]) -> list[Any]:
+        return [t for st in states if st is not None for t in map(st.get, _STATE_KEYS)]
+
+    def _ptrs(self) -> list[int]:
+        return [local_part(p).data_ptr() for p in self.params]
+
+    def unchanged(self, optimizer: Any) -> bool:
+        """Are the gradients' presence, the state dicts, their tensors and the storages the
+        ones held? Objects compared by identity only (``is``: no dict or tensor is ever
+        compared by value), the flags and storages as plain values."""
+        if self._no_grad() != self.no_grad:
             return False
-        if st is None:
-            continue
-        exp_avg, exp_avg_sq, max_exp_avg_sq, step = held
-        if (st.get("exp_avg") is not exp_avg or st.get("exp_avg_sq") is not exp_avg_sq
-                or st.get("max_exp_avg_sq") is not max_exp_avg_sq
-                or st.get("step") is not step or local_part(p).data_ptr() != ptr):
+        states = list(map(optimizer.state.get, self.params))
+        if not all(map(operator.is_, states, self.states)):
             return False
-    return True
+        tensors = self._tensors(states)
+        return (len(tensors) == len(self.tensors)
+                and all(map(operator.is_, tensors, self.tensors)) and self._ptrs() == self.ptrs)
 
 
 class _Call:
@@ -99,7 +115,7 @@ class _Call:
     its tensors kept flat in the kernel's input order (``leaves``: the lists' tensors, then
     ``hyper``, then ``keep`` when there is one), so a repeated call flattens nothing."""
 
-    __slots__ = ("flags", "group", "hyper_at", "kernel", "leaves", "owners", "unique",
+    __slots__ = ("flags", "group", "hyper_at", "kernel", "leaves", "owners", "raw", "unique",
                  "values")
 
     def __init__(self, kernel: Callable[..., Tensor], group: dict[str, Any], args: tuple,
@@ -108,6 +124,7 @@ class _Call:
         self.group = group
         self.values = _values(group)
         self.flags = _flags(group)
+        self.raw = _raw(group)
         params, ms, vs, steps, hyper, _keep = args
         self.leaves: list[Tensor] = [*params, *ms, *vs, *steps, hyper]
         self.hyper_at = len(self.leaves) - 1
@@ -124,8 +141,12 @@ class _Call:
         """The ``hyper`` tensor for the group's current values (rebuilt only when one changed);
         False when the group now needs another kernel or a hyperparameter is not a number."""
         group = self.group
+        raw = _raw(group)
+        if all(a is b for a, b in zip(raw, self.raw, strict=True)):
+            return True
         if _flags(group) != self.flags:
             return False
+        self.raw = raw
         values = _values(group)
         if values != self.values:
             hyper = hyper_tensor(values)
@@ -159,7 +180,7 @@ class AdamReplay:
         self._groups = list(optimizer.param_groups)
         self._sizes = [len(g["params"]) for g in self._groups]
         self._params = list(params)
-        self._entries = _entries(optimizer, self._params)
+        self._held = _Held(optimizer, self._params)
         self._found_inf = getattr(optimizer, "found_inf", None) is not None
         self._calls = [_Call(*c) for c in calls]
         self.batches = len(self._calls)
@@ -178,7 +199,7 @@ class AdamReplay:
                 and all(a is b and len(a["params"]) == n
                         for a, b, n in zip(groups, self._groups, self._sizes, strict=True))
                 and (getattr(optimizer, "found_inf", None) is not None) == self._found_inf
-                and _unchanged(optimizer, self._entries))
+                and self._held.unchanged(optimizer))
 
     def run(self, optimizer: Any, updates: Tensor) -> bool:
         """The step's figures into ``updates`` (``4 x P``: each batch's owners overwritten), or

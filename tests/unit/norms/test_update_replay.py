@@ -102,12 +102,23 @@ def _replace_data(m: nn.Module, opt: torch.optim.Optimizer) -> None:
     first.data = first.data.clone()  # another storage
 
 
+def _new_state_dict(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+    first = next(m.parameters())
+    opt.state[first] = dict(opt.state[first])  # the same tensors in another dict
+
+
+def _new_moment(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+    first = next(m.parameters())
+    opt.state[first]["exp_avg"] = opt.state[first]["exp_avg"].clone()  # equal values
+
+
 def _found_inf(m: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.found_inf = torch.zeros(())  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("change", "fused"), [(_load_state, False), (_freeze_last, False),
-                                               (_replace_data, False), (_found_inf, True)])
+                                               (_replace_data, False), (_new_state_dict, False),
+                                               (_new_moment, False), (_found_inf, True)])
 def test_a_change_drops_the_replay(change: Callable[..., None], fused: bool,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The step after the change is measured by the full path (its figures still exact), and
