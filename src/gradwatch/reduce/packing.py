@@ -510,7 +510,11 @@ class HostPacking:
         values = self.values(sq_local, has_grad, step)
         lay = reducer.layout
         if updates is not None:
-            values[sections(lay).updates] = updates
+            at = sections(lay).updates
+            if len(updates) != at.stop - at.start:  # a slice assignment would shift the rest
+                raise ValueError(f"update section of {len(updates)} values for a layout of "
+                                 f"{at.stop - at.start}")
+            values[at] = updates
         if alone:
             return ReducedVector.of_values(values, reducer.timeout, step, lay, ranks=1)
         reducer.collective.issued += 1

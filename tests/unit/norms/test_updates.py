@@ -16,6 +16,7 @@ from update_refs import GROUPS, MODEL_OPTIMIZERS, UPDATE_TOL, WEIGHT_TOL, copies
 from gradwatch import GradWatch, WatchConfig
 from gradwatch.analysis.update_health import stalled_fraction, update_fields, update_ratio
 from gradwatch.doctor.testing import OpCounter, count_host_reads
+from gradwatch.reduce.sections import sections
 
 
 def reference(
@@ -369,10 +370,11 @@ def test_the_host_section_is_the_tensor_routes_bit_for_bit(count_all: bool) -> N
 
 def test_a_host_packed_collect_publishes_the_tensor_routes_figures(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same steps watched with the host packing (the section as floats) and on the tensor
-    route publish the same update figures, bit for bit, and neither dispatches a scalar
-    read in a warm step."""
-    def run(host: bool) -> tuple[list[tuple[Any, ...]], int]:
+    """The same steps watched with the host packing (the section as floats), on the tensor
+    route, and clipped (a clip packs by tensor ops: the meter's floats become the section's
+    tensor) publish the same update figures, bit for bit, and none dispatches a scalar read
+    in a collect."""
+    def run(host: bool, clip: bool = False) -> tuple[list[tuple[Any, ...]], int]:
         torch.manual_seed(0)
         m = model()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
@@ -382,7 +384,10 @@ def test_a_host_packed_collect_publishes_the_tensor_routes_figures(
             for step in range(4):
                 m(torch.randn(4, 32)).pow(2).mean().backward()
                 with OpCounter() as ops:
-                    watch.collect(step)
+                    if clip:  # a bound no gradient reaches: the gradients keep their bits
+                        watch.clip_grad_norm_(1e30, step=step)
+                    else:
+                        watch.collect(step)
                 snap = watch.last
                 out.append((snap.weight_norm, snap.update_norm, snap.stalled_fraction,
                             snap.groups["first"].update_norm))
@@ -391,7 +396,25 @@ def test_a_host_packed_collect_publishes_the_tensor_routes_figures(
         return out, ops.scalar_reads
 
     on_host, host_reads = run(True)
+    clipped, clip_reads = run(True, clip=True)
     monkeypatch.setattr("gradwatch.reduce.packing.HOST_PACK_PIECES", 0)
     on_device, device_reads = run(False)
-    assert on_host == on_device and on_host[1][1] is not None
-    assert host_reads == device_reads == 0
+    assert on_host == on_device == clipped and on_host[1][1] is not None
+    assert host_reads == device_reads == clip_reads == 0
+
+
+def test_a_host_packed_section_of_the_wrong_length_is_refused() -> None:
+    """The host packing writes the section's floats at its slots; a section of another length
+    would shift every later slot, so it is refused, naming both lengths."""
+    m = model()
+    with GradWatch(m, WatchConfig(update_stats=True, groups=GROUPS)) as watch:
+        m(torch.randn(4, 32)).pow(2).mean().backward()
+        reducer = watch._resolved.reducer
+        sq = torch.zeros(3 * len(reducer.layout.local_to_global), dtype=torch.float64)
+        has_grad = [True] * len(reducer.layout.local_to_global)
+        width = sections(reducer.layout).updates
+        good = reducer._host_packing.reduce(reducer, sq, has_grad, 0, True,
+                                            [0.0] * (width.stop - width.start))
+        assert good is not None
+        with pytest.raises(ValueError, match="update section of 1 values"):
+            reducer._host_packing.reduce(reducer, sq, has_grad, 0, True, [0.0])
